@@ -1,0 +1,36 @@
+"""Ring attention: each rank keeps its queries while K/V blocks travel around the ring.
+
+After `ring` steps every query has seen every key; the partial attentions are merged exactly with the
+log-sum-exp rule, so the result equals full attention up to float round-off. The next block's transfer
+is posted before the current block's attention runs, so communication overlaps compute.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm, Group
+from .local import attention_with_lse, merge_partials
+
+
+class RingAttention:
+    def __init__(self, comm: Comm, group: Group, kv_lengths: list[int]):
+        """`kv_lengths[j]` is the sequence length of the K/V block that ring member j starts with."""
+        self.comm, self.group, self.kv_lengths = comm, group, kv_lengths
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        n, me = self.group.size, self.group.index
+        kv = torch.stack([k, v]).contiguous()  # one message per hop instead of two
+        out = lse = None
+        for step in range(n):
+            pending = None
+            if step + 1 < n:
+                src = (me - step - 1) % n  # owner of the block that arrives next
+                incoming = kv.new_empty((2, kv.shape[1], self.kv_lengths[src], *kv.shape[3:]))
+                pending = self.comm.ring_exchange(kv, incoming, self.group, op="ring")
+            block_out, block_lse = attention_with_lse(q, kv[0], kv[1])
+            out, lse = merge_partials(out, lse, block_out, block_lse)
+            if pending is not None:
+                for w in pending:
+                    w.wait()
+                kv = incoming
+        return out.to(q.dtype)

@@ -1,0 +1,146 @@
+"""The only module that calls torch.distributed: process groups, collectives and p2p, with byte counters.
+
+Every byte a strategy moves goes through `Comm`, so the benchmark's traffic figures are counted, not
+estimated. Counters record the bytes this rank sends to and receives from *other* ranks (the part of an
+all-to-all that stays local is not traffic). A group of one rank is a no-op, so the same strategy code
+runs serially in one process without torch.distributed at all.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from .topology import DIMS, Topology
+
+
+@dataclass
+class Group:
+    """This rank's view of one process group."""
+
+    ranks: list[int]  # global ranks, in group order
+    index: int  # this rank's position in `ranks`
+    pg: object = None  # torch ProcessGroup, None for a group of one
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass
+class Traffic:
+    sent: int = 0
+    recv: int = 0
+    by_op: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+
+    def add(self, op: str, sent: int, recv: int) -> None:
+        self.sent += sent
+        self.recv += recv
+        self.by_op[op][0] += sent
+        self.by_op[op][1] += recv
+
+    def snapshot(self) -> dict:
+        return {"sent": self.sent, "recv": self.recv, "by_op": {k: list(v) for k, v in self.by_op.items()}}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Comm:
+    def __init__(self, topology: Topology, rank: int = 0, device: torch.device | str = "cpu"):
+        self.topology = topology
+        self.rank = rank
+        self.device = torch.device(device)
+        self.traffic = Traffic()
+        self._groups: dict[str, Group] = {}
+        self._control_pg = None
+        distributed = topology.world_size > 1
+        if distributed:
+            import torch.distributed as dist
+
+            self._dist = dist
+        # Every rank must create every group, in the same order, even groups it is not part of.
+        named = [(d, topology.groups(d)) for d in DIMS] + [("sp", topology.sp_groups())]
+        for name, groups in named:
+            for ranks in groups:
+                pg = self._dist.new_group(ranks) if distributed and len(ranks) > 1 else None
+                if rank in ranks:
+                    self._groups[name] = Group(ranks, ranks.index(rank), pg)
+        if distributed:
+            # Cancel votes travel on their own CPU group so they never queue behind NCCL kernels or p2p.
+            self._control_pg = self._dist.new_group(list(range(topology.world_size)), backend="gloo")
+
+    def group(self, name: str) -> Group:
+        return self._groups[name]
+
+    def reset_traffic(self) -> None:
+        self.traffic = Traffic()
+
+    # -- collectives -------------------------------------------------------------------------------
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   group: Group, op: str = "all_to_all") -> torch.Tensor:
+        """all_to_all_single along dim 0 with (possibly uneven) splits."""
+        if group.size == 1:
+            out.copy_(inp)
+            return out
+        self._dist.all_to_all_single(out, inp, out_splits, in_splits, group=group.pg)
+        row = _nbytes(inp) // max(inp.shape[0], 1)
+        out_row = _nbytes(out) // max(out.shape[0], 1)
+        me = group.index
+        self.traffic.add(op, row * (sum(in_splits) - in_splits[me]), out_row * (sum(out_splits) - out_splits[me]))
+        return out
+
+    def all_gather(self, t: torch.Tensor, group: Group, op: str = "all_gather") -> list[torch.Tensor]:
+        if group.size == 1:
+            return [t]
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(group.size)]
+        self._dist.all_gather(parts, t, group=group.pg)
+        n = _nbytes(t) * (group.size - 1)
+        self.traffic.add(op, n, n)
+        return parts
+
+    def broadcast(self, t: torch.Tensor, src_index: int, group: Group, op: str = "broadcast") -> torch.Tensor:
+        if group.size == 1:
+            return t
+        self._dist.broadcast(t, group.ranks[src_index], group=group.pg)
+        if group.index == src_index:
+            self.traffic.add(op, _nbytes(t) * (group.size - 1), 0)
+        else:
+            self.traffic.add(op, 0, _nbytes(t))
+        return t
+
+    # -- point to point ----------------------------------------------------------------------------
+
+    def isend(self, t: torch.Tensor, dst: int, op: str = "p2p"):
+        self.traffic.add(op, _nbytes(t), 0)
+        return self._dist.isend(t, dst)
+
+    def irecv(self, t: torch.Tensor, src: int, op: str = "p2p"):
+        self.traffic.add(op, 0, _nbytes(t))
+        return self._dist.irecv(t, src)
+
+    def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, group: Group, op: str = "ring") -> list:
+        """Send to the next rank of the ring and receive from the previous one, asynchronously."""
+        nxt = group.ranks[(group.index + 1) % group.size]
+        prv = group.ranks[(group.index - 1) % group.size]
+        ops = [self._dist.P2POp(self._dist.isend, send, nxt), self._dist.P2POp(self._dist.irecv, recv, prv)]
+        self.traffic.add(op, _nbytes(send), _nbytes(recv))
+        return self._dist.batch_isend_irecv(ops)
+
+    # -- control -----------------------------------------------------------------------------------
+
+    def vote_async(self, flag: bool):
+        """Start an all-ranks OR of `flag`; returns (work, tensor). Not counted: it is control, not data."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        if self._control_pg is None:
+            return None, t
+        work = self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self._control_pg, async_op=True)
+        return work, t
+
+    def barrier(self) -> None:
+        if self._control_pg is not None:
+            self._dist.barrier(group=self._control_pg)

@@ -1,0 +1,367 @@
+"""One denoise job on one rank: token layout, the step loop, CFG exchange, PipeFusion schedule.
+
+Every rank runs `Denoiser.run` with the same job; the topology coordinates decide which tokens, which
+CFG branch and which blocks this rank handles. With a world of one it is the serial reference, run
+in-process with no torch.distributed at all.
+
+Ownership of image tokens: the image is cut into M row patches (M = 1 unless PipeFusion), and each
+patch into `shards` equal token ranges, one per sequence-parallel rank; a rank owns its shard of every
+patch. The sampler state `x` is the full [B, N, 64] token tensor on every rank that samples, of which a
+rank only updates the rows it owns; rows are gathered once, at the end.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .attention import LocalAttention, RingAttention, UlyssesAttention
+from .attention.processor import AttentionContext
+from .comm import Comm
+from .errors import Cancelled, ConfigError
+from .models.flux_adapter import FluxAdapter
+from .pipefusion import StaleKVAttention, StaleKVCache
+from .sampling import (cfg_combine, cfg_uses_uncond, denoised_from_velocity, final_latent, ksampler_sigmas,
+                       make_sampler, model_sampling_for, prepare_noise, start_latent)
+from .spec import Conditioning, Job
+from .topology import Topology, validate_strategy
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Which text and image rows sequence-parallel rank `i` of `shards` holds."""
+
+    text_len: int
+    image_len: int
+    patches: int
+    shards: int
+    split_text: bool  # False for naive patch parallel, where every rank keeps the whole prompt
+
+    @property
+    def patch_len(self) -> int:
+        return self.image_len // self.patches
+
+    def text_rows(self, i: int) -> range:
+        if not self.split_text:
+            return range(self.text_len)
+        # Uneven split allowed: prompts rarely have a token count the degree divides.
+        base, extra = divmod(self.text_len, self.shards)
+        start = i * base + min(i, extra)
+        return range(start, start + base + (1 if i < extra else 0))
+
+    def image_slice(self, i: int, patch: int) -> slice:
+        n = self.patch_len // self.shards
+        start = patch * self.patch_len + i * n
+        return slice(start, start + n)
+
+    def image_index(self, i: int, patches: list[int]) -> torch.Tensor:
+        return torch.cat([torch.arange(s.start, s.stop) for s in (self.image_slice(i, p) for p in patches)])
+
+    def positions(self, i: int, patches: list[int]) -> torch.Tensor:
+        """Rows of the canonical sequence [text, image] that rank i's tokens occupy."""
+        text = torch.tensor(list(self.text_rows(i)), dtype=torch.long)
+        return torch.cat([text, self.text_len + self.image_index(i, patches)])
+
+    def seq_len(self, i: int, n_patches: int) -> int:
+        return len(self.text_rows(i)) + n_patches * (self.patch_len // self.shards)
+
+
+class Branches:
+    """The CFG branches this rank evaluates, batched into one forward pass."""
+
+    def __init__(self, conds: list[Conditioning], batch: int, guidance_default: float = 3.5):
+        lengths = {c.cond.shape[1] for c in conds}
+        if len(lengths) > 1:
+            raise ConfigError(f"the positive and negative prompts encode to different lengths ({sorted(lengths)} tokens), "
+                              f"which cannot share a batch; set cfg_degree=2 to run them on separate devices, or "
+                              f"make the prompts encode to the same length.")
+        self.count = len(conds)
+        self.batch = batch
+
+        def rep(t):  # ComfyUI repeats a batch-1 conditioning over the latent batch
+            return t.expand(batch, *t.shape[1:]) if t.shape[0] == 1 and batch > 1 else t
+
+        self.cond = torch.cat([rep(c.cond) for c in conds])
+        self.pooled = torch.cat([rep(c.pooled) for c in conds])
+        self.guidance = torch.cat([torch.full((batch,), float(c.guidance if c.guidance is not None else guidance_default))
+                                   for c in conds])
+
+
+class Denoiser:
+    def __init__(self, adapter: FluxAdapter, topology: Topology, comm: Comm, context: AttentionContext):
+        self.adapter, self.topology, self.comm, self.context = adapter, topology, comm, context
+        self.rank = comm.rank
+        self.coords = topology.coords(self.rank)
+        self._vote = None
+        self.step_times: list[float] = []
+
+    # -- entry -----------------------------------------------------------------------------------------
+
+    def run(self, job: Job, progress: Callable[[int, int], None] | None = None,
+            cancel_requested: Callable[[], bool] = lambda: False) -> torch.Tensor | None:
+        """Returns the final LATENT on the result rank, None elsewhere."""
+        s, sp = job.strategy, job.sampling
+        b, c, h, w = job.latent.shape
+        cfg = self.adapter.config
+        validate_strategy(s, world_size=self.topology.world_size, heads=cfg.num_heads,
+                          num_blocks=cfg.num_layers + cfg.num_single_layers, latent_hw=(h, w),
+                          cfg_scale=sp.cfg, steps=sp.steps)
+        self.progress, self.cancel_requested = progress or (lambda i, n: None), cancel_requested
+        self.step_times = []
+
+        sigmas = ksampler_sigmas(model_sampling_for(self.adapter.variant), sp.scheduler, sp.steps, sp.denoise)
+        if len(sigmas) <= 1:  # denoise 0: KSampler returns the input untouched
+            return job.latent.clone() if self._is_result_rank() else None
+        noise = prepare_noise(job.latent, sp.seed)
+        x = FluxAdapter.pack(start_latent(job.latent.float(), noise, sigmas[0]))
+        self.sigmas = sigmas
+        self.sampler = make_sampler(sp.sampler_name, sigmas, sp.seed, job.latent.shape, to_state=FluxAdapter.pack)
+
+        conds = [job.positive] + ([job.negative] if cfg_uses_uncond(sp.cfg) else [])
+        if cfg_uses_uncond(sp.cfg) and job.negative is None:
+            raise ConfigError("cfg > 1 needs a negative conditioning; connect one or set cfg to 1.")
+        if s.cfg_degree == 2:
+            conds = [conds[self.coords["cfg"]]]
+        self.branches = Branches(conds, b)
+        self.cfg_scale = sp.cfg
+        self.uses_uncond = cfg_uses_uncond(sp.cfg)
+
+        naive = self.topology.naive_patch > 1
+        self.layout = TokenLayout(text_len=self.branches.cond.shape[1], image_len=x.shape[1],
+                                  patches=s.patches if self.topology.pipefusion > 1 else 1,
+                                  shards=self.topology.naive_patch if naive else self.topology.sp,
+                                  split_text=not naive)
+        self.shard = self.coords["naive_patch"] if naive else self.topology.sp_rank(self.rank)
+        self.rope_full = self.adapter.rope(self.layout.text_len, h, w)
+        try:
+            if self.topology.pipefusion > 1:
+                x = self._run_pipefusion(x, s.warmup_steps)
+            else:
+                x = self._run_sequence_parallel(x)
+        finally:
+            self._finish_vote()
+        return self._gather_result(x, h, w)
+
+    # -- shared pieces ---------------------------------------------------------------------------------
+
+    def _is_result_rank(self) -> bool:
+        return (self.coords["cfg"] == 0 and self.coords["pipefusion"] == self.topology.pipefusion - 1
+                and self.coords["ring"] == 0 and self.coords["ulysses"] == 0 and self.coords["naive_patch"] == 0)
+
+    def _rope(self, positions: torch.Tensor):
+        cos, sin = self.rope_full
+        return cos[positions], sin[positions]
+
+    def _text(self, rows: range) -> torch.Tensor:
+        return self.adapter.embed_text(self.branches.cond[:, rows.start:rows.stop])
+
+    def _temb(self, i: int) -> torch.Tensor:
+        n = self.branches.cond.shape[0]
+        return self.adapter.timestep_embedding(self.sigmas[i].expand(n), self.branches.pooled, self.branches.guidance)
+
+    def _repeat(self, x: torch.Tensor) -> torch.Tensor:
+        return x.repeat(self.branches.count, 1, 1) if self.branches.count > 1 else x
+
+    def _denoised(self, i: int, x_rows: torch.Tensor, image_hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        """Last-stage head: velocity -> denoised, then CFG across branches (and ranks)."""
+        v = self.adapter.head(image_hidden, temb)
+        den = denoised_from_velocity(self._repeat(x_rows), v, self.sigmas[i]).chunk(self.branches.count)
+        if self.topology.cfg > 1:
+            den = self.comm.all_gather(den[0].contiguous(), self.comm.group("cfg"), op="cfg")
+        return cfg_combine(den[0], den[1] if self.uses_uncond else None, self.cfg_scale)
+
+    def _check_cancel(self) -> None:
+        """All ranks agree to stop at the same step: each step's vote is read one step later, so no rank
+        waits on the vote (and the pipeline never stalls for it)."""
+        previous = self._vote
+        self._vote = self.comm.vote_async(self.cancel_requested())
+        if previous is not None:
+            work, flag = previous
+            if work is not None:
+                work.wait()
+            if int(flag.item()):
+                raise Cancelled("cancelled by the user")
+
+    def _finish_vote(self) -> None:
+        if self._vote is not None and self._vote[0] is not None:
+            self._vote[0].wait()
+        self._vote = None
+
+    def _step_done(self, i: int, t0: float) -> None:
+        self.step_times.append(time.perf_counter() - t0)
+        if self._is_result_rank():
+            self.progress(i + 1, len(self.sigmas) - 1)
+
+    def _gather_result(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor | None:
+        group = self.comm.group("naive_patch" if self.topology.naive_patch > 1 else "sp")
+        if self.topology.pipefusion > 1 and self.coords["pipefusion"] != self.topology.pipefusion - 1:
+            return None  # only the last stage holds the sampled rows
+        if group.size > 1:
+            parts = self.comm.all_gather(x, group, op="result")
+            x = x.clone()
+            for j, part in enumerate(parts):
+                idx = self.layout.image_index(j, list(range(self.layout.patches)))
+                x[:, idx] = part[:, idx]
+        if not self._is_result_rank():
+            return None
+        return final_latent(FluxAdapter.unpack(x, h, w), self.sigmas[-1])
+
+    # -- sequence parallel (also serial, CFG-only and naive patch) -------------------------------------
+
+    def _run_sequence_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        layout, me = self.layout, self.shard
+        t = self.topology
+        if t.naive_patch > 1:
+            attention = LocalAttention()
+        else:
+            ring, uly = self.comm.group("ring"), self.comm.group("ulysses")
+            seq = [layout.seq_len(r * t.ulysses + u, 1) for r in range(t.ring) for u in range(t.ulysses)]
+            kv_lengths = [sum(seq[r * t.ulysses:(r + 1) * t.ulysses]) for r in range(t.ring)]
+            attention = RingAttention(self.comm, ring, kv_lengths) if ring.size > 1 else LocalAttention()
+            if uly.size > 1:
+                r = self.coords["ring"]
+                attention = UlyssesAttention(self.comm, uly, seq[r * t.ulysses:(r + 1) * t.ulysses], attention)
+        self.context.attention = attention
+
+        rows = layout.image_slice(me, 0)
+        rope = self._rope(layout.positions(me, [0]))
+        text = self._text(layout.text_rows(me))
+        for i in range(len(self.sigmas) - 1):
+            t0 = time.perf_counter()
+            self._check_cancel()
+            temb = self._temb(i)
+            x_rows = x[:, rows]
+            image, _ = self.adapter.run_blocks(self.adapter.embed_image(self._repeat(x_rows)), text, temb, rope)
+            den = self._denoised(i, x_rows, image, temb)
+            x[:, rows] = self.sampler.step(i, x_rows, den, region=rows)
+            self._step_done(i, t0)
+        return x
+
+    # -- PipeFusion ------------------------------------------------------------------------------------
+
+    def _run_pipefusion(self, x: torch.Tensor, warmup: int) -> torch.Tensor:
+        """Stage loop. Messages between stages are [text ; image] hidden rows of this Ulysses shard; the
+        last stage sends each updated patch of x straight back to stage 0."""
+        layout, me, t = self.layout, self.shard, self.topology
+        pp, uly = self.comm.group("pipefusion"), self.comm.group("ulysses")
+        stage, stages = pp.index, pp.size
+        first, last = stage == 0, stage == stages - 1
+        prev_rank = pp.ranks[stage - 1] if not first else None
+        next_rank = pp.ranks[stage + 1] if not last else None
+        m = layout.patches
+        all_patches = list(range(m))
+        n_steps = len(self.sigmas) - 1
+
+        self.cache = StaleKVCache(layout.text_len + layout.image_len)
+        stale = StaleKVAttention(self.cache, LocalAttention())
+        attention = stale if uly.size == 1 else UlyssesAttention(self.comm, uly, [], stale)
+        self.context.attention = attention
+
+        def configure(patches: list[int]):
+            """Point the attention at the token set of one forward: whole image (warmup) or one patch."""
+            stale.positions = torch.cat([layout.positions(u, patches) for u in range(uly.size)])
+            if uly.size > 1:
+                attention.seq_lengths = [layout.seq_len(u, len(patches)) for u in range(uly.size)]
+            idx = layout.image_index(me, patches)
+            return idx, self._rope(layout.positions(me, patches))
+
+
+        text_rows = layout.text_rows(me)
+        n_text = len(text_rows)
+        text = self._text(text_rows) if first else None
+        width = self.adapter.config.hidden_size
+        batch = self.branches.cond.shape[0]
+        sends: list = []
+
+        def hidden_buffer(n_image: int) -> torch.Tensor:
+            return torch.empty((batch, n_text + n_image, width), dtype=self.adapter.dtype, device=self.adapter.device)
+
+        def send(tensor: torch.Tensor, dst: int, op: str) -> None:
+            sends.append((self.comm.isend(tensor, dst, op=op), tensor))
+
+        def stage_forward(i, patches, temb, incoming):
+            """Run this stage's blocks on one token set; returns the last stage's new x rows or None."""
+            idx, rope = configure(patches)
+            if first:
+                image, txt = self.adapter.embed_image(self._repeat(x[:, idx])), text
+            else:
+                txt, image = incoming[:, :n_text], incoming[:, n_text:]
+            image, txt = self.adapter.run_blocks(image, txt, temb, rope)
+            if not last:
+                send(torch.cat([txt, image], dim=1).contiguous(), next_rank, "pipefusion")
+                return None
+            x_rows = x[:, idx]
+            den = self._denoised(i, x_rows, image, temb)
+            # The sampler works on contiguous slices; a rank's rows are one slice per patch.
+            offset = 0
+            for sl in (layout.image_slice(me, p) for p in patches):
+                n = sl.stop - sl.start
+                x[:, sl] = self.sampler.step(i, x_rows[:, offset:offset + n], den[:, offset:offset + n], region=sl)
+                offset += n
+            if i + 1 < n_steps:
+                send(x[:, idx].contiguous(), pp.ranks[0], "pipefusion_x")
+            return None
+
+        def receive_x(patches):
+            idx = layout.image_index(me, patches)
+            x[:, idx] = self._recv(torch.empty((x.shape[0], len(idx), x.shape[2]), dtype=x.dtype),
+                                   pp.ranks[-1], "pipefusion_x")
+
+        def n_image(patches):
+            return len(patches) * (layout.patch_len // layout.shards)
+
+        # What the last stage sends back after step i: the whole shard during warmup, else patch by patch.
+        def returned(i):
+            return [all_patches] if i < warmup else [[p] for p in all_patches]
+
+        i = 0
+        try:
+            for i in range(n_steps):
+                t0 = time.perf_counter()
+                self._check_cancel()
+                temb = self._temb(i)
+                schedule = [all_patches] if i < warmup else [[p] for p in all_patches]
+                if first and i > 0 and i - 1 < warmup:
+                    receive_x(all_patches)  # the update of the last synchronous step
+                pending = None
+                for k, patches in enumerate(schedule):
+                    if first and i > 0 and i - 1 >= warmup:
+                        receive_x(patches)  # this patch's update from the previous step, fresh off the last stage
+                    incoming = None
+                    if not first:
+                        incoming = pending.result() if pending else self._recv(hidden_buffer(n_image(patches)),
+                                                                              prev_rank, "pipefusion")
+                        # Post the next patch's receive before computing this one: transfer overlaps compute.
+                        pending = (_Pending(self.comm, hidden_buffer(n_image(schedule[k + 1])), prev_rank)
+                                   if k + 1 < len(schedule) else None)
+                    stage_forward(i, patches, temb, incoming)
+                    sends[:] = [s for s in sends if not s[0].is_completed()]
+                self._step_done(i, t0)
+        except Cancelled:
+            # Stage 0 drains what the last stage already sent back after step i-1, so no message is left
+            # in flight to pair with the next job's receives.
+            if first and i > 0:
+                for patches in returned(i - 1):
+                    receive_x(patches)
+            raise
+        finally:
+            for work, _ in sends:
+                work.wait()
+        return x
+
+    def _recv(self, buf: torch.Tensor, src: int, op: str) -> torch.Tensor:
+        self.comm.irecv(buf, src, op=op).wait()
+        return buf
+
+
+class _Pending:
+    """A posted receive whose buffer is read later."""
+
+    def __init__(self, comm: Comm, buf: torch.Tensor, src: int):
+        self.buf, self.work = buf, comm.irecv(buf, src, op="pipefusion")
+
+    def result(self) -> torch.Tensor:
+        self.work.wait()
+        return self.buf

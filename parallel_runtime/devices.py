@@ -1,0 +1,35 @@
+"""Parsing the loader's `devices` string into torch device names."""
+from __future__ import annotations
+
+import re
+
+from .errors import ConfigError
+
+
+def parse_devices(spec: str) -> list[str]:
+    """'auto' = every visible GPU (one CPU worker if none); '0,1,2,3' = those GPUs; 'cpu:N' = N CPU workers."""
+    spec = (spec or "auto").strip().lower()
+    if spec == "auto":
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [f"cuda:{i}" for i in range(n)] or ["cpu"]
+    m = re.fullmatch(r"cpu(?::(\d+))?", spec)
+    if m:
+        n = int(m.group(1) or 1)
+        if not 1 <= n <= 64:
+            raise ConfigError(f"devices {spec!r} asks for {n} CPU workers; use cpu:1 to cpu:64.")
+        return ["cpu"] * n
+    if re.fullmatch(r"\d+(\s*,\s*\d+)*", spec):
+        ids = [int(s) for s in spec.split(",")]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"devices {spec!r} lists a GPU twice; list each GPU index once, e.g. 0,1,2,3.")
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        missing = [i for i in ids if i >= n]
+        if missing:
+            raise ConfigError(f"devices {spec!r} names GPU {missing[0]}, but only {n} GPU(s) are visible; "
+                              f"use indices below {n}, 'auto', or cpu:N.")
+        return [f"cuda:{i}" for i in ids]
+    raise ConfigError(f"devices {spec!r} is not understood; use 'auto', GPU indices like '0,1,2,3', or 'cpu:N'.")

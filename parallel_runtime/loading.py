@@ -1,0 +1,172 @@
+"""Lazy, per-rank reading of .safetensors checkpoints.
+
+Nothing here unpickles: only ``.safetensors`` files are accepted, and tensors are read
+one at a time (optionally only a range of rows) so a rank never touches weights it does
+not own.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+
+from .errors import ModelFileError
+
+# safetensors dtype tags -> torch dtypes (only those torch knows in this build).
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+for _tag, _name in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("U16", "uint16"),
+                    ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _name):
+        _DTYPES[_tag] = getattr(torch, _name)
+
+_PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
+
+
+class CheckpointReader:
+    """Read-only, lazy view of one ``.safetensors`` file.
+
+    ``keys()``, ``shape()`` and ``dtype()`` only look at the header; ``read()`` loads a
+    single tensor (or a row range of it) and returns an independent copy.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        name = os.path.basename(self.path)
+        lower = self.path.lower()
+        if not lower.endswith(".safetensors"):
+            if lower.endswith(".gguf"):
+                fix = "use the .safetensors release of the model instead (GGUF is not supported)"
+            elif lower.endswith(_PICKLE_SUFFIXES):
+                fix = "convert it to .safetensors (pickled checkpoints are never loaded)"
+            else:
+                fix = "convert it to .safetensors"
+            raise ModelFileError(f"{name} is not a .safetensors file; {fix}.")
+        if not os.path.exists(self.path):
+            raise ModelFileError(
+                f"Checkpoint {self.path} does not exist; put the model file there or pick an existing one."
+            )
+        if not os.path.isfile(self.path):
+            raise ModelFileError(f"Checkpoint {self.path} is not a regular file; pick a .safetensors model file.")
+        try:
+            self._file = safe_open(self.path, framework="pt", device="cpu")
+            self._keys = list(self._file.keys())
+        except Exception as exc:  # SafetensorError, OSError, ...
+            reason = str(exc) or type(exc).__name__
+            raise ModelFileError(
+                f"{self.path} is not a valid safetensors file ({reason}); re-download or re-save it."
+            ) from exc
+        self._key_set = frozenset(self._keys)
+        self._closed = False
+
+    # -- header-only queries -------------------------------------------------------
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._key_set
+
+    def metadata(self) -> dict[str, str]:
+        self._check_open()
+        return dict(self._file.metadata() or {})
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in self._slice(key).get_shape())
+
+    def dtype(self, key: str) -> torch.dtype:
+        tag = self._slice(key).get_dtype()
+        try:
+            return _DTYPES[tag]
+        except KeyError:
+            raise ModelFileError(
+                f"{self.path} stores {key!r} as {tag}, which this torch cannot load; re-save the model in bf16/fp16/fp32."
+            ) from None
+
+    # -- data ----------------------------------------------------------------------
+    def read(
+        self,
+        key: str,
+        rows: slice | None = None,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+    ) -> torch.Tensor:
+        """Load ``key`` (only ``rows`` of its first dimension when given), cast and move it."""
+        sl = self._slice(key)
+        try:
+            tensor = sl[rows] if rows is not None else self._file.get_tensor(key)
+        except Exception as exc:
+            raise ModelFileError(
+                f"{self.path} is not a valid safetensors file (cannot read {key!r}: {exc}); re-download or re-save it."
+            ) from exc
+        if dtype is not None or torch.device(device) != tensor.device:
+            tensor = tensor.to(device=device, dtype=dtype if dtype is not None else tensor.dtype)
+        if tensor.device.type == "cpu" and tensor.data_ptr() % 64:
+            # safetensors hands back tensors inside a Python buffer, not 64-byte aligned. BLAS
+            # kernels take different (slower, differently rounded) paths for such weights, so
+            # give every tensor its own aligned storage: identical numbers -> identical outputs.
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        return tensor
+
+    # -- lifetime ------------------------------------------------------------------
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self._file.__exit__(None, None, None)
+            except Exception:
+                pass
+            self._file = None
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __del__(self):  # best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"CheckpointReader({self.path!r}, {len(self._keys)} tensors)"
+
+    # -- internals -----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"CheckpointReader for {self.path} is closed")
+
+    def _slice(self, key: str):
+        self._check_open()
+        if key not in self._key_set:
+            raise ModelFileError(
+                f"{self.path} has no tensor {key!r}; the file is incomplete or not the model expected, so re-download it."
+            )
+        return self._file.get_slice(key)
+
+
+def _tensors(module: torch.nn.Module) -> Iterable[torch.Tensor]:
+    seen: set[int] = set()
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield t
+
+
+def parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes held by ``module``'s parameters and buffers that are not on the meta device."""
+    return sum(t.numel() * t.element_size() for t in _tensors(module) if t.device.type != "meta")

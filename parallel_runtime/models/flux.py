@@ -1,0 +1,447 @@
+"""Flux.1 (dev / schnell) checkpoints -> diffusers ``FluxTransformer2DModel``.
+
+This module is only the mapping: detect the key layout of a checkpoint, infer the model
+size from tensor shapes, map every diffusers parameter to the (slice of the) checkpoint
+tensor it comes from, and build a model that holds only the parameters a rank owns.
+
+Two layouts are understood:
+
+* ``"bfl"``: Black Forest Labs' original keys (``double_blocks.N.img_attn.qkv.weight``, ...),
+  as shipped in ``flux1-dev.safetensors`` and used by ComfyUI, optionally prefixed with
+  ``model.diffusion_model.`` or ``diffusion_model.``.
+* ``"diffusers"``: diffusers' own parameter names, optionally prefixed with ``transformer.``.
+
+The BFL mapping below is our own and works for any width (diffusers' single-file converter
+hard-codes the 3072-wide model).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from ..errors import ModelFileError
+from ..loading import CheckpointReader
+
+LAYOUTS = ("bfl", "diffusers")
+BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
+DIFFUSERS_PREFIXES = ("transformer.", "")
+
+# Width of the sinusoidal timestep / guidance features fed to time_in / guidance_in.
+TIME_FEATURES = 256
+
+
+# ----------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------
+def default_axes_dims_rope(head_dim: int) -> tuple[int, int, int]:
+    """RoPE axis split for a head: (16, 56, 56) for 128, scaled proportionally otherwise."""
+    if head_dim == 128:
+        return (16, 56, 56)
+    if head_dim % 16 == 0:
+        axes = (head_dim // 8, 7 * head_dim // 16, 7 * head_dim // 16)
+        if all(a % 2 == 0 for a in axes) and sum(axes) == head_dim:
+            return axes
+    raise ModelFileError(
+        f"Attention head size {head_dim} cannot be split into even RoPE axes (head_dim/8, 7*head_dim/16, "
+        f"7*head_dim/16); use a Flux checkpoint whose head size is a multiple of 32."
+    )
+
+
+@dataclass(frozen=True)
+class FluxConfig:
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    num_layers: int  # double-stream blocks
+    num_single_layers: int
+    in_channels: int = 64
+    context_dim: int = 4096
+    pooled_dim: int = 768
+    guidance_embeds: bool = True
+    mlp_ratio: float = 4.0
+    axes_dims_rope: tuple[int, int, int] | None = None
+    out_channels: int | None = None  # None -> in_channels (differs only for Fill/Depth/Canny)
+
+    def __post_init__(self):
+        if self.num_heads * self.head_dim != self.hidden_size:
+            raise ModelFileError(
+                f"Flux config is inconsistent: {self.num_heads} heads x {self.head_dim} != hidden size "
+                f"{self.hidden_size}; the checkpoint is damaged or not a Flux.1 model, so re-download it."
+            )
+        axes = self.axes_dims_rope
+        if axes is None:
+            axes = default_axes_dims_rope(self.head_dim)
+        axes = tuple(int(a) for a in axes)
+        if len(axes) != 3 or sum(axes) != self.head_dim or any(a % 2 for a in axes):
+            raise ModelFileError(
+                f"RoPE axes {axes} must be three even sizes summing to head_dim {self.head_dim}; "
+                f"fix the Flux config."
+            )
+        object.__setattr__(self, "axes_dims_rope", axes)
+        if self.out_channels is None:
+            object.__setattr__(self, "out_channels", self.in_channels)
+        object.__setattr__(self, "mlp_ratio", float(self.mlp_ratio))
+        object.__setattr__(self, "guidance_embeds", bool(self.guidance_embeds))
+
+    @property
+    def variant(self) -> str:
+        return "dev" if self.guidance_embeds else "schnell"
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.hidden_size * self.mlp_ratio)
+
+    def diffusers_kwargs(self) -> dict:
+        """Keyword arguments for ``FluxTransformer2DModel(**kwargs)``."""
+        if self.mlp_ratio != 4.0:
+            # diffusers' Flux blocks hard-code a 4x MLP (FeedForward default mult, and the model
+            # never forwards mlp_ratio to its single blocks).
+            raise ModelFileError(
+                f"This Flux checkpoint has MLP ratio {self.mlp_ratio:g}, but diffusers' FluxTransformer2DModel "
+                f"only supports 4; choose a standard Flux.1 model."
+            )
+        return dict(
+            patch_size=1,
+            in_channels=self.in_channels,
+            out_channels=self.out_channels,
+            num_layers=self.num_layers,
+            num_single_layers=self.num_single_layers,
+            attention_head_dim=self.head_dim,
+            num_attention_heads=self.num_heads,
+            joint_attention_dim=self.context_dim,
+            pooled_projection_dim=self.pooled_dim,
+            guidance_embeds=self.guidance_embeds,
+            axes_dims_rope=self.axes_dims_rope,
+        )
+
+
+# ----------------------------------------------------------------------------------
+# Layout detection
+# ----------------------------------------------------------------------------------
+def _looks_like(keys: list[str]) -> str:
+    """A short guess at what a non-Flux checkpoint is, for the error message."""
+    joined = "\n".join(keys[:5000])
+
+    def has(pattern: str) -> bool:
+        return re.search(pattern, joined, re.M) is not None
+
+    if has(r"lora_[AB]\b|lora_(up|down)\b|\.lora\."):
+        what = "it looks like a LoRA"
+    elif has(r"^(model\.diffusion_model\.)?input_blocks\.") or has(r"^(unet\.)?down_blocks\.\d+\.resnets\."):
+        what = "it looks like a UNet (SD1.x/SDXL)"
+    elif has(r"(^|\.)(encoder|decoder)\.(down|up|mid)") or has(r"^(first_stage_model\.)?(encoder|decoder)\.conv_in"):
+        what = "it looks like a VAE"
+    elif has(r"(^|\.)text_model\.|(^|\.)encoder\.block\.\d+\.layer|^shared\.weight|(^|\.)embed_tokens\."):
+        what = "it looks like a text encoder"
+    elif has(r"^(model\.diffusion_model\.)?joint_blocks\."):
+        what = "it looks like an SD3 MMDiT"
+    elif has(r"double_stream_modulation|distilled_guidance_layer"):
+        what = "it looks like a different Flux-family model (Flux.2 / Chroma)"
+    elif not keys:
+        what = "it holds no tensors"
+    else:
+        sample = ", ".join(repr(k) for k in keys[:3])
+        what = f"found keys such as {sample}"
+    return what
+
+
+def detect_layout(keys: Iterable[str], name: str = "checkpoint") -> tuple[str, str]:
+    """Return ``(layout, prefix)`` for a Flux DiT checkpoint's keys, else raise ModelFileError."""
+    keys = list(keys)
+    key_set = set(keys)
+
+    def any_block(prefix: str, block: str) -> bool:
+        pat = re.compile(re.escape(prefix + block) + r"\.\d+\.")
+        return any(pat.match(k) for k in keys)
+
+    for prefix in BFL_PREFIXES:
+        if prefix + "img_in.weight" in key_set and (
+            any_block(prefix, "double_blocks") or any_block(prefix, "single_blocks")
+        ):
+            return "bfl", prefix
+    for prefix in DIFFUSERS_PREFIXES:
+        if prefix + "x_embedder.weight" in key_set and (
+            any_block(prefix, "transformer_blocks") or any_block(prefix, "single_transformer_blocks")
+        ):
+            return "diffusers", prefix
+    raise ModelFileError(
+        f"{name} is not a Flux DiT checkpoint ({_looks_like(keys)}); choose a Flux model from models/diffusion_models."
+    )
+
+
+# ----------------------------------------------------------------------------------
+# Config inference (shapes only)
+# ----------------------------------------------------------------------------------
+def _block_count(keys: list[str], prefix: str, block: str, name: str) -> int:
+    pat = re.compile(re.escape(prefix + block) + r"\.(\d+)\.")
+    idx = {int(m.group(1)) for k in keys if (m := pat.match(k))}
+    if not idx:
+        return 0
+    n = max(idx) + 1
+    missing = sorted(set(range(n)) - idx)
+    if missing:
+        raise ModelFileError(
+            f"{name} has no tensors for {prefix}{block}.{missing[0]} although it has {block} up to {n - 1}; "
+            f"the file is incomplete, so re-download it."
+        )
+    return n
+
+
+_SCALED_FP8 = re.compile(r"(^|\.)(scaled_fp8|scale_weight|weight_scale|input_scale|scale_input)$")
+
+
+def infer_config(reader: CheckpointReader, layout: str | None = None, prefix: str | None = None) -> FluxConfig:
+    """Infer a ``FluxConfig`` from tensor names and shapes (no tensor data is read)."""
+    name = os.path.basename(getattr(reader, "path", "checkpoint"))
+    keys = reader.keys()
+    if layout is None or prefix is None:
+        layout, prefix = detect_layout(keys, name)
+    p = prefix
+    for k in keys:
+        if k.startswith(p) and _SCALED_FP8.search(k):
+            raise ModelFileError(
+                f"{name} is a scaled-fp8 checkpoint ({k!r}), which ParaDiT cannot load; "
+                f"use the bf16 (or plain fp8) release of the model."
+            )
+
+    def shape(key: str) -> tuple[int, ...]:
+        if p + key not in reader:
+            raise ModelFileError(
+                f"{name} has no tensor {p + key!r}, so it is not a complete Flux.1 (dev/schnell) DiT; "
+                f"re-download it or choose a Flux.1 model."
+            )
+        return reader.shape(p + key)
+
+    if layout == "bfl":
+        n_double = _block_count(keys, p, "double_blocks", name)
+        n_single = _block_count(keys, p, "single_blocks", name)
+        hidden, in_ch = shape("img_in.weight")
+        context_dim = shape("txt_in.weight")[1]
+        pooled_dim = shape("vector_in.in_layer.weight")[1]
+        guidance = p + "guidance_in.in_layer.weight" in reader
+        out_ch = shape("final_layer.linear.weight")[0]
+        if n_double:
+            head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
+            mlp_hidden = shape("double_blocks.0.img_mlp.0.weight")[0]
+        else:
+            head_dim = shape("single_blocks.0.norm.query_norm.scale")[0]
+            mlp_hidden = shape("single_blocks.0.linear1.weight")[0] - 3 * hidden
+    elif layout == "diffusers":
+        n_double = _block_count(keys, p, "transformer_blocks", name)
+        n_single = _block_count(keys, p, "single_transformer_blocks", name)
+        hidden, in_ch = shape("x_embedder.weight")
+        context_dim = shape("context_embedder.weight")[1]
+        pooled_dim = shape("time_text_embed.text_embedder.linear_1.weight")[1]
+        guidance = p + "time_text_embed.guidance_embedder.linear_1.weight" in reader
+        out_ch = shape("proj_out.weight")[0]
+        if n_double:
+            head_dim = shape("transformer_blocks.0.attn.norm_q.weight")[0]
+            mlp_hidden = shape("transformer_blocks.0.ff.net.0.proj.weight")[0]
+        else:
+            head_dim = shape("single_transformer_blocks.0.attn.norm_q.weight")[0]
+            mlp_hidden = shape("single_transformer_blocks.0.proj_mlp.weight")[0]
+    else:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+
+    if head_dim <= 0 or hidden % head_dim:
+        raise ModelFileError(
+            f"{name}: hidden size {hidden} is not a multiple of the attention head size {head_dim}; "
+            f"the file is not a valid Flux.1 DiT, so re-download it."
+        )
+    return FluxConfig(
+        hidden_size=hidden,
+        num_heads=hidden // head_dim,
+        head_dim=head_dim,
+        num_layers=n_double,
+        num_single_layers=n_single,
+        in_channels=in_ch,
+        context_dim=context_dim,
+        pooled_dim=pooled_dim,
+        guidance_embeds=guidance,
+        mlp_ratio=mlp_hidden / hidden,
+        out_channels=out_ch,
+    )
+
+
+# ----------------------------------------------------------------------------------
+# Key mapping
+# ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Source:
+    """Where a diffusers parameter comes from: ``transform(file[key][rows])``."""
+
+    key: str
+    rows: slice | None = None
+    transform: str | None = None  # None or "swap_halves"
+
+
+def apply_transform(tensor: torch.Tensor, transform: str | None) -> torch.Tensor:
+    if transform is None:
+        return tensor
+    if transform == "swap_halves":
+        # BFL's final modulation is (shift, scale); diffusers' AdaLayerNormContinuous is (scale, shift).
+        first, second = tensor.chunk(2, dim=0)
+        return torch.cat([second, first], dim=0)
+    raise ValueError(f"unknown transform {transform!r}")
+
+
+def _linear(out: dict, dst: str, src: str, rows: slice | None = None, transform: str | None = None) -> None:
+    out[f"{dst}.weight"] = Source(f"{src}.weight", rows, transform)
+    out[f"{dst}.bias"] = Source(f"{src}.bias", rows, transform)
+
+
+def diffusers_param_names(config: FluxConfig) -> list[str]:
+    """Every parameter name of ``FluxTransformer2DModel(**config.diffusers_kwargs())`` (built on meta)."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**config.diffusers_kwargs())
+    return list(model.state_dict().keys())
+
+
+def source_map(config: FluxConfig, layout: str, prefix: str = "") -> dict[str, Source]:
+    """Map every diffusers parameter name to its ``Source`` in a checkpoint of ``layout``."""
+    if layout == "diffusers":
+        return {n: Source(prefix + n) for n in diffusers_param_names(config)}
+    if layout != "bfl":
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+
+    p = prefix
+    H = config.hidden_size
+    M = config.mlp_hidden
+    q, k, v = slice(0, H), slice(H, 2 * H), slice(2 * H, 3 * H)
+    out: dict[str, Source] = {}
+
+    _linear(out, "x_embedder", p + "img_in")
+    _linear(out, "context_embedder", p + "txt_in")
+    _linear(out, "time_text_embed.timestep_embedder.linear_1", p + "time_in.in_layer")
+    _linear(out, "time_text_embed.timestep_embedder.linear_2", p + "time_in.out_layer")
+    if config.guidance_embeds:
+        _linear(out, "time_text_embed.guidance_embedder.linear_1", p + "guidance_in.in_layer")
+        _linear(out, "time_text_embed.guidance_embedder.linear_2", p + "guidance_in.out_layer")
+    _linear(out, "time_text_embed.text_embedder.linear_1", p + "vector_in.in_layer")
+    _linear(out, "time_text_embed.text_embedder.linear_2", p + "vector_in.out_layer")
+
+    for i in range(config.num_layers):
+        d, b = f"transformer_blocks.{i}", f"{p}double_blocks.{i}"
+        _linear(out, f"{d}.norm1.linear", f"{b}.img_mod.lin")
+        _linear(out, f"{d}.norm1_context.linear", f"{b}.txt_mod.lin")
+        for dst, rows in (("to_q", q), ("to_k", k), ("to_v", v)):
+            _linear(out, f"{d}.attn.{dst}", f"{b}.img_attn.qkv", rows)
+        for dst, rows in (("add_q_proj", q), ("add_k_proj", k), ("add_v_proj", v)):
+            _linear(out, f"{d}.attn.{dst}", f"{b}.txt_attn.qkv", rows)
+        out[f"{d}.attn.norm_q.weight"] = Source(f"{b}.img_attn.norm.query_norm.scale")
+        out[f"{d}.attn.norm_k.weight"] = Source(f"{b}.img_attn.norm.key_norm.scale")
+        out[f"{d}.attn.norm_added_q.weight"] = Source(f"{b}.txt_attn.norm.query_norm.scale")
+        out[f"{d}.attn.norm_added_k.weight"] = Source(f"{b}.txt_attn.norm.key_norm.scale")
+        _linear(out, f"{d}.attn.to_out.0", f"{b}.img_attn.proj")
+        _linear(out, f"{d}.attn.to_add_out", f"{b}.txt_attn.proj")
+        _linear(out, f"{d}.ff.net.0.proj", f"{b}.img_mlp.0")
+        _linear(out, f"{d}.ff.net.2", f"{b}.img_mlp.2")
+        _linear(out, f"{d}.ff_context.net.0.proj", f"{b}.txt_mlp.0")
+        _linear(out, f"{d}.ff_context.net.2", f"{b}.txt_mlp.2")
+
+    for i in range(config.num_single_layers):
+        s, b = f"single_transformer_blocks.{i}", f"{p}single_blocks.{i}"
+        _linear(out, f"{s}.norm.linear", f"{b}.modulation.lin")
+        for dst, rows in (("to_q", q), ("to_k", k), ("to_v", v)):
+            _linear(out, f"{s}.attn.{dst}", f"{b}.linear1", rows)
+        _linear(out, f"{s}.proj_mlp", f"{b}.linear1", slice(3 * H, 3 * H + M))
+        _linear(out, f"{s}.proj_out", f"{b}.linear2")
+        out[f"{s}.attn.norm_q.weight"] = Source(f"{b}.norm.query_norm.scale")
+        out[f"{s}.attn.norm_k.weight"] = Source(f"{b}.norm.key_norm.scale")
+
+    _linear(out, "norm_out.linear", p + "final_layer.adaLN_modulation.1", transform="swap_halves")
+    _linear(out, "proj_out", p + "final_layer.linear")
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# Building
+# ----------------------------------------------------------------------------------
+def _block_of(name: str) -> tuple[str, int] | None:
+    m = re.match(r"(transformer_blocks|single_transformer_blocks)\.(\d+)\.", name)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def build_transformer(
+    config: FluxConfig,
+    reader: CheckpointReader,
+    layout: str,
+    prefix: str = "",
+    owned: Callable[[str], bool] = lambda name: True,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+):
+    """Build a ``FluxTransformer2DModel`` holding only the parameters ``owned`` selects.
+
+    The model is constructed on the meta device; owned parameters are read (only their
+    rows) from ``reader``, cast to ``dtype`` and placed on ``device``. Double/single blocks
+    that own nothing become ``nn.Identity()``; other non-owned parameters stay on meta.
+    """
+    from diffusers import FluxTransformer2DModel
+
+    name = os.path.basename(getattr(reader, "path", "checkpoint"))
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**config.diffusers_kwargs())
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    smap = source_map(config, layout, prefix)
+    if set(smap) != set(expected):
+        unmapped = sorted(set(expected) - set(smap))[:3]
+        extra = sorted(set(smap) - set(expected))[:3]
+        raise RuntimeError(f"Flux key map out of sync with diffusers: unmapped {unmapped}, unknown {extra}")
+
+    wanted = [n for n in expected if owned(n)]
+
+    # Drop whole blocks that own nothing so they hold no (meta) parameters at all.
+    used_blocks = {blk for n in wanted if (blk := _block_of(n)) is not None}
+    for attr in ("transformer_blocks", "single_transformer_blocks"):
+        blocks = getattr(model, attr)
+        for i in range(len(blocks)):
+            if (attr, i) not in used_blocks:
+                blocks[i] = torch.nn.Identity()
+
+    missing = sorted({smap[n].key for n in wanted if smap[n].key not in reader})
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelFileError(
+            f"{name} has no tensor {missing[0]!r}{more}, so it is not a complete Flux.1 DiT; re-download it."
+        )
+
+    state: dict[str, torch.Tensor] = {}
+    for n in wanted:
+        src = smap[n]
+        tensor = apply_transform(reader.read(src.key, rows=src.rows, dtype=dtype, device=device), src.transform)
+        if tuple(tensor.shape) != expected[n]:
+            where = f"{src.key!r}" + (f" rows {src.rows.start}:{src.rows.stop}" if src.rows is not None else "")
+            raise ModelFileError(
+                f"{name}: tensor {where} has shape {tuple(tensor.shape)} but {n} needs {expected[n]}; "
+                f"the file is damaged or mixes Flux variants, so re-download it."
+            )
+        state[n] = tensor.contiguous()
+
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise RuntimeError(f"unexpected keys while loading Flux: {result.unexpected_keys[:3]}")
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_flux(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    owned: Callable[[str], bool] = lambda name: True,
+    device: str | torch.device = "cpu",
+):
+    """Open ``path``, detect its layout, infer its config and build the owned part of the model."""
+    with CheckpointReader(path) as reader:
+        layout, prefix = detect_layout(reader.keys(), os.path.basename(reader.path))
+        config = infer_config(reader, layout, prefix)
+        model = build_transformer(config, reader, layout, prefix, owned=owned, dtype=dtype, device=device)
+    return config, model

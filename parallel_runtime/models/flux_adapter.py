@@ -1,0 +1,115 @@
+"""FluxAdapter: what the parallel strategies need to know about Flux, and nothing more.
+
+Token layout (2x2 patches of the 16-channel latent, row-major), RoPE ids, the ordered block list
+(double-stream blocks, then single-stream ones), conditioning embeddings, and which parameters a
+pipeline stage owns. Strategies only ever call these methods; the checkpoint mapping lives in flux.py.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..attention.processor import AttentionContext, ParallelFluxAttnProcessor
+from .flux import FluxConfig
+
+ALWAYS_OWNED = ("time_text_embed.",)  # every stage modulates its blocks with the timestep embedding
+FIRST_STAGE = ("x_embedder.", "context_embedder.")
+LAST_STAGE = ("norm_out.", "proj_out.")
+
+
+def block_names(config: FluxConfig) -> list[str]:
+    return ([f"transformer_blocks.{i}" for i in range(config.num_layers)]
+            + [f"single_transformer_blocks.{i}" for i in range(config.num_single_layers)])
+
+
+def block_costs(config: FluxConfig) -> list[int]:
+    """Parameter count per block, counted on a meta-device model (no memory, no file access)."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**config.diffusers_kwargs())
+    blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
+    return [sum(p.numel() for p in b.parameters()) for b in blocks]
+
+
+def stage_ownership(config: FluxConfig, blocks: range, first: bool, last: bool) -> Callable[[str], bool]:
+    """Predicate over diffusers parameter names: True for what a stage holding `blocks` needs."""
+    names = block_names(config)
+    prefixes = tuple(f"{names[i]}." for i in blocks) + ALWAYS_OWNED
+    prefixes += FIRST_STAGE if first else ()
+    prefixes += LAST_STAGE if last else ()
+    return lambda name: name.startswith(prefixes)
+
+
+class FluxAdapter:
+    latent_channels = 16
+    patch = 2
+
+    def __init__(self, config: FluxConfig, model, blocks: range, context: AttentionContext):
+        self.config = config
+        self.model = model
+        self.blocks = blocks
+        all_blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
+        self.stage_blocks = [all_blocks[i] for i in blocks]
+        for layer, block in zip(blocks, self.stage_blocks):
+            block.attn.set_processor(ParallelFluxAttnProcessor(layer, context))
+        param = next(p for p in model.time_text_embed.parameters())
+        self.dtype, self.device = param.dtype, param.device
+
+    @property
+    def variant(self) -> str:
+        return self.config.variant
+
+    # -- token layout --------------------------------------------------------------------------------
+
+    @staticmethod
+    def pack(latent: torch.Tensor) -> torch.Tensor:
+        """[B, C, H, W] -> [B, (H/2)(W/2), 4C], channel-major inside each 2x2 patch as Flux expects."""
+        b, c, h, w = latent.shape
+        x = latent.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+    @staticmethod
+    def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        b, _, d = tokens.shape
+        c = d // 4
+        x = tokens.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, c, h, w)
+
+    def rope(self, text_len: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for the canonical full sequence [text, image]; strategies index rows by position."""
+        rows, cols = h // 2, w // 2
+        img_ids = torch.zeros(rows, cols, 3)
+        img_ids[..., 1] = torch.arange(rows)[:, None]
+        img_ids[..., 2] = torch.arange(cols)[None, :]
+        ids = torch.cat([torch.zeros(text_len, 3), img_ids.reshape(rows * cols, 3)]).to(self.device)
+        return self.model.pos_embed(ids)
+
+    # -- embeddings ----------------------------------------------------------------------------------
+
+    def embed_image(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.x_embedder(tokens.to(self.device, self.dtype))
+
+    def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
+        return self.model.context_embedder(cond.to(self.device, self.dtype))
+
+    def timestep_embedding(self, sigma: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None):
+        # Flux was trained on t in [0, 1000]; ComfyUI passes sigma and the model scales it, as here.
+        t = sigma.to(self.device, self.dtype) * 1000
+        pooled = pooled.to(self.device, self.dtype)
+        if self.config.guidance_embeds:
+            g = guidance.to(self.device, self.dtype) * 1000
+            return self.model.time_text_embed(t, g, pooled)
+        return self.model.time_text_embed(t, pooled)
+
+    # -- blocks and head -----------------------------------------------------------------------------
+
+    def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope) -> tuple:
+        for block in self.stage_blocks:
+            text, image = block(hidden_states=image, encoder_hidden_states=text, temb=temb, image_rotary_emb=rope)
+        return image, text
+
+    def head(self, image: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        """Velocity prediction in float32."""
+        return self.model.proj_out(self.model.norm_out(image, temb)).float()

@@ -1,0 +1,82 @@
+"""PipeFusion: patch-level pipeline parallelism with stale activations (xDiT, Fang et al. 2024).
+
+The transformer's blocks are split into contiguous stages, one per pipeline rank, and the latent into
+`M` patches of token rows. After `warmup_steps` synchronous steps on the whole latent, stage 0 feeds
+patch after patch; while a patch flows down the stages the next one follows, and the last stage applies
+the sampler update to each patch as it leaves, sending it straight back to stage 0 for the next step —
+the pipeline is never flushed between steps.
+
+A patch's queries must still attend over the whole image. Each attention layer therefore keeps a
+full-sequence K/V buffer (`StaleKVCache`): the current patch writes fresh rows and reads the other rows
+as the previous step left them. Diffusion inputs change little between adjacent steps, so the stale
+rows cost little accuracy; the warmup steps fill the buffers with exact values.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class StaleKVCache:
+    """Per-layer K/V buffers over the full sequence [text, image] of one stage."""
+
+    def __init__(self, seq_len: int):
+        self.seq_len = seq_len
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def update(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        buf = self.buffers.get(layer)
+        if buf is None:
+            buf = self.buffers[layer] = k.new_zeros((2, k.shape[0], self.seq_len, *k.shape[2:]))
+        buf[0].index_copy_(1, positions, k)
+        buf[1].index_copy_(1, positions, v)
+        return buf[0], buf[1]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+class StaleKVAttention:
+    """Write this call's fresh K/V rows into the buffer, attend over the whole (partly stale) buffer."""
+
+    def __init__(self, cache: StaleKVCache, inner):
+        self.cache, self.inner = cache, inner
+        self.positions: torch.Tensor | None = None  # global rows of the current call's K/V; set per patch
+
+    def __call__(self, q, k, v, layer: int):
+        k_all, v_all = self.cache.update(layer, self.positions, k, v)
+        return self.inner(q, k_all, v_all, layer)
+
+
+def split_stages(block_costs: list[int], stages: int) -> list[range]:
+    """Contiguous block ranges, one per stage, that minimise the largest stage cost (parameter bytes).
+
+    Exhaustive over cut points for small counts would be exponential; the classic binary search on the
+    answer with a greedy fill is exact for contiguous partitions and linear per probe.
+    """
+    n = len(block_costs)
+    if stages > n:
+        raise ValueError("more stages than blocks")
+
+    def fits(limit: int) -> list[int] | None:
+        cuts, acc = [], 0
+        for i, c in enumerate(block_costs):
+            # Leave at least one block for each remaining stage.
+            if acc + c > limit or (n - i) == (stages - len(cuts) - 1) and acc > 0:
+                if acc == 0:
+                    return None
+                cuts.append(i)
+                acc = 0
+            acc += c
+        if acc > limit or len(cuts) != stages - 1:
+            return None
+        return cuts
+
+    lo, hi = max(block_costs), sum(block_costs)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    cuts = [0] + fits(lo) + [n]
+    return [range(cuts[i], cuts[i + 1]) for i in range(stages)]

@@ -1,0 +1,62 @@
+"""Messages on the control channel between the client and its workers.
+
+A message is a JSON header plus an optional safetensors blob: tensors cross the channel as raw bytes
+with dtype and shape, never as pickles, so a peer can send data but never code. The channel itself is
+an authenticated AF_UNIX socket in a private directory (see client.py).
+"""
+from __future__ import annotations
+
+import json
+import struct
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+_HEADER = struct.Struct("<I")
+
+
+def encode(kind: str, meta: dict | None = None, tensors: dict[str, torch.Tensor] | None = None) -> bytes:
+    header = json.dumps({"kind": kind, "meta": meta or {}}).encode()
+    blob = b""
+    if tensors:
+        blob = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    return _HEADER.pack(len(header)) + header + blob
+
+
+def decode(buf: bytes) -> tuple[str, dict, dict[str, torch.Tensor]]:
+    (n,) = _HEADER.unpack_from(buf)
+    header = json.loads(buf[_HEADER.size:_HEADER.size + n])
+    blob = buf[_HEADER.size + n:]
+    tensors = st_load(bytes(blob)) if blob else {}
+    return header["kind"], header["meta"], tensors
+
+
+class Channel:
+    """A multiprocessing Connection speaking `encode`/`decode`, safe to send on from two threads."""
+
+    def __init__(self, conn):
+        import threading
+
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, kind: str, meta: dict | None = None, tensors: dict | None = None) -> None:
+        data = encode(kind, meta, tensors)
+        with self._lock:
+            self.conn.send_bytes(data)
+
+    def recv(self) -> tuple[str, dict, dict]:
+        return decode(self.conn.recv_bytes())
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self.conn.poll(timeout)
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except OSError:
+            pass

@@ -1,0 +1,172 @@
+"""Flux noise/time parametrisation, mirroring ComfyUI's model_sampling for Flux.
+
+ComfyUI builds Flux dev as ModelType.FLUX (ModelSamplingFlux + CONST) and Flux
+schnell as ModelType.FLOW (ModelSamplingDiscreteFlow + CONST, shift=1,
+multiplier=1). Both are rectified flow: x_sigma = sigma*noise + (1-sigma)*x0 and
+the network predicts the velocity v, with denoised = x - sigma*v.
+
+Every expression below keeps ComfyUI's operand order and float32 tensors, so the
+round-off matches theirs and tables/schedules agree bit for bit on CPU.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import ConfigError
+
+# comfy.latent_formats.Flux: process_in = (x - shift) * scale.
+FLUX_LATENT_SCALE = 0.3611
+FLUX_LATENT_SHIFT = 0.1159
+
+VARIANTS = ("dev", "schnell")
+KINDS = ("flux", "discrete_flow")
+
+
+def flux_time_shift(mu: float, sigma: float, t):
+    """comfy.model_sampling.flux_time_shift (sigma is the exponent, always 1.0 here)."""
+    return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** sigma)
+
+
+def time_snr_shift(alpha: float, t):
+    """comfy.model_sampling.time_snr_shift, used by ModelSamplingDiscreteFlow."""
+    if alpha == 1.0:
+        return t
+    return alpha * t / (1 + (alpha - 1) * t)
+
+
+class FluxModelSampling:
+    """The sigma table and sigma<->timestep maps ComfyUI uses for a Flux model.
+
+    kind="flux" is ModelSamplingFlux (Flux dev): 10000-entry table of
+    flux_time_shift(shift, t), timestep(sigma) = sigma (the Flux network applies
+    its own x1000 time factor). kind="discrete_flow" is ModelSamplingDiscreteFlow
+    (Flux schnell): 1000-entry table of time_snr_shift(shift, t), and
+    timestep(sigma) = sigma * multiplier.
+    """
+
+    def __init__(self, shift: float, multiplier: float = 1.0, kind: str = "flux"):
+        if kind not in KINDS:
+            raise ConfigError(f"Model sampling kind {kind!r} is unknown; choose one of {', '.join(KINDS)}.")
+        self.shift = shift
+        self.multiplier = multiplier
+        self.kind = kind
+        if kind == "flux":
+            timesteps = 10000
+            self.sigmas = self.sigma(torch.arange(1, timesteps + 1, 1) / timesteps)
+        else:
+            timesteps = 1000
+            self.sigmas = self.sigma((torch.arange(1, timesteps + 1, 1) / timesteps) * multiplier)
+
+    @property
+    def sigma_min(self) -> torch.Tensor:
+        return self.sigmas[0]
+
+    @property
+    def sigma_max(self) -> torch.Tensor:
+        return self.sigmas[-1]
+
+    def sigma(self, timestep):
+        if self.kind == "flux":
+            return flux_time_shift(self.shift, 1.0, timestep)
+        return time_snr_shift(self.shift, timestep / self.multiplier)
+
+    def timestep(self, sigma):
+        # ModelSamplingFlux returns sigma unchanged; multiplier is 1.0 there.
+        if self.kind == "flux" and self.multiplier == 1.0:
+            return sigma
+        return sigma * self.multiplier
+
+    def __repr__(self) -> str:
+        return f"FluxModelSampling(shift={self.shift}, multiplier={self.multiplier}, kind={self.kind!r})"
+
+
+def flux_shift_for_resolution(width: int, height: int, max_shift: float = 1.15, base_shift: float = 0.5) -> float:
+    """The shift ComfyUI's ModelSamplingFlux node sets for an image size (linear in token count)."""
+    x1, x2 = 256, 4096
+    mm = (max_shift - base_shift) / (x2 - x1)
+    b = base_shift - mm * x1
+    return (width * height / (8 * 8 * 2 * 2)) * mm + b
+
+
+def model_sampling_for(variant: str, shift: float | None = None) -> FluxModelSampling:
+    """ComfyUI's default model_sampling for a Flux checkpoint (no ModelSamplingFlux node).
+
+    dev: ModelSamplingFlux with shift 1.15 (sampling_settings is empty, so the
+    class default applies). schnell: ModelSamplingDiscreteFlow with shift 1.0,
+    multiplier 1.0. `shift` overrides the default, as the ModelSamplingFlux node
+    does for dev.
+    """
+    if variant == "dev":
+        return FluxModelSampling(1.15 if shift is None else shift, 1.0, kind="flux")
+    if variant == "schnell":
+        return FluxModelSampling(1.0 if shift is None else shift, 1.0, kind="discrete_flow")
+    raise ConfigError(f"Flux variant {variant!r} is unknown; choose one of {', '.join(VARIANTS)}.")
+
+
+def _as_sigma(sigma, ndim: int) -> torch.Tensor:
+    """comfy.model_sampling.reshape_sigma, accepting python floats as float32 like ComfyUI's sigma tensors."""
+    if not isinstance(sigma, torch.Tensor):
+        sigma = torch.tensor(sigma, dtype=torch.float32)
+    if sigma.nelement() == 1:
+        return sigma.view(())
+    return sigma.view(sigma.shape[:1] + (1,) * (ndim - 1))
+
+
+def noise_scaling(sigma, noise: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+    """CONST.noise_scaling: the sampler's starting x for sigma = sigmas[0]."""
+    sigma = _as_sigma(sigma, noise.ndim)
+    return sigma * noise + (1.0 - sigma) * latent
+
+
+def inverse_noise_scaling(sigma, latent: torch.Tensor) -> torch.Tensor:
+    """CONST.inverse_noise_scaling, applied with sigmas[-1] (a no-op when it is 0)."""
+    sigma = _as_sigma(sigma, latent.ndim)
+    return latent / (1.0 - sigma)
+
+
+def denoised_from_velocity(x: torch.Tensor, v: torch.Tensor, sigma) -> torch.Tensor:
+    """CONST.calculate_denoised: x - v*sigma; ComfyUI casts v to float32 first."""
+    sigma = _as_sigma(sigma, v.ndim)
+    return x - v.float() * sigma
+
+
+def process_latent_in(latent: torch.Tensor) -> torch.Tensor:
+    return (latent - FLUX_LATENT_SHIFT) * FLUX_LATENT_SCALE
+
+
+def process_latent_out(latent: torch.Tensor) -> torch.Tensor:
+    return (latent / FLUX_LATENT_SCALE) + FLUX_LATENT_SHIFT
+
+
+def start_latent(latent_image: torch.Tensor, noise: torch.Tensor, sigma0) -> torch.Tensor:
+    """x at the first step, as CFGGuider.inner_sample + KSAMPLER.sample build it.
+
+    ComfyUI leaves an all-zero (empty) latent unshifted; any other latent goes
+    through process_latent_in before the noise is mixed in.
+    """
+    if torch.count_nonzero(latent_image) > 0:
+        latent_image = process_latent_in(latent_image)
+    return noise_scaling(sigma0, noise, latent_image)
+
+
+def final_latent(samples: torch.Tensor, sigma_last) -> torch.Tensor:
+    """The LATENT ComfyUI returns: inverse_noise_scaling, then float32 process_latent_out."""
+    return process_latent_out(inverse_noise_scaling(sigma_last, samples).to(torch.float32))
+
+
+def cfg_uses_uncond(scale: float) -> bool:
+    """ComfyUI skips the negative branch when cfg is 1 (its cfg1 optimisation)."""
+    return not math.isclose(scale, 1.0)
+
+
+def cfg_combine(cond_denoised: torch.Tensor, uncond_denoised: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """comfy.samplers.cfg_function without model patches, on denoised predictions.
+
+    With the cfg1 optimisation ComfyUI's uncond is all zeros, so uncond=None
+    gives cond * scale (== cond for scale 1).
+    """
+    if uncond_denoised is None:
+        return cond_denoised * scale
+    return uncond_denoised + (cond_denoised - uncond_denoised) * scale

@@ -1,0 +1,96 @@
+"""Plain job descriptions that cross the process boundary as JSON.
+
+Tensors never live here; they travel beside the JSON header (see protocol.py).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """How one job is split. world = cfg * pipefusion * naive_patch * ring * ulysses."""
+
+    cfg_degree: int = 1
+    pipefusion_degree: int = 1
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    # Baseline only: each rank denoises one patch that attends to itself alone.
+    naive_patch_degree: int = 1
+    # PipeFusion patches; 0 lets the runtime choose (= pipefusion_degree).
+    num_pipeline_patch: int = 0
+    # Steps run synchronously on the whole latent before stale-KV patching starts.
+    warmup_steps: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return (self.cfg_degree * self.pipefusion_degree * self.naive_patch_degree
+                * self.ring_degree * self.ulysses_degree)
+
+    @property
+    def patches(self) -> int:
+        return self.num_pipeline_patch or self.pipefusion_degree
+
+    def label(self) -> str:
+        parts = [f"{name}{deg}" for name, deg in (
+            ("cfg", self.cfg_degree), ("pp", self.pipefusion_degree), ("ulysses", self.ulysses_degree),
+            ("ring", self.ring_degree), ("naive", self.naive_patch_degree)) if deg > 1]
+        if self.pipefusion_degree > 1:
+            parts.append(f"M{self.patches}w{self.warmup_steps}")
+        return "x".join(parts) or "serial"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A checkpoint on local disk. `path` is resolved by the host from its model folders."""
+
+    path: str
+    weight_dtype: str = "default"  # default | bf16 | fp16 | fp32
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """KSampler's inputs."""
+
+    seed: int = 0
+    steps: int = 20
+    cfg: float = 1.0
+    sampler_name: str = "euler"
+    scheduler: str = "simple"
+    denoise: float = 1.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Conditioning:
+    """One branch of ComfyUI conditioning for Flux: T5 tokens, pooled CLIP vector, distilled guidance."""
+
+    cond: torch.Tensor  # [B, T, context_dim]
+    pooled: torch.Tensor  # [B, pooled_dim]
+    guidance: float | None = None
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled}
+
+
+@dataclass
+class Job:
+    """Everything a worker needs for one denoise."""
+
+    model: ModelSpec
+    strategy: StrategySpec
+    sampling: SamplingSpec
+    latent: torch.Tensor  # [B, 16, H, W], ComfyUI LATENT space (raw VAE latent)
+    positive: Conditioning
+    negative: Conditioning | None = None
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,150 @@
+"""Topology: how the world's ranks are laid out over the parallel dimensions.
+
+world = cfg x pipefusion x naive_patch x ring x ulysses, with `ulysses` innermost (fastest-varying)
+because its all-to-all moves the most bytes and so should sit on the closest devices, and `cfg`
+outermost because it exchanges one small tensor per step. For 8 ranks with cfg=2, pipefusion=2,
+ulysses=2 the layout is:
+
+    rank:        0 1 2 3 4 5 6 7
+    cfg:         0 0 0 0 1 1 1 1
+    pipefusion:  0 0 1 1 0 0 1 1
+    ulysses:     0 1 0 1 0 1 0 1
+
+All validation of a strategy against devices, model and latent lives here, so a bad request fails
+before any worker does work.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .spec import StrategySpec
+
+DIMS = ("cfg", "pipefusion", "naive_patch", "ring", "ulysses")  # outermost -> innermost
+
+
+@dataclass(frozen=True)
+class Topology:
+    cfg: int = 1
+    pipefusion: int = 1
+    naive_patch: int = 1
+    ring: int = 1
+    ulysses: int = 1
+
+    @classmethod
+    def from_strategy(cls, s: StrategySpec) -> "Topology":
+        return cls(s.cfg_degree, s.pipefusion_degree, s.naive_patch_degree, s.ring_degree, s.ulysses_degree)
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in DIMS)
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for d in self.degrees:
+            n *= d
+        return n
+
+    @property
+    def sp(self) -> int:
+        """Sequence-parallel degree: ranks that each hold a shard of the token sequence."""
+        return self.ring * self.ulysses
+
+    def coords(self, rank: int) -> dict[str, int]:
+        out = {}
+        for name, deg in reversed(list(zip(DIMS, self.degrees))):
+            out[name] = rank % deg
+            rank //= deg
+        return {d: out[d] for d in DIMS}
+
+    def rank_of(self, **coords: int) -> int:
+        rank = 0
+        for name, deg in zip(DIMS, self.degrees):
+            rank = rank * deg + coords.get(name, 0)
+        return rank
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group of ranks that differ only in `dim`, in a fixed order all ranks agree on."""
+        others = [d for d in DIMS if d != dim]
+        out = []
+        for fixed in itertools.product(*(range(getattr(self, d)) for d in others)):
+            base = dict(zip(others, fixed))
+            out.append([self.rank_of(**base, **{dim: i}) for i in range(getattr(self, dim))])
+        return out
+
+    def sp_groups(self) -> list[list[int]]:
+        """Groups spanning ring x ulysses (the whole sequence-parallel group)."""
+        out = []
+        for c, p, n in itertools.product(range(self.cfg), range(self.pipefusion), range(self.naive_patch)):
+            out.append([self.rank_of(cfg=c, pipefusion=p, naive_patch=n, ring=r, ulysses=u)
+                        for r in range(self.ring) for u in range(self.ulysses)])
+        return out
+
+    def sp_rank(self, rank: int) -> int:
+        c = self.coords(rank)
+        return c["ring"] * self.ulysses + c["ulysses"]
+
+
+def validate_strategy(s: StrategySpec, *, world_size: int, heads: int | None = None,
+                      num_blocks: int | None = None, latent_hw: tuple[int, int] | None = None,
+                      cfg_scale: float | None = None, steps: int | None = None) -> None:
+    """Raise ConfigError (one sentence naming the fix) for any request the runtime cannot split."""
+    for name in ("cfg_degree", "pipefusion_degree", "ulysses_degree", "ring_degree", "naive_patch_degree"):
+        v = getattr(s, name)
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name}={v!r} is not a positive integer; set it to 1 or more.")
+    if s.num_pipeline_patch < 0 or s.warmup_steps < 0:
+        raise ConfigError("num_pipeline_patch and warmup_steps must be 0 or more; set them to 0 (auto) or a positive number.")
+    if s.cfg_degree > 2:
+        raise ConfigError(f"cfg_degree={s.cfg_degree} but there are only two CFG branches (cond, uncond); set cfg_degree to 1 or 2.")
+    if s.world_size != world_size:
+        raise ConfigError(
+            f"cfg {s.cfg_degree} x pipefusion {s.pipefusion_degree} x ulysses {s.ulysses_degree} x ring {s.ring_degree}"
+            + (f" x naive_patch {s.naive_patch_degree}" if s.naive_patch_degree > 1 else "")
+            + f" = {s.world_size} ranks, but the loader has {world_size} device(s); "
+            f"choose degrees whose product is {world_size}, or change the devices.")
+    if s.naive_patch_degree > 1 and (s.pipefusion_degree > 1 or s.ulysses_degree > 1 or s.ring_degree > 1):
+        raise ConfigError("naive_patch is a baseline that cannot be combined with pipefusion, ulysses or ring; "
+                          "set those degrees to 1 or naive_patch_degree to 1.")
+    if s.pipefusion_degree > 1 and s.ring_degree > 1:
+        raise ConfigError("PipeFusion's stale KV combines with Ulysses, not Ring; set ring_degree=1 "
+                          "(use ulysses_degree for the sequence split).")
+    if s.pipefusion_degree > 1 and s.warmup_steps < 1:
+        raise ConfigError("PipeFusion needs warmup_steps >= 1 to fill its KV buffers; set warmup_steps to 1 or more.")
+    if heads is not None and heads % s.ulysses_degree:
+        raise ConfigError(f"ulysses_degree={s.ulysses_degree} does not divide the model's {heads} attention heads; "
+                          f"pick a divisor of {heads} ({', '.join(str(d) for d in _divisors(heads))}).")
+    if num_blocks is not None and s.pipefusion_degree > num_blocks:
+        raise ConfigError(f"pipefusion_degree={s.pipefusion_degree} exceeds the model's {num_blocks} transformer blocks; "
+                          f"use at most {num_blocks} stages.")
+    if cfg_scale is not None and s.cfg_degree == 2 and abs(cfg_scale - 1.0) < 1e-9:
+        raise ConfigError("cfg_degree=2 needs cfg > 1 (at cfg 1 there is no uncond branch to run); "
+                          "set cfg_degree=1 or raise cfg.")
+    if steps is not None and steps < 1:
+        raise ConfigError(f"steps={steps}; set steps to 1 or more.")
+    if latent_hw is not None:
+        h, w = latent_hw
+        if h % 2 or w % 2:
+            raise ConfigError(f"latent {h}x{w} is not a multiple of Flux's 2x2 patch; use a width and height that are "
+                              f"multiples of 16 pixels.")
+        rows, cols = h // 2, w // 2
+        tokens = rows * cols
+        sp = s.ring_degree * s.ulysses_degree * s.naive_patch_degree
+        if s.pipefusion_degree > 1:
+            m = s.patches
+            if rows % m:
+                raise ConfigError(f"num_pipeline_patch={m} does not divide the latent's {rows} token rows "
+                                  f"({rows * 16} px high); pick a divisor of {rows} ({', '.join(str(d) for d in _divisors(rows))}).")
+            if (tokens // m) % sp:
+                raise ConfigError(f"each of the {m} pipeline patches has {tokens // m} image tokens, which ulysses_degree={sp} "
+                                  f"does not divide; change the resolution, the patch count or the ulysses degree.")
+        elif tokens % sp:
+            raise ConfigError(f"the latent's {tokens} image tokens ({h * 8}x{w * 8} px) do not split evenly over "
+                              f"{sp} sequence-parallel ranks; pick a resolution whose token count ({rows}x{cols}) "
+                              f"is a multiple of {sp}.")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

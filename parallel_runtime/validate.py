@@ -1,0 +1,62 @@
+"""Checks a whole job against the model file and the device count before any worker does work."""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+from .errors import ConfigError, ModelFileError
+from .sampling import SAMPLERS, SCHEDULERS
+from .spec import Job
+from .topology import validate_strategy
+
+
+@lru_cache(maxsize=16)
+def _model_config(path: str, mtime_ns: int, size: int):
+    from .loading import CheckpointReader
+    from .models.flux import detect_layout, infer_config
+
+    with CheckpointReader(path) as reader:
+        layout, prefix = detect_layout(reader.keys(), os.path.basename(path))
+        return infer_config(reader, layout, prefix)
+
+
+def model_config(path: str):
+    """The Flux config of a checkpoint, read from its header only (cached per file version)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise ModelFileError(f"model file {path} does not exist; put the checkpoint in ComfyUI's "
+                             f"models/diffusion_models folder and pick it in the loader.") from None
+    return _model_config(path, st.st_mtime_ns, st.st_size)
+
+
+def validate_job(job: Job, world_size: int) -> None:
+    sp = job.sampling
+    if sp.sampler_name not in SAMPLERS:
+        raise ConfigError(f"sampler {sp.sampler_name!r} is not supported by the parallel sampler; "
+                          f"choose one of {', '.join(SAMPLERS)}.")
+    if sp.scheduler not in SCHEDULERS:
+        raise ConfigError(f"scheduler {sp.scheduler!r} is not supported; choose one of {', '.join(SCHEDULERS)}.")
+    if not 0.0 <= sp.denoise <= 1.0:
+        raise ConfigError(f"denoise={sp.denoise} is outside 0..1; set it between 0 and 1.")
+    config = model_config(job.model.path)
+    lat = job.latent
+    if lat.ndim != 4 or lat.shape[1] != 16:
+        raise ConfigError(f"the latent has shape {tuple(lat.shape)} but Flux needs [batch, 16, height/8, width/8]; "
+                          f"use EmptySD3LatentImage or a Flux VAE Encode.")
+    for name, c in (("positive", job.positive), ("negative", job.negative)):
+        if c is None:
+            continue
+        if c.cond.ndim != 3 or c.cond.shape[-1] != config.context_dim:
+            raise ConfigError(f"the {name} conditioning has width {c.cond.shape[-1]} but this model expects "
+                              f"{config.context_dim} (T5-XXL); encode the prompt with the Flux text encoders "
+                              f"(DualCLIPLoader type flux).")
+        if c.pooled is None or c.pooled.shape[-1] != config.pooled_dim:
+            raise ConfigError(f"the {name} conditioning lacks a {config.pooled_dim}-wide pooled CLIP vector; "
+                              f"encode the prompt with the Flux text encoders (DualCLIPLoader type flux).")
+        if c.cond.shape[0] not in (1, lat.shape[0]):
+            raise ConfigError(f"the {name} conditioning has batch {c.cond.shape[0]} but the latent has batch "
+                              f"{lat.shape[0]}; use one prompt or match the batch sizes.")
+    validate_strategy(job.strategy, world_size=world_size, heads=config.num_heads,
+                      num_blocks=config.num_layers + config.num_single_layers, latent_hw=tuple(lat.shape[2:]),
+                      cfg_scale=sp.cfg, steps=sp.steps)
