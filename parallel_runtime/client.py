@@ -55,6 +55,7 @@ class RuntimeClient:
         self._lock = threading.RLock()
         self.last_strategy = ""
         self.last_sec_per_step = None
+        self.worker_info: dict[int, dict] = {}  # latest memory each rank reported
         self._finalizer = weakref.finalize(self, _kill_all, self.procs, self.chans)
         atexit.register(self.shutdown)
 
@@ -97,10 +98,10 @@ class RuntimeClient:
                 for chan in self.chans:
                     self._recv(chan, STARTUP_TIMEOUT_S, expect="ready")
             except BaseException:
+                _close_quietly(listener)
                 self.shutdown()
                 raise
-            finally:
-                listener.close()
+            _close_quietly(listener)
 
     def _accept(self, listener: Listener) -> dict[int, dict]:
         """Accept one connection per worker, failing fast (with its exit code) if a worker dies first.
@@ -171,6 +172,8 @@ class RuntimeClient:
             meta = {"model": job.model.to_json(), "strategy": job.strategy.to_json(),
                     "sampling": job.sampling.to_json(), "positive_guidance": job.positive.guidance}
             tensors = {"latent": job.latent, **job.positive.tensors("positive")}
+            if "batch_index" in job.extra:
+                meta["extra"] = {"batch_index": [int(i) for i in job.extra["batch_index"]]}
             if job.negative is not None:
                 meta["negative_guidance"] = job.negative.guidance
                 tensors.update(job.negative.tensors("negative"))
@@ -202,9 +205,11 @@ class RuntimeClient:
                 except (EOFError, OSError):
                     self._worker_died(rank)
                 if kind == "progress":
-                    self.last_sec_per_step = meta.get("sec_per_step")
-                    if progress is not None:
-                        progress(meta["step"], meta["total"], meta)
+                    self.worker_info[rank] = {k: meta.get(k) for k in ("rss_bytes", "device_bytes", "step")}
+                    if meta.get("report"):
+                        self.last_sec_per_step = meta.get("sec_per_step")
+                        if progress is not None:
+                            progress(meta["step"], meta["total"], meta)
                 elif kind == "status":
                     continue
                 elif kind == "done":
@@ -276,7 +281,9 @@ class RuntimeClient:
         """Safe to call from another thread while a job runs (it takes no lock)."""
         procs = list(self.procs)
         workers = [{"rank": rank, "device": device, "alive": rank < len(procs) and procs[rank].poll() is None,
-                    "rss_bytes": _rss(procs, rank)} for rank, device in enumerate(self.devices)]
+                    "rss_bytes": _rss(procs, rank),
+                    "device_bytes": self.worker_info.get(rank, {}).get("device_bytes")}
+                   for rank, device in enumerate(self.devices)]
         return {"devices": self.devices, "workers": workers, "strategy": self.last_strategy,
                 "sec_per_step": self.last_sec_per_step}
 
@@ -289,6 +296,13 @@ class RuntimeClient:
                 chan.send("release")
             for chan in self.chans:
                 self._recv(chan, 60, expect="released")
+
+
+def _close_quietly(listener: Listener) -> None:
+    try:
+        listener.close()
+    except OSError:  # its socket file may already be gone with the session directory
+        pass
 
 
 def _rss(procs, rank) -> int | None:

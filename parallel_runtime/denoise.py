@@ -114,7 +114,7 @@ class Denoiser:
         sigmas = ksampler_sigmas(model_sampling_for(self.adapter.variant), sp.scheduler, sp.steps, sp.denoise)
         if len(sigmas) <= 1:  # denoise 0: KSampler returns the input untouched
             return job.latent.clone() if self._is_result_rank() else None
-        noise = prepare_noise(job.latent, sp.seed)
+        noise = prepare_noise(job.latent, sp.seed, job.extra.get("batch_index"))
         x = FluxAdapter.pack(start_latent(job.latent.float(), noise, sigmas[0]))
         self.sigmas = sigmas
         self.sampler = make_sampler(sp.sampler_name, sigmas, sp.seed, job.latent.shape, to_state=FluxAdapter.pack)
@@ -189,10 +189,13 @@ class Denoiser:
             self._vote[0].wait()
         self._vote = None
 
+    @property
+    def reports_progress(self) -> bool:
+        return self._is_result_rank()
+
     def _step_done(self, i: int, t0: float) -> None:
         self.step_times.append(time.perf_counter() - t0)
-        if self._is_result_rank():
-            self.progress(i + 1, len(self.sigmas) - 1)
+        self.progress(i + 1, len(self.sigmas) - 1)
 
     def _gather_result(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor | None:
         group = self.comm.group("naive_patch" if self.topology.naive_patch > 1 else "sp")

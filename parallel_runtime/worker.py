@@ -29,6 +29,12 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def _device_bytes(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
@@ -86,10 +92,8 @@ class WorkerState:
         return self.comms[topology]
 
     def status(self) -> dict:
-        import psutil
-
         return {"rank": self.rank, "device": str(self.device), "alive": True, "busy": self.busy,
-                "pid": os.getpid(), "rss_bytes": psutil.Process().memory_info().rss,
+                "pid": os.getpid(), "rss_bytes": _rss(),
                 "device_bytes": _device_bytes(self.device), "model": self.loaded_key[0] if self.loaded_key else None}
 
     def release(self) -> None:
@@ -119,7 +123,7 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict) -> Non
     job = Job(ModelSpec(**meta["model"]), strategy, SamplingSpec(**meta["sampling"]), tensors["latent"],
               Conditioning(tensors["positive.cond"], tensors["positive.pooled"], meta.get("positive_guidance")),
               (Conditioning(tensors["negative.cond"], tensors["negative.pooled"], meta.get("negative_guidance"))
-               if "negative.cond" in tensors else None))
+               if "negative.cond" in tensors else None), extra=meta.get("extra", {}))
     loaded = state.ensure_model(meta["model"], topology)
     comm = state.comm_for(topology)
     comm.reset_traffic()
@@ -128,8 +132,11 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict) -> Non
     denoiser = Denoiser(state.adapter, topology, comm, state.context)
 
     def progress(step: int, total: int) -> None:
+        # Every rank reports each step with its memory (live status); the result rank's drives the bar.
         times = denoiser.step_times
-        chan.send("progress", {"step": step, "total": total, "sec_per_step": times[-1] if times else None})
+        chan.send("progress", {"rank": state.rank, "step": step, "total": total, "report": denoiser.reports_progress,
+                               "sec_per_step": times[-1] if times else None, "rss_bytes": _rss(),
+                               "device_bytes": _device_bytes(state.device)})
 
     t0 = time.perf_counter()
     latent = denoiser.run(job, progress=progress, cancel_requested=state.cancel.is_set)

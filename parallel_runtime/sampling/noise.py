@@ -6,15 +6,27 @@ from typing import Sequence
 import torch
 
 
-def prepare_noise(latent: torch.Tensor, seed: int) -> torch.Tensor:
-    """comfy.sample.prepare_noise with noise_inds=None: one CPU randn of the latent's shape.
+def prepare_noise(latent: torch.Tensor, seed: int, batch_index: Sequence[int] | None = None) -> torch.Tensor:
+    """comfy.sample.prepare_noise: one CPU randn of the latent's shape.
 
     ComfyUI reseeds the global CPU generator; a private generator with the same
-    seed yields the same numbers without touching global RNG state.
+    seed yields the same numbers without touching global RNG state. With a
+    LATENT's `batch_index` (e.g. from Latent From Batch), image k gets the noise
+    that position batch_index[k] of a full batch would have got.
     """
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed)
-    return torch.randn(latent.size(), dtype=latent.dtype, layout=latent.layout, generator=generator, device="cpu")
+    if batch_index is None:
+        return torch.randn(latent.size(), dtype=latent.dtype, layout=latent.layout, generator=generator,
+                           device="cpu")
+    wanted = sorted(set(batch_index))
+    draws = {}
+    for i in range(wanted[-1] + 1):
+        noise = torch.randn([1, *latent.shape[1:]], dtype=latent.dtype, layout=latent.layout, generator=generator,
+                            device="cpu")
+        if i in wanted:
+            draws[i] = noise
+    return torch.cat([draws[i] for i in batch_index])
 
 
 class StepNoise:

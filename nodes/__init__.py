@@ -1,0 +1,10 @@
+"""ComfyUI nodes of ParaDiT. Importing this package imports neither ComfyUI nor the node modules;
+`node_list()` does, when ComfyUI asks for the nodes."""
+
+
+def node_list() -> list:
+    from .loader import ParaDiTLoader
+    from .sampler import ParaDiTSampler
+    from .strategy import ParaDiTStrategy
+
+    return [ParaDiTStrategy, ParaDiTLoader, ParaDiTSampler]

@@ -1,0 +1,363 @@
+"""What the ComfyUI nodes hand to the runtime and back, as plain Python.
+
+Nothing here imports ComfyUI, so all of it is unit-tested without a host:
+- the nodes' inputs as plain data (`*_INPUTS`), from which `nodes/*.py` build the V3 io schema;
+- the values that travel on the custom sockets (`StrategyChoice`, `ParaDiTModel`);
+- CONDITIONING -> `Conditioning`, LATENT -> tensor and back;
+- the payload of the "paradit.status" event that `web/paradit.js` draws.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from parallel_runtime.errors import ConfigError
+from parallel_runtime.spec import Conditioning, ModelSpec, StrategySpec
+
+STRATEGY_TYPE = "PARADIT_STRATEGY"
+MODEL_TYPE = "PARADIT_MODEL"
+STATUS_EVENT = "paradit.status"
+CATEGORY = "ParaDiT"
+
+MODES = ("auto", "manual")
+WEIGHT_DTYPES = ("default", "bf16", "fp16", "fp32")
+DEFAULT_SAMPLERS = ("euler", "euler_ancestral", "dpmpp_2m")
+DEFAULT_SCHEDULERS = ("simple", "normal", "beta", "sgm_uniform")
+FLUX_LATENT_CHANNELS = 16
+SEED_MAX = 0xFFFFFFFFFFFFFFFF
+
+
+def sampler_names() -> tuple[str, ...]:
+    """The runtime's samplers, or the three every runtime version has."""
+    try:
+        from parallel_runtime.sampling import SAMPLERS
+    except ImportError:
+        return DEFAULT_SAMPLERS
+    return tuple(SAMPLERS) or DEFAULT_SAMPLERS
+
+
+def scheduler_names() -> tuple[str, ...]:
+    try:
+        from parallel_runtime.sampling import SCHEDULERS
+    except ImportError:
+        return DEFAULT_SCHEDULERS
+    return tuple(SCHEDULERS) or DEFAULT_SCHEDULERS
+
+
+# ---------------------------------------------------------------------------------------------
+# The nodes' inputs as plain data: (id, kind, options). kind is one of int, float, string,
+# combo, or a socket type name. nodes/*.py turn each row into an io.*.Input; tests read them.
+
+@dataclass(frozen=True)
+class InputSpec:
+    id: str
+    kind: str  # int | float | string | combo | <socket type>
+    options: dict = field(default_factory=dict)
+    optional: bool = False
+
+
+STRATEGY_INPUTS = (
+    InputSpec("mode", "combo", {"options": list(MODES), "default": "auto",
+                                "tooltip": "auto: the runtime picks the degrees for the devices, image size and cfg "
+                                           "at sample time (shown on this node); manual: use the degrees below."}),
+    InputSpec("cfg_degree", "int", {"default": 1, "min": 1, "max": 2,
+                                    "tooltip": "2 runs the positive and negative branch on different devices (needs cfg > 1)."}),
+    InputSpec("pipefusion_degree", "int", {"default": 1, "min": 1, "max": 8,
+                                           "tooltip": "Pipeline stages: the transformer blocks split over this many devices."}),
+    InputSpec("ulysses_degree", "int", {"default": 1, "min": 1, "max": 8,
+                                        "tooltip": "Sequence parallel over attention heads (all-to-all)."}),
+    InputSpec("ring_degree", "int", {"default": 1, "min": 1, "max": 8,
+                                     "tooltip": "Sequence parallel by passing key/value blocks around a ring."}),
+    InputSpec("num_pipeline_patch", "int", {"default": 0, "min": 0, "max": 64,
+                                            "tooltip": "PipeFusion patches; 0 lets the runtime choose. Applies in auto mode too."}),
+    InputSpec("warmup_steps", "int", {"default": 1, "min": 0, "max": 100,
+                                      "tooltip": "Steps run on the whole latent before PipeFusion uses stale activations. "
+                                                 "Applies in auto mode too."}),
+)
+
+
+def loader_inputs(unet_names: list[str]) -> tuple[InputSpec, ...]:
+    return (
+        InputSpec("unet_name", "combo", {"options": list(unet_names),
+                                         "tooltip": "A Flux checkpoint in models/diffusion_models."}),
+        InputSpec("weight_dtype", "combo", {"options": list(WEIGHT_DTYPES), "default": "default"}),
+        InputSpec("devices", "string", {"default": "auto",
+                                        "tooltip": "auto: every visible GPU; 0,1,2,3: those GPUs; cpu:N: N CPU workers."}),
+        InputSpec("strategy", STRATEGY_TYPE, {"tooltip": "From Strategy Selector; auto when left unconnected."},
+                  optional=True),
+    )
+
+
+def sampler_inputs(samplers: tuple[str, ...], schedulers: tuple[str, ...]) -> tuple[InputSpec, ...]:
+    """KSampler's inputs, with the model socket replaced by PARADIT_MODEL."""
+    return (
+        InputSpec("model", MODEL_TYPE, {"tooltip": "From Load Parallel DiT."}),
+        InputSpec("seed", "int", {"default": 0, "min": 0, "max": SEED_MAX, "control_after_generate": True,
+                                  "tooltip": "The random seed used for creating the noise."}),
+        InputSpec("steps", "int", {"default": 20, "min": 1, "max": 10000}),
+        InputSpec("cfg", "float", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01,
+                                   "tooltip": "1.0 skips the negative branch (Flux dev/schnell use FluxGuidance instead)."}),
+        InputSpec("sampler_name", "combo", {"options": list(samplers)}),
+        InputSpec("scheduler", "combo", {"options": list(schedulers)}),
+        InputSpec("positive", "CONDITIONING"),
+        InputSpec("negative", "CONDITIONING"),
+        InputSpec("latent_image", "LATENT"),
+        InputSpec("denoise", "float", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01}),
+    )
+
+
+_BUILTIN_SOCKETS = {"CONDITIONING": "Conditioning", "LATENT": "Latent"}
+
+
+def build_inputs(io: Any, specs: tuple[InputSpec, ...]) -> list:
+    """InputSpec rows -> comfy_api io inputs. `io` is comfy_api.latest.io, passed in so this file never imports it."""
+    built = []
+    for spec in specs:
+        opts = dict(spec.options)
+        if spec.kind == "int":
+            built.append(io.Int.Input(spec.id, optional=spec.optional, **opts))
+        elif spec.kind == "float":
+            built.append(io.Float.Input(spec.id, optional=spec.optional, **opts))
+        elif spec.kind == "string":
+            built.append(io.String.Input(spec.id, optional=spec.optional, **opts))
+        elif spec.kind == "combo":
+            built.append(io.Combo.Input(spec.id, optional=spec.optional, **opts))
+        elif spec.kind in _BUILTIN_SOCKETS:
+            built.append(getattr(io, _BUILTIN_SOCKETS[spec.kind]).Input(spec.id, optional=spec.optional, **opts))
+        else:
+            built.append(io.Custom(spec.kind).Input(spec.id, optional=spec.optional, **opts))
+    return built
+
+
+# ---------------------------------------------------------------------------------------------
+# Values on the custom sockets.
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """PARADIT_STRATEGY: a fixed StrategySpec (manual) or a request to choose at sample time (auto).
+
+    In auto mode `spec` holds only the PipeFusion knobs (num_pipeline_patch, warmup_steps) to lay
+    over whatever the runtime picks. `node_id` is the Strategy Selector that made it, so the
+    sampler can write the choice back onto that node.
+    """
+
+    mode: str = "auto"
+    spec: StrategySpec = StrategySpec()
+    node_id: str | None = None
+
+    def describe(self) -> str:
+        if self.mode == "auto":
+            return "auto: degrees are chosen at sample time"
+        return f"manual: {self.spec.label()} on {self.spec.world_size} worker(s)"
+
+
+def strategy_choice(mode: str, cfg_degree: int = 1, pipefusion_degree: int = 1, ulysses_degree: int = 1,
+                    ring_degree: int = 1, num_pipeline_patch: int = 0, warmup_steps: int = 1,
+                    node_id: str | None = None) -> StrategyChoice:
+    """Strategy Selector's inputs -> StrategyChoice; range errors are caught here, device fit at sample time."""
+    if mode not in MODES:
+        raise ConfigError(f"Unknown strategy mode {mode!r}; choose one of {', '.join(MODES)}.")
+    ints = dict(cfg_degree=cfg_degree, pipefusion_degree=pipefusion_degree, ulysses_degree=ulysses_degree,
+                ring_degree=ring_degree, num_pipeline_patch=num_pipeline_patch, warmup_steps=warmup_steps)
+    for spec in STRATEGY_INPUTS:
+        if spec.id in ints:
+            value = ints[spec.id]
+            if not isinstance(value, int) or not spec.options["min"] <= value <= spec.options["max"]:
+                raise ConfigError(f"{spec.id} must be an integer from {spec.options['min']} to "
+                                  f"{spec.options['max']}, got {value!r}.")
+    if mode == "auto":
+        spec = StrategySpec(num_pipeline_patch=num_pipeline_patch, warmup_steps=warmup_steps)
+    else:
+        spec = StrategySpec(**ints)  # fit to the devices is checked by the runtime at sample time
+    return StrategyChoice(mode=mode, spec=spec, node_id=None if node_id is None else str(node_id))
+
+
+AUTO = StrategyChoice()
+
+
+def resolve_strategy(choice: StrategyChoice | None, chooser: Callable[..., tuple[StrategySpec, str]],
+                     model_path: str, latent_shape: tuple, cfg: float, devices: str) -> tuple[StrategySpec, str]:
+    """The StrategySpec to run and why. `chooser` is parallel_runtime.auto.choose_strategy."""
+    choice = choice or AUTO
+    if choice.mode == "manual":
+        return choice.spec, "manual"
+    spec, reason = chooser(model_path, tuple(latent_shape), float(cfg), devices)
+    overrides = {}
+    if choice.spec.num_pipeline_patch:
+        overrides["num_pipeline_patch"] = choice.spec.num_pipeline_patch
+    if choice.spec.warmup_steps != StrategySpec().warmup_steps:
+        overrides["warmup_steps"] = choice.spec.warmup_steps
+    if overrides and spec.pipefusion_degree > 1:
+        spec = dataclasses.replace(spec, **overrides)
+    return spec, reason
+
+
+@dataclass(frozen=True)
+class ParaDiTModel:
+    """PARADIT_MODEL: a validated handle; the workers load the weights at sample time."""
+
+    model: ModelSpec
+    devices: str = "auto"
+    strategy: StrategyChoice = AUTO
+    name: str = ""
+
+    def describe(self, device_list: list[str] | None = None) -> str:
+        where = ", ".join(device_list) if device_list else self.devices
+        return f"{self.name or self.model.path} ({self.model.weight_dtype}) on {where}; {self.strategy.describe()}"
+
+
+def normalize_devices(devices: str) -> str:
+    text = (devices or "").strip().replace(" ", "")
+    return text or "auto"
+
+
+def model_handle(path: str, weight_dtype: str, devices: str, strategy: StrategyChoice | None,
+                 name: str = "") -> ParaDiTModel:
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ConfigError(f"Unknown weight_dtype {weight_dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}.")
+    if strategy is not None and not isinstance(strategy, StrategyChoice):
+        raise ConfigError("The strategy input must come from a Strategy Selector node.")
+    return ParaDiTModel(model=ModelSpec(path=path, weight_dtype=weight_dtype), devices=normalize_devices(devices),
+                        strategy=strategy or AUTO, name=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# CONDITIONING and LATENT.
+
+# Keys of a conditioning dict that change what the model sees in ways the runtime does not do.
+_UNSUPPORTED_COND_KEYS = {
+    "area": "area conditioning (ConditioningSetArea)",
+    "mask": "masked conditioning (ConditioningSetMask)",
+    "control": "ControlNet",
+    "gligen": "GLIGEN",
+    "hooks": "conditioning hooks / LoRA hooks",
+    "reference_latents": "reference latents (Flux Kontext)",
+}
+
+
+def conditioning(value: Any, which: str = "positive") -> Conditioning:
+    """ComfyUI CONDITIONING ([[cond, {pooled_output, guidance, ...}], ...]) -> runtime Conditioning."""
+    if not isinstance(value, (list, tuple)) or len(value) == 0:
+        raise ConfigError(f"The {which} input is not a CONDITIONING; connect a CLIP Text Encode node to it.")
+    if len(value) > 1:
+        raise ConfigError(f"The {which} conditioning has {len(value)} entries (combined or concatenated conds); "
+                          f"ParaDiT takes one, so encode a single prompt for {which}.")
+    entry = value[0]
+    if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[0], torch.Tensor):
+        raise ConfigError(f"The {which} input is not a CONDITIONING; connect a CLIP Text Encode node to it.")
+    cond, extra = entry
+    extra = extra or {}
+    for key, what in _UNSUPPORTED_COND_KEYS.items():
+        if extra.get(key) is not None:
+            raise ConfigError(f"The {which} conditioning uses {what}, which ParaDiT does not support; "
+                              f"remove that node or sample with KSampler.")
+    if float(extra.get("start_percent", 0.0)) > 0.0 or float(extra.get("end_percent", 1.0)) < 1.0:
+        raise ConfigError(f"The {which} conditioning is limited to a timestep range, which ParaDiT does not "
+                          f"support; remove ConditioningSetTimestepRange.")
+    if float(extra.get("strength", 1.0)) != 1.0:
+        raise ConfigError(f"The {which} conditioning has strength {extra['strength']}, which ParaDiT does not "
+                          f"support; set the strength to 1.0.")
+    if cond.dim() != 3:
+        raise ConfigError(f"The {which} conditioning tensor has shape {tuple(cond.shape)}, not [batch, tokens, "
+                          f"channels]; encode it with a Flux text encoder (DualCLIPLoader type flux).")
+    pooled = extra.get("pooled_output")
+    if not isinstance(pooled, torch.Tensor):
+        raise ConfigError(f"The {which} conditioning has no pooled CLIP output, which Flux needs; encode it with "
+                          f"DualCLIPLoader (type flux) and CLIP Text Encode.")
+    if pooled.dim() == 1:
+        pooled = pooled.unsqueeze(0)
+    guidance = extra.get("guidance")
+    if guidance is not None:
+        guidance = float(guidance.flatten()[0]) if isinstance(guidance, torch.Tensor) else float(guidance)
+        if not math.isfinite(guidance):
+            raise ConfigError(f"The {which} conditioning has guidance {guidance}; set a finite FluxGuidance value.")
+    return Conditioning(cond=cond.detach().cpu(), pooled=pooled.detach().cpu(), guidance=guidance)
+
+
+def latent_samples(latent: Any) -> tuple[torch.Tensor, dict]:
+    """ComfyUI LATENT -> (samples [B,16,H,W] on CPU, extra for Job.extra)."""
+    if not isinstance(latent, dict) or not isinstance(latent.get("samples"), torch.Tensor):
+        raise ConfigError("The latent_image input is not a LATENT; connect EmptySD3LatentImage or VAE Encode to it.")
+    samples = latent["samples"]
+    if samples.dim() != 4:
+        raise ConfigError(f"The latent has shape {tuple(samples.shape)}, not [batch, channels, height, width]; "
+                          f"ParaDiT samples images, so use EmptySD3LatentImage.")
+    if samples.shape[1] != FLUX_LATENT_CHANNELS:
+        raise ConfigError(f"The latent has {samples.shape[1]} channels but Flux needs {FLUX_LATENT_CHANNELS}; "
+                          f"use EmptySD3LatentImage (not Empty Latent Image) or a Flux VAE Encode.")
+    if latent.get("noise_mask") is not None:
+        raise ConfigError("The latent has a noise mask (inpainting), which ParaDiT does not support; "
+                          "remove Set Latent Noise Mask or sample with KSampler.")
+    extra = {}
+    if latent.get("batch_index") is not None:
+        extra["batch_index"] = [int(i) for i in latent["batch_index"]]
+    return samples.detach().cpu(), extra
+
+
+def latent_output(latent_in: dict, samples: torch.Tensor) -> dict:
+    """The output LATENT as KSampler makes it: the input dict's other keys, new samples."""
+    expected = tuple(latent_in["samples"].shape)
+    if not isinstance(samples, torch.Tensor) or tuple(samples.shape) != expected:
+        got = tuple(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
+        raise ConfigError(f"The runtime returned a latent of shape {got} for an input of shape {expected}; "
+                          f"this is a ParaDiT bug, please report it.")
+    out = dict(latent_in)
+    out["samples"] = samples.detach().to("cpu", torch.float32)
+    return out
+
+
+def negative_needed(cfg: float) -> bool:
+    """ComfyUI skips the negative branch at cfg 1.0; so do we (and so don't validate it)."""
+    return not math.isclose(float(cfg), 1.0)
+
+
+def devices_overlap_host(worker_devices: list[str], host_device: Any) -> bool:
+    """Do the workers use the accelerator ComfyUI itself holds models on? (CPU never counts.)"""
+    host = torch.device(host_device) if not isinstance(host_device, torch.device) else host_device
+    if host.type == "cpu":
+        return False
+    for d in worker_devices:
+        dev = torch.device(d)
+        if dev.type == host.type and (dev.index or 0) == (host.index or 0):
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Live status for the frontend.
+
+def _json_safe(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def status_payload(*, node_id: str | None, state: str, strategy: StrategySpec | None, reason: str = "",
+                   mode: str = "auto", strategy_node: str | None = None, devices: str = "",
+                   step: int | None = None, total: int | None = None, status: dict | None = None,
+                   info: dict | None = None, message: str = "") -> dict:
+    """The "paradit.status" event: everything web/paradit.js draws on the Parallel nodes."""
+    return _json_safe({
+        "node": node_id,
+        "strategy_node": strategy_node,
+        "state": state,  # starting | running | done | cancelled | error
+        "mode": mode,
+        "strategy": strategy.label() if strategy is not None else None,
+        "world_size": strategy.world_size if strategy is not None else None,
+        "reason": reason,
+        "devices": devices,
+        "step": step,
+        "total": total,
+        "status": status or {},
+        "info": info or {},
+        "message": message,
+    })
+
+
+def strategy_text(strategy: StrategySpec, reason: str, mode: str) -> str:
+    """The line shown on the Strategy Selector once the sampler knows what runs."""
+    head = f"{mode}: {strategy.label()} on {strategy.world_size} worker(s)"
+    return f"{head}\n{reason}" if reason and reason != "manual" else head

@@ -1,0 +1,159 @@
+"""Parallel Sampler: KSampler's inputs, run by the ParaDiT workers."""
+from __future__ import annotations
+
+import time
+
+from comfy_api.latest import io, ui
+
+from . import convert
+
+ModelType = io.Custom(convert.MODEL_TYPE)
+
+STATUS_INTERVAL_S = 1.0  # at most this often a client.status() call and a "paradit.status" event while sampling
+
+
+class ComfyHost:
+    """The few ComfyUI services the sampler uses, imported when first needed (tests swap in a fake)."""
+
+    def free_memory_for(self, worker_devices: list[str]) -> None:
+        import comfy.model_management as mm
+
+        if convert.devices_overlap_host(worker_devices, mm.get_torch_device()):
+            mm.unload_all_models()
+            mm.soft_empty_cache()
+
+    def progress_bar(self, total: int, node_id: str | None):
+        import comfy.utils
+
+        return comfy.utils.ProgressBar(total, node_id=node_id)
+
+    def interrupted(self) -> bool:
+        import comfy.model_management as mm
+
+        return mm.processing_interrupted()
+
+    def interrupt(self) -> Exception:
+        """ComfyUI's own exception for "the user pressed Cancel", with the flag cleared as ComfyUI does."""
+        import comfy.model_management as mm
+
+        try:
+            mm.throw_exception_if_processing_interrupted()
+        except mm.InterruptProcessingException as e:
+            return e
+        return mm.InterruptProcessingException()
+
+    def send(self, payload: dict) -> None:
+        server = self._server()
+        if server is not None:
+            server.send_sync(convert.STATUS_EVENT, payload)
+
+    def send_text(self, text: str, node_id: str | None) -> None:
+        server = self._server()
+        if server is not None and node_id is not None:
+            server.send_progress_text(text, node_id)
+
+    @staticmethod
+    def _server():
+        try:
+            from server import PromptServer
+        except ImportError:
+            return None
+        return getattr(PromptServer, "instance", None)
+
+
+HOST = ComfyHost()
+
+
+class ParaDiTSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ParaDiTSampler",
+            display_name="Parallel Sampler",
+            category=convert.CATEGORY,
+            description="Denoises the latent like KSampler, split over the devices of Load Parallel DiT. "
+                        "Connect its LATENT to VAE Decode as usual.",
+            inputs=convert.build_inputs(io, convert.sampler_inputs(convert.sampler_names(), convert.scheduler_names())),
+            outputs=[io.Latent.Output(tooltip="The denoised latent.")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
+                denoise=1.0) -> io.NodeOutput:
+        node_id = getattr(cls.hidden, "unique_id", None) if cls.hidden is not None else None
+        latent_out, summary = sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
+                                     latent_image, denoise, node_id=node_id, host=HOST)
+        return io.NodeOutput(latent_out, ui=ui.PreviewText(summary))
+
+
+def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise=1.0,
+           *, node_id=None, host=None) -> tuple[dict, str]:
+    """The node's work, apart from ComfyUI's io: returns (LATENT, one-line summary)."""
+    from parallel_runtime.client import get_client
+    from parallel_runtime.devices import parse_devices
+    from parallel_runtime.errors import Cancelled, ConfigError, ParaDiTError
+    from parallel_runtime.spec import Job, SamplingSpec
+
+    host = host or HOST
+    if not isinstance(model, convert.ParaDiTModel):
+        raise ConfigError("The model input must come from a Load Parallel DiT node.")
+
+    samples, extra = convert.latent_samples(latent_image)
+    pos = convert.conditioning(positive, "positive")
+    neg = convert.conditioning(negative, "negative") if convert.negative_needed(cfg) else None
+    sampling = SamplingSpec(seed=int(seed), steps=int(steps), cfg=float(cfg), sampler_name=sampler_name,
+                            scheduler=scheduler, denoise=float(denoise))
+    worker_devices = parse_devices(model.devices)
+
+    def choose_strategy(*args):  # imported only in auto mode
+        from parallel_runtime.auto import choose_strategy
+
+        return choose_strategy(*args)
+
+    choice = model.strategy
+    strategy, reason = convert.resolve_strategy(choice, choose_strategy, model.model.path, tuple(samples.shape),
+                                                cfg, model.devices)
+    text = convert.strategy_text(strategy, reason, choice.mode)
+    host.send_text(text, choice.node_id)
+
+    client = get_client(model.devices)
+    common = dict(node_id=node_id, strategy=strategy, reason=reason, mode=choice.mode,
+                  strategy_node=choice.node_id, devices=model.devices)
+
+    def send(state, *, status=None, **kw):
+        if status is None:
+            try:
+                status = client.status()
+            except Exception as e:  # status is decoration: never let it fail a job
+                status = {"error": str(e)}
+        host.send(convert.status_payload(state=state, status=status, **common, **kw))
+
+    host.free_memory_for(worker_devices)
+    send("starting", step=0, total=int(steps))
+    pbar = host.progress_bar(int(steps), node_id)
+    started = time.monotonic()
+    last_sent = [started]
+
+    def progress(step: int, total: int, info: dict | None = None) -> None:
+        pbar.update_absolute(step, total)
+        now = time.monotonic()
+        if now - last_sent[0] >= STATUS_INTERVAL_S or step >= total:
+            last_sent[0] = now
+            send("running", step=step, total=total, info=info)
+
+    job = Job(model=model.model, strategy=strategy, sampling=sampling, latent=samples, positive=pos,
+              negative=neg, extra=extra)
+    try:
+        out = client.sample(job, progress=progress, interrupted=host.interrupted)
+    except Cancelled:
+        send("cancelled", message="Cancelled.")
+        raise host.interrupt() from None
+    except ParaDiTError as e:
+        send("error", message=str(e))
+        raise
+    elapsed = time.monotonic() - started
+    result = convert.latent_output(latent_image, out)
+    send("done", step=int(steps), total=int(steps))
+    summary = f"{strategy.label()} on {strategy.world_size} worker(s): {int(steps)} steps in {elapsed:.1f} s"
+    return result, summary

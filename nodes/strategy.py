@@ -1,0 +1,35 @@
+"""Strategy Selector: how a job is split over the workers (or "let the runtime choose")."""
+from __future__ import annotations
+
+from comfy_api.latest import io, ui
+
+from . import convert
+
+StrategyType = io.Custom(convert.STRATEGY_TYPE)
+
+
+class ParaDiTStrategy(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ParaDiTStrategy",
+            display_name="Strategy Selector",
+            category=convert.CATEGORY,
+            description="Chooses how the Parallel Sampler splits each step over the workers: CFG, PipeFusion, "
+                        "Ulysses and Ring degrees. In auto mode the runtime chooses at sample time and writes its "
+                        "choice and reason on this node.",
+            inputs=convert.build_inputs(io, convert.STRATEGY_INPUTS),
+            outputs=[StrategyType.Output(display_name="strategy")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, mode, cfg_degree, pipefusion_degree, ulysses_degree, ring_degree,
+                num_pipeline_patch, warmup_steps) -> io.NodeOutput:
+        node_id = getattr(cls.hidden, "unique_id", None) if cls.hidden is not None else None
+        choice = convert.strategy_choice(mode, cfg_degree, pipefusion_degree, ulysses_degree, ring_degree,
+                                         num_pipeline_patch, warmup_steps, node_id=node_id)
+        from .sampler import HOST
+
+        HOST.send_text(choice.describe(), node_id)
+        return io.NodeOutput(choice, ui=ui.PreviewText(choice.describe()))

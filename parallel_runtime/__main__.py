@@ -1,0 +1,16 @@
+"""Commands: `python -m parallel_runtime demo | bench`."""
+import sys
+
+
+def main(argv: list[str]) -> int:
+    commands = {"demo": "parallel_runtime.demo", "bench": "parallel_runtime.bench"}
+    if not argv or argv[0] not in commands:
+        print("usage: python -m parallel_runtime {demo,bench} [options]  (add --help to a command)")
+        return 2
+    import importlib
+
+    return importlib.import_module(commands[argv[0]]).main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,47 @@
+"""Shared fixtures: a tiny Flux checkpoint, conditioning, and a guard that no test leaves a process."""
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+import torch
+
+from parallel_runtime.models.tiny import TINY, write_checkpoint
+from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory) -> str:
+    return write_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "tiny-flux.safetensors"), TINY, seed=0)
+
+
+def make_conditioning(seed: int, text_len: int = 7, config=TINY) -> Conditioning:
+    g = torch.Generator().manual_seed(seed)
+    return Conditioning(torch.randn(1, text_len, config.context_dim, generator=g),
+                        torch.randn(1, config.pooled_dim, generator=g), guidance=3.5)
+
+
+def make_job(path: str, strategy: StrategySpec | None = None, *, steps: int = 8, cfg: float = 2.0, size: int = 16,
+             sampler: str = "euler", scheduler: str = "simple", text_len: int = 7, seed: int = 3,
+             denoise: float = 1.0, latent: torch.Tensor | None = None) -> Job:
+    # text_len 7 is deliberately odd: shards of text are uneven under every sequence-parallel degree.
+    return Job(ModelSpec(path), strategy or StrategySpec(),
+               SamplingSpec(seed=seed, steps=steps, cfg=cfg, sampler_name=sampler, scheduler=scheduler,
+                            denoise=denoise),
+               torch.zeros(1, 16, size, size) if latent is None else latent,
+               make_conditioning(1, text_len), make_conditioning(2, text_len))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_leaked_processes():
+    yield
+    # Every client is shut down by the tests (and by atexit); a child still alive here is a leak.
+    children = [p for p in psutil.Process(os.getpid()).children(recursive=True) if p.is_running()]
+    for p in children:
+        p.kill()
+    assert not children, f"test session leaked processes: {[p.pid for p in children]}"

@@ -1,0 +1,531 @@
+"""Unit tests of the ComfyUI nodes, run without ComfyUI.
+
+A small stand-in for `comfy_api.latest` records what the nodes declare; the runtime (client, auto,
+devices) and ComfyUI's services (progress bar, interrupt, PromptServer) are fakes.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+# ---------------------------------------------------------------------------------------------
+# A recording stand-in for comfy_api.latest (only what the nodes use).
+
+def _make_fake_comfy_api():
+    io = types.ModuleType("comfy_api.latest.io")
+
+    class _In:
+        io_type = None
+
+        def __init__(self, id, **kw):
+            self.id, self.kw = id, kw
+            self.optional = kw.get("optional", False)
+
+    class _Out:
+        io_type = None
+
+        def __init__(self, id=None, **kw):
+            self.id, self.kw = id, kw
+
+    def _type(name):
+        t = type(name, (), {})
+        t.io_type = name
+        t.Input = type("Input", (_In,), {"io_type": name})
+        t.Output = type("Output", (_Out,), {"io_type": name})
+        return t
+
+    for cls, name in [("Int", "INT"), ("Float", "FLOAT"), ("String", "STRING"), ("Combo", "COMBO"),
+                      ("Conditioning", "CONDITIONING"), ("Latent", "LATENT")]:
+        setattr(io, cls, _type(name))
+    io.Custom = _type
+
+    class Hidden:
+        unique_id = "UNIQUE_ID"
+
+    @dataclass
+    class Schema:
+        node_id: str
+        display_name: str = None
+        category: str = "sd"
+        inputs: list = None
+        outputs: list = None
+        hidden: list = None
+        description: str = ""
+
+    class ComfyNode:
+        hidden = None
+
+    class NodeOutput:
+        def __init__(self, *args, ui=None):
+            self.args, self.ui = args, ui
+
+    io.Hidden, io.Schema, io.ComfyNode, io.NodeOutput = Hidden, Schema, ComfyNode, NodeOutput
+
+    ui = types.ModuleType("comfy_api.latest.ui")
+
+    class PreviewText:
+        def __init__(self, value):
+            self.value = value
+
+    ui.PreviewText = PreviewText
+
+    latest = types.ModuleType("comfy_api.latest")
+
+    class ComfyExtension:
+        pass
+
+    latest.io, latest.ui, latest.ComfyExtension = io, ui, ComfyExtension
+    pkg = types.ModuleType("comfy_api")
+    pkg.latest = latest
+    return pkg, latest
+
+
+if "comfy_api" not in sys.modules:
+    sys.modules["comfy_api"], sys.modules["comfy_api.latest"] = _make_fake_comfy_api()
+
+from nodes import convert  # noqa: E402
+from nodes.loader import ParaDiTLoader  # noqa: E402
+from nodes.sampler import ParaDiTSampler  # noqa: E402
+from nodes import sampler as sampler_mod  # noqa: E402
+from nodes.strategy import ParaDiTStrategy  # noqa: E402
+from parallel_runtime.errors import Cancelled, ConfigError, OutOfMemory  # noqa: E402
+from parallel_runtime.spec import StrategySpec  # noqa: E402
+
+KSAMPLER_INPUTS = ["model", "seed", "steps", "cfg", "sampler_name", "scheduler", "positive", "negative",
+                   "latent_image", "denoise"]
+
+
+def schema_inputs(node):
+    schema = node.define_schema()
+    return {i.id: (i.io_type, i.kw) for i in schema.inputs}, schema
+
+
+# ---------------------------------------------------------------------------------------------
+# Fakes for ComfyUI services and the runtime.
+
+@pytest.fixture
+def folder_paths(monkeypatch):
+    mod = types.ModuleType("folder_paths")
+    mod.asked = []
+
+    def get_filename_list(folder):
+        assert folder == "diffusion_models"
+        return ["flux1-dev.safetensors", "tiny.safetensors"]
+
+    def get_full_path_or_raise(folder, name):
+        mod.asked.append((folder, name))
+        if name not in get_filename_list(folder):
+            raise FileNotFoundError(f"Model in folder '{folder}' with filename '{name}' not found.")
+        return f"/models/{folder}/{name}"
+
+    mod.get_filename_list, mod.get_full_path_or_raise = get_filename_list, get_full_path_or_raise
+    monkeypatch.setitem(sys.modules, "folder_paths", mod)
+    return mod
+
+
+class FakeClient:
+    def __init__(self, devices, behaviour=None):
+        self.devices, self.behaviour, self.jobs, self.status_calls = devices, behaviour, [], 0
+
+    def status(self):
+        self.status_calls += 1
+        return {"devices": ["cpu", "cpu"], "strategy": "ulysses2", "sec_per_step": 0.5,
+                "workers": [{"rank": r, "device": "cpu", "alive": True, "rss_bytes": 2 ** 30, "device_bytes": 0}
+                            for r in range(2)]}
+
+    def sample(self, job, progress=None, interrupted=None):
+        self.jobs.append(job)
+        steps = job.sampling.steps
+        for s in range(1, steps + 1):
+            if self.behaviour == "cancel" and interrupted():
+                raise Cancelled("Cancelled by the user.")
+            if self.behaviour == "oom" and s == 2:
+                raise OutOfMemory("Worker 1 ran out of memory; use more devices or a smaller image.")
+            progress(s, steps, {"phase": "sampling"})
+        return job.latent * 0.5
+
+
+class FakeRuntime:
+    def __init__(self, behaviour=None):
+        self.behaviour = behaviour
+        self.clients = {}
+        self.chosen = []
+
+    def get_client(self, devices):
+        return self.clients.setdefault(devices, FakeClient(devices, self.behaviour))
+
+    def choose_strategy(self, model_path, latent_shape, cfg, devices):
+        self.chosen.append((model_path, latent_shape, cfg, devices))
+        return StrategySpec(ulysses_degree=2), "2 workers; 24 heads split evenly, so Ulysses"
+
+    @staticmethod
+    def parse_devices(devices):
+        if devices.startswith("cpu:"):
+            return ["cpu"] * int(devices[4:])
+        if devices == "auto":
+            return ["cuda:0", "cuda:1"]
+        if devices == "bad":
+            raise ConfigError("devices 'bad' is not auto, a list like 0,1 or cpu:N; fix the devices field.")
+        return [f"cuda:{i}" for i in devices.split(",")]
+
+
+@pytest.fixture
+def runtime(monkeypatch):
+    rt = FakeRuntime()
+    for name, attrs in {"parallel_runtime.client": {"get_client": rt.get_client},
+                        "parallel_runtime.auto": {"choose_strategy": rt.choose_strategy},
+                        "parallel_runtime.devices": {"parse_devices": rt.parse_devices}}.items():
+        mod = types.ModuleType(name)
+        mod.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, mod)
+    return rt
+
+
+class Interrupt(Exception):
+    pass
+
+
+class FakeBar:
+    def __init__(self, total, node_id):
+        self.total, self.node_id, self.updates = total, node_id, []
+
+    def update_absolute(self, value, total=None):
+        self.updates.append((value, total))
+
+
+@dataclass
+class FakeHost:
+    cancel: bool = False
+    events: list = field(default_factory=list)
+    texts: list = field(default_factory=list)
+    freed: list = field(default_factory=list)
+    bars: list = field(default_factory=list)
+
+    def free_memory_for(self, devices):
+        self.freed.append(devices)
+
+    def progress_bar(self, total, node_id):
+        self.bars.append(FakeBar(total, node_id))
+        return self.bars[-1]
+
+    def interrupted(self):
+        return self.cancel
+
+    def interrupt(self):
+        return Interrupt()
+
+    def send(self, payload):
+        json.dumps(payload)  # what PromptServer will do with it
+        self.events.append(payload)
+
+    def send_text(self, text, node_id):
+        self.texts.append((node_id, text))
+
+
+def cond(pooled=True, **extra):
+    d = dict(extra)
+    if pooled:
+        d["pooled_output"] = torch.randn(1, 768)
+    return [[torch.randn(1, 8, 4096), d]]
+
+
+def latent(channels=16, **extra):
+    return {"samples": torch.randn(1, channels, 16, 16), **extra}
+
+
+def handle(strategy=None, devices="cpu:2"):
+    return convert.model_handle("/models/diffusion_models/tiny.safetensors", "bf16", devices, strategy, name="tiny")
+
+
+# ---------------------------------------------------------------------------------------------
+# Schemas: the public contract.
+
+def test_strategy_schema():
+    inputs, schema = schema_inputs(ParaDiTStrategy)
+    assert (schema.node_id, schema.display_name) == ("ParaDiTStrategy", "Strategy Selector")
+    assert list(inputs) == ["mode", "cfg_degree", "pipefusion_degree", "ulysses_degree", "ring_degree",
+                            "num_pipeline_patch", "warmup_steps"]
+    assert inputs["mode"] == ("COMBO", {**inputs["mode"][1], "options": ["auto", "manual"]})
+    assert (inputs["cfg_degree"][1]["min"], inputs["cfg_degree"][1]["max"]) == (1, 2)
+    for name in ("pipefusion_degree", "ulysses_degree", "ring_degree"):
+        assert inputs[name][0] == "INT" and (inputs[name][1]["min"], inputs[name][1]["max"]) == (1, 8)
+    assert inputs["num_pipeline_patch"][1]["default"] == 0 and inputs["num_pipeline_patch"][1]["min"] == 0
+    assert inputs["warmup_steps"][1]["default"] == 1
+    assert [o.io_type for o in schema.outputs] == ["PARADIT_STRATEGY"]
+    assert "UNIQUE_ID" in schema.hidden
+
+
+def test_loader_schema(folder_paths):
+    inputs, schema = schema_inputs(ParaDiTLoader)
+    assert (schema.node_id, schema.display_name) == ("ParaDiTLoader", "Load Parallel DiT")
+    assert list(inputs) == ["unet_name", "weight_dtype", "devices", "strategy"]
+    assert inputs["unet_name"][1]["options"] == ["flux1-dev.safetensors", "tiny.safetensors"]
+    assert inputs["weight_dtype"][1]["options"] == ["default", "bf16", "fp16", "fp32"]
+    assert inputs["devices"] == ("STRING", {**inputs["devices"][1], "default": "auto"})
+    assert inputs["strategy"][0] == "PARADIT_STRATEGY" and inputs["strategy"][1]["optional"] is True
+    assert all(not inputs[k][1].get("optional") for k in ("unet_name", "weight_dtype", "devices"))
+    assert [o.io_type for o in schema.outputs] == ["PARADIT_MODEL"]
+
+
+def test_sampler_schema_matches_ksampler():
+    inputs, schema = schema_inputs(ParaDiTSampler)
+    assert (schema.node_id, schema.display_name) == ("ParaDiTSampler", "Parallel Sampler")
+    assert list(inputs) == KSAMPLER_INPUTS
+    assert inputs["model"][0] == "PARADIT_MODEL"
+    assert inputs["positive"][0] == inputs["negative"][0] == "CONDITIONING"
+    assert inputs["latent_image"][0] == "LATENT"
+    assert inputs["seed"][1]["max"] == 0xFFFFFFFFFFFFFFFF and inputs["seed"][1]["control_after_generate"]
+    assert set(convert.DEFAULT_SAMPLERS) <= set(inputs["sampler_name"][1]["options"])
+    assert inputs["sampler_name"][1]["options"] == list(convert.sampler_names())
+    assert inputs["scheduler"][1]["options"] == list(convert.scheduler_names())
+    assert inputs["denoise"][1]["default"] == 1.0
+    assert [o.io_type for o in schema.outputs] == ["LATENT"]
+
+
+def test_sampler_names_fall_back_without_runtime_samplers(monkeypatch):
+    monkeypatch.setitem(sys.modules, "parallel_runtime.sampling", types.ModuleType("parallel_runtime.sampling"))
+    assert convert.sampler_names() == ("euler", "euler_ancestral", "dpmpp_2m")
+    assert convert.scheduler_names() == ("simple", "normal", "beta", "sgm_uniform")
+    fake = types.ModuleType("parallel_runtime.sampling")
+    fake.SAMPLERS = ["euler", "heun"]
+    monkeypatch.setitem(sys.modules, "parallel_runtime.sampling", fake)
+    assert convert.sampler_names() == ("euler", "heun")
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategy.
+
+def test_strategy_node_manual_and_auto(monkeypatch):
+    host = FakeHost()
+    monkeypatch.setattr(sampler_mod, "HOST", host)
+    node = type("Clone", (ParaDiTStrategy,), {"hidden": types.SimpleNamespace(unique_id="7")})
+    out = node.execute("manual", 2, 1, 2, 1, 0, 1)
+    choice = out.args[0]
+    assert choice.mode == "manual" and choice.node_id == "7"
+    assert choice.spec == StrategySpec(cfg_degree=2, ulysses_degree=2)
+    assert "cfg2xulysses2" in out.ui.value and host.texts == [("7", out.ui.value)]
+    auto = node.execute("auto", 2, 2, 2, 2, 4, 3).args[0]
+    assert auto.mode == "auto" and auto.spec == StrategySpec(num_pipeline_patch=4, warmup_steps=3)
+
+
+def test_strategy_choice_rejects_out_of_range():
+    with pytest.raises(ConfigError, match="cfg_degree must be an integer from 1 to 2"):
+        convert.strategy_choice("manual", cfg_degree=3)
+    with pytest.raises(ConfigError, match="Unknown strategy mode"):
+        convert.strategy_choice("fast")
+
+
+def test_resolve_strategy():
+    rt = FakeRuntime()
+    manual = convert.strategy_choice("manual", ring_degree=2)
+    assert convert.resolve_strategy(manual, rt.choose_strategy, "/m", (1, 16, 8, 8), 1.0, "cpu:2") == \
+        (StrategySpec(ring_degree=2), "manual")
+    assert rt.chosen == []
+    spec, reason = convert.resolve_strategy(None, rt.choose_strategy, "/m", (1, 16, 8, 8), 3.5, "cpu:2")
+    assert spec == StrategySpec(ulysses_degree=2) and "Ulysses" in reason
+    assert rt.chosen == [("/m", (1, 16, 8, 8), 3.5, "cpu:2")]
+
+    def pp(*_):
+        return StrategySpec(pipefusion_degree=2), "pipeline"
+    knobs = convert.strategy_choice("auto", num_pipeline_patch=4, warmup_steps=2)
+    assert convert.resolve_strategy(knobs, pp, "/m", (1, 16, 8, 8), 1.0, "cpu:2")[0] == \
+        StrategySpec(pipefusion_degree=2, num_pipeline_patch=4, warmup_steps=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loader.
+
+def test_loader_resolves_only_through_folder_paths(folder_paths, runtime):
+    strat = convert.strategy_choice("manual", ulysses_degree=2)
+    out = ParaDiTLoader.execute("tiny.safetensors", "fp16", " cpu:2 ", strat)
+    h = out.args[0]
+    assert folder_paths.asked == [("diffusion_models", "tiny.safetensors")]
+    assert h.model.path == "/models/diffusion_models/tiny.safetensors" and h.model.weight_dtype == "fp16"
+    assert h.devices == "cpu:2" and h.strategy is strat
+    assert runtime.clients == {}  # no workers at load time
+    assert ParaDiTLoader.execute("tiny.safetensors", "default", "auto").args[0].strategy.mode == "auto"
+    with pytest.raises(FileNotFoundError):
+        ParaDiTLoader.execute("../../etc/passwd", "default", "auto")
+    with pytest.raises(ConfigError, match="fix the devices field"):
+        ParaDiTLoader.execute("tiny.safetensors", "default", "bad")
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversions.
+
+def test_conditioning_conversion():
+    c = convert.conditioning(cond(guidance=3.5))
+    assert c.cond.shape == (1, 8, 4096) and c.pooled.shape == (1, 768) and c.guidance == 3.5
+    assert convert.conditioning(cond(guidance=torch.tensor([2.0]))).guidance == 2.0
+    assert convert.conditioning(cond()).guidance is None
+
+
+@pytest.mark.parametrize("value,match", [
+    (cond() + cond(), "has 2 entries"),
+    (cond(area=(8, 8, 0, 0)), "area conditioning"),
+    (cond(mask=torch.ones(1, 8, 8)), "masked conditioning"),
+    (cond(control=object()), "ControlNet"),
+    (cond(start_percent=0.5), "timestep range"),
+    (cond(pooled=False), "no pooled CLIP output"),
+    ([], "not a CONDITIONING"),
+    (None, "not a CONDITIONING"),
+])
+def test_conditioning_errors(value, match):
+    with pytest.raises(ConfigError, match=match):
+        convert.conditioning(value, "positive")
+
+
+def test_latent_conversion_and_output():
+    lat = latent(batch_index=[3])
+    samples, extra = convert.latent_samples(lat)
+    assert samples.shape == (1, 16, 16, 16) and extra == {"batch_index": [3]}
+    out = convert.latent_output(lat, samples.to(torch.bfloat16))
+    assert out["batch_index"] == [3] and out["samples"].dtype == torch.float32 and out is not lat
+    with pytest.raises(ConfigError, match="bug"):
+        convert.latent_output(lat, torch.zeros(1, 16, 8, 8))
+
+
+@pytest.mark.parametrize("value,match", [
+    (latent(channels=4), "use EmptySD3LatentImage"),
+    (latent(noise_mask=torch.ones(1, 1, 16, 16)), "noise mask"),
+    ({"samples": torch.zeros(1, 16, 2, 8, 8)}, "EmptySD3LatentImage"),
+    ({}, "not a LATENT"),
+])
+def test_latent_errors(value, match):
+    with pytest.raises(ConfigError, match=match):
+        convert.latent_samples(value)
+
+
+def test_devices_overlap_host():
+    assert convert.devices_overlap_host(["cuda:0", "cuda:1"], torch.device("cuda", 0))
+    assert convert.devices_overlap_host(["cuda:0"], "cuda")
+    assert not convert.devices_overlap_host(["cuda:1", "cuda:2"], torch.device("cuda", 0))
+    assert not convert.devices_overlap_host(["cpu", "cpu"], torch.device("cpu"))
+
+
+def test_status_payload_is_json():
+    p = convert.status_payload(node_id="3", state="running", strategy=StrategySpec(cfg_degree=2), step=1,
+                               total=4, status={"sec_per_step": 0.5, "odd": torch.device("cpu")})
+    assert p["strategy"] == "cfg2" and p["world_size"] == 2 and p["status"]["odd"] == "cpu"
+    json.dumps(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampler.
+
+def test_sampler_runs_job_and_reports(runtime):
+    host = FakeHost()
+    strat = convert.strategy_choice("auto", node_id="2")
+    lat = latent(batch_index=[0])
+    out, summary = sampler_mod.sample(handle(strat), 42, 4, 1.0, "euler", "simple", cond(guidance=3.5),
+                                      cond(pooled=False), lat, 1.0, node_id="9", host=host)
+    client = runtime.clients["cpu:2"]
+    job = client.jobs[0]
+    assert job.negative is None  # cfg 1.0: the negative is neither needed nor validated
+    assert job.strategy == StrategySpec(ulysses_degree=2)
+    assert job.sampling.seed == 42 and job.sampling.steps == 4 and job.model.weight_dtype == "bf16"
+    assert job.extra == {"batch_index": [0]} and job.positive.guidance == 3.5
+    assert runtime.chosen == [(job.model.path, (1, 16, 16, 16), 1.0, "cpu:2")]
+    assert torch.equal(out["samples"], lat["samples"] * 0.5) and out["batch_index"] == [0]
+    assert host.freed == [["cpu", "cpu"]]
+    assert host.bars[0].node_id == "9" and host.bars[0].updates[-1] == (4, 4)
+    states = [e["state"] for e in host.events]
+    assert states[0] == "starting" and states[-1] == "done" and "running" in states
+    assert all(e["node"] == "9" and e["strategy_node"] == "2" and e["strategy"] == "ulysses2" for e in host.events)
+    assert host.events[-1]["status"]["workers"][0]["rss_bytes"] == 2 ** 30
+    assert host.texts[0][0] == "2" and "Ulysses" in host.texts[0][1]
+    assert "ulysses2" in summary
+
+
+def test_sampler_uses_negative_with_cfg(runtime):
+    host = FakeHost()
+    sampler_mod.sample(handle(convert.strategy_choice("manual", cfg_degree=2)), 0, 2, 3.0, "euler", "simple",
+                       cond(), cond(), latent(), 1.0, host=host)
+    job = runtime.clients["cpu:2"].jobs[0]
+    assert job.negative is not None and job.strategy == StrategySpec(cfg_degree=2)
+    with pytest.raises(ConfigError, match="negative conditioning uses area"):
+        sampler_mod.sample(handle(), 0, 2, 3.0, "euler", "simple", cond(), cond(area=(1, 1, 0, 0)), latent(),
+                           1.0, host=host)
+
+
+def test_sampler_cancel_becomes_comfy_interrupt(runtime):
+    runtime.behaviour = "cancel"
+    host = FakeHost(cancel=True)
+    with pytest.raises(Interrupt):
+        sampler_mod.sample(handle(), 0, 3, 1.0, "euler", "simple", cond(), cond(), latent(), 1.0, host=host)
+    assert host.events[-1]["state"] == "cancelled"
+
+
+def test_sampler_runtime_error_reaches_ui_unchanged(runtime):
+    runtime.behaviour = "oom"
+    host = FakeHost()
+    with pytest.raises(OutOfMemory) as e:
+        sampler_mod.sample(handle(), 0, 3, 1.0, "euler", "simple", cond(), cond(), latent(), 1.0, host=host)
+    assert str(e.value) == "Worker 1 ran out of memory; use more devices or a smaller image."
+    assert host.events[-1]["state"] == "error" and host.events[-1]["message"] == str(e.value)
+
+
+def test_sampler_rejects_bad_inputs_before_starting_workers(runtime):
+    host = FakeHost()
+    with pytest.raises(ConfigError, match="EmptySD3LatentImage"):
+        sampler_mod.sample(handle(), 0, 3, 1.0, "euler", "simple", cond(), cond(), latent(channels=4), 1.0,
+                           host=host)
+    with pytest.raises(ConfigError, match="Load Parallel DiT"):
+        sampler_mod.sample(object(), 0, 3, 1.0, "euler", "simple", cond(), cond(), latent(), 1.0, host=host)
+    assert runtime.clients == {} and host.events == []
+
+
+def test_sampler_node_execute(runtime, monkeypatch):
+    host = FakeHost()
+    monkeypatch.setattr(sampler_mod, "HOST", host)
+    node = type("Clone", (ParaDiTSampler,), {"hidden": types.SimpleNamespace(unique_id="5")})
+    out = node.execute(handle(), 1, 2, 1.0, "euler", "simple", cond(), cond(), latent(), 1.0)
+    assert out.args[0]["samples"].shape == (1, 16, 16, 16) and "2 steps" in out.ui.value
+    assert host.bars[0].node_id == "5"
+
+
+# ---------------------------------------------------------------------------------------------
+# The plugin's entry point.
+
+def _load_plugin():
+    spec = importlib.util.spec_from_file_location("paradit_plugin_under_test", os.path.join(ROOT, "__init__.py"),
+                                                  submodule_search_locations=[ROOT])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_entrypoint_lists_the_three_nodes(folder_paths):
+    plugin = _load_plugin()
+    assert plugin.WEB_DIRECTORY == "./web" and os.path.isfile(os.path.join(ROOT, "web", "paradit.js"))
+    ext = asyncio.run(plugin.comfy_entrypoint())
+    names = [n.define_schema().node_id for n in asyncio.run(ext.get_node_list())]
+    assert names == ["ParaDiTStrategy", "ParaDiTLoader", "ParaDiTSampler"]
+
+
+def test_import_is_light():
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('p', {os.path.join(ROOT, '__init__.py')!r}, "
+        f"submodule_search_locations=[{ROOT!r}])\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['p'] = m; spec.loader.exec_module(m)\n"
+        "import p.nodes\n"
+        "heavy = [n for n in ('torch', 'torch.distributed', 'comfy_api', 'parallel_runtime') if n in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")

@@ -1,0 +1,106 @@
+"""Every bad input fails before work starts, with one sentence that names the fix."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_job
+from parallel_runtime.client import RuntimeClient
+from parallel_runtime.devices import parse_devices
+from parallel_runtime.errors import ConfigError, ModelFileError
+from parallel_runtime.protocol import decode, encode
+from parallel_runtime.spec import StrategySpec as S
+from parallel_runtime.topology import Topology, validate_strategy
+from parallel_runtime.validate import validate_job
+from parallel_runtime.denoise import TokenLayout
+
+
+def one_sentence(msg: str) -> bool:
+    return msg.endswith(".") and msg.count(". ") == 0 and "\n" not in msg
+
+
+@pytest.mark.parametrize("strategy,world,kw,pattern", [
+    (S(ulysses_degree=2, ring_degree=2), 2, {}, r"= 4 ranks, but the loader has 2 device\(s\); choose degrees whose product is 2"),
+    (S(ulysses_degree=3), 3, {"heads": 4}, r"ulysses_degree=3 does not divide the model's 4 attention heads; pick a divisor of 4"),
+    (S(pipefusion_degree=2, num_pipeline_patch=3), 2, {"latent_hw": (16, 16)}, r"num_pipeline_patch=3 does not divide the latent's 8 token rows"),
+    (S(ulysses_degree=4), 4, {"latent_hw": (6, 6)}, r"9 image tokens .* do not split evenly over 4 sequence-parallel ranks"),
+    (S(), 1, {"latent_hw": (15, 16)}, r"multiples of 16 pixels"),
+    (S(cfg_degree=2), 2, {"cfg_scale": 1.0}, r"cfg_degree=2 needs cfg > 1 .*set cfg_degree=1"),
+    (S(pipefusion_degree=2, ring_degree=2), 4, {}, r"set ring_degree=1"),
+    (S(pipefusion_degree=2, warmup_steps=0), 2, {}, r"set warmup_steps to 1 or more"),
+    (S(pipefusion_degree=8), 8, {"num_blocks": 4}, r"exceeds the model's 4 transformer blocks"),
+    (S(cfg_degree=3), 3, {}, r"set cfg_degree to 1 or 2"),
+    (S(naive_patch_degree=2, ulysses_degree=2), 4, {}, r"cannot be combined"),
+    (S(ulysses_degree=0), 0, {}, r"ulysses_degree=0 is not a positive integer"),
+])
+def test_strategy_errors_name_the_fix(strategy, world, kw, pattern):
+    with pytest.raises(ConfigError, match=pattern) as info:
+        validate_strategy(strategy, world_size=world, **kw)
+    assert one_sentence(str(info.value)), str(info.value)
+
+
+def test_job_errors_are_raised_by_the_client_before_any_worker_starts(tiny_path, tmp_path):
+    client = RuntimeClient("cpu:2", threads_per_worker=1)
+    cases = [
+        (make_job(tiny_path, S(ulysses_degree=3)), ConfigError, "loader has 2 device"),
+        (make_job(tiny_path, S(ulysses_degree=2), sampler="lms"), ConfigError, "choose one of euler"),
+        (make_job(tiny_path, S(ulysses_degree=2), scheduler="karras"), ConfigError, "choose one of simple"),
+        (make_job(str(tmp_path / "nope.safetensors"), S(ulysses_degree=2)), ModelFileError, "does not exist"),
+    ]
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(open(tiny_path, "rb").read()[:200])
+    cases.append((make_job(str(corrupt), S(ulysses_degree=2)), ModelFileError, "not a valid safetensors"))
+    wrong_channels = make_job(tiny_path, S(ulysses_degree=2), latent=torch.zeros(1, 4, 16, 16))
+    cases.append((wrong_channels, ConfigError, "EmptySD3LatentImage"))
+    try:
+        for job, exc, text in cases:
+            with pytest.raises(exc, match=text) as info:
+                client.run(job)
+            assert one_sentence(str(info.value)) or exc is ModelFileError, str(info.value)
+        assert not client.procs, "validation must fail before workers are started"
+    finally:
+        client.shutdown()
+
+
+def test_pickle_checkpoints_are_refused(tmp_path):
+    path = tmp_path / "model.ckpt"
+    path.write_bytes(b"not really")
+    job = make_job(str(path))
+    with pytest.raises(ModelFileError, match="safetensors"):
+        validate_job(job, 1)
+
+
+def test_devices_parse_and_errors():
+    assert parse_devices("cpu:3") == ["cpu"] * 3
+    for bad, text in (("gpu", "not understood"), ("cpu:0", "use cpu:1 to cpu:64"), ("0,0", "lists a GPU twice"),
+                      ("7", "only 0 GPU")):
+        with pytest.raises(ConfigError, match=text):
+            parse_devices(bad)
+
+
+def test_topology_layout_is_ulysses_innermost():
+    t = Topology(cfg=2, pipefusion=2, ulysses=2)
+    assert [t.coords(r)["ulysses"] for r in range(8)] == [0, 1] * 4
+    assert [t.coords(r)["pipefusion"] for r in range(8)] == [0, 0, 1, 1] * 2
+    assert [t.coords(r)["cfg"] for r in range(8)] == [0] * 4 + [1] * 4
+    assert t.groups("cfg") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert t.groups("pipefusion") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert all(t.rank_of(**t.coords(r)) == r for r in range(8))
+
+
+def test_token_layout_uneven_text_and_patch_shards():
+    layout = TokenLayout(text_len=7, image_len=64, patches=4, shards=2, split_text=True)
+    assert [len(layout.text_rows(i)) for i in range(2)] == [4, 3]
+    assert layout.image_slice(1, 2) == slice(40, 48)
+    pos = layout.positions(1, [0, 3])
+    assert pos.tolist() == [4, 5, 6] + [7 + i for i in range(8, 16)] + [7 + i for i in range(56, 64)]
+    # Every canonical row is owned exactly once across shards.
+    rows = torch.cat([layout.positions(i, list(range(4)))[len(layout.text_rows(i)):] for i in range(2)])
+    assert sorted(rows.tolist()) == list(range(7, 71))
+
+
+def test_protocol_carries_tensors_without_pickle():
+    blob = encode("job", {"a": [1, 2]}, {"x": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)})
+    assert b"pickle" not in blob and b"\x80\x04" not in blob[:16]
+    kind, meta, tensors = decode(blob)
+    assert (kind, meta["a"], tensors["x"].dtype, tensors["x"].shape) == ("job", [1, 2], torch.bfloat16, (2, 3))
