@@ -195,6 +195,25 @@ def _block_count(keys: list[str], prefix: str, block: str, name: str) -> int:
 _SCALED_FP8 = re.compile(r"(^|\.)(scaled_fp8|scale_weight|weight_scale|input_scale|scale_input)$")
 
 
+# The tensors whose shapes give away a Flux config, per checkpoint layout.
+_CONFIG_KEYS = {
+    "bfl": {"double": "double_blocks", "single": "single_blocks", "img_in": "img_in.weight",
+            "txt_in": "txt_in.weight", "vector_in": "vector_in.in_layer.weight",
+            "guidance_in": "guidance_in.in_layer.weight", "final": "final_layer.linear.weight",
+            "double_q_norm": "double_blocks.0.img_attn.norm.query_norm.scale",
+            "double_mlp": "double_blocks.0.img_mlp.0.weight",
+            "single_q_norm": "single_blocks.0.norm.query_norm.scale", "single_mlp": "single_blocks.0.linear1.weight"},
+    "diffusers": {"double": "transformer_blocks", "single": "single_transformer_blocks",
+                  "img_in": "x_embedder.weight", "txt_in": "context_embedder.weight",
+                  "vector_in": "time_text_embed.text_embedder.linear_1.weight",
+                  "guidance_in": "time_text_embed.guidance_embedder.linear_1.weight", "final": "proj_out.weight",
+                  "double_q_norm": "transformer_blocks.0.attn.norm_q.weight",
+                  "double_mlp": "transformer_blocks.0.ff.net.0.proj.weight",
+                  "single_q_norm": "single_transformer_blocks.0.attn.norm_q.weight",
+                  "single_mlp": "single_transformer_blocks.0.proj_mlp.weight"},
+}
+
+
 def infer_config(reader: CheckpointReader, layout: str | None = None, prefix: str | None = None) -> FluxConfig:
     """Infer a ``FluxConfig`` from tensor names and shapes (no tensor data is read)."""
     name = os.path.basename(getattr(reader, "path", "checkpoint"))
@@ -217,36 +236,22 @@ def infer_config(reader: CheckpointReader, layout: str | None = None, prefix: st
             )
         return reader.shape(p + key)
 
-    if layout == "bfl":
-        n_double = _block_count(keys, p, "double_blocks", name)
-        n_single = _block_count(keys, p, "single_blocks", name)
-        hidden, in_ch = shape("img_in.weight")
-        context_dim = shape("txt_in.weight")[1]
-        pooled_dim = shape("vector_in.in_layer.weight")[1]
-        guidance = p + "guidance_in.in_layer.weight" in reader
-        out_ch = shape("final_layer.linear.weight")[0]
-        if n_double:
-            head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
-            mlp_hidden = shape("double_blocks.0.img_mlp.0.weight")[0]
-        else:
-            head_dim = shape("single_blocks.0.norm.query_norm.scale")[0]
-            mlp_hidden = shape("single_blocks.0.linear1.weight")[0] - 3 * hidden
-    elif layout == "diffusers":
-        n_double = _block_count(keys, p, "transformer_blocks", name)
-        n_single = _block_count(keys, p, "single_transformer_blocks", name)
-        hidden, in_ch = shape("x_embedder.weight")
-        context_dim = shape("context_embedder.weight")[1]
-        pooled_dim = shape("time_text_embed.text_embedder.linear_1.weight")[1]
-        guidance = p + "time_text_embed.guidance_embedder.linear_1.weight" in reader
-        out_ch = shape("proj_out.weight")[0]
-        if n_double:
-            head_dim = shape("transformer_blocks.0.attn.norm_q.weight")[0]
-            mlp_hidden = shape("transformer_blocks.0.ff.net.0.proj.weight")[0]
-        else:
-            head_dim = shape("single_transformer_blocks.0.attn.norm_q.weight")[0]
-            mlp_hidden = shape("single_transformer_blocks.0.proj_mlp.weight")[0]
-    else:
+    if layout not in _CONFIG_KEYS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    k = _CONFIG_KEYS[layout]
+    n_double = _block_count(keys, p, k["double"], name)
+    n_single = _block_count(keys, p, k["single"], name)
+    hidden, in_ch = shape(k["img_in"])
+    context_dim = shape(k["txt_in"])[1]
+    pooled_dim = shape(k["vector_in"])[1]
+    guidance = p + k["guidance_in"] in reader
+    out_ch = shape(k["final"])[0]
+    if n_double:
+        head_dim = shape(k["double_q_norm"])[0]
+        mlp_hidden = shape(k["double_mlp"])[0]
+    else:
+        head_dim = shape(k["single_q_norm"])[0]
+        mlp_hidden = shape(k["single_mlp"])[0] - (3 * hidden if layout == "bfl" else 0)  # BFL fuses qkv+mlp
 
     if head_dim <= 0 or hidden % head_dim:
         raise ModelFileError(
