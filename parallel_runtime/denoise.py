@@ -115,7 +115,8 @@ class Denoiser:
         if len(sigmas) <= 1:  # denoise 0: KSampler returns the input untouched
             return job.latent.clone() if self._is_result_rank() else None
         noise = prepare_noise(job.latent, sp.seed, job.extra.get("batch_index"))
-        x = FluxAdapter.pack(start_latent(job.latent.float(), noise, sigmas[0]))
+        # The sampler state lives on the worker's device, in float32 as in ComfyUI.
+        x = FluxAdapter.pack(start_latent(job.latent.float(), noise, sigmas[0])).to(self.adapter.device)
         self.sigmas = sigmas
         self.sampler = make_sampler(sp.sampler_name, sigmas, sp.seed, job.latent.shape, to_state=FluxAdapter.pack)
 
@@ -209,7 +210,7 @@ class Denoiser:
                 x[:, idx] = part[:, idx]
         if not self._is_result_rank():
             return None
-        return final_latent(FluxAdapter.unpack(x, h, w), self.sigmas[-1])
+        return final_latent(FluxAdapter.unpack(x, h, w), self.sigmas[-1]).cpu()
 
     # -- sequence parallel (also serial, CFG-only and naive patch) -------------------------------------
 
@@ -264,7 +265,7 @@ class Denoiser:
 
         def configure(patches: list[int]):
             """Point the attention at the token set of one forward: whole image (warmup) or one patch."""
-            stale.positions = torch.cat([layout.positions(u, patches) for u in range(uly.size)])
+            stale.positions = torch.cat([layout.positions(u, patches) for u in range(uly.size)]).to(x.device)
             if uly.size > 1:
                 attention.seq_lengths = [layout.seq_len(u, len(patches)) for u in range(uly.size)]
             idx = layout.image_index(me, patches)
@@ -309,7 +310,7 @@ class Denoiser:
 
         def receive_x(patches):
             idx = layout.image_index(me, patches)
-            x[:, idx] = self._recv(torch.empty((x.shape[0], len(idx), x.shape[2]), dtype=x.dtype),
+            x[:, idx] = self._recv(x.new_empty((x.shape[0], len(idx), x.shape[2])),
                                    pp.ranks[-1], "pipefusion_x")
 
         def n_image(patches):
