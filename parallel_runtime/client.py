@@ -191,10 +191,21 @@ class RuntimeClient:
     def _collect(self, progress, interrupted):
         pending = set(range(self.world))
         latent, stats, failures, cancelled = None, [None] * self.world, {}, False
+        held: list[BaseException] = []  # an exception from a callback, re-raised once the workers stopped
         cancel_sent = False
         by_fd = {chan.conn: rank for rank, chan in enumerate(self.chans)}
+
+        def cancel_requested() -> bool:
+            if held:
+                return True
+            try:
+                return interrupted is not None and bool(interrupted())
+            except BaseException as exc:  # noqa: BLE001
+                held.append(exc)
+                return True
+
         while pending:
-            if interrupted is not None and not cancel_sent and interrupted():
+            if not cancel_sent and cancel_requested():
                 for chan in self.chans:
                     chan.send("cancel")
                 cancel_sent = True
@@ -208,10 +219,11 @@ class RuntimeClient:
                     self.worker_info[rank] = {k: meta.get(k) for k in ("rss_bytes", "device_bytes", "step")}
                     if meta.get("report"):
                         self.last_sec_per_step = meta.get("sec_per_step")
-                        if progress is not None:
-                            progress(meta["step"], meta["total"], meta)
-                elif kind == "status":
-                    continue
+                        if progress is not None and not held:
+                            try:
+                                progress(meta["step"], meta["total"], meta)
+                            except BaseException as exc:  # noqa: BLE001 - e.g. the host's own interrupt
+                                held.append(exc)
                 elif kind == "done":
                     stats[rank] = meta
                     latent = tensors.get("latent", latent)
@@ -222,10 +234,8 @@ class RuntimeClient:
                 elif kind == "error":
                     failures[rank] = meta
                     pending.discard(rank)
-                    if meta["type"] != "ConfigError":
-                        break  # peers may be stuck in a collective: don't wait for them
-            if failures and any(m["type"] != "ConfigError" for m in failures.values()):
-                break
+            if any(m["type"] != "ConfigError" for m in failures.values()):
+                break  # peers may be stuck in a collective: don't wait for them
             self._check_procs("during the job")
         if failures:
             rank, meta = min(failures.items())
@@ -236,6 +246,8 @@ class RuntimeClient:
             if not (isinstance(exc_type, type) and issubclass(exc_type, errors.ParaDiTError)):
                 exc_type = errors.WorkerError
             raise exc_type(meta["message"])
+        if held:
+            raise held[0]
         if cancelled:
             raise errors.Cancelled("the job was cancelled; the workers are ready for the next one.")
         return latent, stats

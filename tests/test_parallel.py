@@ -231,3 +231,18 @@ def test_workers_exit_when_the_client_process_dies(tiny_path, tmp_path):
         for pid in pids:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_an_exception_in_a_progress_callback_stops_the_workers_before_it_propagates(client2, tiny_path):
+    """A host's progress hook may raise (ComfyUI raises its interrupt there): the job must still be cancelled
+    on the workers, so the next job finds them idle and in step."""
+    class HostInterrupt(Exception):
+        pass
+
+    def progress(step, total, info):
+        raise HostInterrupt()
+
+    with pytest.raises(HostInterrupt):
+        client2.run(make_job(tiny_path, S(pipefusion_degree=2, warmup_steps=1), steps=30), progress=progress)
+    out = client2.run(make_job(tiny_path, S(pipefusion_degree=2, warmup_steps=1), steps=2))
+    assert torch.isfinite(out.latent).all()
