@@ -5,6 +5,9 @@
 def node_list() -> list:
     from .loader import ParaDiTLoader
     from .sampler import ParaDiTSampler
+    from .routes import register_routes
     from .strategy import ParaDiTStrategy
+
+    register_routes()
 
     return [ParaDiTStrategy, ParaDiTLoader, ParaDiTSampler]

@@ -344,6 +344,11 @@ _CLIENTS: dict[str, RuntimeClient] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 
+def active_clients() -> list[RuntimeClient]:
+    with _CLIENTS_LOCK:
+        return list(_CLIENTS.values())
+
+
 def get_client(devices: str = "auto", threads_per_worker: int | None = None) -> RuntimeClient:
     """The process-wide client for a device set. Only one set owns devices at a time: asking for another
     shuts the previous one down, since two clients would fight over the same GPUs."""

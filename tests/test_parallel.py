@@ -246,3 +246,13 @@ def test_an_exception_in_a_progress_callback_stops_the_workers_before_it_propaga
         client2.run(make_job(tiny_path, S(pipefusion_degree=2, warmup_steps=1), steps=30), progress=progress)
     out = client2.run(make_job(tiny_path, S(pipefusion_degree=2, warmup_steps=1), steps=2))
     assert torch.isfinite(out.latent).all()
+
+
+def test_release_frees_weights_and_the_next_job_reloads(client2, tiny_path):
+    job = make_job(tiny_path, S(ulysses_degree=2), steps=1)
+    client2.run(job)
+    pids = [p.pid for p in client2.procs]
+    client2.release()
+    again = client2.run(job)
+    assert [s["loaded"] for s in again.stats] == [True, True]
+    assert [p.pid for p in client2.procs] == pids  # same processes: only the weights went

@@ -77,8 +77,22 @@ function onStatus(event) {
   }
 }
 
+// Workers keep their weights between prompts; these give the memory back on request.
+async function postAndReport(path, what) {
+  const res = await api.fetchApi(path, { method: "POST" });
+  const body = await res.json().catch(() => ({}));
+  console.log(`ParaDiT: ${what} (${body.clients ?? 0} worker pool(s))`);
+}
+
 app.registerExtension({
   name: "ParaDiT.status",
+  commands: [
+    { id: "ParaDiT.release", label: "ParaDiT: release worker weights",
+      function: () => postAndReport("/paradit/release", "released worker weights") },
+    { id: "ParaDiT.shutdown", label: "ParaDiT: stop workers",
+      function: () => postAndReport("/paradit/shutdown", "stopped workers") },
+  ],
+  menuCommands: [{ path: ["Extensions", "ParaDiT"], commands: ["ParaDiT.release", "ParaDiT.shutdown"] }],
   setup() {
     api.addEventListener(EVENT, onStatus);
   },
