@@ -91,6 +91,11 @@ class RuntimeClient:
                     self.procs.append(proc)
                 self.chans.extend([None] * self.world)
                 hello = self._accept(listener)
+                # Every worker is connected: the socket file has done its job, and removing it now means
+                # no directory is left behind even if this process is later killed without cleanup.
+                _close_quietly(listener)
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self._dir = None
                 port = hello[0]["store_port"]
                 session = secrets.token_hex(8)
                 for chan in self.chans:

@@ -1,0 +1,372 @@
+"""The shipped example workflows and the headless client script, checked without a ComfyUI host.
+
+- every file in example_workflows/ (UI format, drag-and-drop / template menu) and example_workflows/api/
+  (API format, for POST /prompt and scripts/queue_workflow.py) parses;
+- API graphs use only ParaDiT's nodes, with exactly the inputs nodes/convert.py declares, and the core
+  nodes listed below, with links of the right types;
+- each UI workflow and its API twin agree node by node, widget by widget, link by link;
+- the strategy of each workflow fits its devices and a 1024x1024 Flux image;
+- scripts/queue_workflow.py: overrides, format detection and its websocket client (against a tiny
+  in-process server on 127.0.0.1).
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.util
+import json
+import os
+import socket
+import struct
+import threading
+import uuid
+
+import pytest
+
+from nodes import convert
+from parallel_runtime.spec import StrategySpec
+from parallel_runtime.topology import validate_strategy
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WF_DIR = os.path.join(REPO, "example_workflows")
+API_DIR = os.path.join(WF_DIR, "api")
+FAMILIES = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pipefusion", "flux_dev_cfg_parallel",
+            "flux_dev_hybrid", "flux_schnell")
+FLUX_HEADS, FLUX_BLOCKS = 24, 19 + 38  # FLUX.1 dev/schnell: 19 double + 38 single blocks
+
+# Core ComfyUI nodes the workflows may use (as of ComfyUI a125cd8): widget inputs in order, socket inputs
+# in order, output types. UI-only nodes (notes) have no API twin.
+CORE = {
+    "DualCLIPLoader": (["clip_name1", "clip_name2", "type", "device"], {}, ["CLIP"]),
+    "CLIPTextEncode": (["text"], {"clip": "CLIP"}, ["CONDITIONING"]),
+    "FluxGuidance": (["guidance"], {"conditioning": "CONDITIONING"}, ["CONDITIONING"]),
+    "ConditioningZeroOut": ([], {"conditioning": "CONDITIONING"}, ["CONDITIONING"]),
+    "EmptySD3LatentImage": (["width", "height", "batch_size"], {}, ["LATENT"]),
+    "VAELoader": (["vae_name"], {}, ["VAE"]),
+    "VAEDecode": ([], {"samples": "LATENT", "vae": "VAE"}, ["IMAGE"]),
+    "SaveImage": (["filename_prefix"], {"images": "IMAGE"}, []),
+}
+UI_ONLY = {"MarkdownNote", "Note"}
+OPTIONAL_CORE = {("DualCLIPLoader", "device")}
+
+
+def _ours():
+    """class -> (InputSpec rows, output types), straight from nodes/convert.py."""
+    return {
+        "ParaDiTStrategy": (convert.STRATEGY_INPUTS, [convert.STRATEGY_TYPE]),
+        "ParaDiTLoader": (convert.loader_inputs(["flux1-dev.safetensors", "flux1-schnell.safetensors"]),
+                          [convert.MODEL_TYPE]),
+        "ParaDiTSampler": (convert.sampler_inputs(convert.sampler_names(), convert.scheduler_names()), ["LATENT"]),
+    }
+
+
+OURS = _ours()
+WIDGET_KINDS = {"int", "float", "string", "combo"}
+
+
+def node_interface(cls: str):
+    """(widget names in order, {socket: type}, required names, output types, {widget: InputSpec or None})."""
+    if cls in OURS:
+        specs, outputs = OURS[cls]
+        widgets = [s.id for s in specs if s.kind in WIDGET_KINDS]
+        sockets = {s.id: s.kind for s in specs if s.kind not in WIDGET_KINDS}
+        required = {s.id for s in specs if not s.optional}
+        return widgets, sockets, required, outputs, {s.id: s for s in specs}
+    widgets, sockets, outputs = CORE[cls]
+    required = {n for n in widgets + list(sockets) if (cls, n) not in OPTIONAL_CORE}
+    return widgets, sockets, required, outputs, {}
+
+
+def _load(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def ui_files():
+    return sorted(f for f in os.listdir(WF_DIR) if f.endswith(".json"))
+
+
+def api_files():
+    return sorted(f for f in os.listdir(API_DIR) if f.endswith(".json"))
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def test_every_family_has_a_ui_workflow_and_an_api_twin():
+    assert ui_files() == api_files()
+    assert sorted(os.path.splitext(f)[0] for f in ui_files()) == sorted(FAMILIES)
+    for sub in os.listdir(WF_DIR):  # ComfyUI lists top-level *.json only; keep api/ the only folder
+        assert sub.endswith(".json") or sub == "api", sub
+
+
+@pytest.mark.parametrize("name", ui_files())
+def test_ui_workflow_is_a_consistent_graph(name):
+    wf = _load(os.path.join(WF_DIR, name))
+    assert wf["version"] == 0.4 and isinstance(wf["nodes"], list) and isinstance(wf["links"], list)
+    # The fields the frontend's workflow schema (zComfyWorkflow, version 0.4) requires of a graph and a node.
+    uuid.UUID(wf["id"])
+    assert isinstance(wf["last_link_id"], int) and isinstance(wf["extra"]["ds"]["scale"], (int, float))
+    for n in wf["nodes"]:
+        assert isinstance(n["id"], int) and isinstance(n["type"], str), n
+        assert all(len(n[k]) == 2 and all(isinstance(v, (int, float)) for v in n[k]) for k in ("pos", "size"))
+        assert isinstance(n["flags"], dict) and isinstance(n["order"], int) and n["mode"] == 0
+        assert isinstance(n["properties"], dict) and isinstance(n["widgets_values"], list)
+        for model in n["properties"].get("models", []):
+            assert set(model) == {"name", "url", "directory"} and model["url"].startswith("https://")
+            assert model["name"] in n["widgets_values"]
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    assert len(nodes) == len(wf["nodes"]), "duplicate node ids"
+    assert wf["last_node_id"] >= max(nodes) and wf["last_link_id"] >= max(l[0] for l in wf["links"])
+    assert sorted(n["order"] for n in wf["nodes"]) == list(range(len(nodes)))
+    for link_id, src, src_slot, dst, dst_slot, typ in wf["links"]:
+        out = nodes[src]["outputs"][src_slot]
+        inp = nodes[dst]["inputs"][dst_slot]
+        assert link_id in out["links"] and inp["link"] == link_id, link_id
+        assert out["type"] == inp["type"] == typ, link_id
+        assert nodes[src]["order"] < nodes[dst]["order"], "order must be a topological order"
+    linked = {l[0] for l in wf["links"]}
+    for n in wf["nodes"]:
+        for inp in n.get("inputs", []):
+            assert inp["link"] is None or inp["link"] in linked
+        for out in n.get("outputs", []):
+            assert set(out["links"] or []) <= linked
+        if n["type"] in UI_ONLY:
+            continue
+        widgets, sockets, required, outputs, _ = node_interface(n["type"])
+        assert [i["name"] for i in n["inputs"]] == list(sockets), n["type"]
+        assert [o["type"] for o in n["outputs"]] == outputs, n["type"]
+        for i in n["inputs"]:
+            assert i["type"] == sockets[i["name"]]
+            assert i["link"] is not None or i["name"] not in required, f"{n['type']}.{i['name']} is unconnected"
+
+
+@pytest.mark.parametrize("name", api_files())
+def test_api_workflow_uses_known_nodes_and_inputs(name):
+    graph = _load(os.path.join(API_DIR, name))
+    assert graph and all(isinstance(k, str) and k.isdigit() for k in graph)
+    for nid, node in graph.items():
+        cls = node["class_type"]
+        assert cls in OURS or cls in CORE, f"node {nid}: unexpected class {cls}"
+        widgets, sockets, required, _, specs = node_interface(cls)
+        inputs = node["inputs"]
+        assert set(inputs) <= set(widgets) | set(sockets), f"{cls}: unknown inputs {set(inputs) - set(widgets) - set(sockets)}"
+        assert required <= set(inputs), f"{cls}: missing {required - set(inputs)}"
+        for key, value in inputs.items():
+            if key in sockets:
+                assert isinstance(value, list) and len(value) == 2, f"{cls}.{key} must be a link"
+                src, slot = value
+                assert src in graph, f"{cls}.{key} links to missing node {src}"
+                src_outputs = node_interface(graph[src]["class_type"])[3]
+                assert slot < len(src_outputs) and src_outputs[slot] == sockets[key], f"{cls}.{key}: wrong type"
+                continue
+            assert not isinstance(value, list), f"{cls}.{key} must be a value"
+            spec = specs.get(key)
+            if spec is None:
+                continue
+            opts = spec.options
+            if spec.kind == "int":
+                assert isinstance(value, int) and opts["min"] <= value <= opts["max"], (cls, key, value)
+            elif spec.kind == "float":
+                assert isinstance(value, (int, float)) and opts["min"] <= value <= opts["max"], (cls, key, value)
+            elif spec.kind == "string":
+                assert isinstance(value, str), (cls, key, value)
+            elif spec.kind == "combo":
+                assert value in opts["options"], (cls, key, value)
+        if cls == "ParaDiTStrategy":
+            convert.strategy_choice(**inputs)  # the node's own range checks
+
+
+@pytest.mark.parametrize("name", ui_files())
+def test_ui_and_api_twins_agree(name):
+    ui = _load(os.path.join(WF_DIR, name))
+    api = _load(os.path.join(API_DIR, name))
+    nodes = {str(n["id"]): n for n in ui["nodes"] if n["type"] not in UI_ONLY}
+    assert set(nodes) == set(api)
+    links = {l[0]: l for l in ui["links"]}
+    for nid, n in nodes.items():
+        a = api[nid]
+        assert a["class_type"] == n["type"]
+        assert a.get("_meta", {}).get("title") == n.get("title", n["type"])
+        widgets, sockets, _, _, specs = node_interface(n["type"])
+        values = list(n["widgets_values"])
+        for w in widgets:
+            assert values, f"{name} node {nid}: too few widgets_values"
+            assert a["inputs"][w] == values.pop(0), f"{name} node {nid}.{w}"
+            spec = specs.get(w)
+            if spec is not None and spec.options.get("control_after_generate"):
+                assert values.pop(0) in ("fixed", "increment", "decrement", "randomize")
+        assert not values, f"{name} node {nid}: extra widgets_values {values}"
+        for slot, inp in enumerate(n["inputs"]):
+            if inp["link"] is None:
+                assert inp["name"] not in a["inputs"]
+                continue
+            _, src, src_slot, dst, dst_slot, _ = links[inp["link"]]
+            assert (str(dst), dst_slot) == (nid, slot)
+            assert a["inputs"][inp["name"]] == [str(src), src_slot], f"{name} node {nid}.{inp['name']}"
+        assert {k for k, v in a["inputs"].items() if isinstance(v, list)} == {i["name"] for i in n["inputs"] if i["link"]}
+
+
+def _by_class(graph):
+    out = {}
+    for nid, node in graph.items():
+        out.setdefault(node["class_type"], []).append(node)
+    return out
+
+
+@pytest.mark.parametrize("name", api_files())
+def test_workflow_is_flux_text_to_image_and_its_strategy_fits(name):
+    graph = _load(os.path.join(API_DIR, name))
+    c = _by_class(graph)
+    (loader,), (strategy,), (sampler,) = c["ParaDiTLoader"], c["ParaDiTStrategy"], c["ParaDiTSampler"]
+    (clip,), (latent,), (vae,), (decode,), (save,) = (c[k] for k in ("DualCLIPLoader", "EmptySD3LatentImage",
+                                                                      "VAELoader", "VAEDecode", "SaveImage"))
+    schnell = name.startswith("flux_schnell")
+    assert loader["inputs"]["unet_name"] == ("flux1-schnell.safetensors" if schnell else "flux1-dev.safetensors")
+    assert clip["inputs"] == {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors",
+                              "type": "flux", "device": "default"}
+    assert vae["inputs"]["vae_name"] == "ae.safetensors"
+    assert (latent["inputs"]["width"], latent["inputs"]["height"]) == (1024, 1024)
+    assert ("FluxGuidance" in c) == (not schnell)
+    assert graph[sampler["inputs"]["positive"][0]]["class_type"] == ("CLIPTextEncode" if schnell else "FluxGuidance")
+    assert graph[decode["inputs"]["samples"][0]] is sampler and graph[save["inputs"]["images"][0]] is decode
+    assert graph[loader["inputs"]["strategy"][0]] is strategy
+    s = sampler["inputs"]
+    if schnell:
+        assert (s["steps"], s["cfg"]) == (4, 1.0)
+
+    st = strategy["inputs"]
+    devices = loader["inputs"]["devices"]
+    if st["mode"] == "auto":
+        assert devices == "auto"
+        return
+    n_devices = len(devices.split(","))
+    spec = StrategySpec(cfg_degree=st["cfg_degree"], pipefusion_degree=st["pipefusion_degree"],
+                        ulysses_degree=st["ulysses_degree"], ring_degree=st["ring_degree"],
+                        num_pipeline_patch=st["num_pipeline_patch"], warmup_steps=st["warmup_steps"])
+    validate_strategy(spec, world_size=n_devices, heads=FLUX_HEADS, num_blocks=FLUX_BLOCKS,
+                      latent_hw=(latent["inputs"]["height"] // 8, latent["inputs"]["width"] // 8),
+                      cfg_scale=s["cfg"], steps=s["steps"])
+    family = name[len("flux_dev_"):-len(".json")]
+    degrees = {"ulysses": spec.ulysses_degree, "ring": spec.ring_degree, "pipefusion": spec.pipefusion_degree,
+               "cfg_parallel": spec.cfg_degree}
+    if family in degrees:
+        assert degrees[family] == n_devices > 1, "a single-family workflow uses that family alone"
+    if family == "hybrid":
+        assert sum(d > 1 for d in degrees.values()) >= 2
+    if spec.cfg_degree == 2:  # needs true CFG with a real negative prompt
+        negative = graph[s["negative"][0]]
+        assert s["cfg"] > 1 and negative["class_type"] == "CLIPTextEncode" and negative["inputs"]["text"].strip()
+
+
+# ---------------------------------------------------------------------------------------------------
+# scripts/queue_workflow.py without a server.
+
+def _script():
+    spec = importlib.util.spec_from_file_location("queue_workflow", os.path.join(REPO, "scripts", "queue_workflow.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+qw = _script()
+
+
+@pytest.mark.parametrize("name", api_files())
+def test_script_loads_every_api_workflow_and_refuses_ui_ones(name):
+    assert qw.load_workflow(os.path.join(API_DIR, name)) == _load(os.path.join(API_DIR, name))
+    with pytest.raises(qw.WorkflowError, match="UI-format"):
+        qw.load_workflow(os.path.join(WF_DIR, name))
+
+
+def test_script_overrides():
+    graph = _load(os.path.join(API_DIR, "flux_dev_ulysses.json"))
+    out = qw.apply_overrides(graph, ["ParaDiTSampler.seed=7", "Load Parallel DiT.devices=cpu:2", "7.width=512",
+                                     'ParaDiTSampler.cfg=2.5', 'Strategy Selector.mode="auto"'])
+    by = {n["class_type"]: n["inputs"] for n in out.values()}
+    assert by["ParaDiTSampler"]["seed"] == 7 and by["ParaDiTSampler"]["cfg"] == 2.5
+    assert by["ParaDiTLoader"]["devices"] == "cpu:2" and by["ParaDiTStrategy"]["mode"] == "auto"
+    assert out["7"]["inputs"]["width"] == 512
+    assert graph["7"]["inputs"]["width"] == 1024, "the loaded graph is left as it was"
+    for bad, text in [("ParaDiTSampler.seed", "NODE.INPUT=VALUE"), ("Nope.seed=1", "no node with that id"),
+                      ("ParaDiTSampler.sed=1", "has no input 'sed'")]:
+        with pytest.raises(qw.WorkflowError, match=text):
+            qw.apply_overrides(graph, [bad])
+    two_prompts = _load(os.path.join(API_DIR, "flux_dev_cfg_parallel.json"))
+    with pytest.raises(qw.WorkflowError, match="matches nodes 4, 6"):
+        qw.apply_overrides(two_prompts, ["CLIPTextEncode.text=x"])
+    assert qw.base_url("127.0.0.1:8188") == "http://127.0.0.1:8188"
+    assert qw.base_url("https://host:1/") == "https://host:1"
+    assert qw.parse_value("0,1") == "0,1" and qw.parse_value("[\"4\", 0]") == ["4", 0]
+
+
+def test_output_files_lists_every_file_entry():
+    outputs = {"9": {"images": [{"filename": "a.png", "subfolder": "x", "type": "output"}]},
+               "13": {"latents": [{"filename": "b.latent", "subfolder": "latents", "type": "output"}],
+                      "text": ["not a file"]}}
+    assert [(f["node"], f["kind"], f["filename"]) for f in qw.output_files(outputs)] == [
+        ("9", "images", "a.png"), ("13", "latents", "b.latent")]
+
+
+def _frame(opcode: int, payload: bytes, fin: bool = True) -> bytes:
+    n = len(payload)
+    head = bytes([(0x80 if fin else 0) | opcode])
+    if n < 126:
+        head += bytes([n])
+    elif n < 1 << 16:
+        head += bytes([126]) + struct.pack(">H", n)
+    else:
+        head += bytes([127]) + struct.pack(">Q", n)
+    return head + payload
+
+
+def test_websocket_client_against_a_local_server():
+    """Handshake, text/binary/fragmented/large frames, ping -> pong, masked client frames, close."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    seen = {}
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(4096)
+            request = data.decode()
+            seen["path"] = request.split(" ")[1]
+            key = [l.split(":", 1)[1].strip() for l in request.split("\r\n") if l.lower().startswith("sec-websocket-key")][0]
+            accept = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest())
+            conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n"
+                         + _frame(1, b'{"type": "status"}')  # arrives with the handshake's last packet
+                         + _frame(9, b"hi")
+                         + _frame(1, b'{"type": "prog', fin=False) + _frame(0, b'ress"}')
+                         + _frame(2, struct.pack(">I", 3) + struct.pack(">I", 1) + b"8hello")
+                         + _frame(1, json.dumps({"type": "big", "data": "x" * 70000}).encode()))
+            # read the client's pong (masked)
+            b0, b1 = conn.recv(2)
+            mask = conn.recv(4)
+            payload = bytes(c ^ mask[i % 4] for i, c in enumerate(conn.recv(b1 & 0x7F)))
+            seen["pong"] = (b0 & 0x0F, bool(b1 & 0x80), payload)
+            conn.sendall(_frame(8, struct.pack(">H", 1000)))
+            conn.recv(64)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    ws = qw.WebSocket(f"ws://127.0.0.1:{port}/ws?clientId=abc", timeout=10)
+    try:
+        assert ws.recv(5) == (1, b'{"type": "status"}')
+        assert ws.recv(5) == (1, b'{"type": "progress"}')
+        opcode, payload = ws.recv(5)
+        assert opcode == 2 and payload.endswith(b"8hello")
+        opcode, payload = ws.recv(5)
+        assert opcode == 1 and len(json.loads(payload)["data"]) == 70000
+        with pytest.raises(qw.WebSocketClosed):
+            ws.recv(5)
+    finally:
+        ws.close()
+        thread.join(10)
+        srv.close()
+    assert seen["path"] == "/ws?clientId=abc"
+    assert seen["pong"] == (0xA, True, b"hi")
