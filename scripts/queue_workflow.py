@@ -4,12 +4,12 @@
 Standard library only (a minimal websocket client is included), so it runs with any Python 3.10+,
 on the ComfyUI machine or beside it. Typical use, with ComfyUI running on port 8188:
 
-    python scripts/queue_workflow.py --workflow example_workflows/api/flux_dev_ulysses.json \\
+    python scripts/queue_workflow.py --workflow workflows/api/flux_dev_ulysses.json \\
         --set ParaDiTLoader.devices=0,1 --set ParaDiTStrategy.ulysses_degree=2 \\
         --set 4.text="a lighthouse at dusk" --set ParaDiTSampler.seed=7 --out ./outputs
 
 What it does:
-  1. reads the workflow (API format: ComfyUI's "Export (API)" menu item, or example_workflows/api/);
+  1. reads the workflow (API format: ComfyUI's "Export (API)" menu item, or workflows/api/);
   2. applies each ``--set NODE.INPUT=VALUE``: NODE is a node id ("8"), a class type ("ParaDiTSampler")
      or a node title ("Parallel Sampler") naming exactly one node; VALUE is read as JSON when it parses
      (42, 3.5, true, ["4", 0]) and as a plain string otherwise (cpu:2, a prompt text);
@@ -202,7 +202,7 @@ def load_workflow(path: str) -> dict:
         data = data["prompt"]  # a saved POST /prompt body
     if isinstance(data, dict) and "nodes" in data and "links" in data:
         raise WorkflowError(f"{path} is a UI-format workflow (for drag-and-drop); this script needs the API "
-                            f"format: use the twin in example_workflows/api/ or ComfyUI's Export (API).")
+                            f"format: use the twin in workflows/api/ or ComfyUI's Export (API).")
     if not isinstance(data, dict) or not data or not all(
             isinstance(n, dict) and "class_type" in n for n in data.values()):
         raise WorkflowError(f"{path} is not an API-format workflow (a JSON object of node id -> "
@@ -438,7 +438,7 @@ def format_rejection(error: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Queue an API-format ComfyUI workflow, follow its progress, download its outputs.",
-        epilog="Example: %(prog)s --workflow example_workflows/api/flux_dev_ulysses.json "
+        epilog="Example: %(prog)s --workflow workflows/api/flux_dev_ulysses.json "
                "--set ParaDiTLoader.devices=0,1 --set ParaDiTStrategy.ulysses_degree=2 "
                "--set ParaDiTSampler.seed=7 --out outputs")
     parser.add_argument("--server", default="127.0.0.1:8188", help="ComfyUI address (default 127.0.0.1:8188)")

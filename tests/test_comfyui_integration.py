@@ -357,20 +357,20 @@ def test_object_info_lists_the_three_nodes(server):
     assert set(req["scheduler"][1]["options"]) <= set(ks["scheduler"][0])
 
 
-def test_example_workflows_are_served_as_templates(server):
-    names = sorted(os.path.splitext(f)[0] for f in os.listdir(os.path.join(REPO, "example_workflows"))
+def test_workflows_are_served_as_templates(server):
+    names = sorted(os.path.splitext(f)[0] for f in os.listdir(os.path.join(REPO, "workflows"))
                    if f.endswith(".json"))
     assert names, "no example workflows"
     listed = server.get("/workflow_templates")
     assert sorted(listed.get("ParaDiT", [])) == names  # API twins in api/ are not templates
     served = json.loads(server.get_bytes(f"/api/workflow_templates/ParaDiT/{names[0]}.json"))
-    with open(os.path.join(REPO, "example_workflows", f"{names[0]}.json")) as f:
+    with open(os.path.join(REPO, "workflows", f"{names[0]}.json")) as f:
         assert served == json.load(f)
 
 
 def test_example_api_workflow_passes_validation_except_missing_models(server):
     """The shipped API graph is accepted by ComfyUI's validator, apart from model files this host lacks."""
-    graph = qw.load_workflow(os.path.join(REPO, "example_workflows", "api", "flux_dev_ulysses.json"))
+    graph = qw.load_workflow(os.path.join(REPO, "workflows", "api", "flux_dev_ulysses.json"))
     result = server.run(graph)
     assert result["status"] == "rejected"
     errors = result["error"].get("node_errors", {})
@@ -432,7 +432,7 @@ def test_two_workers_match_one(server, reference, strat, cfg):
 
 
 def test_auto_strategy_runs_and_shows_its_choice(server):
-    """mode auto (as in example_workflows/flux_dev_auto.json): the runtime picks, the Strategy Selector says what."""
+    """mode auto (as in workflows/flux_dev_auto.json): the runtime picks, the Strategy Selector says what."""
     texts = []
 
     def on_message(msg):
@@ -524,8 +524,8 @@ def _png_size(path: str) -> tuple[int, int]:
 
 
 def test_queue_workflow_script_runs_an_example_workflow(server, tmp_path):
-    """example_workflows/api/flux_dev_ulysses.json with the text encoders and VAE swapped for test nodes."""
-    graph = qw.load_workflow(os.path.join(REPO, "example_workflows", "api", "flux_dev_ulysses.json"))
+    """workflows/api/flux_dev_ulysses.json with the text encoders and VAE swapped for test nodes."""
+    graph = qw.load_workflow(os.path.join(REPO, "workflows", "api", "flux_dev_ulysses.json"))
     by_type = {n["class_type"]: nid for nid, n in graph.items()}
     sampler = graph[by_type["ParaDiTSampler"]]
     for nid in [nid for nid, n in graph.items()
@@ -557,6 +557,6 @@ def test_queue_workflow_script_runs_an_example_workflow(server, tmp_path):
     assert bad.returncode == 2 and "has no input 'sed'" in bad.stderr
     # A UI-format file is recognised and pointed at its API twin.
     ui = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "queue_workflow.py"), "--server",
-                         server.address, "--workflow", os.path.join(REPO, "example_workflows", "flux_dev_ulysses.json")],
+                         server.address, "--workflow", os.path.join(REPO, "workflows", "flux_dev_ulysses.json")],
                         capture_output=True, text=True, timeout=60)
     assert ui.returncode == 2 and "UI-format" in ui.stderr

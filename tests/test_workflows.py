@@ -1,6 +1,6 @@
 """The shipped example workflows and the headless client script, checked without a ComfyUI host.
 
-- every file in example_workflows/ (UI format, drag-and-drop / template menu) and example_workflows/api/
+- every file in workflows/ (UI format, drag-and-drop / template menu) and workflows/api/
   (API format, for POST /prompt and scripts/queue_workflow.py) parses;
 - API graphs use only ParaDiT's nodes, with exactly the inputs nodes/convert.py declares, and the core
   nodes listed below, with links of the right types;
@@ -28,7 +28,7 @@ from parallel_runtime.spec import StrategySpec
 from parallel_runtime.topology import validate_strategy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WF_DIR = os.path.join(REPO, "example_workflows")
+WF_DIR = os.path.join(REPO, "workflows")
 API_DIR = os.path.join(WF_DIR, "api")
 FAMILIES = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pipefusion", "flux_dev_cfg_parallel",
             "flux_dev_hybrid", "flux_schnell")
