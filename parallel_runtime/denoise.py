@@ -271,7 +271,6 @@ class Denoiser:
             idx = layout.image_index(me, patches)
             return idx, self._rope(layout.positions(me, patches))
 
-
         text_rows = layout.text_rows(me)
         n_text = len(text_rows)
         text = self._text(text_rows) if first else None
@@ -286,7 +285,7 @@ class Denoiser:
             sends.append((self.comm.isend(tensor, dst, op=op), tensor))
 
         def stage_forward(i, patches, temb, incoming):
-            """Run this stage's blocks on one token set; returns the last stage's new x rows or None."""
+            """Run this stage's blocks on one token set; the last stage also samples and sends x back."""
             idx, rope = configure(patches)
             if first:
                 image, txt = self.adapter.embed_image(self._repeat(x[:, idx])), text
@@ -295,7 +294,7 @@ class Denoiser:
             image, txt = self.adapter.run_blocks(image, txt, temb, rope)
             if not last:
                 send(torch.cat([txt, image], dim=1).contiguous(), next_rank, "pipefusion")
-                return None
+                return
             x_rows = x[:, idx]
             den = self._denoised(i, x_rows, image, temb)
             # The sampler works on contiguous slices; a rank's rows are one slice per patch.
@@ -306,7 +305,6 @@ class Denoiser:
                 offset += n
             if i + 1 < n_steps:
                 send(x[:, idx].contiguous(), pp.ranks[0], "pipefusion_x")
-            return None
 
         def receive_x(patches):
             idx = layout.image_index(me, patches)
@@ -316,8 +314,9 @@ class Denoiser:
         def n_image(patches):
             return len(patches) * (layout.patch_len // layout.shards)
 
-        # What the last stage sends back after step i: the whole shard during warmup, else patch by patch.
-        def returned(i):
+        # The token sets of step i, in order: the whole image while warming up, then patch by patch. The
+        # last stage sends x back in the same pieces.
+        def schedule_of(i):
             return [all_patches] if i < warmup else [[p] for p in all_patches]
 
         i = 0
@@ -326,7 +325,7 @@ class Denoiser:
                 t0 = time.perf_counter()
                 self._check_cancel()
                 temb = self._temb(i)
-                schedule = [all_patches] if i < warmup else [[p] for p in all_patches]
+                schedule = schedule_of(i)
                 if first and i > 0 and i - 1 < warmup:
                     receive_x(all_patches)  # the update of the last synchronous step
                 pending = None
@@ -347,7 +346,7 @@ class Denoiser:
             # Stage 0 drains what the last stage already sent back after step i-1, so no message is left
             # in flight to pair with the next job's receives.
             if first and i > 0:
-                for patches in returned(i - 1):
+                for patches in schedule_of(i - 1):
                     receive_x(patches)
             raise
         finally:

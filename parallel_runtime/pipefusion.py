@@ -47,36 +47,52 @@ class StaleKVAttention:
         return self.inner(q, k_all, v_all, layer)
 
 
-def split_stages(block_costs: list[int], stages: int) -> list[range]:
-    """Contiguous block ranges, one per stage, that minimise the largest stage cost (parameter bytes).
+def split_stages(compute: list[float], stages: int, memory: list[int] | None = None,
+                 memory_slack: float = 1.15) -> list[range]:
+    """Contiguous block ranges, one per stage: the slowest stage as fast as possible, while no stage holds
+    more than `memory_slack` x its fair share of parameter bytes.
 
-    Exhaustive over cut points for small counts would be exponential; the classic binary search on the
-    answer with a greedy fill is exact for contiguous partitions and linear per probe.
+    Compute and memory disagree for Flux: a double-stream block carries 2.4x a single-stream block's
+    parameters (two weight sets) but does the same work per token. Balancing bytes alone leaves the
+    single-block stages ~1.8x slower; balancing work alone puts ~1.3x the fair share of weights on one
+    device. If no split meets the memory cap, the cap becomes the smallest achievable one.
     """
-    n = len(block_costs)
-    if stages > n:
-        raise ValueError("more stages than blocks")
+    n = len(compute)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot split {n} blocks into {stages} stages")
+    memory = list(memory) if memory is not None else [1] * n
 
-    def fits(limit: int) -> list[int] | None:
-        cuts, acc = [], 0
-        for i, c in enumerate(block_costs):
-            # Leave at least one block for each remaining stage.
-            if acc + c > limit or (n - i) == (stages - len(cuts) - 1) and acc > 0:
-                if acc == 0:
-                    return None
-                cuts.append(i)
-                acc = 0
-            acc += c
-        if acc > limit or len(cuts) != stages - 1:
+    def best(cost: list[float], cap_on: list[int] | None, cap: float) -> tuple[float, list[int]] | None:
+        """Min over contiguous splits of the max segment `cost`, segments' `cap_on` sums <= cap (DP)."""
+        prefix_c, prefix_m = [0.0], [0]
+        for c, m in zip(cost, cap_on or [0] * n):
+            prefix_c.append(prefix_c[-1] + c)
+            prefix_m.append(prefix_m[-1] + m)
+        inf = float("inf")
+        # value[k][i]: best max-cost of splitting the first i blocks into k stages; cut[k][i]: last cut.
+        value = [[inf] * (n + 1) for _ in range(stages + 1)]
+        cut = [[0] * (n + 1) for _ in range(stages + 1)]
+        value[0][0] = 0.0
+        for k in range(1, stages + 1):
+            for i in range(k, n + 1):
+                for j in range(k - 1, i):
+                    if value[k - 1][j] == inf or prefix_m[i] - prefix_m[j] > cap:
+                        continue
+                    v = max(value[k - 1][j], prefix_c[i] - prefix_c[j])
+                    if v < value[k][i]:
+                        value[k][i], cut[k][i] = v, j
+        if value[stages][n] == inf:
             return None
-        return cuts
+        cuts, i = [], n
+        for k in range(stages, 0, -1):
+            cuts.append(i)
+            i = cut[k][i]
+        return value[stages][n], [0] + cuts[::-1]
 
-    lo, hi = max(block_costs), sum(block_costs)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid) is not None:
-            hi = mid
-        else:
-            lo = mid + 1
-    cuts = [0] + fits(lo) + [n]
-    return [range(cuts[i], cuts[i + 1]) for i in range(stages)]
+    cap = memory_slack * sum(memory) / stages
+    found = best(compute, memory, cap)
+    if found is None:
+        smallest, _ = best([float(m) for m in memory], None, float("inf"))
+        found = best(compute, memory, smallest)
+    bounds = found[1]
+    return [range(bounds[k], bounds[k + 1]) for k in range(stages)]

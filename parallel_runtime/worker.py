@@ -59,8 +59,7 @@ class WorkerState:
         from .attention.processor import AttentionContext
         from .loading import CheckpointReader
         from .models.flux import build_transformer, detect_layout, infer_config
-        from .models.flux_adapter import FluxAdapter, block_costs, stage_ownership
-        from .pipefusion import split_stages
+        from .models.flux_adapter import FluxAdapter, pipeline_stages, stage_ownership
 
         path = model_spec["path"]
         stat = os.stat(path)
@@ -73,7 +72,7 @@ class WorkerState:
         with CheckpointReader(path) as reader:
             layout, prefix = detect_layout(reader.keys(), os.path.basename(path))
             config = infer_config(reader, layout, prefix)
-            blocks = split_stages(block_costs(config), stages)[stage]
+            blocks = pipeline_stages(config, stages)[stage]
             owned = stage_ownership(config, blocks, first=stage == 0, last=stage == stages - 1)
             dtype = resolve_dtype(model_spec["weight_dtype"], self.device)
             model = build_transformer(config, reader, layout, prefix, owned=owned, dtype=dtype, device=self.device)

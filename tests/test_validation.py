@@ -104,3 +104,20 @@ def test_protocol_carries_tensors_without_pickle():
     assert b"pickle" not in blob and b"\x80\x04" not in blob[:16]
     kind, meta, tensors = decode(blob)
     assert (kind, meta["a"], tensors["x"].dtype, tensors["x"].shape) == ("job", [1, 2], torch.bfloat16, (2, 3))
+
+
+def test_pipeline_stages_balance_work_within_the_memory_cap():
+    from parallel_runtime.pipefusion import split_stages
+
+    # Real Flux-dev: 19 double blocks (36 h^2 of weights) then 38 single (15 h^2); equal work per block.
+    memory = [36] * 19 + [15] * 38
+    for n in (2, 4, 8):
+        stages = split_stages([1.0] * 57, n, memory)
+        assert [r.start for r in stages][0] == 0 and stages[-1].stop == 57
+        assert all(a.stop == b.start for a, b in zip(stages, stages[1:]))
+        per_stage = [sum(memory[i] for i in r) for r in stages]
+        assert max(per_stage) <= 1.15 * sum(memory) / n + 1e-9
+    # Two stages: the fewest blocks the slowest stage can have under the 1.15x cap is 36 (of 57).
+    assert max(len(r) for r in split_stages([1.0] * 57, 2, memory)) == 36
+    # An infeasible cap falls back to the smallest achievable byte share.
+    assert split_stages([1.0] * 3, 3, [10, 1, 1]) == [range(0, 1), range(1, 2), range(2, 3)]
