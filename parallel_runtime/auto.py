@@ -1,0 +1,188 @@
+"""mode=auto: pick the degrees for a job from the cost model, calibrated on the machine at hand.
+
+Every StrategySpec that fits the device count, the model (heads, blocks), the latent (divisibility) and
+cfg is projected with `costmodel.project`; those that do not fit in memory are dropped (a model that does
+not fit replicated therefore ends up on PipeFusion stages), and the fastest projected job wins. Naive
+patch parallelism is a quality baseline, never a choice. PipeFusion (stale activations, not bit-exact)
+must beat the best exact strategy by more than `EXACT_PREFERENCE` to be picked when both fit.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from . import costmodel
+from .devices import parse_devices
+from .errors import ConfigError
+from .spec import StrategySpec
+from .topology import validate_strategy
+
+EXACT_PREFERENCE = 0.03  # PipeFusion must be >3% faster than the best exact strategy to be chosen
+DEFAULT_TEXT_TOKENS = 256  # T5 tokens of a typical Flux prompt as ComfyUI encodes it
+DEFAULT_STEPS = 20
+CPU_WORKER_OVERHEAD = 600 * 2**20  # interpreter, torch and diffusers in each CPU worker
+
+
+@dataclass
+class Candidate:
+    strategy: StrategySpec
+    projection: costmodel.Projection
+    memory: dict
+    fits: bool
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_strategies(world: int, cfg: float, *, heads: int, num_blocks: int, latent_hw: tuple[int, int],
+                         warmup_steps: int = 1) -> list[StrategySpec]:
+    """Every valid (cfg x pipefusion x ring x ulysses) split of `world`, PipeFusion with M = P and 2P."""
+    out = []
+    uses_uncond = abs(cfg - 1.0) > 1e-9
+    for c, p, r in itertools.product((1, 2), _divisors(world), _divisors(world)):
+        if world % (c * p * r):
+            continue
+        u = world // (c * p * r)
+        if c == 2 and not uses_uncond:
+            continue
+        for m in ((p, 2 * p) if p > 1 else (0,)):
+            s = StrategySpec(cfg_degree=c, pipefusion_degree=p, ulysses_degree=u, ring_degree=r,
+                             num_pipeline_patch=m if p > 1 else 0, warmup_steps=warmup_steps)
+            try:
+                validate_strategy(s, world_size=world, heads=heads, num_blocks=num_blocks, latent_hw=latent_hw,
+                                  cfg_scale=cfg)
+            except ConfigError:
+                continue
+            out.append(s)
+    return out
+
+
+def device_memory_budget(devices: list[str]) -> int:
+    """Bytes one worker may use: free GPU memory, or the host's available memory shared by CPU workers."""
+    if devices[0].startswith("cuda"):
+        return min(int(torch.cuda.mem_get_info(torch.device(d))[0] * 0.9) for d in devices)
+    import psutil
+
+    cpu_workers = sum(d == "cpu" for d in devices)
+    return int(psutil.virtual_memory().available * 0.85 / max(cpu_workers, 1)) - CPU_WORKER_OVERHEAD
+
+
+def _dtype_bytes(weight_dtype: str, device: str) -> int:
+    if weight_dtype == "default":
+        return 2 if device.startswith("cuda") else 4
+    return {"fp32": 4, "bf16": 2, "fp16": 2}.get(weight_dtype, 4)
+
+
+def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str], calib: costmodel.Calibration, *,
+                    text_len: int, steps: int, weight_dtype: str = "default", memory_budget_bytes: int | None = None,
+                    warmup_steps: int = 1) -> list[Candidate]:
+    """All candidates, projected and checked against memory, fastest first."""
+    b, _, h, w = latent_shape
+    world = len(devices)
+    e = _dtype_bytes(weight_dtype, devices[0])
+    budget = device_memory_budget(devices) if memory_budget_bytes is None else memory_budget_bytes
+    layout = costmodel.param_layout(config)
+    out = []
+    for s in candidate_strategies(world, cfg, heads=config.num_heads,
+                                  num_blocks=config.num_layers + config.num_single_layers, latent_hw=(h, w),
+                                  warmup_steps=warmup_steps):
+        mem = costmodel.rank_memory(s, config, text_tokens=text_len, image_tokens=(h // 2) * (w // 2), batch=b,
+                                    cfg=cfg, weight_bytes=e, act_bytes=e, layout=layout)
+        proj = costmodel.project(s, config, calib, cfg=cfg, steps=steps, batch=b, act_bytes=e)
+        out.append(Candidate(s, proj, mem, mem["total"] <= budget))
+    out.sort(key=lambda c: c.projection.job_s)
+    return out
+
+
+def pick(candidates: list[Candidate]) -> Candidate | None:
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        return None
+    best = fitting[0]
+    exact = [c for c in fitting if c.strategy.pipefusion_degree == 1]
+    if best.strategy.pipefusion_degree > 1 and exact:
+        if exact[0].projection.job_s <= best.projection.job_s * (1 + EXACT_PREFERENCE):
+            best = exact[0]
+    return best
+
+
+def _gb(n: float) -> str:
+    return f"{n / 2**30:.1f} GB"
+
+
+def describe_choice(best: Candidate, candidates: list[Candidate], serial_job_s: float, cfg: float,
+                    calib: costmodel.Calibration, budget: int) -> str:
+    s, proj = best.strategy, best.projection
+    label = _strategy_text(s)
+    speedup = serial_job_s / proj.job_s if proj.job_s > 0 else float("nan")
+    parts = [f"{label}: {speedup:.2f}x projected over one device ({proj.describe()})"]
+    notes = []
+    if abs(cfg - 1.0) <= 1e-9:
+        notes.append("cfg parallel skipped: cfg=1")
+    replicated = [c for c in candidates if c.strategy.pipefusion_degree == 1]
+    if replicated and not any(c.fits for c in replicated):
+        need = min(c.memory["total"] for c in replicated)
+        notes.append(f"PipeFusion required: replicated needs {_gb(need)} per device, budget {_gb(budget)}")
+    if s.pipefusion_degree == 1:
+        pipe = [c for c in candidates if c.strategy.pipefusion_degree > 1 and c.fits]
+        if pipe and pipe[0].projection.job_s < proj.job_s:
+            notes.append(f"{_strategy_text(pipe[0].strategy)} projected {proj.job_s / pipe[0].projection.job_s:.2f}x "
+                         f"faster but inexact (stale KV); kept the exact strategy")
+    notes.append(f"measured: {calib.describe()}")
+    return "; ".join(parts + notes)
+
+
+def _strategy_text(s: StrategySpec) -> str:
+    parts = [f"{name}={deg}" for name, deg in (("cfg", s.cfg_degree), ("pipefusion", s.pipefusion_degree),
+                                              ("ulysses", s.ulysses_degree), ("ring", s.ring_degree)) if deg > 1]
+    if s.pipefusion_degree > 1:
+        parts.append(f"patches={s.patches}")
+    return " ".join(parts) or "serial"
+
+
+def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: str, *,
+                    text_len: int = DEFAULT_TEXT_TOKENS, steps: int = DEFAULT_STEPS, threads: int | None = None,
+                    weight_dtype: str = "default", memory_budget_bytes: int | None = None,
+                    calibration: costmodel.Calibration | None = None, warmup_steps: int = 1,
+                    refresh: bool = False) -> tuple[StrategySpec, str]:
+    """The strategy to run a job on `devices`, and a one-line reason.
+
+    Calibration (block compute at this job's token count, link between the workers) is measured on first
+    use and cached on disk; pass `calibration` to reuse one, `memory_budget_bytes` to override the
+    per-device memory limit.
+    """
+    from .validate import model_config
+
+    device_list = parse_devices(devices)
+    world = len(device_list)
+    config = model_config(model_path)
+    if len(latent_shape) != 4:
+        raise ConfigError(f"latent shape {tuple(latent_shape)} is not [batch, 16, height/8, width/8].")
+    b, _, h, w = latent_shape
+    if world == 1:
+        return StrategySpec(), "one device: serial"
+    if threads is None:
+        threads = max(1, costmodel.available_cores() // world) if device_list[0] == "cpu" else 1
+    if calibration is None:
+        from .worker import resolve_dtype
+
+        dtype = resolve_dtype(weight_dtype, torch.device(device_list[0]))
+        calibration = costmodel.calibrate(config, text_len, (h // 2) * (w // 2), device_list, threads=threads,
+                                          dtype=dtype, refresh=refresh)
+    budget = device_memory_budget(device_list) if memory_budget_bytes is None else memory_budget_bytes
+    candidates = rank_candidates(config, tuple(latent_shape), cfg, device_list, calibration, text_len=text_len,
+                                 steps=steps, weight_dtype=weight_dtype, memory_budget_bytes=budget,
+                                 warmup_steps=warmup_steps)
+    best = pick(candidates)
+    if best is None:
+        need = min((c.memory["total"] for c in candidates), default=0)
+        raise ConfigError(f"the model does not fit on {world} device(s): the leanest split needs about {_gb(need)} "
+                          f"per device but {_gb(budget)} is available; add devices, pick weight_dtype bf16, or "
+                          f"lower the resolution.")
+    serial = costmodel.project(StrategySpec(), config, calibration, cfg=cfg, steps=steps, batch=b,
+                               act_bytes=_dtype_bytes(weight_dtype, device_list[0]))
+    # The serial reference runs alone: no contention from other workers.
+    return best.strategy, describe_choice(best, candidates, serial.job_s, cfg, calibration, budget)

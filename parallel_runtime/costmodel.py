@@ -1,0 +1,664 @@
+"""Cost model for choosing a strategy: calibrated by measurement on the machine at hand.
+
+Inputs, all measured here unless stated:
+
+* per-block compute: one Flux double-stream and one single-stream block (the real diffusers modules with
+  ParaDiT's attention processor, random weights of the model's shapes) timed at the job's token count
+  on the first device of the set, plus the attention kernel alone at the same size, which splits a
+  block's time into a part linear in its query rows and an attention part (query rows x key rows);
+* the link between two workers: latency and bandwidth of all_to_all_single between two processes on the
+  first two devices of the set (gloo on CPU, NCCL on GPUs), fitted over a few message sizes.
+
+Both are cached on disk (``$PARADIT_CACHE`` or ``~/.cache/paradit``, file ``costmodel.json``), the link
+per device set and the blocks per (model shape, tokens, device, dtype, threads).
+
+`project` turns a strategy into a per-step and per-job time from these inputs and the exact byte counts
+of `traffic.py`; `gpu_calibration` builds the same inputs for NVLink/PCIe GPUs from FLOP counts and
+nominal link figures (stated as assumptions) so the bench can project to machines it does not have.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .spec import StrategySpec
+from .topology import Topology
+from .traffic import Shapes, branches_per_forward, job_traffic
+
+CACHE_VERSION = 3
+
+# Projection assumptions for GPUs we do not have (printed next to every projection).
+GPU_TFLOPS = 400.0  # effective bf16 TFLOP/s of an H100-class GPU on Flux's GEMMs and attention (~40% of peak)
+GPU_BLOCK_OVERHEAD_S = 60e-6  # kernel launches and small ops per block
+GPU_FIXED_ROWS = 256  # GEMMs/attention on r rows cost like r + 256 rows: small shards run less efficiently
+LINKS = {  # name: (bandwidth bytes/s per GPU and direction, latency s per collective)
+    "NVLink": (450e9, 10e-6),
+    "PCIe": (64e9, 20e-6),
+}
+
+
+# -------------------------------------------------------------------------------------------------
+# Disk cache
+
+
+def cache_path() -> str:
+    root = os.environ.get("PARADIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "paradit")
+    return os.path.join(root, "costmodel.json")
+
+
+def _load_cache() -> dict:
+    try:
+        with open(cache_path()) as f:
+            data = json.load(f)
+        return data if data.get("version") == CACHE_VERSION else {"version": CACHE_VERSION}
+    except (OSError, ValueError):
+        return {"version": CACHE_VERSION}
+
+
+def _store(section: str, key: str, value: dict) -> None:
+    data = _load_cache()
+    data.setdefault(section, {})[key] = value
+    path = cache_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".costmodel-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next time
+
+
+def _cached(section: str, key: str) -> dict | None:
+    return _load_cache().get(section, {}).get(key)
+
+
+def _host_id() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{platform.node()}|{cpu}|{os.cpu_count()}|torch {torch.__version__}"
+
+
+def _device_id(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{device}:{torch.cuda.get_device_name(torch.device(device))}"
+    return "cpu"
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# -------------------------------------------------------------------------------------------------
+# Calibration data
+
+
+@dataclass
+class BlockTiming:
+    """Seconds for one block forward at `text_tokens + image_tokens` rows, batch 1."""
+
+    double_s: float
+    single_s: float
+    attention_s: float  # the attention kernel alone (all heads, full sequence)
+    text_tokens: int
+    image_tokens: int
+    source: str = "measured"
+
+    @property
+    def tokens(self) -> int:
+        return self.text_tokens + self.image_tokens
+
+
+@dataclass
+class LinkTiming:
+    latency_s: float  # per all_to_all / all_gather
+    bandwidth: float  # bytes/s one rank pushes to its peers in an all_to_all
+    p2p_latency_s: float | None = None  # per send/recv exchange (Ring hops, PipeFusion); None = as all_to_all
+    p2p_bandwidth: float | None = None
+    source: str = "measured"
+
+    def for_op(self, op: str) -> tuple[float, float]:
+        if op in P2P_OPS and self.p2p_latency_s is not None:
+            return self.p2p_latency_s, self.p2p_bandwidth
+        return self.latency_s, self.bandwidth
+
+
+P2P_OPS = ("ring", "pipefusion", "pipefusion_x")
+
+
+@dataclass
+class Calibration:
+    blocks: BlockTiming
+    link: LinkTiming | None
+    device: str  # "cpu" or "cuda"
+    threads: int = 1
+    cores: int = 1  # CPU cores the workers share (compute slows when workers x threads exceed them)
+    overlap: bool = False  # whether p2p/ring transfers overlap compute (NCCL streams) or cost CPU time (gloo)
+    fixed_rows: float = 0.0  # work on r rows costs like r + fixed_rows (kernel efficiency at small shards)
+
+    def describe(self) -> str:
+        b = self.blocks
+        att = b.attention_s / max(b.double_s, 1e-12)
+        text = (f"{b.source} at {b.image_tokens}+{b.text_tokens} tokens: double block {b.double_s * 1e3:.1f} ms, "
+                f"single block {b.single_s * 1e3:.1f} ms (attention {att:.0%})")
+        if self.link is not None:
+            link = self.link
+            text += (f"; link {link.source}: all_to_all {link.latency_s * 1e6:.0f} us + "
+                     f"{link.bandwidth / 1e9:.2f} GB/s")
+            if link.p2p_latency_s is not None:
+                text += f", send/recv {link.p2p_latency_s * 1e6:.0f} us + {link.p2p_bandwidth / 1e9:.2f} GB/s"
+        return text
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# -------------------------------------------------------------------------------------------------
+# Block compute
+
+
+def _block_inputs(config, text: int, image: int, dtype, device):
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h = config.hidden_size
+    img = torch.randn(1, image, h, generator=g).to(device, dtype)
+    txt = torch.randn(1, text, h, generator=g).to(device, dtype)
+    temb = torch.randn(1, h, generator=g).to(device, dtype)
+    ids = torch.zeros(text + image, 3)
+    ids[text:, 1] = torch.arange(image) // max(1, int(math.isqrt(image)))
+    ids[text:, 2] = torch.arange(image) % max(1, int(math.isqrt(image)))
+    rope = FluxPosEmbed(theta=10000, axes_dim=list(config.axes_dims_rope))(ids.to(device))
+    return img, txt, temb, rope
+
+
+def _timed(fn, device: str, repeats: int) -> float:
+    """Median seconds of `repeats` calls after one warm-up call."""
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(torch.device(device))
+
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_blocks(config, text_tokens: int, image_tokens: int, *, device: str = "cpu",
+                   dtype: torch.dtype = torch.float32, threads: int | None = None, repeats: int = 3) -> BlockTiming:
+    """Time one double and one single Flux block (and the attention kernel) at this token count."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+
+    from .attention.local import attention
+    from .attention.processor import AttentionContext, ParallelFluxAttnProcessor
+
+    old_threads = torch.get_num_threads()
+    if threads and device == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            h, heads, hd = config.hidden_size, config.num_heads, config.head_dim
+            ctx = AttentionContext()
+            double = FluxTransformerBlock(h, heads, hd).to(device, dtype).eval()
+            single = FluxSingleTransformerBlock(h, heads, hd).to(device, dtype).eval()
+            double.attn.set_processor(ParallelFluxAttnProcessor(0, ctx))
+            single.attn.set_processor(ParallelFluxAttnProcessor(1, ctx))
+            img, txt, temb, rope = _block_inputs(config, text_tokens, image_tokens, dtype, device)
+            q = torch.randn(1, text_tokens + image_tokens, heads, hd, device=device, dtype=dtype)
+            t_double = _timed(lambda: double(hidden_states=img, encoder_hidden_states=txt, temb=temb,
+                                             image_rotary_emb=rope), device, repeats)
+            t_single = _timed(lambda: single(hidden_states=img, encoder_hidden_states=txt, temb=temb,
+                                             image_rotary_emb=rope), device, repeats)
+            t_attn = _timed(lambda: attention(q, q, q), device, repeats)
+            del double, single
+    finally:
+        torch.set_num_threads(old_threads)
+    return BlockTiming(t_double, t_single, t_attn, text_tokens, image_tokens)
+
+
+def block_timing(config, text_tokens: int, image_tokens: int, *, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, threads: int = 1, refresh: bool = False) -> BlockTiming:
+    """`measure_blocks`, cached on disk per model shape, token count, device, dtype and threads."""
+    key = (f"{_host_id()}|{_device_id(device)}|{str(dtype)}|threads {threads}|H{config.hidden_size} "
+           f"heads {config.num_heads} mlp {config.mlp_hidden}|text {text_tokens}|image {image_tokens}")
+    if not refresh:
+        hit = _cached("blocks", key)
+        if hit:
+            return BlockTiming(**hit)
+    timing = measure_blocks(config, text_tokens, image_tokens, device=device, dtype=dtype, threads=threads)
+    _store("blocks", key, asdict(timing))
+    return timing
+
+
+# -------------------------------------------------------------------------------------------------
+# Link
+
+
+PROBE_SIZES = (4096, 256 * 1024, 4 * 1024 * 1024)  # bytes each rank sends per all_to_all
+
+
+def _probe(rank: int, world: int, store_dir: str, device: str) -> None:
+    """Child process of `measure_link`; rank 0 prints {mode: {bytes: seconds}} as JSON.
+
+    On CPU the cost of a message is measured *in use*: between chunks of compute, as the strategies issue
+    them, since a gloo transfer needs CPU time and a wake-up of a peer that was computing, which an idle
+    ping-pong never shows (here ~1 ms against ~0.1 ms idle). "a2a" is a blocking all_to_all_single after a
+    compute chunk (Ulysses, CFG); "p2p" is a send/recv exchange posted before the chunk and waited for
+    after it (Ring hops, PipeFusion), so only what the chunk does not hide counts. On GPUs (NCCL on its own
+    stream) both are timed alone.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dev = torch.device(device)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    store = dist.FileStore(os.path.join(store_dir, "store"), world)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    peer_next, peer_prev = (rank + 1) % world, (rank - 1) % world
+    cpu = dev.type == "cpu"
+    mat = torch.randn(256, 256, device=dev)
+
+    def compute():
+        if cpu:
+            for _ in range(8):  # ~2-3 ms of matmul on one thread
+                mat @ mat
+
+    def sync():
+        if not cpu:
+            torch.cuda.synchronize()
+
+    def per_iteration(fn, reps):
+        times = []
+        dist.barrier()
+        for i in range(reps + 2):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    base = per_iteration(compute, 20) if cpu else 0.0
+    results = {"a2a": {}, "p2p": {}, "a2a_idle": {}, "p2p_idle": {}, "compute_s": base}
+    for nbytes in PROBE_SIZES:
+        reps = 30 if nbytes < 1 << 20 else 15
+        n = max(1, nbytes // 4)
+        inp = torch.ones(n * world, device=dev)
+        out = torch.empty_like(inp)
+        send, recv = torch.ones(n, device=dev), torch.empty(n, device=dev)
+
+        def a2a():
+            dist.all_to_all_single(out, inp)
+
+        def blocking():
+            compute()
+            a2a()
+
+        def exchange(between=lambda: None):
+            ops = [dist.P2POp(dist.isend, send, peer_next), dist.P2POp(dist.irecv, recv, peer_prev)]
+            works = dist.batch_isend_irecv(ops)
+            between()
+            for work in works:
+                work.wait()
+
+        # An all_to_all where each rank sends `nbytes` to every peer: (world - 1) * nbytes leave the rank.
+        key = str(nbytes * (world - 1))
+        results["a2a_idle"][key] = per_iteration(a2a, reps)
+        results["p2p_idle"][str(nbytes)] = per_iteration(exchange, reps)
+        if cpu:
+            results["a2a"][key] = max(per_iteration(blocking, reps) - base, 1e-7)
+            results["p2p"][str(nbytes)] = max(per_iteration(lambda: exchange(compute), reps) - base, 1e-7)
+        else:
+            results["a2a"][key] = results["a2a_idle"][key]
+            results["p2p"][str(nbytes)] = results["p2p_idle"][str(nbytes)]
+    if rank == 0:
+        print(json.dumps(results), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _fit(points: dict) -> tuple[float, float]:
+    """(latency, bandwidth) from {bytes: seconds}: the smallest message's time, and the largest message's
+    bytes over its time (a slope between two noisy points can come out negative or infinite)."""
+    pts = {int(k): v for k, v in points.items()}
+    sizes = sorted(pts)
+    return pts[sizes[0]], sizes[-1] / max(pts[sizes[-1]], 1e-9)
+
+
+def measure_link(devices: list[str], timeout_s: float = 120.0) -> LinkTiming:
+    """Latency and bandwidth of all_to_all between the first two devices, in two fresh processes."""
+    pair = devices[:2]
+    env = dict(os.environ)
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env["OMP_NUM_THREADS"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    with tempfile.TemporaryDirectory(prefix="paradit-probe-") as tmp:
+        procs = [subprocess.Popen([sys.executable, "-m", "parallel_runtime.costmodel", "--probe", str(r), str(len(pair)),
+                                   tmp, dev], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=root)
+                 for r, dev in enumerate(pair)]
+        try:
+            outs = [p.communicate(timeout=timeout_s) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    if any(p.returncode for p in procs):
+        err = b" ".join(o[1][-400:] for o in outs).decode(errors="replace")
+        raise RuntimeError(f"link probe between {pair} failed: {err}")
+    data = json.loads(outs[0][0].decode().strip().splitlines()[-1])
+    # Per-message cost from the smallest message *in use*; bandwidth from the idle transfers (in use, the
+    # wake-up jitter of ~1 ms swamps the size dependence at these sizes).
+    lat = _fit(data["a2a"])[0]
+    bw = _fit(data["a2a_idle"])[1]
+    p2p_lat = _fit(data["p2p"])[0]
+    p2p_bw = _fit(data["p2p_idle"])[1]
+    return LinkTiming(latency_s=lat, bandwidth=bw, p2p_latency_s=p2p_lat, p2p_bandwidth=p2p_bw)
+
+
+def link_timing(devices: list[str], refresh: bool = False) -> LinkTiming | None:
+    """`measure_link`, cached on disk per device set (all CPU worker sets share loopback)."""
+    if len(devices) < 2:
+        return None
+    key = f"{_host_id()}|" + ("cpu" if all(d == "cpu" for d in devices) else ",".join(_device_id(d) for d in devices))
+    if not refresh:
+        hit = _cached("links", key)
+        if hit:
+            return LinkTiming(**hit)
+    timing = measure_link(devices)
+    _store("links", key, asdict(timing))
+    return timing
+
+
+CPU_ASSUMED_GFLOPS = 50.0  # per thread, only if timing a block here fails
+CPU_ASSUMED_LINK = (2e-4, 2e9)  # loopback gloo, only if the probe fails
+
+
+def calibrate(config, text_tokens: int, image_tokens: int, devices: list[str], *, threads: int = 1,
+              dtype: torch.dtype | None = None, refresh: bool = False, refresh_link: bool = False) -> Calibration:
+    """Measured inputs for `project` on this device set. A measurement that fails (a GPU without room
+    for one block, a probe that cannot start) falls back to stated assumptions rather than failing the
+    job; `describe()` then says "assumed"."""
+    device = devices[0]
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    if dtype is None:
+        dtype = torch.bfloat16 if kind == "cuda" else torch.float32
+    try:
+        blocks = block_timing(config, text_tokens, image_tokens, device=device, dtype=dtype, threads=threads,
+                              refresh=refresh)
+    except Exception as exc:  # noqa: BLE001 - any failure to measure means: use the stated assumption
+        tflops = GPU_TFLOPS if kind == "cuda" else CPU_ASSUMED_GFLOPS * threads / 1e3
+        blocks = gpu_calibration(config, text_tokens, image_tokens, "PCIe", tflops=tflops).blocks
+        blocks.source = f"assumed {tflops * 1e3:.0f} GFLOP/s ({type(exc).__name__} while timing a block)"
+    try:
+        link = link_timing(devices, refresh=refresh or refresh_link)
+    except Exception as exc:  # noqa: BLE001
+        lat, bw = CPU_ASSUMED_LINK if kind == "cpu" else LINKS["PCIe"][::-1]
+        link = LinkTiming(lat, bw, source=f"assumed ({type(exc).__name__} in the link probe)")
+    return Calibration(blocks, link, kind, threads=threads, cores=available_cores(), overlap=kind == "cuda",
+                       fixed_rows=GPU_FIXED_ROWS if kind == "cuda" else 0.0)
+
+
+# -------------------------------------------------------------------------------------------------
+# FLOP-based inputs for GPUs we do not have
+
+
+def block_flops(config, text_tokens: int, image_tokens: int) -> tuple[float, float]:
+    """(linear FLOPs, attention FLOPs) of one block forward, batch 1. Double and single blocks both do
+    12 H^2 multiply-adds per token (qkv 3, out 1, MLP 8; single: 7 in, 5 out) and 2 S^2 H for attention."""
+    s, h = text_tokens + image_tokens, config.hidden_size
+    mlp = config.mlp_hidden
+    linear = 2.0 * s * (4 * h * h + 2 * h * mlp)
+    attn = 4.0 * s * s * h
+    return linear, attn
+
+
+def gpu_calibration(config, text_tokens: int, image_tokens: int, link: str, *, tflops: float = GPU_TFLOPS) -> Calibration:
+    linear, attn = block_flops(config, text_tokens, image_tokens)
+    rate = tflops * 1e12
+    t_attn = attn / rate
+    t_block = (linear + attn) / rate + GPU_BLOCK_OVERHEAD_S
+    bw, lat = LINKS[link]
+    src = f"assumed {tflops:.0f} TFLOP/s"
+    blocks = BlockTiming(t_block, t_block, t_attn, text_tokens, image_tokens, source=src)
+    return Calibration(blocks, LinkTiming(lat, bw, source=f"assumed {link}"), "cuda", threads=1, cores=1,
+                       overlap=True, fixed_rows=GPU_FIXED_ROWS)
+
+
+# -------------------------------------------------------------------------------------------------
+# Projection
+
+
+@dataclass
+class Projection:
+    strategy: StrategySpec
+    step_s: float  # steady-state seconds per step (what the bench's median measures)
+    job_s: float  # whole denoise, warm-up and result gather included
+    compute_s: float  # per step, on the slowest rank
+    comm_s: float  # per step, the part not hidden behind compute
+    comm_by_op: dict = field(default_factory=dict)  # op -> seconds per step (before overlap)
+
+    def describe(self) -> str:
+        ops = ", ".join(f"{op} {t * 1e3:.1f} ms" for op, t in sorted(self.comm_by_op.items()) if op != "result")
+        return f"compute {self.compute_s * 1e3:.0f} ms/step" + (f", {ops}" if ops else "")
+
+
+@functools.lru_cache(maxsize=64)
+def _stages(config, stages: int) -> tuple[range, ...]:
+    from .models.flux_adapter import pipeline_stages
+
+    return tuple(pipeline_stages(config, stages))
+
+
+def stage_block_kinds(config, stages: int) -> list[tuple[int, int]]:
+    """(double, single) block counts per PipeFusion stage, as the workers split them."""
+    ranges = _stages(config, stages)
+    return [(sum(1 for i in r if i < config.num_layers), sum(1 for i in r if i >= config.num_layers)) for r in ranges]
+
+
+def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, steps: int, batch: int = 1,
+            act_bytes: int | None = None, stage_kinds: list[tuple[int, int]] | None = None) -> Projection:
+    """Seconds per step and per job of `strategy` under `calib`."""
+    topo = Topology.from_strategy(strategy)
+    bt = calib.blocks
+    t_len, n_len = bt.text_tokens, bt.image_tokens
+    s_len = t_len + n_len
+    if act_bytes is None:
+        act_bytes = 2 if calib.device == "cuda" else 4
+    b_mult = batch * branches_per_forward(strategy, cfg)
+    world = topo.world_size
+    slow = 1.0
+    if calib.device == "cpu":
+        slow = max(1.0, world * calib.threads / calib.cores) / max(1.0, calib.threads / calib.cores)
+    lin = {"double": max(bt.double_s - bt.attention_s, 0.0), "single": max(bt.single_s - bt.attention_s, 0.0)}
+
+    def blocks(counts: tuple[int, int], rows: float, q_rows: float, kv_rows: float, heads_frac: float) -> float:
+        """`rows` token rows through the linear layers; attention of `q_rows` queries over `kv_rows` keys on
+        `heads_frac` of the heads."""
+        k = calib.fixed_rows
+        att = bt.attention_s * heads_frac * (q_rows + k) * kv_rows / ((s_len + k) * s_len)
+        share = (rows + k) / (s_len + k)
+        return b_mult * slow * (counts[0] * (lin["double"] * share + att) + counts[1] * (lin["single"] * share + att))
+
+    all_blocks = (config.num_layers, config.num_single_layers)
+    if stage_kinds is None and topo.pipefusion > 1:
+        stage_kinds = stage_block_kinds(config, topo.pipefusion)
+    shapes = Shapes(image_tokens=n_len, text_tokens=t_len, hidden=config.hidden_size, heads=config.num_heads,
+                    num_blocks=sum(all_blocks),
+                    stage_blocks=tuple(d + s for d, s in stage_kinds) if stage_kinds else (), batch=batch,
+                    act_bytes=act_bytes)
+    comm_by_op, comm_job_extra, comm_rank = _comm_times(strategy, shapes, calib, steps, cfg)
+
+    if topo.pipefusion > 1:
+        m, u = strategy.patches, topo.ulysses
+        steady_stage, warm_stage = [], []
+        for counts in stage_kinds:
+            # M patch forwards: queries (T + N/M) of which this rank computes 1/U, keys over the whole sequence.
+            patch = t_len + n_len / m
+            steady_stage.append(m * blocks(counts, patch / u, patch, s_len, 1.0 / u))
+            warm_stage.append(blocks(counts, s_len / u, s_len, s_len, 1.0 / u))
+        comm_stage = [comm_rank[topo.rank_of(pipefusion=k)] for k in range(topo.pipefusion)]
+        p2p = [sum(t for op, t in c.items() if op in ("pipefusion", "pipefusion_x")) for c in comm_stage]
+        other = [sum(t for op, t in c.items() if op not in ("pipefusion", "pipefusion_x")) for c in comm_stage]
+        if calib.overlap:
+            stage_time = [max(c, p) + o for c, p, o in zip(steady_stage, p2p, other)]
+        else:
+            stage_time = [c + p + o for c, p, o in zip(steady_stage, p2p, other)]
+        step = max(max(stage_time), sum(steady_stage) / m)
+        compute = max(steady_stage)
+        warm = sum(warm_stage) + sum(other) + sum(p2p)
+        fill = sum(steady_stage[:-1]) / m
+        w = min(strategy.warmup_steps, steps)
+        job = w * warm + (steps - w) * step + (fill if steps > w else 0.0) + comm_job_extra
+        return Projection(strategy, step, job, compute, max(step - compute, 0.0), comm_by_op)
+
+    if topo.naive_patch > 1:
+        rows = t_len + n_len / topo.naive_patch
+        compute = blocks(all_blocks, rows, rows, rows, 1.0)
+    else:
+        sp = topo.ulysses * topo.ring
+        compute = blocks(all_blocks, s_len / sp, s_len / topo.ring, s_len, 1.0 / topo.ulysses)
+    comm = max(sum(c.values()) for c in comm_rank) if comm_rank else 0.0
+    if calib.overlap and topo.ring > 1:
+        ring = max(c.get("ring", 0.0) for c in comm_rank)
+        attn_share = sum(all_blocks) * b_mult * bt.attention_s / (topo.ulysses * topo.ring) * (topo.ring - 1)
+        comm = comm - ring + max(ring - attn_share, 0.0)
+    step = compute + comm
+    return Projection(strategy, step, steps * step + comm_job_extra, compute, comm, comm_by_op)
+
+
+def _comm_times(strategy: StrategySpec, shapes: Shapes, calib: Calibration, steps: int, cfg: float):
+    """Per rank {op: seconds per step}, the slowest rank's per-op figures, and the one-off result gather."""
+    topo = Topology.from_strategy(strategy)
+    if topo.world_size == 1 or calib.link is None:
+        return {}, 0.0, [{} for _ in range(topo.world_size)]
+    link = calib.link
+    traffic = job_traffic(strategy, shapes, steps=steps, cfg=cfg)
+    per_rank, result = [], 0.0
+    for rt in traffic:
+        ops = {}
+        for op, (sent, recv, msgs) in rt.ops.items():
+            lat, bw = link.for_op(op)
+            t = msgs * lat + max(sent, recv) / bw
+            if op == "result":
+                result = max(result, t)
+                continue
+            ops[op] = t / steps
+        per_rank.append(ops)
+    worst = {}
+    for ops in per_rank:
+        for op, t in ops.items():
+            worst[op] = max(worst.get(op, 0.0), t)
+    return worst, result, per_rank
+
+
+# -------------------------------------------------------------------------------------------------
+# Memory
+
+
+@dataclass
+class ParamLayout:
+    """Parameter counts by who owns them (see flux_adapter.stage_ownership)."""
+
+    blocks: list[int]
+    always: int  # every stage (timestep/guidance/pooled embedders)
+    first: int  # stage 0 only (image and text embedders)
+    last: int  # last stage only (norm_out, proj_out)
+
+    @property
+    def total(self) -> int:
+        return sum(self.blocks) + self.always + self.first + self.last
+
+
+@functools.lru_cache(maxsize=16)
+def param_layout(config) -> ParamLayout:
+    from diffusers import FluxTransformer2DModel
+
+    from .models.flux_adapter import ALWAYS_OWNED, FIRST_STAGE, LAST_STAGE
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**config.diffusers_kwargs())
+    blocks = [sum(p.numel() for p in b.parameters())
+              for b in list(model.transformer_blocks) + list(model.single_transformer_blocks)]
+    counts = {"always": 0, "first": 0, "last": 0}
+    for name, p in model.named_parameters():
+        if name.startswith(ALWAYS_OWNED):
+            counts["always"] += p.numel()
+        elif name.startswith(FIRST_STAGE):
+            counts["first"] += p.numel()
+        elif name.startswith(LAST_STAGE):
+            counts["last"] += p.numel()
+    return ParamLayout(blocks, **counts)
+
+
+def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_tokens: int, batch: int, cfg: float,
+                weight_bytes: int, act_bytes: int, layout: ParamLayout | None = None) -> dict:
+    """Estimated peak bytes on the fullest rank: parameters, KV buffers and transient activations."""
+    layout = layout or param_layout(config)
+    topo = Topology.from_strategy(strategy)
+    b = batch * branches_per_forward(strategy, cfg)
+    h, s_len = config.hidden_size, text_tokens + image_tokens
+    if topo.pipefusion > 1:
+        stages = _stages(config, topo.pipefusion)
+        per_stage = []
+        for k, r in enumerate(stages):
+            n = sum(layout.blocks[i] for i in r) + layout.always
+            n += layout.first if k == 0 else 0
+            n += layout.last if k == len(stages) - 1 else 0
+            per_stage.append((n, len(r)))
+        params, layers = max(per_stage)
+        kv = 2 * b * s_len * (h // topo.ulysses) * act_bytes * max(len(r) for r in stages)
+        rows = (text_tokens + image_tokens / strategy.patches) / topo.ulysses
+    else:
+        params = layout.total
+        kv = 0
+        sp = topo.ulysses * topo.ring * topo.naive_patch
+        rows = s_len / sp
+    # One block's live tensors: hidden, q/k/v, MLP hidden (4H) and norms on this rank's rows; the gathered
+    # sequence for Ulysses/Ring attention; about 3x for temporaries.
+    act = 3 * b * rows * (8 * h + config.mlp_hidden) * act_bytes
+    act += 3 * b * s_len * (h // topo.ulysses) * act_bytes if (topo.ulysses > 1 or topo.ring > 1) else 0
+    return {"params": params * weight_bytes, "kv": kv, "activations": int(act),
+            "total": params * weight_bytes + kv + int(act)}
+
+
+# -------------------------------------------------------------------------------------------------
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 6 and sys.argv[1] == "--probe":
+        _probe(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    else:
+        print("usage: python -m parallel_runtime.costmodel --probe RANK WORLD STORE_DIR DEVICE (internal)")

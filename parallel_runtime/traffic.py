@@ -1,0 +1,204 @@
+"""Analytic communication volume of each strategy: bytes every rank sends and receives in one job.
+
+Written from what the strategies move, not from the counters, so the benchmark can check the counters
+(`comm.Traffic`, which only counts bytes that leave or reach *other* ranks) against first principles.
+
+Symbols: B latent batch, b = B x branches evaluated in one forward (2 when cfg > 1 runs both branches on
+one rank), T text tokens, N image tokens, H = heads x head_dim, e bytes per activation element (the
+weight dtype), C = 64 packed latent channels (16 x 2 x 2) of the float32 sampler state x, L attention
+layers (blocks) per step, S steps.
+
+Per attention layer, per rank:
+
+* Ulysses (degree U, member j holds s_j = its text rows + N/(U*R) image rows, the group's rows sum to
+  S_g): all_to_all #1 sends q,k,v of its rows for the other members' heads and receives their rows of
+  its own heads; all_to_all #2 returns attention outputs:
+      sent = b e H/U [3 (U-1) s_j + (S_g - s_j)]      recv = b e H/U [3 (S_g - s_j) + (U-1) s_j]
+  (even split: sent = recv = 4 b e H S_g (U-1)/U^2).
+* Ring (degree R): R-1 hops, each sending the K/V block it holds ([2, b, rows, H/U, d]) to the next
+  member and receiving the previous member's: sent = recv = 2 b e (H/U) sum of R-1 blocks' rows.
+* PipeFusion (P stages, M patches, w warm-up steps): a non-last stage sends, per forward, its
+  [text ; image] hidden rows, b (t_u + n N/(M U)) H e for a forward over n patches (n = M in warm-up
+  steps, else M forwards of n = 1); the next stage receives them. After every step but the last, the
+  last stage returns the updated x rows to stage 0: B (N/U) C 4 bytes per step.
+* CFG parallel: each step the rank that ran the head all-gathers its denoised rows with its peer branch:
+  sent = recv = B (rows) C 4.
+* Result: one all-gather of the full x (B N C 4 bytes from each other member) over the sequence-parallel
+  (or naive-patch) group at the end of the job.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .spec import StrategySpec
+from .topology import Topology
+
+X_BYTES = 4  # the sampler state x is float32 on every device
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Everything the byte counts depend on."""
+
+    image_tokens: int  # N = (H/16)(W/16) for Flux
+    text_tokens: int  # T
+    hidden: int  # H
+    heads: int
+    num_blocks: int  # attention layers per full forward (double + single blocks)
+    stage_blocks: tuple[int, ...] = ()  # blocks per PipeFusion stage; () = even split of num_blocks
+    batch: int = 1  # latent batch B
+    x_channels: int = 64
+    act_bytes: int = 4  # e: 4 for fp32 weights, 2 for bf16/fp16
+
+
+@dataclass
+class RankTraffic:
+    """Per-op totals for one rank over a whole job: {op: [sent, recv, messages]}."""
+
+    rank: int
+    ops: dict = field(default_factory=dict)
+
+    def add(self, op: str, sent: int, recv: int, messages: int = 1) -> None:
+        entry = self.ops.setdefault(op, [0, 0, 0])
+        entry[0] += int(sent)
+        entry[1] += int(recv)
+        entry[2] += messages
+
+    @property
+    def sent(self) -> int:
+        return sum(v[0] for v in self.ops.values())
+
+    @property
+    def recv(self) -> int:
+        return sum(v[1] for v in self.ops.values())
+
+    def by_op(self) -> dict[str, list[int]]:
+        """Same shape as the runtime's counters: {op: [sent, recv]}."""
+        return {k: [v[0], v[1]] for k, v in self.ops.items()}
+
+
+def text_share(text_len: int, shards: int, i: int) -> int:
+    """Text rows of shard i: an uneven split, the first `extra` shards holding one more row."""
+    base, extra = divmod(text_len, shards)
+    return base + (1 if i < extra else 0)
+
+
+def branches_per_forward(strategy: StrategySpec, cfg: float) -> int:
+    uses_uncond = abs(cfg - 1.0) > 1e-9
+    return 2 if uses_uncond and strategy.cfg_degree == 1 else 1
+
+
+def even_stage_blocks(num_blocks: int, stages: int) -> tuple[int, ...]:
+    base, extra = divmod(num_blocks, stages)
+    return tuple(base + (1 if i < extra else 0) for i in range(stages))
+
+
+def _ulysses_layer(b: int, e: int, hidden: int, u: int, rows: list[int], me: int) -> tuple[int, int]:
+    """Bytes of the two all_to_alls of one Ulysses attention layer for member `me`."""
+    s, total = rows[me], sum(rows)
+    unit = b * e * (hidden // u)
+    sent = unit * (3 * (u - 1) * s + (total - s))
+    recv = unit * (3 * (total - s) + (u - 1) * s)
+    return sent, recv
+
+
+def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: float) -> list[RankTraffic]:
+    """What every rank of `strategy` sends and receives over a job of `steps` steps."""
+    topo = Topology.from_strategy(strategy)
+    out = [RankTraffic(r) for r in range(topo.world_size)]
+    if topo.world_size == 1:
+        return out
+    n, t, h, e = shapes.image_tokens, shapes.text_tokens, shapes.hidden, shapes.act_bytes
+    bb = shapes.batch
+    b = bb * branches_per_forward(strategy, cfg)
+    x_row = bb * shapes.x_channels * X_BYTES  # bytes of one token row of x (all latent batch items)
+    for rank in range(topo.world_size):
+        c = topo.coords(rank)
+        rt = out[rank]
+        if topo.pipefusion > 1:
+            _pipefusion(rt, strategy, topo, c, shapes, b, x_row, steps)
+            continue
+        if topo.naive_patch > 1:
+            k = topo.naive_patch
+            if topo.cfg > 1:
+                for _ in range(steps):
+                    rt.add("cfg", x_row * (n // k), x_row * (n // k))
+            rt.add("result", (k - 1) * x_row * n, (k - 1) * x_row * n)
+            continue
+        u, r = topo.ulysses, topo.ring
+        sp = u * r
+        rows = [text_share(t, sp, j) + n // sp for j in range(sp)]  # rows of sp rank j = ring*U + ulysses
+        me_r, me_u = c["ring"], c["ulysses"]
+        group_rows = [sum(rows[q * u:(q + 1) * u]) for q in range(r)]  # K/V rows each ring member starts with
+        for _ in range(steps):
+            for _ in range(shapes.num_blocks):
+                if u > 1:
+                    sent, recv = _ulysses_layer(b, e, h, u, rows[me_r * u:(me_r + 1) * u], me_u)
+                    rt.add("ulysses", sent, recv, 2)
+                if r > 1:
+                    unit = 2 * b * e * (h // u)
+                    for hop in range(r - 1):
+                        rt.add("ring", unit * group_rows[(me_r - hop) % r], unit * group_rows[(me_r - hop - 1) % r])
+            if topo.cfg > 1:
+                rt.add("cfg", x_row * (n // sp), x_row * (n // sp))
+        if sp > 1:
+            rt.add("result", (sp - 1) * x_row * n, (sp - 1) * x_row * n)
+    return out
+
+
+def _pipefusion(rt: RankTraffic, s: StrategySpec, topo: Topology, c: dict, shapes: Shapes, b: int, x_row: int,
+                steps: int) -> None:
+    n, t, h, e = shapes.image_tokens, shapes.text_tokens, shapes.hidden, shapes.act_bytes
+    p, u, m = topo.pipefusion, topo.ulysses, s.patches
+    stage_blocks = shapes.stage_blocks or even_stage_blocks(shapes.num_blocks, p)
+    stage, me = c["pipefusion"], c["ulysses"]
+    first, last = stage == 0, stage == p - 1
+    texts = [text_share(t, u, j) for j in range(u)]
+    per_patch = n // (m * u)  # image rows of one patch held by one Ulysses member
+    for i in range(steps):
+        forwards = [m] if i < s.warmup_steps else [1] * m  # patches per forward
+        for n_p in forwards:
+            if u > 1:
+                rows = [texts[j] + n_p * per_patch for j in range(u)]
+                sent, recv = _ulysses_layer(b, e, h, u, rows, me)
+                rt.add("ulysses", sent * stage_blocks[stage], recv * stage_blocks[stage], 2 * stage_blocks[stage])
+            hidden = b * (texts[me] + n_p * per_patch) * h * e
+            if not last:
+                rt.add("pipefusion", hidden, 0)
+            if not first:
+                rt.add("pipefusion", 0, hidden)
+            x_bytes = x_row * n_p * per_patch
+            if last and topo.cfg > 1:
+                rt.add("cfg", x_bytes, x_bytes)
+            if i + 1 < steps:
+                if last:
+                    rt.add("pipefusion_x", x_bytes, 0)
+                if first:
+                    rt.add("pipefusion_x", 0, x_bytes)
+    if last and u > 1:
+        rt.add("result", (u - 1) * x_row * n, (u - 1) * x_row * n)
+
+
+def per_step(traffic: list[RankTraffic], steps: int) -> list[dict]:
+    """{sent, recv} bytes per rank per step (job totals / steps, the result gather included)."""
+    return [{"sent": rt.sent / steps, "recv": rt.recv / steps} for rt in traffic]
+
+
+def compare(measured: list[dict], analytic: list[RankTraffic], tolerance: float = 0.10) -> tuple[bool, float]:
+    """Measured runtime counters (per rank: {"sent", "recv", ...}) vs analytic totals.
+
+    Returns (ok, worst relative difference over ranks and directions); a direction the formula says is
+    zero must measure zero.
+    """
+    worst = 0.0
+    for got, want in zip(measured, analytic):
+        for key, expected in (("sent", want.sent), ("recv", want.recv)):
+            actual = got.get(key, 0)
+            if expected == 0:
+                diff = 0.0 if actual == 0 else float("inf")
+            else:
+                diff = abs(actual - expected) / expected
+            worst = max(worst, diff)
+    if len(measured) != len(analytic):
+        return False, float("inf")
+    return worst <= tolerance, worst
