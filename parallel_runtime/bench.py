@@ -318,7 +318,7 @@ def _in_process_reference(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
     config, model = load_flux(spec["path"])
     ctx = AttentionContext()
-    adapter = FluxAdapter(config, model, range(config.num_layers + config.num_single_layers), ctx)
+    adapter = FluxAdapter(config, model, [range(config.num_layers + config.num_single_layers)], ctx)
     job = make_job(spec["path"], config, StrategySpec(), tuple(spec["latent_shape"]), spec["text_tokens"],
                    spec["cfg"], spec["steps"])
     d = Denoiser(adapter, Topology(), Comm(Topology()), ctx)
@@ -488,7 +488,8 @@ def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devi
             serial[round(cfg, 6)] = res
             total_params = res["stats"][0]["param_bytes"]
         if s.pipefusion_degree > 1 and s.pipefusion_degree not in stage_cache:
-            stage_cache[s.pipefusion_degree] = tuple(len(r) for r in pipeline_stages(config, s.pipefusion_degree))
+            stage_cache[s.pipefusion_degree] = tuple(tuple(len(r) for r in chunks)
+                                                     for chunks in pipeline_stages(config, s.pipefusion_degree))
         shapes = Shapes(image_tokens=image_tokens, text_tokens=text, hidden=config.hidden_size, heads=config.num_heads,
                         num_blocks=num_blocks, stage_blocks=stage_cache.get(s.pipefusion_degree, ()),
                         batch=latent_shape[0], act_bytes=act_bytes)

@@ -476,16 +476,18 @@ class Projection:
 
 
 @functools.lru_cache(maxsize=64)
-def _stages(config, stages: int) -> tuple[range, ...]:
+def _stages(config, stages: int) -> tuple[tuple[range, ...], ...]:
+    """Per PipeFusion rank, the block ranges (chunks) it runs, as the workers split them."""
     from .models.flux_adapter import pipeline_stages
 
-    return tuple(pipeline_stages(config, stages))
+    return tuple(tuple(chunks) for chunks in pipeline_stages(config, stages))
 
 
 def stage_block_kinds(config, stages: int) -> list[tuple[int, int]]:
-    """(double, single) block counts per PipeFusion stage, as the workers split them."""
-    ranges = _stages(config, stages)
-    return [(sum(1 for i in r if i < config.num_layers), sum(1 for i in r if i >= config.num_layers)) for r in ranges]
+    """(double, single) block counts per PipeFusion rank (all its chunks), as the workers split them."""
+    ranks = _stages(config, stages)
+    return [(sum(1 for r in chunks for i in r if i < config.num_layers),
+             sum(1 for r in chunks for i in r if i >= config.num_layers)) for chunks in ranks]
 
 
 def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, steps: int, batch: int = 1,
@@ -517,7 +519,8 @@ def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, s
         stage_kinds = stage_block_kinds(config, topo.pipefusion)
     shapes = Shapes(image_tokens=n_len, text_tokens=t_len, hidden=config.hidden_size, heads=config.num_heads,
                     num_blocks=sum(all_blocks),
-                    stage_blocks=tuple(d + s for d, s in stage_kinds) if stage_kinds else (), batch=batch,
+                    stage_blocks=(tuple(tuple(len(r) for r in chunks) for chunks in _stages(config, topo.pipefusion))
+                                  if topo.pipefusion > 1 else ()), batch=batch,
                     act_bytes=act_bytes)
     comm_by_op, comm_job_extra, comm_rank = _comm_times(strategy, shapes, calib, steps, cfg)
 
@@ -633,13 +636,13 @@ def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_token
     if topo.pipefusion > 1:
         stages = _stages(config, topo.pipefusion)
         per_stage = []
-        for k, r in enumerate(stages):
-            n = sum(layout.blocks[i] for i in r) + layout.always
+        for k, chunks in enumerate(stages):
+            n = sum(layout.blocks[i] for r in chunks for i in r) + layout.always
             n += layout.first if k == 0 else 0
             n += layout.last if k == len(stages) - 1 else 0
-            per_stage.append((n, len(r)))
+            per_stage.append((n, sum(len(r) for r in chunks)))
         params, layers = max(per_stage)
-        kv = 2 * b * s_len * (h // topo.ulysses) * act_bytes * max(len(r) for r in stages)
+        kv = 2 * b * s_len * (h // topo.ulysses) * act_bytes * max(layers for _, layers in per_stage)
         rows = (text_tokens + image_tokens / strategy.patches) / topo.ulysses
     else:
         params = layout.total

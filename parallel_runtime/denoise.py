@@ -246,17 +246,24 @@ class Denoiser:
     # -- PipeFusion ------------------------------------------------------------------------------------
 
     def _run_pipefusion(self, x: torch.Tensor, warmup: int) -> torch.Tensor:
-        """Stage loop. Messages between stages are [text ; image] hidden rows of this Ulysses shard; the
-        last stage sends each updated patch of x straight back to stage 0."""
-        layout, me, t = self.layout, self.shard, self.topology
+        """Stage loop. A rank runs its chunks of blocks (one, or two interleaved virtual stages) for each
+        token set in turn; messages between chunks are the [text ; image] hidden rows of this Ulysses shard,
+        and the last chunk sends each updated patch of x straight back to rank 0."""
+        layout, me = self.layout, self.shard
         pp, uly = self.comm.group("pipefusion"), self.comm.group("ulysses")
         stage, stages = pp.index, pp.size
-        first, last = stage == 0, stage == stages - 1
-        prev_rank = pp.ranks[stage - 1] if not first else None
-        next_rank = pp.ranks[stage + 1] if not last else None
+        chunks = len(self.adapter.chunks)
+        after = pp.ranks[(stage + 1) % stages]  # where this rank's chunk outputs go (rank 0 after the last rank)
+        before = pp.ranks[(stage - 1) % stages]
         m = layout.patches
         all_patches = list(range(m))
         n_steps = len(self.sigmas) - 1
+
+        def is_first(chunk):  # the very first virtual stage embeds
+            return stage == 0 and chunk == 0
+
+        def is_last(chunk):  # the very last one predicts, samples and returns x
+            return stage == stages - 1 and chunk == chunks - 1
 
         self.cache = StaleKVCache(layout.text_len + layout.image_len)
         stale = StaleKVAttention(self.cache, LocalAttention())
@@ -273,27 +280,28 @@ class Denoiser:
 
         text_rows = layout.text_rows(me)
         n_text = len(text_rows)
-        text = self._text(text_rows) if first else None
+        text = self._text(text_rows) if stage == 0 else None
         width = self.adapter.config.hidden_size
         batch = self.branches.cond.shape[0]
         sends: list = []
 
-        def hidden_buffer(n_image: int) -> torch.Tensor:
+        def hidden_buffer(patches) -> torch.Tensor:
+            n_image = len(patches) * (layout.patch_len // layout.shards)
             return torch.empty((batch, n_text + n_image, width), dtype=self.adapter.dtype, device=self.adapter.device)
 
         def send(tensor: torch.Tensor, dst: int, op: str) -> None:
             sends.append((self.comm.isend(tensor, dst, op=op), tensor))
 
-        def stage_forward(i, patches, temb, incoming):
-            """Run this stage's blocks on one token set; the last stage also samples and sends x back."""
+        def chunk_forward(i, chunk, patches, temb, incoming):
+            """Run one chunk of blocks on one token set; the last chunk also samples and sends x back."""
             idx, rope = configure(patches)
-            if first:
+            if is_first(chunk):
                 image, txt = self.adapter.embed_image(self._repeat(x[:, idx])), text
             else:
                 txt, image = incoming[:, :n_text], incoming[:, n_text:]
-            image, txt = self.adapter.run_blocks(image, txt, temb, rope)
-            if not last:
-                send(torch.cat([txt, image], dim=1).contiguous(), next_rank, "pipefusion")
+            image, txt = self.adapter.run_blocks(image, txt, temb, rope, chunk=chunk)
+            if not is_last(chunk):
+                send(torch.cat([txt, image], dim=1).contiguous(), after, "pipefusion")
                 return
             x_rows = x[:, idx]
             den = self._denoised(i, x_rows, image, temb)
@@ -308,14 +316,10 @@ class Denoiser:
 
         def receive_x(patches):
             idx = layout.image_index(me, patches)
-            x[:, idx] = self._recv(x.new_empty((x.shape[0], len(idx), x.shape[2])),
-                                   pp.ranks[-1], "pipefusion_x")
-
-        def n_image(patches):
-            return len(patches) * (layout.patch_len // layout.shards)
+            x[:, idx] = self._recv(x.new_empty((x.shape[0], len(idx), x.shape[2])), pp.ranks[-1], "pipefusion_x")
 
         # The token sets of step i, in order: the whole image while warming up, then patch by patch. The
-        # last stage sends x back in the same pieces.
+        # last chunk sends x back in the same pieces.
         def schedule_of(i):
             return [all_patches] if i < warmup else [[p] for p in all_patches]
 
@@ -325,27 +329,28 @@ class Denoiser:
                 t0 = time.perf_counter()
                 self._check_cancel()
                 temb = self._temb(i)
-                schedule = schedule_of(i)
-                if first and i > 0 and i - 1 < warmup:
+                items = [(c, patches) for c in range(chunks) for patches in schedule_of(i)]
+                if stage == 0 and i > 0 and i - 1 < warmup:
                     receive_x(all_patches)  # the update of the last synchronous step
                 pending = None
-                for k, patches in enumerate(schedule):
-                    if first and i > 0 and i - 1 >= warmup:
-                        receive_x(patches)  # this patch's update from the previous step, fresh off the last stage
+                for k, (chunk, patches) in enumerate(items):
+                    if is_first(chunk) and i > 0 and i - 1 >= warmup:
+                        receive_x(patches)  # this patch's update from the previous step, fresh off the last chunk
                     incoming = None
-                    if not first:
-                        incoming = pending.result() if pending else self._recv(hidden_buffer(n_image(patches)),
-                                                                              prev_rank, "pipefusion")
-                        # Post the next patch's receive before computing this one: transfer overlaps compute.
-                        pending = (_Pending(self.comm, hidden_buffer(n_image(schedule[k + 1])), prev_rank)
-                                   if k + 1 < len(schedule) else None)
-                    stage_forward(i, patches, temb, incoming)
+                    if not is_first(chunk):
+                        incoming = pending.result() if pending else self._recv(hidden_buffer(patches), before,
+                                                                              "pipefusion")
+                        pending = None
+                    # Post the next item's receive before computing this one: transfer overlaps compute.
+                    if k + 1 < len(items) and not is_first(items[k + 1][0]):
+                        pending = _Pending(self.comm, hidden_buffer(items[k + 1][1]), before)
+                    chunk_forward(i, chunk, patches, temb, incoming)
                     sends[:] = [s for s in sends if not s[0].is_completed()]
                 self._step_done(i, t0)
         except Cancelled:
-            # Stage 0 drains what the last stage already sent back after step i-1, so no message is left
-            # in flight to pair with the next job's receives.
-            if first and i > 0:
+            # Rank 0 drains what the last chunk already sent back after step i-1, so no message is left in
+            # flight to pair with the next job's receives.
+            if stage == 0 and i > 0:
                 for patches in schedule_of(i - 1):
                     receive_x(patches)
             raise

@@ -17,9 +17,10 @@ Per attention layer, per rank:
   (even split: sent = recv = 4 b e H S_g (U-1)/U^2).
 * Ring (degree R): R-1 hops, each sending the K/V block it holds ([2, b, rows, H/U, d]) to the next
   member and receiving the previous member's: sent = recv = 2 b e (H/U) sum of R-1 blocks' rows.
-* PipeFusion (P stages, M patches, w warm-up steps): a non-last stage sends, per forward, its
-  [text ; image] hidden rows, b (t_u + n N/(M U)) H e for a forward over n patches (n = M in warm-up
-  steps, else M forwards of n = 1); the next stage receives them. After every step but the last, the
+* PipeFusion (P ranks, M patches, w warm-up steps): every chunk of blocks but the pipeline's last
+  sends, per forward, its [text ; image] hidden rows, b (t_u + n N/(M U)) H e for a forward over n
+  patches (n = M in warm-up steps, else M forwards of n = 1), and the next chunk's rank receives them; a
+  rank holding two interleaved chunks does this twice per patch. After every step but the last, the
   last stage returns the updated x rows to stage 0: B (N/U) C 4 bytes per step.
 * CFG parallel: each step the rank that ran the head all-gathers its denoised rows with its peer branch:
   sent = recv = B (rows) C 4.
@@ -45,7 +46,9 @@ class Shapes:
     hidden: int  # H
     heads: int
     num_blocks: int  # attention layers per full forward (double + single blocks)
-    stage_blocks: tuple[int, ...] = ()  # blocks per PipeFusion stage; () = even split of num_blocks
+    # Per PipeFusion rank, the block count of each chunk it runs (see flux_adapter.pipeline_stages);
+    # () = one even contiguous chunk per rank.
+    stage_blocks: tuple[tuple[int, ...], ...] = ()
     batch: int = 1  # latent batch B
     x_channels: int = 64
     act_bytes: int = 4  # e: 4 for fp32 weights, 2 for bf16/fp16
@@ -88,9 +91,9 @@ def branches_per_forward(strategy: StrategySpec, cfg: float) -> int:
     return 2 if uses_uncond and strategy.cfg_degree == 1 else 1
 
 
-def even_stage_blocks(num_blocks: int, stages: int) -> tuple[int, ...]:
+def even_stage_blocks(num_blocks: int, stages: int) -> tuple[tuple[int, ...], ...]:
     base, extra = divmod(num_blocks, stages)
-    return tuple(base + (1 if i < extra else 0) for i in range(stages))
+    return tuple((base + (1 if i < extra else 0),) for i in range(stages))
 
 
 def _ulysses_layer(b: int, e: int, hidden: int, u: int, rows: list[int], me: int) -> tuple[int, int]:
@@ -152,28 +155,30 @@ def _pipefusion(rt: RankTraffic, s: StrategySpec, topo: Topology, c: dict, shape
     p, u, m = topo.pipefusion, topo.ulysses, s.patches
     stage_blocks = shapes.stage_blocks or even_stage_blocks(shapes.num_blocks, p)
     stage, me = c["pipefusion"], c["ulysses"]
-    first, last = stage == 0, stage == p - 1
+    chunks = stage_blocks[stage]
+    last = stage == p - 1
     texts = [text_share(t, u, j) for j in range(u)]
     per_patch = n // (m * u)  # image rows of one patch held by one Ulysses member
     for i in range(steps):
         forwards = [m] if i < s.warmup_steps else [1] * m  # patches per forward
         for n_p in forwards:
-            if u > 1:
-                rows = [texts[j] + n_p * per_patch for j in range(u)]
-                sent, recv = _ulysses_layer(b, e, h, u, rows, me)
-                rt.add("ulysses", sent * stage_blocks[stage], recv * stage_blocks[stage], 2 * stage_blocks[stage])
-            hidden = b * (texts[me] + n_p * per_patch) * h * e
-            if not last:
-                rt.add("pipefusion", hidden, 0)
-            if not first:
-                rt.add("pipefusion", 0, hidden)
+            for k, blocks in enumerate(chunks):  # a patch passes each of this rank's chunks
+                if u > 1:
+                    rows = [texts[j] + n_p * per_patch for j in range(u)]
+                    sent, recv = _ulysses_layer(b, e, h, u, rows, me)
+                    rt.add("ulysses", sent * blocks, recv * blocks, 2 * blocks)
+                hidden = b * (texts[me] + n_p * per_patch) * h * e
+                if not (last and k == len(chunks) - 1):
+                    rt.add("pipefusion", hidden, 0)
+                if not (stage == 0 and k == 0):
+                    rt.add("pipefusion", 0, hidden)
             x_bytes = x_row * n_p * per_patch
             if last and topo.cfg > 1:
                 rt.add("cfg", x_bytes, x_bytes)
             if i + 1 < steps:
                 if last:
                     rt.add("pipefusion_x", x_bytes, 0)
-                if first:
+                if stage == 0:
                     rt.add("pipefusion_x", 0, x_bytes)
     if last and u > 1:
         rt.add("result", (u - 1) * x_row * n, (u - 1) * x_row * n)

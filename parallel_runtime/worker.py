@@ -72,12 +72,12 @@ class WorkerState:
         with CheckpointReader(path) as reader:
             layout, prefix = detect_layout(reader.keys(), os.path.basename(path))
             config = infer_config(reader, layout, prefix)
-            blocks = pipeline_stages(config, stages)[stage]
-            owned = stage_ownership(config, blocks, first=stage == 0, last=stage == stages - 1)
+            chunks = pipeline_stages(config, stages)[stage]
+            owned = stage_ownership(config, chunks, first=stage == 0, last=stage == stages - 1)
             dtype = resolve_dtype(model_spec["weight_dtype"], self.device)
             model = build_transformer(config, reader, layout, prefix, owned=owned, dtype=dtype, device=self.device)
         self.context = AttentionContext()
-        self.adapter = FluxAdapter(config, model, blocks, self.context)
+        self.adapter = FluxAdapter(config, model, chunks, self.context)
         self.loaded_key = key
         self.last_load_seconds = time.perf_counter() - t0
         return True

@@ -19,7 +19,7 @@ IMAGE = (SIZE // 2) ** 2
 
 
 def shapes_for(strategy: S, config=TINY) -> Shapes:
-    stages = tuple(len(r) for r in pipeline_stages(config, strategy.pipefusion_degree))
+    stages = tuple(tuple(len(r) for r in chunks) for chunks in pipeline_stages(config, strategy.pipefusion_degree))
     return Shapes(image_tokens=IMAGE, text_tokens=TEXT, hidden=config.hidden_size, heads=config.num_heads,
                   num_blocks=config.num_layers + config.num_single_layers, stage_blocks=stages)
 

@@ -121,3 +121,24 @@ def test_pipeline_stages_balance_work_within_the_memory_cap():
     assert max(len(r) for r in split_stages([1.0] * 57, 2, memory)) == 36
     # An infeasible cap falls back to the smallest achievable byte share.
     assert split_stages([1.0] * 3, 3, [10, 1, 1]) == [range(0, 1), range(1, 2), range(2, 3)]
+
+
+def test_flux_pipeline_ranks_hold_two_interleaved_chunks_when_that_balances_work_and_weights():
+    from parallel_runtime.models.flux import FluxConfig
+    from parallel_runtime.models.flux_adapter import block_costs, pipeline_stages
+
+    dev = FluxConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=19, num_single_layers=38)
+    weights = block_costs(dev)
+    for n in (2, 4):
+        ranks = pipeline_stages(dev, n)
+        blocks = sorted(i for chunks in ranks for r in chunks for i in r)
+        assert blocks == list(range(57))  # every block exactly once
+        per_rank_weights = [sum(weights[i] for r in chunks for i in r) for chunks in ranks]
+        per_rank_work = [sum(len(r) for r in chunks) for chunks in ranks]
+        assert max(per_rank_weights) <= 1.15 * sum(weights) / n
+        # One contiguous chunk per rank could not do better than 36 of 57 blocks on one of two ranks.
+        assert max(per_rank_work) <= -(-57 // n) + 1, per_rank_work
+    # Equal blocks need no interleaving: one chunk per rank, fewest hops.
+    equal = FluxConfig(hidden_size=128, num_heads=4, head_dim=32, num_layers=0, num_single_layers=8,
+                       context_dim=64, pooled_dim=32)
+    assert [len(chunks) for chunks in pipeline_stages(equal, 2)] == [1, 1]

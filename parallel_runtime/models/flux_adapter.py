@@ -33,19 +33,35 @@ def block_costs(config: FluxConfig) -> list[int]:
     return [sum(p.numel() for p in b.parameters()) for b in blocks]
 
 
-def pipeline_stages(config: FluxConfig, stages: int) -> list[range]:
-    """The blocks of each PipeFusion stage. Every Flux block does the same work per token (12 h^2 weights
-    per token in each stream of a double block, 7 h^2 + 5 h^2 in a single block, and one attention), so
-    work is balanced by block count while split_stages keeps parameter bytes near an even share."""
+def pipeline_stages(config: FluxConfig, stages: int) -> list[list[range]]:
+    """The blocks of each PipeFusion rank, as the chunks it runs in pipeline order.
+
+    Every Flux block does the same work per token (12 h^2 weights per token in each stream of a double
+    block, 7 h^2 + 5 h^2 in a single block, and one attention), but a double block holds 2.4x the weights
+    of a single one. One contiguous chunk per rank cannot balance both for Flux's 1:2 mix, so ranks may
+    hold two chunks (interleaved virtual stages: rank r runs chunks r and r + stages, and a patch passes
+    every rank twice). The layout with the least work on the busiest rank wins; ties keep fewer hops.
+    """
     from ..pipefusion import split_stages
 
-    return split_stages([1.0] * (config.num_layers + config.num_single_layers), stages, memory=block_costs(config))
+    n = config.num_layers + config.num_single_layers
+    memory = block_costs(config)
+    best = None
+    for chunks in (1, 2):
+        if chunks * stages > n:
+            break
+        virtual = split_stages([1.0] * n, chunks * stages, memory=memory)
+        ranks = [[virtual[c * stages + r] for c in range(chunks)] for r in range(stages)]
+        work = max(sum(len(chunk) for chunk in rank) for rank in ranks)
+        if best is None or work < best[0]:
+            best = (work, ranks)
+    return best[1]
 
 
-def stage_ownership(config: FluxConfig, blocks: range, first: bool, last: bool) -> Callable[[str], bool]:
-    """Predicate over diffusers parameter names: True for what a stage holding `blocks` needs."""
+def stage_ownership(config: FluxConfig, chunks: list[range], first: bool, last: bool) -> Callable[[str], bool]:
+    """Predicate over diffusers parameter names: True for what a rank running `chunks` needs."""
     names = block_names(config)
-    prefixes = tuple(f"{names[i]}." for i in blocks) + ALWAYS_OWNED
+    prefixes = tuple(f"{names[i]}." for chunk in chunks for i in chunk) + ALWAYS_OWNED
     prefixes += FIRST_STAGE if first else ()
     prefixes += LAST_STAGE if last else ()
     return lambda name: name.startswith(prefixes)
@@ -55,14 +71,15 @@ class FluxAdapter:
     latent_channels = 16
     patch = 2
 
-    def __init__(self, config: FluxConfig, model, blocks: range, context: AttentionContext):
+    def __init__(self, config: FluxConfig, model, chunks: list[range], context: AttentionContext):
+        """`chunks`: the block ranges this rank runs (all blocks in one range when not pipelined)."""
         self.config = config
         self.model = model
-        self.blocks = blocks
+        self.chunks = chunks
         all_blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
-        self.stage_blocks = [all_blocks[i] for i in blocks]
-        for layer, block in zip(blocks, self.stage_blocks):
-            block.attn.set_processor(ParallelFluxAttnProcessor(layer, context))
+        for layer in (i for chunk in chunks for i in chunk):
+            all_blocks[layer].attn.set_processor(ParallelFluxAttnProcessor(layer, context))
+        self._blocks = all_blocks
         param = next(p for p in model.time_text_embed.parameters())
         self.dtype, self.device = param.dtype, param.device
 
@@ -114,8 +131,8 @@ class FluxAdapter:
 
     # -- blocks and head -----------------------------------------------------------------------------
 
-    def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope) -> tuple:
-        for block in self.stage_blocks:
+    def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope, chunk: int = 0) -> tuple:
+        for block in (self._blocks[i] for i in self.chunks[chunk]):
             text, image = block(hidden_states=image, encoder_hidden_states=text, temb=temb, image_rotary_emb=rope)
         return image, text
 
