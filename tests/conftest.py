@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny Flux checkpoint, conditioning, and a guard that no test leaves a process."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import psutil
@@ -35,6 +36,33 @@ def make_job(path: str, strategy: StrategySpec | None = None, *, steps: int = 8,
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+def _cpu_client(n: int):
+    from parallel_runtime.client import RuntimeClient
+
+    client = RuntimeClient(f"cpu:{n}", threads_per_worker=1)  # 1 thread each: 2-4 workers share 2 cores
+    yield client
+    client.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client2():
+    yield from _cpu_client(2)
+
+
+@pytest.fixture(scope="module")
+def client4():
+    yield from _cpu_client(4)
+
+
+def load_queue_script():
+    """scripts/queue_workflow.py as a module (it is a script, not part of a package)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "queue_workflow.py")
+    spec = importlib.util.spec_from_file_location("queue_workflow", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -20,7 +20,6 @@ makes deterministic CONDITIONING from a seed and turns a latent into a small RGB
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -37,6 +36,8 @@ import urllib.request
 import zlib
 
 import pytest
+
+from conftest import load_queue_script
 
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 if not COMFYUI_DIR:
@@ -122,14 +123,7 @@ NODE_CLASS_MAPPINGS = {"ParaDiTTestConditioning": ParaDiTTestConditioning,
 '''
 
 
-def _load_client_script():
-    spec = importlib.util.spec_from_file_location("queue_workflow", os.path.join(REPO, "scripts", "queue_workflow.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-qw = _load_client_script()
+qw = load_queue_script()
 
 
 # ---------------------------------------------------------------------------------------------------

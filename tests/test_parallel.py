@@ -35,20 +35,6 @@ def serial(tiny_path):
         client.shutdown()
 
 
-@pytest.fixture(scope="module")
-def client2():
-    client = RuntimeClient("cpu:2", threads_per_worker=1)
-    yield client
-    client.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client4():
-    client = RuntimeClient("cpu:4", threads_per_worker=1)
-    yield client
-    client.shutdown()
-
-
 @pytest.mark.parametrize("strategy", [
     S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
     S(pipefusion_degree=2, warmup_steps=8), S(pipefusion_degree=2, num_pipeline_patch=4, warmup_steps=8),

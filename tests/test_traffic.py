@@ -6,7 +6,6 @@ import json
 import pytest
 
 from conftest import make_job
-from parallel_runtime.client import RuntimeClient
 from parallel_runtime.models.flux_adapter import pipeline_stages
 from parallel_runtime.models.tiny import TINY
 from parallel_runtime.spec import StrategySpec as S
@@ -37,13 +36,6 @@ def check(client, path, strategy, cfg):
             assert got["by_op"][op][1] == pytest.approx(recv, rel=0.10)
 
 
-@pytest.fixture(scope="module")
-def client2():
-    client = RuntimeClient("cpu:2", threads_per_worker=1)
-    yield client
-    client.shutdown()
-
-
 @pytest.mark.parametrize("strategy,cfg", [
     (S(cfg_degree=2), 2.0),
     (S(ulysses_degree=2), 1.0), (S(ulysses_degree=2), 2.0),
@@ -56,15 +48,11 @@ def test_two_workers_measured_bytes_match_analytic(client2, tiny_path, strategy,
     check(client2, tiny_path, strategy, cfg)
 
 
-def test_four_worker_hybrids_measured_bytes_match_analytic(tiny_path):
-    client = RuntimeClient("cpu:4", threads_per_worker=1)
-    try:
-        for strategy, cfg in [(S(ulysses_degree=2, ring_degree=2), 1.0),
-                              (S(pipefusion_degree=2, ulysses_degree=2), 2.0),
-                              (S(cfg_degree=2, ring_degree=2), 2.0)]:
-            check(client, tiny_path, strategy, cfg)
-    finally:
-        client.shutdown()
+def test_four_worker_hybrids_measured_bytes_match_analytic(client4, tiny_path):
+    for strategy, cfg in [(S(ulysses_degree=2, ring_degree=2), 1.0),
+                          (S(pipefusion_degree=2, ulysses_degree=2), 2.0),
+                          (S(cfg_degree=2, ring_degree=2), 2.0)]:
+        check(client4, tiny_path, strategy, cfg)
 
 
 # -- the formulas alone ---------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import json
 import os
 import socket
@@ -22,6 +21,8 @@ import threading
 import uuid
 
 import pytest
+
+from conftest import load_queue_script
 
 from nodes import convert
 from parallel_runtime.spec import StrategySpec
@@ -261,14 +262,7 @@ def test_workflow_is_flux_text_to_image_and_its_strategy_fits(name):
 # ---------------------------------------------------------------------------------------------------
 # scripts/queue_workflow.py without a server.
 
-def _script():
-    spec = importlib.util.spec_from_file_location("queue_workflow", os.path.join(REPO, "scripts", "queue_workflow.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-qw = _script()
+qw = load_queue_script()
 
 
 @pytest.mark.parametrize("name", api_files())
