@@ -8,7 +8,7 @@ exit (or if this process dies, which closes the sockets) the workers end too.
 """
 from __future__ import annotations
 
-import atexit
+import dataclasses
 import os
 import secrets
 import shutil
@@ -56,8 +56,9 @@ class RuntimeClient:
         self.last_strategy = ""
         self.last_sec_per_step = None
         self.worker_info: dict[int, dict] = {}  # latest memory each rank reported
+        # Runs when the client is collected and at interpreter exit; it takes no lock, so exit never waits
+        # for a running job.
         self._finalizer = weakref.finalize(self, _kill_all, self.procs, self.chans)
-        atexit.register(self.shutdown)
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -106,7 +107,6 @@ class RuntimeClient:
                 _close_quietly(listener)
                 self.shutdown()
                 raise
-            _close_quietly(listener)
 
     def _accept(self, listener: Listener) -> dict[int, dict]:
         """Accept one connection per worker, failing fast (with its exit code) if a worker dies first.
@@ -125,12 +125,12 @@ class RuntimeClient:
         threading.Thread(target=accept_all, daemon=True).start()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not done.wait(0.05):
-            self._check_procs("while starting")
+            self._check_procs()
             if time.monotonic() > deadline:
                 raise errors.WorkerError(f"workers did not connect within {STARTUP_TIMEOUT_S:.0f} s; check that "
                                          f"python can import torch in this environment.")
         if len(accepted) != self.world:
-            self._check_procs("while starting")
+            self._check_procs()
             raise errors.WorkerError("workers failed to connect to the control socket; retry the job.")
         hello = {}
         for conn in accepted:
@@ -172,6 +172,8 @@ class RuntimeClient:
         from .validate import validate_job
 
         validate_job(job, self.world)
+        # Workers run in the plugin folder: a relative path must mean what it meant here.
+        job = dataclasses.replace(job, model=dataclasses.replace(job.model, path=os.path.abspath(job.model.path)))
         with self._lock:
             self.start()
             meta = {"model": job.model.to_json(), "strategy": job.strategy.to_json(),
@@ -188,7 +190,7 @@ class RuntimeClient:
                 for chan in self.chans:
                     chan.send("job", meta, tensors)
             except OSError:
-                self._check_procs("while receiving the job")
+                self._check_procs(during_job=True)
                 raise
             latent, stats = self._collect(progress, interrupted)
             return JobResult(latent, stats, time.perf_counter() - t0)
@@ -211,8 +213,11 @@ class RuntimeClient:
 
         while pending:
             if not cancel_sent and cancel_requested():
-                for chan in self.chans:
-                    chan.send("cancel")
+                try:
+                    for chan in self.chans:
+                        chan.send("cancel")
+                except OSError:  # a worker died: report that, not a broken pipe
+                    self._check_procs(during_job=True)
                 cancel_sent = True
             for conn in wait(list(by_fd), timeout=0.1):
                 rank = by_fd[conn]
@@ -241,16 +246,13 @@ class RuntimeClient:
                     pending.discard(rank)
             if any(m["type"] != "ConfigError" for m in failures.values()):
                 break  # peers may be stuck in a collective: don't wait for them
-            self._check_procs("during the job")
+            self._check_procs(during_job=True)
         if failures:
             rank, meta = min(failures.items())
             if pending or any(m["type"] != "ConfigError" for m in failures.values()):
                 # The process group may be mid-collective: only fresh workers are safe.
                 self.shutdown()
-            exc_type = getattr(errors, meta["type"], errors.WorkerError)
-            if not (isinstance(exc_type, type) and issubclass(exc_type, errors.ParaDiTError)):
-                exc_type = errors.WorkerError
-            raise exc_type(meta["message"])
+            raise _worker_exception(meta)
         if held:
             raise held[0]
         if cancelled:
@@ -268,26 +270,26 @@ class RuntimeClient:
             f"worker {rank} ({self.devices[rank]}) died (exit code {code}) during the job; the workers were "
             f"stopped and the next job starts fresh ones — if it repeats, check memory use (exit -9 is the OOM killer).")
 
-    def _check_procs(self, when: str) -> None:
+    def _check_procs(self, during_job: bool = False) -> None:
         for rank, proc in enumerate(self.procs):
             if proc.poll() is not None:
-                self._worker_died(rank) if when == "during the job" else self._startup_failed(rank, when)
+                self._worker_died(rank) if during_job else self._startup_failed(rank)
 
-    def _startup_failed(self, rank: int, when: str):
+    def _startup_failed(self, rank: int):
         code = self.procs[rank].returncode
         self.shutdown()
-        raise errors.WorkerError(f"worker {rank} ({self.devices[rank]}) exited with code {code} {when}; "
+        raise errors.WorkerError(f"worker {rank} ({self.devices[rank]}) exited with code {code} while starting; "
                                  f"its error is printed above in the console — fix it and retry.")
 
     def _recv(self, chan: Channel, timeout: float, expect: str | None = None):
         deadline = time.monotonic() + timeout
         while not chan.poll(0.1):
-            self._check_procs("while starting")
+            self._check_procs()
             if time.monotonic() > deadline:
                 raise errors.WorkerError("a worker stopped answering while starting; retry the job.")
         kind, meta, tensors = chan.recv()
         if kind == "error":
-            raise getattr(errors, meta["type"], errors.WorkerError)(meta["message"])
+            raise _worker_exception(meta)
         if expect and kind != expect:
             raise errors.WorkerError(f"worker sent {kind!r} instead of {expect!r}; retry the job.")
         return kind, meta, tensors
@@ -313,6 +315,14 @@ class RuntimeClient:
                 chan.send("release")
             for chan in self.chans:
                 self._recv(chan, 60, expect="released")
+
+
+def _worker_exception(meta: dict) -> errors.ParaDiTError:
+    """The exception a worker's error message stands for; only ParaDiT's own types are trusted by name."""
+    exc_type = getattr(errors, meta["type"], None)
+    if not (isinstance(exc_type, type) and issubclass(exc_type, errors.ParaDiTError)):
+        exc_type = errors.WorkerError
+    return exc_type(meta["message"])
 
 
 def _close_quietly(listener: Listener) -> None:

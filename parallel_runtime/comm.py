@@ -55,6 +55,7 @@ class Comm:
         self.device = torch.device(device)
         self.traffic = Traffic()
         self._groups: dict[str, Group] = {}
+        self._links: dict[tuple[int, int], object] = {}  # (src, dst) -> process group of that one direction
         self._control_pg = None
         distributed = topology.world_size > 1
         if distributed:
@@ -63,12 +64,24 @@ class Comm:
             self._dist = dist
         # Every rank must create every group, in the same order, even groups it is not part of.
         named = [(d, topology.groups(d)) for d in DIMS] + [("sp", topology.sp_groups())]
+        made: dict[tuple[int, ...], object] = {}  # e.g. "sp" equals "ulysses" when ring is 1: one communicator
         for name, groups in named:
             for ranks in groups:
-                pg = self._dist.new_group(ranks) if distributed and len(ranks) > 1 else None
+                key = tuple(ranks)
+                if distributed and len(ranks) > 1 and key not in made:
+                    made[key] = self._dist.new_group(ranks)
                 if rank in ranks:
-                    self._groups[name] = Group(ranks, ranks.index(rank), pg)
+                    self._groups[name] = Group(ranks, ranks.index(rank), made.get(key))
         if distributed:
+            # PipeFusion's point-to-point traffic gets one group per link *direction*. NCCL runs a
+            # communicator's sends and receives in posting order on one stream, so a receive posted ahead
+            # of a send on a shared communicator would wait for a send the peer cannot make yet; with two
+            # stages both directions join the same two ranks, so direction is what must separate them.
+            for ranks in topology.groups("pipefusion"):
+                for k in range(len(ranks) if len(ranks) > 1 else 0):
+                    src, dst = ranks[k], ranks[(k + 1) % len(ranks)]
+                    pg = self._dist.new_group(sorted({src, dst}))
+                    self._links[(src, dst)] = pg
             # Cancel votes travel on their own CPU group so they never queue behind NCCL kernels or p2p.
             self._control_pg = self._dist.new_group(list(range(topology.world_size)), backend="gloo")
 
@@ -103,31 +116,23 @@ class Comm:
         self.traffic.add(op, n, n)
         return parts
 
-    def broadcast(self, t: torch.Tensor, src_index: int, group: Group, op: str = "broadcast") -> torch.Tensor:
-        if group.size == 1:
-            return t
-        self._dist.broadcast(t, group.ranks[src_index], group=group.pg)
-        if group.index == src_index:
-            self.traffic.add(op, _nbytes(t) * (group.size - 1), 0)
-        else:
-            self.traffic.add(op, 0, _nbytes(t))
-        return t
-
     # -- point to point ----------------------------------------------------------------------------
 
     def isend(self, t: torch.Tensor, dst: int, op: str = "p2p"):
+        """Send along a pipeline link (this rank -> dst), on that direction's own group."""
         self.traffic.add(op, _nbytes(t), 0)
-        return self._dist.isend(t, dst)
+        return self._dist.isend(t, dst, group=self._links[(self.rank, dst)])
 
     def irecv(self, t: torch.Tensor, src: int, op: str = "p2p"):
         self.traffic.add(op, 0, _nbytes(t))
-        return self._dist.irecv(t, src)
+        return self._dist.irecv(t, src, group=self._links[(src, self.rank)])
 
     def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, group: Group, op: str = "ring") -> list:
         """Send to the next rank of the ring and receive from the previous one, asynchronously."""
         nxt = group.ranks[(group.index + 1) % group.size]
         prv = group.ranks[(group.index - 1) % group.size]
-        ops = [self._dist.P2POp(self._dist.isend, send, nxt), self._dist.P2POp(self._dist.irecv, recv, prv)]
+        ops = [self._dist.P2POp(self._dist.isend, send, nxt, group=group.pg),
+               self._dist.P2POp(self._dist.irecv, recv, prv, group=group.pg)]
         self.traffic.add(op, _nbytes(send), _nbytes(recv))
         return self._dist.batch_isend_irecv(ops)
 
@@ -140,7 +145,3 @@ class Comm:
             return None, t
         work = self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self._control_pg, async_op=True)
         return work, t
-
-    def barrier(self) -> None:
-        if self._control_pg is not None:
-            self._dist.barrier(group=self._control_pg)

@@ -52,9 +52,6 @@ class Channel:
     def poll(self, timeout: float = 0.0) -> bool:
         return self.conn.poll(timeout)
 
-    def fileno(self) -> int:
-        return self.conn.fileno()
-
     def close(self) -> None:
         try:
             self.conn.close()

@@ -3,7 +3,7 @@
 Started by the client as `python -m parallel_runtime.worker` from a clean interpreter (never by
 re-importing the host's __main__). The auth key arrives on stdin, not argv or the environment, so other
 users cannot read it from /proc. A reader thread serves the control channel while the main thread
-computes: it answers status, flags cancels, and ends the process the moment the client goes away, so a
+computes: it flags cancels, and ends the process the moment the client goes away, so a
 dead host never leaves orphans.
 """
 from __future__ import annotations
@@ -49,7 +49,6 @@ class WorkerState:
         self.context = None
         self.comms: dict = {}
         self.cancel = threading.Event()
-        self.busy = False
         self.last_load_seconds = 0.0
 
     # -- model ---------------------------------------------------------------------------------------
@@ -89,11 +88,6 @@ class WorkerState:
             # new_group is collective: every rank builds the same groups in the same order for this job.
             self.comms[topology] = Comm(topology, self.rank, self.device)
         return self.comms[topology]
-
-    def status(self) -> dict:
-        return {"rank": self.rank, "device": str(self.device), "alive": True, "busy": self.busy,
-                "pid": os.getpid(), "rss_bytes": _rss(),
-                "device_bytes": _device_bytes(self.device), "model": self.loaded_key[0] if self.loaded_key else None}
 
     def release(self) -> None:
         self.adapter = self.loaded_key = self.context = None
@@ -173,9 +167,10 @@ def serve(state: WorkerState, chan: Channel) -> None:
                 os._exit(0)  # the client is gone: nobody will read our results
             if kind == "cancel":
                 state.cancel.set()
-            elif kind == "status":
-                chan.send("status", state.status())
             else:
+                if kind == "job":
+                    # Cleared here, in message order, so a cancel right behind its job is never lost.
+                    state.cancel.clear()
                 jobs.put((kind, meta, tensors))
 
     threading.Thread(target=reader, daemon=True, name="paradit-control").start()
@@ -188,16 +183,12 @@ def serve(state: WorkerState, chan: Channel) -> None:
             chan.send("released", {"rank": state.rank})
             continue
         if kind == "job":
-            state.cancel.clear()
-            state.busy = True
             try:
                 run_job(state, chan, meta, tensors)
             except Cancelled:
                 chan.send("cancelled", {"rank": state.rank})
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the client
                 chan.send("error", _error_meta(exc, state))
-            finally:
-                state.busy = False
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -223,9 +214,15 @@ def main(argv: list[str] | None = None) -> None:
 
     store = None
     if args.world > 1 and args.rank == 0:
-        # Rendezvous on loopback only; the port is passed to the other ranks over the control channel.
-        store = dist.TCPStore("127.0.0.1", 0, args.world, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=60))
+        # Rendezvous on loopback only: TCPStore given a host still listens on every interface, so hand it a
+        # socket already bound to 127.0.0.1. The port reaches the other ranks over the control channel.
+        import socket
+
+        listen = socket.socket()
+        listen.bind(("127.0.0.1", 0))
+        listen.listen()
+        store = dist.TCPStore("127.0.0.1", listen.getsockname()[1], args.world, is_master=True,
+                              wait_for_workers=False, timeout=timedelta(seconds=60), master_listen_fd=listen.fileno())
     chan.send("hello", {"rank": args.rank, "pid": os.getpid(), "store_port": store.port if store else None})
     kind, meta, _ = chan.recv()
     if kind != "init":
@@ -236,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
                                   timeout=timedelta(seconds=60))
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.PrefixStore(meta["session"], store), rank=args.rank,
-                                world_size=args.world, timeout=timedelta(seconds=meta.get("timeout_s", 600)),
+                                world_size=args.world, timeout=timedelta(seconds=600),
                                 **({"device_id": device} if device.type == "cuda" else {}))
     chan.send("ready", {"rank": args.rank})
     serve(WorkerState(args.rank, args.world, device), chan)

@@ -142,3 +142,21 @@ def test_flux_pipeline_ranks_hold_two_interleaved_chunks_when_that_balances_work
     equal = FluxConfig(hidden_size=128, num_heads=4, head_dim=32, num_layers=0, num_single_layers=8,
                        context_dim=64, pooled_dim=32)
     assert [len(chunks) for chunks in pipeline_stages(equal, 2)] == [1, 1]
+
+
+def test_conditioning_mismatches_fail_before_any_worker_loads(tiny_path):
+    import dataclasses
+
+    from conftest import make_conditioning
+
+    job = make_job(tiny_path, S(ulysses_degree=2))
+    cases = [
+        (dataclasses.replace(job, negative=None), "needs a negative conditioning"),
+        (dataclasses.replace(job, negative=make_conditioning(2, text_len=9)), "different lengths .*cfg_degree=2"),
+        (dataclasses.replace(job, extra={"batch_index": [0, 1]}), "batch_index lists 2 entries for 1 image"),
+    ]
+    for bad, text in cases:
+        with pytest.raises(ConfigError, match=text):
+            validate_job(bad, 2)
+    # Different lengths are fine when each branch has its own devices.
+    validate_job(dataclasses.replace(job, strategy=S(cfg_degree=2), negative=make_conditioning(2, text_len=9)), 2)
