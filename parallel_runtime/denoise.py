@@ -272,13 +272,21 @@ class Denoiser:
         attention = stale if uly.size == 1 else UlyssesAttention(self.comm, uly, [], stale)
         self.context.attention = attention
 
+        token_sets: dict = {}  # built once per token set: no host-to-device copies inside the pipeline
+
         def configure(patches: list[int]):
             """Point the attention at the token set of one forward: whole image (warmup) or one patch."""
-            stale.positions = torch.cat([layout.positions(u, patches) for u in range(uly.size)]).to(x.device)
+            key = tuple(patches)
+            if key not in token_sets:
+                token_sets[key] = (
+                    torch.cat([layout.positions(u, patches) for u in range(uly.size)]).to(x.device),
+                    [layout.seq_len(u, len(patches)) for u in range(uly.size)],
+                    layout.image_index(me, patches),
+                    self._rope(layout.positions(me, patches).to(x.device)))
+            stale.positions, lengths, idx, rope = token_sets[key]
             if uly.size > 1:
-                attention.seq_lengths = [layout.seq_len(u, len(patches)) for u in range(uly.size)]
-            idx = layout.image_index(me, patches)
-            return idx, self._rope(layout.positions(me, patches))
+                attention.seq_lengths = lengths
+            return idx, rope
 
         text_rows = layout.text_rows(me)
         n_text = len(text_rows)
