@@ -84,6 +84,14 @@ class Comm:
                     self._links[(src, dst)] = pg
             # Cancel votes travel on their own CPU group so they never queue behind NCCL kernels or p2p.
             self._control_pg = self._dist.new_group(list(range(topology.world_size)), backend="gloo")
+        self._created = [*made.values(), *self._links.values()] + ([self._control_pg] if distributed else [])
+
+    def close(self) -> None:
+        """Free this topology's communicators (NCCL ones hold device memory). Every rank closes the same
+        Comm at the same point of the job sequence, so the collective teardown lines up."""
+        for pg in self._created:
+            self._dist.destroy_process_group(pg)
+        self._created = []
 
     def group(self, name: str) -> Group:
         return self._groups[name]

@@ -85,8 +85,12 @@ class WorkerState:
         from .comm import Comm
 
         if topology not in self.comms:
-            # new_group is collective: every rank builds the same groups in the same order for this job.
-            self.comms[topology] = Comm(topology, self.rank, self.device)
+            # Keep one topology's groups: auto may pick a new one per resolution, and each set of NCCL
+            # communicators holds device memory. new_group and teardown are collective, and every rank
+            # sees the same job sequence, so all ranks do both at the same point.
+            for old in self.comms.values():
+                old.close()
+            self.comms = {topology: Comm(topology, self.rank, self.device)}
         return self.comms[topology]
 
     def release(self) -> None:
