@@ -42,6 +42,11 @@ class ComfyHost:
             return e
         return mm.InterruptProcessingException()
 
+    def is_interrupt(self, exc: BaseException) -> bool:
+        import comfy.model_management as mm
+
+        return isinstance(exc, mm.InterruptProcessingException)
+
     def send(self, payload: dict) -> None:
         server = self._server()
         if server is not None:
@@ -134,22 +139,11 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     pbar = host.progress_bar(int(steps), node_id)
     started = time.monotonic()
     last_sent = [started]
-    # ComfyUI's progress hook raises InterruptProcessingException when the user presses Cancel (and clears
-    # the flag host.interrupted() reads). Raising it through client.sample would leave the workers running
-    # the job; hold it instead, let the client cancel the workers, and raise it once they have stopped.
-    held: list[BaseException] = []
-
-    def interrupted() -> bool:
-        return bool(held) or host.interrupted()
 
     def progress(step: int, total: int, info: dict | None = None) -> None:
-        if held:
-            return
-        try:
-            pbar.update_absolute(step, total)
-        except BaseException as e:  # noqa: BLE001 - re-raised after the workers stop
-            held.append(e)
-            return
+        # On Cancel, ComfyUI's progress hook raises its InterruptProcessingException here; the client then
+        # cancels the workers and re-raises it once they have stopped.
+        pbar.update_absolute(step, total)
         now = time.monotonic()
         if now - last_sent[0] >= STATUS_INTERVAL_S or step >= total:
             last_sent[0] = now
@@ -158,18 +152,17 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     job = Job(model=model.model, strategy=strategy, sampling=sampling, latent=samples, positive=pos,
               negative=neg, extra=extra)
     try:
-        out = client.sample(job, progress=progress, interrupted=interrupted)
+        out = client.sample(job, progress=progress, interrupted=host.interrupted)
     except Cancelled:
         send("cancelled", message="Cancelled.")
-        if held:
-            raise held[0] from None
         raise host.interrupt() from None
     except ParaDiTError as e:
         send("error", message=str(e))
         raise
-    if held:  # the job ended before the cancel reached the workers: still honour it, as KSampler would
-        send("cancelled", message="Cancelled.")
-        raise held[0]
+    except BaseException as e:
+        cancelled = host.is_interrupt(e)
+        send("cancelled" if cancelled else "error", message="Cancelled." if cancelled else str(e))
+        raise
     elapsed = time.monotonic() - started
     result = convert.latent_output(latent_image, out)
     send("done", step=int(steps), total=int(steps))

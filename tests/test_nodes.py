@@ -200,10 +200,14 @@ class Interrupt(Exception):
 
 
 class FakeBar:
+    raise_at = None  # ComfyUI's bar raises its interrupt from update_absolute when the user cancels
+
     def __init__(self, total, node_id):
         self.total, self.node_id, self.updates = total, node_id, []
 
     def update_absolute(self, value, total=None):
+        if value == self.raise_at:
+            raise Interrupt()
         self.updates.append((value, total))
 
 
@@ -227,6 +231,9 @@ class FakeHost:
 
     def interrupt(self):
         return Interrupt()
+
+    def is_interrupt(self, exc):
+        return isinstance(exc, Interrupt)
 
     def send(self, payload):
         json.dumps(payload)  # what PromptServer will do with it
@@ -465,6 +472,16 @@ def test_sampler_uses_negative_with_cfg(runtime):
 def test_sampler_cancel_becomes_comfy_interrupt(runtime):
     runtime.behaviour = "cancel"
     host = FakeHost(cancel=True)
+    with pytest.raises(Interrupt):
+        sampler_mod.sample(handle(), 0, 3, 1.0, "euler", "simple", cond(), cond(), latent(), 1.0, host=host)
+    assert host.events[-1]["state"] == "cancelled"
+
+
+def test_interrupt_raised_by_the_progress_bar_reaches_comfy_as_cancelled(runtime, monkeypatch):
+    """The runtime client holds a progress-hook exception until the workers stopped, then re-raises it; the
+    node reports the prompt as cancelled and lets ComfyUI's own exception through."""
+    monkeypatch.setattr(FakeBar, "raise_at", 2)
+    host = FakeHost()
     with pytest.raises(Interrupt):
         sampler_mod.sample(handle(), 0, 3, 1.0, "euler", "simple", cond(), cond(), latent(), 1.0, host=host)
     assert host.events[-1]["state"] == "cancelled"
