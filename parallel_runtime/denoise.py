@@ -20,13 +20,14 @@ import torch
 from .attention import LocalAttention, RingAttention, UlyssesAttention
 from .attention.processor import AttentionContext
 from .comm import Comm
-from .errors import Cancelled, ConfigError
+from .errors import Cancelled
 from .models.flux_adapter import FluxAdapter
 from .pipefusion import StaleKVAttention, StaleKVCache
 from .sampling import (cfg_combine, cfg_uses_uncond, denoised_from_velocity, final_latent, ksampler_sigmas,
                        make_sampler, model_sampling_for, prepare_noise, start_latent)
 from .spec import Conditioning, Job
 from .topology import Topology, validate_strategy
+from .validate import validate_branches
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,7 @@ class Branches:
     """The CFG branches this rank evaluates, batched into one forward pass."""
 
     def __init__(self, conds: list[Conditioning], batch: int, guidance_default: float = 3.5):
-        lengths = {c.cond.shape[1] for c in conds}
-        if len(lengths) > 1:
-            raise ConfigError(f"the positive and negative prompts encode to different lengths ({sorted(lengths)} tokens), "
-                              f"which cannot share a batch; set cfg_degree=2 to run them on separate devices, or "
-                              f"make the prompts encode to the same length.")
+        # validate_branches has made sure batched branches share a prompt length.
         self.count = len(conds)
         self.batch = batch
 
@@ -108,6 +105,7 @@ class Denoiser:
         validate_strategy(s, world_size=self.topology.world_size, heads=cfg.num_heads,
                           num_blocks=cfg.num_layers + cfg.num_single_layers, latent_hw=(h, w),
                           cfg_scale=sp.cfg, steps=sp.steps)
+        validate_branches(job)
         self.progress, self.cancel_requested = progress or (lambda i, n: None), cancel_requested
         self.step_times = []
 
@@ -121,8 +119,6 @@ class Denoiser:
         self.sampler = make_sampler(sp.sampler_name, sigmas, sp.seed, job.latent.shape, to_state=FluxAdapter.pack)
 
         conds = [job.positive] + ([job.negative] if cfg_uses_uncond(sp.cfg) else [])
-        if cfg_uses_uncond(sp.cfg) and job.negative is None:
-            raise ConfigError("cfg > 1 needs a negative conditioning; connect one or set cfg to 1.")
         if s.cfg_degree == 2:
             conds = [conds[self.coords["cfg"]]]
         self.branches = Branches(conds, b)

@@ -5,7 +5,7 @@ import os
 from functools import lru_cache
 
 from .errors import ConfigError, ModelFileError
-from .sampling import SAMPLERS, SCHEDULERS
+from .sampling import SAMPLERS, SCHEDULERS, cfg_uses_uncond
 from .spec import Job
 from .topology import validate_strategy
 
@@ -28,6 +28,22 @@ def model_config(path: str):
         raise ModelFileError(f"model file {path} does not exist; put the checkpoint in ComfyUI's "
                              f"models/diffusion_models folder and pick it in the loader.") from None
     return _model_config(path, st.st_mtime_ns, st.st_size)
+
+
+def validate_branches(job: Job) -> None:
+    """The CFG branches and batch bookkeeping: checked by the client and again by each worker's Denoiser."""
+    uses_uncond = cfg_uses_uncond(job.sampling.cfg)
+    if uses_uncond and job.negative is None:
+        raise ConfigError("cfg > 1 needs a negative conditioning; connect one or set cfg to 1.")
+    if uses_uncond and job.strategy.cfg_degree == 1 and job.negative.cond.shape[1] != job.positive.cond.shape[1]:
+        raise ConfigError(f"the positive and negative prompts encode to different lengths "
+                          f"({job.positive.cond.shape[1]} vs {job.negative.cond.shape[1]} tokens), which cannot "
+                          f"share a batch; set cfg_degree=2 to run them on separate devices, or make the prompts "
+                          f"encode to the same length.")
+    batch_index = job.extra.get("batch_index")
+    if batch_index is not None and len(batch_index) != job.latent.shape[0]:
+        raise ConfigError(f"the latent's batch_index lists {len(batch_index)} entries for {job.latent.shape[0]} "
+                          f"image(s); re-create the batch with ComfyUI's latent batch nodes.")
 
 
 def validate_job(job: Job, world_size: int) -> None:
@@ -60,18 +76,7 @@ def validate_job(job: Job, world_size: int) -> None:
         if c.pooled.shape[0] != c.cond.shape[0]:
             raise ConfigError(f"the {name} conditioning has {c.cond.shape[0]} prompt(s) but {c.pooled.shape[0]} pooled "
                               f"vector(s); encode it with one text-encode node so the two match.")
-    uses_uncond = abs(sp.cfg - 1.0) > 1e-9
-    if uses_uncond and job.negative is None:
-        raise ConfigError("cfg > 1 needs a negative conditioning; connect one or set cfg to 1.")
-    if uses_uncond and job.strategy.cfg_degree == 1 and job.negative.cond.shape[1] != job.positive.cond.shape[1]:
-        raise ConfigError(f"the positive and negative prompts encode to different lengths "
-                          f"({job.positive.cond.shape[1]} vs {job.negative.cond.shape[1]} tokens), which cannot "
-                          f"share a batch; set cfg_degree=2 to run them on separate devices, or make the prompts "
-                          f"encode to the same length.")
-    batch_index = job.extra.get("batch_index")
-    if batch_index is not None and len(batch_index) != lat.shape[0]:
-        raise ConfigError(f"the latent's batch_index lists {len(batch_index)} entries for {lat.shape[0]} image(s); "
-                          f"re-create the batch with ComfyUI's latent batch nodes.")
+    validate_branches(job)
     validate_strategy(job.strategy, world_size=world_size, heads=config.num_heads,
                       num_blocks=config.num_layers + config.num_single_layers, latent_hw=tuple(lat.shape[2:]),
                       cfg_scale=sp.cfg, steps=sp.steps)
