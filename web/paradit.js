@@ -7,6 +7,7 @@ const EVENT = "paradit.status";
 const NODE_TYPES = new Set(["ParaDiTStrategy", "ParaDiTLoader", "ParaDiTSampler"]);
 const LINE_H = 14;
 const PAD = 6;
+const MAX_W = 420; // widest a node grows to fit its lines; longer lines wrap at its width
 const COLORS = { starting: "#8ab4f8", running: "#8ab4f8", done: "#81c995", cancelled: "#fdd663", error: "#f28b82" };
 
 function gib(bytes) {
@@ -32,12 +33,16 @@ function samplerLines(d) {
   const lines = [{ text: head.join(" · "), color: COLORS[d.state] }];
   if (d.mode === "auto" && d.reason) lines.push({ text: `auto: ${d.reason}`, color: "#aaa" });
   for (const w of s.workers || []) {
-    const parts = [`rank ${w.rank} ${w.device}: ${w.alive ? "up" : "DOWN"}`];
+    // Before the first job the pool is not spawned yet: "starting", not a dead worker.
+    const pending = !w.alive && d.state === "starting";
+    const parts = [`rank ${w.rank} ${w.device}: ${w.alive ? "up" : pending ? "starting" : "DOWN"}`];
     if (w.rss_bytes !== null && w.rss_bytes !== undefined) parts.push(`RAM ${gib(w.rss_bytes)}`);
-    if (w.device_bytes !== null && w.device_bytes !== undefined) parts.push(`dev ${gib(w.device_bytes)}`);
+    // CPU workers have no device memory of their own (always 0): leave it out there.
+    const cpu = String(w.device ?? "").startsWith("cpu");
+    if (w.device_bytes !== null && w.device_bytes !== undefined && !cpu) parts.push(`dev ${gib(w.device_bytes)}`);
     lines.push({
       text: parts.join(" · "),
-      color: w.alive ? "#ccc" : COLORS.error,
+      color: w.alive ? "#ccc" : pending ? "#aaa" : COLORS.error,
     });
   }
   if (d.message) lines.push({ text: d.message, color: COLORS[d.state] ?? "#ccc" });
@@ -51,20 +56,74 @@ function strategyLines(d) {
 }
 
 // Two kinds of lines per node: the last status event, and the text of the node's own last run.
+const FONT = "11px monospace";
+let measureCtx = null;
+function textWidth(text) {
+  measureCtx = measureCtx || document.createElement("canvas").getContext("2d");
+  measureCtx.font = FONT;
+  return measureCtx.measureText(text).width;
+}
+
+// Text the frontend already shows on the node: the "progress text" preview widget that
+// ComfyUI draws for server.send_progress_text (the Strategy Selector's description).
+function shownByFrontend(node) {
+  const shown = new Set();
+  for (const w of node.widgets ?? []) {
+    if (w.name === "$$node-text-preview" && w.value) String(w.value).split("\n").forEach((t) => shown.add(t));
+  }
+  return shown;
+}
+
+// Breaks one line into lines of at most `width` pixels, at spaces where it can.
+function wrap(line, width) {
+  if (textWidth(line.text) <= width) return [line];
+  const out = [];
+  let cur = "";
+  for (const word of line.text.split(" ")) {
+    const next = cur ? cur + " " + word : word;
+    if (!cur || textWidth(next) <= width) { cur = next; continue; }
+    out.push(cur);
+    cur = word;
+  }
+  if (cur) out.push(cur);
+  return out.map((text) => ({ text, color: line.color }));
+}
+
+function refresh(node) {
+  const shown = shownByFrontend(node);
+  const seen = new Set();
+  // Where the frontend shows the server's text itself (progress-text preview), drawing ours too
+  // would repeat it and overlap that widget.
+  const lines = shown.size ? [] : [...node.paradit.status, ...node.paradit.executed].filter((l) => {
+    if (!l.text || seen.has(l.text)) return false;
+    seen.add(l.text);
+    return true;
+  });
+  const minSize = node.computeSize();
+  const widest = Math.max(0, ...lines.map((l) => textWidth(l.text)));
+  const width = Math.max(node.size[0], Math.min(MAX_W, Math.ceil(widest) + 2 * (PAD + 4)));
+  node.paraditLines = lines.flatMap((l) => wrap(l, width - 2 * (PAD + 4)));
+  const height = minSize[1] + node.paraditLines.length * LINE_H + PAD * 2;
+  if (node.size[0] < width || node.size[1] < height) {
+    node.setSize([Math.max(node.size[0], width), Math.max(node.size[1], height)]);
+  }
+  node.setDirtyCanvas(true, true);
+}
+
 function setLines(node, lines, kind = "status") {
   if (!node) return;
   node.paradit = node.paradit || { status: [], executed: [] };
   node.paradit[kind] = lines;
-  node.paraditLines = [...node.paradit.status, ...node.paradit.executed];
-  const need = node.computeSize()[1] + node.paraditLines.length * LINE_H + PAD * 2;
-  if (node.size[1] < need) node.setSize([node.size[0], need]);
-  node.setDirtyCanvas(true, true);
+  refresh(node);
 }
 
 function onStatus(event) {
   const d = event.detail;
   if (!d) return;
-  setLines(findNode(d.node), samplerLines(d));
+  const sampler = findNode(d.node);
+  // A new run: the summary of the previous one no longer describes what the node shows.
+  if (d.state === "starting" && sampler?.paradit) sampler.paradit.executed = [];
+  setLines(sampler, samplerLines(d));
   if (d.strategy_node !== null && d.strategy_node !== undefined && d.strategy) {
     setLines(findNode(d.strategy_node), strategyLines(d));
   }
@@ -114,13 +173,14 @@ app.registerExtension({
       const lines = this.paraditLines;
       if (!lines || !lines.length || this.flags?.collapsed) return r;
       const top = this.size[1] - lines.length * LINE_H - PAD;
+      const x = PAD + 4;
       ctx.save();
-      ctx.font = "11px monospace";
+      ctx.font = FONT;
       ctx.textAlign = "left";
       ctx.textBaseline = "top";
       lines.forEach((line, i) => {
         ctx.fillStyle = line.color || "#ccc";
-        ctx.fillText(line.text, PAD + 4, top + i * LINE_H, this.size[0] - 2 * PAD);
+        ctx.fillText(line.text, x, top + i * LINE_H, Math.max(1, this.size[0] - 2 * x));
       });
       ctx.restore();
       return r;
