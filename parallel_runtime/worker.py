@@ -35,8 +35,9 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _device_bytes(device: torch.device) -> int:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+def _device_bytes(device: torch.device) -> int | None:
+    """Accelerator memory in use; None for CPU workers, which have none apart from their RSS."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
 class WorkerState:
