@@ -55,7 +55,7 @@ class RuntimeClient:
         self._lock = threading.RLock()
         self.last_strategy = ""
         self.last_sec_per_step = None
-        self.worker_info: dict[int, dict] = {}  # latest memory each rank reported
+        self.device_bytes: dict[int, int | None] = {}  # latest accelerator memory each rank reported (RSS is read here)
         # Runs when the client is collected and at interpreter exit; it takes no lock, so exit never waits
         # for a running job.
         self._finalizer = weakref.finalize(self, _kill_all, self.procs, self.chans)
@@ -226,7 +226,7 @@ class RuntimeClient:
                 except (EOFError, OSError):
                     self._worker_died(rank)
                 if kind == "progress":
-                    self.worker_info[rank] = {k: meta.get(k) for k in ("rss_bytes", "device_bytes", "step")}
+                    self.device_bytes[rank] = meta.get("device_bytes")
                     if meta.get("report"):
                         self.last_sec_per_step = meta.get("sec_per_step")
                         if progress is not None and not held:
@@ -301,7 +301,7 @@ class RuntimeClient:
         procs = list(self.procs)
         workers = [{"rank": rank, "device": device, "alive": rank < len(procs) and procs[rank].poll() is None,
                     "rss_bytes": _rss(procs, rank),
-                    "device_bytes": self.worker_info.get(rank, {}).get("device_bytes")}
+                    "device_bytes": self.device_bytes.get(rank)}
                    for rank, device in enumerate(self.devices)]
         return {"devices": self.devices, "workers": workers, "strategy": self.last_strategy,
                 "sec_per_step": self.last_sec_per_step}

@@ -605,25 +605,11 @@ class ParamLayout:
         return sum(self.blocks) + self.always + self.first + self.last
 
 
-@functools.lru_cache(maxsize=16)
 def param_layout(config) -> ParamLayout:
-    from diffusers import FluxTransformer2DModel
+    from .models.flux_adapter import parameter_counts
 
-    from .models.flux_adapter import ALWAYS_OWNED, FIRST_STAGE, LAST_STAGE
-
-    with torch.device("meta"):
-        model = FluxTransformer2DModel(**config.diffusers_kwargs())
-    blocks = [sum(p.numel() for p in b.parameters())
-              for b in list(model.transformer_blocks) + list(model.single_transformer_blocks)]
-    counts = {"always": 0, "first": 0, "last": 0}
-    for name, p in model.named_parameters():
-        if name.startswith(ALWAYS_OWNED):
-            counts["always"] += p.numel()
-        elif name.startswith(FIRST_STAGE):
-            counts["first"] += p.numel()
-        elif name.startswith(LAST_STAGE):
-            counts["last"] += p.numel()
-    return ParamLayout(blocks, **counts)
+    blocks, always, first, last = parameter_counts(config)
+    return ParamLayout(list(blocks), always, first, last)
 
 
 def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_tokens: int, batch: int, cfg: float,

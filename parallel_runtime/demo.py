@@ -11,49 +11,17 @@ import argparse
 import os
 import tempfile
 
-import torch
-
+from .bench import grid, make_job, rel_err
 from .client import RuntimeClient
-from .errors import ConfigError
 from .models.tiny import TINY, write_checkpoint
-from .spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
-from .topology import validate_strategy
+from .spec import StrategySpec
+
+CFG = 2.0  # > 1, so CFG parallel has an uncond branch to run
+TEXT_TOKENS = 12
 
 
-def demo_strategies(world: int) -> list[StrategySpec]:
-    """Each strategy family at `world` ranks (serial is run separately), including hybrids."""
-    candidates = [
-        StrategySpec(cfg_degree=2), StrategySpec(ulysses_degree=world), StrategySpec(ring_degree=world),
-        StrategySpec(ulysses_degree=2, ring_degree=world // 2), StrategySpec(cfg_degree=2, ulysses_degree=world // 2),
-        StrategySpec(pipefusion_degree=world, warmup_steps=1),
-        StrategySpec(pipefusion_degree=world, num_pipeline_patch=2 * world, warmup_steps=1),
-        StrategySpec(pipefusion_degree=2, ulysses_degree=world // 2, warmup_steps=1),
-        StrategySpec(naive_patch_degree=world),
-    ]
-    out, seen = [], set()
-    for s in candidates:
-        try:
-            validate_strategy(s, world_size=world)
-        except ConfigError:
-            continue
-        if s not in seen:
-            seen.add(s)
-            out.append(s)
-    return out
-
-
-def demo_job(path: str, strategy: StrategySpec, size: int = 32, steps: int = 8, cfg: float = 2.0) -> Job:
-    g = torch.Generator().manual_seed(0)
-    text = lambda: Conditioning(torch.randn(1, 12, TINY.context_dim, generator=g),  # noqa: E731
-                                torch.randn(1, TINY.pooled_dim, generator=g), guidance=3.5)
-    pos, neg = text(), text()
-    return Job(ModelSpec(path), strategy, SamplingSpec(seed=42, steps=steps, cfg=cfg, sampler_name="euler",
-                                                       scheduler="simple"),
-               torch.zeros(1, 16, size, size), pos, neg)
-
-
-def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+def demo_job(path: str, strategy: StrategySpec, size: int, steps: int):
+    return make_job(path, TINY, strategy, (1, 16, size, size), TEXT_TOKENS, CFG, steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,15 +41,17 @@ def main(argv: list[str] | None = None) -> int:
             ref = serial_client.run(demo_job(path, StrategySpec(), args.size, args.steps))
             serial_client.shutdown()
             print(f"tiny Flux ({TINY.hidden_size} hidden, {TINY.num_layers}+{TINY.num_single_layers} blocks), "
-                  f"latent {args.size}x{args.size}, {args.steps} steps, cfg 2.0, euler/simple, "
+                  f"latent {args.size}x{args.size}, {args.steps} steps, cfg {CFG}, euler/simple, "
                   f"devices {args.devices}")
             print(f"{'strategy':<28}{'seconds':>10}{'speed-up':>10}{'rel. error':>13}")
             print(f"{'serial (1 worker)':<28}{ref.seconds:>10.3f}{1.0:>10.2f}{0.0:>13.2e}")
-            for strategy in demo_strategies(client.world):
+            rows = grid(client.world, cfg=CFG, heads=TINY.num_heads,
+                        num_blocks=TINY.num_layers + TINY.num_single_layers, latent_hw=(args.size, args.size))
+            for strategy in (s for s, _ in rows if s.world_size == client.world):
                 client.run(demo_job(path, strategy, args.size, args.steps))  # loads this strategy's blocks
                 res = client.run(demo_job(path, strategy, args.size, args.steps))
                 print(f"{strategy.label():<28}{res.seconds:>10.3f}{ref.seconds / res.seconds:>10.2f}"
-                      f"{rel_error(res.latent, ref.latent):>13.2e}")
+                      f"{rel_err(res.latent, ref.latent):>13.2e}")
         finally:
             serial_client.shutdown()
             client.shutdown()

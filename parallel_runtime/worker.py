@@ -29,12 +29,6 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
 def _device_bytes(device: torch.device) -> int | None:
     """Accelerator memory in use; None for CPU workers, which have none apart from their RSS."""
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
@@ -133,7 +127,7 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict) -> Non
         # Every rank reports each step with its memory (live status); the result rank's drives the bar.
         times = denoiser.step_times
         chan.send("progress", {"rank": state.rank, "step": step, "total": total, "report": denoiser.reports_progress,
-                               "sec_per_step": times[-1] if times else None, "rss_bytes": _rss(),
+                               "sec_per_step": times[-1] if times else None,
                                "device_bytes": _device_bytes(state.device)})
 
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ import psutil
 import pytest
 import torch
 
+from parallel_runtime.bench import rel_err  # noqa: F401 - the tests' parity metric
 from parallel_runtime.models.tiny import TINY, write_checkpoint
 from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
 
@@ -34,8 +35,6 @@ def make_job(path: str, strategy: StrategySpec | None = None, *, steps: int = 8,
                make_conditioning(1, text_len), make_conditioning(2, text_len))
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def _cpu_client(n: int):

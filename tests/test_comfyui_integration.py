@@ -37,7 +37,7 @@ import zlib
 
 import pytest
 
-from conftest import load_queue_script
+from conftest import load_queue_script, rel_err
 
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 if not COMFYUI_DIR:
@@ -310,8 +310,6 @@ def with_ksampler(graph: dict, **kw) -> dict:
     return graph
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ pipeline stage owns. Strategies only ever call these methods; the checkpoint map
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -23,14 +24,24 @@ def block_names(config: FluxConfig) -> list[str]:
             + [f"single_transformer_blocks.{i}" for i in range(config.num_single_layers)])
 
 
-def block_costs(config: FluxConfig) -> list[int]:
-    """Parameter count per block, counted on a meta-device model (no memory, no file access)."""
+@functools.lru_cache(maxsize=16)
+def parameter_counts(config: FluxConfig) -> tuple[tuple[int, ...], int, int, int]:
+    """(per-block counts, every stage's, the first stage's, the last stage's) parameter counts, counted on a
+    meta-device model (no memory, no file access)."""
     from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
         model = FluxTransformer2DModel(**config.diffusers_kwargs())
     blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
-    return [sum(p.numel() for p in b.parameters()) for b in blocks]
+    shared = {prefixes: sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
+              for prefixes in (ALWAYS_OWNED, FIRST_STAGE, LAST_STAGE)}
+    return (tuple(sum(p.numel() for p in b.parameters()) for b in blocks),
+            shared[ALWAYS_OWNED], shared[FIRST_STAGE], shared[LAST_STAGE])
+
+
+def block_costs(config: FluxConfig) -> list[int]:
+    """Parameter count per block."""
+    return list(parameter_counts(config)[0])
 
 
 def pipeline_stages(config: FluxConfig, stages: int) -> list[list[range]]:
