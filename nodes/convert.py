@@ -311,11 +311,6 @@ def latent_output(latent_in: dict, samples: torch.Tensor) -> dict:
     return out
 
 
-def negative_needed(cfg: float) -> bool:
-    """ComfyUI skips the negative branch at cfg 1.0; so do we (and so don't validate it)."""
-    return not math.isclose(float(cfg), 1.0)
-
-
 def devices_overlap_host(worker_devices: list[str], host_device: Any) -> bool:
     """Do the workers use the accelerator ComfyUI itself holds models on? (CPU never counts.)"""
     host = torch.device(host_device) if not isinstance(host_device, torch.device) else host_device

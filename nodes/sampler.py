@@ -98,6 +98,7 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     from parallel_runtime.client import get_client
     from parallel_runtime.devices import parse_devices
     from parallel_runtime.errors import Cancelled, ConfigError, ParaDiTError
+    from parallel_runtime.sampling import cfg_uses_uncond
     from parallel_runtime.spec import Job, SamplingSpec
 
     host = host or HOST
@@ -106,7 +107,8 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
 
     samples, extra = convert.latent_samples(latent_image)
     pos = convert.conditioning(positive, "positive")
-    neg = convert.conditioning(negative, "negative") if convert.negative_needed(cfg) else None
+    # ComfyUI skips the negative branch at cfg 1.0; so does the runtime (and so it isn't validated).
+    neg = convert.conditioning(negative, "negative") if cfg_uses_uncond(float(cfg)) else None
     sampling = SamplingSpec(seed=int(seed), steps=int(steps), cfg=float(cfg), sampler_name=sampler_name,
                             scheduler=scheduler, denoise=float(denoise))
     worker_devices = parse_devices(model.devices)
