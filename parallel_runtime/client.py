@@ -2,16 +2,25 @@
 
 Lifecycle: workers start on the first job and stay alive between jobs (they keep their weights).
 The control channel is an AF_UNIX socket in a fresh 0700 directory, authenticated with a random key
-handed to each worker on its stdin. A worker that dies mid-job, or any error that may leave the
-process group inconsistent, tears every worker down; the next job starts fresh ones. On interpreter
-exit (or if this process dies, which closes the sockets) the workers end too.
+handed to each worker on its stdin. On interpreter exit (or if this process dies, which closes the
+sockets) the workers end too.
+
+Nothing here waits without a bound (see watchdog.py): idle workers answer a ping before a job; busy
+workers beat; a frozen worker, a stuck collective or a Cancel the workers do not honour in time gets the
+workers killed and the job failed with one sentence naming the rank and device; the next job starts
+fresh workers. A job runs in two phases — every rank loads its weights and reports, then the client says
+go — so a failure while loading (a file error, an out-of-memory) never leaves a peer inside a collective,
+and the healthy workers are kept.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,11 +35,18 @@ import torch
 
 from . import errors
 from .devices import parse_devices
-from .protocol import Channel
+from .memory import check_job_memory
+from .protocol import Channel, encode
 from .spec import Job
+from .watchdog import JobWatch, WatchdogConfig
 
 STARTUP_TIMEOUT_S = 120.0
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Settings of the host process that must not leak into the workers: ComfyUI picks its own CUDA allocator
+# (cudaMallocAsync) for its own memory manager; the workers use torch's default unless told otherwise.
+_HOST_ONLY_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+_SMALL_MESSAGE = 64 * 1024  # fits any socket buffer: sending it never blocks on a frozen reader
+log = logging.getLogger("paradit")
 
 
 @dataclass
@@ -41,7 +57,8 @@ class JobResult:
 
 
 class RuntimeClient:
-    def __init__(self, devices: str = "auto", threads_per_worker: int | None = None):
+    def __init__(self, devices: str = "auto", threads_per_worker: int | None = None,
+                 watchdog: WatchdogConfig | None = None):
         self.devices_spec = devices
         self.devices = parse_devices(devices)
         self.world = len(self.devices)
@@ -49,13 +66,17 @@ class RuntimeClient:
             cpu_workers = sum(d == "cpu" for d in self.devices)
             threads_per_worker = max(1, (os.cpu_count() or 1) // max(cpu_workers, 1)) if cpu_workers else 1
         self.threads = threads_per_worker
+        self.watchdog = watchdog or WatchdogConfig.from_env()
         self.procs: list[subprocess.Popen] = []
         self.chans: list[Channel] = []
+        self._stderr_tails: list[collections.deque] = []
         self._dir = None
         self._lock = threading.RLock()
         self.last_strategy = ""
         self.last_sec_per_step = None
         self.device_bytes: dict[int, int | None] = {}  # latest accelerator memory each rank reported (RSS is read here)
+        self.memory_reports: list[dict] = []  # each rank's memory as it answered the last ping
+        self._step_estimates: dict[tuple, float] = {}  # (strategy, latent shape, steps) -> slowest step seen
         # Runs when the client is collected and at interpreter exit; it takes no lock, so exit never waits
         # for a running job.
         self._finalizer = weakref.finalize(self, _kill_all, self.procs, self.chans)
@@ -75,21 +96,16 @@ class RuntimeClient:
             address = os.path.join(self._dir, "control.sock")
             key = secrets.token_bytes(32)
             listener = Listener(address, family="AF_UNIX", authkey=key)
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-            for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-                env[var] = str(self.threads)
             try:
                 for rank, device in enumerate(self.devices):
                     proc = subprocess.Popen(
                         [sys.executable, "-m", "parallel_runtime.worker", "--rank", str(rank), "--world",
                          str(self.world), "--device", device, "--socket", address, "--threads", str(self.threads)],
-                        stdin=subprocess.PIPE, env=env, cwd=_PACKAGE_ROOT)
+                        stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=self._worker_env(), cwd=_PACKAGE_ROOT)
                     proc.stdin.write(key.hex().encode() + b"\n")
                     proc.stdin.close()
                     self.procs.append(proc)
+                    self._stderr_tails.append(_tee_stderr(proc, rank))
                 self.chans.extend([None] * self.world)
                 hello = self._accept(listener)
                 # Every worker is connected: the socket file has done its job, and removing it now means
@@ -100,13 +116,29 @@ class RuntimeClient:
                 port = hello[0]["store_port"]
                 session = secrets.token_hex(8)
                 for chan in self.chans:
-                    chan.send("init", {"store_port": port, "session": session})
+                    chan.send("init", {"store_port": port, "session": session,
+                                       "heartbeat_s": self.watchdog.heartbeat_s,
+                                       "collective_timeout_s": self.watchdog.collective_timeout_s})
                 for chan in self.chans:
                     self._recv(chan, STARTUP_TIMEOUT_S, expect="ready")
             except BaseException:
                 _close_quietly(listener)
                 self.shutdown()
                 raise
+
+    def _worker_env(self) -> dict:
+        env = {k: v for k, v in os.environ.items() if k not in _HOST_ONLY_ENV}
+        if os.environ.get("PARADIT_WORKER_CUDA_ALLOC_CONF"):
+            env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ["PARADIT_WORKER_CUDA_ALLOC_CONF"]
+        env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        # On a collective timeout or a communicator error, NCCL's watchdog aborts the communicators and
+        # ends the process instead of leaving it spinning on the device; the client reports the exit.
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[var] = str(self.threads)
+        return env
 
     def _accept(self, listener: Listener) -> dict[int, dict]:
         """Accept one connection per worker, failing fast (with its exit code) if a worker dies first.
@@ -154,9 +186,16 @@ class RuntimeClient:
                     proc.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
+            self.kill()
+
+    def kill(self) -> None:
+        """Stop every worker now: SIGKILL works on frozen and stuck processes alike."""
+        with self._lock:
             _kill_all(self.procs, self.chans)
             self.procs.clear()
             self.chans.clear()
+            self._stderr_tails.clear()
+            self.memory_reports = []
             if self._dir:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
@@ -176,6 +215,8 @@ class RuntimeClient:
         job = dataclasses.replace(job, model=dataclasses.replace(job.model, path=os.path.abspath(job.model.path)))
         with self._lock:
             self.start()
+            self.ping()
+            check_job_memory(job, self.devices, self.memory_reports)
             meta = {"model": job.model.to_json(), "strategy": job.strategy.to_json(),
                     "sampling": job.sampling.to_json(), "positive_guidance": job.positive.guidance}
             tensors = {"latent": job.latent, **job.positive.tensors("positive")}
@@ -185,19 +226,83 @@ class RuntimeClient:
                 meta["negative_guidance"] = job.negative.guidance
                 tensors.update(job.negative.tensors("negative"))
             self.last_strategy = job.strategy.label()
+            key = (job.strategy, tuple(job.latent.shape), job.sampling.steps)
+            watch = JobWatch(self.watchdog, self.devices, self._step_estimates.get(key))
             t0 = time.perf_counter()
-            try:
-                for chan in self.chans:
-                    chan.send("job", meta, tensors)
-            except OSError:
-                self._check_procs(during_job=True)
-                raise
-            latent, stats = self._collect(progress, interrupted)
+            self._send_all(encode("job", meta, tensors))
+            latent, stats = self._collect(watch, progress, interrupted)
+            if watch.step_seconds:
+                self._step_estimates[key] = max(watch.step_seconds)
             return JobResult(latent, stats, time.perf_counter() - t0)
 
-    def _collect(self, progress, interrupted):
-        pending = set(range(self.world))
-        latent, stats, failures, cancelled = None, [None] * self.world, {}, False
+    def ping(self) -> list[dict]:
+        """Check that every idle worker answers (and read its memory); a frozen one is replaced first."""
+        with self._lock:
+            for attempt in (1, 2):
+                self.start()
+                silent = self._ping_once()
+                if silent is None:
+                    return self.memory_reports
+                log.warning("ParaDiT: worker %d (%s) did not answer within %.0f s; restarting the workers.",
+                            silent, self.devices[silent], self.watchdog.heartbeat_timeout_s)
+                self.kill()
+            raise errors.WorkerError(f"worker {silent} ({self.devices[silent]}) did not answer twice in a row, even "
+                                     f"freshly started; check that device and the console output above.")
+
+    def _ping_once(self) -> int | None:
+        """Returns the first rank that did not answer in time, or None with `memory_reports` filled."""
+        reports: dict[int, dict] = {}
+        try:
+            self._send_all(encode("ping"))
+        except errors.WorkerError:
+            return 0
+        deadline = time.monotonic() + self.watchdog.heartbeat_timeout_s
+        by_fd = {chan.conn: rank for rank, chan in enumerate(self.chans)}
+        while len(reports) < self.world:
+            self._check_procs()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return min(set(range(self.world)) - set(reports))
+            for conn in wait(list(by_fd), timeout=min(left, 0.1)):
+                rank = by_fd[conn]
+                kind, meta, _ = self._recv_or_die(rank)
+                if kind == "pong":
+                    reports[rank] = meta
+        self.memory_reports = [reports[r] for r in range(self.world)]
+        return None
+
+    def _send_all(self, data: bytes, ranks=None) -> None:
+        """Send one encoded message to each rank. A large message blocks until the reader takes it, so it
+        is written from a helper thread and abandoned (workers killed) if a worker does not read it."""
+        for rank in range(self.world) if ranks is None else ranks:
+            chan = self.chans[rank]
+            try:
+                if len(data) <= _SMALL_MESSAGE:
+                    chan.send_bytes(data)
+                    continue
+                failed: list[BaseException] = []
+                sender = threading.Thread(target=_send_catching, args=(chan, data, failed), daemon=True)
+                sender.start()
+                sender.join(self.watchdog.heartbeat_timeout_s)
+                if sender.is_alive():
+                    self.kill()
+                    raise errors.WorkerError(
+                        f"worker {rank} ({self.devices[rank]}) did not take the job within "
+                        f"{self.watchdog.heartbeat_timeout_s:.0f} s (frozen or swapped out); the workers were "
+                        f"restarted and the next prompt runs on fresh ones.")
+                if failed:
+                    raise failed[0]
+            except OSError:
+                self._worker_died(rank)
+
+    def _collect(self, watch: JobWatch, progress, interrupted):
+        """Serve one job's messages until every rank has finished, failing on the watchdog's deadlines."""
+        world = self.world
+        pending = set(range(world))
+        latent, stats, failures, cancelled = None, [None] * world, {}, False
+        loaded: set[int] = set()
+        load_failures: dict[int, dict] = {}
+        gate_open = False
         held: list[BaseException] = []  # an exception from a callback, re-raised once the workers stopped
         cancel_sent = False
         by_fd = {chan.conn: rank for rank, chan in enumerate(self.chans)}
@@ -213,19 +318,16 @@ class RuntimeClient:
 
         while pending:
             if not cancel_sent and cancel_requested():
-                try:
-                    for chan in self.chans:
-                        chan.send("cancel")
-                except OSError:  # a worker died: report that, not a broken pipe
-                    self._check_procs(during_job=True)
+                watch.cancel_requested()
+                self._send_all(encode("cancel"))
                 cancel_sent = True
             for conn in wait(list(by_fd), timeout=0.1):
                 rank = by_fd[conn]
-                try:
-                    kind, meta, tensors = self.chans[rank].recv()
-                except (EOFError, OSError):
-                    self._worker_died(rank)
-                if kind == "progress":
+                kind, meta, tensors = self._recv_or_die(rank)
+                watch.heard(rank, kind, meta)
+                if kind == "loaded":
+                    loaded.add(rank)
+                elif kind == "progress":
                     self.device_bytes[rank] = meta.get("device_bytes")
                     if meta.get("report"):
                         self.last_sec_per_step = meta.get("sec_per_step")
@@ -238,26 +340,48 @@ class RuntimeClient:
                     stats[rank] = meta
                     latent = tensors.get("latent", latent)
                     pending.discard(rank)
-                elif kind == "cancelled":
-                    cancelled = True
+                elif kind in ("cancelled", "aborted"):
+                    cancelled = cancelled or kind == "cancelled" or cancel_sent
                     pending.discard(rank)
                 elif kind == "error":
-                    failures[rank] = meta
+                    (load_failures if meta.get("phase") == "load" else failures)[rank] = meta
                     pending.discard(rank)
+            if not gate_open and len(loaded) + len(load_failures) == world:
+                # Every rank has its weights (or failed to get them) and none has entered a collective yet.
+                gate_open = True
+                if load_failures or cancel_sent:
+                    self._send_all(encode("abort"), ranks=sorted(loaded))
+                else:
+                    self._send_all(encode("go"))
+                    watch.started_sampling()
             if any(m["type"] != "ConfigError" for m in failures.values()):
                 break  # peers may be stuck in a collective: don't wait for them
             self._check_procs(during_job=True)
+            problem = watch.check(pending)
+            if problem is not None:
+                self.kill()
+                raise problem
         if failures:
             rank, meta = min(failures.items())
             if pending or any(m["type"] != "ConfigError" for m in failures.values()):
                 # The process group may be mid-collective: only fresh workers are safe.
-                self.shutdown()
+                self.kill()
+                meta = dict(meta, message=meta["message"] + _RESTARTED)
             raise _worker_exception(meta)
+        if load_failures:
+            # Nobody entered a collective: the process group is intact and every worker is kept.
+            raise _worker_exception(min(load_failures.items())[1])
         if held:
             raise held[0]
         if cancelled:
             raise errors.Cancelled("the job was cancelled; the workers are ready for the next one.")
         return latent, stats
+
+    def _recv_or_die(self, rank: int):
+        try:
+            return self.chans[rank].recv()
+        except (EOFError, OSError):
+            self._worker_died(rank)
 
     def _worker_died(self, rank: int):
         proc = self.procs[rank]
@@ -265,10 +389,11 @@ class RuntimeClient:
             code = proc.wait(2)
         except subprocess.TimeoutExpired:
             code = None
-        self.shutdown()
+        tail = _last_words(self._stderr_tails[rank]) if rank < len(self._stderr_tails) else ""
+        self.kill()
         raise errors.WorkerError(
-            f"worker {rank} ({self.devices[rank]}) died (exit code {code}) during the job; the workers were "
-            f"stopped and the next job starts fresh ones — if it repeats, check memory use (exit -9 is the OOM killer).")
+            f"worker {rank} ({self.devices[rank]}) {describe_exit(code)} during the job{tail}; the workers were "
+            f"stopped and the next job starts fresh ones.")
 
     def _check_procs(self, during_job: bool = False) -> None:
         for rank, proc in enumerate(self.procs):
@@ -277,17 +402,23 @@ class RuntimeClient:
 
     def _startup_failed(self, rank: int):
         code = self.procs[rank].returncode
-        self.shutdown()
-        raise errors.WorkerError(f"worker {rank} ({self.devices[rank]}) exited with code {code} while starting; "
-                                 f"its error is printed above in the console — fix it and retry.")
+        tail = _last_words(self._stderr_tails[rank]) if rank < len(self._stderr_tails) else ""
+        self.kill()
+        raise errors.WorkerError(f"worker {rank} ({self.devices[rank]}) {describe_exit(code)} while starting{tail}; "
+                                 f"fix that (its full output is in the console above) and retry.")
 
     def _recv(self, chan: Channel, timeout: float, expect: str | None = None):
         deadline = time.monotonic() + timeout
-        while not chan.poll(0.1):
-            self._check_procs()
-            if time.monotonic() > deadline:
-                raise errors.WorkerError("a worker stopped answering while starting; retry the job.")
-        kind, meta, tensors = chan.recv()
+        while True:
+            while not chan.poll(0.1):
+                self._check_procs()
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise errors.WorkerError(f"a worker did not answer {expect or 'the client'} within {timeout:.0f} s; "
+                                             f"the workers were restarted — retry.")
+            kind, meta, tensors = chan.recv()
+            if kind != "heartbeat":  # a beat sent just before its job ended
+                break
         if kind == "error":
             raise _worker_exception(meta)
         if expect and kind != expect:
@@ -315,6 +446,13 @@ class RuntimeClient:
                 chan.send("release")
             for chan in self.chans:
                 self._recv(chan, 60, expect="released")
+
+    def memory_budget(self) -> int:
+        """Bytes the tightest worker may use for a job, as the workers report it (starts them if needed)."""
+        from .memory import rank_budgets
+
+        with self._lock:
+            return min(rank_budgets(self.devices, self.ping()))
 
 
 def _worker_exception(meta: dict) -> errors.ParaDiTError:
@@ -376,3 +514,55 @@ def get_client(devices: str = "auto", threads_per_worker: int | None = None) -> 
             _CLIENTS.clear()
             client = _CLIENTS[key] = RuntimeClient(devices, threads_per_worker)
         return client
+
+
+_RESTARTED = " (the workers were restarted; the next prompt runs on fresh ones)"
+
+
+def describe_exit(code: int | None) -> str:
+    """What an exit code says about how a worker ended, in words a user can act on."""
+    if code is None:
+        return "stopped answering"
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    reasons = {"SIGKILL": "was killed (SIGKILL: usually the kernel's OOM killer when RAM ran out — check `dmesg`)",
+               "SIGABRT": "aborted (SIGABRT: e.g. NCCL's watchdog after a collective timed out, or a CUDA error — "
+                          "see its last output)",
+               "SIGSEGV": "crashed (SIGSEGV)", "SIGBUS": "crashed (SIGBUS: often /dev/shm or the disk ran full)",
+               "SIGTERM": "was terminated (SIGTERM)"}
+    return reasons.get(name, f"ended by {name}")
+
+
+def _tee_stderr(proc: subprocess.Popen, rank: int) -> collections.deque:
+    """Forward a worker's stderr to ours, keeping its last lines to quote when it dies."""
+    tail: collections.deque = collections.deque(maxlen=20)
+
+    def pump():
+        for raw in iter(proc.stderr.readline, b""):
+            line = raw.decode(errors="replace")
+            tail.append(line.rstrip())
+            try:
+                sys.stderr.write(line)
+            except (OSError, ValueError):  # our stderr closed: keep draining so the worker never blocks
+                pass
+        proc.stderr.close()
+
+    threading.Thread(target=pump, daemon=True, name=f"paradit-stderr-{rank}").start()
+    return tail
+
+
+def _last_words(tail: collections.deque) -> str:
+    time.sleep(0.05)  # let the pump take the last lines of a process that just ended
+    lines = [line for line in list(tail) if line.strip()]
+    return f" (its last output: {lines[-1][:200]!r})" if lines else ""
+
+
+def _send_catching(chan: Channel, data: bytes, failed: list) -> None:
+    try:
+        chan.send_bytes(data)
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
+        failed.append(exc)

@@ -42,7 +42,10 @@ class Channel:
         self._lock = threading.Lock()
 
     def send(self, kind: str, meta: dict | None = None, tensors: dict | None = None) -> None:
-        data = encode(kind, meta, tensors)
+        self.send_bytes(encode(kind, meta, tensors))
+
+    def send_bytes(self, data: bytes) -> None:
+        """Send an already encoded message (one encoding for every worker of a job)."""
         with self._lock:
             self.conn.send_bytes(data)
 

@@ -88,6 +88,17 @@ class WorkerState:
             self.comms = {topology: Comm(topology, self.rank, self.device)}
         return self.comms[topology]
 
+    def end_job(self) -> None:
+        """Free what one job built (PipeFusion's stale K/V alone is ~1.6 GB per rank at 1024^2): the
+        attention strategy holds it, so point the processors back at plain attention and return the
+        cached blocks to the device."""
+        from .attention import LocalAttention
+
+        if self.context is not None:
+            self.context.attention = LocalAttention()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def release(self) -> None:
         self.adapter = self.loaded_key = self.context = None
         if self.device.type == "cuda":
@@ -104,19 +115,50 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return table[name]
 
 
-def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict) -> None:
-    from .denoise import Denoiser
-    from .loading import parameter_bytes
+class Aborted(Exception):
+    """The client called a job off after loading (another rank failed to load, or Cancel)."""
+
+
+def _job_from_message(meta: dict, tensors: dict):
     from .spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
+
+    def branch(name):
+        return Conditioning(tensors[f"{name}.cond"], tensors[f"{name}.pooled"], meta.get(f"{name}_guidance"))
+
+    return Job(ModelSpec(**meta["model"]), StrategySpec(**meta["strategy"]), SamplingSpec(**meta["sampling"]),
+               tensors["latent"], branch("positive"), branch("negative") if "negative.cond" in tensors else None,
+               extra=meta.get("extra", {}))
+
+
+def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse, gate: queue.Queue) -> None:
+    """Load (phase "load"), report, wait for the client's go, then denoise (phase "run").
+
+    Nothing before the go touches a process group, so a rank that fails to load leaves its peers idle and
+    the group intact; the client aborts the others and keeps every worker."""
+    from .loading import parameter_bytes
     from .topology import Topology
 
-    strategy = StrategySpec(**meta["strategy"])
-    topology = Topology.from_strategy(strategy)
-    job = Job(ModelSpec(**meta["model"]), strategy, SamplingSpec(**meta["sampling"]), tensors["latent"],
-              Conditioning(tensors["positive.cond"], tensors["positive.pooled"], meta.get("positive_guidance")),
-              (Conditioning(tensors["negative.cond"], tensors["negative.pooled"], meta.get("negative_guidance"))
-               if "negative.cond" in tensors else None), extra=meta.get("extra", {}))
+    job = _job_from_message(meta, tensors)
+    topology = Topology.from_strategy(job.strategy)
+    FAULTS.maybe("oom_load", state.rank)
     loaded = state.ensure_model(meta["model"], topology)
+    chan.send("loaded", {"rank": state.rank, "param_bytes": parameter_bytes(state.adapter.model)})
+    if gate.get() != "go":
+        raise Aborted()
+    pulse.phase = "sampling"
+    try:
+        stats, latent = _denoise(state, chan, job, topology, pulse)
+    finally:
+        state.end_job()
+    stats.update(loaded=loaded, load_seconds=state.last_load_seconds)
+    pulse.end_job()  # no beat may follow the result
+    chan.send("done", stats, {"latent": latent} if latent is not None else None)
+
+
+def _denoise(state: WorkerState, chan: Channel, job, topology, pulse) -> tuple[dict, torch.Tensor | None]:
+    from .denoise import Denoiser
+    from .loading import parameter_bytes
+
     comm = state.comm_for(topology)
     comm.reset_traffic()
     if state.device.type == "cuda":
@@ -125,38 +167,74 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict) -> Non
 
     def progress(step: int, total: int) -> None:
         # Every rank reports each step with its memory (live status); the result rank's drives the bar.
+        pulse.step = step
         times = denoiser.step_times
         chan.send("progress", {"rank": state.rank, "step": step, "total": total, "report": denoiser.reports_progress,
                                "sec_per_step": times[-1] if times else None,
                                "device_bytes": _device_bytes(state.device)})
+        FAULTS.maybe("stall", state.rank, step)
 
     t0 = time.perf_counter()
     latent = denoiser.run(job, progress=progress, cancel_requested=state.cancel.is_set)
     stats = {
-        "rank": state.rank, "loaded": loaded, "load_seconds": state.last_load_seconds,
-        "job_seconds": time.perf_counter() - t0, "step_times": denoiser.step_times,
+        "rank": state.rank, "job_seconds": time.perf_counter() - t0, "step_times": denoiser.step_times,
         "traffic": comm.traffic.snapshot(), "param_bytes": parameter_bytes(state.adapter.model),
         "kv_cache_bytes": denoiser.cache.nbytes() if hasattr(denoiser, "cache") else 0,
         "peak_rss_bytes": _peak_rss(),
         "peak_device_bytes": torch.cuda.max_memory_allocated(state.device) if state.device.type == "cuda" else 0,
     }
-    chan.send("done", stats, {"latent": latent} if latent is not None else None)
+    return stats, latent
 
 
-def _error_meta(exc: BaseException, state: WorkerState) -> dict:
+class Faults:
+    """Fault injection for the watchdog's tests, off unless PARADIT_FAULT is set, e.g.
+    "stall:rank=1:step=2" (rank 1's main thread hangs after step 2 while its heartbeat goes on, so its
+    peers wait in a collective) or "oom_load:rank=1" (rank 1 runs out of memory while loading)."""
+
+    def __init__(self, spec: str):
+        self.kind, self.args = None, {}
+        if spec:
+            self.kind, *pairs = spec.split(":")
+            self.args = {k: int(v) for k, v in (p.split("=") for p in pairs)}
+
+    def maybe(self, kind: str, rank: int, step: int | None = None) -> None:
+        if kind != self.kind or rank != self.args.get("rank") or (step is not None and step != self.args.get("step")):
+            return
+        while kind == "stall":  # the main thread computes "forever"; the heartbeat thread beats on
+            time.sleep(3600)
+        if kind == "oom_load":
+            raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 20.00 GiB")
+
+
+FAULTS = Faults(os.environ.get("PARADIT_FAULT", ""))
+
+
+def _error_meta(exc: BaseException, state: WorkerState, phase: str) -> dict:
+    when = "while loading the model" if phase == "load" else "while sampling"
     if isinstance(exc, torch.OutOfMemoryError):
-        kind, message = "OutOfMemory", (
-            f"rank {state.rank} ({state.device}) ran out of memory; lower the resolution or batch, pick "
-            f"weight_dtype bf16, or raise pipefusion_degree so each device holds fewer blocks.")
+        kind = "OutOfMemory"
+        free = ""
+        if state.device.type == "cuda":
+            free_b, total_b = torch.cuda.mem_get_info(state.device)
+            free = f" ({free_b / 2**30:.1f} of {total_b / 2**30:.1f} GB free)"
+        message = (f"rank {state.rank} ({state.device}) ran out of memory {when}{free}; lower the resolution or batch, "
+                   f"pick weight_dtype bf16, or raise pipefusion_degree so each device holds fewer blocks.")
     elif isinstance(exc, ParaDiTError):
         kind, message = type(exc).__name__, str(exc)
     else:
-        kind, message = "WorkerError", f"rank {state.rank} ({state.device}) failed: {type(exc).__name__}: {exc}"
-    return {"type": kind, "message": message, "traceback": traceback.format_exc(limit=20)}
+        kind, message = "WorkerError", f"rank {state.rank} ({state.device}) failed {when}: {type(exc).__name__}: {exc}"
+    return {"type": kind, "message": message, "phase": phase, "rank": state.rank,
+            "traceback": traceback.format_exc(limit=20)}
 
 
-def serve(state: WorkerState, chan: Channel) -> None:
+def serve(state: WorkerState, chan: Channel, heartbeat_s: float) -> None:
+    from .loading import parameter_bytes
+    from .memory import worker_report
+    from .watchdog import Heartbeat
+
     jobs: queue.Queue = queue.Queue()
+    gate: queue.Queue = queue.Queue()  # the client's "go" / "abort" after every rank has loaded
+    pulse = Heartbeat(chan.send, state.rank, heartbeat_s)
 
     def reader() -> None:
         while True:
@@ -166,6 +244,11 @@ def serve(state: WorkerState, chan: Channel) -> None:
                 os._exit(0)  # the client is gone: nobody will read our results
             if kind == "cancel":
                 state.cancel.set()
+            elif kind in ("go", "abort"):
+                gate.put(kind)
+            elif kind == "ping":  # answered here, so a busy main thread still proves the process alive
+                held = parameter_bytes(state.adapter.model) if state.adapter is not None else 0
+                chan.send("pong", {"rank": state.rank, **worker_report(state.device, held)})
             else:
                 if kind == "job":
                     # Cleared here, in message order, so a cancel right behind its job is never lost.
@@ -182,12 +265,20 @@ def serve(state: WorkerState, chan: Channel) -> None:
             chan.send("released", {"rank": state.rank})
             continue
         if kind == "job":
+            pulse.start_job()
             try:
-                run_job(state, chan, meta, tensors)
+                run_job(state, chan, meta, tensors, pulse, gate)
+            except Aborted:
+                pulse.end_job()
+                chan.send("aborted", {"rank": state.rank})
             except Cancelled:
+                pulse.end_job()
                 chan.send("cancelled", {"rank": state.rank})
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the client
-                chan.send("error", _error_meta(exc, state))
+                phase = "load" if pulse.phase == "loading" else "run"
+                pulse.end_job()
+                state.end_job()
+                chan.send("error", _error_meta(exc, state, phase))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -228,14 +319,17 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.world > 1:
         if store is None:
+            # The store's timeout bounds rendezvous and every new_group: a peer that never arrives fails
+            # the start within a minute instead of hanging it.
             store = dist.TCPStore("127.0.0.1", meta["store_port"], args.world, is_master=False,
                                   timeout=timedelta(seconds=60))
         backend = "nccl" if device.type == "cuda" else "gloo"
+        # The process group's timeout bounds each collective (see WatchdogConfig.collective_timeout_s).
         dist.init_process_group(backend, store=dist.PrefixStore(meta["session"], store), rank=args.rank,
-                                world_size=args.world, timeout=timedelta(seconds=600),
+                                world_size=args.world, timeout=timedelta(seconds=meta["collective_timeout_s"]),
                                 **({"device_id": device} if device.type == "cuda" else {}))
     chan.send("ready", {"rank": args.rank})
-    serve(WorkerState(args.rank, args.world, device), chan)
+    serve(WorkerState(args.rank, args.world, device), chan, meta["heartbeat_s"])
     chan.close()
     os._exit(0)  # skip interpreter teardown: process-group destructors can block on dead peers
 

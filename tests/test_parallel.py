@@ -175,7 +175,7 @@ def test_killed_worker_raises_clear_error_and_next_job_starts_fresh(tiny_path):
                 os.kill(victim, signal.SIGKILL)
                 killed_at.append(time.monotonic())
 
-        with pytest.raises(WorkerError, match=r"worker 1 \(cpu\) died .*next job starts fresh"):
+        with pytest.raises(WorkerError, match=r"worker 1 \(cpu\) was killed \(SIGKILL.*next job starts fresh"):
             client.run(make_job(tiny_path, S(ulysses_degree=2), steps=200, size=32), progress=progress)
         assert time.monotonic() - killed_at[0] < 10
         assert not client.alive and not [p for p in pids if _running(p)]

@@ -1,0 +1,81 @@
+"""Memory per rank: what each worker says it can use, and what a job would need there.
+
+The budget comes from the workers themselves (their answer to the client's ping), never from the host
+process: the host (ComfyUI) may hold models it is about to unload, reading GPU memory there would create a
+CUDA context in it, and from the second prompt on the workers' own weights are in use but reusable.
+"""
+from __future__ import annotations
+
+from .errors import ConfigError
+
+CUDA_USABLE = 0.9  # leave room for the CUDA context, NCCL buffers and allocator fragmentation
+CPU_USABLE = 0.85  # leave room for the host process and the OS
+CPU_WORKER_OVERHEAD = 600 * 2**20  # interpreter, torch and diffusers in a CPU worker that holds nothing yet
+
+
+def worker_report(device, held_bytes: int) -> dict:
+    """A worker's memory as it reports it (runs in the worker): free and total bytes of its device, and the
+    bytes of the weights it holds, which a new job of the same model reuses and a different one frees."""
+    import psutil
+    import torch
+
+    report = {"held_bytes": int(held_bytes), "host_available": int(psutil.virtual_memory().available)}
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        report.update(device_free=int(free), device_total=int(total))
+    return report
+
+
+def rank_budgets(devices: list[str], reports: list[dict]) -> list[int]:
+    """Bytes each rank may use for a job: its free memory plus what it already holds."""
+    cpu_workers = max(1, sum(d == "cpu" for d in devices))
+    budgets = []
+    for device, r in zip(devices, reports):
+        if device.startswith("cuda") and "device_free" in r:
+            budgets.append(int(r["device_free"] * CUDA_USABLE) + r["held_bytes"])
+        else:  # CPU workers share the host's RAM
+            budgets.append(int(r["host_available"] * CPU_USABLE / cpu_workers) + r["held_bytes"]
+                           - (CPU_WORKER_OVERHEAD if not r["held_bytes"] else 0))
+    return budgets
+
+
+def weight_bytes(weight_dtype: str, device: str) -> int:
+    """Bytes per parameter on a device for the loader's weight_dtype ('default' = ComfyUI's choice)."""
+    if weight_dtype == "default":
+        return 2 if device.startswith("cuda") else 4
+    return {"fp32": 4, "bf16": 2, "fp16": 2}.get(weight_dtype, 4)
+
+
+def job_rank_memory(job, device: str) -> dict:
+    """Estimated peak bytes on the fullest rank of `job` (parameters, KV buffers, activations)."""
+    from .costmodel import rank_memory
+    from .validate import model_config
+
+    config = model_config(job.model.path)
+    b, _, h, w = job.latent.shape
+    e = weight_bytes(job.model.weight_dtype, device)
+    return rank_memory(job.strategy, config, text_tokens=job.positive.cond.shape[1], image_tokens=(h // 2) * (w // 2),
+                       batch=b, cfg=job.sampling.cfg, weight_bytes=e, act_bytes=e)
+
+
+def gb(n: float) -> str:
+    return f"{n / 2**30:.1f} GB"
+
+
+def check_job_memory(job, devices: list[str], reports: list[dict]) -> None:
+    """Refuse, before any allocation, a job whose estimated memory per rank exceeds what a rank has."""
+    if not reports:
+        return
+    need = job_rank_memory(job, devices[0])
+    budgets = rank_budgets(devices, reports)
+    rank = min(range(len(budgets)), key=budgets.__getitem__)
+    if need["total"] <= budgets[rank]:
+        return
+    fixes = ("raise pipefusion_degree so each device holds fewer blocks, " if job.strategy.pipefusion_degree
+             < len(devices) else "") + "lower the resolution or batch, or pick weight_dtype bf16"
+    if devices[rank] == "cpu" and len(set(devices)) == 1:
+        fixes += ", or run on GPUs"
+    raise ConfigError(
+        f"this job needs about {gb(need['total'])} per worker (weights {gb(need['params'])}, activations "
+        f"{gb(need['activations'])}, PipeFusion K/V {gb(need['kv'])}) but worker {rank} ({devices[rank]}) has "
+        f"{gb(budgets[rank])} available; {fixes}.")

@@ -1,0 +1,153 @@
+"""A hung worker never hangs the client: frozen processes, stuck collectives, Cancel that escalates,
+out-of-memory attribution, and the next job running on fresh (or kept) workers."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from conftest import make_job
+from parallel_runtime.client import RuntimeClient, describe_exit
+from parallel_runtime.errors import Cancelled, OutOfMemory, WorkerError
+from parallel_runtime.spec import StrategySpec as S
+from parallel_runtime.watchdog import WatchdogConfig
+
+pytestmark = pytest.mark.timeout(240)
+
+# Short bounds so the tests are quick; production defaults are 20 s (heartbeat) and 60 s (step grace).
+FAST = WatchdogConfig(heartbeat_s=0.2, heartbeat_timeout_s=3.0, step_grace_s=4.0, cancel_grace_s=2.0)
+# How late a detection may come on top of its bound: the client polls every 0.1 s, the kill and the
+# error path take well under a second; 2 shared CPU cores running 2 workers add scheduling delay.
+SLACK_S = 3.0
+
+
+def _client(watchdog=FAST) -> RuntimeClient:
+    return RuntimeClient("cpu:2", threads_per_worker=1, watchdog=watchdog)
+
+
+def _pids(client):
+    return [p.pid for p in client.procs]
+
+
+def _gone(pids) -> bool:
+    return not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_a_frozen_worker_fails_the_job_within_the_heartbeat_bound_and_the_next_job_runs(tiny_path):
+    client = _client()
+    try:
+        client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))  # load, so the stop lands mid-sampling
+        old = _pids(client)
+        stopped = []
+
+        def progress(step, total, info):
+            if not stopped:
+                os.kill(old[1], signal.SIGSTOP)
+                stopped.append(time.monotonic())
+
+        with pytest.raises(WorkerError, match=r"worker 1 \(cpu\) stopped responding: no heartbeat .*restarted"):
+            client.run(make_job(tiny_path, S(ulysses_degree=2), steps=30), progress=progress)
+        waited = time.monotonic() - stopped[0]
+        assert waited <= FAST.heartbeat_timeout_s + SLACK_S, waited
+        assert _gone(old)  # SIGKILL ends a stopped process too: nothing is left behind
+        out = client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))
+        assert out.latent.shape == (1, 16, 16, 16) and set(_pids(client)).isdisjoint(old)
+    finally:
+        client.shutdown()
+
+
+def test_a_stuck_collective_fails_within_the_step_bound_naming_the_rank_that_never_arrived(tiny_path, monkeypatch):
+    monkeypatch.setenv("PARADIT_FAULT", "stall:rank=1:step=2")  # rank 1 hangs, heartbeat alive; rank 0 waits
+    client = _client()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=r"step 3 made no progress .*rank 1 \(cpu\) in worker\.py.* never "
+                                              r"reached the collective that rank\(s\) 0 wait in"):
+            client.run(make_job(tiny_path, S(ulysses_degree=2), steps=8))
+        assert time.monotonic() - t0 <= 30 + FAST.step_grace_s  # start + load + 2 steps, then the bound
+        monkeypatch.delenv("PARADIT_FAULT")
+        assert client.run(make_job(tiny_path, S(ring_degree=2), steps=2)).latent.isfinite().all()
+    finally:
+        client.shutdown()
+
+
+def test_cancel_during_a_stuck_collective_returns_within_the_cancel_bound(tiny_path, monkeypatch):
+    monkeypatch.setenv("PARADIT_FAULT", "stall:rank=1:step=2")
+    patient = WatchdogConfig(heartbeat_s=0.2, heartbeat_timeout_s=3.0, step_grace_s=120.0, cancel_grace_s=2.0)
+    client = _client(patient)
+    try:
+        pressed = []
+
+        def interrupted():
+            # Cancel once the stall has surely begun (rank 0 waits in step 3's first all-to-all).
+            if client.last_sec_per_step is not None and not pressed:
+                time.sleep(1.0)
+                pressed.append(time.monotonic())
+            return bool(pressed)
+
+        with pytest.raises(Cancelled, match=r"did not stop within .* killed"):
+            client.run(make_job(tiny_path, S(ulysses_degree=2), steps=8), interrupted=interrupted)
+        # The cancel bound is the grace plus two expected steps (the vote is read one step later).
+        waited = time.monotonic() - pressed[0]
+        assert waited <= patient.cancel_grace_s + 2 * 1.0 + SLACK_S, waited
+        monkeypatch.delenv("PARADIT_FAULT")
+        assert client.run(make_job(tiny_path, S(cfg_degree=2), steps=2)).latent.isfinite().all()
+    finally:
+        client.shutdown()
+
+
+def test_a_frozen_idle_worker_is_replaced_before_the_next_job(tiny_path):
+    client = _client()
+    try:
+        client.run(make_job(tiny_path, S(cfg_degree=2), steps=1, size=8))
+        old = _pids(client)
+        os.kill(old[0], signal.SIGSTOP)
+        out = client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))  # ping finds it, restarts, runs
+        assert out.latent.isfinite().all() and set(_pids(client)).isdisjoint(old) and _gone(old)
+    finally:
+        client.shutdown()
+
+
+def test_out_of_memory_while_loading_names_the_rank_and_keeps_the_workers(tiny_path, monkeypatch):
+    monkeypatch.setenv("PARADIT_FAULT", "oom_load:rank=1")
+    client = _client()
+    try:
+        client.start()
+        pids = _pids(client)
+        with pytest.raises(OutOfMemory, match=r"^rank 1 \(cpu\) ran out of memory while loading the model.*"
+                                              r"pipefusion_degree"):
+            client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))
+        # No rank entered a collective, so the process group is intact: same workers, still alive.
+        assert _pids(client) == pids and client.alive
+        status = client.status()
+        assert all(w["alive"] for w in status["workers"])
+    finally:
+        client.shutdown()
+
+
+def test_exit_codes_are_described_in_words_a_user_can_act_on():
+    assert "OOM killer" in describe_exit(-signal.SIGKILL)
+    assert "NCCL's watchdog" in describe_exit(-signal.SIGABRT)
+    assert describe_exit(3) == "exited with code 3"
+    assert describe_exit(None) == "stopped answering"
+
+
+def test_workers_do_not_inherit_the_hosts_allocator_settings(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")  # what ComfyUI sets for itself
+    env = RuntimeClient("cpu:1")._worker_env()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["OMP_NUM_THREADS"] == str(os.cpu_count() or 1)
+    monkeypatch.setenv("PARADIT_WORKER_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert RuntimeClient("cpu:1")._worker_env()["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_watchdog_settings_come_from_the_environment_and_bad_values_are_refused(monkeypatch):
+    monkeypatch.setenv("PARADIT_STEP_GRACE_S", "90")
+    assert WatchdogConfig.from_env().step_grace_s == 90.0
+    assert WatchdogConfig.from_env().step_grace_s <= 90 and WatchdogConfig().step_grace_s <= 60
+    monkeypatch.setenv("PARADIT_STEP_GRACE_S", "nan")
+    with pytest.raises(ValueError, match="PARADIT_STEP_GRACE_S='nan' must be a positive number"):
+        WatchdogConfig.from_env()
