@@ -112,11 +112,16 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     sampling = SamplingSpec(seed=int(seed), steps=int(steps), cfg=float(cfg), sampler_name=sampler_name,
                             scheduler=scheduler, denoise=float(denoise))
     worker_devices = parse_devices(model.devices)
+    # ComfyUI's models leave the workers' GPUs first, so the workers' memory report (auto's budget) sees it free.
+    host.free_memory_for(worker_devices)
+    client = get_client(model.devices)
+    if client.notice:
+        host.send_text(client.notice, node_id)
 
     def choose_strategy(*args):  # imported only in auto mode
         from parallel_runtime.auto import choose_strategy
 
-        return choose_strategy(*args)
+        return choose_strategy(*args, memory_budget_bytes=client.memory_budget())
 
     choice = model.strategy
     strategy, reason = convert.resolve_strategy(choice, choose_strategy, model.model.path, tuple(samples.shape),
@@ -124,7 +129,6 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     text = convert.strategy_text(strategy, reason, choice.mode)
     host.send_text(text, choice.node_id)
 
-    client = get_client(model.devices)
     common = dict(node_id=node_id, strategy=strategy, reason=reason, mode=choice.mode,
                   strategy_node=choice.node_id, devices=model.devices)
 
@@ -136,7 +140,6 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
                 status = {"error": str(e)}
         host.send(convert.status_payload(state=state, status=status, **common, **kw))
 
-    host.free_memory_for(worker_devices)
     send("starting", step=0, total=int(steps))
     pbar = host.progress_bar(int(steps), node_id)
     started = time.monotonic()
@@ -169,4 +172,6 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     result = convert.latent_output(latent_image, out)
     send("done", step=int(steps), total=int(steps))
     summary = f"{strategy.label()} on {strategy.world_size} worker(s): {int(steps)} steps in {elapsed:.1f} s"
+    if client.notice:
+        summary += f" — note: {client.notice}"
     return result, summary

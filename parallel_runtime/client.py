@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from . import errors
-from .devices import parse_devices
+from .devices import auto_notice, parse_devices
 from .memory import check_job_memory
 from .protocol import Channel, encode
 from .spec import Job
@@ -62,6 +62,7 @@ class RuntimeClient:
         self.devices_spec = devices
         self.devices = parse_devices(devices)
         self.world = len(self.devices)
+        self.notice = auto_notice(devices, self.devices)  # shown by the nodes before anything loads
         if threads_per_worker is None:
             cpu_workers = sum(d == "cpu" for d in self.devices)
             threads_per_worker = max(1, (os.cpu_count() or 1) // max(cpu_workers, 1)) if cpu_workers else 1
@@ -92,6 +93,8 @@ class RuntimeClient:
             if self.alive:
                 return
             self.shutdown()
+            if self.notice:
+                log.warning("ParaDiT: %s", self.notice)
             self._dir = tempfile.mkdtemp(prefix="paradit-")  # mkdtemp makes it 0700: only we can connect
             address = os.path.join(self._dir, "control.sock")
             key = secrets.token_bytes(32)

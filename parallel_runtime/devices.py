@@ -33,3 +33,12 @@ def parse_devices(spec: str) -> list[str]:
                               f"use indices below {n}, 'auto', or cpu:N.")
         return [f"cuda:{i}" for i in ids]
     raise ConfigError(f"devices {spec!r} is not understood; use 'auto', GPU indices like '0,1,2,3', or 'cpu:N'.")
+
+
+def auto_notice(spec: str, devices: list[str]) -> str | None:
+    """One sentence when 'auto' found no GPU and fell back to a single CPU worker, so the user is told before
+    a model loads instead of waiting minutes on a slow fp32 CPU denoise (FLUX.1-dev needs ~48 GB of RAM)."""
+    if (spec or "auto").strip().lower() == "auto" and devices == ["cpu"]:
+        return ("no GPU is visible to this process, so devices=auto runs one CPU worker in fp32 (slow; a full Flux "
+                "model needs about 48 GB of RAM) — make the GPUs visible, or set devices to cpu:N to mean it.")
+    return None

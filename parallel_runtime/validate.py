@@ -1,8 +1,11 @@
 """Checks a whole job against the model file and the device count before any worker does work."""
 from __future__ import annotations
 
+import math
 import os
 from functools import lru_cache
+
+import torch
 
 from .errors import ConfigError, ModelFileError
 from .sampling import SAMPLERS, SCHEDULERS, cfg_uses_uncond
@@ -46,8 +49,42 @@ def validate_branches(job: Job) -> None:
                           f"image(s); re-create the batch with ComfyUI's latent batch nodes.")
 
 
+def _finite_number(name: str, value, fix: str) -> None:
+    try:
+        ok = math.isfinite(float(value))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is not a finite number; {fix}.")
+
+
+def _finite_tensor(name: str, t: torch.Tensor | None, fix: str) -> None:
+    if t is None or not t.is_floating_point():
+        return
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        raise ConfigError(f"the {name} holds {bad} NaN/Inf value(s) of {t.numel()}; {fix}.")
+
+
+def validate_numbers(job: Job) -> None:
+    """NaN or Inf anywhere in the job's settings or tensors would silently sample garbage: refuse it."""
+    sp = job.sampling
+    _finite_number("cfg", sp.cfg, "set cfg to a number such as 1.0 (Flux dev) or 3.5")
+    _finite_number("denoise", sp.denoise, "set denoise between 0 and 1")
+    upstream = "it comes from the node feeding it (often a half-precision overflow): re-run that node in fp32 or bf16"
+    _finite_tensor("latent", job.latent, "re-create it (an empty latent, or VAE Encode of a valid image); " + upstream)
+    for name, c in (("positive", job.positive), ("negative", job.negative)):
+        if c is None:
+            continue
+        if c.guidance is not None:
+            _finite_number(f"the {name} conditioning's guidance", c.guidance, "set FluxGuidance to a number such as 3.5")
+        _finite_tensor(f"{name} conditioning", c.cond, "re-encode the prompt; " + upstream)
+        _finite_tensor(f"{name} pooled vector", c.pooled, "re-encode the prompt; " + upstream)
+
+
 def validate_job(job: Job, world_size: int) -> None:
     sp = job.sampling
+    validate_numbers(job)
     if sp.sampler_name not in SAMPLERS:
         raise ConfigError(f"sampler {sp.sampler_name!r} is not supported by the parallel sampler; "
                           f"choose one of {', '.join(SAMPLERS)}.")

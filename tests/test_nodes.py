@@ -140,6 +140,10 @@ def folder_paths(monkeypatch):
 class FakeClient:
     def __init__(self, devices, behaviour=None):
         self.devices, self.behaviour, self.jobs, self.status_calls = devices, behaviour, [], 0
+        self.notice = None
+
+    def memory_budget(self):
+        return 8 * 2**30
 
     def status(self):
         self.status_calls += 1
@@ -168,8 +172,9 @@ class FakeRuntime:
     def get_client(self, devices):
         return self.clients.setdefault(devices, FakeClient(devices, self.behaviour))
 
-    def choose_strategy(self, model_path, latent_shape, cfg, devices):
+    def choose_strategy(self, model_path, latent_shape, cfg, devices, memory_budget_bytes=None):
         self.chosen.append((model_path, latent_shape, cfg, devices))
+        self.budgets = getattr(self, "budgets", []) + [memory_budget_bytes]
         return StrategySpec(ulysses_degree=2), "2 workers; 24 heads split evenly, so Ulysses"
 
     @staticmethod
@@ -447,6 +452,7 @@ def test_sampler_runs_job_and_reports(runtime):
     assert job.sampling.seed == 42 and job.sampling.steps == 4 and job.model.weight_dtype == "bf16"
     assert job.extra == {"batch_index": [0]} and job.positive.guidance == 3.5
     assert runtime.chosen == [(job.model.path, (1, 16, 16, 16), 1.0, "cpu:2")]
+    assert runtime.budgets == [8 * 2**30]  # auto's budget is the workers' own report, not the host's view
     assert torch.equal(out["samples"], lat["samples"] * 0.5) and out["batch_index"] == [0]
     assert host.freed == [["cpu", "cpu"]]
     assert host.bars[0].node_id == "9" and host.bars[0].updates[-1] == (4, 4)

@@ -160,3 +160,82 @@ def test_conditioning_mismatches_fail_before_any_worker_loads(tiny_path):
             validate_job(bad, 2)
     # Different lengths are fine when each branch has its own devices.
     validate_job(dataclasses.replace(job, strategy=S(cfg_degree=2), negative=make_conditioning(2, text_len=9)), 2)
+
+
+def _nan_cases(tiny_path):
+    import dataclasses
+
+    job = make_job(tiny_path, S(ulysses_degree=2))
+    nan, inf = float("nan"), float("inf")
+
+    def with_branch(name, **kw):
+        return dataclasses.replace(job, **{name: dataclasses.replace(getattr(job, name), **kw)})
+
+    bad_latent = torch.zeros(1, 16, 16, 16)
+    bad_latent[0, 3, 2, 2] = nan
+    bad_cond = job.positive.cond.clone()
+    bad_cond[0, 1, 5] = inf
+    bad_pooled = job.negative.pooled.clone()
+    bad_pooled[0, 0] = nan
+    return [
+        (with_branch("sampling", cfg=nan), r"^cfg=nan is not a finite number; set cfg to a number"),
+        (with_branch("sampling", cfg=inf), r"^cfg=inf is not a finite number"),
+        (with_branch("sampling", denoise=nan), r"^denoise=nan is not a finite number; set denoise between 0 and 1"),
+        (dataclasses.replace(job, latent=bad_latent), r"^the latent holds 1 NaN/Inf value\(s\) of 4096; re-create it"),
+        (with_branch("positive", cond=bad_cond), r"^the positive conditioning holds 1 NaN/Inf value\(s\).*re-encode"),
+        (with_branch("negative", pooled=bad_pooled), r"^the negative pooled vector holds 1 NaN/Inf"),
+        (with_branch("positive", guidance=nan), r"^the positive conditioning's guidance=nan is not a finite number"),
+    ]
+
+
+def test_nan_and_inf_inputs_are_refused_before_any_worker_starts(tiny_path):
+    client = RuntimeClient("cpu:2", threads_per_worker=1)
+    try:
+        for job, pattern in _nan_cases(tiny_path):
+            with pytest.raises(ConfigError, match=pattern) as info:
+                client.run(job)
+            assert one_sentence(str(info.value)), str(info.value)
+        assert not client.procs, "validation must fail before workers are started"
+    finally:
+        client.shutdown()
+
+
+def test_a_job_that_does_not_fit_a_worker_is_refused_before_allocation_with_the_figures(tiny_path, monkeypatch):
+    from parallel_runtime import memory
+
+    client = RuntimeClient("cpu:2", threads_per_worker=1)
+    try:
+        reports = client.ping()  # the workers' own figures, before any job
+        assert all(r["held_bytes"] == 0 and r["host_available"] > 0 for r in reports)
+        job = make_job(tiny_path, S(ulysses_degree=2), size=64)
+        need = memory.job_rank_memory(job, "cpu")["total"]
+        # A machine where each CPU worker may use half of what this job needs.
+        monkeypatch.setattr(memory, "CPU_USABLE", 0.5 * (need + memory.CPU_WORKER_OVERHEAD) * 2 / reports[0]["host_available"])
+        with pytest.raises(ConfigError, match=r"^this job needs about .* per worker \(weights .*, activations .*\) "
+                                              r"but worker \d \(cpu\) has .* available; .*lower the resolution") as info:
+            client.run(job)
+        assert one_sentence(str(info.value)), str(info.value)
+        monkeypatch.undo()
+        assert client.run(job).latent.isfinite().all()  # with the real budget it fits and runs
+    finally:
+        client.shutdown()
+
+
+def test_memory_budget_counts_what_a_worker_already_holds():
+    from parallel_runtime.memory import CPU_USABLE, CUDA_USABLE, rank_budgets
+
+    gib = 2**30
+    cuda = rank_budgets(["cuda:0", "cuda:1"], [{"held_bytes": 10 * gib, "host_available": 0, "device_free": 20 * gib},
+                                                {"held_bytes": 0, "host_available": 0, "device_free": 30 * gib}])
+    assert cuda == [int(20 * gib * CUDA_USABLE) + 10 * gib, int(30 * gib * CUDA_USABLE)]
+    cpu = rank_budgets(["cpu", "cpu"], [{"held_bytes": gib, "host_available": 8 * gib}] * 2)
+    assert cpu == [int(8 * gib * CPU_USABLE / 2) + gib] * 2
+
+
+def test_devices_auto_without_a_gpu_says_so_in_one_sentence_before_loading():
+    from parallel_runtime.devices import auto_notice
+
+    notice = auto_notice("auto", ["cpu"])
+    assert notice.startswith("no GPU is visible") and "48 GB" in notice and one_sentence(notice)
+    assert auto_notice("cpu:1", ["cpu"]) is None and auto_notice("auto", ["cuda:0"]) is None
+    assert RuntimeClient("auto").notice == (notice if not torch.cuda.is_available() else None)
