@@ -151,3 +151,23 @@ def test_watchdog_settings_come_from_the_environment_and_bad_values_are_refused(
     monkeypatch.setenv("PARADIT_STEP_GRACE_S", "nan")
     with pytest.raises(ValueError, match="PARADIT_STEP_GRACE_S='nan' must be a positive number"):
         WatchdogConfig.from_env()
+
+
+def test_a_job_leaves_no_per_job_state_referenced_on_the_worker():
+    """PipeFusion's stale K/V hangs off the attention strategy the processors point at: end_job drops it."""
+    import torch
+
+    from parallel_runtime.attention import LocalAttention
+    from parallel_runtime.attention.processor import AttentionContext
+    from parallel_runtime.pipefusion import StaleKVAttention, StaleKVCache
+    from parallel_runtime.worker import WorkerState
+
+    state = WorkerState(0, 1, torch.device("cpu"))
+    cache = StaleKVCache(16)
+    cache.update(0, torch.arange(4), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8))
+    state.context = AttentionContext(StaleKVAttention(cache, LocalAttention()))
+    state.end_job()
+    assert isinstance(state.context.attention, LocalAttention)
+    import sys
+
+    assert sys.getrefcount(cache) == 2  # only this test's own name (and getrefcount's argument) hold it
