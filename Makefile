@@ -1,6 +1,7 @@
 # Two entry points, each doing all set-up on a fresh machine (a virtualenv in .venv):
 #   make demo   - the main job on an embedded tiny Flux model with CPU workers
 #   make test   - the test suite
+#   make test-gpu - the checks that need a CUDA device (tests/gpu; skipped without one)
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
@@ -23,4 +24,8 @@ bench: $(VENV)/.ready
 test: $(VENV)/.ready
 	$(VPY) -m pytest -q tests
 
-.PHONY: venv demo bench test
+test-gpu: $(VENV)/.ready
+	@$(VPY) -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| GPUs', torch.cuda.device_count())"
+	$(VPY) -m pytest -q -rs tests/gpu
+
+.PHONY: venv demo bench test test-gpu

@@ -7,7 +7,7 @@ runs serially in one process without torch.distributed at all.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -48,8 +48,52 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class GroupPool:
+    """Process groups kept across jobs and shared by every topology that needs the same one.
+
+    Rebuilding a topology's groups on every strategy change costs a store rendezvous per group (the soak's
+    mixed jobs on cpu:2: 117 ms each with rebuilds, 72 ms with this pool) and leaves something behind each
+    time (torch keeps an empty tag list per destroyed group; +10 vs +6 MiB per worker over 1,000 jobs).
+    Groups are keyed by role and ranks, not by topology: on 2 ranks every strategy uses the same data group
+    [0, 1], so cfg / ulysses / ring / pipefusion / naive patch share 4 groups in all.
+    Groups the current topology does not use stay, least recently used first, up to `spare`, and the rest
+    are destroyed: NCCL communicators hold device memory. new_group and destroy_process_group are
+    collective, and every rank sees the same job sequence, so every rank makes the same hits, misses and
+    evictions in the same order.
+    """
+
+    def __init__(self, spare: int):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.spare = spare
+        self._groups: OrderedDict[tuple, object] = OrderedDict()  # key -> ProcessGroup (or NON_GROUP_MEMBER)
+
+    def get(self, key: tuple, ranks: list[int], backend: str | None = None):
+        if key in self._groups:
+            self._groups.move_to_end(key)
+        else:
+            self._groups[key] = self._dist.new_group(ranks, backend=backend)
+        return self._groups[key]
+
+    def trim(self, keep: set) -> None:
+        idle = [key for key in self._groups if key not in keep]  # least recently used first
+        for key in idle[:max(0, len(idle) - self.spare)]:
+            self._dist.destroy_process_group(self._groups.pop(key))  # returns at once on a non-member
+
+    def close(self) -> None:
+        self.spare = 0
+        self.trim(set())
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+
 class Comm:
-    def __init__(self, topology: Topology, rank: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, topology: Topology, rank: int = 0, device: torch.device | str = "cpu",
+                 pool: GroupPool | None = None):
+        """`pool`: where process groups come from and go back to (a worker's, shared across jobs); without
+        one the Comm makes its own and `close` destroys them."""
         self.topology = topology
         self.rank = rank
         self.device = torch.device(device)
@@ -58,20 +102,27 @@ class Comm:
         self._links: dict[tuple[int, int], object] = {}  # (src, dst) -> process group of that one direction
         self._control_pg = None
         distributed = topology.world_size > 1
+        self._own_pool = None
         if distributed:
             import torch.distributed as dist
 
             self._dist = dist
+            if pool is None:
+                pool = self._own_pool = GroupPool(spare=0)
+        used: set = set()
+
+        def get(key, ranks, backend=None):
+            used.add(key)
+            return pool.get(key, ranks, backend)
+
         # Every rank must create every group, in the same order, even groups it is not part of.
         named = [(d, topology.groups(d)) for d in DIMS] + [("sp", topology.sp_groups())]
-        made: dict[tuple[int, ...], object] = {}  # e.g. "sp" equals "ulysses" when ring is 1: one communicator
         for name, groups in named:
             for ranks in groups:
-                key = tuple(ranks)
-                if distributed and len(ranks) > 1 and key not in made:
-                    made[key] = self._dist.new_group(ranks)
+                # Keyed by ranks: e.g. "sp" equals "ulysses" when ring is 1, one communicator for both.
+                pg = get(("data", tuple(ranks)), ranks) if distributed and len(ranks) > 1 else None
                 if rank in ranks:
-                    self._groups[name] = Group(ranks, ranks.index(rank), made.get(key))
+                    self._groups[name] = Group(ranks, ranks.index(rank), pg)
         if distributed:
             # PipeFusion's point-to-point traffic gets one group per link *direction*. NCCL runs a
             # communicator's sends and receives in posting order on one stream, so a receive posted ahead
@@ -80,18 +131,16 @@ class Comm:
             for ranks in topology.groups("pipefusion"):
                 for k in range(len(ranks) if len(ranks) > 1 else 0):
                     src, dst = ranks[k], ranks[(k + 1) % len(ranks)]
-                    pg = self._dist.new_group(sorted({src, dst}))
-                    self._links[(src, dst)] = pg
+                    self._links[(src, dst)] = get(("link", src, dst), sorted({src, dst}))
             # Cancel votes travel on their own CPU group so they never queue behind NCCL kernels or p2p.
-            self._control_pg = self._dist.new_group(list(range(topology.world_size)), backend="gloo")
-        self._created = [*made.values(), *self._links.values()] + ([self._control_pg] if distributed else [])
+            self._control_pg = get(("control",), list(range(topology.world_size)), "gloo")
+            pool.trim(used)
 
     def close(self) -> None:
-        """Free this topology's communicators (NCCL ones hold device memory). Every rank closes the same
-        Comm at the same point of the job sequence, so the collective teardown lines up."""
-        for pg in self._created:
-            self._dist.destroy_process_group(pg)
-        self._created = []
+        """Free the communicators this Comm made itself (a pool's stay in the pool). Every rank closes the
+        same Comm at the same point of the job sequence, so the collective teardown lines up."""
+        if self._own_pool is not None:
+            self._own_pool.close()
 
     def group(self, name: str) -> Group:
         return self._groups[name]

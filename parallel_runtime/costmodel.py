@@ -413,8 +413,10 @@ def calibrate(config, text_tokens: int, image_tokens: int, devices: list[str], *
     job; `describe()` then says "assumed"."""
     device = devices[0]
     kind = "cuda" if device.startswith("cuda") else "cpu"
-    if dtype is None:
-        dtype = torch.bfloat16 if kind == "cuda" else torch.float32
+    if dtype is None:  # the workers' "default" (fp16 on GPUs below compute capability 8.0)
+        from .devices import default_dtype
+
+        dtype = default_dtype(kind, torch.cuda.get_device_capability(device) if kind == "cuda" else None)
     try:
         blocks = block_timing(config, text_tokens, image_tokens, device=device, dtype=dtype, threads=threads,
                               refresh=refresh)

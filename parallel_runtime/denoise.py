@@ -57,13 +57,17 @@ class TokenLayout:
         start = patch * self.patch_len + i * n
         return slice(start, start + n)
 
-    def image_index(self, i: int, patches: list[int]) -> torch.Tensor:
-        return torch.cat([torch.arange(s.start, s.stop) for s in (self.image_slice(i, p) for p in patches)])
+    # Index tensors are built with arange on the device that indexes with them: a CPU index into a CUDA
+    # tensor is a blocking host-to-device copy, i.e. a sync, on every use.
+    def image_index(self, i: int, patches: list[int], device=None) -> torch.Tensor:
+        return torch.cat([torch.arange(s.start, s.stop, device=device)
+                          for s in (self.image_slice(i, p) for p in patches)])
 
-    def positions(self, i: int, patches: list[int]) -> torch.Tensor:
+    def positions(self, i: int, patches: list[int], device=None) -> torch.Tensor:
         """Rows of the canonical sequence [text, image] that rank i's tokens occupy."""
-        text = torch.tensor(list(self.text_rows(i)), dtype=torch.long)
-        return torch.cat([text, self.text_len + self.image_index(i, patches)])
+        rows = self.text_rows(i)
+        text = torch.arange(rows.start, rows.stop, device=device)
+        return torch.cat([text, self.text_len + self.image_index(i, patches, device)])
 
     def seq_len(self, i: int, n_patches: int) -> int:
         return len(self.text_rows(i)) + n_patches * (self.patch_len // self.shards)
@@ -72,8 +76,9 @@ class TokenLayout:
 class Branches:
     """The CFG branches this rank evaluates, batched into one forward pass."""
 
-    def __init__(self, conds: list[Conditioning], batch: int, guidance_default: float = 3.5):
-        # validate_branches has made sure batched branches share a prompt length.
+    def __init__(self, conds: list[Conditioning], batch: int, guidance_default: float = 3.5, device=None):
+        # validate_branches has made sure batched branches share a prompt length. Everything moves to the
+        # worker's device once per job, not once per step (each blocking upload is a sync on CUDA).
         self.count = len(conds)
         self.batch = batch
 
@@ -84,6 +89,7 @@ class Branches:
         self.pooled = torch.cat([rep(c.pooled) for c in conds])
         self.guidance = torch.cat([torch.full((batch,), float(c.guidance if c.guidance is not None else guidance_default))
                                    for c in conds])
+        self.cond, self.pooled, self.guidance = (t.to(device) for t in (self.cond, self.pooled, self.guidance))
 
 
 class Denoiser:
@@ -99,6 +105,16 @@ class Denoiser:
     def run(self, job: Job, progress: Callable[[int, int], None] | None = None,
             cancel_requested: Callable[[], bool] = lambda: False) -> torch.Tensor | None:
         """Returns the final LATENT on the result rank, None elsewhere."""
+        self.progress, self.cancel_requested = progress or (lambda i, n: None), cancel_requested
+        try:
+            return self._run(job)
+        finally:
+            # The worker's callbacks close over this Denoiser: dropping them breaks the cycle, so the
+            # Denoiser (and the model and K/V it references) dies with its last reference instead of
+            # waiting for a full GC — which, after a model reload, came ~80 jobs later (+0.9 MiB per job).
+            self.progress = self.cancel_requested = None
+
+    def _run(self, job: Job) -> torch.Tensor | None:
         s, sp = job.strategy, job.sampling
         b, c, h, w = job.latent.shape
         cfg = self.adapter.config
@@ -106,7 +122,6 @@ class Denoiser:
                           num_blocks=cfg.num_layers + cfg.num_single_layers, latent_hw=(h, w),
                           cfg_scale=sp.cfg, steps=sp.steps)
         validate_branches(job)
-        self.progress, self.cancel_requested = progress or (lambda i, n: None), cancel_requested
         self.step_times = []
 
         sigmas = ksampler_sigmas(model_sampling_for(self.adapter.variant), sp.scheduler, sp.steps, sp.denoise)
@@ -115,13 +130,14 @@ class Denoiser:
         noise = prepare_noise(job.latent, sp.seed, job.extra.get("batch_index"))
         # The sampler state lives on the worker's device, in float32 as in ComfyUI.
         x = FluxAdapter.pack(start_latent(job.latent.float(), noise, sigmas[0])).to(self.adapter.device)
-        self.sigmas = sigmas
+        self.sigmas = sigmas  # on the host: Python-side decisions never wait for the device
+        self.sigmas_on_device = sigmas.to(self.adapter.device)  # the time embedding's input, uploaded once
         self.sampler = make_sampler(sp.sampler_name, sigmas, sp.seed, job.latent.shape, to_state=FluxAdapter.pack)
 
         conds = [job.positive] + ([job.negative] if cfg_uses_uncond(sp.cfg) else [])
         if s.cfg_degree == 2:
             conds = [conds[self.coords["cfg"]]]
-        self.branches = Branches(conds, b)
+        self.branches = Branches(conds, b, device=self.adapter.device)
         self.cfg_scale = sp.cfg
         self.uses_uncond = cfg_uses_uncond(sp.cfg)
 
@@ -156,7 +172,8 @@ class Denoiser:
 
     def _temb(self, i: int) -> torch.Tensor:
         n = self.branches.cond.shape[0]
-        return self.adapter.timestep_embedding(self.sigmas[i].expand(n), self.branches.pooled, self.branches.guidance)
+        return self.adapter.timestep_embedding(self.sigmas_on_device[i].expand(n), self.branches.pooled,
+                                               self.branches.guidance)
 
     def _repeat(self, x: torch.Tensor) -> torch.Tensor:
         return x.repeat(self.branches.count, 1, 1) if self.branches.count > 1 else x
@@ -204,7 +221,7 @@ class Denoiser:
             parts = self.comm.all_gather(x, group, op="result")
             x = x.clone()
             for j, part in enumerate(parts):
-                idx = self.layout.image_index(j, list(range(self.layout.patches)))
+                idx = self.layout.image_index(j, list(range(self.layout.patches)), x.device)
                 x[:, idx] = part[:, idx]
         if not self._is_result_rank():
             return None
@@ -228,7 +245,7 @@ class Denoiser:
         self.context.attention = attention
 
         rows = layout.image_slice(me, 0)
-        rope = self._rope(layout.positions(me, [0]))
+        rope = self._rope(layout.positions(me, [0], x.device))
         text = self._text(layout.text_rows(me))
         for i in range(len(self.sigmas) - 1):
             t0 = time.perf_counter()
@@ -268,18 +285,21 @@ class Denoiser:
         attention = stale if uly.size == 1 else UlyssesAttention(self.comm, uly, [], stale)
         self.context.attention = attention
 
-        token_sets: dict = {}  # built once per token set: no host-to-device copies inside the pipeline
+        token_sets: dict = {}  # built once per token set, on x's device: no host-device traffic in the pipeline
 
-        def configure(patches: list[int]):
-            """Point the attention at the token set of one forward: whole image (warmup) or one patch."""
+        def token_set(patches: list[int]):
             key = tuple(patches)
             if key not in token_sets:
                 token_sets[key] = (
-                    torch.cat([layout.positions(u, patches) for u in range(uly.size)]).to(x.device),
+                    torch.cat([layout.positions(u, patches, x.device) for u in range(uly.size)]),
                     [layout.seq_len(u, len(patches)) for u in range(uly.size)],
-                    layout.image_index(me, patches),
-                    self._rope(layout.positions(me, patches).to(x.device)))
-            stale.positions, lengths, idx, rope = token_sets[key]
+                    layout.image_index(me, patches, x.device),
+                    self._rope(layout.positions(me, patches, x.device)))
+            return token_sets[key]
+
+        def configure(patches: list[int]):
+            """Point the attention at the token set of one forward: whole image (warmup) or one patch."""
+            stale.positions, lengths, idx, rope = token_set(patches)
             if uly.size > 1:
                 attention.seq_lengths = lengths
             return idx, rope
@@ -321,7 +341,7 @@ class Denoiser:
                 send(x[:, idx].contiguous(), pp.ranks[0], "pipefusion_x")
 
         def receive_x(patches):
-            idx = layout.image_index(me, patches)
+            idx = token_set(patches)[2]
             x[:, idx] = self._recv(x.new_empty((x.shape[0], len(idx), x.shape[2])), pp.ranks[-1], "pipefusion_x")
 
         # The token sets of step i, in order: the whole image while warming up, then patch by patch. The

@@ -42,3 +42,13 @@ def auto_notice(spec: str, devices: list[str]) -> str | None:
         return ("no GPU is visible to this process, so devices=auto runs one CPU worker in fp32 (slow; a full Flux "
                 "model needs about 48 GB of RAM) — make the GPUs visible, or set devices to cpu:N to mean it.")
     return None
+
+
+def default_dtype(device_type: str, capability: tuple[int, int] | None = None):
+    """weight_dtype 'default', as ComfyUI picks it: half precision where the device computes it fast. bf16
+    needs compute capability 8.0 (Ampere); older GPUs (Volta, Turing) get fp16. CPU: fp32."""
+    import torch
+
+    if device_type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if capability is None or tuple(capability) >= (8, 0) else torch.float16

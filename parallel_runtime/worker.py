@@ -43,6 +43,7 @@ class WorkerState:
         self.adapter = None
         self.context = None
         self.comms: dict = {}
+        self.groups = None  # comm.GroupPool: process groups kept across jobs and topologies
         self.cancel = threading.Event()
         self.last_load_seconds = 0.0
 
@@ -77,15 +78,16 @@ class WorkerState:
         return True
 
     def comm_for(self, topology):
-        from .comm import Comm
+        from .comm import Comm, GroupPool
 
         if topology not in self.comms:
-            # Keep one topology's groups: auto may pick a new one per resolution, and each set of NCCL
-            # communicators holds device memory. new_group and teardown are collective, and every rank
-            # sees the same job sequence, so all ranks do both at the same point.
-            for old in self.comms.values():
-                old.close()
-            self.comms = {topology: Comm(topology, self.rank, self.device)}
+            if self.groups is None and self.world > 1:
+                # Groups come from a pool shared by every topology (see GroupPool): switching strategy
+                # between jobs reuses them instead of destroying and re-creating them each time. Idle
+                # groups kept: a few on CUDA, where each NCCL communicator holds device memory (2 keeps
+                # PipeFusion's two links of a 2-GPU runtime across a switch to another strategy and back).
+                self.groups = GroupPool(spare=2 if self.device.type == "cuda" else 16)
+            self.comms = {topology: Comm(topology, self.rank, self.device, pool=self.groups)}
         return self.comms[topology]
 
     def end_job(self) -> None:
@@ -106,10 +108,11 @@ class WorkerState:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    from .devices import default_dtype
+
     table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if name == "default":
-        # As ComfyUI: half precision where the device computes it fast, full precision on CPU.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return default_dtype(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
     if name not in table:
         raise ConfigError(f"weight_dtype {name!r} is unknown; choose default, bf16, fp16 or fp32.")
     return table[name]

@@ -1,15 +1,19 @@
 """Single-device attention kernels in the [batch, seq, heads, head_dim] layout Flux uses.
 
 `attention_with_lse` also returns the log-sum-exp of each query's scores, which Ring attention needs to
-merge partial results exactly. It uses the fused kernels that expose the LSE (flash on CPU and on CUDA
-half precision, memory-efficient on CUDA fp32) and falls back to plain math elsewhere.
+merge partial results exactly. It calls the fused kernel that exposes the LSE for the inputs (`lse_kernel`)
+and falls back to plain math where none fits.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
+
+# Compute capabilities torch's CUDA flash-attention kernels are built for (torch 2.13: sm80 to sm121).
+FLASH_CUDA_CAPABILITIES = ((8, 0), (12, 1))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -17,18 +21,47 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return out.transpose(1, 2)
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out [B, S, H, D] and lse [B, H, S] (float32)."""
+def lse_kernel(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None) -> str:
+    """The kernel that gives attention with its log-sum-exp for these inputs.
+
+    'flash_cpu' on CPU; on CUDA 'flash' for half precision where the flash kernels exist (sm80+), else the
+    memory-efficient kernel (every dtype from sm50; bf16 only from sm80, below which there is no bf16
+    kernel and 'math' remains); 'math' on anything else.
+    """
+    if device_type == "cpu":
+        return "flash_cpu"
+    if device_type != "cuda" or capability is None:
+        return "math"
+    capability = tuple(capability)
+    lo, hi = FLASH_CUDA_CAPABILITIES
+    if dtype in (torch.float16, torch.bfloat16) and lo <= capability <= hi:
+        return "flash"
+    if dtype == torch.bfloat16 and capability < (8, 0):
+        return "math"
+    return "efficient"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns out [B, S, H, D] and lse [B, H, S] (float32). `kernel` overrides `lse_kernel`'s choice."""
+    kernel = kernel or lse_kernel(q.device.type, q.dtype, _capability(q.device))
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    if q.device.type == "cpu":
+    if kernel == "flash_cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt)
-    elif q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+    elif kernel == "flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt)[:2]
-    elif q.device.type == "cuda":
+    elif kernel == "efficient":
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True)[:2]
-        lse = lse[..., : q.shape[1]]
-    else:
+        lse = lse[..., : q.shape[1]]  # the kernel pads the LSE's sequence dimension
+    elif kernel == "math":
         return _math_attention_with_lse(q, k, v)
+    else:
+        raise ValueError(f"unknown attention kernel {kernel!r}")
     return out.transpose(1, 2), lse.float()
 
 

@@ -132,8 +132,17 @@ class FluxAdapter:
         return self.model.context_embedder(cond.to(self.device, self.dtype))
 
     def timestep_embedding(self, sigma: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None):
-        # Flux was trained on t in [0, 1000]; ComfyUI passes sigma and the model scales it, as here.
-        t = sigma.to(self.device, self.dtype) * 1000
+        """ComfyUI's Flux time inputs, rounded exactly as it rounds them (time_text_embed computes the sinusoid
+        in float32 from whatever t it gets, then casts it to the compute dtype, as ComfyUI's Flux does).
+
+        - t = 1000 * sigma stays float32: ComfyUI's model_base passes `timestep(sigma).float()`. In bf16,
+          1000 * sigma would be rounded to a multiple of up to 4, shifting the sinusoid's fast frequencies by
+          whole radians.
+        - guidance is cast to the compute dtype *before* the x1000: ComfyUI converts every extra cond
+          (guidance, pooled) to the model's dtype, and its timestep_embedding multiplies in that dtype
+          (bf16: 3.5 * 1000 -> 3504).
+        """
+        t = sigma.to(self.device, torch.float32) * 1000
         pooled = pooled.to(self.device, self.dtype)
         if self.config.guidance_embeds:
             g = guidance.to(self.device, self.dtype) * 1000

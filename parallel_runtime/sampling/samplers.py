@@ -6,7 +6,8 @@ it patch by patch, so each sampler here exposes a single step,
 The math is elementwise, so doing it per region gives the same numbers as
 ComfyUI doing it at once, provided the scalar coefficients are formed the same
 way: they are computed from the float32 sigma tensor on x's device, in
-ComfyUI's operand order.
+ComfyUI's operand order. Branches (is the next sigma 0?) read the host copy
+instead: comparing a CUDA tensor in an `if` waits for the GPU every step.
 
 Tensors live in a "state layout" [B, L, C'] (Flux tokens); `region` slices L.
 `to_state` maps latent-shaped [B, C, H, W] tensors (the ancestral noise) into
@@ -149,7 +150,7 @@ class EulerAncestralRFSampler(RegionSampler):
 
     def _update(self, i, x, denoised, a, b, sigmas):
         s, s_next = sigmas[i], sigmas[i + 1]
-        if s_next == 0:
+        if self.sigmas[i + 1] == 0:  # host copy: no device sync
             return denoised
         eta = self.eta
         downstep_ratio = 1 + (s_next / s - 1) * eta
@@ -197,8 +198,8 @@ class DPMPP2MSampler(RegionSampler):
 
         t, t_next = t_fn(sigmas[i]), t_fn(sigmas[i + 1])
         h = t_next - t
-        # ComfyUI's old_denoised is None exactly on the first step of the loop.
-        if i == 0 or sigmas[i + 1] == 0:
+        # ComfyUI's old_denoised is None exactly on the first step of the loop. Host copy: no device sync.
+        if i == 0 or self.sigmas[i + 1] == 0:
             out = (sigma_fn(t_next) / sigma_fn(t)) * x - (-h).expm1() * denoised
         else:
             old = self._old_denoised[:, a:b]

@@ -1,0 +1,213 @@
+"""What the CUDA path needs, checked on CPU.
+
+- The time inputs are rounded as ComfyUI rounds them in bf16.
+- The step loop never waits for the device: run on the 'meta' device, where reading a tensor's value (an
+  `if` on it, .item(), a copy to the host) raises, with every index tensor on x's device and no host-to-device
+  copy whose count grows with the steps (on CUDA each blocking upload is a sync too).
+- The dtype and attention-kernel choices for GPUs below compute capability 8.0.
+- The CPU kernels behind Ring's log-sum-exp merge against float64 (tests/gpu repeats this on CUDA kernels).
+"""
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from conftest import make_job, rel_err
+from gpu.numerics import LSE_ATOL, OUT_RTOL, errors, inputs
+from parallel_runtime.attention.local import lse_kernel
+from parallel_runtime.attention.processor import AttentionContext
+from parallel_runtime.comm import Group
+from parallel_runtime.denoise import Denoiser
+from parallel_runtime.devices import default_dtype
+from parallel_runtime.errors import ConfigError
+from parallel_runtime.models.flux import load_flux
+from parallel_runtime.models.flux_adapter import FluxAdapter, pipeline_stages
+from parallel_runtime.models.tiny import TINY
+from parallel_runtime.sampling import SAMPLERS, calculate_sigmas, make_sampler, model_sampling_for
+from parallel_runtime.spec import StrategySpec as S
+from parallel_runtime.topology import DIMS, Topology
+from parallel_runtime.worker import resolve_dtype
+
+# -- time inputs ----------------------------------------------------------------------------------------------
+
+
+def comfyui_timestep_embedding(t: torch.Tensor, dim: int = 256, max_period: int = 10000) -> torch.Tensor:
+    """comfy/ldm/flux/layers.py timestep_embedding, for an already scaled t: float32 sinusoid [cos, sin]."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(start=0, end=half, dtype=torch.float32) / half)
+    args = t[:, None].float() * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def test_time_inputs_are_rounded_as_comfyui_rounds_them_in_bf16(tiny_path):
+    config, model = load_flux(tiny_path, dtype=torch.bfloat16)
+    adapter = FluxAdapter(config, model, [range(4)], AttentionContext())
+    sigma = torch.tensor([0.7231, 0.0917])  # float32, as ComfyUI's sigmas
+    pooled = torch.randn(2, config.pooled_dim, generator=torch.Generator().manual_seed(0))
+    guidance = torch.full((2,), 3.5)
+    embed = model.time_text_embed
+    got = adapter.timestep_embedding(sigma, pooled, guidance)
+
+    # ComfyUI's model_base: timestep(sigma).float(), x1000 in float32; guidance and pooled, like every extra
+    # cond, converted to the model's dtype first, so guidance's x1000 happens in bf16 (3.5 -> 3504).
+    assert float(guidance.bfloat16()[0] * 1000) == 3504.0
+    assert torch.equal(got, embed(sigma * 1000, guidance.bfloat16() * 1000, pooled.bfloat16()))
+    # diffusers builds the same float32 sinusoid from that t, bit for bit, and casts it afterwards, as ComfyUI.
+    assert torch.equal(embed.time_proj(sigma * 1000), comfyui_timestep_embedding(sigma * 1000))
+    # The old way (t rounded to bf16 before the x1000: 723.1 -> 724) moved the embedding by whole radians.
+    old = embed(sigma.bfloat16() * 1000, guidance.bfloat16() * 1000, pooled.bfloat16())
+    assert rel_err(old, got) > 1e-2  # measured 7e-2; it moved the latent 3.7e-2 from ComfyUI's bf16 KSampler
+
+
+# -- no host-device syncs in the step loop ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_sampler_steps_decide_on_the_host(name):
+    """x and denoised on 'meta': every comparison of a device tensor in an `if` raises there."""
+    sigmas = calculate_sigmas(model_sampling_for("dev"), "simple", 6)  # ends at 0: the branches are taken
+    sampler = make_sampler(name, sigmas, 0, (1, 16, 8, 8), to_state=FluxAdapter.pack, noise_device="cpu")
+    x = torch.empty(1, 16, 64, device="meta")
+    for i in range(6):
+        for region in (slice(0, 10), slice(10, 16)):
+            x[:, region] = sampler.step(i, x[:, region], x[:, region], region)
+
+
+_INDEXING = {"index", "index_put", "index_put_", "_index_put_impl_", "index_copy", "index_copy_", "index_select",
+             "index_add", "index_add_", "gather", "scatter", "scatter_"}
+
+
+class DeviceTraffic(TorchDispatchMode):
+    """Counts host-to-device copies and records index tensors that live off the indexed tensor's device."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.device, self.uploads, self.stray_indices = torch.device(device), 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in _INDEXING:
+            for t in tree_flatten((args[1:], kwargs))[0]:
+                if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.device != args[0].device:
+                    self.stray_indices.append(name)
+        if func is torch.ops.aten._to_copy.default:
+            self.uploads += args[0].device.type == "cpu" and torch.device(kwargs.get("device") or "cpu") == self.device
+        if func is torch.ops.aten.copy_.default:
+            self.uploads += args[1].device.type == "cpu" and args[0].device == self.device
+        return func(*args, **kwargs)
+
+
+class LoopbackComm:
+    """Just enough of Comm to run one rank alone: messages go nowhere and arrive empty (on 'meta' they have
+    no data anyway); collectives return their output buffers."""
+
+    def __init__(self, topology: Topology, rank: int):
+        self.topology, self.rank, self.device = topology, rank, torch.device("meta")
+        self._groups = {name: Group(ranks, ranks.index(rank))
+                        for name, groups in [(d, topology.groups(d)) for d in DIMS] + [("sp", topology.sp_groups())]
+                        for ranks in groups if rank in ranks}
+
+    def group(self, name):
+        return self._groups[name]
+
+    def isend(self, t, dst, op=""):
+        return types.SimpleNamespace(wait=lambda: None, is_completed=lambda: True)
+
+    irecv = isend
+
+    def ring_exchange(self, send, recv, group, op=""):
+        return []
+
+    def all_to_all(self, out, inp, out_splits, in_splits, group, op=""):
+        return out
+
+    def all_gather(self, t, group, op=""):
+        return [t] * group.size
+
+    def vote_async(self, flag):
+        return None, torch.tensor([int(flag)])
+
+
+def _device_traffic_per_rank(strategy: S, steps: int, sampler: str) -> list[DeviceTraffic]:
+    topology = Topology.from_strategy(strategy)
+    found = []
+    for rank in range(topology.world_size):
+        with torch.device("meta"):
+            model = FluxTransformer2DModel(**TINY.diffusers_kwargs())
+        context = AttentionContext()
+        chunks = pipeline_stages(TINY, topology.pipefusion)[topology.coords(rank)["pipefusion"]]
+        adapter = FluxAdapter(TINY, model, chunks, context)
+        watch = DeviceTraffic("meta")
+        with watch:
+            Denoiser(adapter, topology, LoopbackComm(topology, rank), context).run(
+                make_job("unused.safetensors", strategy, steps=steps, sampler=sampler))
+        found.append(watch)
+    return found
+
+
+@pytest.mark.parametrize("strategy", [
+    S(), S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2),
+    S(pipefusion_degree=2, num_pipeline_patch=2, warmup_steps=1),
+    S(pipefusion_degree=2, ulysses_degree=2, num_pipeline_patch=4, warmup_steps=2),
+], ids=lambda s: s.label())
+def test_step_loop_never_waits_for_the_device(monkeypatch, strategy):
+    """Every rank's real Denoiser on 'meta'. Finishing at all proves no value was read back; on top, every
+    index PipeFusion (or the sequence-parallel path) uses lives on x's device, and the uploads are a fixed
+    set made before the loop: as many for 2 steps as for 5. dpmpp_2m: the sampler with a branch and a
+    history (euler_ancestral draws its noise on x's device, and 'meta' has no generator; the sampler test
+    above covers its branch)."""
+    monkeypatch.setattr(Denoiser, "_gather_result", lambda self, x, h, w: None)  # the final .cpu() has no data
+    short, long = (_device_traffic_per_rank(strategy, steps, "dpmpp_2m") for steps in (2, 5))
+    assert all(not w.stray_indices for w in short + long), [w.stray_indices[:3] for w in short + long]
+    assert [w.uploads for w in short] == [w.uploads for w in long]
+
+
+# -- GPUs below compute capability 8.0 ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device_type,capability,dtype", [
+    ("cpu", None, torch.float32),
+    ("cuda", (9, 0), torch.bfloat16), ("cuda", (8, 0), torch.bfloat16), ("cuda", (8, 6), torch.bfloat16),
+    ("cuda", (12, 0), torch.bfloat16),
+    ("cuda", (7, 5), torch.float16), ("cuda", (7, 0), torch.float16), ("cuda", (6, 1), torch.float16),
+])
+def test_default_dtype(device_type, capability, dtype):
+    assert default_dtype(device_type, capability) == dtype
+
+
+def test_resolve_dtype():
+    cpu = torch.device("cpu")
+    assert resolve_dtype("default", cpu) == torch.float32
+    assert [resolve_dtype(n, cpu) for n in ("fp32", "bf16", "fp16")] == [torch.float32, torch.bfloat16, torch.float16]
+    with pytest.raises(ConfigError, match="choose default, bf16, fp16 or fp32"):
+        resolve_dtype("fp8", cpu)
+
+
+@pytest.mark.parametrize("device_type,dtype,capability,kernel", [
+    ("cpu", torch.float32, None, "flash_cpu"), ("cpu", torch.bfloat16, None, "flash_cpu"),
+    ("cuda", torch.bfloat16, (9, 0), "flash"), ("cuda", torch.float16, (8, 0), "flash"),
+    ("cuda", torch.bfloat16, (12, 1), "flash"),
+    ("cuda", torch.bfloat16, (13, 0), "efficient"),  # newer than torch's flash build: still a fused LSE
+    ("cuda", torch.float32, (9, 0), "efficient"),  # flash has no fp32 kernel
+    ("cuda", torch.float16, (7, 5), "efficient"), ("cuda", torch.float16, (7, 0), "efficient"),
+    ("cuda", torch.float32, (6, 1), "efficient"),
+    ("cuda", torch.bfloat16, (7, 5), "math"),  # no fused bf16 kernel below sm80
+    ("meta", torch.float32, None, "math"), ("mps", torch.float16, None, "math"),
+])
+def test_lse_kernel_choice(device_type, dtype, capability, kernel):
+    assert lse_kernel(device_type, dtype, capability) == kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("kernel", ["flash_cpu", "math"])
+def test_cpu_lse_kernels_and_ring_merge_match_float64(kernel, dtype):
+    e = errors(*inputs("cpu", dtype), kernel)  # tolerances and their reasons: tests/gpu/numerics.py
+    assert e["out"] <= OUT_RTOL[dtype] and e["merged_out"] <= OUT_RTOL[dtype], e
+    assert e["lse"] <= LSE_ATOL and e["merged_lse"] <= LSE_ATOL, e
