@@ -221,7 +221,7 @@ class JobWatch:
         late = [r for r in sorted(pending) if self.ranks[r].phase == "sampling"
                 and now - self.ranks[r].progressed > limit]
         if late:
-            expected = f"{self.step_estimate_s:.1f} s expected" if self.step_estimate_s else "no step measured yet"
+            expected = f"{self.step_estimate_s:.2g} s expected" if self.step_estimate_s else "no step measured yet"
             return "hung", (f"step {max(self.ranks[r].step for r in late) + 1} made no progress for {limit:.0f} s "
                     f"({expected}; {self._stuck_ranks(late)}); the workers were killed and the next prompt starts "
                     f"fresh ones — raise PARADIT_STEP_GRACE_S if such steps are expected.")
