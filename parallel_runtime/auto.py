@@ -16,13 +16,13 @@ import torch
 from . import costmodel
 from .devices import parse_devices
 from .errors import ConfigError
+from .memory import CPU_USABLE, CPU_WORKER_OVERHEAD, CUDA_USABLE, weight_bytes
 from .spec import StrategySpec
 from .topology import validate_strategy
 
 EXACT_PREFERENCE = 0.03  # PipeFusion must be >3% faster than the best exact strategy to be chosen
 DEFAULT_TEXT_TOKENS = 256  # T5 tokens of a typical Flux prompt as ComfyUI encodes it
 DEFAULT_STEPS = 20
-CPU_WORKER_OVERHEAD = 600 * 2**20  # interpreter, torch and diffusers in each CPU worker
 
 
 @dataclass
@@ -63,17 +63,11 @@ def candidate_strategies(world: int, cfg: float, *, heads: int, num_blocks: int,
 def device_memory_budget(devices: list[str]) -> int:
     """Bytes one worker may use: free GPU memory, or the host's available memory shared by CPU workers."""
     if devices[0].startswith("cuda"):
-        return min(int(torch.cuda.mem_get_info(torch.device(d))[0] * 0.9) for d in devices)
+        return min(int(torch.cuda.mem_get_info(torch.device(d))[0] * CUDA_USABLE) for d in devices)
     import psutil
 
     cpu_workers = sum(d == "cpu" for d in devices)
-    return int(psutil.virtual_memory().available * 0.85 / max(cpu_workers, 1)) - CPU_WORKER_OVERHEAD
-
-
-def _dtype_bytes(weight_dtype: str, device: str) -> int:
-    if weight_dtype == "default":
-        return 2 if device.startswith("cuda") else 4
-    return {"fp32": 4, "bf16": 2, "fp16": 2}.get(weight_dtype, 4)
+    return int(psutil.virtual_memory().available * CPU_USABLE / max(cpu_workers, 1)) - CPU_WORKER_OVERHEAD
 
 
 def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str], calib: costmodel.Calibration, *,
@@ -82,7 +76,7 @@ def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str],
     """All candidates, projected and checked against memory, fastest first."""
     b, _, h, w = latent_shape
     world = len(devices)
-    e = _dtype_bytes(weight_dtype, devices[0])
+    e = weight_bytes(weight_dtype, devices[0])
     budget = device_memory_budget(devices) if memory_budget_bytes is None else memory_budget_bytes
     layout = costmodel.param_layout(config)
     out = []
@@ -183,6 +177,6 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
                           f"per device but {_gb(budget)} is available; add devices, pick weight_dtype bf16, or "
                           f"lower the resolution.")
     serial = costmodel.project(StrategySpec(), config, calibration, cfg=cfg, steps=steps, batch=b,
-                               act_bytes=_dtype_bytes(weight_dtype, device_list[0]))
+                               act_bytes=weight_bytes(weight_dtype, device_list[0]))
     # The serial reference runs alone: no contention from other workers.
     return best.strategy, describe_choice(best, candidates, serial.job_s, cfg, calibration, budget)
