@@ -32,6 +32,16 @@ def _pids(client):
     return [p.pid for p in client.procs]
 
 
+def _freeze(pid: int) -> None:
+    """SIGSTOP, and wait until the kernel has really stopped the process: on a loaded machine a thread that
+    is already running can still answer a message for a moment after kill() returns."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.01)
+
+
 def _gone(pids) -> bool:
     return not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
@@ -45,7 +55,7 @@ def test_a_frozen_worker_fails_the_job_within_the_heartbeat_bound_and_the_next_j
 
         def progress(step, total, info):
             if not stopped:
-                os.kill(old[1], signal.SIGSTOP)
+                _freeze(old[1])
                 stopped.append(time.monotonic())
 
         with pytest.raises(WorkerError, match=r"worker 1 \(cpu\) stopped responding: no heartbeat .*restarted"):
@@ -104,7 +114,7 @@ def test_a_frozen_idle_worker_is_replaced_before_the_next_job(tiny_path):
     try:
         client.run(make_job(tiny_path, S(cfg_degree=2), steps=1, size=8))
         old = _pids(client)
-        os.kill(old[0], signal.SIGSTOP)
+        _freeze(old[0])
         out = client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))  # ping finds it, restarts, runs
         assert out.latent.isfinite().all() and set(_pids(client)).isdisjoint(old) and _gone(old)
     finally:
