@@ -21,6 +21,8 @@ import os
 import secrets
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -45,7 +47,7 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Settings of the host process that must not leak into the workers: ComfyUI picks its own CUDA allocator
 # (cudaMallocAsync) for its own memory manager; the workers use torch's default unless told otherwise.
 _HOST_ONLY_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
-_SMALL_MESSAGE = 64 * 1024  # fits any socket buffer: sending it never blocks on a frozen reader
+_EXIT_GRACE_S = 1.0  # after a run-phase error, how long to look for a worker that exited (see _blame_an_exit)
 log = logging.getLogger("paradit")
 
 
@@ -124,6 +126,9 @@ class RuntimeClient:
                                        "collective_timeout_s": self.watchdog.collective_timeout_s})
                 for chan in self.chans:
                     self._recv(chan, STARTUP_TIMEOUT_S, expect="ready")
+            except (EOFError, OSError) as exc:
+                _close_quietly(listener)
+                self._lost_while_starting(exc)
             except BaseException:
                 _close_quietly(listener)
                 self.shutdown()
@@ -136,9 +141,11 @@ class RuntimeClient:
         env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        # On a collective timeout or a communicator error, NCCL's watchdog aborts the communicators and
-        # ends the process instead of leaving it spinning on the device; the client reports the exit.
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        # On a collective timeout or a communicator error, NCCL's watchdog ends the process instead of leaving
+        # it spinning on the device; the client reports the exit. 3 (SkipCleanUp, torch 2.x's default, set so
+        # an older default cannot apply) skips ncclCommAbort, which can itself hang on a stuck communicator;
+        # 1 (TearDown) calls it first.
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = str(self.threads)
         return env
@@ -169,8 +176,9 @@ class RuntimeClient:
             raise errors.WorkerError("workers failed to connect to the control socket; retry the job.")
         hello = {}
         for conn in accepted:
+            _bound_io(conn, self.watchdog.heartbeat_timeout_s)
             chan = Channel(conn)
-            kind, meta, _ = chan.recv()
+            _, meta, _ = self._recv(chan, STARTUP_TIMEOUT_S, expect="hello")
             self.chans[meta["rank"]] = chan
             hello[meta["rank"]] = meta
         return hello
@@ -275,26 +283,13 @@ class RuntimeClient:
         return None
 
     def _send_all(self, data: bytes, ranks=None) -> None:
-        """Send one encoded message to each rank. A large message blocks until the reader takes it, so it
-        is written from a helper thread and abandoned (workers killed) if a worker does not read it."""
+        """Send one encoded message to each rank. A worker that stops reading makes the send time out (see
+        `_bound_io`) rather than block: the workers are killed and the job fails naming that rank."""
         for rank in range(self.world) if ranks is None else ranks:
-            chan = self.chans[rank]
             try:
-                if len(data) <= _SMALL_MESSAGE:
-                    chan.send_bytes(data)
-                    continue
-                failed: list[BaseException] = []
-                sender = threading.Thread(target=_send_catching, args=(chan, data, failed), daemon=True)
-                sender.start()
-                sender.join(self.watchdog.heartbeat_timeout_s)
-                if sender.is_alive():
-                    self.kill()
-                    raise errors.WorkerError(
-                        f"worker {rank} ({self.devices[rank]}) did not take the job within "
-                        f"{self.watchdog.heartbeat_timeout_s:.0f} s (frozen or swapped out); the workers were "
-                        f"restarted and the next prompt runs on fresh ones.")
-                if failed:
-                    raise failed[0]
+                self.chans[rank].send_bytes(data)
+            except BlockingIOError:
+                self._stopped_responding(rank, "take a message")
             except OSError:
                 self._worker_died(rank)
 
@@ -324,31 +319,38 @@ class RuntimeClient:
                 watch.cancel_requested()
                 self._send_all(encode("cancel"))
                 cancel_sent = True
-            for conn in wait(list(by_fd), timeout=0.1):
-                rank = by_fd[conn]
-                kind, meta, tensors = self._recv_or_die(rank)
-                watch.heard(rank, kind, meta)
-                if kind == "loaded":
-                    loaded.add(rank)
-                elif kind == "progress":
-                    self.device_bytes[rank] = meta.get("device_bytes")
-                    if meta.get("report"):
-                        self.last_sec_per_step = meta.get("sec_per_step")
-                        if progress is not None and not held:
-                            try:
-                                progress(meta["step"], meta["total"], meta)
-                            except BaseException as exc:  # noqa: BLE001 - e.g. the host's own interrupt
-                                held.append(exc)
-                elif kind == "done":
-                    stats[rank] = meta
-                    latent = tensors.get("latent", latent)
-                    pending.discard(rank)
-                elif kind in ("cancelled", "aborted"):
-                    cancelled = cancelled or kind == "cancelled" or cancel_sent
-                    pending.discard(rank)
-                elif kind == "error":
-                    (load_failures if meta.get("phase") == "load" else failures)[rank] = meta
-                    pending.discard(rank)
+            ready = wait(list(by_fd), timeout=0.1)
+            while ready:
+                for conn in ready:
+                    rank = by_fd[conn]
+                    kind, meta, tensors = self._recv_or_die(rank)
+                    watch.heard(rank, kind, meta)
+                    if kind == "loaded":
+                        loaded.add(rank)
+                    elif kind == "progress":
+                        self.device_bytes[rank] = meta.get("device_bytes")
+                        if meta.get("report"):
+                            self.last_sec_per_step = meta.get("sec_per_step")
+                            if progress is not None and not held:
+                                try:
+                                    progress(meta["step"], meta["total"], meta)
+                                except BaseException as exc:  # noqa: BLE001 - e.g. the host's own interrupt
+                                    held.append(exc)
+                    elif kind == "done":
+                        stats[rank] = meta
+                        latent = tensors.get("latent", latent)
+                        pending.discard(rank)
+                    elif kind in ("cancelled", "aborted"):
+                        cancelled = cancelled or kind == "cancelled" or cancel_sent
+                        pending.discard(rank)
+                    elif kind == "error":
+                        (load_failures if meta.get("phase") == "load" else failures)[rank] = meta
+                        pending.discard(rank)
+                if held or failures or not pending:
+                    break
+                # Read all that is waiting before the deadlines are judged: a client that was stalled itself
+                # (a slow progress callback, a long GC) must not blame workers for messages it has not read.
+                ready = wait(list(by_fd), timeout=0)
             if not gate_open and len(loaded) + len(load_failures) == world:
                 # Every rank has its weights (or failed to get them) and none has entered a collective yet.
                 gate_open = True
@@ -365,6 +367,8 @@ class RuntimeClient:
                 self.kill()
                 raise problem
         if failures:
+            if any(m["type"] != "ConfigError" for m in failures.values()):
+                self._blame_an_exit(exclude=failures)
             rank, meta = min(failures.items())
             if pending or any(m["type"] != "ConfigError" for m in failures.values()):
                 # The process group may be mid-collective: only fresh workers are safe.
@@ -383,8 +387,30 @@ class RuntimeClient:
     def _recv_or_die(self, rank: int):
         try:
             return self.chans[rank].recv()
+        except BlockingIOError:
+            self._stopped_responding(rank, "finish a message it began")
         except (EOFError, OSError):
             self._worker_died(rank)
+
+    def _stopped_responding(self, rank: int, what: str):
+        """A send or receive timed out: the stream is cut mid-message, so only fresh workers are usable."""
+        self.kill()
+        raise errors.WorkerError(
+            f"worker {rank} ({self.devices[rank]}) stopped responding: it did not {what} within "
+            f"{self.watchdog.heartbeat_timeout_s:.0f} s (the process is frozen, swapped out or stuck in the device "
+            f"driver); the workers were restarted and the next prompt runs on fresh ones.")
+
+    def _blame_an_exit(self, exclude) -> None:
+        """If a worker other than those in `exclude` exits within _EXIT_GRACE_S, fail the job naming it: the
+        error of a peer whose collective broke because that worker died is a consequence, not the cause."""
+        deadline = time.monotonic() + _EXIT_GRACE_S
+        while True:
+            dead = [r for r, proc in enumerate(self.procs) if r not in exclude and proc.poll() is not None]
+            if dead:
+                self._worker_died(dead[0])
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
     def _worker_died(self, rank: int):
         proc = self.procs[rank]
@@ -402,6 +428,17 @@ class RuntimeClient:
         for rank, proc in enumerate(self.procs):
             if proc.poll() is not None:
                 self._worker_died(rank) if during_job else self._startup_failed(rank)
+
+    def _lost_while_starting(self, exc: BaseException):
+        """A worker's connection broke while starting: name the worker by its exit if it ended (it usually
+        has, or is about to), else say so in one sentence. Either way the workers are stopped."""
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            self._check_procs()
+            time.sleep(0.05)
+        self.kill()
+        raise errors.WorkerError(f"a worker's control connection broke while starting ({type(exc).__name__}: {exc}); "
+                                 f"the workers were stopped — retry.") from exc
 
     def _startup_failed(self, rank: int):
         code = self.procs[rank].returncode
@@ -564,8 +601,15 @@ def _last_words(tail: collections.deque) -> str:
     return f" (its last output: {lines[-1][:200]!r})" if lines else ""
 
 
-def _send_catching(chan: Channel, data: bytes, failed: list) -> None:
-    try:
-        chan.send_bytes(data)
-    except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
-        failed.append(exc)
+def _bound_io(conn, seconds: float) -> None:
+    """Give a control connection's socket a send and a receive timeout: a send to a worker that stopped
+    reading, or the rest of a message that never comes, then fails with BlockingIOError instead of blocking
+    the client forever (any size of message: a full socket buffer blocks even a small one)."""
+    timeval = struct.pack("@ll", int(seconds), int(seconds % 1 * 1e6))
+    # fromfd duplicates the descriptor; the options belong to the socket, so they apply to `conn` too.
+    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        # A host's socket.setdefaulttimeout() makes fromfd switch the shared descriptor to non-blocking;
+        # multiprocessing's Connection needs it blocking.
+        sock.setblocking(True)

@@ -149,10 +149,8 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
     if gate.get() != "go":
         raise Aborted()
     pulse.phase = "sampling"
-    try:
-        stats, latent = _denoise(state, chan, job, topology, pulse)
-    finally:
-        state.end_job()
+    stats, latent = _denoise(state, chan, job, topology, pulse)
+    state.end_job()  # on a failure serve() does, after telling the client
     stats.update(loaded=loaded, load_seconds=state.last_load_seconds)
     pulse.end_job()  # no beat may follow the result
     chan.send("done", stats, {"latent": latent} if latent is not None else None)
@@ -192,7 +190,8 @@ def _denoise(state: WorkerState, chan: Channel, job, topology, pulse) -> tuple[d
 class Faults:
     """Fault injection for the watchdog's tests, off unless PARADIT_FAULT is set, e.g.
     "stall:rank=1:step=2" (rank 1's main thread hangs after step 2 while its heartbeat goes on, so its
-    peers wait in a collective) or "oom_load:rank=1" (rank 1 runs out of memory while loading)."""
+    peers wait in a collective), "oom_load:rank=1" (rank 1 runs out of memory while loading),
+    "die_starting:rank=1" (rank 1 exits before its hello) or "ping_fails:rank=1" (answering a ping raises)."""
 
     def __init__(self, spec: str):
         self.kind, self.args = None, {}
@@ -207,6 +206,11 @@ class Faults:
             time.sleep(3600)
         if kind == "oom_load":
             raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 20.00 GiB")
+        if kind == "die_starting":
+            print("injected: dying before hello", file=sys.stderr, flush=True)
+            os._exit(3)
+        if kind == "ping_fails":
+            raise RuntimeError("injected: the memory report failed")
 
 
 FAULTS = Faults(os.environ.get("PARADIT_FAULT", ""))
@@ -219,6 +223,8 @@ def _error_meta(exc: BaseException, state: WorkerState, phase: str) -> dict:
         free = ""
         if state.device.type == "cuda":
             free_b, total_b = torch.cuda.mem_get_info(state.device)
+            # This report precedes end_job's empty_cache: count the cached blocks no tensor uses as free.
+            free_b += torch.cuda.memory_reserved(state.device) - torch.cuda.memory_allocated(state.device)
             free = f" ({free_b / 2**30:.1f} of {total_b / 2**30:.1f} GB free)"
         message = (f"rank {state.rank} ({state.device}) ran out of memory {when}{free}; lower the resolution or batch, "
                    f"pick weight_dtype bf16, or raise pipefusion_degree so each device holds fewer blocks.")
@@ -240,6 +246,16 @@ def serve(state: WorkerState, chan: Channel, heartbeat_s: float) -> None:
     pulse = Heartbeat(chan.send, state.rank, heartbeat_s)
 
     def reader() -> None:
+        try:
+            read_messages()
+        except BaseException:  # noqa: BLE001
+            # Without this thread the worker cannot be pinged, cancelled or told to go: end it, so the client
+            # reports an exit (with this traceback as its last output) rather than a hang.
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+
+    def read_messages() -> None:
         while True:
             try:
                 kind, meta, tensors = chan.recv()
@@ -250,6 +266,7 @@ def serve(state: WorkerState, chan: Channel, heartbeat_s: float) -> None:
             elif kind in ("go", "abort"):
                 gate.put(kind)
             elif kind == "ping":  # answered here, so a busy main thread still proves the process alive
+                FAULTS.maybe("ping_fails", state.rank)
                 held = parameter_bytes(state.adapter.model) if state.adapter is not None else 0
                 chan.send("pong", {"rank": state.rank, **worker_report(state.device, held)})
             else:
@@ -276,12 +293,14 @@ def serve(state: WorkerState, chan: Channel, heartbeat_s: float) -> None:
                 chan.send("aborted", {"rank": state.rank})
             except Cancelled:
                 pulse.end_job()
+                state.end_job()
                 chan.send("cancelled", {"rank": state.rank})
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the client
                 phase = "load" if pulse.phase == "loading" else "run"
                 pulse.end_job()
-                state.end_job()
+                # Report before cleaning up: after a CUDA error, end_job's empty_cache can fail too.
                 chan.send("error", _error_meta(exc, state, phase))
+                state.end_job()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -302,6 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     chan = Channel(Client(args.socket, family="AF_UNIX", authkey=authkey))
+    FAULTS.maybe("die_starting", args.rank)
 
     import torch.distributed as dist
 
@@ -332,7 +352,14 @@ def main(argv: list[str] | None = None) -> None:
                                 world_size=args.world, timeout=timedelta(seconds=meta["collective_timeout_s"]),
                                 **({"device_id": device} if device.type == "cuda" else {}))
     chan.send("ready", {"rank": args.rank})
-    serve(WorkerState(args.rank, args.world, device), chan, meta["heartbeat_s"])
+    try:
+        serve(WorkerState(args.rank, args.world, device), chan, meta["heartbeat_s"])
+    except BaseException:  # noqa: BLE001
+        # Whatever escapes (a failing cleanup, a send to a vanished client) must end the process: a live
+        # worker whose main thread is gone would look healthy to pings yet never run a job.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     chan.close()
     os._exit(0)  # skip interpreter teardown: process-group destructors can block on dead peers
 

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import struct
 import time
+from multiprocessing import Pipe
 
 import psutil
 import pytest
 
 from conftest import make_job
-from parallel_runtime.client import RuntimeClient, describe_exit
+from parallel_runtime.client import RuntimeClient, _bound_io, describe_exit
 from parallel_runtime.errors import Cancelled, OutOfMemory, WorkerError
+from parallel_runtime.protocol import encode
 from parallel_runtime.spec import StrategySpec as S
 from parallel_runtime.watchdog import WatchdogConfig
 
@@ -121,6 +125,113 @@ def test_a_frozen_idle_worker_is_replaced_before_the_next_job(tiny_path):
         client.shutdown()
 
 
+def test_a_send_to_a_worker_that_stopped_reading_fails_within_the_heartbeat_bound(tiny_path):
+    client = _client()
+    try:
+        client.start()
+        old = _pids(client)
+        _freeze(old[1])
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=r"^worker 1 \(cpu\) stopped responding: it did not take a message within "
+                                              r"3 s .*restarted"):
+            for _ in range(100_000):  # small messages: each one fits, until the frozen reader's buffer is full
+                client._send_all(encode("cancel"), ranks=[1])
+        waited = time.monotonic() - t0
+        assert waited <= FAST.heartbeat_timeout_s + SLACK_S, waited
+        assert _gone(old)
+    finally:
+        client.shutdown()
+
+
+def test_control_sockets_time_out_on_a_message_cut_short_and_stay_blocking():
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(5.0)  # a host may set one; the connection must not turn non-blocking
+    try:
+        ours, worker = Pipe()
+        _bound_io(ours, 0.5)
+    finally:
+        socket.setdefaulttimeout(previous)
+    try:
+        assert os.get_blocking(ours.fileno())
+        os.write(worker.fileno(), struct.pack("!i", 100) + b"x" * 10)  # a header, and only part of the body
+        t0 = time.monotonic()
+        with pytest.raises(BlockingIOError):
+            ours.recv_bytes()
+        assert time.monotonic() - t0 < 0.5 + SLACK_S
+    finally:
+        ours.close()
+        worker.close()
+
+
+def test_a_worker_killed_mid_sampling_is_named_rather_than_the_peer_whose_collective_broke(tiny_path):
+    client = _client()
+    try:
+        client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))
+        old = _pids(client)
+        killed = []
+
+        def progress(step, total, info):
+            if not killed:
+                # Hold rank 0 while rank 1 beats on unread, so rank 1's end of stream queues behind those beats
+                # and rank 0's "connection closed" error is read first; then kill rank 1 as the OOM killer would.
+                _freeze(old[0])
+                time.sleep(1.0)
+                os.kill(old[1], signal.SIGKILL)
+                os.kill(old[0], signal.SIGCONT)
+                killed.append(step)
+                time.sleep(1.0)
+
+        with pytest.raises(WorkerError, match=r"^worker 1 \(cpu\) was killed \(SIGKILL"):
+            client.run(make_job(tiny_path, S(ulysses_degree=2), steps=30), progress=progress)
+        assert _gone(old)
+    finally:
+        client.shutdown()
+
+
+def test_a_client_stalled_past_the_heartbeat_bound_keeps_its_healthy_workers(tiny_path):
+    client = _client()
+    try:
+        client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))
+        pids = _pids(client)
+        stalled = []
+
+        def progress(step, total, info):
+            if not stalled:  # e.g. the host paused by a long GC: the workers' beats wait unread in the sockets
+                stalled.append(step)
+                time.sleep(FAST.heartbeat_timeout_s + 1.5)
+
+        out = client.run(make_job(tiny_path, S(ulysses_degree=2), steps=30), progress=progress)
+        assert stalled and out.latent.isfinite().all() and _pids(client) == pids
+    finally:
+        client.shutdown()
+
+
+def test_a_worker_that_dies_while_starting_is_named_with_its_exit(tiny_path, monkeypatch):
+    monkeypatch.setenv("PARADIT_FAULT", "die_starting:rank=1")
+    client = _client()
+    try:
+        with pytest.raises(WorkerError, match=r"^worker 1 \(cpu\) exited with code 3 while starting \(its last "
+                                              r"output: 'injected: dying before hello'\)"):
+            client.start()
+        assert not client.procs
+    finally:
+        client.shutdown()
+
+
+def test_a_failure_in_the_workers_control_thread_ends_it_instead_of_leaving_it_deaf(tiny_path, monkeypatch):
+    monkeypatch.setenv("PARADIT_FAULT", "ping_fails:rank=1")
+    client = _client()
+    try:
+        client.start()
+        old = _pids(client)
+        with pytest.raises(WorkerError, match=r"^worker 1 \(cpu\) exited with code 1 .*RuntimeError: injected: the "
+                                              r"memory report failed"):
+            client.ping()
+        assert _gone(old)
+    finally:
+        client.shutdown()
+
+
 def test_out_of_memory_while_loading_names_the_rank_and_keeps_the_workers(tiny_path, monkeypatch):
     monkeypatch.setenv("PARADIT_FAULT", "oom_load:rank=1")
     client = _client()
@@ -149,7 +260,7 @@ def test_workers_do_not_inherit_the_hosts_allocator_settings(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")  # what ComfyUI sets for itself
     env = RuntimeClient("cpu:1")._worker_env()
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env
-    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["OMP_NUM_THREADS"] == str(os.cpu_count() or 1)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and env["OMP_NUM_THREADS"] == str(os.cpu_count() or 1)
     monkeypatch.setenv("PARADIT_WORKER_CUDA_ALLOC_CONF", "expandable_segments:True")
     assert RuntimeClient("cpu:1")._worker_env()["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
