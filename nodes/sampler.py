@@ -99,7 +99,8 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     from parallel_runtime.devices import parse_devices
     from parallel_runtime.errors import Cancelled, ConfigError, ParaDiTError
     from parallel_runtime.sampling import cfg_uses_uncond
-    from parallel_runtime.spec import Job, SamplingSpec
+    from parallel_runtime.spec import Job, SamplingSpec, StrategySpec
+    from parallel_runtime.validate import validate_numbers
 
     host = host or HOST
     if not isinstance(model, convert.ParaDiTModel):
@@ -111,6 +112,9 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     neg = convert.conditioning(negative, "negative") if cfg_uses_uncond(float(cfg)) else None
     sampling = SamplingSpec(seed=int(seed), steps=int(steps), cfg=float(cfg), sampler_name=sampler_name,
                             scheduler=scheduler, denoise=float(denoise))
+    # NaN/Inf settings are refused before anything is freed, started or planned with them.
+    validate_numbers(Job(model=model.model, strategy=StrategySpec(), sampling=sampling, latent=samples, positive=pos,
+                         negative=neg, extra=extra))
     worker_devices = parse_devices(model.devices)
     # ComfyUI's models leave the workers' GPUs first, so the workers' memory report (auto's budget) sees it free.
     host.free_memory_for(worker_devices)

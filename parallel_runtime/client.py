@@ -237,7 +237,9 @@ class RuntimeClient:
                 meta["negative_guidance"] = job.negative.guidance
                 tensors.update(job.negative.tensors("negative"))
             self.last_strategy = job.strategy.label()
-            key = (job.strategy, tuple(job.latent.shape), job.sampling.steps)
+            # What a step costs depends on the model and its dtype too (and on whether cfg adds a branch).
+            key = (job.model.path, job.model.weight_dtype, job.strategy, tuple(job.latent.shape), job.sampling.steps,
+                   job.negative is not None)
             watch = JobWatch(self.watchdog, self.devices, self._step_estimates.get(key))
             t0 = time.perf_counter()
             self._send_all(encode("job", meta, tensors))
@@ -314,58 +316,65 @@ class RuntimeClient:
                 held.append(exc)
                 return True
 
-        while pending:
-            if not cancel_sent and cancel_requested():
-                watch.cancel_requested()
-                self._send_all(encode("cancel"))
-                cancel_sent = True
-            ready = wait(list(by_fd), timeout=0.1)
-            while ready:
-                for conn in ready:
-                    rank = by_fd[conn]
-                    kind, meta, tensors = self._recv_or_die(rank)
-                    watch.heard(rank, kind, meta)
-                    if kind == "loaded":
-                        loaded.add(rank)
-                    elif kind == "progress":
-                        self.device_bytes[rank] = meta.get("device_bytes")
-                        if meta.get("report"):
-                            self.last_sec_per_step = meta.get("sec_per_step")
-                            if progress is not None and not held:
-                                try:
-                                    progress(meta["step"], meta["total"], meta)
-                                except BaseException as exc:  # noqa: BLE001 - e.g. the host's own interrupt
-                                    held.append(exc)
-                    elif kind == "done":
-                        stats[rank] = meta
-                        latent = tensors.get("latent", latent)
-                        pending.discard(rank)
-                    elif kind in ("cancelled", "aborted"):
-                        cancelled = cancelled or kind == "cancelled" or cancel_sent
-                        pending.discard(rank)
-                    elif kind == "error":
-                        (load_failures if meta.get("phase") == "load" else failures)[rank] = meta
-                        pending.discard(rank)
-                if held or failures or not pending:
-                    break
-                # Read all that is waiting before the deadlines are judged: a client that was stalled itself
-                # (a slow progress callback, a long GC) must not blame workers for messages it has not read.
-                ready = wait(list(by_fd), timeout=0)
-            if not gate_open and len(loaded) + len(load_failures) == world:
-                # Every rank has its weights (or failed to get them) and none has entered a collective yet.
-                gate_open = True
-                if load_failures or cancel_sent:
-                    self._send_all(encode("abort"), ranks=sorted(loaded))
-                else:
-                    self._send_all(encode("go"))
-                    watch.started_sampling()
-            if any(m["type"] != "ConfigError" for m in failures.values()):
-                break  # peers may be stuck in a collective: don't wait for them
-            self._check_procs(during_job=True)
-            problem = watch.check(pending)
-            if problem is not None:
+        try:
+            while pending:
+                if not cancel_sent and cancel_requested():
+                    watch.cancel_requested()
+                    self._send_all(encode("cancel"))
+                    cancel_sent = True
+                ready = wait(list(by_fd), timeout=0.1)
+                while ready:
+                    for conn in ready:
+                        rank = by_fd[conn]
+                        kind, meta, tensors = self._recv_or_die(rank)
+                        watch.heard(rank, kind, meta)
+                        if kind == "loaded":
+                            loaded.add(rank)
+                        elif kind == "progress":
+                            self.device_bytes[rank] = meta.get("device_bytes")
+                            if meta.get("report"):
+                                self.last_sec_per_step = meta.get("sec_per_step")
+                                if progress is not None and not held:
+                                    try:
+                                        progress(meta["step"], meta["total"], meta)
+                                    except BaseException as exc:  # noqa: BLE001 - e.g. the host's own interrupt
+                                        held.append(exc)
+                        elif kind == "done":
+                            stats[rank] = meta
+                            latent = tensors.get("latent", latent)
+                            pending.discard(rank)
+                        elif kind in ("cancelled", "aborted"):
+                            cancelled = cancelled or kind == "cancelled" or cancel_sent
+                            pending.discard(rank)
+                        elif kind == "error":
+                            (load_failures if meta.get("phase") == "load" else failures)[rank] = meta
+                            pending.discard(rank)
+                    if held or failures or not pending:
+                        break
+                    # Read all that is waiting before the deadlines are judged: a client that was stalled itself
+                    # (a slow progress callback, a long GC) must not blame workers for messages it has not read.
+                    ready = wait(list(by_fd), timeout=0)
+                if not gate_open and len(loaded) + len(load_failures) == world:
+                    # Every rank has its weights (or failed to get them) and none has entered a collective yet.
+                    gate_open = True
+                    if load_failures or cancel_sent:
+                        self._send_all(encode("abort"), ranks=sorted(loaded))
+                    else:
+                        self._send_all(encode("go"))
+                        watch.started_sampling()
+                if any(m["type"] != "ConfigError" for m in failures.values()):
+                    break  # peers may be stuck in a collective: don't wait for them
+                self._check_procs(during_job=True)
+                problem = watch.check(pending)
+                if problem is not None:
+                    self.kill()
+                    raise problem
+        except BaseException:
+            if pending:
+                # Raised inside the loop itself (a bug, an interrupt) while workers are still in the job: their
+                # next messages would be read as the next job's, so only fresh workers are safe.
                 self.kill()
-                raise problem
+            raise
         if failures:
             if any(m["type"] != "ConfigError" for m in failures.values()):
                 self._blame_an_exit(exclude=failures)

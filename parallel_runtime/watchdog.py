@@ -231,9 +231,19 @@ class JobWatch:
         pulse = self.ranks[r]
         return f"{pulse.phase} step {pulse.step + 1}" if pulse.phase == "sampling" else pulse.phase
 
+    def _loading_state(self, r: int) -> str:
+        pulse = self.ranks[r]
+        state = "loading the model" if pulse.phase == "loading" else "loaded, waiting for the others"
+        return f"rank {r} ({self.devices[r]}) {state}" + (f" in {pulse.where}" if pulse.where else "")
+
     def _stuck_ranks(self, ranks) -> str:
         """Name the ranks that compute (or hang) while the others wait for them in a collective."""
         ranks = sorted(ranks)
+        loading = [r for r in ranks if self.ranks[r].phase in ("loading", "loaded")]
+        if loading:
+            # Before "go" no rank is in a sampling collective: a stack in torch.distributed then is an import or
+            # a group being created, not a peer to blame.
+            return ", ".join(self._loading_state(r) for r in loading)
         busy = [r for r in ranks if not self.ranks[r].waiting]
         waiting = [r for r in ranks if self.ranks[r].waiting]
         if busy and waiting:

@@ -552,3 +552,11 @@ def test_import_is_light():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_sampler_refuses_nan_settings_before_freeing_starting_or_planning(runtime):
+    host = FakeHost()
+    with pytest.raises(ConfigError, match=r"^cfg=nan is not a finite number"):
+        sampler_mod.sample(handle(convert.strategy_choice("auto")), 0, 2, float("nan"), "euler", "simple",
+                           cond(), cond(), latent(), 1.0, host=host)
+    assert host.freed == [] and "cpu:2" not in runtime.clients and getattr(runtime, "budgets", []) == []

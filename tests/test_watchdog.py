@@ -292,3 +292,42 @@ def test_a_job_leaves_no_per_job_state_referenced_on_the_worker():
     import sys
 
     assert sys.getrefcount(cache) == 2  # only this test's own name (and getrefcount's argument) hold it
+
+
+def test_a_cancel_not_honoured_while_loading_says_loading_not_a_stuck_collective():
+    from parallel_runtime.watchdog import JobWatch
+
+    watch = JobWatch(WatchdogConfig(cancel_grace_s=1.0), ["cuda:0", "cuda:1"], None)
+    watch.heard(0, "loaded", {})
+    # Rank 1 is in an import under torch/distributed: its stack looks like waiting, but nothing is collective yet.
+    watch.heard(1, "heartbeat", {"phase": "loading", "where": "flux.py:120 load_flux", "waiting": True})
+    watch.cancel_at = time.monotonic() - 2.0
+    problem = watch.check({0, 1})
+    assert isinstance(problem, Cancelled)
+    assert ("rank 0 (cuda:0) loaded, waiting for the others, rank 1 (cuda:1) loading the model in flux.py:120"
+            in str(problem)) and "collective" not in str(problem)
+
+
+def test_an_error_inside_the_clients_loop_mid_job_replaces_the_workers(tiny_path, monkeypatch):
+    from parallel_runtime.watchdog import JobWatch
+
+    client = _client()
+    try:
+        client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))
+        old = _pids(client)
+        heard = JobWatch.heard
+
+        def broken(self, rank, kind, meta):
+            if kind == "progress":
+                raise RuntimeError("a bug in the client's loop")
+            return heard(self, rank, kind, meta)
+
+        monkeypatch.setattr(JobWatch, "heard", broken)
+        with pytest.raises(RuntimeError, match="a bug"):
+            client.run(make_job(tiny_path, S(ulysses_degree=2), steps=6))
+        # The workers were still in that job: their late messages must not be read as the next job's.
+        assert not client.procs and _gone(old)
+        monkeypatch.setattr(JobWatch, "heard", heard)
+        assert client.run(make_job(tiny_path, S(ring_degree=2), steps=2)).latent.isfinite().all()
+    finally:
+        client.shutdown()
