@@ -336,14 +336,16 @@ def _in_process_reference(spec: dict) -> None:
     from .attention.processor import AttentionContext
     from .comm import Comm
     from .denoise import Denoiser
-    from .models.flux import load_flux
-    from .models.flux_adapter import FluxAdapter
+    from .loading import CheckpointReader
+    from .models.family import read_model
     from .topology import Topology
 
     torch.set_num_threads(spec["threads"])
-    config, model = load_flux(spec["path"])
+    with CheckpointReader(spec["path"]) as reader:
+        family, match, config = read_model(reader)
+        model = family.build(config, reader, match, owned=lambda name: True, dtype=torch.float32, device="cpu")
     ctx = AttentionContext()
-    adapter = FluxAdapter(config, model, [range(config.num_layers + config.num_single_layers)], ctx)
+    adapter = family.adapter(config, model, family.pipeline_stages(config, 1)[0], ctx)
     job = make_job(spec["path"], config, StrategySpec(), tuple(spec["latent_shape"]), spec["text_tokens"],
                    spec["cfg"], spec["steps"])
     d = Denoiser(adapter, Topology(), Comm(Topology()), ctx)
@@ -435,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devices, max_world, t_start,
            conditioning=None) -> int:
     from . import auto
-    from .models.flux_adapter import pipeline_stages
+    from .models.family import family_of
 
     num_blocks = config.num_layers + config.num_single_layers
     text = args.text_tokens
@@ -523,7 +525,7 @@ def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devi
             total_params = res["stats"][0]["param_bytes"]
         if s.pipefusion_degree > 1 and s.pipefusion_degree not in stage_cache:
             stage_cache[s.pipefusion_degree] = tuple(tuple(len(r) for r in chunks)
-                                                     for chunks in pipeline_stages(config, s.pipefusion_degree))
+                                                     for chunks in family_of(config).pipeline_stages(config, s.pipefusion_degree))
         shapes = Shapes(image_tokens=image_tokens, text_tokens=text, hidden=config.hidden_size, heads=config.num_heads,
                         num_blocks=num_blocks, stage_blocks=stage_cache.get(s.pipefusion_degree, ()),
                         batch=latent_shape[0], act_bytes=act_bytes)

@@ -480,9 +480,9 @@ class Projection:
 @functools.lru_cache(maxsize=64)
 def _stages(config, stages: int) -> tuple[tuple[range, ...], ...]:
     """Per PipeFusion rank, the block ranges (chunks) it runs, as the workers split them."""
-    from .models.flux_adapter import pipeline_stages
+    from .models.family import family_of
 
-    return tuple(tuple(chunks) for chunks in pipeline_stages(config, stages))
+    return tuple(tuple(chunks) for chunks in family_of(config).pipeline_stages(config, stages))
 
 
 def stage_block_kinds(config, stages: int) -> list[tuple[int, int]]:
@@ -608,9 +608,9 @@ class ParamLayout:
 
 
 def param_layout(config) -> ParamLayout:
-    from .models.flux_adapter import parameter_counts
+    from .models.family import family_of
 
-    blocks, always, first, last = parameter_counts(config)
+    blocks, always, first, last = family_of(config).parameter_counts(config)
     return ParamLayout(list(blocks), always, first, last)
 
 

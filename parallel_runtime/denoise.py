@@ -21,7 +21,7 @@ from .attention import LocalAttention, RingAttention, UlyssesAttention
 from .attention.processor import AttentionContext
 from .comm import Comm
 from .errors import Cancelled
-from .models.flux_adapter import FluxAdapter
+from .models.family import DiTAdapter
 from .pipefusion import StaleKVAttention, StaleKVCache
 from .sampling import (cfg_combine, cfg_uses_uncond, denoised_from_velocity, final_latent, ksampler_sigmas,
                        make_sampler, model_sampling_for, prepare_noise, start_latent)
@@ -93,7 +93,7 @@ class Branches:
 
 
 class Denoiser:
-    def __init__(self, adapter: FluxAdapter, topology: Topology, comm: Comm, context: AttentionContext):
+    def __init__(self, adapter: DiTAdapter, topology: Topology, comm: Comm, context: AttentionContext):
         self.adapter, self.topology, self.comm, self.context = adapter, topology, comm, context
         self.rank = comm.rank
         self.coords = topology.coords(self.rank)
@@ -129,10 +129,10 @@ class Denoiser:
             return job.latent.clone() if self._is_result_rank() else None
         noise = prepare_noise(job.latent, sp.seed, job.extra.get("batch_index"))
         # The sampler state lives on the worker's device, in float32 as in ComfyUI.
-        x = FluxAdapter.pack(start_latent(job.latent.float(), noise, sigmas[0])).to(self.adapter.device)
+        x = self.adapter.pack(start_latent(job.latent.float(), noise, sigmas[0])).to(self.adapter.device)
         self.sigmas = sigmas  # on the host: Python-side decisions never wait for the device
         self.sigmas_on_device = sigmas.to(self.adapter.device)  # the time embedding's input, uploaded once
-        self.sampler = make_sampler(sp.sampler_name, sigmas, sp.seed, job.latent.shape, to_state=FluxAdapter.pack)
+        self.sampler = make_sampler(sp.sampler_name, sigmas, sp.seed, job.latent.shape, to_state=self.adapter.pack)
 
         conds = [job.positive] + ([job.negative] if cfg_uses_uncond(sp.cfg) else [])
         if s.cfg_degree == 2:
@@ -225,7 +225,7 @@ class Denoiser:
                 x[:, idx] = part[:, idx]
         if not self._is_result_rank():
             return None
-        return final_latent(FluxAdapter.unpack(x, h, w), self.sigmas[-1]).cpu()
+        return final_latent(self.adapter.unpack(x, h, w), self.sigmas[-1]).cpu()
 
     # -- sequence parallel (also serial, CFG-only and naive patch) -------------------------------------
 

@@ -16,15 +16,14 @@ from .topology import validate_strategy
 @lru_cache(maxsize=16)
 def _model_config(path: str, mtime_ns: int, size: int):
     from .loading import CheckpointReader
-    from .models.flux import detect_layout, infer_config
+    from .models.family import read_model
 
     with CheckpointReader(path) as reader:
-        layout, prefix = detect_layout(reader.keys(), os.path.basename(path))
-        return infer_config(reader, layout, prefix)
+        return read_model(reader, os.path.basename(path))[2]
 
 
 def model_config(path: str):
-    """The Flux config of a checkpoint, read from its header only (cached per file version)."""
+    """The config of a checkpoint (its family's), read from its header only (cached per file version)."""
     try:
         st = os.stat(path)
     except OSError:

@@ -53,8 +53,7 @@ class WorkerState:
         """Load the blocks this rank's pipeline stage owns; returns True if it had to (re)load."""
         from .attention.processor import AttentionContext
         from .loading import CheckpointReader
-        from .models.flux import build_transformer, detect_layout, infer_config
-        from .models.flux_adapter import FluxAdapter, pipeline_stages, stage_ownership
+        from .models.family import read_model
 
         path = model_spec["path"]
         stat = os.stat(path)
@@ -65,14 +64,13 @@ class WorkerState:
         self.adapter = self.loaded_key = None  # free the old weights before reading new ones
         t0 = time.perf_counter()
         with CheckpointReader(path) as reader:
-            layout, prefix = detect_layout(reader.keys(), os.path.basename(path))
-            config = infer_config(reader, layout, prefix)
-            chunks = pipeline_stages(config, stages)[stage]
-            owned = stage_ownership(config, chunks, first=stage == 0, last=stage == stages - 1)
+            family, match, config = read_model(reader, os.path.basename(path))
+            chunks = family.pipeline_stages(config, stages)[stage]
+            owned = family.stage_ownership(config, chunks, first=stage == 0, last=stage == stages - 1)
             dtype = resolve_dtype(model_spec["weight_dtype"], self.device)
-            model = build_transformer(config, reader, layout, prefix, owned=owned, dtype=dtype, device=self.device)
+            model = family.build(config, reader, match, owned=owned, dtype=dtype, device=self.device)
         self.context = AttentionContext()
-        self.adapter = FluxAdapter(config, model, chunks, self.context)
+        self.adapter = family.adapter(config, model, chunks, self.context)
         self.loaded_key = key
         self.last_load_seconds = time.perf_counter() - t0
         return True

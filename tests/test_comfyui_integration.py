@@ -516,7 +516,7 @@ def test_interrupt_stops_the_job_and_the_next_prompt_runs(server):
     (dict(devices="cpu:2", strat=strategy(pp=2, patches=2), size=48), "ConfigError",
      "num_pipeline_patch=2 does not divide the latent's 3 token rows"),
     (dict(devices="cpu:1", strat=strategy(cfg=2)), "ConfigError", "= 2 ranks, but the loader has 1 device(s)"),
-    (dict(devices="cpu:1", unet=NOT_FLUX), "ModelFileError", "is not a Flux DiT checkpoint"),
+    (dict(devices="cpu:1", unet=NOT_FLUX), "ModelFileError", "is not a DiT checkpoint ParaDiT runs"),
     (dict(devices="cpu:two"), "ConfigError", "devices 'cpu:two' is not understood"),
 ], ids=["ulysses3-on-2", "48px-ulysses2", "48px-pipefusion-patches", "cfg2-on-1", "not-flux-file", "bad-devices"])
 def test_bad_inputs_fail_with_one_sentence(server, graph_kw, expect_type, expect_text):

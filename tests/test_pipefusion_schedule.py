@@ -15,6 +15,8 @@ import types
 import pytest
 import torch
 
+from parallel_runtime.models.flux_adapter import FluxAdapter
+
 from parallel_runtime.attention.processor import AttentionContext
 from parallel_runtime.comm import Group
 from parallel_runtime.denoise import Denoiser
@@ -62,6 +64,8 @@ class IdentityFlux:
         self.config = types.SimpleNamespace(hidden_size=hidden, num_heads=4, num_layers=4, num_single_layers=8)
         self.chunks = [range(1)] * chunks
         self.device, self.dtype, self.variant = torch.device("cpu"), torch.float32, "dev"
+
+    pack, unpack = staticmethod(FluxAdapter.pack), staticmethod(FluxAdapter.unpack)  # the token layout itself
 
     def rope(self, text_len, h, w):
         n = text_len + (h // 2) * (w // 2)

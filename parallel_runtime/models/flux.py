@@ -88,6 +88,8 @@ class FluxConfig:
         object.__setattr__(self, "mlp_ratio", float(self.mlp_ratio))
         object.__setattr__(self, "guidance_embeds", bool(self.guidance_embeds))
 
+    family = "flux"  # models/family.py: which family's functions plan and run this config
+
     @property
     def variant(self) -> str:
         return "dev" if self.guidance_embeds else "schnell"
@@ -123,35 +125,8 @@ class FluxConfig:
 # ----------------------------------------------------------------------------------
 # Layout detection
 # ----------------------------------------------------------------------------------
-def _looks_like(keys: list[str]) -> str:
-    """A short guess at what a non-Flux checkpoint is, for the error message."""
-    joined = "\n".join(keys[:5000])
-
-    def has(pattern: str) -> bool:
-        return re.search(pattern, joined, re.M) is not None
-
-    if has(r"lora_[AB]\b|lora_(up|down)\b|\.lora\."):
-        what = "it looks like a LoRA"
-    elif has(r"^(model\.diffusion_model\.)?input_blocks\.") or has(r"^(unet\.)?down_blocks\.\d+\.resnets\."):
-        what = "it looks like a UNet (SD1.x/SDXL)"
-    elif has(r"(^|\.)(encoder|decoder)\.(down|up|mid)") or has(r"^(first_stage_model\.)?(encoder|decoder)\.conv_in"):
-        what = "it looks like a VAE"
-    elif has(r"(^|\.)text_model\.|(^|\.)encoder\.block\.\d+\.layer|^shared\.weight|(^|\.)embed_tokens\."):
-        what = "it looks like a text encoder"
-    elif has(r"^(model\.diffusion_model\.)?joint_blocks\."):
-        what = "it looks like an SD3 MMDiT"
-    elif has(r"double_stream_modulation|distilled_guidance_layer"):
-        what = "it looks like a different Flux-family model (Flux.2 / Chroma)"
-    elif not keys:
-        what = "it holds no tensors"
-    else:
-        sample = ", ".join(repr(k) for k in keys[:3])
-        what = f"found keys such as {sample}"
-    return what
-
-
-def detect_layout(keys: Iterable[str], name: str = "checkpoint") -> tuple[str, str]:
-    """Return ``(layout, prefix)`` for a Flux DiT checkpoint's keys, else raise ModelFileError."""
+def match_layout(keys: Iterable[str]) -> tuple[str, str] | None:
+    """``(layout, prefix)`` if the keys are a Flux.1 DiT's, else None."""
     keys = list(keys)
     key_set = set(keys)
 
@@ -169,9 +144,19 @@ def detect_layout(keys: Iterable[str], name: str = "checkpoint") -> tuple[str, s
             any_block(prefix, "transformer_blocks") or any_block(prefix, "single_transformer_blocks")
         ):
             return "diffusers", prefix
-    raise ModelFileError(
-        f"{name} is not a Flux DiT checkpoint ({_looks_like(keys)}); choose a Flux model from models/diffusion_models."
-    )
+    return None
+
+
+def detect_layout(keys: Iterable[str], name: str = "checkpoint") -> tuple[str, str]:
+    """Return ``(layout, prefix)`` for a Flux DiT checkpoint's keys, else raise ModelFileError."""
+    from .family import describe_keys
+
+    keys = list(keys)
+    found = match_layout(keys)
+    if found is None:
+        raise ModelFileError(f"{name} is not a Flux DiT checkpoint ({describe_keys(keys)}); choose a Flux model "
+                             f"from models/diffusion_models.")
+    return found
 
 
 # ----------------------------------------------------------------------------------
@@ -450,3 +435,48 @@ def load_flux(
         config = infer_config(reader, layout, prefix)
         model = build_transformer(config, reader, layout, prefix, owned=owned, dtype=dtype, device=device)
     return config, model
+
+
+# ----------------------------------------------------------------------------------
+# The family (models/family.py's seam)
+# ----------------------------------------------------------------------------------
+class FluxFamily:
+    """Flux.1 dev/schnell in BFL (ComfyUI) or diffusers key layout; the strategies' view is FluxAdapter."""
+
+    name = "flux"
+    title = "Flux.1 (dev/schnell)"
+
+    def match(self, keys: list[str]):
+        from .family import Match
+
+        found = match_layout(keys)
+        return None if found is None else Match(*found)
+
+    def infer_config(self, reader: CheckpointReader, match, name: str) -> FluxConfig:
+        return infer_config(reader, match.layout, match.prefix)
+
+    def build(self, config: FluxConfig, reader: CheckpointReader, match, owned, dtype, device):
+        return build_transformer(config, reader, match.layout, match.prefix, owned=owned, dtype=dtype, device=device)
+
+    def pipeline_stages(self, config: FluxConfig, stages: int) -> list[list[range]]:
+        from .flux_adapter import pipeline_stages
+
+        return pipeline_stages(config, stages)
+
+    def stage_ownership(self, config: FluxConfig, chunks: list[range], first: bool, last: bool):
+        from .flux_adapter import stage_ownership
+
+        return stage_ownership(config, chunks, first=first, last=last)
+
+    def adapter(self, config: FluxConfig, model, chunks: list[range], context):
+        from .flux_adapter import FluxAdapter
+
+        return FluxAdapter(config, model, chunks, context)
+
+    def parameter_counts(self, config: FluxConfig):
+        from .flux_adapter import parameter_counts
+
+        return parameter_counts(config)
+
+
+FLUX = FluxFamily()

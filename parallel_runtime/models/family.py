@@ -1,0 +1,131 @@
+"""The model-family seam: everything the runtime needs from one DiT family, behind one small interface.
+
+A family reads a checkpoint's keys (does this file belong to me, in which key layout?), infers its config
+from tensor shapes alone, builds the blocks one rank owns, and wraps the built model in an adapter: the
+object strategies call (token layout, positions, embeddings, the ordered block list, the head). Planning
+(PipeFusion stages, the cost model, memory) asks the family for block costs and parameter counts.
+Strategies never import a family module; adding a family is a module plus an entry in FAMILIES.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol
+
+import torch
+
+from ..errors import ModelFileError
+
+
+@dataclass(frozen=True)
+class Match:
+    """How a family reads one file: its key layout (e.g. "bfl", "diffusers") and the prefix before the keys."""
+
+    layout: str
+    prefix: str
+
+
+class DiTAdapter(Protocol):
+    """What strategies call on a built model (see FluxAdapter for the reference implementation)."""
+
+    config: object
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def pack(latent: torch.Tensor) -> torch.Tensor: ...
+
+    @staticmethod
+    def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor: ...
+
+
+class ModelFamily(Protocol):
+    name: str  # short id used in logs, bench rows and test names: "flux"
+    title: str  # what users call it: "Flux.1 (dev/schnell)"
+
+    def match(self, keys: list[str]) -> Match | None:
+        """This family's layout and prefix for these checkpoint keys, or None if they are not this family's."""
+
+    def infer_config(self, reader, match: Match, name: str):
+        """The family's config from tensor names and shapes (no tensor data is read)."""
+
+    def build(self, config, reader, match: Match, owned: Callable[[str], bool], dtype: torch.dtype,
+              device: torch.device) -> torch.nn.Module:
+        """The module tree with only the parameters `owned` selects (others stay on the meta device)."""
+
+    def pipeline_stages(self, config, stages: int) -> list[list[range]]:
+        """Per PipeFusion stage, the block ranges it runs (balanced by block cost)."""
+
+    def stage_ownership(self, config, chunks: list[range], first: bool, last: bool) -> Callable[[str], bool]:
+        """Which parameter names a stage running `chunks` must load."""
+
+    def adapter(self, config, model: torch.nn.Module, chunks: list[range], context) -> DiTAdapter:
+        """The strategies' view of a built model."""
+
+    def parameter_counts(self, config) -> tuple[tuple[int, ...], int, int, int]:
+        """(per block, always owned, first stage only, last stage only) parameter counts."""
+
+
+def families() -> list[ModelFamily]:
+    """Every family the runtime runs, in detection order (imported lazily: diffusers is heavy)."""
+    from .flux import FLUX
+
+    return [FLUX]
+
+
+def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:
+    """The family and key layout of a checkpoint, or one sentence naming what the file looks like."""
+    keys = list(keys)
+    for family in families():
+        match = family.match(keys)
+        if match is not None:
+            return family, match
+    supported = ", ".join(f.title for f in families())
+    raise ModelFileError(f"{name} is not a DiT checkpoint ParaDiT runs ({describe_keys(keys)}); ParaDiT runs "
+                         f"{supported}: choose one of those from models/diffusion_models.")
+
+
+def family_of(config) -> ModelFamily:
+    """The family a config belongs to (each config class names its family)."""
+    for family in families():
+        if family.name == config.family:
+            return family
+    raise ValueError(f"no model family named {config.family!r}")
+
+
+def read_model(reader, name: str | None = None):
+    """(family, match, config) of an open checkpoint, from its header only."""
+    name = name or os.path.basename(getattr(reader, "path", "checkpoint"))
+    family, match = detect_family(reader.keys(), name)
+    return family, match, family.infer_config(reader, match, name)
+
+
+def describe_keys(keys: list[str]) -> str:
+    """A short guess at what a checkpoint no family claims is, for the error message."""
+    joined = "\n".join(keys[:5000])
+
+    def has(pattern: str) -> bool:
+        return re.search(pattern, joined, re.M) is not None
+
+    if has(r"lora_[AB]\b|lora_(up|down)\b|\.lora\."):
+        return "it looks like a LoRA"
+    if has(r"^(model\.diffusion_model\.)?input_blocks\.") or has(r"^(unet\.)?down_blocks\.\d+\.resnets\."):
+        return "its keys look like a UNet (SD1.x/SDXL)"
+    if has(r"(^|\.)(encoder|decoder)\.(down|up|mid)") or has(r"^(first_stage_model\.)?(encoder|decoder)\.conv_in"):
+        return "it looks like a VAE"
+    if has(r"(^|\.)text_model\.|(^|\.)encoder\.block\.\d+\.layer|^shared\.weight|(^|\.)embed_tokens\."):
+        return "it looks like a text encoder"
+    if has(r"^(model\.diffusion_model\.)?joint_blocks\."):
+        return "its keys look like an SD3 MMDiT"
+    if has(r"distilled_guidance_layer"):
+        return "its keys look like Chroma"
+    if has(r"double_stream_modulation"):
+        return "its keys look like Flux.2"
+    if has(r"^(model\.diffusion_model\.)?transformer_blocks\.\d+\.img_mod\."):
+        return "its keys look like Qwen-Image"
+    if has(r"(^|\.)blocks\.\d+\.cross_attn\.") and has(r"(^|\.)y_embedder\."):
+        return "its keys look like PixArt"
+    if not keys:
+        return "it holds no tensors"
+    return f"found keys such as {', '.join(repr(k) for k in keys[:3])}"
