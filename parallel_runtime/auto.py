@@ -81,7 +81,7 @@ def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str],
     layout = costmodel.param_layout(config)
     out = []
     for s in candidate_strategies(world, cfg, heads=config.num_heads,
-                                  num_blocks=config.num_layers + config.num_single_layers, latent_hw=(h, w),
+                                  num_blocks=config.num_blocks, latent_hw=(h, w),
                                   warmup_steps=warmup_steps):
         mem = costmodel.rank_memory(s, config, text_tokens=text_len, image_tokens=(h // 2) * (w // 2), batch=b,
                                     cfg=cfg, weight_bytes=e, act_bytes=e, layout=layout)

@@ -439,7 +439,7 @@ def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devi
     from . import auto
     from .models.family import family_of
 
-    num_blocks = config.num_layers + config.num_single_layers
+    num_blocks = config.num_blocks
     text = args.text_tokens
     kind = "cpu" if devices[0] == "cpu" else "cuda"
     act_bytes = 4 if kind == "cpu" else 2

@@ -51,7 +51,7 @@ def parse_args(argv):
 
 def strategies(world: int, cfg: float, size: int) -> list[StrategySpec]:
     """bench's grid at exactly `world` ranks, PipeFusion with its default patch count (one per stage)."""
-    rows = grid(world, cfg=cfg, heads=TOY_FLUX.num_heads, num_blocks=TOY_FLUX.num_layers + TOY_FLUX.num_single_layers,
+    rows = grid(world, cfg=cfg, heads=TOY_FLUX.num_heads, num_blocks=TOY_FLUX.num_blocks,
                 latent_hw=(size // 8, size // 8))
     return [s for s, _ in rows if s.world_size == world
             and (s.pipefusion_degree == 1 or s.num_pipeline_patch == s.pipefusion_degree)]

@@ -119,7 +119,7 @@ class Denoiser:
         b, c, h, w = job.latent.shape
         cfg = self.adapter.config
         validate_strategy(s, world_size=self.topology.world_size, heads=cfg.num_heads,
-                          num_blocks=cfg.num_layers + cfg.num_single_layers, latent_hw=(h, w),
+                          num_blocks=cfg.num_blocks, latent_hw=(h, w),
                           cfg_scale=sp.cfg, steps=sp.steps)
         validate_branches(job)
         self.step_times = []

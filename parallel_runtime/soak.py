@@ -26,7 +26,7 @@ def soak_strategies(world: int, size: int, cfg: float):
     from .bench import grid
     from .models.tiny import TINY
 
-    rows = grid(world, cfg=cfg, heads=TINY.num_heads, num_blocks=TINY.num_layers + TINY.num_single_layers,
+    rows = grid(world, cfg=cfg, heads=TINY.num_heads, num_blocks=TINY.num_blocks,
                 latent_hw=(size, size))
     return [s for s, _ in rows if s.world_size == world]
 

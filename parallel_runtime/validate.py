@@ -114,5 +114,5 @@ def validate_job(job: Job, world_size: int) -> None:
                               f"vector(s); encode it with one text-encode node so the two match.")
     validate_branches(job)
     validate_strategy(job.strategy, world_size=world_size, heads=config.num_heads,
-                      num_blocks=config.num_layers + config.num_single_layers, latent_hw=tuple(lat.shape[2:]),
+                      num_blocks=config.num_blocks, latent_hw=tuple(lat.shape[2:]),
                       cfg_scale=sp.cfg, steps=sp.steps)

@@ -95,6 +95,11 @@ class FluxConfig:
         return "dev" if self.guidance_embeds else "schnell"
 
     @property
+    def num_blocks(self) -> int:
+        """Length of the ordered block list strategies and planning see (double-stream, then single-stream)."""
+        return self.num_layers + self.num_single_layers
+
+    @property
     def mlp_hidden(self) -> int:
         return int(self.hidden_size * self.mlp_ratio)
 
