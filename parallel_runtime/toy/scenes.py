@@ -33,6 +33,9 @@ POSITION_WORDS = ("top", "bottom", "left", "right", CENTER)
 STOPWORDS = frozenset({"a", "an", "the", "at", "on", "in", "of", "with", "and", "over", "against"})
 
 ATTRIBUTES = ("size", "colour", "shape", "position", "background")
+# Jitter the words do not fix. Zero: a scene is fixed by its words, so from pure noise the model has one
+# picture to draw, not a blur of many (train.py). The draws stay: they are part of the seeded data stream
+# the shipped weights were trained on, so removing them would change what the training command writes.
 POSITION_JITTER = 0.0  # canvas units
 SIZE_JITTER = 0.0  # relative
 MAX_ROTATION = 0.0
@@ -135,8 +138,6 @@ def _signed_distance(shape: str, u: np.ndarray, v: np.ndarray, r: float) -> np.n
         return np.hypot(u, v) - r
     if shape == "square":
         return np.maximum(np.abs(u), np.abs(v)) - 0.85 * r
-    if shape == "ring":
-        return np.abs(np.hypot(u, v) - 0.72 * r) - 0.28 * r
     if shape == "cross":
         arm, half = 0.30 * r, 0.95 * r
         bar = lambda a, b: np.maximum(np.abs(a) - half, np.abs(b) - arm)  # noqa: E731
