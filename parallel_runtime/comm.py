@@ -33,8 +33,10 @@ class Traffic:
     sent: int = 0
     recv: int = 0
     by_op: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    calls: int = 0  # transfers launched: heartbeats carry it, so a hang names the rank that fell behind
 
     def add(self, op: str, sent: int, recv: int) -> None:
+        self.calls += 1
         self.sent += sent
         self.recv += recv
         self.by_op[op][0] += sent

@@ -99,10 +99,11 @@ class Heartbeat:
         self._active = threading.Event()
         self._lock = threading.Lock()  # end_job returns only once no beat is being sent
         self.phase, self.step = "idle", 0
+        self.traffic = None  # the job's comm.Traffic: its `calls` count what this rank has launched
         threading.Thread(target=self._run, daemon=True, name="paradit-heartbeat").start()
 
     def start_job(self) -> None:
-        self.phase, self.step = "loading", 0
+        self.phase, self.step, self.traffic = "loading", 0, None
         self._active.set()
 
     def end_job(self) -> None:
@@ -120,7 +121,8 @@ class Heartbeat:
                     continue
                 try:
                     self._send("heartbeat", {"rank": self.rank, "phase": self.phase, "step": self.step,
-                                             "where": at, "waiting": waiting})
+                                             "where": at, "waiting": waiting,
+                                             "launched": self.traffic.calls if self.traffic is not None else None})
                 except OSError:
                     return  # the client is gone; the reader thread ends the process
             time.sleep(self.interval_s)
@@ -138,6 +140,7 @@ class RankPulse:
     step: int = 0
     where: str = ""
     waiting: bool = False
+    launched: int | None = None  # collectives and transfers this rank has launched in this job
 
 
 class JobWatch:
@@ -159,6 +162,7 @@ class JobWatch:
         pulse.seen = now
         if kind == "heartbeat":
             pulse.phase, pulse.where, pulse.waiting = meta["phase"], meta["where"], meta["waiting"]
+            pulse.launched = meta.get("launched")
         elif kind == "progress":
             pulse.progressed, pulse.step, pulse.phase = now, meta["step"], "sampling"
             if meta.get("sec_per_step") is not None:
@@ -236,6 +240,14 @@ class JobWatch:
         state = "loading the model" if pulse.phase == "loading" else "loaded, waiting for the others"
         return f"rank {r} ({self.devices[r]}) {state}" + (f" in {pulse.where}" if pulse.where else "")
 
+    def _fewest_launched(self, ranks) -> list[int]:
+        """The ranks that launched fewer transfers than the others (empty when all are level or unknown)."""
+        counts = {r: self.ranks[r].launched for r in ranks}
+        if None in counts.values() or len(set(counts.values())) < 2:
+            return []
+        low = min(counts.values())
+        return [r for r, n in counts.items() if n == low]
+
     def _stuck_ranks(self, ranks) -> str:
         """Name the ranks that compute (or hang) while the others wait for them in a collective."""
         ranks = sorted(ranks)
@@ -250,6 +262,13 @@ class JobWatch:
             names = ", ".join(f"rank {r} ({self.devices[r]}) in {self.ranks[r].where or self._doing(r)}" for r in busy)
             return f"{names} never reached the collective that rank(s) {', '.join(map(str, waiting))} wait in"
         if waiting:
+            behind = self._fewest_launched(waiting)
+            if behind:
+                # On NCCL the host launches collectives and waits later, so every stack reads "waiting"; the
+                # rank that launched fewer is the one its peers' collective is missing.
+                names = ", ".join(f"rank {r} ({self.devices[r]}) launched {self.ranks[r].launched}" for r in behind)
+                most = max(self.ranks[r].launched for r in waiting)
+                return f"{names} of the {most} transfers its peers launched; its peers wait for it"
             return (f"every rank waits in a collective ({', '.join(f'rank {r}: {self.ranks[r].where}' for r in waiting)})"
                     f" — a stuck communicator or device")
         return ", ".join(f"rank {r} ({self.devices[r]}) in {self.ranks[r].where or self._doing(r)}" for r in ranks)

@@ -160,6 +160,7 @@ def _denoise(state: WorkerState, chan: Channel, job, topology, pulse) -> tuple[d
 
     comm = state.comm_for(topology)
     comm.reset_traffic()
+    pulse.traffic = comm.traffic
     if state.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(state.device)
     denoiser = Denoiser(state.adapter, topology, comm, state.context)

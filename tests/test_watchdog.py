@@ -331,3 +331,43 @@ def test_an_error_inside_the_clients_loop_mid_job_replaces_the_workers(tiny_path
         assert client.run(make_job(tiny_path, S(ring_degree=2), steps=2)).latent.isfinite().all()
     finally:
         client.shutdown()
+
+
+def test_when_every_rank_waits_the_one_that_launched_fewer_transfers_is_named():
+    """NCCL's host side launches collectives and waits later, so every stack reads "waiting": the
+    heartbeats' launch counts tell which rank its peers' collective is missing."""
+    from parallel_runtime.watchdog import JobWatch
+
+    def stuck(launched):
+        watch = JobWatch(WatchdogConfig(step_grace_s=1.0), ["cuda:0", "cuda:1"], None)
+        watch.started_sampling()
+        for rank, n in enumerate(launched):
+            watch.heard(rank, "heartbeat", {"phase": "sampling", "where": "comm.py:159 all_to_all", "waiting": True,
+                                           "launched": n})
+            watch.ranks[rank].progressed = time.monotonic() - 5.0
+        return str(watch.check({0, 1}))
+
+    assert "rank 1 (cuda:1) launched 40 of the 42 transfers its peers launched" in stuck([42, 40])
+    assert "every rank waits in a collective" in stuck([42, 42]) and "stuck communicator" in stuck([42, 42])
+    assert "every rank waits in a collective" in stuck([None, 40])  # a worker from before the counts
+
+
+def test_heartbeats_carry_the_ranks_launch_count(tiny_path, monkeypatch):
+    from parallel_runtime.watchdog import JobWatch
+
+    counts: dict[int, list[int]] = {0: [], 1: []}
+    heard = JobWatch.heard
+
+    def record(self, rank, kind, meta):
+        if kind == "heartbeat" and meta.get("launched") is not None:
+            counts[rank].append(meta["launched"])
+        return heard(self, rank, kind, meta)
+
+    monkeypatch.setattr(JobWatch, "heard", record)
+    client = _client()
+    try:
+        client.run(make_job(tiny_path, S(ulysses_degree=2), steps=20, size=32))
+    finally:
+        client.shutdown()
+    # Ulysses launches all_to_alls every block of every step: each rank's count only goes up, beat by beat.
+    assert all(c and c == sorted(c) and c[-1] > 0 for c in counts.values()), counts
