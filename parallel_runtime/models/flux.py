@@ -130,10 +130,17 @@ class FluxConfig:
 # ----------------------------------------------------------------------------------
 # Layout detection
 # ----------------------------------------------------------------------------------
+_NOT_FLUX_1 = re.compile(r"(^|\.)(distilled_guidance_layer\.|double_stream_modulation)")
+
+
 def match_layout(keys: Iterable[str]) -> tuple[str, str] | None:
     """``(layout, prefix)`` if the keys are a Flux.1 DiT's, else None."""
     keys = list(keys)
     key_set = set(keys)
+    # Chroma (a distilled guidance network instead of Flux's modulation layers) and Flux.2 share Flux.1's
+    # block names in both layouts: they are other families, not Flux.1 files with tensors missing.
+    if any(_NOT_FLUX_1.search(k) for k in keys):
+        return None
 
     def any_block(prefix: str, block: str) -> bool:
         pat = re.compile(re.escape(prefix + block) + r"\.\d+\.")
