@@ -491,10 +491,16 @@ class RuntimeClient:
         with self._lock:
             if not self.alive:
                 return
-            for chan in self.chans:
-                chan.send("release")
-            for chan in self.chans:
-                self._recv(chan, 60, expect="released")
+            try:
+                for chan in self.chans:
+                    chan.send("release")
+                for chan in self.chans:
+                    self._recv(chan, self.watchdog.heartbeat_timeout_s, expect="released")
+            except (OSError, EOFError, errors.ParaDiTError) as exc:
+                # A worker that cannot take a release is frozen or gone; ending the workers frees their memory
+                # just as well, and the next prompt starts fresh ones.
+                log.warning("ParaDiT: releasing the workers failed (%s); they were stopped instead.", exc)
+                self.kill()
 
     def memory_budget(self) -> int:
         """Bytes the tightest worker may use for a job, as the workers report it (starts them if needed)."""

@@ -371,3 +371,18 @@ def test_heartbeats_carry_the_ranks_launch_count(tiny_path, monkeypatch):
         client.shutdown()
     # Ulysses launches all_to_alls every block of every step: each rank's count only goes up, beat by beat.
     assert all(c and c == sorted(c) and c[-1] > 0 for c in counts.values()), counts
+
+
+def test_releasing_a_frozen_worker_stops_the_workers_instead_of_hanging(tiny_path):
+    client = _client()
+    try:
+        client.run(make_job(tiny_path, S(cfg_degree=2), steps=1, size=8))
+        old = _pids(client)
+        _freeze(old[1])
+        t0 = time.monotonic()
+        client.release()  # what ComfyUI's "free model memory" asks for
+        assert time.monotonic() - t0 <= FAST.heartbeat_timeout_s + SLACK_S
+        assert not client.procs and _gone(old)  # the memory is free either way
+        assert client.run(make_job(tiny_path, S(cfg_degree=2), steps=1, size=8)).latent.isfinite().all()
+    finally:
+        client.shutdown()
