@@ -182,7 +182,7 @@ AUTO = StrategyChoice()
 
 def resolve_strategy(choice: StrategyChoice | None, chooser: Callable[..., tuple[StrategySpec, str]],
                      model_path: str, latent_shape: tuple, cfg: float, devices: str) -> tuple[StrategySpec, str]:
-    """The StrategySpec to run and why. `chooser` is parallel_runtime.auto.choose_strategy."""
+    """The StrategySpec to run and why. `chooser` is parallel_runtime.planning.auto.choose_strategy."""
     choice = choice or AUTO
     if choice.mode == "manual":
         return choice.spec, "manual"

@@ -26,7 +26,7 @@ class ParaDiTLoader(io.ComfyNode):
     @classmethod
     def execute(cls, unet_name, weight_dtype, devices, strategy=None) -> io.NodeOutput:
         import folder_paths
-        from parallel_runtime.devices import parse_devices
+        from parallel_runtime.runtime.devices import parse_devices
 
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         handle = convert.model_handle(path, weight_dtype, devices, strategy, name=unet_name)

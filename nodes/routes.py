@@ -22,7 +22,7 @@ def register_routes() -> None:
 
     @routes.get("/paradit/status")
     async def status(request):
-        from parallel_runtime.client import active_clients
+        from parallel_runtime.runtime.client import active_clients
 
         return web.json_response({"clients": [c.status() for c in active_clients()]})
 
@@ -40,7 +40,7 @@ def register_routes() -> None:
 async def _each_client(action) -> dict:
     import asyncio
 
-    from parallel_runtime.client import active_clients
+    from parallel_runtime.runtime.client import active_clients
 
     clients = active_clients()
     # The client's lock waits for a running job to finish; keep the event loop free meanwhile.

@@ -95,8 +95,8 @@ class ParaDiTSampler(io.ComfyNode):
 def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise=1.0,
            *, node_id=None, host=None) -> tuple[dict, str]:
     """The node's work, apart from ComfyUI's io: returns (LATENT, one-line summary)."""
-    from parallel_runtime.client import get_client
-    from parallel_runtime.devices import parse_devices
+    from parallel_runtime.runtime.client import get_client
+    from parallel_runtime.runtime.devices import parse_devices
     from parallel_runtime.errors import Cancelled, ConfigError, ParaDiTError
     from parallel_runtime.sampling import cfg_uses_uncond
     from parallel_runtime.spec import Job, SamplingSpec, StrategySpec
@@ -123,7 +123,7 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
         host.send_text(client.notice, node_id)
 
     def choose_strategy(*args):  # imported only in auto mode
-        from parallel_runtime.auto import choose_strategy
+        from parallel_runtime.planning.auto import choose_strategy
 
         return choose_strategy(*args, memory_budget_bytes=client.memory_budget())
 

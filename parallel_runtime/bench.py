@@ -31,13 +31,13 @@ import time
 
 import torch
 
-from . import costmodel
-from .devices import default_dtype
+from .planning import costmodel
+from .runtime.devices import default_dtype
 from .models.flux import FluxConfig
 from .models.tiny import TINY
 from .spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
 from .toy.text import TEXT_TOKENS
-from .traffic import Shapes, compare, job_traffic
+from .planning.traffic import Shapes, compare, job_traffic
 
 # Flux-shaped bench model: Flux.1's block mix (1 double-stream block per 2 single-stream ones, as 19/38)
 # at a width a 2-core CPU runs in seconds per step. Attention is ~2/3 of a block here (4096 tokens at
@@ -132,7 +132,7 @@ def parse_resolution(text: str) -> tuple[int, int]:
 def grid(max_world: int, *, cfg: float, heads: int, num_blocks: int, latent_hw: tuple[int, int]) -> list[tuple[StrategySpec, float]]:
     """(strategy, cfg) pairs: serial, pure strategies at 2/4/8 ranks, hybrids and naive patch that fit."""
     from .errors import ConfigError
-    from .topology import validate_strategy
+    from .runtime.topology import validate_strategy
 
     cfg_rows = cfg if abs(cfg - 1.0) > 1e-9 else CFG_PARALLEL_SCALE
     rows: list[tuple[StrategySpec, float]] = [(StrategySpec(), cfg)]
@@ -255,7 +255,7 @@ class RssSampler:
 
 def run_config(devices: str, job: Job, threads: int) -> dict:
     """Run `job` once on fresh workers (so peak RSS is this configuration's alone)."""
-    from .client import RuntimeClient
+    from .runtime.client import RuntimeClient
 
     client = RuntimeClient(devices, threads_per_worker=threads)
     try:
@@ -333,12 +333,12 @@ def run_in_process(path: str, latent_shape, text_tokens: int, cfg: float, steps:
 
 
 def _in_process_reference(spec: dict) -> None:
-    from .attention.processor import AttentionContext
-    from .comm import Comm
-    from .denoise import Denoiser
-    from .loading import CheckpointReader
+    from .strategies.attention.processor import AttentionContext
+    from .runtime.comm import Comm
+    from .strategies.denoise import Denoiser
+    from .models.loading import CheckpointReader
     from .models.family import read_model
-    from .topology import Topology
+    from .runtime.topology import Topology
 
     torch.set_num_threads(spec["threads"])
     with CheckpointReader(spec["path"]) as reader:
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     def say(text: str = "") -> None:
         print(text, file=out_stream, flush=True)
 
-    from .devices import parse_devices
+    from .runtime.devices import parse_devices
     from .models.flux import load_flux  # noqa: F401 - fail early if diffusers is missing
     from .models.tiny import write_checkpoint
     from .validate import model_config
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devices, max_world, t_start,
            conditioning=None) -> int:
-    from . import auto
+    from .planning import auto
     from .models.family import family_of
 
     num_blocks = config.num_blocks
@@ -712,7 +712,7 @@ def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devi
 def gpu_projection(say, config: FluxConfig, name: str, latent_shape, text: int, image_tokens: int, cfg: float,
                    tflops: float) -> list[dict]:
     """Cost-model projection to 2/4/8 GPUs on NVLink and PCIe (compute from FLOPs at `tflops`)."""
-    from . import auto
+    from .planning import auto
 
     lin, att = costmodel.block_flops(config, text, image_tokens)
     say(f"Projection for 2/4/8 GPUs, {name}, {image_tokens} + {text} tokens, bf16: per block "

@@ -17,8 +17,8 @@ import time
 import torch
 
 from .bench import cpu_capacity, grid, rel_err, skip_steps, step_seconds
-from .client import RuntimeClient
-from .devices import parse_devices
+from .runtime.client import RuntimeClient
+from .runtime.devices import parse_devices
 from .spec import Job, ModelSpec, SamplingSpec, StrategySpec
 from .toy import MODEL_PATH, TOY_FLUX, load_companions
 

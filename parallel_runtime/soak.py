@@ -43,7 +43,7 @@ def run_soak(devices: str = "cpu:2", jobs: int = 1000, size: int = 8, steps: int
     import psutil
 
     from .bench import make_job
-    from .client import RuntimeClient
+    from .runtime.client import RuntimeClient
     from .models.tiny import TINY, write_checkpoint
     from .sampling import SAMPLERS
 

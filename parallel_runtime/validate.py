@@ -10,12 +10,12 @@ import torch
 from .errors import ConfigError, ModelFileError
 from .sampling import SAMPLERS, SCHEDULERS, cfg_uses_uncond
 from .spec import Job
-from .topology import validate_strategy
+from .runtime.topology import validate_strategy
 
 
 @lru_cache(maxsize=16)
 def _model_config(path: str, mtime_ns: int, size: int):
-    from .loading import CheckpointReader
+    from .models.loading import CheckpointReader
     from .models.family import read_model
 
     with CheckpointReader(path) as reader:

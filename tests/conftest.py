@@ -38,7 +38,7 @@ def make_job(path: str, strategy: StrategySpec | None = None, *, steps: int = 8,
 
 
 def _cpu_client(n: int):
-    from parallel_runtime.client import RuntimeClient
+    from parallel_runtime.runtime.client import RuntimeClient
 
     client = RuntimeClient(f"cpu:{n}", threads_per_worker=1)  # 1 thread each: 2-4 workers share 2 cores
     yield client

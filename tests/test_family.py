@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parallel_runtime import costmodel
+from parallel_runtime.planning import costmodel
 from parallel_runtime.errors import ModelFileError
-from parallel_runtime.loading import CheckpointReader
+from parallel_runtime.models.loading import CheckpointReader
 from parallel_runtime.models.family import Match, detect_family, family_of, families, read_model
 from parallel_runtime.models.flux import FLUX
 from parallel_runtime.models.flux_adapter import parameter_counts, pipeline_stages
@@ -65,9 +65,10 @@ def test_planning_asks_the_family():
     assert costmodel.stage_block_kinds(TINY, 2) == expected
 
 
-STRATEGY_MODULES = ["denoise.py", "pipefusion.py", "topology.py", "comm.py", "traffic.py",
-                    *(os.path.join("attention", f) for f in os.listdir(os.path.join(ROOT, "attention"))
-                      if f.endswith(".py"))]
+STRATEGY_MODULES = [os.path.join("runtime", "topology.py"), os.path.join("runtime", "comm.py"),
+                    os.path.join("planning", "traffic.py"),
+                    *(os.path.relpath(os.path.join(d, f), ROOT)
+                      for d, _, fs in os.walk(os.path.join(ROOT, "strategies")) for f in fs if f.endswith(".py"))]
 
 
 @pytest.mark.parametrize("module", STRATEGY_MODULES)

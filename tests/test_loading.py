@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from parallel_runtime.errors import ModelFileError
-from parallel_runtime.loading import CheckpointReader, parameter_bytes
+from parallel_runtime.models.loading import CheckpointReader, parameter_bytes
 from parallel_runtime.models.flux import (
     FluxConfig,
     Source,

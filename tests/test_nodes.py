@@ -191,9 +191,9 @@ class FakeRuntime:
 @pytest.fixture
 def runtime(monkeypatch):
     rt = FakeRuntime()
-    for name, attrs in {"parallel_runtime.client": {"get_client": rt.get_client},
-                        "parallel_runtime.auto": {"choose_strategy": rt.choose_strategy},
-                        "parallel_runtime.devices": {"parse_devices": rt.parse_devices}}.items():
+    for name, attrs in {"parallel_runtime.runtime.client": {"get_client": rt.get_client},
+                        "parallel_runtime.planning.auto": {"choose_strategy": rt.choose_strategy},
+                        "parallel_runtime.runtime.devices": {"parse_devices": rt.parse_devices}}.items():
         mod = types.ModuleType(name)
         mod.__dict__.update(attrs)
         monkeypatch.setitem(sys.modules, name, mod)

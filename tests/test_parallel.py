@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import make_job, rel_err
-from parallel_runtime.client import RuntimeClient
+from parallel_runtime.runtime.client import RuntimeClient
 from parallel_runtime.errors import Cancelled, WorkerError
 from parallel_runtime.models.flux import FluxConfig
 from parallel_runtime.models.tiny import TINY, write_checkpoint
@@ -153,7 +153,7 @@ def test_pipefusion_ranks_hold_a_quarter_of_the_blocks(client4, tmp_path):
     config = FluxConfig(hidden_size=128, num_heads=4, head_dim=32, num_layers=4, num_single_layers=0,
                         context_dim=64, pooled_dim=32)
     path = write_checkpoint(str(tmp_path / "equal-blocks.safetensors"), config, seed=1)
-    from parallel_runtime.loading import parameter_bytes
+    from parallel_runtime.models.loading import parameter_bytes
     from parallel_runtime.models.flux import load_flux
 
     _, full = load_flux(path)
@@ -229,7 +229,7 @@ def test_workers_exit_when_the_client_process_dies(tiny_path, tmp_path):
     script.write_text(
         "import sys, time\n"
         f"sys.path.insert(0, {os.getcwd()!r})\n"
-        "from parallel_runtime.client import RuntimeClient\n"
+        "from parallel_runtime.runtime.client import RuntimeClient\n"
         "c = RuntimeClient('cpu:2', threads_per_worker=1); c.start()\n"
         "print(' '.join(str(p.pid) for p in c.procs), flush=True)\n"
         "time.sleep(60)\n")

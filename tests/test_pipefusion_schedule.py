@@ -17,12 +17,12 @@ import torch
 
 from parallel_runtime.models.flux_adapter import FluxAdapter
 
-from parallel_runtime.attention.processor import AttentionContext
-from parallel_runtime.comm import Group
-from parallel_runtime.denoise import Denoiser
+from parallel_runtime.strategies.attention.processor import AttentionContext
+from parallel_runtime.runtime.comm import Group
+from parallel_runtime.strategies.denoise import Denoiser
 from parallel_runtime.errors import Cancelled
 from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
-from parallel_runtime.topology import DIMS, Topology
+from parallel_runtime.runtime.topology import DIMS, Topology
 
 
 class RecordingComm:
@@ -61,7 +61,8 @@ class IdentityFlux:
     """Just enough of FluxAdapter for the schedule: shapes in, shapes out."""
 
     def __init__(self, chunks: int, hidden: int = 8):
-        self.config = types.SimpleNamespace(hidden_size=hidden, num_heads=4, num_layers=4, num_single_layers=8)
+        self.config = types.SimpleNamespace(hidden_size=hidden, num_heads=4, num_layers=4, num_single_layers=8,
+                                            num_blocks=12)
         self.chunks = [range(1)] * chunks
         self.device, self.dtype, self.variant = torch.device("cpu"), torch.float32, "dev"
 

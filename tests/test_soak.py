@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from parallel_runtime.comm import Comm, GroupPool
+from parallel_runtime.runtime.comm import Comm, GroupPool
 from parallel_runtime.soak import TARGET_MIB_PER_1000_JOBS, run_soak, soak_strategies
-from parallel_runtime.topology import Topology
+from parallel_runtime.runtime.topology import Topology
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -88,9 +88,9 @@ def test_a_finished_denoiser_is_freed_without_the_cycle_collector(tiny_path):
     import gc
     import weakref
 
-    from parallel_runtime.attention.processor import AttentionContext
+    from parallel_runtime.strategies.attention.processor import AttentionContext
     from parallel_runtime.bench import make_job
-    from parallel_runtime.denoise import Denoiser
+    from parallel_runtime.strategies.denoise import Denoiser
     from parallel_runtime.models.flux import load_flux
     from parallel_runtime.models.flux_adapter import FluxAdapter
     from parallel_runtime.spec import StrategySpec

@@ -9,7 +9,7 @@ from conftest import make_job
 from parallel_runtime.models.flux_adapter import pipeline_stages
 from parallel_runtime.models.tiny import TINY
 from parallel_runtime.spec import StrategySpec as S
-from parallel_runtime.traffic import Shapes, compare, job_traffic
+from parallel_runtime.planning.traffic import Shapes, compare, job_traffic
 
 pytestmark = pytest.mark.timeout(300)
 

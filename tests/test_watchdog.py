@@ -13,11 +13,11 @@ import psutil
 import pytest
 
 from conftest import make_job
-from parallel_runtime.client import RuntimeClient, _bound_io, describe_exit
+from parallel_runtime.runtime.client import RuntimeClient, _bound_io, describe_exit
 from parallel_runtime.errors import Cancelled, OutOfMemory, WorkerError
-from parallel_runtime.protocol import encode
+from parallel_runtime.runtime.protocol import encode
 from parallel_runtime.spec import StrategySpec as S
-from parallel_runtime.watchdog import WatchdogConfig
+from parallel_runtime.runtime.watchdog import WatchdogConfig
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -278,10 +278,10 @@ def test_a_job_leaves_no_per_job_state_referenced_on_the_worker():
     """PipeFusion's stale K/V hangs off the attention strategy the processors point at: end_job drops it."""
     import torch
 
-    from parallel_runtime.attention import LocalAttention
-    from parallel_runtime.attention.processor import AttentionContext
-    from parallel_runtime.pipefusion import StaleKVAttention, StaleKVCache
-    from parallel_runtime.worker import WorkerState
+    from parallel_runtime.strategies.attention import LocalAttention
+    from parallel_runtime.strategies.attention.processor import AttentionContext
+    from parallel_runtime.strategies.pipefusion import StaleKVAttention, StaleKVCache
+    from parallel_runtime.runtime.worker import WorkerState
 
     state = WorkerState(0, 1, torch.device("cpu"))
     cache = StaleKVCache(16)
@@ -295,7 +295,7 @@ def test_a_job_leaves_no_per_job_state_referenced_on_the_worker():
 
 
 def test_a_cancel_not_honoured_while_loading_says_loading_not_a_stuck_collective():
-    from parallel_runtime.watchdog import JobWatch
+    from parallel_runtime.runtime.watchdog import JobWatch
 
     watch = JobWatch(WatchdogConfig(cancel_grace_s=1.0), ["cuda:0", "cuda:1"], None)
     watch.heard(0, "loaded", {})
@@ -309,7 +309,7 @@ def test_a_cancel_not_honoured_while_loading_says_loading_not_a_stuck_collective
 
 
 def test_an_error_inside_the_clients_loop_mid_job_replaces_the_workers(tiny_path, monkeypatch):
-    from parallel_runtime.watchdog import JobWatch
+    from parallel_runtime.runtime.watchdog import JobWatch
 
     client = _client()
     try:
@@ -336,7 +336,7 @@ def test_an_error_inside_the_clients_loop_mid_job_replaces_the_workers(tiny_path
 def test_when_every_rank_waits_the_one_that_launched_fewer_transfers_is_named():
     """NCCL's host side launches collectives and waits later, so every stack reads "waiting": the
     heartbeats' launch counts tell which rank its peers' collective is missing."""
-    from parallel_runtime.watchdog import JobWatch
+    from parallel_runtime.runtime.watchdog import JobWatch
 
     def stuck(launched):
         watch = JobWatch(WatchdogConfig(step_grace_s=1.0), ["cuda:0", "cuda:1"], None)
@@ -353,7 +353,7 @@ def test_when_every_rank_waits_the_one_that_launched_fewer_transfers_is_named():
 
 
 def test_heartbeats_carry_the_ranks_launch_count(tiny_path, monkeypatch):
-    from parallel_runtime.watchdog import JobWatch
+    from parallel_runtime.runtime.watchdog import JobWatch
 
     counts: dict[int, list[int]] = {0: [], 1: []}
     heard = JobWatch.heard

@@ -26,7 +26,7 @@ from conftest import load_queue_script
 
 from nodes import convert
 from parallel_runtime.spec import StrategySpec
-from parallel_runtime.topology import validate_strategy
+from parallel_runtime.runtime.topology import validate_strategy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WF_DIR = os.path.join(REPO, "workflows")

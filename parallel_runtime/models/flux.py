@@ -25,7 +25,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import ModelFileError
-from ..loading import CheckpointReader
+from .loading import CheckpointReader
 
 LAYOUTS = ("bfl", "diffusers")
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")

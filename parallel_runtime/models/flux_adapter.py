@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from ..attention.processor import AttentionContext, ParallelFluxAttnProcessor
+from ..strategies.attention.processor import AttentionContext, ParallelFluxAttnProcessor
 from .flux import FluxConfig
 
 ALWAYS_OWNED = ("time_text_embed.",)  # every stage modulates its blocks with the timestep embedding
@@ -53,7 +53,7 @@ def pipeline_stages(config: FluxConfig, stages: int) -> list[list[range]]:
     hold two chunks (interleaved virtual stages: rank r runs chunks r and r + stages, and a patch passes
     every rank twice). The layout with the least work on the busiest rank wins; ties keep fewer hops.
     """
-    from ..pipefusion import split_stages
+    from ..strategies.pipefusion import split_stages
 
     n = config.num_layers + config.num_single_layers
     memory = block_costs(config)

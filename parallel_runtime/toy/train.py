@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from ..attention.processor import AttentionContext
+from ..strategies.attention.processor import AttentionContext
 from ..models.flux import FluxConfig
 from ..models.flux_adapter import FluxAdapter
 from ..sampling.flow import flux_time_shift, model_sampling_for

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from parallel_runtime.attention.local import attention_with_lse, merge_partials
+from parallel_runtime.strategies.attention.local import attention_with_lse, merge_partials
 
 # Relative L2 error of the attention output against fp64 on the same (already rounded) inputs. A kernel
 # rounds twice in its dtype, the softmax weights before P @ V and the output, at 2^-(mantissa bits + 1)

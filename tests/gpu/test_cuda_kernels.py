@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel_runtime.attention.local import FLASH_CUDA_CAPABILITIES, attention_with_lse, lse_kernel
+from parallel_runtime.strategies.attention.local import FLASH_CUDA_CAPABILITIES, attention_with_lse, lse_kernel
 
 from .numerics import LSE_ATOL, OUT_RTOL, errors, inputs
 

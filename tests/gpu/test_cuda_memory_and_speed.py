@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import make_conditioning
-from parallel_runtime.client import RuntimeClient
-from parallel_runtime.loading import CheckpointReader
+from parallel_runtime.runtime.client import RuntimeClient
+from parallel_runtime.models.loading import CheckpointReader
 from parallel_runtime.models.flux import FluxConfig, build_transformer, detect_layout, load_flux
 from parallel_runtime.models.flux_adapter import FluxAdapter, parameter_counts, pipeline_stages, stage_ownership
 from parallel_runtime.models.tiny import write_checkpoint

@@ -35,15 +35,15 @@ from typing import Callable
 
 import torch
 
-from . import errors
+from .. import errors
 from .devices import auto_notice, parse_devices
 from .memory import check_job_memory
 from .protocol import Channel, encode
-from .spec import Job
+from ..spec import Job
 from .watchdog import JobWatch, WatchdogConfig
 
 STARTUP_TIMEOUT_S = 120.0
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the plugin folder
 # Settings of the host process that must not leak into the workers: ComfyUI picks its own CUDA allocator
 # (cudaMallocAsync) for its own memory manager; the workers use torch's default unless told otherwise.
 _HOST_ONLY_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
@@ -104,7 +104,7 @@ class RuntimeClient:
             try:
                 for rank, device in enumerate(self.devices):
                     proc = subprocess.Popen(
-                        [sys.executable, "-m", "parallel_runtime.worker", "--rank", str(rank), "--world",
+                        [sys.executable, "-m", "parallel_runtime.runtime.worker", "--rank", str(rank), "--world",
                          str(self.world), "--device", device, "--socket", address, "--threads", str(self.threads)],
                         stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=self._worker_env(), cwd=_PACKAGE_ROOT)
                     proc.stdin.write(key.hex().encode() + b"\n")
@@ -219,7 +219,7 @@ class RuntimeClient:
     def run(self, job: Job, progress: Callable[[int, int, dict], None] | None = None,
             interrupted: Callable[[], bool] | None = None) -> JobResult:
         """Validate, send the job to every worker, stream progress, return the latent and per-rank stats."""
-        from .validate import validate_job
+        from ..validate import validate_job
 
         validate_job(job, self.world)
         # Workers run in the plugin folder: a relative path must mean what it meant here.

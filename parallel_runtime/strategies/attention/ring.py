@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm, Group
+from ...runtime.comm import Comm, Group
 from .local import attention_with_lse, merge_partials
 
 

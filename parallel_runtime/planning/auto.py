@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from . import costmodel
-from .devices import parse_devices
-from .errors import ConfigError
-from .memory import CPU_USABLE, CPU_WORKER_OVERHEAD, CUDA_USABLE, weight_bytes
-from .spec import StrategySpec
-from .topology import validate_strategy
+from ..runtime.devices import parse_devices
+from ..errors import ConfigError
+from ..runtime.memory import CPU_USABLE, CPU_WORKER_OVERHEAD, CUDA_USABLE, weight_bytes
+from ..spec import StrategySpec
+from ..runtime.topology import validate_strategy
 
 EXACT_PREFERENCE = 0.03  # PipeFusion must be >3% faster than the best exact strategy to be chosen
 DEFAULT_TEXT_TOKENS = 256  # T5 tokens of a typical Flux prompt as ComfyUI encodes it
@@ -148,7 +148,7 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
     use and cached on disk; pass `calibration` to reuse one, `memory_budget_bytes` to override the
     per-device memory limit.
     """
-    from .validate import model_config
+    from ..validate import model_config
 
     device_list = parse_devices(devices)
     world = len(device_list)
@@ -161,7 +161,7 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
     if threads is None:
         threads = max(1, costmodel.available_cores() // world) if device_list[0] == "cpu" else 1
     if calibration is None:
-        from .worker import resolve_dtype
+        from ..runtime.worker import resolve_dtype
 
         dtype = resolve_dtype(weight_dtype, torch.device(device_list[0]))
         calibration = costmodel.calibrate(config, text_len, (h // 2) * (w // 2), device_list, threads=threads,

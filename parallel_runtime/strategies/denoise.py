@@ -19,15 +19,15 @@ import torch
 
 from .attention import LocalAttention, RingAttention, UlyssesAttention
 from .attention.processor import AttentionContext
-from .comm import Comm
-from .errors import Cancelled
-from .models.family import DiTAdapter
+from ..runtime.comm import Comm
+from ..errors import Cancelled
+from ..models.family import DiTAdapter
 from .pipefusion import StaleKVAttention, StaleKVCache
-from .sampling import (cfg_combine, cfg_uses_uncond, denoised_from_velocity, final_latent, ksampler_sigmas,
+from ..sampling import (cfg_combine, cfg_uses_uncond, denoised_from_velocity, final_latent, ksampler_sigmas,
                        make_sampler, model_sampling_for, prepare_noise, start_latent)
-from .spec import Conditioning, Job
-from .topology import Topology, validate_strategy
-from .validate import validate_branches
+from ..spec import Conditioning, Job
+from ..runtime.topology import Topology, validate_strategy
+from ..validate import validate_branches
 
 
 @dataclass(frozen=True)

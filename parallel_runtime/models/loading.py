@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 from safetensors import safe_open
 
-from .errors import ModelFileError
+from ..errors import ModelFileError
 
 # safetensors dtype tags -> torch dtypes (only those torch knows in this build).
 _DTYPES: dict[str, torch.dtype] = {

@@ -1,6 +1,6 @@
 """A worker process: owns one device, joins the process group, caches the model, runs jobs.
 
-Started by the client as `python -m parallel_runtime.worker` from a clean interpreter (never by
+Started by the client as `python -m parallel_runtime.runtime.worker` from a clean interpreter (never by
 re-importing the host's __main__). The auth key arrives on stdin, not argv or the environment, so other
 users cannot read it from /proc. A reader thread serves the control channel while the main thread
 computes: it flags cancels, and ends the process the moment the client goes away, so a
@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch
 
-from .errors import Cancelled, ConfigError, ParaDiTError
+from ..errors import Cancelled, ConfigError, ParaDiTError
 from .protocol import Channel
 
 
@@ -51,9 +51,9 @@ class WorkerState:
 
     def ensure_model(self, model_spec: dict, topology) -> bool:
         """Load the blocks this rank's pipeline stage owns; returns True if it had to (re)load."""
-        from .attention.processor import AttentionContext
-        from .loading import CheckpointReader
-        from .models.family import read_model
+        from ..strategies.attention.processor import AttentionContext
+        from ..models.loading import CheckpointReader
+        from ..models.family import read_model
 
         path = model_spec["path"]
         stat = os.stat(path)
@@ -92,7 +92,7 @@ class WorkerState:
         """Free what one job built (PipeFusion's stale K/V alone is ~1.6 GB per rank at 1024^2): the
         attention strategy holds it, so point the processors back at plain attention and return the
         cached blocks to the device."""
-        from .attention import LocalAttention
+        from ..strategies.attention import LocalAttention
 
         if self.context is not None:
             self.context.attention = LocalAttention()
@@ -121,7 +121,7 @@ class Aborted(Exception):
 
 
 def _job_from_message(meta: dict, tensors: dict):
-    from .spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
+    from ..spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
 
     def branch(name):
         return Conditioning(tensors[f"{name}.cond"], tensors[f"{name}.pooled"], meta.get(f"{name}_guidance"))
@@ -136,7 +136,7 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
 
     Nothing before the go touches a process group, so a rank that fails to load leaves its peers idle and
     the group intact; the client aborts the others and keeps every worker."""
-    from .loading import parameter_bytes
+    from ..models.loading import parameter_bytes
     from .topology import Topology
 
     job = _job_from_message(meta, tensors)
@@ -155,8 +155,8 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
 
 
 def _denoise(state: WorkerState, chan: Channel, job, topology, pulse) -> tuple[dict, torch.Tensor | None]:
-    from .denoise import Denoiser
-    from .loading import parameter_bytes
+    from ..strategies.denoise import Denoiser
+    from ..models.loading import parameter_bytes
 
     comm = state.comm_for(topology)
     comm.reset_traffic()
@@ -236,7 +236,7 @@ def _error_meta(exc: BaseException, state: WorkerState, phase: str) -> dict:
 
 
 def serve(state: WorkerState, chan: Channel, heartbeat_s: float) -> None:
-    from .loading import parameter_bytes
+    from ..models.loading import parameter_bytes
     from .memory import worker_report
     from .watchdog import Heartbeat
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm, Group
+from ...runtime.comm import Comm, Group
 
 
 class UlyssesAttention:

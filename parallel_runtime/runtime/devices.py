@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def parse_devices(spec: str) -> list[str]:

@@ -191,7 +191,7 @@ class JobWatch:
 
     def check(self, pending: set[int]) -> Exception | None:
         """The error to fail the job with (the caller kills the workers first), or None while all is well."""
-        from .errors import Cancelled, WorkerError
+        from ..errors import Cancelled, WorkerError
 
         problem = self._problem(pending)
         if problem is None:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from .errors import ConfigError
-from .spec import StrategySpec
+from ..errors import ConfigError
+from ..spec import StrategySpec
 
 DIMS = ("cfg", "pipefusion", "naive_patch", "ring", "ulysses")  # outermost -> innermost
 

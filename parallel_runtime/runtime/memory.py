@@ -6,7 +6,7 @@ CUDA context in it, and from the second prompt on the workers' own weights are i
 """
 from __future__ import annotations
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 CUDA_USABLE = 0.9  # leave room for the CUDA context, NCCL buffers and allocator fragmentation
 CPU_USABLE = 0.85  # leave room for the host process and the OS
@@ -48,8 +48,8 @@ def weight_bytes(weight_dtype: str, device: str) -> int:
 
 def job_rank_memory(job, device: str) -> dict:
     """Estimated peak bytes on the fullest rank of `job` (parameters, KV buffers, activations)."""
-    from .costmodel import rank_memory
-    from .validate import model_config
+    from ..planning.costmodel import rank_memory
+    from ..validate import model_config
 
     config = model_config(job.model.path)
     b, _, h, w = job.latent.shape

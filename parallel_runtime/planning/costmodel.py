@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .spec import StrategySpec
-from .topology import Topology
+from ..spec import StrategySpec
+from ..runtime.topology import Topology
 from .traffic import Shapes, branches_per_forward, job_traffic
 
 CACHE_VERSION = 3
@@ -215,8 +215,8 @@ def measure_blocks(config, text_tokens: int, image_tokens: int, *, device: str =
     """Time one double and one single Flux block (and the attention kernel) at this token count."""
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
-    from .attention.local import attention
-    from .attention.processor import AttentionContext, ParallelFluxAttnProcessor
+    from ..strategies.attention.local import attention
+    from ..strategies.attention.processor import AttentionContext, ParallelFluxAttnProcessor
 
     old_threads = torch.get_num_threads()
     if threads and device == "cpu":
@@ -362,11 +362,12 @@ def measure_link(devices: list[str], timeout_s: float = 120.0) -> LinkTiming:
     env = dict(os.environ)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env["OMP_NUM_THREADS"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the plugin folder
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     with tempfile.TemporaryDirectory(prefix="paradit-probe-") as tmp:
-        procs = [subprocess.Popen([sys.executable, "-m", "parallel_runtime.costmodel", "--probe", str(r), str(len(pair)),
-                                   tmp, dev], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=root)
+        procs = [subprocess.Popen([sys.executable, "-m", "parallel_runtime.planning.costmodel", "--probe", str(r),
+                                   str(len(pair)), tmp, dev],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=root)
                  for r, dev in enumerate(pair)]
         try:
             outs = [p.communicate(timeout=timeout_s) for p in procs]
@@ -414,7 +415,7 @@ def calibrate(config, text_tokens: int, image_tokens: int, devices: list[str], *
     device = devices[0]
     kind = "cuda" if device.startswith("cuda") else "cpu"
     if dtype is None:  # the workers' "default" (fp16 on GPUs below compute capability 8.0)
-        from .devices import default_dtype
+        from ..runtime.devices import default_dtype
 
         dtype = default_dtype(kind, torch.cuda.get_device_capability(device) if kind == "cuda" else None)
     try:
@@ -480,7 +481,7 @@ class Projection:
 @functools.lru_cache(maxsize=64)
 def _stages(config, stages: int) -> tuple[tuple[range, ...], ...]:
     """Per PipeFusion rank, the block ranges (chunks) it runs, as the workers split them."""
-    from .models.family import family_of
+    from ..models.family import family_of
 
     return tuple(tuple(chunks) for chunks in family_of(config).pipeline_stages(config, stages))
 
@@ -608,7 +609,7 @@ class ParamLayout:
 
 
 def param_layout(config) -> ParamLayout:
-    from .models.family import family_of
+    from ..models.family import family_of
 
     blocks, always, first, last = family_of(config).parameter_counts(config)
     return ParamLayout(list(blocks), always, first, last)
@@ -652,4 +653,4 @@ if __name__ == "__main__":
     if len(sys.argv) >= 6 and sys.argv[1] == "--probe":
         _probe(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
     else:
-        print("usage: python -m parallel_runtime.costmodel --probe RANK WORLD STORE_DIR DEVICE (internal)")
+        print("usage: python -m parallel_runtime.planning.costmodel --probe RANK WORLD STORE_DIR DEVICE (internal)")

@@ -1,0 +1,1 @@
+"""The runtime: worker processes, their control channel and watchdog, ranks and the process groups between them."""
