@@ -215,6 +215,77 @@ def _result_rows(results: list[dict], serial: dict, steps: int, kind: str) -> tu
     return headers, table, json_rows
 
 
+def _measured_targets(args, results: list[dict], serial: dict, inproc: float | None, total_params: int | None,
+                      target) -> None:
+    """The stated targets on what the grid measured: overhead, speed-ups, PipeFusion memory and error, bytes."""
+    base = serial.get(round(args.cfg, 6))
+    if inproc is not None and base is not None:
+        over = base["step_s"] / inproc - 1
+        target("runtime overhead at 1 worker <= 5% per step", over <= TARGET_OVERHEAD,
+               f"worker {base['step_s'] * 1e3:.0f} ms vs in-process {inproc * 1e3:.0f} ms: {over:+.1%}")
+    else:
+        target("runtime overhead at 1 worker <= 5% per step", None, "not measured")
+
+    def best_row(pred):
+        cands = [r for r in results if pred(r["strategy"])]
+        return max(cands, key=lambda r: r["speedup"]) if cands else None
+
+    for name, pred in (("Ulysses-2", lambda s: s.ulysses_degree == 2 and s.world_size == 2),
+                       ("PipeFusion-2 (stale KV)", lambda s: s.pipefusion_degree == 2 and s.world_size == 2),
+                       ("CFG-2 (cfg > 1)", lambda s: s.cfg_degree == 2 and s.world_size == 2)):
+        r = best_row(pred)
+        if r is None:
+            target(f"{name} >= {TARGET_SPEEDUP}x serial", None, "not run")
+        else:
+            target(f"{name} >= {TARGET_SPEEDUP}x serial", r["speedup"] >= TARGET_SPEEDUP,
+                   f"{r['label']}: {r['speedup']:.2f}x ({r['step_s'] * 1e3:.0f} vs serial "
+                   f"{serial[round(r['cfg'], 6)]['step_s'] * 1e3:.0f} ms/step)")
+    pp_rows = [r for r in results if r["strategy"].pipefusion_degree > 1]
+    if pp_rows and total_params:
+        details, ok = [], True
+        for r in pp_rows:
+            n = r["strategy"].pipefusion_degree
+            ratio = max(st["param_bytes"] for st in r["stats"]) / (total_params / n)
+            ok &= ratio <= TARGET_PP_PARAMS
+            details.append(f"{r['label']} {ratio:.2f}")
+        target(f"PipeFusion-N params/rank <= {TARGET_PP_PARAMS} x total/N", ok, ", ".join(dict.fromkeys(details)))
+    else:
+        target(f"PipeFusion-N params/rank <= {TARGET_PP_PARAMS} x total/N", None, "no PipeFusion row")
+    _stale_vs_naive_target(results, target)
+    par = [r for r in results if r["strategy"].world_size > 1]
+    if par:
+        worst = max(par, key=lambda r: r["traffic_diff"])
+        target("measured bytes within 10% of analytic", all(r["traffic_ok"] for r in par),
+               f"worst {worst['traffic_diff']:.1%} ({worst['label']}) over {len(par)} configurations")
+
+
+
+def _auto_target(args, results: list[dict], auto_pick, auto_reason, max_world: int, target) -> dict | None:
+    """Auto's pick against the best measured configuration at the same cfg and world; the JSON record of it."""
+    auto_record = None
+    if auto_pick is not None:
+        auto_record = {"pick": auto_pick.to_json(), "label": auto_pick.label(), "reason": auto_reason}
+        same_cfg = [r for r in results if abs(r["cfg"] - args.cfg) < 1e-9 and r["strategy"].world_size > 1
+                    and r["strategy"].naive_patch_degree == 1 and r["strategy"].world_size == max_world]
+        pick_rows = [r for r in same_cfg if r["strategy"] == auto_pick]
+        if pick_rows:
+            auto_record["pick_step_s"] = pick_rows[0]["step_s"]
+            auto_record["pick_speedup"] = pick_rows[0].get("speedup")
+        if args.auto:
+            target("auto within 10% of the best measured", None, "--auto ran only auto's pick; run the full grid")
+        elif same_cfg and pick_rows:
+            best = min(same_cfg, key=lambda r: r["step_s"])
+            mine = pick_rows[0]
+            gap = mine["step_s"] / best["step_s"] - 1
+            target("auto within 10% of the best measured", gap <= TARGET_AUTO,
+                   f"auto {mine['label']} {mine['step_s'] * 1e3:.0f} ms vs best {best['label']} "
+                   f"{best['step_s'] * 1e3:.0f} ms: {gap:+.1%}")
+            auto_record.update(best_label=best["label"], best_step_s=best["step_s"], gap=gap)
+        else:
+            target("auto within 10% of the best measured", None, "auto's pick was not measured")
+    return auto_record
+
+
 def _stale_vs_naive_target(results, target) -> None:
     """PipeFusion (stale K/V of the other patches) against naive patch parallel (patches that never see each
     other) at the same world size: the error against serial that each approximation costs."""
@@ -609,69 +680,9 @@ def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devi
     def target(name: str, ok: bool | None, detail: str) -> None:
         targets.append({"target": name, "status": "n/a" if ok is None else ("PASS" if ok else "FAIL"), "detail": detail})
 
-    base = serial.get(round(args.cfg, 6))
     record["in_process_step_s"] = inproc_runs
-    if inproc is not None and base is not None:
-        over = base["step_s"] / inproc - 1
-        target("runtime overhead at 1 worker <= 5% per step", over <= TARGET_OVERHEAD,
-               f"worker {base['step_s'] * 1e3:.0f} ms vs in-process {inproc * 1e3:.0f} ms: {over:+.1%}")
-    else:
-        target("runtime overhead at 1 worker <= 5% per step", None, "not measured")
-
-    def best_row(pred):
-        cands = [r for r in results if pred(r["strategy"])]
-        return max(cands, key=lambda r: r["speedup"]) if cands else None
-
-    for name, pred in (("Ulysses-2", lambda s: s.ulysses_degree == 2 and s.world_size == 2),
-                       ("PipeFusion-2 (stale KV)", lambda s: s.pipefusion_degree == 2 and s.world_size == 2),
-                       ("CFG-2 (cfg > 1)", lambda s: s.cfg_degree == 2 and s.world_size == 2)):
-        r = best_row(pred)
-        if r is None:
-            target(f"{name} >= {TARGET_SPEEDUP}x serial", None, "not run")
-        else:
-            target(f"{name} >= {TARGET_SPEEDUP}x serial", r["speedup"] >= TARGET_SPEEDUP,
-                   f"{r['label']}: {r['speedup']:.2f}x ({r['step_s'] * 1e3:.0f} vs serial "
-                   f"{serial[round(r['cfg'], 6)]['step_s'] * 1e3:.0f} ms/step)")
-    pp_rows = [r for r in results if r["strategy"].pipefusion_degree > 1]
-    if pp_rows and total_params:
-        details, ok = [], True
-        for r in pp_rows:
-            n = r["strategy"].pipefusion_degree
-            ratio = max(st["param_bytes"] for st in r["stats"]) / (total_params / n)
-            ok &= ratio <= TARGET_PP_PARAMS
-            details.append(f"{r['label']} {ratio:.2f}")
-        target(f"PipeFusion-N params/rank <= {TARGET_PP_PARAMS} x total/N", ok, ", ".join(dict.fromkeys(details)))
-    else:
-        target(f"PipeFusion-N params/rank <= {TARGET_PP_PARAMS} x total/N", None, "no PipeFusion row")
-    _stale_vs_naive_target(results, target)
-    par = [r for r in results if r["strategy"].world_size > 1]
-    if par:
-        worst = max(par, key=lambda r: r["traffic_diff"])
-        target("measured bytes within 10% of analytic", all(r["traffic_ok"] for r in par),
-               f"worst {worst['traffic_diff']:.1%} ({worst['label']}) over {len(par)} configurations")
-
-    auto_record = None
-    if auto_pick is not None:
-        auto_record = {"pick": auto_pick.to_json(), "label": auto_pick.label(), "reason": auto_reason}
-        same_cfg = [r for r in results if abs(r["cfg"] - args.cfg) < 1e-9 and r["strategy"].world_size > 1
-                    and r["strategy"].naive_patch_degree == 1 and r["strategy"].world_size == max_world]
-        pick_rows = [r for r in same_cfg if r["strategy"] == auto_pick]
-        if pick_rows:
-            auto_record["pick_step_s"] = pick_rows[0]["step_s"]
-            auto_record["pick_speedup"] = pick_rows[0].get("speedup")
-        if args.auto:
-            target("auto within 10% of the best measured", None, "--auto ran only auto's pick; run the full grid")
-        elif same_cfg and pick_rows:
-            best = min(same_cfg, key=lambda r: r["step_s"])
-            mine = pick_rows[0]
-            gap = mine["step_s"] / best["step_s"] - 1
-            target("auto within 10% of the best measured", gap <= TARGET_AUTO,
-                   f"auto {mine['label']} {mine['step_s'] * 1e3:.0f} ms vs best {best['label']} "
-                   f"{best['step_s'] * 1e3:.0f} ms: {gap:+.1%}")
-            auto_record.update(best_label=best["label"], best_step_s=best["step_s"], gap=gap)
-        else:
-            target("auto within 10% of the best measured", None, "auto's pick was not measured")
-    record["auto"] = auto_record
+    _measured_targets(args, results, serial, inproc, total_params, target)
+    auto_record = record["auto"] = _auto_target(args, results, auto_pick, auto_reason, max_world, target)
 
     conditions = []
     if image_tokens != 4096:
