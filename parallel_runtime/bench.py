@@ -251,7 +251,7 @@ def _measured_targets(args, results: list[dict], serial: dict, inproc: float | N
         target(f"PipeFusion-N params/rank <= {TARGET_PP_PARAMS} x total/N", ok, ", ".join(dict.fromkeys(details)))
     else:
         target(f"PipeFusion-N params/rank <= {TARGET_PP_PARAMS} x total/N", None, "no PipeFusion row")
-    _stale_vs_naive_target(results, target)
+    _stale_vs_naive_target(results, target, trained=args.model not in NAMED_MODELS)
     par = [r for r in results if r["strategy"].world_size > 1]
     if par:
         worst = max(par, key=lambda r: r["traffic_diff"])
@@ -286,9 +286,11 @@ def _auto_target(args, results: list[dict], auto_pick, auto_reason, max_world: i
     return auto_record
 
 
-def _stale_vs_naive_target(results, target) -> None:
+def _stale_vs_naive_target(results, target, trained: bool) -> None:
     """PipeFusion (stale K/V of the other patches) against naive patch parallel (patches that never see each
-    other) at the same world size: the error against serial that each approximation costs."""
+    other) at the same world size: the error against serial that each approximation costs. The target is
+    stated on trained weights: random weights (the named bench models) draw no picture for the patches to
+    agree on, so there the figures are shown and not judged."""
     for w in sorted({r["strategy"].world_size for r in results if r["strategy"].naive_patch_degree > 1}):
         naive = [r for r in results if r["strategy"].naive_patch_degree == w]
         pp = [r for r in results if r["strategy"].pipefusion_degree == w and r["strategy"].world_size == w]
@@ -298,8 +300,11 @@ def _stale_vs_naive_target(results, target) -> None:
             continue
         worst = max(pp, key=lambda r: r["rel_err"])
         ratio = worst["rel_err"] / max(naive[0]["rel_err"], 1e-30)
-        target(name, ratio <= TARGET_STALE_VS_NAIVE, f"{worst['label']} {worst['rel_err']:.2e} vs "
-               f"{naive[0]['label']} {naive[0]['rel_err']:.2e} ({ratio:.2f}x)")
+        detail = f"{worst['label']} {worst['rel_err']:.2e} vs {naive[0]['label']} {naive[0]['rel_err']:.2e} ({ratio:.2f}x)"
+        if trained:
+            target(name, ratio <= TARGET_STALE_VS_NAIVE, detail)
+        else:
+            target(name, None, f"{detail}; random weights, so not judged: run --model toy (trained) for the target")
 
 
 def subset_devices(devices: list[str], spec: str, world: int) -> str:
