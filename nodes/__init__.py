@@ -4,8 +4,8 @@
 
 def node_list() -> list:
     from .loader import ParaDiTLoader
-    from .sampler import ParaDiTSampler
     from .routes import register_routes
+    from .sampler import ParaDiTSampler
     from .strategy import ParaDiTStrategy
 
     register_routes()

@@ -31,13 +31,13 @@ import time
 
 import torch
 
-from .planning import costmodel
-from .runtime.devices import default_dtype
 from .models.flux import FluxConfig
 from .models.tiny import TINY
+from .planning import costmodel
+from .planning.traffic import Shapes, compare, job_traffic
+from .runtime.devices import default_dtype
 from .spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
 from .toy.text import TEXT_TOKENS
-from .planning.traffic import Shapes, compare, job_traffic
 
 # Flux-shaped bench model: Flux.1's block mix (1 double-stream block per 2 single-stream ones, as 19/38)
 # at a width a 2-core CPU runs in seconds per step. Attention is ~2/3 of a block here (4096 tokens at
@@ -460,12 +460,12 @@ def run_in_process(path: str, latent_shape, text_tokens: int, cfg: float, steps:
 
 
 def _in_process_reference(spec: dict) -> None:
-    from .strategies.attention.processor import AttentionContext
-    from .runtime.comm import Comm
-    from .strategies.denoise import Denoiser
-    from .models.loading import CheckpointReader
     from .models.family import read_model
+    from .models.loading import CheckpointReader
+    from .runtime.comm import Comm
     from .runtime.topology import Topology
+    from .strategies.attention.processor import AttentionContext
+    from .strategies.denoise import Denoiser
 
     torch.set_num_threads(spec["threads"])
     with CheckpointReader(spec["path"]) as reader:
@@ -520,9 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     def say(text: str = "") -> None:
         print(text, file=out_stream, flush=True)
 
-    from .runtime.devices import parse_devices
     from .models.flux import load_flux  # noqa: F401 - fail early if diffusers is missing
     from .models.tiny import write_checkpoint
+    from .runtime.devices import parse_devices
     from .validate import model_config
 
     t_start = time.perf_counter()
@@ -563,8 +563,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devices, max_world, t_start,
            conditioning=None) -> int:
-    from .planning import auto
     from .models.family import family_of
+    from .planning import auto
 
     num_blocks = config.num_blocks
     text = args.text_tokens

@@ -43,8 +43,8 @@ def run_soak(devices: str = "cpu:2", jobs: int = 1000, size: int = 8, steps: int
     import psutil
 
     from .bench import make_job
-    from .runtime.client import RuntimeClient
     from .models.tiny import TINY, write_checkpoint
+    from .runtime.client import RuntimeClient
     from .sampling import SAMPLERS
 
     with tempfile.TemporaryDirectory(prefix="paradit-soak-") as tmp:

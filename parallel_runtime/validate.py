@@ -8,15 +8,15 @@ from functools import lru_cache
 import torch
 
 from .errors import ConfigError, ModelFileError
+from .runtime.topology import validate_strategy
 from .sampling import SAMPLERS, SCHEDULERS, cfg_uses_uncond
 from .spec import Job
-from .runtime.topology import validate_strategy
 
 
 @lru_cache(maxsize=16)
 def _model_config(path: str, mtime_ns: int, size: int):
-    from .models.loading import CheckpointReader
     from .models.family import read_model
+    from .models.loading import CheckpointReader
 
     with CheckpointReader(path) as reader:
         return read_model(reader, os.path.basename(path))[2]

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import costmodel
-from ..runtime.devices import parse_devices
 from ..errors import ConfigError
+from ..runtime.devices import parse_devices
 from ..runtime.memory import CPU_USABLE, CPU_WORKER_OVERHEAD, CUDA_USABLE, weight_bytes
-from ..spec import StrategySpec
 from ..runtime.topology import validate_strategy
+from ..spec import StrategySpec
+from . import costmodel
 
 EXACT_PREFERENCE = 0.03  # PipeFusion must be >3% faster than the best exact strategy to be chosen
 DEFAULT_TEXT_TOKENS = 256  # T5 tokens of a typical Flux prompt as ComfyUI encodes it

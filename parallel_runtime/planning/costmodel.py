@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..spec import StrategySpec
 from ..runtime.topology import Topology
+from ..spec import StrategySpec
 from .traffic import Shapes, branches_per_forward, job_traffic
 
 CACHE_VERSION = 3

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..spec import StrategySpec
 from ..runtime.topology import Topology
+from ..spec import StrategySpec
 
 X_BYTES = 4  # the sampler state x is float32 on every device
 

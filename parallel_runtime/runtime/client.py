@@ -36,10 +36,10 @@ from typing import Callable
 import torch
 
 from .. import errors
+from ..spec import Job
 from .devices import auto_notice, parse_devices
 from .memory import check_job_memory
 from .protocol import Channel, encode
-from ..spec import Job
 from .watchdog import JobWatch, WatchdogConfig
 
 STARTUP_TIMEOUT_S = 120.0
@@ -79,7 +79,7 @@ class RuntimeClient:
         self.last_sec_per_step = None
         self.device_bytes: dict[int, int | None] = {}  # latest accelerator memory each rank reported (RSS is read here)
         self.memory_reports: list[dict] = []  # each rank's memory as it answered the last ping
-        self._step_estimates: dict[tuple, float] = {}  # (strategy, latent shape, steps) -> slowest step seen
+        self._step_estimates: dict[tuple, float] = {}  # job shape (see run) -> slowest step seen
         # Runs when the client is collected and at interpreter exit; it takes no lock, so exit never waits
         # for a running job.
         self._finalizer = weakref.finalize(self, _kill_all, self.procs, self.chans)

@@ -51,9 +51,9 @@ class WorkerState:
 
     def ensure_model(self, model_spec: dict, topology) -> bool:
         """Load the blocks this rank's pipeline stage owns; returns True if it had to (re)load."""
-        from ..strategies.attention.processor import AttentionContext
-        from ..models.loading import CheckpointReader
         from ..models.family import read_model
+        from ..models.loading import CheckpointReader
+        from ..strategies.attention.processor import AttentionContext
 
         path = model_spec["path"]
         stat = os.stat(path)
@@ -155,8 +155,8 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
 
 
 def _denoise(state: WorkerState, chan: Channel, job, topology, pulse) -> tuple[dict, torch.Tensor | None]:
-    from ..strategies.denoise import Denoiser
     from ..models.loading import parameter_bytes
+    from ..strategies.denoise import Denoiser
 
     comm = state.comm_for(topology)
     comm.reset_traffic()

@@ -17,16 +17,16 @@ from typing import Callable
 
 import torch
 
-from .attention import LocalAttention, RingAttention, UlyssesAttention
-from .attention.processor import AttentionContext
-from ..runtime.comm import Comm
 from ..errors import Cancelled
 from ..models.family import DiTAdapter
+from ..runtime.comm import Comm
+from .attention import LocalAttention, RingAttention, UlyssesAttention
+from .attention.processor import AttentionContext
 from .pipefusion import StaleKVAttention, StaleKVCache
 from ..sampling import (cfg_combine, cfg_uses_uncond, denoised_from_velocity, final_latent, ksampler_sigmas,
                        make_sampler, model_sampling_for, prepare_noise, start_latent)
-from ..spec import Conditioning, Job
 from ..runtime.topology import Topology, validate_strategy
+from ..spec import Conditioning, Job
 from ..validate import validate_branches
 
 

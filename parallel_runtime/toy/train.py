@@ -31,10 +31,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from ..strategies.attention.processor import AttentionContext
 from ..models.flux import FluxConfig
 from ..models.flux_adapter import FluxAdapter
 from ..sampling.flow import flux_time_shift, model_sampling_for
+from ..strategies.attention.processor import AttentionContext
 from . import CODEC_FILE, MODEL_FILE, TOY_FLUX, WEIGHTS_DIR, scenes
 from .codec import ColourGrid
 from .export import save_bfl
