@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from ..sampling import FLUX_LATENT, model_sampling_for
 from ..strategies.attention.processor import AttentionContext, ParallelFluxAttnProcessor
 from .flux import FluxConfig
 
@@ -98,6 +99,16 @@ class FluxAdapter:
     def variant(self) -> str:
         return self.config.variant
 
+    # -- sampling ------------------------------------------------------------------------------------
+
+    latent_format = FLUX_LATENT
+    default_guidance = 3.5  # model_base.Flux.extra_conds: guidance when no FluxGuidance node set one
+
+    @functools.cached_property
+    def model_sampling(self):
+        """dev: ModelSamplingFlux (shift 1.15); schnell: ModelSamplingDiscreteFlow (shift 1)."""
+        return model_sampling_for(self.config.variant)
+
     # -- token layout --------------------------------------------------------------------------------
 
     @staticmethod
@@ -125,7 +136,8 @@ class FluxAdapter:
 
     # -- embeddings ----------------------------------------------------------------------------------
 
-    def embed_image(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed_image(self, tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """`index`: the image positions of these tokens (unused: Flux's positions are RoPE, per attention)."""
         return self.model.x_embedder(tokens.to(self.device, self.dtype))
 
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """KSampler-compatible sampling math for Flux, usable on patches of tokens."""
 from .flow import (
     FLUX_LATENT_SCALE,
+    FLUX_LATENT,
     FLUX_LATENT_SHIFT,
+    SD3_LATENT,
+    LatentFormat,
     FluxModelSampling,
     cfg_combine,
     cfg_uses_uncond,
@@ -20,7 +23,7 @@ from .samplers import SAMPLERS, RegionSampler, make_sampler
 from .schedules import SCHEDULERS, calculate_sigmas, ksampler_sigmas
 
 __all__ = [
-    "FLUX_LATENT_SCALE", "FLUX_LATENT_SHIFT", "FluxModelSampling", "cfg_combine", "cfg_uses_uncond",
+    "FLUX_LATENT", "FLUX_LATENT_SCALE", "FLUX_LATENT_SHIFT", "SD3_LATENT", "LatentFormat", "FluxModelSampling", "cfg_combine", "cfg_uses_uncond",
     "denoised_from_velocity", "final_latent", "flux_shift_for_resolution", "inverse_noise_scaling",
     "model_sampling_for", "noise_scaling", "process_latent_in", "process_latent_out", "start_latent",
     "StepNoise", "prepare_noise", "SAMPLERS", "RegionSampler", "make_sampler",

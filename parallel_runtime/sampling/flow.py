@@ -11,6 +11,7 @@ round-off matches theirs and tables/schedules agree bit for bit on CPU.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,25 @@ from ..errors import ConfigError
 # comfy.latent_formats.Flux: process_in = (x - shift) * scale.
 FLUX_LATENT_SCALE = 0.3611
 FLUX_LATENT_SHIFT = 0.1159
+
+
+@dataclass(frozen=True)
+class LatentFormat:
+    """comfy.latent_formats.*: the affine map between a VAE's latent and the model's latent space."""
+
+    name: str
+    scale: float
+    shift: float
+
+    def process_in(self, latent: torch.Tensor) -> torch.Tensor:
+        return (latent - self.shift) * self.scale
+
+    def process_out(self, latent: torch.Tensor) -> torch.Tensor:
+        return (latent / self.scale) + self.shift
+
+
+FLUX_LATENT = LatentFormat("flux", FLUX_LATENT_SCALE, FLUX_LATENT_SHIFT)
+SD3_LATENT = LatentFormat("sd3", 1.5305, 0.0609)
 
 VARIANTS = ("dev", "schnell")
 KINDS = ("flux", "discrete_flow")
@@ -140,20 +160,21 @@ def process_latent_out(latent: torch.Tensor) -> torch.Tensor:
     return (latent / FLUX_LATENT_SCALE) + FLUX_LATENT_SHIFT
 
 
-def start_latent(latent_image: torch.Tensor, noise: torch.Tensor, sigma0) -> torch.Tensor:
+def start_latent(latent_image: torch.Tensor, noise: torch.Tensor, sigma0,
+                 latent_format: LatentFormat = FLUX_LATENT) -> torch.Tensor:
     """x at the first step, as CFGGuider.inner_sample + KSAMPLER.sample build it.
 
     ComfyUI leaves an all-zero (empty) latent unshifted; any other latent goes
     through process_latent_in before the noise is mixed in.
     """
     if torch.count_nonzero(latent_image) > 0:
-        latent_image = process_latent_in(latent_image)
+        latent_image = latent_format.process_in(latent_image)
     return noise_scaling(sigma0, noise, latent_image)
 
 
-def final_latent(samples: torch.Tensor, sigma_last) -> torch.Tensor:
+def final_latent(samples: torch.Tensor, sigma_last, latent_format: LatentFormat = FLUX_LATENT) -> torch.Tensor:
     """The LATENT ComfyUI returns: inverse_noise_scaling, then float32 process_latent_out."""
-    return process_latent_out(inverse_noise_scaling(sigma_last, samples).to(torch.float32))
+    return latent_format.process_out(inverse_noise_scaling(sigma_last, samples).to(torch.float32))
 
 
 def cfg_uses_uncond(scale: float) -> bool:

@@ -24,7 +24,7 @@ from .attention import LocalAttention, RingAttention, UlyssesAttention
 from .attention.processor import AttentionContext
 from .pipefusion import StaleKVAttention, StaleKVCache
 from ..sampling import (cfg_combine, cfg_uses_uncond, denoised_from_velocity, final_latent, ksampler_sigmas,
-                       make_sampler, model_sampling_for, prepare_noise, start_latent)
+                       make_sampler, prepare_noise, start_latent)
 from ..runtime.topology import Topology, validate_strategy
 from ..spec import Conditioning, Job
 from ..validate import validate_branches
@@ -76,7 +76,7 @@ class TokenLayout:
 class Branches:
     """The CFG branches this rank evaluates, batched into one forward pass."""
 
-    def __init__(self, conds: list[Conditioning], batch: int, guidance_default: float = 3.5, device=None):
+    def __init__(self, conds: list[Conditioning], batch: int, guidance_default: float, device=None):
         # validate_branches has made sure batched branches share a prompt length. Everything moves to the
         # worker's device once per job, not once per step (each blocking upload is a sync on CUDA).
         self.count = len(conds)
@@ -124,12 +124,13 @@ class Denoiser:
         validate_branches(job)
         self.step_times = []
 
-        sigmas = ksampler_sigmas(model_sampling_for(self.adapter.variant), sp.scheduler, sp.steps, sp.denoise)
+        sigmas = ksampler_sigmas(self.adapter.model_sampling, sp.scheduler, sp.steps, sp.denoise)
         if len(sigmas) <= 1:  # denoise 0: KSampler returns the input untouched
             return job.latent.clone() if self._is_result_rank() else None
         noise = prepare_noise(job.latent, sp.seed, job.extra.get("batch_index"))
         # The sampler state lives on the worker's device, in float32 as in ComfyUI.
-        x = self.adapter.pack(start_latent(job.latent.float(), noise, sigmas[0])).to(self.adapter.device)
+        x = self.adapter.pack(start_latent(job.latent.float(), noise, sigmas[0], self.adapter.latent_format))
+        x = x.to(self.adapter.device)
         self.sigmas = sigmas  # on the host: Python-side decisions never wait for the device
         self.sigmas_on_device = sigmas.to(self.adapter.device)  # the time embedding's input, uploaded once
         self.sampler = make_sampler(sp.sampler_name, sigmas, sp.seed, job.latent.shape, to_state=self.adapter.pack)
@@ -137,7 +138,7 @@ class Denoiser:
         conds = [job.positive] + ([job.negative] if cfg_uses_uncond(sp.cfg) else [])
         if s.cfg_degree == 2:
             conds = [conds[self.coords["cfg"]]]
-        self.branches = Branches(conds, b, device=self.adapter.device)
+        self.branches = Branches(conds, b, self.adapter.default_guidance, device=self.adapter.device)
         self.cfg_scale = sp.cfg
         self.uses_uncond = cfg_uses_uncond(sp.cfg)
 
@@ -164,6 +165,8 @@ class Denoiser:
                 and self.coords["ring"] == 0 and self.coords["ulysses"] == 0 and self.coords["naive_patch"] == 0)
 
     def _rope(self, positions: torch.Tensor):
+        if self.rope_full is None:  # families with absolute position embeddings (added in embed_image)
+            return None
         cos, sin = self.rope_full
         return cos[positions], sin[positions]
 
@@ -225,26 +228,21 @@ class Denoiser:
                 x[:, idx] = part[:, idx]
         if not self._is_result_rank():
             return None
-        return final_latent(self.adapter.unpack(x, h, w), self.sigmas[-1]).cpu()
+        return final_latent(self.adapter.unpack(x, h, w), self.sigmas[-1], self.adapter.latent_format).cpu()
 
     # -- sequence parallel (also serial, CFG-only and naive patch) -------------------------------------
 
     def _run_sequence_parallel(self, x: torch.Tensor) -> torch.Tensor:
         layout, me = self.layout, self.shard
-        t = self.topology
-        if t.naive_patch > 1:
-            attention = LocalAttention()
+        if self.topology.naive_patch > 1:
+            self.context.attention = self.context.image_attention = LocalAttention()
         else:
-            ring, uly = self.comm.group("ring"), self.comm.group("ulysses")
-            seq = [layout.seq_len(r * t.ulysses + u, 1) for r in range(t.ring) for u in range(t.ulysses)]
-            kv_lengths = [sum(seq[r * t.ulysses:(r + 1) * t.ulysses]) for r in range(t.ring)]
-            attention = RingAttention(self.comm, ring, kv_lengths) if ring.size > 1 else LocalAttention()
-            if uly.size > 1:
-                r = self.coords["ring"]
-                attention = UlyssesAttention(self.comm, uly, seq[r * t.ulysses:(r + 1) * t.ulysses], attention)
-        self.context.attention = attention
+            shards = range(layout.shards)
+            self.context.attention = self._sequence_attention([layout.seq_len(j, 1) for j in shards])
+            self.context.image_attention = self._sequence_attention([layout.patch_len // layout.shards] * len(shards))
 
         rows = layout.image_slice(me, 0)
+        index = torch.arange(rows.start, rows.stop, device=x.device)
         rope = self._rope(layout.positions(me, [0], x.device))
         text = self._text(layout.text_rows(me))
         for i in range(len(self.sigmas) - 1):
@@ -252,11 +250,24 @@ class Denoiser:
             self._check_cancel()
             temb = self._temb(i)
             x_rows = x[:, rows]
-            image, _ = self.adapter.run_blocks(self.adapter.embed_image(self._repeat(x_rows)), text, temb, rope)
+            image = self.adapter.embed_image(self._repeat(x_rows), index)
+            image, _ = self.adapter.run_blocks(image, text, temb, rope)
             den = self._denoised(i, x_rows, image, temb)
             x[:, rows] = self.sampler.step(i, x_rows, den, region=rows)
             self._step_done(i, t0)
         return x
+
+    def _sequence_attention(self, seq: list[int]):
+        """Ring over Ulysses groups for tokens whose per-shard lengths are `seq` (sequence-parallel order:
+        shard r * ulysses + u). Joint [text, image] attention and image-only attention differ only in `seq`."""
+        t = self.topology
+        ring, uly = self.comm.group("ring"), self.comm.group("ulysses")
+        kv_lengths = [sum(seq[r * t.ulysses:(r + 1) * t.ulysses]) for r in range(t.ring)]
+        attention = RingAttention(self.comm, ring, kv_lengths) if ring.size > 1 else LocalAttention()
+        if uly.size > 1:
+            r = self.coords["ring"]
+            attention = UlyssesAttention(self.comm, uly, seq[r * t.ulysses:(r + 1) * t.ulysses], attention)
+        return attention
 
     # -- PipeFusion ------------------------------------------------------------------------------------
 
@@ -280,10 +291,15 @@ class Denoiser:
         def is_last(chunk):  # the very last one predicts, samples and returns x
             return stage == stages - 1 and chunk == chunks - 1
 
+        # Joint [text, image] attention and image-only attention (SD3.5 Medium's second attention, PixArt's
+        # self-attention) each keep their own stale buffers, over their own rows.
         self.cache = StaleKVCache(layout.text_len + layout.image_len)
+        self.image_cache = StaleKVCache(layout.image_len)
         stale = StaleKVAttention(self.cache, LocalAttention())
+        stale_image = StaleKVAttention(self.image_cache, LocalAttention())
         attention = stale if uly.size == 1 else UlyssesAttention(self.comm, uly, [], stale)
-        self.context.attention = attention
+        image_attention = stale_image if uly.size == 1 else UlyssesAttention(self.comm, uly, [], stale_image)
+        self.context.attention, self.context.image_attention = attention, image_attention
 
         token_sets: dict = {}  # built once per token set, on x's device: no host-device traffic in the pipeline
 
@@ -294,14 +310,16 @@ class Denoiser:
                     torch.cat([layout.positions(u, patches, x.device) for u in range(uly.size)]),
                     [layout.seq_len(u, len(patches)) for u in range(uly.size)],
                     layout.image_index(me, patches, x.device),
-                    self._rope(layout.positions(me, patches, x.device)))
+                    self._rope(layout.positions(me, patches, x.device)),
+                    torch.cat([layout.image_index(u, patches, x.device) for u in range(uly.size)]))
             return token_sets[key]
 
         def configure(patches: list[int]):
             """Point the attention at the token set of one forward: whole image (warmup) or one patch."""
-            stale.positions, lengths, idx, rope = token_set(patches)
+            stale.positions, lengths, idx, rope, stale_image.positions = token_set(patches)
             if uly.size > 1:
                 attention.seq_lengths = lengths
+                image_attention.seq_lengths = [len(patches) * (layout.patch_len // layout.shards)] * uly.size
             return idx, rope
 
         text_rows = layout.text_rows(me)
@@ -322,7 +340,7 @@ class Denoiser:
             """Run one chunk of blocks on one token set; the last chunk also samples and sends x back."""
             idx, rope = configure(patches)
             if is_first(chunk):
-                image, txt = self.adapter.embed_image(self._repeat(x[:, idx])), text
+                image, txt = self.adapter.embed_image(self._repeat(x[:, idx]), idx), text
             else:
                 txt, image = incoming[:, :n_text], incoming[:, n_text:]
             image, txt = self.adapter.run_blocks(image, txt, temb, rope, chunk=chunk)

@@ -91,8 +91,9 @@ def velocity(adapter: FluxAdapter, x: torch.Tensor, sigma: torch.Tensor, cond: t
     """The runtime's serial forward (Denoiser._run_sequence_parallel) on a batch: v as packed tokens."""
     _, _, h, w = x.shape
     temb = adapter.timestep_embedding(sigma, pooled, guidance)
-    image, _ = adapter.run_blocks(adapter.embed_image(adapter.pack(x)), adapter.embed_text(cond), temb,
-                                  adapter.rope(cond.shape[1], h, w))
+    tokens = adapter.pack(x)
+    image = adapter.embed_image(tokens, torch.arange(tokens.shape[1]))
+    image, _ = adapter.run_blocks(image, adapter.embed_text(cond), temb, adapter.rope(cond.shape[1], h, w))
     return adapter.head(image, temb)
 
 

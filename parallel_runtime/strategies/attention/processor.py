@@ -17,9 +17,13 @@ from .local import LocalAttention
 
 @dataclass
 class AttentionContext:
-    """Per-rank state the processors read; the runner swaps `attention` when the strategy changes."""
+    """Per-rank state the processors read; the runner swaps both when the strategy changes.
+
+    `attention` runs over the joint [text, image] rows; `image_attention` over image rows only (an
+    image-only self-attention, as SD3.5 Medium's second attention and PixArt's self-attention are)."""
 
     attention: Callable = LocalAttention()
+    image_attention: Callable = LocalAttention()
 
 
 class ParallelFluxAttnProcessor:
