@@ -264,11 +264,12 @@ def conditioning(value: Any, which: str = "positive") -> Conditioning:
                           f"support; set the strength to 1.0.")
     if cond.dim() != 3:
         raise ConfigError(f"The {which} conditioning tensor has shape {tuple(cond.shape)}, not [batch, tokens, "
-                          f"channels]; encode it with a Flux text encoder (DualCLIPLoader type flux).")
+                          f"channels]; encode it with CLIP Text Encode and the model's text encoder.")
     pooled = extra.get("pooled_output")
     if not isinstance(pooled, torch.Tensor):
-        raise ConfigError(f"The {which} conditioning has no pooled CLIP output, which Flux needs; encode it with "
-                          f"DualCLIPLoader (type flux) and CLIP Text Encode.")
+        # T5-only encoders (Chroma, PixArt) give none; whether the model needs one is checked against the
+        # model's family in the runtime, with the text encoder that family needs named.
+        pooled = torch.zeros(cond.shape[0], 0)
     if pooled.dim() == 1:
         pooled = pooled.unsqueeze(0)
     guidance = extra.get("guidance")

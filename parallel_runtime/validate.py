@@ -101,11 +101,10 @@ def validate_job(job: Job, world_size: int) -> None:
             continue
         if c.cond.ndim != 3 or c.cond.shape[-1] != config.context_dim:
             raise ConfigError(f"the {name} conditioning has width {c.cond.shape[-1]} but this model expects "
-                              f"{config.context_dim} (T5-XXL); encode the prompt with the Flux text encoders "
-                              f"(DualCLIPLoader type flux).")
-        if c.pooled is None or c.pooled.shape[-1] != config.pooled_dim:
+                              f"{config.context_dim}; encode the prompt with {config.text_encoders}.")
+        if config.pooled_dim and (c.pooled is None or c.pooled.shape[-1] != config.pooled_dim):
             raise ConfigError(f"the {name} conditioning lacks a {config.pooled_dim}-wide pooled CLIP vector; "
-                              f"encode the prompt with the Flux text encoders (DualCLIPLoader type flux).")
+                              f"encode the prompt with {config.text_encoders}.")
         if c.cond.shape[0] not in (1, lat.shape[0]):
             raise ConfigError(f"the {name} conditioning has batch {c.cond.shape[0]} but the latent has batch "
                               f"{lat.shape[0]}; use one prompt or match the batch sizes.")

@@ -384,6 +384,8 @@ def test_conditioning_conversion():
     assert c.cond.shape == (1, 8, 4096) and c.pooled.shape == (1, 768) and c.guidance == 3.5
     assert convert.conditioning(cond(guidance=torch.tensor([2.0]))).guidance == 2.0
     assert convert.conditioning(cond()).guidance is None
+    # T5-only encoders (Chroma) give no pooled vector: an empty one travels, the runtime checks the family.
+    assert convert.conditioning(cond(pooled=False)).pooled.shape == (1, 0)
 
 
 @pytest.mark.parametrize("value,match", [
@@ -392,7 +394,6 @@ def test_conditioning_conversion():
     (cond(mask=torch.ones(1, 8, 8)), "masked conditioning"),
     (cond(control=object()), "ControlNet"),
     (cond(start_percent=0.5), "timestep range"),
-    (cond(pooled=False), "no pooled CLIP output"),
     ([], "not a CONDITIONING"),
     (None, "not a CONDITIONING"),
 ])

@@ -66,12 +66,19 @@ class ModelFamily(Protocol):
     def parameter_counts(self, config) -> tuple[tuple[int, ...], int, int, int]:
         """(per block, always owned, first stage only, last stage only) parameter counts."""
 
+    def source_map(self, config, layout: str, prefix: str = "") -> dict:
+        """Every diffusers parameter name -> its `mapping.Source` in a checkpoint of `layout`."""
+
+    def checkpoint_shapes(self, config) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{original-layout key: (shape, kind)} of a complete file, for writing random test checkpoints."""
+
 
 def families() -> list[ModelFamily]:
     """Every family the runtime runs, in detection order (imported lazily: diffusers is heavy)."""
+    from .chroma import CHROMA
     from .flux import FLUX
 
-    return [FLUX]
+    return [FLUX, CHROMA]
 
 
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:

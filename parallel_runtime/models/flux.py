@@ -26,6 +26,7 @@ import torch
 
 from ..errors import ModelFileError
 from .loading import CheckpointReader
+from .mapping import Source, apply_transform, block_count, build_from_map, linear  # noqa: F401 (re-exported)
 
 LAYOUTS = ("bfl", "diffusers")
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
@@ -89,6 +90,7 @@ class FluxConfig:
         object.__setattr__(self, "guidance_embeds", bool(self.guidance_embeds))
 
     family = "flux"  # models/family.py: which family's functions plan and run this config
+    text_encoders = "the Flux text encoders (DualCLIPLoader type flux: clip_l and t5xxl)"
 
     @property
     def variant(self) -> str:
@@ -174,19 +176,7 @@ def detect_layout(keys: Iterable[str], name: str = "checkpoint") -> tuple[str, s
 # ----------------------------------------------------------------------------------
 # Config inference (shapes only)
 # ----------------------------------------------------------------------------------
-def _block_count(keys: list[str], prefix: str, block: str, name: str) -> int:
-    pat = re.compile(re.escape(prefix + block) + r"\.(\d+)\.")
-    idx = {int(m.group(1)) for k in keys if (m := pat.match(k))}
-    if not idx:
-        return 0
-    n = max(idx) + 1
-    missing = sorted(set(range(n)) - idx)
-    if missing:
-        raise ModelFileError(
-            f"{name} has no tensors for {prefix}{block}.{missing[0]} although it has {block} up to {n - 1}; "
-            f"the file is incomplete, so re-download it."
-        )
-    return n
+_block_count = block_count
 
 
 _SCALED_FP8 = re.compile(r"(^|\.)(scaled_fp8|scale_weight|weight_scale|input_scale|scale_input)$")
@@ -273,28 +263,7 @@ def infer_config(reader: CheckpointReader, layout: str | None = None, prefix: st
 # ----------------------------------------------------------------------------------
 # Key mapping
 # ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Source:
-    """Where a diffusers parameter comes from: ``transform(file[key][rows])``."""
-
-    key: str
-    rows: slice | None = None
-    transform: str | None = None  # None or "swap_halves"
-
-
-def apply_transform(tensor: torch.Tensor, transform: str | None) -> torch.Tensor:
-    if transform is None:
-        return tensor
-    if transform == "swap_halves":
-        # BFL's final modulation is (shift, scale); diffusers' AdaLayerNormContinuous is (scale, shift).
-        first, second = tensor.chunk(2, dim=0)
-        return torch.cat([second, first], dim=0)
-    raise ValueError(f"unknown transform {transform!r}")
-
-
-def _linear(out: dict, dst: str, src: str, rows: slice | None = None, transform: str | None = None) -> None:
-    out[f"{dst}.weight"] = Source(f"{src}.weight", rows, transform)
-    out[f"{dst}.bias"] = Source(f"{src}.bias", rows, transform)
+_linear = linear
 
 
 def diffusers_param_names(config: FluxConfig) -> list[str]:
@@ -304,6 +273,41 @@ def diffusers_param_names(config: FluxConfig) -> list[str]:
     with torch.device("meta"):
         model = FluxTransformer2DModel(**config.diffusers_kwargs())
     return list(model.state_dict().keys())
+
+
+def map_double_block(out: dict, d: str, b: str, H: int, M: int, modulation: bool = True) -> None:
+    """One double-stream block, BFL `b` -> diffusers `d` (Chroma's blocks are the same without modulation)."""
+    q, k, v = slice(0, H), slice(H, 2 * H), slice(2 * H, 3 * H)
+    if modulation:
+        _linear(out, f"{d}.norm1.linear", f"{b}.img_mod.lin")
+        _linear(out, f"{d}.norm1_context.linear", f"{b}.txt_mod.lin")
+    for dst, rows in (("to_q", q), ("to_k", k), ("to_v", v)):
+        _linear(out, f"{d}.attn.{dst}", f"{b}.img_attn.qkv", rows)
+    for dst, rows in (("add_q_proj", q), ("add_k_proj", k), ("add_v_proj", v)):
+        _linear(out, f"{d}.attn.{dst}", f"{b}.txt_attn.qkv", rows)
+    out[f"{d}.attn.norm_q.weight"] = Source(f"{b}.img_attn.norm.query_norm.scale")
+    out[f"{d}.attn.norm_k.weight"] = Source(f"{b}.img_attn.norm.key_norm.scale")
+    out[f"{d}.attn.norm_added_q.weight"] = Source(f"{b}.txt_attn.norm.query_norm.scale")
+    out[f"{d}.attn.norm_added_k.weight"] = Source(f"{b}.txt_attn.norm.key_norm.scale")
+    _linear(out, f"{d}.attn.to_out.0", f"{b}.img_attn.proj")
+    _linear(out, f"{d}.attn.to_add_out", f"{b}.txt_attn.proj")
+    _linear(out, f"{d}.ff.net.0.proj", f"{b}.img_mlp.0")
+    _linear(out, f"{d}.ff.net.2", f"{b}.img_mlp.2")
+    _linear(out, f"{d}.ff_context.net.0.proj", f"{b}.txt_mlp.0")
+    _linear(out, f"{d}.ff_context.net.2", f"{b}.txt_mlp.2")
+
+
+def map_single_block(out: dict, s: str, b: str, H: int, M: int, modulation: bool = True) -> None:
+    """One single-stream block: BFL fuses q/k/v and the MLP's input projection into `linear1`."""
+    q, k, v = slice(0, H), slice(H, 2 * H), slice(2 * H, 3 * H)
+    if modulation:
+        _linear(out, f"{s}.norm.linear", f"{b}.modulation.lin")
+    for dst, rows in (("to_q", q), ("to_k", k), ("to_v", v)):
+        _linear(out, f"{s}.attn.{dst}", f"{b}.linear1", rows)
+    _linear(out, f"{s}.proj_mlp", f"{b}.linear1", slice(3 * H, 3 * H + M))
+    _linear(out, f"{s}.proj_out", f"{b}.linear2")
+    out[f"{s}.attn.norm_q.weight"] = Source(f"{b}.norm.query_norm.scale")
+    out[f"{s}.attn.norm_k.weight"] = Source(f"{b}.norm.key_norm.scale")
 
 
 def source_map(config: FluxConfig, layout: str, prefix: str = "") -> dict[str, Source]:
@@ -316,7 +320,6 @@ def source_map(config: FluxConfig, layout: str, prefix: str = "") -> dict[str, S
     p = prefix
     H = config.hidden_size
     M = config.mlp_hidden
-    q, k, v = slice(0, H), slice(H, 2 * H), slice(2 * H, 3 * H)
     out: dict[str, Source] = {}
 
     _linear(out, "x_embedder", p + "img_in")
@@ -330,34 +333,9 @@ def source_map(config: FluxConfig, layout: str, prefix: str = "") -> dict[str, S
     _linear(out, "time_text_embed.text_embedder.linear_2", p + "vector_in.out_layer")
 
     for i in range(config.num_layers):
-        d, b = f"transformer_blocks.{i}", f"{p}double_blocks.{i}"
-        _linear(out, f"{d}.norm1.linear", f"{b}.img_mod.lin")
-        _linear(out, f"{d}.norm1_context.linear", f"{b}.txt_mod.lin")
-        for dst, rows in (("to_q", q), ("to_k", k), ("to_v", v)):
-            _linear(out, f"{d}.attn.{dst}", f"{b}.img_attn.qkv", rows)
-        for dst, rows in (("add_q_proj", q), ("add_k_proj", k), ("add_v_proj", v)):
-            _linear(out, f"{d}.attn.{dst}", f"{b}.txt_attn.qkv", rows)
-        out[f"{d}.attn.norm_q.weight"] = Source(f"{b}.img_attn.norm.query_norm.scale")
-        out[f"{d}.attn.norm_k.weight"] = Source(f"{b}.img_attn.norm.key_norm.scale")
-        out[f"{d}.attn.norm_added_q.weight"] = Source(f"{b}.txt_attn.norm.query_norm.scale")
-        out[f"{d}.attn.norm_added_k.weight"] = Source(f"{b}.txt_attn.norm.key_norm.scale")
-        _linear(out, f"{d}.attn.to_out.0", f"{b}.img_attn.proj")
-        _linear(out, f"{d}.attn.to_add_out", f"{b}.txt_attn.proj")
-        _linear(out, f"{d}.ff.net.0.proj", f"{b}.img_mlp.0")
-        _linear(out, f"{d}.ff.net.2", f"{b}.img_mlp.2")
-        _linear(out, f"{d}.ff_context.net.0.proj", f"{b}.txt_mlp.0")
-        _linear(out, f"{d}.ff_context.net.2", f"{b}.txt_mlp.2")
-
+        map_double_block(out, f"transformer_blocks.{i}", f"{p}double_blocks.{i}", H, M)
     for i in range(config.num_single_layers):
-        s, b = f"single_transformer_blocks.{i}", f"{p}single_blocks.{i}"
-        _linear(out, f"{s}.norm.linear", f"{b}.modulation.lin")
-        for dst, rows in (("to_q", q), ("to_k", k), ("to_v", v)):
-            _linear(out, f"{s}.attn.{dst}", f"{b}.linear1", rows)
-        _linear(out, f"{s}.proj_mlp", f"{b}.linear1", slice(3 * H, 3 * H + M))
-        _linear(out, f"{s}.proj_out", f"{b}.linear2")
-        out[f"{s}.attn.norm_q.weight"] = Source(f"{b}.norm.query_norm.scale")
-        out[f"{s}.attn.norm_k.weight"] = Source(f"{b}.norm.key_norm.scale")
-
+        map_single_block(out, f"single_transformer_blocks.{i}", f"{p}single_blocks.{i}", H, M)
     _linear(out, "norm_out.linear", p + "final_layer.adaLN_modulation.1", transform="swap_halves")
     _linear(out, "proj_out", p + "final_layer.linear")
     return out
@@ -366,11 +344,6 @@ def source_map(config: FluxConfig, layout: str, prefix: str = "") -> dict[str, S
 # ----------------------------------------------------------------------------------
 # Building
 # ----------------------------------------------------------------------------------
-def _block_of(name: str) -> tuple[str, int] | None:
-    m = re.match(r"(transformer_blocks|single_transformer_blocks)\.(\d+)\.", name)
-    return (m.group(1), int(m.group(2))) if m else None
-
-
 def build_transformer(
     config: FluxConfig,
     reader: CheckpointReader,
@@ -388,51 +361,11 @@ def build_transformer(
     """
     from diffusers import FluxTransformer2DModel
 
-    name = os.path.basename(getattr(reader, "path", "checkpoint"))
     with torch.device("meta"):
         model = FluxTransformer2DModel(**config.diffusers_kwargs())
-    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-    smap = source_map(config, layout, prefix)
-    if set(smap) != set(expected):
-        unmapped = sorted(set(expected) - set(smap))[:3]
-        extra = sorted(set(smap) - set(expected))[:3]
-        raise RuntimeError(f"Flux key map out of sync with diffusers: unmapped {unmapped}, unknown {extra}")
-
-    wanted = [n for n in expected if owned(n)]
-
-    # Drop whole blocks that own nothing so they hold no (meta) parameters at all.
-    used_blocks = {blk for n in wanted if (blk := _block_of(n)) is not None}
-    for attr in ("transformer_blocks", "single_transformer_blocks"):
-        blocks = getattr(model, attr)
-        for i in range(len(blocks)):
-            if (attr, i) not in used_blocks:
-                blocks[i] = torch.nn.Identity()
-
-    missing = sorted({smap[n].key for n in wanted if smap[n].key not in reader})
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ModelFileError(
-            f"{name} has no tensor {missing[0]!r}{more}, so it is not a complete Flux.1 DiT; re-download it."
-        )
-
-    state: dict[str, torch.Tensor] = {}
-    for n in wanted:
-        src = smap[n]
-        tensor = apply_transform(reader.read(src.key, rows=src.rows, dtype=dtype, device=device), src.transform)
-        if tuple(tensor.shape) != expected[n]:
-            where = f"{src.key!r}" + (f" rows {src.rows.start}:{src.rows.stop}" if src.rows is not None else "")
-            raise ModelFileError(
-                f"{name}: tensor {where} has shape {tuple(tensor.shape)} but {n} needs {expected[n]}; "
-                f"the file is damaged or mixes Flux variants, so re-download it."
-            )
-        state[n] = tensor.contiguous()
-
-    result = model.load_state_dict(state, strict=False, assign=True)
-    if result.unexpected_keys:
-        raise RuntimeError(f"unexpected keys while loading Flux: {result.unexpected_keys[:3]}")
-    model.eval()
-    model.requires_grad_(False)
-    return model
+    return build_from_map(model, source_map(config, layout, prefix), reader,
+                          ("transformer_blocks", "single_transformer_blocks"), "Flux.1 DiT",
+                          owned=owned, dtype=dtype, device=device)
 
 
 def load_flux(
@@ -489,6 +422,14 @@ class FluxFamily:
         from .flux_adapter import parameter_counts
 
         return parameter_counts(config)
+
+    def source_map(self, config: FluxConfig, layout: str, prefix: str = "") -> dict[str, Source]:
+        return source_map(config, layout, prefix)
+
+    def checkpoint_shapes(self, config: FluxConfig):
+        from .tiny import bfl_tensor_shapes
+
+        return bfl_tensor_shapes(config)
 
 
 FLUX = FluxFamily()

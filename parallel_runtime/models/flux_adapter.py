@@ -46,6 +46,10 @@ def block_costs(config: FluxConfig) -> list[int]:
 
 
 def pipeline_stages(config: FluxConfig, stages: int) -> list[list[range]]:
+    return balanced_stages(block_costs(config), stages)
+
+
+def balanced_stages(block_memory: list[int] | tuple[int, ...], stages: int) -> list[list[range]]:
     """The blocks of each PipeFusion rank, as the chunks it runs in pipeline order.
 
     Every Flux block does the same work per token (12 h^2 weights per token in each stream of a double
@@ -56,13 +60,12 @@ def pipeline_stages(config: FluxConfig, stages: int) -> list[list[range]]:
     """
     from ..strategies.pipefusion import split_stages
 
-    n = config.num_layers + config.num_single_layers
-    memory = block_costs(config)
+    n = len(block_memory)
     best = None
     for chunks in (1, 2):
         if chunks * stages > n:
             break
-        virtual = split_stages([1.0] * n, chunks * stages, memory=memory)
+        virtual = split_stages([1.0] * n, chunks * stages, memory=list(block_memory))
         ranks = [[virtual[c * stages + r] for c in range(chunks)] for r in range(stages)]
         work = max(sum(len(chunk) for chunk in rank) for rank in ranks)
         if best is None or work < best[0]:
@@ -70,18 +73,26 @@ def pipeline_stages(config: FluxConfig, stages: int) -> list[list[range]]:
     return best[1]
 
 
+def prefix_ownership(block_lists: tuple[str, ...], counts: tuple[int, ...], chunks: list[range],
+                     *prefix_groups: tuple[str, ...]) -> Callable[[str], bool]:
+    """Predicate over diffusers parameter names: the blocks in `chunks` (indices into the concatenation of
+    `block_lists`, of lengths `counts`) plus every name starting with one of `prefix_groups`' prefixes."""
+    names = [f"{attr}.{i}" for attr, n in zip(block_lists, counts) for i in range(n)]
+    prefixes = tuple(f"{names[i]}." for chunk in chunks for i in chunk) + tuple(p for g in prefix_groups for p in g)
+    return lambda name: name.startswith(prefixes)
+
+
 def stage_ownership(config: FluxConfig, chunks: list[range], first: bool, last: bool) -> Callable[[str], bool]:
     """Predicate over diffusers parameter names: True for what a rank running `chunks` needs."""
-    names = block_names(config)
-    prefixes = tuple(f"{names[i]}." for chunk in chunks for i in chunk) + ALWAYS_OWNED
-    prefixes += FIRST_STAGE if first else ()
-    prefixes += LAST_STAGE if last else ()
-    return lambda name: name.startswith(prefixes)
+    return prefix_ownership(("transformer_blocks", "single_transformer_blocks"),
+                            (config.num_layers, config.num_single_layers), chunks, ALWAYS_OWNED,
+                            FIRST_STAGE if first else (), LAST_STAGE if last else ())
 
 
 class FluxAdapter:
     latent_channels = 16
     patch = 2
+    embedding_module = "time_text_embed"  # a module every stage owns: its parameters give dtype and device
 
     def __init__(self, config: FluxConfig, model, chunks: list[range], context: AttentionContext):
         """`chunks`: the block ranges this rank runs (all blocks in one range when not pipelined)."""
@@ -92,7 +103,7 @@ class FluxAdapter:
         for layer in (i for chunk in chunks for i in chunk):
             all_blocks[layer].attn.set_processor(ParallelFluxAttnProcessor(layer, context))
         self._blocks = all_blocks
-        param = next(p for p in model.time_text_embed.parameters())
+        param = next(p for p in getattr(model, self.embedding_module).parameters())
         self.dtype, self.device = param.dtype, param.device
 
     @property

@@ -8,7 +8,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from .flux import TIME_FEATURES, FluxConfig, apply_transform, source_map
+from .flux import TIME_FEATURES, FluxConfig
+from .mapping import apply_transform
 
 TINY = FluxConfig(
     hidden_size=128,
@@ -75,10 +76,13 @@ def bfl_tensor_shapes(config: FluxConfig, prefix: str = "") -> dict[str, tuple[t
     return out
 
 
-def _random_bfl(config: FluxConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _random_original(config, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Random tensors for every key of the family's original (ComfyUI) layout, in a fixed order."""
+    from .family import family_of
+
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     tensors: dict[str, torch.Tensor] = {}
-    for key, (shape, kind) in bfl_tensor_shapes(config).items():
+    for key, (shape, kind) in family_of(config).checkpoint_shapes(config).items():
         t = torch.randn(shape, generator=gen, dtype=torch.float32)
         if kind == "weight":
             t.mul_(_WEIGHT_GAIN / shape[1] ** 0.5)
@@ -88,37 +92,40 @@ def _random_bfl(config: FluxConfig, seed: int, dtype: torch.dtype) -> dict[str, 
             t.mul_(_BIAS_STD)
         elif kind == "norm":
             t.mul_(_NORM_STD).add_(1.0)
+        elif kind == "table":  # stored position tables: O(1) entries like sin/cos ones
+            t.mul_(0.5)
         tensors[key] = t.to(dtype)
     return tensors
 
 
 def write_checkpoint(
     path: str | os.PathLike,
-    config: FluxConfig,
+    config,
     seed: int = 0,
     layout: str = "bfl",
     prefix: str = "",
     dtype: torch.dtype = torch.float32,
 ) -> str:
-    """Write deterministic random Flux weights to ``path`` (.safetensors) in ``layout``.
+    """Write deterministic random weights of any family's ``config`` to ``path`` (.safetensors) in ``layout``:
+    "diffusers", or the family's original (ComfyUI) layout under any other name ("bfl" for Flux).
 
-    The numbers depend only on ``config`` and ``seed``: a "bfl" file and its "diffusers"
+    The numbers depend only on ``config`` and ``seed``: an original file and its "diffusers"
     twin hold exactly the same values (the latter via our own key map).
     """
+    from .family import family_of
+
     path = os.fspath(path)
-    bfl = _random_bfl(config, seed, dtype)
-    if layout == "bfl":
+    bfl = _random_original(config, seed, dtype)
+    if layout != "diffusers":
         tensors = {prefix + k: v for k, v in bfl.items()}
-    elif layout == "diffusers":
+    else:
         tensors = {}
-        for name, src in source_map(config, "bfl", "").items():
+        for name, src in family_of(config).source_map(config, "bfl", "").items():
             t = bfl[src.key]
             if src.rows is not None:
                 t = t[src.rows]
             tensors[prefix + name] = apply_transform(t, src.transform).contiguous().clone()
         del bfl
-    else:
-        raise ValueError(f"layout must be 'bfl' or 'diffusers', not {layout!r}")
     metadata = {"format": "pt", "paradit_layout": layout, "paradit_seed": str(seed)}
     save_file(tensors, path, metadata=metadata)
     return path

@@ -1,0 +1,116 @@
+"""From checkpoint tensors to a diffusers module tree: the key map's vocabulary and the one builder.
+
+A family's key map says, for every parameter of its diffusers model, which checkpoint tensor (and which
+rows of it) it comes from (`Source`). `build_from_map` then builds the model on the meta device and reads
+only the parameters a rank owns, so every family loads lazily and per rank the same way.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import ModelFileError
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a diffusers parameter comes from: ``transform(file[key][rows])``."""
+
+    key: str
+    rows: slice | None = None
+    transform: str | None = None  # None or "swap_halves"
+
+
+def apply_transform(tensor: torch.Tensor, transform: str | None) -> torch.Tensor:
+    if transform is None:
+        return tensor
+    if transform == "swap_halves":
+        # The original final/pre-only modulations are (shift, scale); diffusers' AdaLayerNormContinuous
+        # chunks (scale, shift).
+        first, second = tensor.chunk(2, dim=0)
+        return torch.cat([second, first], dim=0)
+    raise ValueError(f"unknown transform {transform!r}")
+
+
+def linear(out: dict, dst: str, src: str, rows: slice | None = None, transform: str | None = None) -> None:
+    """Map a Linear's weight and bias (the same rows of both)."""
+    out[f"{dst}.weight"] = Source(f"{src}.weight", rows, transform)
+    out[f"{dst}.bias"] = Source(f"{src}.bias", rows, transform)
+
+
+def drop_unowned_blocks(model: torch.nn.Module, block_lists: tuple[str, ...], wanted: list[str]) -> None:
+    """Replace every block that owns no wanted parameter by Identity, so it holds no (meta) tensors."""
+    pattern = re.compile(r"(" + "|".join(map(re.escape, block_lists)) + r")\.(\d+)\.")
+    used = {(m.group(1), int(m.group(2))) for n in wanted if (m := pattern.match(n))}
+    for attr in block_lists:
+        blocks = getattr(model, attr)
+        for i in range(len(blocks)):
+            if (attr, i) not in used:
+                blocks[i] = torch.nn.Identity()
+
+
+def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, block_lists: tuple[str, ...],
+                   what: str, owned: Callable[[str], bool] = lambda name: True, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Fill a meta-device `model` with the parameters `owned` selects, read through `smap` from `reader`.
+
+    `what` names the model in errors ("Flux.1 DiT"). Blocks owning nothing become Identity; other
+    parameters not owned stay on meta, so touching them fails loudly instead of computing garbage.
+    """
+    name = os.path.basename(getattr(reader, "path", "checkpoint"))
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    if set(smap) != set(expected):
+        unmapped = sorted(set(expected) - set(smap))[:3]
+        extra = sorted(set(smap) - set(expected))[:3]
+        raise RuntimeError(f"{what} key map out of sync with diffusers: unmapped {unmapped}, unknown {extra}")
+
+    wanted = [n for n in expected if owned(n)]
+    drop_unowned_blocks(model, block_lists, wanted)
+
+    missing = sorted({smap[n].key for n in wanted if smap[n].key not in reader})
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelFileError(f"{name} has no tensor {missing[0]!r}{more}, so it is not a complete {what}; "
+                             f"re-download it.")
+
+    state: dict[str, torch.Tensor] = {}
+    for n in wanted:
+        src = smap[n]
+        tensor = apply_transform(reader.read(src.key, rows=src.rows, dtype=dtype, device=device), src.transform)
+        if tuple(tensor.shape) != expected[n]:
+            where = f"{src.key!r}" + (f" rows {src.rows.start}:{src.rows.stop}" if src.rows is not None else "")
+            raise ModelFileError(
+                f"{name}: tensor {where} has shape {tuple(tensor.shape)} but {n} needs {expected[n]}; "
+                f"the file is damaged or mixes model variants, so re-download it.")
+        state[n] = tensor.contiguous()
+
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise RuntimeError(f"unexpected keys while loading {what}: {result.unexpected_keys[:3]}")
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def block_count(keys: list[str], prefix: str, block: str, name: str) -> int:
+    """How many `{prefix}{block}.N.` blocks a checkpoint has; a gap in the numbering means a damaged file."""
+    pat = re.compile(re.escape(prefix + block) + r"\.(\d+)\.")
+    idx = {int(m.group(1)) for k in keys if (m := pat.match(k))}
+    if not idx:
+        return 0
+    n = max(idx) + 1
+    missing = sorted(set(range(n)) - idx)
+    if missing:
+        raise ModelFileError(
+            f"{name} has no tensors for {prefix}{block}.{missing[0]} although it has {block} up to {n - 1}; "
+            f"the file is incomplete, so re-download it.")
+    return n
+
+
+def has_block(keys: list[str], prefix: str, block: str) -> bool:
+    pat = re.compile(re.escape(prefix + block) + r"\.\d+\.")
+    return any(pat.match(k) for k in keys)

@@ -1,0 +1,116 @@
+"""Every model family under every strategy: tiny random checkpoints in ComfyUI's key layout, CPU/gloo workers.
+
+Test ids carry the family (`chroma`, `sd3`, ...), so `pytest -k chroma` runs one family alone. What each
+family's numbers are checked against:
+  * world 1 vs ComfyUI's own model class: tests/test_comfyui_integration.py (KSampler parity in a real host);
+  * exact strategies at 2 and 4 workers vs 1 worker: here (EXACT_RTOL);
+  * PipeFusion's stale K/V vs naive patch parallel: here.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import rel_err
+from parallel_runtime.models.chroma import ChromaConfig
+from parallel_runtime.models.family import read_model
+from parallel_runtime.models.loading import CheckpointReader
+from parallel_runtime.models.tiny import write_checkpoint
+from parallel_runtime.runtime.client import RuntimeClient
+from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec
+from parallel_runtime.spec import StrategySpec as S
+
+pytestmark = pytest.mark.timeout(600)
+
+# fp32 parity bound, as in tests/test_parallel.py: exact strategies change only summation order (attention
+# over split K/V merged by log-sum-exp, matmuls over fewer rows), ~1e-7 relative per op; any layout,
+# position or modulation-row bug shows up at 1e-2 or more.
+EXACT_RTOL = 1e-4
+
+# One small config per family: 2 heads (Ulysses-2 needs heads divisible by 2), widths that keep a CPU
+# step in milliseconds, block counts that give PipeFusion-2 and -4 something to split.
+FAMILIES = {
+    "chroma": ChromaConfig(hidden_size=64, num_heads=2, head_dim=32, num_layers=2, num_single_layers=2,
+                           context_dim=32, approximator_hidden=32, approximator_layers=2),
+}
+
+BATCH, HEIGHT, WIDTH = 2, 16, 24  # batch 2 and a non-square latent (8 x 12 patches)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    name = request.param
+    path = str(tmp_path_factory.mktemp(name) / f"tiny-{name}.safetensors")
+    write_checkpoint(path, FAMILIES[name], seed=11, prefix="model.diffusion_model.")
+    return name, path
+
+
+def conditioning(config, seed: int, text_len: int = 7, guidance: float | None = None) -> Conditioning:
+    g = torch.Generator().manual_seed(seed)
+    return Conditioning(torch.randn(1, text_len, config.context_dim, generator=g),
+                        torch.randn(1, config.pooled_dim, generator=g), guidance=guidance)
+
+
+def job(family, strategy=None, steps: int = 6, cfg: float = 2.0, **sampling) -> Job:
+    name, path = family
+    config = FAMILIES[name]
+    sp = dict(seed=3, steps=steps, cfg=cfg, sampler_name="euler", scheduler="simple", denoise=1.0) | sampling
+    # text_len 7 is odd: text shards are uneven under every sequence-parallel degree. The positive sets a
+    # guidance (FluxGuidance), the negative leaves the family's default.
+    return Job(ModelSpec(path), strategy or S(), SamplingSpec(**sp), torch.zeros(BATCH, 16, HEIGHT, WIDTH),
+               conditioning(config, 1, guidance=2.5), conditioning(config, 2))
+
+
+@pytest.fixture(scope="module")
+def serial(family):
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        yield client.run(job(family)).latent
+    finally:
+        client.shutdown()
+
+
+def test_detected_from_its_keys(family):
+    name, path = family
+    with CheckpointReader(path) as reader:
+        found, match, config = read_model(reader)
+    assert (found.name, match.prefix, config) == (name, "model.diffusion_model.", FAMILIES[name])
+
+
+def test_serial_result_is_a_real_sample(family, serial):
+    assert serial.shape == (BATCH, 16, HEIGHT, WIDTH) and torch.isfinite(serial).all()
+    assert rel_err(serial[0], serial[1]) > 0.1  # batch items get their own noise
+
+
+@pytest.mark.parametrize("strategy", [
+    S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2), S(pipefusion_degree=2, warmup_steps=6),
+], ids=lambda s: s.label())
+def test_two_rank_strategies_match_serial(family, serial, client2, strategy):
+    assert rel_err(client2.run(job(family, strategy)).latent, serial) <= EXACT_RTOL
+
+
+@pytest.mark.parametrize("strategy", [
+    S(ulysses_degree=2, ring_degree=2), S(cfg_degree=2, ulysses_degree=2), S(cfg_degree=2, ring_degree=2),
+    S(pipefusion_degree=2, ulysses_degree=2, warmup_steps=6), S(pipefusion_degree=4, warmup_steps=6),
+], ids=lambda s: s.label())
+def test_four_rank_strategies_match_serial(family, serial, client4, strategy):
+    assert rel_err(client4.run(job(family, strategy)).latent, serial) <= EXACT_RTOL
+
+
+def test_stale_kv_is_closer_than_naive_patch(family, serial, client4):
+    stale = client4.run(job(family, S(pipefusion_degree=4, num_pipeline_patch=4, warmup_steps=1))).latent
+    naive = client4.run(job(family, S(naive_patch_degree=4))).latent
+    e_stale, e_naive = rel_err(stale, serial), rel_err(naive, serial)
+    print(f"\n{family[0]}: stale K/V {e_stale:.2e}, naive patch {e_naive:.2e}")
+    assert e_stale > EXACT_RTOL, "patched steps should be approximate, else the test measures nothing"
+    assert e_stale < e_naive, (e_stale, e_naive)
+
+
+def test_diffusers_layout_gives_the_same_latent(family, serial, client2, tmp_path):
+    name, _ = family
+    path = write_checkpoint(str(tmp_path / "diffusers.safetensors"), FAMILIES[name], seed=11, layout="diffusers",
+                            prefix="transformer.")
+    out = client2.run(dataclasses.replace(job(family, S(ulysses_degree=2)), model=ModelSpec(path))).latent
+    assert rel_err(out, serial) <= EXACT_RTOL
