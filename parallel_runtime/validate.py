@@ -37,11 +37,14 @@ def validate_branches(job: Job) -> None:
     uses_uncond = cfg_uses_uncond(job.sampling.cfg)
     if uses_uncond and job.negative is None:
         raise ConfigError("cfg > 1 needs a negative conditioning; connect one or set cfg to 1.")
-    if uses_uncond and job.strategy.cfg_degree == 1 and job.negative.cond.shape[1] != job.positive.cond.shape[1]:
+    if (uses_uncond and job.strategy.cfg_degree == 1 and job.strategy.pipefusion_degree > 1
+            and job.negative.cond.shape[1] != job.positive.cond.shape[1]):
+        # Other strategies run the two as separate forward passes, as ComfyUI does; PipeFusion's pipeline
+        # and stale K/V buffers carry one token layout.
         raise ConfigError(f"the positive and negative prompts encode to different lengths "
-                          f"({job.positive.cond.shape[1]} vs {job.negative.cond.shape[1]} tokens), which cannot "
-                          f"share a batch; set cfg_degree=2 to run them on separate devices, or make the prompts "
-                          f"encode to the same length.")
+                          f"({job.positive.cond.shape[1]} vs {job.negative.cond.shape[1]} tokens), which PipeFusion "
+                          f"cannot pipeline together; set cfg_degree=2, use Ulysses/Ring instead of PipeFusion, or "
+                          f"make the prompts encode to the same length.")
     batch_index = job.extra.get("batch_index")
     if batch_index is not None and len(batch_index) != job.latent.shape[0]:
         raise ConfigError(f"the latent's batch_index lists {len(batch_index)} entries for {job.latent.shape[0]} "

@@ -47,6 +47,7 @@ import torch  # noqa: E402
 from safetensors.torch import load as load_safetensors  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from parallel_runtime.models.chroma import ChromaConfig  # noqa: E402
 from parallel_runtime.models.flux import FluxConfig  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 
@@ -93,17 +94,22 @@ class ParaDiTTestConditioning:
     def INPUT_TYPES(cls):
         return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31 - 1}),
                              "tokens": ("INT", {"default": 8, "min": 1, "max": 512}),
-                             "guidance": ("FLOAT", {"default": 3.5, "min": 0.0, "max": 100.0, "step": 0.1})}}
+                             "guidance": ("FLOAT", {"default": 3.5, "min": -1.0, "max": 100.0, "step": 0.1})},
+                "optional": {"width": ("INT", {"default": 4096, "min": 1, "max": 8192}),
+                             "pooled": ("INT", {"default": 768, "min": 0, "max": 8192})}}
 
     RETURN_TYPES = ("CONDITIONING",)
     FUNCTION = "make"
     CATEGORY = "testing"
 
-    def make(self, seed, tokens, guidance):
+    def make(self, seed, tokens, guidance, width=4096, pooled=768):
+        """guidance < 0 sets none (the family's default applies); pooled 0 gives none (T5-only encoders)."""
         g = torch.Generator().manual_seed(seed)
-        cond = torch.randn(1, tokens, 4096, generator=g)
-        pooled = torch.randn(1, 768, generator=g)
-        return ([[cond, {"pooled_output": pooled, "guidance": guidance}]],)
+        cond = torch.randn(1, tokens, width, generator=g)
+        extra = {"pooled_output": torch.randn(1, pooled, generator=g) if pooled else None}
+        if guidance >= 0:
+            extra["guidance"] = guidance
+        return ([[cond, extra]],)
 
 
 class ParaDiTTestLatentToImage:
@@ -581,3 +587,58 @@ def test_queue_workflow_script_runs_an_example_workflow(server, tmp_path):
                          server.address, "--workflow", os.path.join(REPO, "workflows", "flux_dev_ulysses.json")],
                         capture_output=True, text=True, timeout=60)
     assert ui.returncode == 2 and "UI-format" in ui.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# (g) The other families: Parallel Sampler at one worker = UNETLoader + KSampler on the same file, at a
+# non-square size and batch 2. Each file has the widths ComfyUI's detection fixes for its family (only the
+# block counts are small), so ComfyUI builds its own model class from it.
+
+FAMILY_FILES = {
+    # ComfyUI hard-codes Chroma's widths: 3072 (24 heads of 128), T5 4096, approximator 5120 x 5 layers.
+    "chroma": (ChromaConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=1, num_single_layers=1),
+               dict(width=4096, pooled=0)),
+}
+
+
+@pytest.fixture(scope="module")
+def family_file(server, request):
+    name = request.param
+    config, cond_kw = FAMILY_FILES[name]
+    filename = f"{name}-mini.safetensors"
+    write_checkpoint(os.path.join(server.root, "models", "diffusion_models", filename), config, seed=0,
+                     prefix="model.diffusion_model.", dtype=torch.float32)
+    return name, filename, cond_kw
+
+
+def family_graph(filename: str, cond_kw: dict, guidance: float = -1.0, **kw) -> dict:
+    """parallel_graph + with_ksampler for another family's file: 160 x 128 px (20 x 16 latent), batch 2."""
+    graph = with_ksampler(parallel_graph(unet=filename, tag=f"fam-{filename}", **kw), **kw)
+    graph["20"]["inputs"]["unet_name"] = filename
+    graph["1"] = {"class_type": "ParaDiTTestConditioning",
+                  "inputs": {"seed": 1, "tokens": 7, "guidance": guidance, **cond_kw}}
+    graph["2"] = {"class_type": "ParaDiTTestConditioning",
+                  "inputs": {"seed": 2, "tokens": 5, "guidance": -1.0, **cond_kw}}
+    graph["4"] = {"class_type": "EmptySD3LatentImage", "inputs": {"width": 160, "height": 128, "batch_size": 2}}
+    return graph
+
+
+@pytest.mark.parametrize("family_file", list(FAMILY_FILES), indirect=True)
+@pytest.mark.parametrize("kw", [
+    dict(cfg=1.0),
+    dict(cfg=2.0, sampler_name="dpmpp_2m", scheduler="beta", steps=5, seed=9, guidance=2.5),
+    dict(cfg=1.5, sampler_name="euler_ancestral", scheduler="normal", steps=4, seed=4),
+], ids=["euler-simple-cfg1", "dpmpp_2m-beta-cfg2-guidance", "euler_a-normal-cfg1.5"])
+def test_family_same_latent_as_ksampler(server, family_file, kw):
+    name, filename, cond_kw = family_file
+    kw = dict(kw)
+    guidance = kw.pop("guidance", -1.0)
+    t0 = time.monotonic()
+    result = server.run(family_graph(filename, cond_kw, guidance, **kw))
+    ks, par = server.latent(result, "22"), server.latent(result, "13")
+    err = rel_err(par, ks)
+    print(f"\n{name}: KSampler vs Parallel Sampler cpu:1, {kw}, guidance {guidance}: rel. L2 error {err:.2e} "
+          f"({time.monotonic() - t0:.1f} s)")
+    assert ks.shape == par.shape == (2, 16, 16, 20)
+    assert rel_err(ks[0], ks[1]) > 0.05  # the batch items really differ
+    assert err <= KSAMPLER_RTOL

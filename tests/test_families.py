@@ -108,6 +108,28 @@ def test_stale_kv_is_closer_than_naive_patch(family, serial, client4):
     assert e_stale < e_naive, (e_stale, e_naive)
 
 
+@pytest.fixture(scope="module")
+def serial_unequal(family):
+    """cfg 2 with a negative prompt of another length (T5-only encoders do not pad): two forward passes."""
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        yield client.run(unequal(family, S())).latent
+    finally:
+        client.shutdown()
+
+
+def unequal(family, strategy) -> Job:
+    j = job(family, strategy)
+    return dataclasses.replace(j, negative=conditioning(FAMILIES[family[0]], 2, text_len=4))
+
+
+@pytest.mark.parametrize("strategy", [S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2)],
+                         ids=lambda s: s.label())
+def test_prompts_of_different_lengths_match_serial(family, serial, serial_unequal, client2, strategy):
+    assert rel_err(client2.run(unequal(family, strategy)).latent, serial_unequal) <= EXACT_RTOL
+    assert rel_err(serial_unequal, serial) > 1e-3  # the shorter negative really is another prompt
+
+
 def test_diffusers_layout_gives_the_same_latent(family, serial, client2, tmp_path):
     name, _ = family
     path = write_checkpoint(str(tmp_path / "diffusers.safetensors"), FAMILIES[name], seed=11, layout="diffusers",

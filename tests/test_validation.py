@@ -152,7 +152,8 @@ def test_conditioning_mismatches_fail_before_any_worker_loads(tiny_path):
     job = make_job(tiny_path, S(ulysses_degree=2))
     cases = [
         (dataclasses.replace(job, negative=None), "needs a negative conditioning"),
-        (dataclasses.replace(job, negative=make_conditioning(2, text_len=9)), "different lengths .*cfg_degree=2"),
+        (dataclasses.replace(job, strategy=S(pipefusion_degree=2), negative=make_conditioning(2, text_len=9)),
+         "different lengths .*PipeFusion .*cfg_degree=2"),
         (dataclasses.replace(job, extra={"batch_index": [0, 1]}), "batch_index lists 2 entries for 1 image"),
     ]
     for bad, text in cases:

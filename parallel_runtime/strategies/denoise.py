@@ -11,6 +11,7 @@ rank only updates the rows it owns; rows are gathered once, at the end.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -138,7 +139,12 @@ class Denoiser:
         conds = [job.positive] + ([job.negative] if cfg_uses_uncond(sp.cfg) else [])
         if s.cfg_degree == 2:
             conds = [conds[self.coords["cfg"]]]
-        self.branches = Branches(conds, b, self.adapter.default_guidance, device=self.adapter.device)
+        # Branches whose prompts encode to the same length share one forward pass (a batch); otherwise each
+        # runs its own, as ComfyUI runs them (T5-only encoders such as Chroma's do not pad prompts).
+        same_length = len({c.cond.shape[1] for c in conds}) == 1
+        self.groups = [Branches(group, b, self.adapter.default_guidance, device=self.adapter.device)
+                       for group in ([conds] if same_length else [[c] for c in conds])]
+        self.branches = self.groups[0]  # PipeFusion runs one group (validate_branches)
         self.cfg_scale = sp.cfg
         self.uses_uncond = cfg_uses_uncond(sp.cfg)
 
@@ -148,6 +154,7 @@ class Denoiser:
                                   shards=self.topology.naive_patch if naive else self.topology.sp,
                                   split_text=not naive)
         self.shard = self.coords["naive_patch"] if naive else self.topology.sp_rank(self.rank)
+        self.hw = (h, w)
         self.rope_full = self.adapter.rope(self.layout.text_len, h, w)
         try:
             if self.topology.pipefusion > 1:
@@ -170,21 +177,30 @@ class Denoiser:
         cos, sin = self.rope_full
         return cos[positions], sin[positions]
 
-    def _text(self, rows: range) -> torch.Tensor:
-        return self.adapter.embed_text(self.branches.cond[:, rows.start:rows.stop])
+    def _text(self, rows: range, branches: Branches | None = None) -> torch.Tensor:
+        return self.adapter.embed_text((branches or self.branches).cond[:, rows.start:rows.stop])
 
-    def _temb(self, i: int) -> torch.Tensor:
-        n = self.branches.cond.shape[0]
-        return self.adapter.timestep_embedding(self.sigmas_on_device[i].expand(n), self.branches.pooled,
-                                               self.branches.guidance)
+    def _temb(self, i: int, branches: Branches | None = None) -> torch.Tensor:
+        branches = branches or self.branches
+        n = branches.cond.shape[0]
+        return self.adapter.timestep_embedding(self.sigmas_on_device[i].expand(n), branches.pooled, branches.guidance)
 
-    def _repeat(self, x: torch.Tensor) -> torch.Tensor:
-        return x.repeat(self.branches.count, 1, 1) if self.branches.count > 1 else x
+    def _repeat(self, x: torch.Tensor, branches: Branches | None = None) -> torch.Tensor:
+        count = (branches or self.branches).count
+        return x.repeat(count, 1, 1) if count > 1 else x
+
+    def _branch_denoised(self, i: int, x_rows: torch.Tensor, image_hidden: torch.Tensor, temb: torch.Tensor,
+                         branches: Branches | None = None) -> tuple[torch.Tensor, ...]:
+        """Last-stage head of one forward pass: velocity -> denoised, one tensor per branch it carried."""
+        branches = branches or self.branches
+        v = self.adapter.head(image_hidden, temb)
+        return denoised_from_velocity(self._repeat(x_rows, branches), v, self.sigmas[i]).chunk(branches.count)
 
     def _denoised(self, i: int, x_rows: torch.Tensor, image_hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        """Last-stage head: velocity -> denoised, then CFG across branches (and ranks)."""
-        v = self.adapter.head(image_hidden, temb)
-        den = denoised_from_velocity(self._repeat(x_rows), v, self.sigmas[i]).chunk(self.branches.count)
+        """Last-stage head, then CFG across branches (and ranks)."""
+        return self._cfg(self._branch_denoised(i, x_rows, image_hidden, temb))
+
+    def _cfg(self, den: tuple[torch.Tensor, ...]) -> torch.Tensor:
         if self.topology.cfg > 1:
             den = self.comm.all_gather(den[0].contiguous(), self.comm.group("cfg"), op="cfg")
         return cfg_combine(den[0], den[1] if self.uses_uncond else None, self.cfg_scale)
@@ -233,29 +249,38 @@ class Denoiser:
     # -- sequence parallel (also serial, CFG-only and naive patch) -------------------------------------
 
     def _run_sequence_parallel(self, x: torch.Tensor) -> torch.Tensor:
-        layout, me = self.layout, self.shard
-        if self.topology.naive_patch > 1:
-            self.context.attention = self.context.image_attention = LocalAttention()
-        else:
-            shards = range(layout.shards)
-            self.context.attention = self._sequence_attention([layout.seq_len(j, 1) for j in shards])
-            self.context.image_attention = self._sequence_attention([layout.patch_len // layout.shards] * len(shards))
-
-        rows = layout.image_slice(me, 0)
+        me = self.shard
+        forwards = [self._forward_setup(branches, x.device) for branches in self.groups]
+        rows = self.layout.image_slice(me, 0)
         index = torch.arange(rows.start, rows.stop, device=x.device)
-        rope = self._rope(layout.positions(me, [0], x.device))
-        text = self._text(layout.text_rows(me))
         for i in range(len(self.sigmas) - 1):
             t0 = time.perf_counter()
             self._check_cancel()
-            temb = self._temb(i)
             x_rows = x[:, rows]
-            image = self.adapter.embed_image(self._repeat(x_rows), index)
-            image, _ = self.adapter.run_blocks(image, text, temb, rope)
-            den = self._denoised(i, x_rows, image, temb)
-            x[:, rows] = self.sampler.step(i, x_rows, den, region=rows)
+            den: tuple[torch.Tensor, ...] = ()
+            for branches, (attention, image_attention, rope, text) in zip(self.groups, forwards):
+                self.context.attention, self.context.image_attention = attention, image_attention
+                temb = self._temb(i, branches)
+                image = self.adapter.embed_image(self._repeat(x_rows, branches), index)
+                image, _ = self.adapter.run_blocks(image, text, temb, rope)
+                den += self._branch_denoised(i, x_rows, image, temb, branches)
+            x[:, rows] = self.sampler.step(i, x_rows, self._cfg(den), region=rows)
             self._step_done(i, t0)
         return x
+
+    def _forward_setup(self, branches: Branches, device) -> tuple:
+        """(joint attention, image-only attention, RoPE rows, embedded text rows) of this rank for one forward
+        pass over `branches`: its prompt length decides the text shards and every position after them."""
+        layout, me = dataclasses.replace(self.layout, text_len=branches.cond.shape[1]), self.shard
+        if self.topology.naive_patch > 1:
+            attention = image_attention = LocalAttention()
+        else:
+            shards = range(layout.shards)
+            attention = self._sequence_attention([layout.seq_len(j, 1) for j in shards])
+            image_attention = self._sequence_attention([layout.patch_len // layout.shards] * len(shards))
+        rope_full = self.adapter.rope(layout.text_len, self.hw[0], self.hw[1])
+        rope = None if rope_full is None else tuple(t[layout.positions(me, [0], device)] for t in rope_full)
+        return attention, image_attention, rope, self._text(layout.text_rows(me), branches)
 
     def _sequence_attention(self, seq: list[int]):
         """Ring over Ulysses groups for tokens whose per-shard lengths are `seq` (sequence-parallel order:
