@@ -114,6 +114,10 @@ def validate_job(job: Job, world_size: int) -> None:
         if c.pooled.shape[0] != c.cond.shape[0]:
             raise ConfigError(f"the {name} conditioning has {c.cond.shape[0]} prompt(s) but {c.pooled.shape[0]} pooled "
                               f"vector(s); encode it with one text-encode node so the two match.")
+    side = getattr(config, "max_latent_size", None)  # families with a stored position table (SD3)
+    if side is not None and max(lat.shape[2:]) > side:
+        raise ConfigError(f"the latent is {lat.shape[3] * 8}x{lat.shape[2] * 8} px but this model's position table "
+                          f"covers at most {side * 8} px a side; generate a smaller image.")
     validate_branches(job)
     validate_strategy(job.strategy, world_size=world_size, heads=config.num_heads,
                       num_blocks=config.num_blocks, latent_hw=tuple(lat.shape[2:]),

@@ -17,6 +17,7 @@ from conftest import rel_err
 from parallel_runtime.models.chroma import ChromaConfig
 from parallel_runtime.models.family import read_model
 from parallel_runtime.models.loading import CheckpointReader
+from parallel_runtime.models.sd3 import SD3Config
 from parallel_runtime.models.tiny import write_checkpoint
 from parallel_runtime.runtime.client import RuntimeClient
 from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec
@@ -34,6 +35,11 @@ EXACT_RTOL = 1e-4
 FAMILIES = {
     "chroma": ChromaConfig(hidden_size=64, num_heads=2, head_dim=32, num_layers=2, num_single_layers=2,
                            context_dim=32, approximator_hidden=32, approximator_layers=2),
+    # SD3.5 Large-like (q/k norms, no second attention); 2 heads of 64.
+    "sd3": SD3Config(hidden_size=128, num_layers=4, pos_embed_max_size=16, context_dim=32, pooled_dim=24),
+    # SD3.5 Medium-like: the image-only second attention on the first blocks (a pre-only block last).
+    "sd3_medium_dual": SD3Config(hidden_size=128, num_layers=4, pos_embed_max_size=16, context_dim=32, pooled_dim=24,
+                                 dual_attention_layers=(0, 1, 2)),
 }
 
 BATCH, HEIGHT, WIDTH = 2, 16, 24  # batch 2 and a non-square latent (8 x 12 patches)
@@ -76,7 +82,7 @@ def test_detected_from_its_keys(family):
     name, path = family
     with CheckpointReader(path) as reader:
         found, match, config = read_model(reader)
-    assert (found.name, match.prefix, config) == (name, "model.diffusion_model.", FAMILIES[name])
+    assert (found.name, match.prefix, config) == (FAMILIES[name].family, "model.diffusion_model.", FAMILIES[name])
 
 
 def test_serial_result_is_a_real_sample(family, serial):

@@ -77,8 +77,9 @@ def families() -> list[ModelFamily]:
     """Every family the runtime runs, in detection order (imported lazily: diffusers is heavy)."""
     from .chroma import CHROMA
     from .flux import FLUX
+    from .sd3 import SD3
 
-    return [FLUX, CHROMA]
+    return [FLUX, CHROMA, SD3]
 
 
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:
