@@ -49,6 +49,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from parallel_runtime.models.chroma import ChromaConfig  # noqa: E402
 from parallel_runtime.models.flux import FluxConfig  # noqa: E402
+from parallel_runtime.models.sd3 import SD3Config  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -598,6 +599,11 @@ FAMILY_FILES = {
     # ComfyUI hard-codes Chroma's widths: 3072 (24 heads of 128), T5 4096, approximator 5120 x 5 layers.
     "chroma": (ChromaConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=1, num_single_layers=1),
                dict(width=4096, pooled=0)),
+    # ComfyUI reads SD3's widths from shapes but builds hidden/64 joint blocks: 128 wide = 2 blocks of 2 heads.
+    "sd3": (SD3Config(hidden_size=128, num_layers=2, pos_embed_max_size=16), dict(width=4096, pooled=2048)),
+    # SD3.5 Medium-like: the image-only second attention in blocks 0 and 1 of 3.
+    "sd35_medium": (SD3Config(hidden_size=192, num_layers=3, pos_embed_max_size=16, dual_attention_layers=(0, 1)),
+                    dict(width=4096, pooled=2048)),
 }
 
 
