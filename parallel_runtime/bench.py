@@ -31,7 +31,9 @@ import time
 
 import torch
 
+from .models.chroma import ChromaConfig
 from .models.flux import FluxConfig
+from .models.sd3 import SD3Config
 from .models.tiny import TINY
 from .planning import costmodel
 from .planning.traffic import Shapes, compare, job_traffic
@@ -47,7 +49,27 @@ BENCH_FLUX = FluxConfig(hidden_size=256, num_heads=4, head_dim=64, num_layers=2,
 # FLUX.1-dev shapes, for the GPU projection when the bench ran a small model.
 FLUX_DEV = FluxConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=19, num_single_layers=38,
                       in_channels=64, context_dim=4096, pooled_dim=768, guidance_embeds=True, mlp_ratio=4.0)
-NAMED_MODELS = {"bench": BENCH_FLUX, "tiny": TINY}
+# Random models with each family's block structure, at the bench's width (256: 4 heads of 64).
+BENCH_FAMILIES = {
+    "flux": BENCH_FLUX,
+    # Chroma: Flux's 1:2 block mix, the modulation table from a small approximator instead of per-block layers.
+    "chroma": ChromaConfig(hidden_size=256, num_heads=4, head_dim=64, num_layers=2, num_single_layers=4,
+                           context_dim=64, approximator_hidden=64, approximator_layers=2),
+    # SD3.5 Large's block (q/k norms, joint attention, last block text pre-only); a 64-patch table covers 1024 px.
+    "sd35": SD3Config(hidden_size=256, num_layers=6, pos_embed_max_size=64, context_dim=64, pooled_dim=32),
+    # SD3.5 Medium: the image-only second attention in the first half of the blocks.
+    "sd35_medium": SD3Config(hidden_size=256, num_layers=6, pos_embed_max_size=64, context_dim=64, pooled_dim=32,
+                             dual_attention_layers=(0, 1, 2)),
+}
+# The released models' shapes, for the GPU projection after a bench model ran.
+RELEASE_SHAPES = {
+    "chroma": (ChromaConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=19, num_single_layers=38),
+               "Chroma1-HD shapes (width 3072, 19 + 38 blocks)"),
+    "sd35": (SD3Config(hidden_size=2432, num_layers=38, pos_embed_max_size=192), "SD3.5 Large shapes (width 2432, 38 blocks)"),
+    "sd35_medium": (SD3Config(hidden_size=1536, num_layers=24, pos_embed_max_size=384,
+                              dual_attention_layers=tuple(range(13))), "SD3.5 Medium shapes (width 1536, 24 blocks)"),
+}
+NAMED_MODELS = {"bench": BENCH_FLUX, "tiny": TINY, **{k: v for k, v in BENCH_FAMILIES.items() if k != "flux"}}
 TOY = "toy"  # the trained demo model (parallel_runtime/toy): its shipped file, the demo's prompt, 512x512
 
 TARGET_OVERHEAD = 0.05
@@ -70,6 +92,8 @@ def parse_args(argv):
                     help="'bench' (Flux-shaped: width 256, 2 double + 4 single blocks), 'tiny', 'toy' (the trained "
                          "demo model with the demo's prompt; default 512x512), or a Flux .safetensors path "
                          "(default: bench)")
+    ap.add_argument("--family", default=None, choices=sorted(BENCH_FAMILIES),
+                    help="run the grid on a random model with this family's block shapes (flux = --model bench)")
     ap.add_argument("--blocks", default=None, metavar="D,S",
                     help="double,single block counts for a named model (e.g. 0,6 or 4,8)")
     ap.add_argument("--resolution", default=None, metavar="WxH",
@@ -100,6 +124,10 @@ def parse_args(argv):
                          "goes to stderr)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
     args = ap.parse_args(argv)
+    if args.family:
+        if args.model is not None:
+            ap.error("give --family or --model, not both")
+        args.model = "bench" if args.family == "flux" else args.family
     for name, value in (QUICK if args.quick else TOY_DEFAULTS if args.model == TOY else DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -325,7 +353,7 @@ def make_job(path: str, config: FluxConfig, strategy: StrategySpec, latent_shape
         Conditioning(torch.randn(1, text_tokens, config.context_dim, generator=g),
                      torch.randn(1, config.pooled_dim, generator=g), 3.5),
         Conditioning(torch.randn(1, text_tokens, config.context_dim, generator=g),
-                     torch.randn(1, config.pooled_dim, generator=g), 3.5))
+                     torch.randn(1, config.pooled_dim, generator=g), 3.5))  # pooled_dim 0: T5-only families
     return Job(ModelSpec(path), strategy, SamplingSpec(seed=7, steps=steps, cfg=cfg), torch.zeros(latent_shape),
                pos, neg if abs(cfg - 1.0) > 1e-9 else None)
 
@@ -520,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     def say(text: str = "") -> None:
         print(text, file=out_stream, flush=True)
 
+    from .models.family import family_of
     from .models.flux import load_flux  # noqa: F401 - fail early if diffusers is missing
     from .models.tiny import write_checkpoint
     from .runtime.devices import parse_devices
@@ -540,8 +569,9 @@ def main(argv: list[str] | None = None) -> int:
                 config = dataclasses.replace(config, num_layers=d, num_single_layers=s)
             tmp = tempfile.mkdtemp(prefix="paradit-bench-")
             path = write_checkpoint(os.path.join(tmp, f"{args.model}.safetensors"), config, seed=0)
-            model_name = (f"{args.model} (Flux-shaped: width {config.hidden_size}, {config.num_heads} heads x "
-                          f"{config.head_dim}, {config.num_layers} double + {config.num_single_layers} single blocks)")
+            model_name = (f"{args.model} ({family_of(config).title}-shaped, random weights: width "
+                          f"{config.hidden_size}, {config.num_heads} heads x {config.head_dim}, "
+                          f"{config.num_layers} double/joint + {config.num_single_layers} single blocks)")
         else:
             path = os.path.abspath(args.model)
             if args.model == TOY:
@@ -578,7 +608,8 @@ def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devi
     say(f"  devices {args.devices} ({max_world} worker(s)), {args.threads} thread(s) per worker, {cores} core(s) here")
     say("")
 
-    record: dict = {"model": model_name, "model_path": path if args.model not in NAMED_MODELS else args.model,
+    family = family_of(config).name
+    record: dict = {"model": model_name, "family": family, "model_path": path if args.model not in NAMED_MODELS else args.model,
                     "config": dataclasses.asdict(config), "resolution": [latent_shape[3] * 8, latent_shape[2] * 8],
                     "image_tokens": image_tokens, "text_tokens": text, "steps": args.steps, "devices": args.devices,
                     "threads": args.threads, "repeats": args.repeats, "cores": cores, "rows": []}
@@ -671,7 +702,7 @@ def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devi
 
     # -- table -------------------------------------------------------------------------------------------
     headers, table, json_rows = _result_rows(results, serial, args.steps, kind)
-    record["rows"].extend(json_rows)
+    record["rows"].extend(dict(row, family=family) for row in json_rows)
     say("")
     say(f"Results — {model_name}, {image_tokens} image + {text} text tokens, {args.devices} x {args.threads} thread(s)")
     say(_fmt_table(headers, table))
@@ -694,12 +725,12 @@ def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devi
         conditions.append(f"{image_tokens} image tokens, not 4096")
     if kind != "cpu" or args.threads != 1:
         conditions.append("not CPU workers with 1 thread")
-    if args.model != "bench" or args.blocks:
+    if args.model not in ("bench", *BENCH_FAMILIES) or args.blocks:
         conditions.append(f"model {model_name.split(' (')[0]}{' with --blocks ' + args.blocks if args.blocks else ''}, "
-                          f"not the bench model")
+                          f"not a family's bench model")
     say("")
     say("Targets" + (f" (conditions differ from the stated ones: {'; '.join(conditions)})" if conditions else
-                     " (2-core CPU, 1 thread per worker, Flux-shaped bench model, 4096 image tokens)") + ":")
+                     " (2-core CPU, 1 thread per worker, the family's bench model, 4096 image tokens)") + ":")
     for t in targets:
         say(f"  [{t['status']:4}] {t['target']}: {t['detail']}")
     record["targets"] = targets
@@ -715,8 +746,9 @@ def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devi
                     + (f"; best measured at cfg {args.cfg:g} on {max_world} workers: {auto_record['best_label']} "
                        f"({auto_record['best_step_s'] * 1e3:.0f} ms/step)" if "best_label" in auto_record else ""))
         say(f"Cost model inputs measured here: {calib.describe()}")
-        proj_config = config if args.model not in NAMED_MODELS else FLUX_DEV
-        proj_name = "this model" if args.model not in NAMED_MODELS else "FLUX.1-dev shapes (width 3072, 19 + 38 blocks)"
+        proj_config, proj_name = RELEASE_SHAPES.get(args.model, (FLUX_DEV, "FLUX.1-dev shapes (width 3072, 19 + 38 blocks)"))
+        if args.model not in NAMED_MODELS:
+            proj_config, proj_name = config, "this model"
         record["projection"] = gpu_projection(say, proj_config, proj_name, latent_shape, text, image_tokens,
                                               args.cfg, args.gpu_tflops)
     record["seconds"] = time.perf_counter() - t_start
