@@ -122,10 +122,13 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     if client.notice:
         host.send_text(client.notice, node_id)
 
+    # T5-only encoders (Chroma) do not pad: auto then skips what cannot batch prompts of two lengths.
+    unequal = neg is not None and neg.cond.shape[1] != pos.cond.shape[1]
+
     def choose_strategy(*args):  # imported only in auto mode
         from parallel_runtime.planning.auto import choose_strategy
 
-        return choose_strategy(*args, memory_budget_bytes=client.memory_budget())
+        return choose_strategy(*args, memory_budget_bytes=client.memory_budget(), unequal_prompts=unequal)
 
     choice = model.strategy
     strategy, reason = convert.resolve_strategy(choice, choose_strategy, model.model.path, tuple(samples.shape),

@@ -123,3 +123,19 @@ def test_bench_quick_preset(tmp_path, monkeypatch):
     assert all(s in ("PASS", "FAIL", "n/a") for s in statuses.values())
     assert record["auto"] is not None and isinstance(record["auto"]["reason"], str)
     assert len(record["projection"]) == 6
+
+
+@pytest.mark.parametrize("family", ["chroma", "sd35_medium"])
+def test_bench_family_rows_name_their_family(tmp_path, monkeypatch, family):
+    """`bench --family`: the grid runs on that family's bench model; exact strategies stay exact."""
+    from parallel_runtime import bench
+
+    monkeypatch.setenv("PARADIT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "bench.json"
+    assert bench.main(["--quick", "--family", family, "--configs", "serial,ulysses2,ring2", "--no-auto",
+                       "--no-overhead", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    expected = bench.BENCH_FAMILIES[family].family
+    assert record["family"] == expected and {r["family"] for r in record["rows"]} == {expected}
+    assert {r["label"] for r in record["rows"]} == {"serial", "ulysses2", "ring2"}
+    assert all(r["rel_err"] < 1e-4 for r in record["rows"] if r["label"] != "serial")

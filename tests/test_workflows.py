@@ -5,7 +5,8 @@
 - API graphs use only ParaDiT's nodes, with exactly the inputs nodes/convert.py declares, and the core
   nodes listed below, with links of the right types;
 - each UI workflow and its API twin agree node by node, widget by widget, link by link;
-- the strategy of each workflow fits its devices and a 1024x1024 Flux image;
+- each workflow loads its model family's files (Flux dev/schnell, Chroma, SD3.5) with the right text
+  encoders and guidance, and its strategy fits its devices, that model and a 1024x1024 image;
 - scripts/queue_workflow.py: overrides, format detection and its websocket client (against a tiny
   in-process server on 127.0.0.1).
 """
@@ -31,14 +32,30 @@ from parallel_runtime.runtime.topology import validate_strategy
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WF_DIR = os.path.join(REPO, "workflows")
 API_DIR = os.path.join(WF_DIR, "api")
-FAMILIES = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pipefusion", "flux_dev_cfg_parallel",
-            "flux_dev_hybrid", "flux_schnell")
+WORKFLOWS = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pipefusion", "flux_dev_cfg_parallel",
+             "flux_dev_hybrid", "flux_schnell", "chroma_ulysses", "sd35_large_cfg_parallel")
 FLUX_HEADS, FLUX_BLOCKS = 24, 19 + 38  # FLUX.1 dev/schnell: 19 double + 38 single blocks
+FLUX_UNETS = ("flux1-dev.safetensors", "flux1-schnell.safetensors")
+STRATEGY_WORDS = ("auto", "ulysses", "ring", "pipefusion", "cfg_parallel", "hybrid")  # the end of a workflow's name
+
+# The non-Flux models: what their workflows load, and each model's shape for validate_strategy. Both run true
+# CFG (no guidance distillation): cfg > 1, a real negative prompt, no FluxGuidance.
+MODELS = {
+    "chroma_": dict(  # Chroma1-HD: Flux's blocks, one T5-XXL (CLIPLoader type chroma), Flux's VAE
+        unet="Chroma1-HD.safetensors", heads=24, blocks=19 + 38, vae="ae.safetensors",
+        clip=("CLIPLoader", {"clip_name": "t5xxl_fp16.safetensors", "type": "chroma", "device": "default"})),
+    "sd35_large_": dict(  # SD3.5 Large: 38 joint blocks of 38 heads (hidden 2432 / 64), CLIP-L + CLIP-G + T5-XXL
+        unet="sd3.5_large.safetensors", heads=38, blocks=38, vae="sd35_vae.safetensors",
+        clip=("TripleCLIPLoader", {"clip_name1": "clip_l.safetensors", "clip_name2": "clip_g.safetensors",
+                                   "clip_name3": "t5xxl_fp16.safetensors"})),
+}
 
 # Core ComfyUI nodes the workflows may use (as of ComfyUI a125cd8): widget inputs in order, socket inputs
 # in order, output types. UI-only nodes (notes) have no API twin.
 CORE = {
     "DualCLIPLoader": (["clip_name1", "clip_name2", "type", "device"], {}, ["CLIP"]),
+    "CLIPLoader": (["clip_name", "type", "device"], {}, ["CLIP"]),
+    "TripleCLIPLoader": (["clip_name1", "clip_name2", "clip_name3"], {}, ["CLIP"]),  # comfy_extras/nodes_sd3.py
     "CLIPTextEncode": (["text"], {"clip": "CLIP"}, ["CONDITIONING"]),
     "FluxGuidance": (["guidance"], {"conditioning": "CONDITIONING"}, ["CONDITIONING"]),
     "ConditioningZeroOut": ([], {"conditioning": "CONDITIONING"}, ["CONDITIONING"]),
@@ -48,14 +65,14 @@ CORE = {
     "SaveImage": (["filename_prefix"], {"images": "IMAGE"}, []),
 }
 UI_ONLY = {"MarkdownNote", "Note"}
-OPTIONAL_CORE = {("DualCLIPLoader", "device")}
+OPTIONAL_CORE = {("DualCLIPLoader", "device"), ("CLIPLoader", "device")}  # "optional" in their INPUT_TYPES
 
 
 def _ours():
     """class -> (InputSpec rows, output types), straight from nodes/convert.py."""
     return {
         "ParaDiTStrategy": (convert.STRATEGY_INPUTS, [convert.STRATEGY_TYPE]),
-        "ParaDiTLoader": (convert.loader_inputs(["flux1-dev.safetensors", "flux1-schnell.safetensors"]),
+        "ParaDiTLoader": (convert.loader_inputs([*FLUX_UNETS, *(m["unet"] for m in MODELS.values())]),
                           [convert.MODEL_TYPE]),
         "ParaDiTSampler": (convert.sampler_inputs(convert.sampler_names(), convert.scheduler_names()), ["LATENT"]),
     }
@@ -91,11 +108,24 @@ def api_files():
     return sorted(f for f in os.listdir(API_DIR) if f.endswith(".json"))
 
 
+def _model_of(name: str):
+    """The MODELS entry a workflow file is for, or None for Flux."""
+    found = [m for prefix, m in MODELS.items() if name.startswith(prefix)]
+    assert len(found) == (0 if name.startswith("flux_") else 1), f"{name}: which model is this workflow for?"
+    return found[0] if found else None
+
+
+FLUX_API = [f for f in api_files() if f.startswith("flux_")]
+OTHER_API = [f for f in api_files() if not f.startswith("flux_")]
+
+
 # ---------------------------------------------------------------------------------------------------
 
 def test_every_family_has_a_ui_workflow_and_an_api_twin():
     assert ui_files() == api_files()
-    assert sorted(os.path.splitext(f)[0] for f in ui_files()) == sorted(FAMILIES)
+    assert sorted(os.path.splitext(f)[0] for f in ui_files()) == sorted(WORKFLOWS)
+    for name in WORKFLOWS:
+        _model_of(name)  # every workflow is Flux or one of MODELS
     for sub in os.listdir(WF_DIR):  # ComfyUI lists top-level *.json only; keep api/ the only folder
         assert sub.endswith(".json") or sub == "api", sub
 
@@ -214,27 +244,27 @@ def _by_class(graph):
     return out
 
 
-@pytest.mark.parametrize("name", api_files())
-def test_workflow_is_flux_text_to_image_and_its_strategy_fits(name):
-    graph = _load(os.path.join(API_DIR, name))
+def _text_to_image(name, graph):
+    """The parts every workflow has, checked for the wiring they share: strategy -> loader -> sampler -> decode ->
+    save, a 1024x1024 latent, and a save prefix named after the workflow."""
     c = _by_class(graph)
     (loader,), (strategy,), (sampler,) = c["ParaDiTLoader"], c["ParaDiTStrategy"], c["ParaDiTSampler"]
-    (clip,), (latent,), (vae,), (decode,), (save,) = (c[k] for k in ("DualCLIPLoader", "EmptySD3LatentImage",
-                                                                      "VAELoader", "VAEDecode", "SaveImage"))
-    schnell = name.startswith("flux_schnell")
-    assert loader["inputs"]["unet_name"] == ("flux1-schnell.safetensors" if schnell else "flux1-dev.safetensors")
-    assert clip["inputs"] == {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors",
-                              "type": "flux", "device": "default"}
-    assert vae["inputs"]["vae_name"] == "ae.safetensors"
+    (latent,), (vae,), (decode,), (save,) = (c[k] for k in ("EmptySD3LatentImage", "VAELoader", "VAEDecode",
+                                                              "SaveImage"))
     assert (latent["inputs"]["width"], latent["inputs"]["height"]) == (1024, 1024)
-    assert ("FluxGuidance" in c) == (not schnell)
-    assert graph[sampler["inputs"]["positive"][0]]["class_type"] == ("CLIPTextEncode" if schnell else "FluxGuidance")
     assert graph[decode["inputs"]["samples"][0]] is sampler and graph[save["inputs"]["images"][0]] is decode
-    assert graph[loader["inputs"]["strategy"][0]] is strategy
-    s = sampler["inputs"]
-    if schnell:
-        assert (s["steps"], s["cfg"]) == (4, 1.0)
+    assert graph[decode["inputs"]["vae"][0]] is vae and graph[sampler["inputs"]["latent_image"][0]] is latent
+    assert graph[loader["inputs"]["strategy"][0]] is strategy and graph[sampler["inputs"]["model"][0]] is loader
+    assert save["inputs"]["filename_prefix"] == f"ParaDiT/{name[:-len('.json')]}"
+    return c, loader, strategy, sampler, latent, vae
 
+
+def _check_strategy(name, graph, heads, num_blocks):
+    """The strategy fits the loader's devices and the model; a workflow named for one strategy family uses it alone."""
+    c = _by_class(graph)
+    (loader,), (strategy,), (sampler,), (latent,) = (c[k] for k in ("ParaDiTLoader", "ParaDiTStrategy",
+                                                                      "ParaDiTSampler", "EmptySD3LatentImage"))
+    s = sampler["inputs"]
     st = strategy["inputs"]
     devices = loader["inputs"]["devices"]
     if st["mode"] == "auto":
@@ -244,10 +274,10 @@ def test_workflow_is_flux_text_to_image_and_its_strategy_fits(name):
     spec = StrategySpec(cfg_degree=st["cfg_degree"], pipefusion_degree=st["pipefusion_degree"],
                         ulysses_degree=st["ulysses_degree"], ring_degree=st["ring_degree"],
                         num_pipeline_patch=st["num_pipeline_patch"], warmup_steps=st["warmup_steps"])
-    validate_strategy(spec, world_size=n_devices, heads=FLUX_HEADS, num_blocks=FLUX_BLOCKS,
+    validate_strategy(spec, world_size=n_devices, heads=heads, num_blocks=num_blocks,
                       latent_hw=(latent["inputs"]["height"] // 8, latent["inputs"]["width"] // 8),
                       cfg_scale=s["cfg"], steps=s["steps"])
-    family = name[len("flux_dev_"):-len(".json")]
+    family = next((w for w in STRATEGY_WORDS if name[:-len(".json")].endswith("_" + w)), None)
     degrees = {"ulysses": spec.ulysses_degree, "ring": spec.ring_degree, "pipefusion": spec.pipefusion_degree,
                "cfg_parallel": spec.cfg_degree}
     if family in degrees:
@@ -257,6 +287,46 @@ def test_workflow_is_flux_text_to_image_and_its_strategy_fits(name):
     if spec.cfg_degree == 2:  # needs true CFG with a real negative prompt
         negative = graph[s["negative"][0]]
         assert s["cfg"] > 1 and negative["class_type"] == "CLIPTextEncode" and negative["inputs"]["text"].strip()
+
+
+@pytest.mark.parametrize("name", FLUX_API)
+def test_workflow_is_flux_text_to_image_and_its_strategy_fits(name):
+    graph = _load(os.path.join(API_DIR, name))
+    c, loader, strategy, sampler, latent, vae = _text_to_image(name, graph)
+    (clip,) = c["DualCLIPLoader"]
+    schnell = name.startswith("flux_schnell")
+    assert loader["inputs"]["unet_name"] == ("flux1-schnell.safetensors" if schnell else "flux1-dev.safetensors")
+    assert clip["inputs"] == {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors",
+                              "type": "flux", "device": "default"}
+    assert vae["inputs"]["vae_name"] == "ae.safetensors"
+    assert ("FluxGuidance" in c) == (not schnell)
+    assert graph[sampler["inputs"]["positive"][0]]["class_type"] == ("CLIPTextEncode" if schnell else "FluxGuidance")
+    s = sampler["inputs"]
+    if schnell:
+        assert (s["steps"], s["cfg"]) == (4, 1.0)
+    _check_strategy(name, graph, FLUX_HEADS, FLUX_BLOCKS)
+
+
+@pytest.mark.parametrize("name", OTHER_API)
+def test_workflow_is_true_cfg_text_to_image_for_its_model_and_its_strategy_fits(name):
+    """Chroma and SD3.5: their own text encoder node, unet and VAE; true CFG from two prompts, no FluxGuidance."""
+    model = _model_of(name)
+    graph = _load(os.path.join(API_DIR, name))
+    c, loader, strategy, sampler, latent, vae = _text_to_image(name, graph)
+    clip_cls, clip_inputs = model["clip"]
+    (clip,) = c[clip_cls]
+    assert clip["inputs"] == clip_inputs
+    assert not ({"DualCLIPLoader", "CLIPLoader", "TripleCLIPLoader"} - {clip_cls}) & set(c), "one text encoder loader"
+    assert loader["inputs"]["unet_name"] == model["unet"]
+    assert vae["inputs"]["vae_name"] == model["vae"]
+    assert "FluxGuidance" not in c and "ConditioningZeroOut" not in c
+    s = sampler["inputs"]
+    positive, negative = graph[s["positive"][0]], graph[s["negative"][0]]
+    assert positive["class_type"] == negative["class_type"] == "CLIPTextEncode" and positive is not negative
+    assert graph[positive["inputs"]["clip"][0]] is clip and graph[negative["inputs"]["clip"][0]] is clip
+    assert positive["inputs"]["text"].strip() and negative["inputs"]["text"].strip()
+    assert s["cfg"] > 1, "true CFG: cfg 1 would drop the negative prompt"
+    _check_strategy(name, graph, model["heads"], model["blocks"])
 
 
 # ---------------------------------------------------------------------------------------------------

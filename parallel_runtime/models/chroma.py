@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -151,7 +152,9 @@ def infer_config(reader, match: Match, name: str) -> ChromaConfig:
 def _diffusers_model(config: ChromaConfig):
     from diffusers import ChromaTransformer2DModel
 
-    with torch.device("meta"):
+    # diffusers' Chroma still builds the deprecated FluxPosEmbed alias (a FutureWarning on every build).
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
         return ChromaTransformer2DModel(**config.diffusers_kwargs())
 
 
