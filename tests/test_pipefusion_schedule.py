@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from parallel_runtime.models.flux_adapter import FluxAdapter
+from parallel_runtime.sampling import FLUX_LATENT, model_sampling_for
 
 from parallel_runtime.strategies.attention.processor import AttentionContext
 from parallel_runtime.runtime.comm import Group
@@ -67,12 +68,13 @@ class IdentityFlux:
         self.device, self.dtype, self.variant = torch.device("cpu"), torch.float32, "dev"
 
     pack, unpack = staticmethod(FluxAdapter.pack), staticmethod(FluxAdapter.unpack)  # the token layout itself
+    model_sampling, latent_format, default_guidance = model_sampling_for("dev"), FLUX_LATENT, 3.5
 
     def rope(self, text_len, h, w):
         n = text_len + (h // 2) * (w // 2)
         return torch.zeros(n, 1), torch.zeros(n, 1)
 
-    def embed_image(self, t):
+    def embed_image(self, t, index):
         return torch.zeros(t.shape[0], t.shape[1], self.config.hidden_size)
 
     def embed_text(self, c):
