@@ -34,6 +34,7 @@ from .family import Match
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES, default_axes_dims_rope, map_double_block, map_single_block
 from .flux_adapter import FluxAdapter, balanced_stages, prefix_ownership
 from .mapping import Source, block_count, build_from_map, has_block, linear
+from .mapping import parameter_counts as count_parameters
 
 MOD_INDEX_ROWS = 344  # comfy/ldm/chroma/model.py: mod_index_length, fixed whatever the block counts
 APPROXIMATOR_IN = 64  # 16 (timestep) + 16 (guidance) + 32 (modulation index) sinusoid features
@@ -226,10 +227,7 @@ def build(config: ChromaConfig, reader, match: Match, owned, dtype, device):
 def parameter_counts(config: ChromaConfig) -> tuple[tuple[int, ...], int, int, int]:
     model = _diffusers_model(config)
     blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
-    shared = {prefixes: sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
-              for prefixes in (ALWAYS_OWNED, FIRST_STAGE, LAST_STAGE)}
-    return (tuple(sum(p.numel() for p in b.parameters()) for b in blocks),
-            shared[ALWAYS_OWNED], shared[FIRST_STAGE], shared[LAST_STAGE])
+    return count_parameters(model, blocks, ALWAYS_OWNED, FIRST_STAGE, LAST_STAGE)
 
 
 # -- the strategies' view -----------------------------------------------------------------------------

@@ -176,9 +176,6 @@ def detect_layout(keys: Iterable[str], name: str = "checkpoint") -> tuple[str, s
 # ----------------------------------------------------------------------------------
 # Config inference (shapes only)
 # ----------------------------------------------------------------------------------
-_block_count = block_count
-
-
 _SCALED_FP8 = re.compile(r"(^|\.)(scaled_fp8|scale_weight|weight_scale|input_scale|scale_input)$")
 
 
@@ -226,8 +223,8 @@ def infer_config(reader: CheckpointReader, layout: str | None = None, prefix: st
     if layout not in _CONFIG_KEYS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
     k = _CONFIG_KEYS[layout]
-    n_double = _block_count(keys, p, k["double"], name)
-    n_single = _block_count(keys, p, k["single"], name)
+    n_double = block_count(keys, p, k["double"], name)
+    n_single = block_count(keys, p, k["single"], name)
     hidden, in_ch = shape(k["img_in"])
     context_dim = shape(k["txt_in"])[1]
     pooled_dim = shape(k["vector_in"])[1]
@@ -263,9 +260,6 @@ def infer_config(reader: CheckpointReader, layout: str | None = None, prefix: st
 # ----------------------------------------------------------------------------------
 # Key mapping
 # ----------------------------------------------------------------------------------
-_linear = linear
-
-
 def diffusers_param_names(config: FluxConfig) -> list[str]:
     """Every parameter name of ``FluxTransformer2DModel(**config.diffusers_kwargs())`` (built on meta)."""
     from diffusers import FluxTransformer2DModel
@@ -279,33 +273,33 @@ def map_double_block(out: dict, d: str, b: str, H: int, M: int, modulation: bool
     """One double-stream block, BFL `b` -> diffusers `d` (Chroma's blocks are the same without modulation)."""
     q, k, v = slice(0, H), slice(H, 2 * H), slice(2 * H, 3 * H)
     if modulation:
-        _linear(out, f"{d}.norm1.linear", f"{b}.img_mod.lin")
-        _linear(out, f"{d}.norm1_context.linear", f"{b}.txt_mod.lin")
+        linear(out, f"{d}.norm1.linear", f"{b}.img_mod.lin")
+        linear(out, f"{d}.norm1_context.linear", f"{b}.txt_mod.lin")
     for dst, rows in (("to_q", q), ("to_k", k), ("to_v", v)):
-        _linear(out, f"{d}.attn.{dst}", f"{b}.img_attn.qkv", rows)
+        linear(out, f"{d}.attn.{dst}", f"{b}.img_attn.qkv", rows)
     for dst, rows in (("add_q_proj", q), ("add_k_proj", k), ("add_v_proj", v)):
-        _linear(out, f"{d}.attn.{dst}", f"{b}.txt_attn.qkv", rows)
+        linear(out, f"{d}.attn.{dst}", f"{b}.txt_attn.qkv", rows)
     out[f"{d}.attn.norm_q.weight"] = Source(f"{b}.img_attn.norm.query_norm.scale")
     out[f"{d}.attn.norm_k.weight"] = Source(f"{b}.img_attn.norm.key_norm.scale")
     out[f"{d}.attn.norm_added_q.weight"] = Source(f"{b}.txt_attn.norm.query_norm.scale")
     out[f"{d}.attn.norm_added_k.weight"] = Source(f"{b}.txt_attn.norm.key_norm.scale")
-    _linear(out, f"{d}.attn.to_out.0", f"{b}.img_attn.proj")
-    _linear(out, f"{d}.attn.to_add_out", f"{b}.txt_attn.proj")
-    _linear(out, f"{d}.ff.net.0.proj", f"{b}.img_mlp.0")
-    _linear(out, f"{d}.ff.net.2", f"{b}.img_mlp.2")
-    _linear(out, f"{d}.ff_context.net.0.proj", f"{b}.txt_mlp.0")
-    _linear(out, f"{d}.ff_context.net.2", f"{b}.txt_mlp.2")
+    linear(out, f"{d}.attn.to_out.0", f"{b}.img_attn.proj")
+    linear(out, f"{d}.attn.to_add_out", f"{b}.txt_attn.proj")
+    linear(out, f"{d}.ff.net.0.proj", f"{b}.img_mlp.0")
+    linear(out, f"{d}.ff.net.2", f"{b}.img_mlp.2")
+    linear(out, f"{d}.ff_context.net.0.proj", f"{b}.txt_mlp.0")
+    linear(out, f"{d}.ff_context.net.2", f"{b}.txt_mlp.2")
 
 
 def map_single_block(out: dict, s: str, b: str, H: int, M: int, modulation: bool = True) -> None:
     """One single-stream block: BFL fuses q/k/v and the MLP's input projection into `linear1`."""
     q, k, v = slice(0, H), slice(H, 2 * H), slice(2 * H, 3 * H)
     if modulation:
-        _linear(out, f"{s}.norm.linear", f"{b}.modulation.lin")
+        linear(out, f"{s}.norm.linear", f"{b}.modulation.lin")
     for dst, rows in (("to_q", q), ("to_k", k), ("to_v", v)):
-        _linear(out, f"{s}.attn.{dst}", f"{b}.linear1", rows)
-    _linear(out, f"{s}.proj_mlp", f"{b}.linear1", slice(3 * H, 3 * H + M))
-    _linear(out, f"{s}.proj_out", f"{b}.linear2")
+        linear(out, f"{s}.attn.{dst}", f"{b}.linear1", rows)
+    linear(out, f"{s}.proj_mlp", f"{b}.linear1", slice(3 * H, 3 * H + M))
+    linear(out, f"{s}.proj_out", f"{b}.linear2")
     out[f"{s}.attn.norm_q.weight"] = Source(f"{b}.norm.query_norm.scale")
     out[f"{s}.attn.norm_k.weight"] = Source(f"{b}.norm.key_norm.scale")
 
@@ -322,22 +316,22 @@ def source_map(config: FluxConfig, layout: str, prefix: str = "") -> dict[str, S
     M = config.mlp_hidden
     out: dict[str, Source] = {}
 
-    _linear(out, "x_embedder", p + "img_in")
-    _linear(out, "context_embedder", p + "txt_in")
-    _linear(out, "time_text_embed.timestep_embedder.linear_1", p + "time_in.in_layer")
-    _linear(out, "time_text_embed.timestep_embedder.linear_2", p + "time_in.out_layer")
+    linear(out, "x_embedder", p + "img_in")
+    linear(out, "context_embedder", p + "txt_in")
+    linear(out, "time_text_embed.timestep_embedder.linear_1", p + "time_in.in_layer")
+    linear(out, "time_text_embed.timestep_embedder.linear_2", p + "time_in.out_layer")
     if config.guidance_embeds:
-        _linear(out, "time_text_embed.guidance_embedder.linear_1", p + "guidance_in.in_layer")
-        _linear(out, "time_text_embed.guidance_embedder.linear_2", p + "guidance_in.out_layer")
-    _linear(out, "time_text_embed.text_embedder.linear_1", p + "vector_in.in_layer")
-    _linear(out, "time_text_embed.text_embedder.linear_2", p + "vector_in.out_layer")
+        linear(out, "time_text_embed.guidance_embedder.linear_1", p + "guidance_in.in_layer")
+        linear(out, "time_text_embed.guidance_embedder.linear_2", p + "guidance_in.out_layer")
+    linear(out, "time_text_embed.text_embedder.linear_1", p + "vector_in.in_layer")
+    linear(out, "time_text_embed.text_embedder.linear_2", p + "vector_in.out_layer")
 
     for i in range(config.num_layers):
         map_double_block(out, f"transformer_blocks.{i}", f"{p}double_blocks.{i}", H, M)
     for i in range(config.num_single_layers):
         map_single_block(out, f"single_transformer_blocks.{i}", f"{p}single_blocks.{i}", H, M)
-    _linear(out, "norm_out.linear", p + "final_layer.adaLN_modulation.1", transform="swap_halves")
-    _linear(out, "proj_out", p + "final_layer.linear")
+    linear(out, "norm_out.linear", p + "final_layer.adaLN_modulation.1", transform="swap_halves")
+    linear(out, "proj_out", p + "final_layer.linear")
     return out
 
 

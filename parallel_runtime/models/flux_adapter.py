@@ -14,6 +14,7 @@ import torch
 from ..sampling import FLUX_LATENT, model_sampling_for
 from ..strategies.attention.processor import AttentionContext, ParallelFluxAttnProcessor
 from .flux import FluxConfig
+from .mapping import parameter_counts as count_parameters
 
 ALWAYS_OWNED = ("time_text_embed.",)  # every stage modulates its blocks with the timestep embedding
 FIRST_STAGE = ("x_embedder.", "context_embedder.")
@@ -27,17 +28,13 @@ def block_names(config: FluxConfig) -> list[str]:
 
 @functools.lru_cache(maxsize=16)
 def parameter_counts(config: FluxConfig) -> tuple[tuple[int, ...], int, int, int]:
-    """(per-block counts, every stage's, the first stage's, the last stage's) parameter counts, counted on a
-    meta-device model (no memory, no file access)."""
+    """(per-block counts, every stage's, the first stage's, the last stage's) parameter counts."""
     from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
         model = FluxTransformer2DModel(**config.diffusers_kwargs())
     blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
-    shared = {prefixes: sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
-              for prefixes in (ALWAYS_OWNED, FIRST_STAGE, LAST_STAGE)}
-    return (tuple(sum(p.numel() for p in b.parameters()) for b in blocks),
-            shared[ALWAYS_OWNED], shared[FIRST_STAGE], shared[LAST_STAGE])
+    return count_parameters(model, blocks, ALWAYS_OWNED, FIRST_STAGE, LAST_STAGE)
 
 
 def block_costs(config: FluxConfig) -> list[int]:

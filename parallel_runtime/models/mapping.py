@@ -96,6 +96,15 @@ def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, bloc
     return model
 
 
+def parameter_counts(model: torch.nn.Module, blocks: list[torch.nn.Module], always: tuple[str, ...],
+                     first: tuple[str, ...], last: tuple[str, ...]) -> tuple[tuple[int, ...], int, int, int]:
+    """(per block, every stage's, the first stage's, the last stage's) parameter counts of a meta-device
+    model (no memory, no file access); `always`/`first`/`last` are parameter-name prefixes."""
+    shared = [sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
+              for prefixes in (always, first, last)]
+    return (tuple(sum(p.numel() for p in b.parameters()) for b in blocks), *shared)
+
+
 def block_count(keys: list[str], prefix: str, block: str, name: str) -> int:
     """How many `{prefix}{block}.N.` blocks a checkpoint has; a gap in the numbering means a damaged file."""
     pat = re.compile(re.escape(prefix + block) + r"\.(\d+)\.")

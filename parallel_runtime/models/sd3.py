@@ -29,6 +29,7 @@ from .family import Match
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 from .flux_adapter import FluxAdapter, balanced_stages, prefix_ownership
 from .mapping import Source, block_count, build_from_map, has_block, linear
+from .mapping import parameter_counts as count_parameters
 
 HEAD_DIM = 64  # every SD3 release; ComfyUI's MMDiT derives heads = hidden / 64
 ALWAYS_OWNED = ("time_text_embed.",)
@@ -245,10 +246,7 @@ def checkpoint_shapes(config: SD3Config) -> dict[str, tuple[tuple[int, ...], str
 @functools.lru_cache(maxsize=16)
 def parameter_counts(config: SD3Config) -> tuple[tuple[int, ...], int, int, int]:
     model = _diffusers_model(config)
-    shared = {prefixes: sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
-              for prefixes in (ALWAYS_OWNED, FIRST_STAGE, LAST_STAGE)}
-    return (tuple(sum(p.numel() for p in b.parameters()) for b in model.transformer_blocks),
-            shared[ALWAYS_OWNED], shared[FIRST_STAGE], shared[LAST_STAGE])
+    return count_parameters(model, list(model.transformer_blocks), ALWAYS_OWNED, FIRST_STAGE, LAST_STAGE)
 
 
 # -- the strategies' view -----------------------------------------------------------------------------

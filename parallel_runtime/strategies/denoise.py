@@ -78,7 +78,7 @@ class Branches:
     """The CFG branches this rank evaluates, batched into one forward pass."""
 
     def __init__(self, conds: list[Conditioning], batch: int, guidance_default: float, device=None):
-        # validate_branches has made sure batched branches share a prompt length. Everything moves to the
+        # The Denoiser batches only branches whose prompts share a length. Everything moves to the
         # worker's device once per job, not once per step (each blocking upload is a sync on CUDA).
         self.count = len(conds)
         self.batch = batch
@@ -155,7 +155,6 @@ class Denoiser:
                                   split_text=not naive)
         self.shard = self.coords["naive_patch"] if naive else self.topology.sp_rank(self.rank)
         self.hw = (h, w)
-        self.rope_full = self.adapter.rope(self.layout.text_len, h, w)
         try:
             if self.topology.pipefusion > 1:
                 x = self._run_pipefusion(x, s.warmup_steps)
@@ -171,10 +170,12 @@ class Denoiser:
         return (self.coords["cfg"] == 0 and self.coords["pipefusion"] == self.topology.pipefusion - 1
                 and self.coords["ring"] == 0 and self.coords["ulysses"] == 0 and self.coords["naive_patch"] == 0)
 
-    def _rope(self, positions: torch.Tensor):
-        if self.rope_full is None:  # families with absolute position embeddings (added in embed_image)
+    @staticmethod
+    def _rope(rope_full, positions: torch.Tensor):
+        """The rows of the full sequence's RoPE table (adapter.rope) at `positions`."""
+        if rope_full is None:  # families with absolute position embeddings (added in embed_image)
             return None
-        cos, sin = self.rope_full
+        cos, sin = rope_full
         return cos[positions], sin[positions]
 
     def _text(self, rows: range, branches: Branches | None = None) -> torch.Tensor:
@@ -278,8 +279,7 @@ class Denoiser:
             shards = range(layout.shards)
             attention = self._sequence_attention([layout.seq_len(j, 1) for j in shards])
             image_attention = self._sequence_attention([layout.patch_len // layout.shards] * len(shards))
-        rope_full = self.adapter.rope(layout.text_len, self.hw[0], self.hw[1])
-        rope = None if rope_full is None else tuple(t[layout.positions(me, [0], device)] for t in rope_full)
+        rope = self._rope(self.adapter.rope(layout.text_len, *self.hw), layout.positions(me, [0], device))
         return attention, image_attention, rope, self._text(layout.text_rows(me), branches)
 
     def _sequence_attention(self, seq: list[int]):
@@ -326,6 +326,7 @@ class Denoiser:
         image_attention = stale_image if uly.size == 1 else UlyssesAttention(self.comm, uly, [], stale_image)
         self.context.attention, self.context.image_attention = attention, image_attention
 
+        rope_full = self.adapter.rope(layout.text_len, *self.hw)
         token_sets: dict = {}  # built once per token set, on x's device: no host-device traffic in the pipeline
 
         def token_set(patches: list[int]):
@@ -335,7 +336,7 @@ class Denoiser:
                     torch.cat([layout.positions(u, patches, x.device) for u in range(uly.size)]),
                     [layout.seq_len(u, len(patches)) for u in range(uly.size)],
                     layout.image_index(me, patches, x.device),
-                    self._rope(layout.positions(me, patches, x.device)),
+                    self._rope(rope_full, layout.positions(me, patches, x.device)),
                     torch.cat([layout.image_index(u, patches, x.device) for u in range(uly.size)]))
             return token_sets[key]
 
