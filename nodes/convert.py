@@ -28,7 +28,6 @@ MODES = ("auto", "manual")
 WEIGHT_DTYPES = ("default", "bf16", "fp16", "fp32")
 DEFAULT_SAMPLERS = ("euler", "euler_ancestral", "dpmpp_2m")
 DEFAULT_SCHEDULERS = ("simple", "normal", "beta", "sgm_uniform")
-FLUX_LATENT_CHANNELS = 16
 SEED_MAX = 0xFFFFFFFFFFFFFFFF
 
 
@@ -236,7 +235,6 @@ _UNSUPPORTED_COND_KEYS = {
     "control": "ControlNet",
     "gligen": "GLIGEN",
     "hooks": "conditioning hooks / LoRA hooks",
-    "reference_latents": "reference latents (Flux Kontext)",
 }
 
 
@@ -277,20 +275,32 @@ def conditioning(value: Any, which: str = "positive") -> Conditioning:
         guidance = float(guidance.flatten()[0]) if isinstance(guidance, torch.Tensor) else float(guidance)
         if not math.isfinite(guidance):
             raise ConfigError(f"The {which} conditioning has guidance {guidance}; set a finite FluxGuidance value.")
-    return Conditioning(cond=cond.detach().cpu(), pooled=pooled.detach().cpu(), guidance=guidance)
+    return Conditioning(cond=cond.detach().cpu(), pooled=pooled.detach().cpu(), guidance=guidance,
+                        **reference_latents(extra, which))
+
+
+def reference_latents(extra: dict, which: str) -> dict:
+    """ReferenceLatent's `reference_latents` (raw VAE latents, chained in order) and the placement chosen by
+    FluxKontextMultiReferenceLatentMethod; the runtime checks them against the model's family."""
+    refs = extra.get("reference_latents")
+    if refs is None:
+        return {}
+    if isinstance(refs, torch.Tensor):
+        refs = [refs]
+    if not all(isinstance(r, torch.Tensor) for r in refs):
+        raise ConfigError(f"The {which} conditioning's reference latents are not tensors; connect a VAE Encode "
+                          f"output to ReferenceLatent.")
+    method = extra.get("reference_latents_method")
+    return {"references": tuple(image_latent(r, "reference latent").detach().float().cpu() for r in refs),
+            "reference_method": None if method is None else str(method)}
 
 
 def latent_samples(latent: Any) -> tuple[torch.Tensor, dict]:
     """ComfyUI LATENT -> (samples [B,16,H,W] on CPU, extra for Job.extra)."""
     if not isinstance(latent, dict) or not isinstance(latent.get("samples"), torch.Tensor):
         raise ConfigError("The latent_image input is not a LATENT; connect EmptySD3LatentImage or VAE Encode to it.")
-    samples = latent["samples"]
-    if samples.dim() != 4:
-        raise ConfigError(f"The latent has shape {tuple(samples.shape)}, not [batch, channels, height, width]; "
-                          f"ParaDiT samples images, so use EmptySD3LatentImage.")
-    if samples.shape[1] != FLUX_LATENT_CHANNELS:
-        raise ConfigError(f"The latent has {samples.shape[1]} channels but Flux needs {FLUX_LATENT_CHANNELS}; "
-                          f"use EmptySD3LatentImage (not Empty Latent Image) or a Flux VAE Encode.")
+    samples = image_latent(latent["samples"], "latent")
+    # Channels are the model's business: the runtime checks them against the file's family.
     if latent.get("noise_mask") is not None:
         raise ConfigError("The latent has a noise mask (inpainting), which ParaDiT does not support; "
                           "remove Set Latent Noise Mask or sample with KSampler.")
@@ -300,9 +310,23 @@ def latent_samples(latent: Any) -> tuple[torch.Tensor, dict]:
     return samples.detach().cpu(), extra
 
 
+def image_latent(samples: torch.Tensor, what: str) -> torch.Tensor:
+    """[B, C, H, W], or a video VAE's one-frame [B, C, 1, H, W] (Qwen-Image's Wan latent) without its frame axis."""
+    if samples.dim() == 5 and samples.shape[2] == 1:
+        samples = samples[:, :, 0]
+    if samples.dim() != 4:
+        raise ConfigError(f"The {what} has shape {tuple(samples.shape)}, not [batch, channels, height, width]; "
+                          f"ParaDiT samples images, so use EmptySD3LatentImage.")
+    return samples
+
+
 def latent_output(latent_in: dict, samples: torch.Tensor) -> dict:
-    """The output LATENT as KSampler makes it: the input dict's other keys, new samples."""
+    """The output LATENT as KSampler makes it: the input dict's other keys, new samples. The runtime returns
+    a video VAE's image latent (Qwen-Image's Wan latent) as [B, C, 1, H, W], as KSampler does, also for a 4D
+    input (ComfyUI's fix_empty_latent_channels)."""
     expected = tuple(latent_in["samples"].shape)
+    if isinstance(samples, torch.Tensor) and samples.dim() == 5 and len(expected) == 4:
+        expected = expected[:2] + (1,) + expected[2:]
     if not isinstance(samples, torch.Tensor) or tuple(samples.shape) != expected:
         got = tuple(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
         raise ConfigError(f"The runtime returned a latent of shape {got} for an input of shape {expected}; "

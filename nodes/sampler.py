@@ -122,8 +122,9 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     if client.notice:
         host.send_text(client.notice, node_id)
 
-    # T5-only encoders (Chroma) do not pad: auto then skips what cannot batch prompts of two lengths.
-    unequal = neg is not None and neg.cond.shape[1] != pos.cond.shape[1]
+    # T5-only encoders (Chroma) do not pad, and a Kontext negative often lacks the reference latent: auto
+    # then skips what cannot batch two token layouts.
+    unequal = neg is not None and neg.signature() != pos.signature()
 
     def choose_strategy(*args):  # imported only in auto mode
         from parallel_runtime.planning.auto import choose_strategy

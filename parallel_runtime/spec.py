@@ -71,16 +71,37 @@ class SamplingSpec:
         return asdict(self)
 
 
+REFERENCE_METHODS = ("offset", "index", "uxo")  # ComfyUI's FluxKontextMultiReferenceLatentMethod choices
+
+
 @dataclass
 class Conditioning:
-    """One branch of ComfyUI conditioning for Flux: T5 tokens, pooled CLIP vector, distilled guidance."""
+    """One branch of ComfyUI conditioning: text tokens, pooled vector, distilled guidance, reference latents."""
 
     cond: torch.Tensor  # [B, T, context_dim]
-    pooled: torch.Tensor  # [B, pooled_dim]
+    pooled: torch.Tensor  # [B, pooled_dim] ([B, 0] for T5-only encoders)
     guidance: float | None = None
+    # ReferenceLatent (Flux Kontext, Qwen-Image Edit): raw VAE latents [1 or B, C, h, w], in chain order.
+    references: tuple[torch.Tensor, ...] = ()
+    reference_method: str | None = None  # None: the family's default placement
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled}
+        refs = {f"{prefix}.reference.{i}": r for i, r in enumerate(self.references)}
+        return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled, **refs}
+
+    def meta(self, prefix: str) -> dict:
+        return {f"{prefix}_guidance": self.guidance, f"{prefix}_reference_method": self.reference_method}
+
+    @classmethod
+    def from_message(cls, prefix: str, meta: dict, tensors: dict[str, torch.Tensor]) -> "Conditioning":
+        count = sum(name.startswith(f"{prefix}.reference.") for name in tensors)
+        refs = tuple(tensors[f"{prefix}.reference.{i}"] for i in range(count))
+        return cls(tensors[f"{prefix}.cond"], tensors[f"{prefix}.pooled"], meta.get(f"{prefix}_guidance"),
+                   refs, meta.get(f"{prefix}_reference_method"))
+
+    def signature(self) -> tuple:
+        """What must be equal for two branches to share one forward pass (ComfyUI batches them then)."""
+        return (self.cond.shape[1], tuple(tuple(r.shape[-2:]) for r in self.references), self.reference_method)
 
 
 @dataclass

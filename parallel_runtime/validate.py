@@ -10,7 +10,7 @@ import torch
 from .errors import ConfigError, ModelFileError
 from .runtime.topology import validate_strategy
 from .sampling import SAMPLERS, SCHEDULERS, cfg_uses_uncond
-from .spec import Job
+from .spec import REFERENCE_METHODS, Job
 
 
 @lru_cache(maxsize=16)
@@ -38,13 +38,18 @@ def validate_branches(job: Job) -> None:
     if uses_uncond and job.negative is None:
         raise ConfigError("cfg > 1 needs a negative conditioning; connect one or set cfg to 1.")
     if (uses_uncond and job.strategy.cfg_degree == 1 and job.strategy.pipefusion_degree > 1
-            and job.negative.cond.shape[1] != job.positive.cond.shape[1]):
+            and job.negative.signature() != job.positive.signature()):
         # Other strategies run the two as separate forward passes, as ComfyUI does; PipeFusion's pipeline
         # and stale K/V buffers carry one token layout.
-        raise ConfigError(f"the positive and negative prompts encode to different lengths "
-                          f"({job.positive.cond.shape[1]} vs {job.negative.cond.shape[1]} tokens), which PipeFusion "
-                          f"cannot pipeline together; set cfg_degree=2, use Ulysses/Ring instead of PipeFusion, or "
-                          f"make the prompts encode to the same length.")
+        pos, neg = job.positive, job.negative
+        if pos.cond.shape[1] != neg.cond.shape[1]:
+            what = f"prompts encode to different lengths ({pos.cond.shape[1]} vs {neg.cond.shape[1]} tokens)"
+            fix = "make the prompts encode to the same length"
+        else:
+            what = "conditionings carry different reference latents (ReferenceLatent)"
+            fix = "give both the same reference latents"
+        raise ConfigError(f"the positive and negative {what}, which PipeFusion cannot pipeline together; set "
+                          f"cfg_degree=2, use Ulysses/Ring instead of PipeFusion, or {fix}.")
     batch_index = job.extra.get("batch_index")
     if batch_index is not None and len(batch_index) != job.latent.shape[0]:
         raise ConfigError(f"the latent's batch_index lists {len(batch_index)} entries for {job.latent.shape[0]} "
@@ -84,6 +89,28 @@ def validate_numbers(job: Job) -> None:
         _finite_tensor(f"{name} pooled vector", c.pooled, "re-encode the prompt; " + upstream)
 
 
+def validate_references(name: str, c, config) -> None:
+    """ReferenceLatent inputs: only families that read them, in this model's latent shape, placed by a known
+    method."""
+    if not c.references:
+        return
+    if not getattr(config, "reads_references", False):
+        raise ConfigError(f"the {name} conditioning carries reference latents (ReferenceLatent), which this "
+                          f"{config.family} model does not read; remove the ReferenceLatent node or load a "
+                          f"Flux Kontext model.")
+    if c.reference_method not in (None, *REFERENCE_METHODS):
+        raise ConfigError(f"reference latent method {c.reference_method!r} is unknown; choose one of "
+                          f"{', '.join(REFERENCE_METHODS)} in FluxKontextMultiReferenceLatentMethod.")
+    channels = config.latent_channels
+    for k, ref in enumerate(c.references):
+        if ref.ndim != 4 or ref.shape[1] != channels or min(ref.shape[2:]) < 1:
+            raise ConfigError(f"reference latent {k + 1} of the {name} conditioning has shape {tuple(ref.shape)}, "
+                              f"not [batch, {channels}, height/8, width/8]; encode the reference image with this "
+                              f"model's VAE (VAE Encode) before ReferenceLatent.")
+        _finite_tensor(f"reference latent {k + 1} of the {name} conditioning", ref,
+                       "re-encode the reference image with VAE Encode")
+
+
 def validate_job(job: Job, world_size: int) -> None:
     sp = job.sampling
     validate_numbers(job)
@@ -96,9 +123,11 @@ def validate_job(job: Job, world_size: int) -> None:
         raise ConfigError(f"denoise={sp.denoise} is outside 0..1; set it between 0 and 1.")
     config = model_config(job.model.path)
     lat = job.latent
-    if lat.ndim != 4 or lat.shape[1] != 16:
-        raise ConfigError(f"the latent has shape {tuple(lat.shape)} but Flux needs [batch, 16, height/8, width/8]; "
-                          f"use EmptySD3LatentImage or a Flux VAE Encode.")
+    channels = config.latent_channels
+    if lat.ndim != 4 or lat.shape[1] != channels:
+        empty = "EmptySD3LatentImage" if channels == 16 else "Empty Latent Image"
+        raise ConfigError(f"the latent has shape {tuple(lat.shape)} but this {config.family} model needs "
+                          f"[batch, {channels}, height/8, width/8]; use {empty} or VAE Encode with this model's VAE.")
     for name, c in (("positive", job.positive), ("negative", job.negative)):
         if c is None:
             continue
@@ -111,6 +140,7 @@ def validate_job(job: Job, world_size: int) -> None:
         if c.cond.shape[0] not in (1, lat.shape[0]):
             raise ConfigError(f"the {name} conditioning has batch {c.cond.shape[0]} but the latent has batch "
                               f"{lat.shape[0]}; use one prompt or match the batch sizes.")
+        validate_references(name, c, config)
         if c.pooled.shape[0] != c.cond.shape[0]:
             raise ConfigError(f"the {name} conditioning has {c.cond.shape[0]} prompt(s) but {c.pooled.shape[0]} pooled "
                               f"vector(s); encode it with one text-encode node so the two match.")

@@ -49,6 +49,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from parallel_runtime.models.chroma import ChromaConfig  # noqa: E402
 from parallel_runtime.models.flux import FluxConfig  # noqa: E402
+from parallel_runtime.models.qwen_image import QwenImageConfig  # noqa: E402
 from parallel_runtime.models.sd3 import SD3Config  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 
@@ -132,8 +133,30 @@ class ParaDiTTestLatentToImage:
         return ((torch.tanh(rgb) * 0.5 + 0.5).clamp(0, 1),)
 
 
+class ParaDiTTestLatent:
+    """A seeded random LATENT (in place of VAE Encode of a reference image: no VAE weights needed)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31 - 1}),
+                             "width": ("INT", {"default": 64, "min": 8, "max": 4096}),
+                             "height": ("INT", {"default": 64, "min": 8, "max": 4096})},
+                "optional": {"video": ("BOOLEAN", {"default": False})}}
+
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, seed, width, height, video=False):
+        """video: a one-frame [1, 16, 1, h, w] latent, as a Wan VAE (Qwen-Image's) encodes an image."""
+        g = torch.Generator().manual_seed(seed)
+        samples = torch.randn(1, 16, height // 8, width // 8, generator=g)
+        return ({"samples": samples.unsqueeze(2) if video else samples},)
+
+
 NODE_CLASS_MAPPINGS = {"ParaDiTTestConditioning": ParaDiTTestConditioning,
-                       "ParaDiTTestLatentToImage": ParaDiTTestLatentToImage}
+                       "ParaDiTTestLatentToImage": ParaDiTTestLatentToImage,
+                       "ParaDiTTestLatent": ParaDiTTestLatent}
 '''
 
 
@@ -604,7 +627,12 @@ FAMILY_FILES = {
     # SD3.5 Medium-like: the image-only second attention in blocks 0 and 1 of 3.
     "sd35_medium": (SD3Config(hidden_size=192, num_layers=3, pos_embed_max_size=16, dual_attention_layers=(0, 1)),
                     dict(width=4096, pooled=2048)),
+    # ComfyUI hard-codes Qwen-Image's widths too: 3072 (24 heads of 128), Qwen2.5-VL text 3584; one block.
+    "qwen_image": (QwenImageConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=1),
+                   dict(width=3584, pooled=0)),
 }
+# Families whose latent format is a video VAE's: KSampler returns their image latents as [B, C, 1, H, W].
+FRAME_AXIS = {"qwen_image"}
 
 
 @pytest.fixture(scope="module")
@@ -645,6 +673,71 @@ def test_family_same_latent_as_ksampler(server, family_file, kw):
     err = rel_err(par, ks)
     print(f"\n{name}: KSampler vs Parallel Sampler cpu:1, {kw}, guidance {guidance}: rel. L2 error {err:.2e} "
           f"({time.monotonic() - t0:.1f} s)")
-    assert ks.shape == par.shape == (2, 16, 16, 20)
+    assert ks.shape == par.shape == ((2, 16, 1, 16, 20) if name in FRAME_AXIS else (2, 16, 16, 20))
     assert rel_err(ks[0], ks[1]) > 0.05  # the batch items really differ
+    assert err <= KSAMPLER_RTOL
+
+
+# ---------------------------------------------------------------------------------------------------
+# (h) Flux Kontext: ComfyUI's ReferenceLatent (chained for two references) and
+# FluxKontextMultiReferenceLatentMethod on the Flux file; the negative carries no reference, as in
+# ComfyUI's Kontext template (ConditioningZeroOut before ReferenceLatent).
+
+def kontext_graph(method: str | None, family: tuple | None = None, **kw) -> dict:
+    """parallel_graph + with_ksampler at 160 x 128, batch 2, the positive with a 96 x 80 and a 72 x 112
+    reference (the second has odd latent sides: ComfyUI pads it circularly). `family`: another family's
+    (name, file, conditioning widths) from family_file, else the Flux file (Kontext)."""
+    if family is None:
+        graph = with_ksampler(parallel_graph(tag=f"kontext-{method}", **kw), **kw)
+        graph["4"] = {"class_type": "EmptySD3LatentImage", "inputs": {"width": 160, "height": 128, "batch_size": 2}}
+    else:
+        graph = family_graph(family[1], family[2], **kw)
+    video = family is not None and family[0] in FRAME_AXIS
+    graph["30"] = {"class_type": "ParaDiTTestLatent", "inputs": {"seed": 31, "width": 80, "height": 96, "video": video}}
+    graph["31"] = {"class_type": "ParaDiTTestLatent", "inputs": {"seed": 32, "width": 112, "height": 72, "video": video}}
+    graph["32"] = {"class_type": "ReferenceLatent", "inputs": {"conditioning": ["1", 0], "latent": ["30", 0]}}
+    graph["33"] = {"class_type": "ReferenceLatent", "inputs": {"conditioning": ["32", 0], "latent": ["31", 0]}}
+    positive = ["33", 0]
+    if method is not None:
+        graph["34"] = {"class_type": "FluxKontextMultiReferenceLatentMethod",
+                       "inputs": {"conditioning": positive, "reference_latents_method": method}}
+        positive = ["34", 0]
+    graph["12"]["inputs"]["positive"] = graph["21"]["inputs"]["positive"] = positive
+    return graph
+
+
+@pytest.mark.parametrize("method, kw", [
+    (None, dict(cfg=1.0)),
+    ("index", dict(cfg=2.0, sampler_name="dpmpp_2m", scheduler="beta", steps=5, seed=9)),
+    ("uxo/uno", dict(cfg=1.5, sampler_name="euler_ancestral", scheduler="normal", steps=4, seed=4)),
+], ids=["offset-euler-cfg1", "index-dpmpp_2m-cfg2", "uxo-euler_a-cfg1.5"])
+def test_kontext_same_latent_as_ksampler(server, method, kw):
+    result = server.run(kontext_graph(method, **kw))
+    ks, par = server.latent(result, "22"), server.latent(result, "13")
+    err = rel_err(par, ks)
+    print(f"\nkontext ({method or 'offset'}): KSampler vs Parallel Sampler cpu:1, {kw}: rel. L2 error {err:.2e}")
+    assert ks.shape == par.shape == (2, 16, 16, 20)
+    assert err <= KSAMPLER_RTOL
+
+
+def test_kontext_two_workers_match_one(server):
+    one = server.latent(server.run(kontext_graph(None, cfg=2.0)), "13")
+    two = server.latent(server.run(kontext_graph(None, devices="cpu:2", strat=strategy(ulysses=2), cfg=2.0)), "13")
+    err = rel_err(two, one)
+    print(f"\nkontext ulysses2 cpu:2 vs cpu:1: rel. L2 error {err:.2e}")
+    assert err <= EXACT_RTOL
+
+
+@pytest.mark.parametrize("family_file", ["qwen_image"], indirect=True)
+@pytest.mark.parametrize("method, kw", [
+    (None, dict(cfg=2.0, sampler_name="dpmpp_2m", scheduler="beta", steps=4, seed=9)),
+    ("offset", dict(cfg=1.0)),
+], ids=["index-dpmpp_2m-cfg2", "offset-euler-cfg1"])
+def test_qwen_image_edit_same_latent_as_ksampler(server, family_file, method, kw):
+    """Qwen-Image Edit's references (one-frame Wan latents), by index (its default) and tiled."""
+    result = server.run(kontext_graph(method, family_file, **kw))
+    ks, par = server.latent(result, "22"), server.latent(result, "13")
+    err = rel_err(par, ks)
+    print(f"\nqwen_image edit ({method or 'index'}): KSampler vs Parallel Sampler cpu:1, {kw}: rel. L2 error {err:.2e}")
+    assert ks.shape == par.shape == (2, 16, 1, 16, 20)
     assert err <= KSAMPLER_RTOL

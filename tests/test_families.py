@@ -16,7 +16,9 @@ import torch
 from conftest import rel_err
 from parallel_runtime.models.chroma import ChromaConfig
 from parallel_runtime.models.family import read_model
+from parallel_runtime.models.flux import FluxConfig
 from parallel_runtime.models.loading import CheckpointReader
+from parallel_runtime.models.qwen_image import QwenImageConfig
 from parallel_runtime.models.sd3 import SD3Config
 from parallel_runtime.models.tiny import write_checkpoint
 from parallel_runtime.runtime.client import RuntimeClient
@@ -40,7 +42,16 @@ FAMILIES = {
     # SD3.5 Medium-like: the image-only second attention on the first blocks (a pre-only block last).
     "sd3_medium_dual": SD3Config(hidden_size=128, num_layers=4, pos_embed_max_size=16, context_dim=32, pooled_dim=24,
                                  dual_attention_layers=(0, 1, 2)),
+    # Flux Kontext: a Flux.1 dev file whose conditioning carries ReferenceLatent latents.
+    "kontext": FluxConfig(hidden_size=64, num_heads=2, head_dim=32, num_layers=2, num_single_layers=2,
+                          context_dim=32, pooled_dim=24),
+    # Qwen-Image Edit: double blocks only, centred RoPE, the Wan latent (5D in ComfyUI), two references.
+    "qwen_image": QwenImageConfig(hidden_size=64, num_heads=2, head_dim=32, num_layers=4, context_dim=32),
 }
+
+# Reference latents per family that reads them: two of other sizes than the 16 x 24 latent, the second with
+# odd sides (ComfyUI pads it circularly to the patch size): 30 + 35 reference tokens beside 96 image tokens.
+REFERENCE_SHAPES = {"kontext": ((1, 16, 12, 10), (1, 16, 9, 14)), "qwen_image": ((1, 16, 12, 10), (1, 16, 9, 14))}
 
 BATCH, HEIGHT, WIDTH = 2, 16, 24  # batch 2 and a non-square latent (8 x 12 patches)
 
@@ -53,10 +64,13 @@ def family(request, tmp_path_factory):
     return name, path
 
 
-def conditioning(config, seed: int, text_len: int = 7, guidance: float | None = None) -> Conditioning:
+def conditioning(config, seed: int, text_len: int = 7, guidance: float | None = None, references=(),
+                 method: str | None = None) -> Conditioning:
     g = torch.Generator().manual_seed(seed)
     return Conditioning(torch.randn(1, text_len, config.context_dim, generator=g),
-                        torch.randn(1, config.pooled_dim, generator=g), guidance=guidance)
+                        torch.randn(1, config.pooled_dim, generator=g), guidance=guidance,
+                        references=tuple(torch.randn(*shape, generator=g) for shape in references),
+                        reference_method=method)
 
 
 def job(family, strategy=None, steps: int = 6, cfg: float = 2.0, **sampling) -> Job:
@@ -64,9 +78,13 @@ def job(family, strategy=None, steps: int = 6, cfg: float = 2.0, **sampling) -> 
     config = FAMILIES[name]
     sp = dict(seed=3, steps=steps, cfg=cfg, sampler_name="euler", scheduler="simple", denoise=1.0) | sampling
     # text_len 7 is odd: text shards are uneven under every sequence-parallel degree. The positive sets a
-    # guidance (FluxGuidance), the negative leaves the family's default.
+    # guidance (FluxGuidance), the negative leaves the family's default. Both carry the same references
+    # (ReferenceLatent before the negative's encode), so PipeFusion can batch them.
+    refs = REFERENCE_SHAPES.get(name, ())
+    positive = conditioning(config, 1, guidance=2.5, references=refs)
+    negative = dataclasses.replace(conditioning(config, 2), references=positive.references)
     return Job(ModelSpec(path), strategy or S(), SamplingSpec(**sp), torch.zeros(BATCH, 16, HEIGHT, WIDTH),
-               conditioning(config, 1, guidance=2.5), conditioning(config, 2))
+               positive, negative)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +104,9 @@ def test_detected_from_its_keys(family):
 
 
 def test_serial_result_is_a_real_sample(family, serial):
-    assert serial.shape == (BATCH, 16, HEIGHT, WIDTH) and torch.isfinite(serial).all()
+    # As KSampler returns it: a video VAE's latent format (Qwen-Image's Wan 2.1) keeps a frame axis.
+    frames = (1,) if getattr(FAMILIES[family[0]], "latent_dimensions", 2) == 3 else ()
+    assert serial.shape == (BATCH, 16, *frames, HEIGHT, WIDTH) and torch.isfinite(serial).all()
     assert rel_err(serial[0], serial[1]) > 0.1  # batch items get their own noise
 
 
@@ -142,3 +162,79 @@ def test_diffusers_layout_gives_the_same_latent(family, serial, client2, tmp_pat
                             prefix="transformer.")
     out = client2.run(dataclasses.replace(job(family, S(ulysses_degree=2)), model=ModelSpec(path))).latent
     assert rel_err(out, serial) <= EXACT_RTOL
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kontext: reference latents placed as ComfyUI places them, and a negative without them.
+
+@pytest.fixture(scope="module")
+def kontext(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("kontext") / "tiny-kontext.safetensors")
+    write_checkpoint(path, FAMILIES["kontext"], seed=11, prefix="model.diffusion_model.")
+    return "kontext", path
+
+
+def kontext_job(kontext, strategy=None, method=None, negative_refs=True) -> Job:
+    j = job(kontext, strategy)
+    positive = dataclasses.replace(j.positive, reference_method=method)
+    negative = dataclasses.replace(j.negative, references=j.negative.references if negative_refs else (),
+                                   reference_method=method if negative_refs else None)
+    return dataclasses.replace(j, positive=positive, negative=negative)
+
+
+@pytest.fixture(scope="module")
+def kontext_serial(kontext):
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        yield {(method, neg): client.run(kontext_job(kontext, method=method, negative_refs=neg)).latent
+               for method in (None, "index", "uxo") for neg in (True, False)}
+    finally:
+        client.shutdown()
+
+
+def test_kontext_reference_methods_and_refless_negative_change_the_result(kontext_serial):
+    base = kontext_serial[(None, True)]
+    for key, latent in kontext_serial.items():
+        if key != (None, True):
+            assert rel_err(latent, base) > 1e-3, key  # each placement (and dropping them) really is another input
+
+
+@pytest.mark.parametrize("method", [None, "index", "uxo"])
+@pytest.mark.parametrize("strategy", [S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2)],
+                         ids=lambda s: s.label())
+def test_kontext_negative_without_references_matches_serial(kontext, kontext_serial, client2, strategy, method):
+    out = client2.run(kontext_job(kontext, strategy, method=method, negative_refs=False)).latent
+    assert rel_err(out, kontext_serial[(method, False)]) <= EXACT_RTOL
+
+
+def test_kontext_pipefusion_refuses_a_negative_without_references(kontext, client2):
+    from parallel_runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="different reference latents.*cfg_degree=2"):
+        client2.run(kontext_job(kontext, S(pipefusion_degree=2), negative_refs=False))
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n not in REFERENCE_SHAPES])
+def test_references_are_refused_by_families_that_do_not_read_them(name, tmp_path):
+    from parallel_runtime.errors import ConfigError
+    from parallel_runtime.validate import validate_job
+
+    path = write_checkpoint(str(tmp_path / f"{name}.safetensors"), FAMILIES[name], seed=1)
+    j = job((name, path))
+    refs = (torch.randn(1, 16, 8, 8),)
+    with pytest.raises(ConfigError, match="carries reference latents.*does not read; remove the ReferenceLatent"):
+        validate_job(dataclasses.replace(j, positive=dataclasses.replace(j.positive, references=refs)), 1)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(references=(torch.randn(1, 4, 8, 8),)), r"shape \(1, 4, 8, 8\), not \[batch, 16, height/8"),
+    (dict(references=(torch.full((1, 16, 8, 8), float("nan")),)), "NaN/Inf"),
+    (dict(reference_method="sideways"), "method 'sideways' is unknown; choose one of offset, index, uxo"),
+])
+def test_bad_reference_latents_fail_with_one_sentence(kontext, bad, message):
+    from parallel_runtime.errors import ConfigError
+    from parallel_runtime.validate import validate_job
+
+    j = job(kontext)
+    with pytest.raises(ConfigError, match=message):
+        validate_job(dataclasses.replace(j, positive=dataclasses.replace(j.positive, **bad)), 1)

@@ -413,8 +413,31 @@ def test_latent_conversion_and_output():
         convert.latent_output(lat, torch.zeros(1, 16, 8, 8))
 
 
+def test_video_vae_image_latents_lose_and_regain_their_frame_axis():
+    """Qwen-Image's Wan latent is [B, C, 1, H, W] in ComfyUI: the runtime gets [B, C, H, W] and returns the
+    frame axis (also for a 4D EmptySD3LatentImage input, as KSampler's fix_empty_latent_channels makes it 5D)."""
+    five = {"samples": torch.randn(2, 16, 1, 8, 12)}
+    samples, _ = convert.latent_samples(five)
+    assert samples.shape == (2, 16, 8, 12) and torch.equal(samples, five["samples"][:, :, 0])
+    assert convert.latent_output(five, samples.unsqueeze(2))["samples"].shape == (2, 16, 1, 8, 12)
+    four = latent()
+    assert convert.latent_output(four, four["samples"].unsqueeze(2))["samples"].shape == (1, 16, 1, 16, 16)
+    assert convert.latent_output(four, four["samples"])["samples"].shape == (1, 16, 16, 16)
+    with pytest.raises(ConfigError, match="bug"):
+        convert.latent_output(five, samples)
+
+
+def test_reference_latents_travel_with_their_method():
+    refs = [torch.randn(1, 16, 6, 4), torch.randn(1, 16, 1, 5, 7)]  # a Flux VAE's and a Wan VAE's encode
+    value = [[torch.randn(1, 3, 8), {"pooled_output": torch.randn(1, 4), "reference_latents": refs,
+                                     "reference_latents_method": "index"}]]
+    c = convert.conditioning(value)
+    assert [tuple(r.shape) for r in c.references] == [(1, 16, 6, 4), (1, 16, 5, 7)]
+    assert c.reference_method == "index" and torch.equal(c.references[1], refs[1][:, :, 0])
+    assert convert.conditioning([[value[0][0], {}]]).references == ()
+
+
 @pytest.mark.parametrize("value,match", [
-    (latent(channels=4), "use EmptySD3LatentImage"),
     (latent(noise_mask=torch.ones(1, 1, 16, 16)), "noise mask"),
     ({"samples": torch.zeros(1, 16, 2, 8, 8)}, "EmptySD3LatentImage"),
     ({}, "not a LATENT"),
@@ -507,8 +530,8 @@ def test_sampler_runtime_error_reaches_ui_unchanged(runtime):
 def test_sampler_rejects_bad_inputs_before_starting_workers(runtime):
     host = FakeHost()
     with pytest.raises(ConfigError, match="EmptySD3LatentImage"):
-        sampler_mod.sample(handle(), 0, 3, 1.0, "euler", "simple", cond(), cond(), latent(channels=4), 1.0,
-                           host=host)
+        sampler_mod.sample(handle(), 0, 3, 1.0, "euler", "simple", cond(), cond(),
+                           {"samples": torch.zeros(1, 16, 2, 8, 8)}, 1.0, host=host)  # a video latent
     with pytest.raises(ConfigError, match="Load Parallel DiT"):
         sampler_mod.sample(object(), 0, 3, 1.0, "euler", "simple", cond(), cond(), latent(), 1.0, host=host)
     assert runtime.clients == {} and host.events == []

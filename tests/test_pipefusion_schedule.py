@@ -70,11 +70,11 @@ class IdentityFlux:
     pack, unpack = staticmethod(FluxAdapter.pack), staticmethod(FluxAdapter.unpack)  # the token layout itself
     model_sampling, latent_format, default_guidance = model_sampling_for("dev"), FLUX_LATENT, 3.5
 
-    def rope(self, text_len, h, w):
+    def rope(self, text_len, h, w, references=(), method=None):
         n = text_len + (h // 2) * (w // 2)
         return torch.zeros(n, 1), torch.zeros(n, 1)
 
-    def embed_image(self, t, index):
+    def embed_image(self, t, index, hw):
         return torch.zeros(t.shape[0], t.shape[1], self.config.hidden_size)
 
     def embed_text(self, c):

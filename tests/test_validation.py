@@ -99,6 +99,12 @@ def test_token_layout_uneven_text_and_patch_shards():
     assert sorted(rows.tolist()) == list(range(7, 71))
 
 
+def test_protocol_carries_tensors_shared_between_branches():
+    shared = torch.randn(1, 16, 4, 4)  # one ReferenceLatent feeding both the positive and the negative
+    _, _, tensors = decode(encode("job", {}, {"positive.reference.0": shared, "negative.reference.0": shared}))
+    assert torch.equal(tensors["positive.reference.0"], shared) and torch.equal(tensors["negative.reference.0"], shared)
+
+
 def test_protocol_carries_tensors_without_pickle():
     blob = encode("job", {"a": [1, 2]}, {"x": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)})
     assert b"pickle" not in blob and b"\x80\x04" not in blob[:16]

@@ -84,6 +84,10 @@ class ChromaConfig:
         return 4 * self.hidden_size
 
     @property
+    def latent_channels(self) -> int:
+        return self.out_channels // 4
+
+    @property
     def modulation_rows(self) -> int:
         return 3 * self.num_single_layers + 12 * self.num_layers + 2
 

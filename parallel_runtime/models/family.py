@@ -8,6 +8,7 @@ Strategies never import a family module; adding a family is a module plus an ent
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -73,13 +74,78 @@ class ModelFamily(Protocol):
         """{original-layout key: (shape, kind)} of a complete file, for writing random test checkpoints."""
 
 
+@dataclass(frozen=True, eq=False)
+class DiTFamily:
+    """A ModelFamily assembled from one family module's pieces: the module says how to read its files (match,
+    infer_config, source_map, checkpoint_shapes), which diffusers model holds the weights, which block lists
+    PipeFusion splits and which other modules every, the first or the last stage owns; building, stage
+    planning and parameter counting are the same for every family and live here."""
+
+    name: str
+    title: str
+    match: Callable[[list[str]], Match | None]
+    infer_config: Callable  # (reader, match, name) -> config
+    meta_model: Callable[[object], torch.nn.Module]  # config -> the diffusers model on the meta device
+    source_map: Callable  # (config, layout, prefix) -> {parameter: mapping.Source}
+    checkpoint_shapes: Callable  # config -> {original key: (shape, kind)}
+    adapter_class: type
+    block_lists: tuple[str, ...]  # the model's ModuleLists of blocks, in pipeline order
+    always_owned: tuple[str, ...]
+    first_stage: tuple[str, ...]
+    last_stage: tuple[str, ...]
+    after_build: Callable[[torch.nn.Module], None] | None = None  # settings the key map cannot carry (eps, ...)
+
+    def build(self, config, reader, match: Match, owned, dtype, device) -> torch.nn.Module:
+        from .mapping import build_from_map
+
+        model = build_from_map(self.meta_model(config), self.source_map(config, match.layout, match.prefix), reader,
+                               self.block_lists, f"{getattr(config, 'title', self.title)} DiT", owned=owned,
+                               dtype=dtype, device=device)
+        if self.after_build is not None:
+            self.after_build(model)
+        return model
+
+    def parameter_counts(self, config) -> tuple[tuple[int, ...], int, int, int]:
+        return _parameter_counts(self, config)
+
+    def pipeline_stages(self, config, stages: int) -> list[list[range]]:
+        from .flux_adapter import balanced_stages
+
+        return balanced_stages(self.parameter_counts(config)[0], stages)
+
+    def stage_ownership(self, config, chunks: list[range], first: bool, last: bool) -> Callable[[str], bool]:
+        from .flux_adapter import prefix_ownership
+
+        return prefix_ownership(self.block_lists, _block_list_sizes(self, config), chunks, self.always_owned,
+                                self.first_stage if first else (), self.last_stage if last else ())
+
+    def adapter(self, config, model: torch.nn.Module, chunks: list[range], context) -> DiTAdapter:
+        return self.adapter_class(config, model, chunks, context)
+
+
+@functools.lru_cache(maxsize=32)
+def _parameter_counts(family: DiTFamily, config) -> tuple[tuple[int, ...], int, int, int]:
+    from .mapping import parameter_counts
+
+    model = family.meta_model(config)
+    blocks = [block for attr in family.block_lists for block in getattr(model, attr)]
+    return parameter_counts(model, blocks, family.always_owned, family.first_stage, family.last_stage)
+
+
+@functools.lru_cache(maxsize=32)
+def _block_list_sizes(family: DiTFamily, config) -> tuple[int, ...]:
+    model = family.meta_model(config)
+    return tuple(len(getattr(model, attr)) for attr in family.block_lists)
+
+
 def families() -> list[ModelFamily]:
     """Every family the runtime runs, in detection order (imported lazily: diffusers is heavy)."""
     from .chroma import CHROMA
     from .flux import FLUX
+    from .qwen_image import QWEN_IMAGE
     from .sd3 import SD3
 
-    return [FLUX, CHROMA, SD3]
+    return [FLUX, CHROMA, SD3, QWEN_IMAGE]
 
 
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:

@@ -90,11 +90,16 @@ class FluxConfig:
         object.__setattr__(self, "guidance_embeds", bool(self.guidance_embeds))
 
     family = "flux"  # models/family.py: which family's functions plan and run this config
+    reads_references = True  # Kontext: ReferenceLatent tokens join the image stream (any Flux.1 file reads them)
     text_encoders = "the Flux text encoders (DualCLIPLoader type flux: clip_l and t5xxl)"
 
     @property
     def variant(self) -> str:
         return "dev" if self.guidance_embeds else "schnell"
+
+    @property
+    def latent_channels(self) -> int:
+        return self.out_channels // 4  # tokens pack 2x2 patches (Fill/Depth widen only the input)
 
     @property
     def num_blocks(self) -> int:

@@ -86,6 +86,42 @@ def stage_ownership(config: FluxConfig, chunks: list[range], first: bool, last: 
                             FIRST_STAGE if first else (), LAST_STAGE if last else ())
 
 
+def grid_ids(rows: int, cols: int, index: int = 0, row0: int = 0, col0: int = 0) -> torch.Tensor:
+    """RoPE ids [index, row0 + r, col0 + c] of a rows x cols token grid, row-major."""
+    ids = torch.zeros(rows, cols, 3)
+    ids[..., 0] = index
+    ids[..., 1] = row0 + torch.arange(rows)[:, None]
+    ids[..., 2] = col0 + torch.arange(cols)[None, :]
+    return ids.reshape(rows * cols, 3)
+
+
+def reference_placements(hw: tuple[int, int], references: tuple[tuple[int, int], ...],
+                         method: str | None) -> list[tuple[int, int, int, int, int]]:
+    """(rows, cols, index, row offset, col offset) of each reference latent's token grid, as
+    comfy/ldm/flux/model.py places Kontext references. Sizes and offsets are in latent pixels, turned into
+    tokens by rounding up; "offset" (the default) tiles the references beside each other at index 1, "index"
+    stacks them at index 1, 2, ..., "uxo" puts them below-right of the image at index 0."""
+    def tokens(n: int) -> int:
+        return (n + 1) // 2
+
+    placed, h, w, index = [], 0, 0, 0
+    for ref_h, ref_w in references:
+        if method == "index":
+            index, off_h, off_w = index + 1, 0, 0
+        elif method == "uxo":
+            index, off_h, off_w = 0, tokens(hw[0]) * 2 + h, tokens(hw[1]) * 2 + w
+            h, w = h + ref_h, w + ref_w
+        else:
+            index, off_h, off_w = 1, 0, 0
+            if ref_h + h > ref_w + w:
+                off_w = w
+            else:
+                off_h = h
+            h, w = max(h, ref_h + off_h), max(w, ref_w + off_w)
+        placed.append((tokens(ref_h), tokens(ref_w), index, tokens(off_h), tokens(off_w)))
+    return placed
+
+
 class FluxAdapter:
     latent_channels = 16
     patch = 2
@@ -133,19 +169,18 @@ class FluxAdapter:
         x = tokens.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
         return x.reshape(b, c, h, w)
 
-    def rope(self, text_len: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for the canonical full sequence [text, image]; strategies index rows by position."""
-        rows, cols = h // 2, w // 2
-        img_ids = torch.zeros(rows, cols, 3)
-        img_ids[..., 1] = torch.arange(rows)[:, None]
-        img_ids[..., 2] = torch.arange(cols)[None, :]
-        ids = torch.cat([torch.zeros(text_len, 3), img_ids.reshape(rows * cols, 3)]).to(self.device)
-        return self.model.pos_embed(ids)
+    def rope(self, text_len: int, h: int, w: int, references: tuple[tuple[int, int], ...] = (),
+             method: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for the canonical full sequence [text, image, references]; strategies index rows by position.
+        Text ids are 0; image ids [0, row, col]; each reference's ids are placed as ComfyUI's Flux places them."""
+        ids = [torch.zeros(text_len, 3), grid_ids(h // 2, w // 2)]
+        ids += [grid_ids(*placed) for placed in reference_placements((h, w), references, method)]
+        return self.model.pos_embed(torch.cat(ids).to(self.device))
 
     # -- embeddings ----------------------------------------------------------------------------------
 
-    def embed_image(self, tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """`index`: the image positions of these tokens (unused: Flux's positions are RoPE, per attention)."""
+    def embed_image(self, tokens: torch.Tensor, index: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
+        """`index`, `hw`: where these tokens sit (unused: Flux's positions are RoPE, applied in attention)."""
         return self.model.x_embedder(tokens.to(self.device, self.dtype))
 
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:

@@ -25,11 +25,10 @@ import torch.nn.functional as F
 
 from ..errors import ModelFileError
 from ..sampling import SD3_LATENT, FluxModelSampling
-from .family import Match
+from .family import DiTFamily, Match
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
-from .flux_adapter import FluxAdapter, balanced_stages, prefix_ownership
-from .mapping import Source, block_count, build_from_map, has_block, linear
-from .mapping import parameter_counts as count_parameters
+from .flux_adapter import FluxAdapter
+from .mapping import Source, block_count, has_block, linear
 
 HEAD_DIM = 64  # every SD3 release; ComfyUI's MMDiT derives heads = hidden / 64
 ALWAYS_OWNED = ("time_text_embed.",)
@@ -76,6 +75,10 @@ class SD3Config:
     @property
     def mlp_hidden(self) -> int:
         return 4 * self.hidden_size
+
+    @property
+    def latent_channels(self) -> int:
+        return self.in_channels
 
     @property
     def max_latent_size(self) -> int:
@@ -243,12 +246,6 @@ def checkpoint_shapes(config: SD3Config) -> dict[str, tuple[tuple[int, ...], str
     return out
 
 
-@functools.lru_cache(maxsize=16)
-def parameter_counts(config: SD3Config) -> tuple[tuple[int, ...], int, int, int]:
-    model = _diffusers_model(config)
-    return count_parameters(model, list(model.transformer_blocks), ALWAYS_OWNED, FIRST_STAGE, LAST_STAGE)
-
-
 # -- the strategies' view -----------------------------------------------------------------------------
 
 class ParallelJointAttnProcessor:
@@ -307,27 +304,26 @@ class SD3Adapter:
         """supported_models.SD3: ModelSamplingDiscreteFlow, shift 3.0, multiplier 1000."""
         return FluxModelSampling(3.0, 1000.0, kind="discrete_flow")
 
-    def rope(self, text_len: int, h: int, w: int):
-        self._grid = (h // self.patch, w // self.patch)
+    def rope(self, text_len: int, h: int, w: int, references=(), method=None):
         return None  # absolute positions, added in embed_image
 
-    def _position_table(self) -> torch.Tensor:
+    def _position_table(self, grid: tuple[int, int]) -> torch.Tensor:
         """MMDiT.cropped_pos_embed: the centre crop of the stored table, row-major over the patch grid."""
-        rows, cols = self._grid
-        if self._grid not in self._positions:
+        rows, cols = grid
+        if grid not in self._positions:
             side = self.config.pos_embed_max_size
             if rows > side or cols > side:  # validate.py refuses these before any work; this is the backstop
                 raise ValueError(f"a {rows}x{cols} patch grid exceeds this SD3 model's {side}x{side} position table")
             top, left = (side - rows) // 2, (side - cols) // 2
             table = self.model.pos_embed.pos_embed.reshape(side, side, -1)[top:top + rows, left:left + cols]
-            self._positions[self._grid] = table.reshape(rows * cols, -1).to(self.dtype)
-        return self._positions[self._grid]
+            self._positions[grid] = table.reshape(rows * cols, -1).to(self.dtype)
+        return self._positions[grid]
 
-    def embed_image(self, tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """The patch conv as a matmul on packed tokens, plus the position rows of `index`."""
+    def embed_image(self, tokens: torch.Tensor, index: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
+        """The patch conv as a matmul on packed tokens, plus the position rows of `index` in the h x w latent."""
         proj = self.model.pos_embed.proj
         image = F.linear(tokens.to(self.device, self.dtype), proj.weight.flatten(1), proj.bias)
-        return image + self._position_table()[index]
+        return image + self._position_table((hw[0] // self.patch, hw[1] // self.patch))[index]
 
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
         return self.model.context_embedder(cond.to(self.device, self.dtype))
@@ -350,38 +346,7 @@ class SD3Adapter:
         return out.reshape(b, n, p, p, c).permute(0, 1, 4, 2, 3).reshape(b, n, c * p * p)
 
 
-class SD3Family:
-    name = "sd3"
-    title = "SD3 / SD3.5 (Medium, Large)"
-
-    def match(self, keys: list[str]) -> Match | None:
-        return match_layout(keys)
-
-    def infer_config(self, reader, match: Match, name: str) -> SD3Config:
-        return infer_config(reader, match, name)
-
-    def build(self, config: SD3Config, reader, match: Match, owned, dtype, device):
-        return build_from_map(_diffusers_model(config), source_map(config, match.layout, match.prefix), reader,
-                              BLOCK_LISTS, f"{config.title} DiT", owned=owned, dtype=dtype, device=device)
-
-    def pipeline_stages(self, config: SD3Config, stages: int) -> list[list[range]]:
-        return balanced_stages(parameter_counts(config)[0], stages)
-
-    def stage_ownership(self, config: SD3Config, chunks: list[range], first: bool, last: bool):
-        return prefix_ownership(BLOCK_LISTS, (config.num_layers,), chunks, ALWAYS_OWNED,
-                                FIRST_STAGE if first else (), LAST_STAGE if last else ())
-
-    def adapter(self, config: SD3Config, model, chunks: list[range], context) -> SD3Adapter:
-        return SD3Adapter(config, model, chunks, context)
-
-    def parameter_counts(self, config: SD3Config):
-        return parameter_counts(config)
-
-    def source_map(self, config: SD3Config, layout: str, prefix: str = "") -> dict[str, Source]:
-        return source_map(config, layout, prefix)
-
-    def checkpoint_shapes(self, config: SD3Config):
-        return checkpoint_shapes(config)
-
-
-SD3 = SD3Family()
+SD3 = DiTFamily(
+    name="sd3", title="SD3 / SD3.5 (Medium, Large)", match=match_layout, infer_config=infer_config,
+    meta_model=_diffusers_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=SD3Adapter,
+    block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE)

@@ -229,12 +229,12 @@ class RuntimeClient:
             self.ping()
             check_job_memory(job, self.devices, self.memory_reports)
             meta = {"model": job.model.to_json(), "strategy": job.strategy.to_json(),
-                    "sampling": job.sampling.to_json(), "positive_guidance": job.positive.guidance}
+                    "sampling": job.sampling.to_json(), **job.positive.meta("positive")}
             tensors = {"latent": job.latent, **job.positive.tensors("positive")}
             if "batch_index" in job.extra:
                 meta["extra"] = {"batch_index": [int(i) for i in job.extra["batch_index"]]}
             if job.negative is not None:
-                meta["negative_guidance"] = job.negative.guidance
+                meta.update(job.negative.meta("negative"))
                 tensors.update(job.negative.tensors("negative"))
             self.last_strategy = job.strategy.label()
             # What a step costs depends on the model and its dtype too (and on whether cfg adds a branch).

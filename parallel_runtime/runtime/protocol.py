@@ -20,8 +20,20 @@ def encode(kind: str, meta: dict | None = None, tensors: dict[str, torch.Tensor]
     header = json.dumps({"kind": kind, "meta": meta or {}}).encode()
     blob = b""
     if tensors:
-        blob = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+        blob = st_save(_unshared(tensors))
     return _HEADER.pack(len(header)) + header + blob
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU tensors safetensors can write: it refuses two names on one storage, which a graph makes when the
+    positive and negative share a tensor (one reference latent, one ConditioningZeroOut'd prompt)."""
+    out, seen = {}, set()
+    for name, t in tensors.items():
+        t = t.detach().contiguous().cpu()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        out[name] = t.clone() if key in seen and t.numel() else t
+        seen.add(key)
+    return out
 
 
 def decode(buf: bytes) -> tuple[str, dict, dict[str, torch.Tensor]]:

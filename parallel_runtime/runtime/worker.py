@@ -124,7 +124,7 @@ def _job_from_message(meta: dict, tensors: dict):
     from ..spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
 
     def branch(name):
-        return Conditioning(tensors[f"{name}.cond"], tensors[f"{name}.pooled"], meta.get(f"{name}_guidance"))
+        return Conditioning.from_message(name, meta, tensors)
 
     return Job(ModelSpec(**meta["model"]), StrategySpec(**meta["strategy"]), SamplingSpec(**meta["sampling"]),
                tensors["latent"], branch("positive"), branch("negative") if "negative.cond" in tensors else None,

@@ -4,6 +4,8 @@ from .flow import (
     FLUX_LATENT,
     FLUX_LATENT_SHIFT,
     SD3_LATENT,
+    WAN21_LATENT,
+    ChannelLatentFormat,
     LatentFormat,
     FluxModelSampling,
     cfg_combine,
@@ -18,14 +20,15 @@ from .flow import (
     process_latent_out,
     start_latent,
 )
+from .discrete import DiscreteEPSSampling
 from .noise import StepNoise, prepare_noise
 from .samplers import SAMPLERS, RegionSampler, make_sampler
 from .schedules import SCHEDULERS, calculate_sigmas, ksampler_sigmas
 
 __all__ = [
-    "FLUX_LATENT", "FLUX_LATENT_SCALE", "FLUX_LATENT_SHIFT", "SD3_LATENT", "LatentFormat", "FluxModelSampling", "cfg_combine", "cfg_uses_uncond",
+    "FLUX_LATENT", "FLUX_LATENT_SCALE", "FLUX_LATENT_SHIFT", "SD3_LATENT", "WAN21_LATENT", "ChannelLatentFormat", "LatentFormat", "FluxModelSampling", "cfg_combine", "cfg_uses_uncond",
     "denoised_from_velocity", "final_latent", "flux_shift_for_resolution", "inverse_noise_scaling",
     "model_sampling_for", "noise_scaling", "process_latent_in", "process_latent_out", "start_latent",
-    "StepNoise", "prepare_noise", "SAMPLERS", "RegionSampler", "make_sampler",
+    "DiscreteEPSSampling", "StepNoise", "prepare_noise", "SAMPLERS", "RegionSampler", "make_sampler",
     "SCHEDULERS", "calculate_sigmas", "ksampler_sigmas",
 ]

@@ -29,6 +29,7 @@ class LatentFormat:
     name: str
     scale: float
     shift: float
+    dimensions = 2  # comfy's latent_dimensions: 3 for video VAEs, whose latents are [B, C, T, H, W]
 
     def process_in(self, latent: torch.Tensor) -> torch.Tensor:
         return (latent - self.shift) * self.scale
@@ -37,8 +38,39 @@ class LatentFormat:
         return (latent / self.scale) + self.shift
 
 
+@dataclass(frozen=True)
+class ChannelLatentFormat:
+    """comfy.latent_formats.Wan21 and kin: per-channel mean and std, (x - mean) * scale_factor / std, with
+    ComfyUI's operand order. Latents of these formats are 5D in ComfyUI ([B, C, 1, H, W] for an image)."""
+
+    name: str
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    scale_factor: float = 1.0
+    dimensions = 3
+
+    def _stats(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (1, len(self.mean)) + (1,) * (latent.ndim - 2)
+        return (torch.tensor(self.mean).view(shape).to(latent.device, latent.dtype),
+                torch.tensor(self.std).view(shape).to(latent.device, latent.dtype))
+
+    def process_in(self, latent: torch.Tensor) -> torch.Tensor:
+        mean, std = self._stats(latent)
+        return (latent - mean) * self.scale_factor / std
+
+    def process_out(self, latent: torch.Tensor) -> torch.Tensor:
+        mean, std = self._stats(latent)
+        return latent * std / self.scale_factor + mean
+
+
 FLUX_LATENT = LatentFormat("flux", FLUX_LATENT_SCALE, FLUX_LATENT_SHIFT)
 SD3_LATENT = LatentFormat("sd3", 1.5305, 0.0609)
+WAN21_LATENT = ChannelLatentFormat(
+    "wan21",
+    mean=(-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+          0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921),
+    std=(2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+         3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160))
 
 VARIANTS = ("dev", "schnell")
 KINDS = ("flux", "discrete_flow")
@@ -97,6 +129,25 @@ class FluxModelSampling:
         if self.kind == "flux" and self.multiplier == 1.0:
             return sigma
         return sigma * self.multiplier
+
+    # -- CONST (rectified flow): the network predicts the velocity ------------------------------------
+
+    prediction = "const"
+
+    def calculate_input(self, sigma, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def calculate_denoised(self, sigma, model_output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return denoised_from_velocity(x, model_output, sigma)
+
+    def noise_scaling(self, sigma, noise: torch.Tensor, latent: torch.Tensor, max_denoise: bool = False):
+        return noise_scaling(sigma, noise, latent)
+
+    def inverse_noise_scaling(self, sigma, latent: torch.Tensor) -> torch.Tensor:
+        return inverse_noise_scaling(sigma, latent)
+
+    def is_max_denoise(self, sigma0) -> bool:
+        return False  # CONST's noise_scaling ignores it
 
     def __repr__(self) -> str:
         return f"FluxModelSampling(shift={self.shift}, multiplier={self.multiplier}, kind={self.kind!r})"
@@ -161,20 +212,25 @@ def process_latent_out(latent: torch.Tensor) -> torch.Tensor:
 
 
 def start_latent(latent_image: torch.Tensor, noise: torch.Tensor, sigma0,
-                 latent_format: LatentFormat = FLUX_LATENT) -> torch.Tensor:
-    """x at the first step, as CFGGuider.inner_sample + KSAMPLER.sample build it.
+                 latent_format: LatentFormat = FLUX_LATENT, model_sampling=None) -> torch.Tensor:
+    """x at the first step, as CFGGuider.inner_sample + KSAMPLER.sample build it (CONST unless a
+    `model_sampling` says otherwise).
 
     ComfyUI leaves an all-zero (empty) latent unshifted; any other latent goes
     through process_latent_in before the noise is mixed in.
     """
     if torch.count_nonzero(latent_image) > 0:
         latent_image = latent_format.process_in(latent_image)
-    return noise_scaling(sigma0, noise, latent_image)
+    if model_sampling is None:
+        return noise_scaling(sigma0, noise, latent_image)
+    return model_sampling.noise_scaling(sigma0, noise, latent_image, model_sampling.is_max_denoise(sigma0))
 
 
-def final_latent(samples: torch.Tensor, sigma_last, latent_format: LatentFormat = FLUX_LATENT) -> torch.Tensor:
+def final_latent(samples: torch.Tensor, sigma_last, latent_format: LatentFormat = FLUX_LATENT,
+                 model_sampling=None) -> torch.Tensor:
     """The LATENT ComfyUI returns: inverse_noise_scaling, then float32 process_latent_out."""
-    return latent_format.process_out(inverse_noise_scaling(sigma_last, samples).to(torch.float32))
+    inverse = inverse_noise_scaling if model_sampling is None else model_sampling.inverse_noise_scaling
+    return latent_format.process_out(inverse(sigma_last, samples).to(torch.float32))
 
 
 def cfg_uses_uncond(scale: float) -> bool:

@@ -180,6 +180,21 @@ class EulerAncestralRFSampler(RegionSampler):
             self._noise.drop_before(keep_from)
 
 
+class EulerAncestralSampler(EulerAncestralRFSampler):
+    """sample_euler_ancestral for non-CONST models (EPS: PixArt), eta=1, s_noise=1: an Euler step down to
+    sigma_down, then fresh noise of std sigma_up (get_ancestral_step), from the same noise sampler."""
+
+    def _update(self, i, x, denoised, a, b, sigmas):
+        s, s_next = sigmas[i], sigmas[i + 1]
+        if self.sigmas[i + 1] == 0:  # host copy: sigma_up = sigma_down = 0, so x = denoised
+            return denoised
+        sigma_up = torch.minimum(s_next, self.eta * (s_next ** 2 * (s ** 2 - s_next ** 2) / s ** 2) ** 0.5)
+        sigma_down = (s_next ** 2 - sigma_up ** 2) ** 0.5
+        d = (x - denoised) / s
+        x = x + d * (sigma_down - s)
+        return x + self._step_noise(i, x)[:, a:b] * self.s_noise * sigma_up
+
+
 class DPMPP2MSampler(RegionSampler):
     """sample_dpmpp_2m. old_denoised is kept full-size; each region reads and writes its rows."""
 
@@ -220,8 +235,8 @@ _CLASSES = {cls.name: cls for cls in (EulerSampler, EulerAncestralRFSampler, DPM
 
 def make_sampler(name: str, sigmas: torch.Tensor, seed: int, latent_shape: Sequence[int],
                  to_state: Callable[[torch.Tensor], torch.Tensor] = _identity,
-                 noise_device: torch.device | str | None = None) -> RegionSampler:
-    """A region-wise sampler for a Flux (CONST) model.
+                 noise_device: torch.device | str | None = None, prediction: str = "const") -> RegionSampler:
+    """A region-wise sampler for a model of this `prediction` ("const": rectified flow as Flux; "eps").
 
     seed is KSampler's seed (ancestral noise uses it, as ComfyUI's does);
     latent_shape is [B, C, H, W]; noise_device defaults to x's device, where
@@ -229,4 +244,7 @@ def make_sampler(name: str, sigmas: torch.Tensor, seed: int, latent_shape: Seque
     """
     if name not in _CLASSES:
         raise ConfigError(f"Sampler {name!r} is not supported; choose one of {', '.join(SAMPLERS)}.")
-    return _CLASSES[name](sigmas, seed, latent_shape, to_state=to_state, noise_device=noise_device)
+    cls = _CLASSES[name]
+    if cls is EulerAncestralRFSampler and prediction != "const":  # as k_diffusion picks by model_sampling
+        cls = EulerAncestralSampler
+    return cls(sigmas, seed, latent_shape, to_state=to_state, noise_device=noise_device)

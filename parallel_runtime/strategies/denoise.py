@@ -24,22 +24,35 @@ from ..runtime.comm import Comm
 from .attention import LocalAttention, RingAttention, UlyssesAttention
 from .attention.processor import AttentionContext
 from .pipefusion import StaleKVAttention, StaleKVCache
-from ..sampling import (cfg_combine, cfg_uses_uncond, denoised_from_velocity, final_latent, ksampler_sigmas,
-                       make_sampler, prepare_noise, start_latent)
+from ..sampling import (cfg_combine, cfg_uses_uncond, final_latent, ksampler_sigmas, make_sampler, prepare_noise,
+                       start_latent)
 from ..runtime.topology import Topology, validate_strategy
 from ..spec import Conditioning, Job
 from ..validate import validate_branches
 
 
+def _even_split(total: int, pieces: int, k: int) -> range:
+    """Piece k of range(total) cut into `pieces` near-equal runs (the first ones one longer)."""
+    base, extra = divmod(total, pieces)
+    start = k * base + min(k, extra)
+    return range(start, start + base + (1 if k < extra else 0))
+
+
 @dataclass(frozen=True)
 class TokenLayout:
-    """Which text and image rows sequence-parallel rank `i` of `shards` holds."""
+    """Which text, image and reference rows sequence-parallel rank `i` of `shards` holds.
+
+    The canonical sequence is [text, image, references]: reference tokens (Kontext's ReferenceLatent) run
+    through every block like image tokens but are not sampled, so they are cut like the prompt (near-equal
+    runs, one per patch and shard) rather than like the image (whose shards must be equal).
+    """
 
     text_len: int
     image_len: int
     patches: int
     shards: int
     split_text: bool  # False for naive patch parallel, where every rank keeps the whole prompt
+    ref_len: int = 0
 
     @property
     def patch_len(self) -> int:
@@ -49,9 +62,12 @@ class TokenLayout:
         if not self.split_text:
             return range(self.text_len)
         # Uneven split allowed: prompts rarely have a token count the degree divides.
-        base, extra = divmod(self.text_len, self.shards)
-        start = i * base + min(i, extra)
-        return range(start, start + base + (1 if i < extra else 0))
+        return _even_split(self.text_len, self.shards, i)
+
+    def ref_rows(self, i: int, patch: int) -> range:
+        if not self.split_text:  # naive patch: every rank sees the whole reference, as it sees the prompt
+            return range(self.ref_len)
+        return _even_split(self.ref_len, self.patches * self.shards, patch * self.shards + i)
 
     def image_slice(self, i: int, patch: int) -> slice:
         n = self.patch_len // self.shards
@@ -64,33 +80,81 @@ class TokenLayout:
         return torch.cat([torch.arange(s.start, s.stop, device=device)
                           for s in (self.image_slice(i, p) for p in patches)])
 
+    def ref_index(self, i: int, patches: list[int], device=None) -> torch.Tensor:
+        return torch.cat([torch.arange(r.start, r.stop, device=device)
+                          for r in (self.ref_rows(i, p) for p in patches)])
+
+    def image_positions(self, i: int, patches: list[int], device=None) -> torch.Tensor:
+        """Rows of the image stream [image, references] that rank i's image-stream tokens occupy."""
+        return torch.cat([self.image_index(i, patches, device), self.image_len + self.ref_index(i, patches, device)])
+
     def positions(self, i: int, patches: list[int], device=None) -> torch.Tensor:
-        """Rows of the canonical sequence [text, image] that rank i's tokens occupy."""
+        """Rows of the canonical sequence [text, image, references] that rank i's tokens occupy."""
         rows = self.text_rows(i)
         text = torch.arange(rows.start, rows.stop, device=device)
-        return torch.cat([text, self.text_len + self.image_index(i, patches, device)])
+        return torch.cat([text, self.text_len + self.image_positions(i, patches, device)])
 
-    def seq_len(self, i: int, n_patches: int) -> int:
-        return len(self.text_rows(i)) + n_patches * (self.patch_len // self.shards)
+    def stream_len(self, i: int, patches: list[int]) -> int:
+        """Image-stream tokens (image and reference rows) of rank i for these patches."""
+        return len(patches) * (self.patch_len // self.shards) + sum(len(self.ref_rows(i, p)) for p in patches)
+
+    def seq_len(self, i: int, patches: list[int]) -> int:
+        return len(self.text_rows(i)) + self.stream_len(i, patches)
+
+
+def repeat_to_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
+    """comfy.utils.repeat_to_batch_size: a conditioning tensor tiled (or cut) to the latent's batch."""
+    if t.shape[0] > batch:
+        return t[:batch]
+    if t.shape[0] < batch:
+        return t.repeat(-(-batch // t.shape[0]), *([1] * (t.ndim - 1)))[:batch]
+    return t
+
+
+def reference_tokens(adapter: DiTAdapter, references: tuple[torch.Tensor, ...], batch: int) -> torch.Tensor:
+    """ReferenceLatent latents as packed image-stream tokens [B, R, C*p*p], as ComfyUI's model sees them:
+    the latent format's process_in, the batch tiled, odd sizes padded circularly to the patch size."""
+    p = adapter.patch
+    parts = []
+    for ref in references:
+        ref = repeat_to_batch(adapter.latent_format.process_in(ref.float()), batch)
+        pad_h, pad_w = (-ref.shape[-2]) % p, (-ref.shape[-1]) % p
+        if pad_h or pad_w:
+            ref = torch.nn.functional.pad(ref, (0, pad_w, 0, pad_h), mode="circular")
+        parts.append(adapter.pack(ref))
+    return torch.cat(parts, dim=1)
 
 
 class Branches:
     """The CFG branches this rank evaluates, batched into one forward pass."""
 
-    def __init__(self, conds: list[Conditioning], batch: int, guidance_default: float, device=None):
-        # The Denoiser batches only branches whose prompts share a length. Everything moves to the
-        # worker's device once per job, not once per step (each blocking upload is a sync on CUDA).
+    def __init__(self, conds: list[Conditioning], batch: int, adapter: DiTAdapter):
+        # The Denoiser batches only branches with the same token layout (Conditioning.signature). Everything
+        # moves to the worker's device once per job, not once per step (each blocking upload is a sync on CUDA).
         self.count = len(conds)
         self.batch = batch
+        device = adapter.device
 
         def rep(t):  # ComfyUI repeats a batch-1 conditioning over the latent batch
             return t.expand(batch, *t.shape[1:]) if t.shape[0] == 1 and batch > 1 else t
 
-        self.cond = torch.cat([rep(c.cond) for c in conds])
-        self.pooled = torch.cat([rep(c.pooled) for c in conds])
-        self.guidance = torch.cat([torch.full((batch,), float(c.guidance if c.guidance is not None else guidance_default))
-                                   for c in conds])
-        self.cond, self.pooled, self.guidance = (t.to(device) for t in (self.cond, self.pooled, self.guidance))
+        self.cond = torch.cat([rep(c.cond) for c in conds]).to(device)
+        self.pooled = torch.cat([rep(c.pooled) for c in conds]).to(device)
+        guidance = [adapter.default_guidance if c.guidance is None else float(c.guidance) for c in conds]
+        self.guidance = torch.cat([torch.full((batch,), g) for g in guidance]).to(device)
+        first = conds[0]
+        self.reference_shapes = tuple(tuple(r.shape[-2:]) for r in first.references)
+        self.reference_method = first.reference_method
+        self.references = (torch.cat([reference_tokens(adapter, c.references, batch) for c in conds]).to(device)
+                           if first.references else None)
+
+    @property
+    def text_len(self) -> int:
+        return self.cond.shape[1]
+
+    @property
+    def ref_len(self) -> int:
+        return 0 if self.references is None else self.references.shape[1]
 
 
 class Denoiser:
@@ -127,32 +191,34 @@ class Denoiser:
 
         sigmas = ksampler_sigmas(self.adapter.model_sampling, sp.scheduler, sp.steps, sp.denoise)
         if len(sigmas) <= 1:  # denoise 0: KSampler returns the input untouched
-            return job.latent.clone() if self._is_result_rank() else None
+            return self._comfy_shape(job.latent.clone()) if self._is_result_rank() else None
         noise = prepare_noise(job.latent, sp.seed, job.extra.get("batch_index"))
         # The sampler state lives on the worker's device, in float32 as in ComfyUI.
-        x = self.adapter.pack(start_latent(job.latent.float(), noise, sigmas[0], self.adapter.latent_format))
+        ms = self.adapter.model_sampling
+        x = self.adapter.pack(start_latent(job.latent.float(), noise, sigmas[0], self.adapter.latent_format, ms))
         x = x.to(self.adapter.device)
         self.sigmas = sigmas  # on the host: Python-side decisions never wait for the device
         self.sigmas_on_device = sigmas.to(self.adapter.device)  # the time embedding's input, uploaded once
-        self.sampler = make_sampler(sp.sampler_name, sigmas, sp.seed, job.latent.shape, to_state=self.adapter.pack)
+        self.sampler = make_sampler(sp.sampler_name, sigmas, sp.seed, job.latent.shape, to_state=self.adapter.pack,
+                                    prediction=ms.prediction)
 
         conds = [job.positive] + ([job.negative] if cfg_uses_uncond(sp.cfg) else [])
         if s.cfg_degree == 2:
             conds = [conds[self.coords["cfg"]]]
-        # Branches whose prompts encode to the same length share one forward pass (a batch); otherwise each
-        # runs its own, as ComfyUI runs them (T5-only encoders such as Chroma's do not pad prompts).
-        same_length = len({c.cond.shape[1] for c in conds}) == 1
-        self.groups = [Branches(group, b, self.adapter.default_guidance, device=self.adapter.device)
-                       for group in ([conds] if same_length else [[c] for c in conds])]
+        # Branches with the same token layout share one forward pass (a batch); otherwise each runs its own,
+        # as ComfyUI runs them (T5-only encoders such as Chroma's do not pad prompts; a Kontext negative
+        # often has no reference latent).
+        same_layout = len({c.signature() for c in conds}) == 1
+        self.groups = [Branches(group, b, self.adapter) for group in ([conds] if same_layout else [[c] for c in conds])]
         self.branches = self.groups[0]  # PipeFusion runs one group (validate_branches)
         self.cfg_scale = sp.cfg
         self.uses_uncond = cfg_uses_uncond(sp.cfg)
 
         naive = self.topology.naive_patch > 1
-        self.layout = TokenLayout(text_len=self.branches.cond.shape[1], image_len=x.shape[1],
+        self.layout = TokenLayout(text_len=self.branches.text_len, image_len=x.shape[1],
                                   patches=s.patches if self.topology.pipefusion > 1 else 1,
                                   shards=self.topology.naive_patch if naive else self.topology.sp,
-                                  split_text=not naive)
+                                  split_text=not naive, ref_len=self.branches.ref_len)
         self.shard = self.coords["naive_patch"] if naive else self.topology.sp_rank(self.rank)
         self.hw = (h, w)
         try:
@@ -178,6 +244,25 @@ class Denoiser:
         cos, sin = rope_full
         return cos[positions], sin[positions]
 
+    def _rope_full(self, branches: Branches):
+        """The adapter's RoPE table for the canonical sequence of one forward pass over `branches`."""
+        return self.adapter.rope(branches.text_len, *self.hw, branches.reference_shapes, branches.reference_method)
+
+    def _references(self, branches: Branches, layout: TokenLayout, patches: list[int]) -> torch.Tensor | None:
+        """This rank's embedded reference tokens for these patches (fixed for the whole job: embed once)."""
+        if branches.references is None:
+            return None
+        index = layout.ref_index(self.shard, patches, branches.references.device)
+        return self.adapter.embed_image(branches.references[:, index], layout.image_len + index, self.hw)
+
+    def _image_stream(self, i: int, x_rows: torch.Tensor, index: torch.Tensor, refs: torch.Tensor | None,
+                      branches: Branches | None = None) -> torch.Tensor:
+        """Embedded image tokens of step i's forward pass (the model's input scaling applied, e.g. EPS's
+        x / sqrt(sigma^2 + 1)), followed by this rank's reference tokens."""
+        x_in = self.adapter.model_sampling.calculate_input(self.sigmas_on_device[i], x_rows)
+        image = self.adapter.embed_image(self._repeat(x_in, branches), index, self.hw)
+        return image if refs is None else torch.cat([image, refs], dim=1)
+
     def _text(self, rows: range, branches: Branches | None = None) -> torch.Tensor:
         return self.adapter.embed_text((branches or self.branches).cond[:, rows.start:rows.stop])
 
@@ -195,7 +280,8 @@ class Denoiser:
         """Last-stage head of one forward pass: velocity -> denoised, one tensor per branch it carried."""
         branches = branches or self.branches
         v = self.adapter.head(image_hidden, temb)
-        return denoised_from_velocity(self._repeat(x_rows, branches), v, self.sigmas[i]).chunk(branches.count)
+        ms = self.adapter.model_sampling
+        return ms.calculate_denoised(self.sigmas[i], v, self._repeat(x_rows, branches)).chunk(branches.count)
 
     def _denoised(self, i: int, x_rows: torch.Tensor, image_hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         """Last-stage head, then CFG across branches (and ranks)."""
@@ -245,7 +331,12 @@ class Denoiser:
                 x[:, idx] = part[:, idx]
         if not self._is_result_rank():
             return None
-        return final_latent(self.adapter.unpack(x, h, w), self.sigmas[-1], self.adapter.latent_format).cpu()
+        return self._comfy_shape(final_latent(self.adapter.unpack(x, h, w), self.sigmas[-1],
+                                              self.adapter.latent_format, self.adapter.model_sampling).cpu())
+
+    def _comfy_shape(self, latent: torch.Tensor) -> torch.Tensor:
+        """The result as KSampler returns it: a video VAE's latent format (Qwen-Image's Wan 2.1) is 5D there."""
+        return latent.unsqueeze(2) if self.adapter.latent_format.dimensions == 3 else latent
 
     # -- sequence parallel (also serial, CFG-only and naive patch) -------------------------------------
 
@@ -259,28 +350,31 @@ class Denoiser:
             self._check_cancel()
             x_rows = x[:, rows]
             den: tuple[torch.Tensor, ...] = ()
-            for branches, (attention, image_attention, rope, text) in zip(self.groups, forwards):
+            for branches, (attention, image_attention, rope, text, refs) in zip(self.groups, forwards):
                 self.context.attention, self.context.image_attention = attention, image_attention
                 temb = self._temb(i, branches)
-                image = self.adapter.embed_image(self._repeat(x_rows, branches), index)
+                image = self._image_stream(i, x_rows, index, refs, branches)
                 image, _ = self.adapter.run_blocks(image, text, temb, rope)
-                den += self._branch_denoised(i, x_rows, image, temb, branches)
+                den += self._branch_denoised(i, x_rows, image[:, :len(index)], temb, branches)
             x[:, rows] = self.sampler.step(i, x_rows, self._cfg(den), region=rows)
             self._step_done(i, t0)
         return x
 
     def _forward_setup(self, branches: Branches, device) -> tuple:
-        """(joint attention, image-only attention, RoPE rows, embedded text rows) of this rank for one forward
-        pass over `branches`: its prompt length decides the text shards and every position after them."""
-        layout, me = dataclasses.replace(self.layout, text_len=branches.cond.shape[1]), self.shard
+        """(joint attention, image-only attention, RoPE rows, embedded text rows, embedded reference rows) of
+        this rank for one forward pass over `branches`: its prompt and reference lengths decide the shards
+        and every position after them."""
+        layout = dataclasses.replace(self.layout, text_len=branches.text_len, ref_len=branches.ref_len)
+        me = self.shard
         if self.topology.naive_patch > 1:
             attention = image_attention = LocalAttention()
         else:
             shards = range(layout.shards)
-            attention = self._sequence_attention([layout.seq_len(j, 1) for j in shards])
-            image_attention = self._sequence_attention([layout.patch_len // layout.shards] * len(shards))
-        rope = self._rope(self.adapter.rope(layout.text_len, *self.hw), layout.positions(me, [0], device))
-        return attention, image_attention, rope, self._text(layout.text_rows(me), branches)
+            attention = self._sequence_attention([layout.seq_len(j, [0]) for j in shards])
+            image_attention = self._sequence_attention([layout.stream_len(j, [0]) for j in shards])
+        rope = self._rope(self._rope_full(branches), layout.positions(me, [0], device))
+        return (attention, image_attention, rope, self._text(layout.text_rows(me), branches),
+                self._references(branches, layout, [0]))
 
     def _sequence_attention(self, seq: list[int]):
         """Ring over Ulysses groups for tokens whose per-shard lengths are `seq` (sequence-parallel order:
@@ -318,15 +412,15 @@ class Denoiser:
 
         # Joint [text, image] attention and image-only attention (SD3.5 Medium's second attention, PixArt's
         # self-attention) each keep their own stale buffers, over their own rows.
-        self.cache = StaleKVCache(layout.text_len + layout.image_len)
-        self.image_cache = StaleKVCache(layout.image_len)
+        self.cache = StaleKVCache(layout.text_len + layout.image_len + layout.ref_len)
+        self.image_cache = StaleKVCache(layout.image_len + layout.ref_len)
         stale = StaleKVAttention(self.cache, LocalAttention())
         stale_image = StaleKVAttention(self.image_cache, LocalAttention())
         attention = stale if uly.size == 1 else UlyssesAttention(self.comm, uly, [], stale)
         image_attention = stale_image if uly.size == 1 else UlyssesAttention(self.comm, uly, [], stale_image)
         self.context.attention, self.context.image_attention = attention, image_attention
 
-        rope_full = self.adapter.rope(layout.text_len, *self.hw)
+        rope_full = self._rope_full(self.branches)
         token_sets: dict = {}  # built once per token set, on x's device: no host-device traffic in the pipeline
 
         def token_set(patches: list[int]):
@@ -334,19 +428,21 @@ class Denoiser:
             if key not in token_sets:
                 token_sets[key] = (
                     torch.cat([layout.positions(u, patches, x.device) for u in range(uly.size)]),
-                    [layout.seq_len(u, len(patches)) for u in range(uly.size)],
+                    [layout.seq_len(u, patches) for u in range(uly.size)],
                     layout.image_index(me, patches, x.device),
                     self._rope(rope_full, layout.positions(me, patches, x.device)),
-                    torch.cat([layout.image_index(u, patches, x.device) for u in range(uly.size)]))
+                    torch.cat([layout.image_positions(u, patches, x.device) for u in range(uly.size)]),
+                    [layout.stream_len(u, patches) for u in range(uly.size)],
+                    self._references(self.branches, layout, patches) if stage == 0 else None)
             return token_sets[key]
 
         def configure(patches: list[int]):
             """Point the attention at the token set of one forward: whole image (warmup) or one patch."""
-            stale.positions, lengths, idx, rope, stale_image.positions = token_set(patches)
+            stale.positions, lengths, idx, rope, stale_image.positions, stream_lengths, refs = token_set(patches)
             if uly.size > 1:
                 attention.seq_lengths = lengths
-                image_attention.seq_lengths = [len(patches) * (layout.patch_len // layout.shards)] * uly.size
-            return idx, rope
+                image_attention.seq_lengths = stream_lengths
+            return idx, rope, refs
 
         text_rows = layout.text_rows(me)
         n_text = len(text_rows)
@@ -356,17 +452,17 @@ class Denoiser:
         sends: list = []
 
         def hidden_buffer(patches) -> torch.Tensor:
-            n_image = len(patches) * (layout.patch_len // layout.shards)
-            return torch.empty((batch, n_text + n_image, width), dtype=self.adapter.dtype, device=self.adapter.device)
+            n_stream = layout.stream_len(me, patches)
+            return torch.empty((batch, n_text + n_stream, width), dtype=self.adapter.dtype, device=self.adapter.device)
 
         def send(tensor: torch.Tensor, dst: int, op: str) -> None:
             sends.append((self.comm.isend(tensor, dst, op=op), tensor))
 
         def chunk_forward(i, chunk, patches, temb, incoming):
             """Run one chunk of blocks on one token set; the last chunk also samples and sends x back."""
-            idx, rope = configure(patches)
+            idx, rope, refs = configure(patches)
             if is_first(chunk):
-                image, txt = self.adapter.embed_image(self._repeat(x[:, idx]), idx), text
+                image, txt = self._image_stream(i, x[:, idx], idx, refs), text
             else:
                 txt, image = incoming[:, :n_text], incoming[:, n_text:]
             image, txt = self.adapter.run_blocks(image, txt, temb, rope, chunk=chunk)
@@ -374,7 +470,7 @@ class Denoiser:
                 send(torch.cat([txt, image], dim=1).contiguous(), after, "pipefusion")
                 return
             x_rows = x[:, idx]
-            den = self._denoised(i, x_rows, image, temb)
+            den = self._denoised(i, x_rows, image[:, :len(idx)], temb)
             # The sampler works on contiguous slices; a rank's rows are one slice per patch.
             offset = 0
             for sl in (layout.image_slice(me, p) for p in patches):

@@ -92,7 +92,7 @@ def velocity(adapter: FluxAdapter, x: torch.Tensor, sigma: torch.Tensor, cond: t
     _, _, h, w = x.shape
     temb = adapter.timestep_embedding(sigma, pooled, guidance)
     tokens = adapter.pack(x)
-    image = adapter.embed_image(tokens, torch.arange(tokens.shape[1]))
+    image = adapter.embed_image(tokens, torch.arange(tokens.shape[1]), (h, w))
     image, _ = adapter.run_blocks(image, adapter.embed_text(cond), temb, adapter.rope(cond.shape[1], h, w))
     return adapter.head(image, temb)
 

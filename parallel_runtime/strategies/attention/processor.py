@@ -31,9 +31,11 @@ class ParallelFluxAttnProcessor:
         self.layer = layer
         self.context = context
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,
+                 encoder_hidden_states_mask=None):
+        # encoder_hidden_states_mask: Qwen-Image's blocks pass one; ComfyUI's conds are unpadded, so it is None.
         def heads(t):
-            return t.unflatten(-1, (-1, attn.head_dim))
+            return t.unflatten(-1, (attn.heads, -1))
 
         query = attn.norm_q(heads(attn.to_q(hidden_states)))
         key = attn.norm_k(heads(attn.to_k(hidden_states)))
