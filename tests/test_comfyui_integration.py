@@ -49,6 +49,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from parallel_runtime.models.chroma import ChromaConfig  # noqa: E402
 from parallel_runtime.models.flux import FluxConfig  # noqa: E402
+from parallel_runtime.models.pixart import PixArtConfig  # noqa: E402
 from parallel_runtime.models.qwen_image import QwenImageConfig  # noqa: E402
 from parallel_runtime.models.sd3 import SD3Config  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
@@ -630,9 +631,17 @@ FAMILY_FILES = {
     # ComfyUI hard-codes Qwen-Image's widths too: 3072 (24 heads of 128), Qwen2.5-VL text 3584; one block.
     "qwen_image": (QwenImageConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=1),
                    dict(width=3584, pooled=0)),
+    # ComfyUI hard-codes PixArt's 1152 width (16 heads of 72); α has the size/aspect embedders, and its stored
+    # position table (64 x 64 rows) pins pe_interpolation 2; Σ has neither, so both follow the image size.
+    "pixart_alpha": (PixArtConfig(hidden_size=1152, num_layers=1, micro_condition=True, pe_interpolation=2),
+                     dict(width=4096, pooled=0)),
+    "pixart_sigma": (PixArtConfig(hidden_size=1152, num_layers=1, micro_condition=False), dict(width=4096, pooled=0)),
 }
 # Families whose latent format is a video VAE's: KSampler returns their image latents as [B, C, 1, H, W].
 FRAME_AXIS = {"qwen_image"}
+# SD1.5/SDXL-latent families take Empty Latent Image's 4 channels, at 320 x 256 px: PixArt's position grid
+# scales to a base of (h + w) / 2 latent px rounded to 64, which is 0 (all rows alike) below 256 px.
+FOUR_CHANNELS = {"pixart_alpha", "pixart_sigma"}
 
 
 @pytest.fixture(scope="module")
@@ -657,6 +666,12 @@ def family_graph(filename: str, cond_kw: dict, guidance: float = -1.0, **kw) -> 
     return graph
 
 
+def expected_shape(name: str) -> tuple[int, ...]:
+    if name in FOUR_CHANNELS:
+        return (2, 4, 32, 40)
+    return (2, 16, 1, 16, 20) if name in FRAME_AXIS else (2, 16, 16, 20)
+
+
 @pytest.mark.parametrize("family_file", list(FAMILY_FILES), indirect=True)
 @pytest.mark.parametrize("kw", [
     dict(cfg=1.0),
@@ -668,12 +683,15 @@ def test_family_same_latent_as_ksampler(server, family_file, kw):
     kw = dict(kw)
     guidance = kw.pop("guidance", -1.0)
     t0 = time.monotonic()
-    result = server.run(family_graph(filename, cond_kw, guidance, **kw))
+    graph = family_graph(filename, cond_kw, guidance, **kw)
+    if name in FOUR_CHANNELS:
+        graph["4"] = {"class_type": "EmptyLatentImage", "inputs": {"width": 320, "height": 256, "batch_size": 2}}
+    result = server.run(graph)
     ks, par = server.latent(result, "22"), server.latent(result, "13")
     err = rel_err(par, ks)
     print(f"\n{name}: KSampler vs Parallel Sampler cpu:1, {kw}, guidance {guidance}: rel. L2 error {err:.2e} "
           f"({time.monotonic() - t0:.1f} s)")
-    assert ks.shape == par.shape == ((2, 16, 1, 16, 20) if name in FRAME_AXIS else (2, 16, 16, 20))
+    assert ks.shape == par.shape == expected_shape(name)
     assert rel_err(ks[0], ks[1]) > 0.05  # the batch items really differ
     assert err <= KSAMPLER_RTOL
 
@@ -683,12 +701,13 @@ def test_family_same_latent_as_ksampler(server, family_file, kw):
 # FluxKontextMultiReferenceLatentMethod on the Flux file; the negative carries no reference, as in
 # ComfyUI's Kontext template (ConditioningZeroOut before ReferenceLatent).
 
-def kontext_graph(method: str | None, family: tuple | None = None, **kw) -> dict:
+def kontext_graph(method: str | None, family: tuple | None = None, devices: str = "cpu:1", strat=None,
+                  **kw) -> dict:
     """parallel_graph + with_ksampler at 160 x 128, batch 2, the positive with a 96 x 80 and a 72 x 112
     reference (the second has odd latent sides: ComfyUI pads it circularly). `family`: another family's
     (name, file, conditioning widths) from family_file, else the Flux file (Kontext)."""
     if family is None:
-        graph = with_ksampler(parallel_graph(tag=f"kontext-{method}", **kw), **kw)
+        graph = with_ksampler(parallel_graph(devices=devices, strat=strat, tag=f"kontext-{method}", **kw), **kw)
         graph["4"] = {"class_type": "EmptySD3LatentImage", "inputs": {"width": 160, "height": 128, "batch_size": 2}}
     else:
         graph = family_graph(family[1], family[2], **kw)

@@ -18,6 +18,7 @@ from parallel_runtime.models.chroma import ChromaConfig
 from parallel_runtime.models.family import read_model
 from parallel_runtime.models.flux import FluxConfig
 from parallel_runtime.models.loading import CheckpointReader
+from parallel_runtime.models.pixart import PixArtConfig
 from parallel_runtime.models.qwen_image import QwenImageConfig
 from parallel_runtime.models.sd3 import SD3Config
 from parallel_runtime.models.tiny import write_checkpoint
@@ -47,6 +48,10 @@ FAMILIES = {
                           context_dim=32, pooled_dim=24),
     # Qwen-Image Edit: double blocks only, centred RoPE, the Wan latent (5D in ComfyUI), two references.
     "qwen_image": QwenImageConfig(hidden_size=64, num_heads=2, head_dim=32, num_layers=4, context_dim=32),
+    # PixArt-α-like: cross-attention to the prompt, size/aspect micro-conditions, eps prediction with a learned
+    # variance, 4-channel SD1.5 latent; 2 heads of 72. No stored position table, so pe_interpolation follows
+    # the image as in a diffusers-layout file (a table pins it: checked against ComfyUI in the host tests).
+    "pixart": PixArtConfig(hidden_size=144, num_layers=4, micro_condition=True, caption_channels=32),
 }
 
 # Reference latents per family that reads them: two of other sizes than the 16 x 24 latent, the second with
@@ -54,6 +59,13 @@ FAMILIES = {
 REFERENCE_SHAPES = {"kontext": ((1, 16, 12, 10), (1, 16, 9, 14)), "qwen_image": ((1, 16, 12, 10), (1, 16, 9, 14))}
 
 BATCH, HEIGHT, WIDTH = 2, 16, 24  # batch 2 and a non-square latent (8 x 12 patches)
+# PixArt's position grid scales to a base size of (h + w) / 2 rounded to 64 latent px: below 32 that base is 0
+# and every position row is the same (as in ComfyUI), so PixArt runs where positions differ: 16 x 24 patches.
+LATENT_SIZE = {"pixart": (32, 48)}
+
+
+def latent_shape(name: str) -> tuple[int, ...]:
+    return (BATCH, FAMILIES[name].latent_channels, *LATENT_SIZE.get(name, (HEIGHT, WIDTH)))
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -83,7 +95,7 @@ def job(family, strategy=None, steps: int = 6, cfg: float = 2.0, **sampling) -> 
     refs = REFERENCE_SHAPES.get(name, ())
     positive = conditioning(config, 1, guidance=2.5, references=refs)
     negative = dataclasses.replace(conditioning(config, 2), references=positive.references)
-    return Job(ModelSpec(path), strategy or S(), SamplingSpec(**sp), torch.zeros(BATCH, 16, HEIGHT, WIDTH),
+    return Job(ModelSpec(path), strategy or S(), SamplingSpec(**sp), torch.zeros(latent_shape(name)),
                positive, negative)
 
 
@@ -106,7 +118,8 @@ def test_detected_from_its_keys(family):
 def test_serial_result_is_a_real_sample(family, serial):
     # As KSampler returns it: a video VAE's latent format (Qwen-Image's Wan 2.1) keeps a frame axis.
     frames = (1,) if getattr(FAMILIES[family[0]], "latent_dimensions", 2) == 3 else ()
-    assert serial.shape == (BATCH, 16, *frames, HEIGHT, WIDTH) and torch.isfinite(serial).all()
+    b, c, h, w = latent_shape(family[0])
+    assert serial.shape == (b, c, *frames, h, w) and torch.isfinite(serial).all()
     assert rel_err(serial[0], serial[1]) > 0.1  # batch items get their own noise
 
 

@@ -80,7 +80,7 @@ class IdentityFlux:
     def embed_text(self, c):
         return torch.zeros(c.shape[0], c.shape[1], self.config.hidden_size)
 
-    def timestep_embedding(self, sigma, pooled, guidance):
+    def timestep_embedding(self, sigma, pooled, guidance, hw=None):
         return torch.zeros(sigma.shape[0], self.config.hidden_size)
 
     def run_blocks(self, image, text, temb, rope, chunk=0):

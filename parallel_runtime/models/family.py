@@ -142,10 +142,11 @@ def families() -> list[ModelFamily]:
     """Every family the runtime runs, in detection order (imported lazily: diffusers is heavy)."""
     from .chroma import CHROMA
     from .flux import FLUX
+    from .pixart import PIXART
     from .qwen_image import QWEN_IMAGE
     from .sd3 import SD3
 
-    return [FLUX, CHROMA, SD3, QWEN_IMAGE]
+    return [FLUX, CHROMA, SD3, QWEN_IMAGE, PIXART]
 
 
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:

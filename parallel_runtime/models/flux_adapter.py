@@ -186,7 +186,8 @@ class FluxAdapter:
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
         return self.model.context_embedder(cond.to(self.device, self.dtype))
 
-    def timestep_embedding(self, sigma: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None):
+    def timestep_embedding(self, sigma: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None,
+                           hw: tuple[int, int] | None = None):
         """ComfyUI's Flux time inputs, rounded exactly as it rounds them (time_text_embed computes the sinusoid
         in float32 from whatever t it gets, then casts it to the compute dtype, as ComfyUI's Flux does).
 

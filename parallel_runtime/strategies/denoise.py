@@ -215,7 +215,7 @@ class Denoiser:
         self.uses_uncond = cfg_uses_uncond(sp.cfg)
 
         naive = self.topology.naive_patch > 1
-        self.layout = TokenLayout(text_len=self.branches.text_len, image_len=x.shape[1],
+        self.layout = TokenLayout(text_len=self._sequence_text_len(self.branches), image_len=x.shape[1],
                                   patches=s.patches if self.topology.pipefusion > 1 else 1,
                                   shards=self.topology.naive_patch if naive else self.topology.sp,
                                   split_text=not naive, ref_len=self.branches.ref_len)
@@ -244,6 +244,14 @@ class Denoiser:
         cos, sin = rope_full
         return cos[positions], sin[positions]
 
+    def _sequence_text_len(self, branches: Branches) -> int:
+        """Prompt rows in the attention sequence: none where the prompt is cross-attended (PixArt)."""
+        return branches.text_len if getattr(self.adapter, "joint_text", True) else 0
+
+    def _text_rows(self, layout: TokenLayout, branches: Branches) -> range:
+        """The prompt rows this rank embeds: its shard of a joint sequence, or the whole cross-attended prompt."""
+        return layout.text_rows(self.shard) if getattr(self.adapter, "joint_text", True) else range(branches.text_len)
+
     def _rope_full(self, branches: Branches):
         """The adapter's RoPE table for the canonical sequence of one forward pass over `branches`."""
         return self.adapter.rope(branches.text_len, *self.hw, branches.reference_shapes, branches.reference_method)
@@ -269,7 +277,8 @@ class Denoiser:
     def _temb(self, i: int, branches: Branches | None = None) -> torch.Tensor:
         branches = branches or self.branches
         n = branches.cond.shape[0]
-        return self.adapter.timestep_embedding(self.sigmas_on_device[i].expand(n), branches.pooled, branches.guidance)
+        return self.adapter.timestep_embedding(self.sigmas_on_device[i].expand(n), branches.pooled, branches.guidance,
+                                               self.hw)
 
     def _repeat(self, x: torch.Tensor, branches: Branches | None = None) -> torch.Tensor:
         count = (branches or self.branches).count
@@ -364,7 +373,7 @@ class Denoiser:
         """(joint attention, image-only attention, RoPE rows, embedded text rows, embedded reference rows) of
         this rank for one forward pass over `branches`: its prompt and reference lengths decide the shards
         and every position after them."""
-        layout = dataclasses.replace(self.layout, text_len=branches.text_len, ref_len=branches.ref_len)
+        layout = dataclasses.replace(self.layout, text_len=self._sequence_text_len(branches), ref_len=branches.ref_len)
         me = self.shard
         if self.topology.naive_patch > 1:
             attention = image_attention = LocalAttention()
@@ -373,7 +382,7 @@ class Denoiser:
             attention = self._sequence_attention([layout.seq_len(j, [0]) for j in shards])
             image_attention = self._sequence_attention([layout.stream_len(j, [0]) for j in shards])
         rope = self._rope(self._rope_full(branches), layout.positions(me, [0], device))
-        return (attention, image_attention, rope, self._text(layout.text_rows(me), branches),
+        return (attention, image_attention, rope, self._text(self._text_rows(layout, branches), branches),
                 self._references(branches, layout, [0]))
 
     def _sequence_attention(self, seq: list[int]):
@@ -444,7 +453,7 @@ class Denoiser:
                 image_attention.seq_lengths = stream_lengths
             return idx, rope, refs
 
-        text_rows = layout.text_rows(me)
+        text_rows = self._text_rows(layout, self.branches)
         n_text = len(text_rows)
         text = self._text(text_rows) if stage == 0 else None
         width = self.adapter.config.hidden_size

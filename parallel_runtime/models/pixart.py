@@ -1,0 +1,351 @@
+"""PixArt-α and PixArt-Σ: a DiT with cross-attention to the prompt and eps prediction.
+
+Unlike the MMDiTs, the prompt is not in the attention sequence: each block runs self-attention over image
+tokens only (split across ranks like any image-only attention), then cross-attention from its image rows to
+the whole prompt (no communication: every rank holds the prompt), then the MLP. One timestep embedding
+(plus size and aspect-ratio embeddings on PixArt-α) gives every block's six modulation rows. Positions are
+2D sin/cos rows computed per image size with ComfyUI's base-size rule (the file's table is not used). The
+model predicts noise and a variance; ComfyUI keeps the first 4 channels and samples with
+ModelSamplingDiscrete (sqrt_linear betas) + EPS on the SD1.5 (α) or SDXL (Σ) latent format.
+
+Blocks are diffusers' `PixArtTransformer2DModel` blocks with our attention processors. diffusers computes
+positions with a fixed base size; ComfyUI's follows the request, so the rows are computed here. Key layouts:
+the original (ComfyUI) one, mapped as comfy/utils.py's PIXART_MAP does, and diffusers'.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ModelFileError
+from ..sampling import DiscreteEPSSampling, LatentFormat
+from .family import DiTFamily, Match
+from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
+from .flux_adapter import FluxAdapter
+from .mapping import Source, block_count, has_block, linear
+
+HEAD_DIM = 72  # ComfyUI hard-codes 16 heads of 72 (1152 wide) for every PixArt
+ALWAYS_OWNED = ("adaln_single.",)
+FIRST_STAGE = ("pos_embed.", "caption_projection.")
+LAST_STAGE = ("norm_out.", "proj_out.", "scale_shift_table")
+BLOCK_LISTS = ("transformer_blocks",)
+SD15_LATENT = LatentFormat("sd15", 0.18215, 0.0)
+SDXL_LATENT = LatentFormat("sdxl", 0.13025, 0.0)
+
+
+@dataclass(frozen=True)
+class PixArtConfig:
+    hidden_size: int
+    num_layers: int
+    micro_condition: bool  # PixArt-α (1024): size and aspect-ratio embeddings
+    caption_channels: int = 4096
+    pe_interpolation: int | None = None  # from a stored table's size; None: from the image size, per call
+    in_channels: int = 4
+    out_channels: int = 8  # eps and the learned variance
+    patch_size: int = 2
+
+    family = "pixart"
+    pooled_dim = 0
+    num_single_layers = 0
+    text_encoders = "T5-XXL (CLIPLoader type pixart)"
+
+    def __post_init__(self):
+        if self.hidden_size % HEAD_DIM:
+            raise ModelFileError(f"PixArt width {self.hidden_size} is not a multiple of its head size {HEAD_DIM}; "
+                                 f"the file is damaged, so re-download it.")
+
+    @property
+    def title(self) -> str:
+        return "PixArt-α" if self.micro_condition else "PixArt-Σ"
+
+    @property
+    def variant(self) -> str:
+        return "alpha" if self.micro_condition else "sigma"
+
+    @property
+    def num_heads(self) -> int:
+        return self.hidden_size // HEAD_DIM
+
+    @property
+    def head_dim(self) -> int:
+        return HEAD_DIM
+
+    @property
+    def context_dim(self) -> int:
+        return self.caption_channels
+
+    @property
+    def latent_channels(self) -> int:
+        return self.in_channels
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_layers
+
+    @property
+    def mlp_hidden(self) -> int:
+        return 4 * self.hidden_size
+
+    @property
+    def axes_dims_rope(self) -> tuple[int, int, int]:
+        """Only for the cost model, which times Flux-shaped blocks of the same width (PixArt has no RoPE)."""
+        return (8, 32, 32)
+
+    def diffusers_kwargs(self) -> dict:
+        return dict(num_attention_heads=self.num_heads, attention_head_dim=HEAD_DIM, in_channels=self.in_channels,
+                    out_channels=self.out_channels, num_layers=self.num_layers, cross_attention_dim=self.hidden_size,
+                    caption_channels=self.caption_channels, sample_size=8, patch_size=self.patch_size,
+                    norm_type="ada_norm_single", use_additional_conditions=self.micro_condition,
+                    attention_bias=True, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
+                    norm_elementwise_affine=False, norm_eps=1e-6, interpolation_scale=1)
+
+
+# -- checkpoint layout --------------------------------------------------------------------------------
+
+def match_layout(keys: list[str]) -> Match | None:
+    key_set = set(keys)
+    for prefix in BFL_PREFIXES:
+        if prefix + "t_block.1.weight" in key_set and has_block(keys, prefix, "blocks"):
+            return Match("original", prefix)
+    for prefix in DIFFUSERS_PREFIXES:
+        if ({prefix + "adaln_single.linear.weight", prefix + "caption_projection.linear_1.weight"} <= key_set
+                and has_block(keys, prefix, "transformer_blocks")):
+            return Match("diffusers", prefix)
+    return None
+
+
+_SHAPE_KEYS = {
+    "original": dict(proj="x_embedder.proj.weight", out="final_layer.linear.weight", blocks="blocks",
+                     caption="y_embedder.y_proj.fc1.weight", micro="ar_embedder.mlp.0.weight", table="pos_embed"),
+    "diffusers": dict(proj="pos_embed.proj.weight", out="proj_out.weight", blocks="transformer_blocks",
+                      caption="caption_projection.linear_1.weight",
+                      micro="adaln_single.emb.aspect_ratio_embedder.linear_1.weight", table=None),
+}
+
+
+def infer_config(reader, match: Match, name: str) -> PixArtConfig:
+    p, k = match.prefix, _SHAPE_KEYS[match.layout]
+    name = name or os.path.basename(getattr(reader, "path", "checkpoint"))
+
+    def shape(key: str) -> tuple[int, ...]:
+        if p + key not in reader:
+            raise ModelFileError(f"{name} has no tensor {p + key!r}, so it is not a complete PixArt DiT; re-download it.")
+        return reader.shape(p + key)
+
+    hidden, in_channels, patch, _ = shape(k["proj"])
+    pe_interpolation = None
+    if k["table"] is not None and p + k["table"] in reader:  # model_detection: input_size // 64
+        pe_interpolation = round(reader.shape(p + k["table"])[1] ** 0.5) * patch // 64
+    return PixArtConfig(hidden_size=hidden, num_layers=block_count(reader.keys(), p, k["blocks"], name),
+                        micro_condition=p + k["micro"] in reader, caption_channels=shape(k["caption"])[1],
+                        pe_interpolation=pe_interpolation, in_channels=in_channels,
+                        out_channels=shape(k["out"])[0] // (patch * patch), patch_size=patch)
+
+
+def _diffusers_model(config: PixArtConfig):
+    from diffusers import PixArtTransformer2DModel
+
+    with torch.device("meta"):
+        return PixArtTransformer2DModel(**config.diffusers_kwargs())
+
+
+def source_map(config: PixArtConfig, layout: str, prefix: str = "") -> dict[str, Source]:
+    """comfy/utils.py's PIXART_MAP_BASIC / PIXART_MAP_BLOCK, read in the other direction."""
+    if layout == "diffusers":
+        return {n: Source(prefix + n) for n in _diffusers_model(config).state_dict()}
+    p, H = prefix, config.hidden_size
+    out: dict[str, Source] = {}
+    linear(out, "pos_embed.proj", p + "x_embedder.proj")
+    linear(out, "adaln_single.emb.timestep_embedder.linear_1", p + "t_embedder.mlp.0")
+    linear(out, "adaln_single.emb.timestep_embedder.linear_2", p + "t_embedder.mlp.2")
+    linear(out, "adaln_single.linear", p + "t_block.1")
+    linear(out, "caption_projection.linear_1", p + "y_embedder.y_proj.fc1")
+    linear(out, "caption_projection.linear_2", p + "y_embedder.y_proj.fc2")
+    if config.micro_condition:
+        for ours, theirs in (("resolution_embedder", "csize_embedder"), ("aspect_ratio_embedder", "ar_embedder")):
+            linear(out, f"adaln_single.emb.{ours}.linear_1", f"{p}{theirs}.mlp.0")
+            linear(out, f"adaln_single.emb.{ours}.linear_2", f"{p}{theirs}.mlp.2")
+    for i in range(config.num_layers):
+        d, b = f"transformer_blocks.{i}", f"{p}blocks.{i}"
+        out[f"{d}.scale_shift_table"] = Source(f"{b}.scale_shift_table")
+        for name, rows in (("to_q", slice(0, H)), ("to_k", slice(H, 2 * H)), ("to_v", slice(2 * H, 3 * H))):
+            linear(out, f"{d}.attn1.{name}", f"{b}.attn.qkv", rows)
+        linear(out, f"{d}.attn1.to_out.0", f"{b}.attn.proj")
+        linear(out, f"{d}.attn2.to_q", f"{b}.cross_attn.q_linear")
+        linear(out, f"{d}.attn2.to_k", f"{b}.cross_attn.kv_linear", slice(0, H))
+        linear(out, f"{d}.attn2.to_v", f"{b}.cross_attn.kv_linear", slice(H, 2 * H))
+        linear(out, f"{d}.attn2.to_out.0", f"{b}.cross_attn.proj")
+        linear(out, f"{d}.ff.net.0.proj", f"{b}.mlp.fc1")
+        linear(out, f"{d}.ff.net.2", f"{b}.mlp.fc2")
+    linear(out, "proj_out", p + "final_layer.linear")
+    out["scale_shift_table"] = Source(p + "final_layer.scale_shift_table")
+    return out
+
+
+def checkpoint_shapes(config: PixArtConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{original key: (shape, kind)} of a PixArt file, for writing random test checkpoints."""
+    H, P = config.hidden_size, config.patch_size
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+
+    def lin(name, n_out, n_in, kind="weight"):
+        out[f"{name}.weight"], out[f"{name}.bias"] = ((n_out, n_in), kind), ((n_out,), "bias")
+
+    out["x_embedder.proj.weight"] = ((H, config.in_channels, P, P), "weight")
+    out["x_embedder.proj.bias"] = ((H,), "bias")
+    lin("t_embedder.mlp.0", H, 256)
+    lin("t_embedder.mlp.2", H, H)
+    lin("t_block.1", 6 * H, H, "mod")
+    lin("y_embedder.y_proj.fc1", H, config.caption_channels)
+    lin("y_embedder.y_proj.fc2", H, H)
+    out["y_embedder.y_embedding"] = ((8, config.caption_channels), "table")  # unused at inference
+    if config.micro_condition:
+        for name in ("csize_embedder", "ar_embedder"):
+            lin(f"{name}.mlp.0", H // 3, 256)
+            lin(f"{name}.mlp.2", H // 3, H // 3)
+    if config.pe_interpolation is not None:  # a stored table of (64 * pe_interpolation / 2)^2 rows pins it
+        side = 32 * config.pe_interpolation
+        out["pos_embed"] = ((1, side * side, H), "table")
+    for i in range(config.num_layers):
+        b = f"blocks.{i}"
+        out[f"{b}.scale_shift_table"] = ((6, H), "table")
+        lin(f"{b}.attn.qkv", 3 * H, H)
+        lin(f"{b}.attn.proj", H, H)
+        lin(f"{b}.cross_attn.q_linear", H, H)
+        lin(f"{b}.cross_attn.kv_linear", 2 * H, H)
+        lin(f"{b}.cross_attn.proj", H, H)
+        lin(f"{b}.mlp.fc1", 4 * H, H)
+        lin(f"{b}.mlp.fc2", H, 4 * H)
+    lin("final_layer.linear", P * P * config.out_channels, H)
+    out["final_layer.scale_shift_table"] = ((2, H), "table")
+    return out
+
+
+# -- the strategies' view -----------------------------------------------------------------------------
+
+class SelfAttnProcessor:
+    """attn1: self-attention over image tokens, handed to the job's image-only attention strategy."""
+
+    def __init__(self, layer: int, context):
+        self.layer, self.context = layer, context
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None):
+        def heads(t):
+            return t.unflatten(-1, (attn.heads, -1))
+
+        q, k, v = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
+        out = self.context.image_attention(q, k, v, self.layer).flatten(2, 3).to(q.dtype)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class CrossAttnProcessor:
+    """attn2: this rank's image rows attend to the whole prompt, which every rank holds (no communication)."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None):
+        def heads(t):
+            return t.unflatten(-1, (attn.heads, -1)).transpose(1, 2)
+
+        q = heads(attn.to_q(hidden_states))
+        k, v = heads(attn.to_k(encoder_hidden_states)), heads(attn.to_v(encoder_hidden_states))
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2, 3).to(q.dtype)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class PixArtAdapter:
+    patch = 2
+    default_guidance = 0.0  # no guidance input
+    joint_text = False  # the prompt is cross-attended, not part of the attention sequence
+    pack = staticmethod(FluxAdapter.pack)  # (c, ph, pw) per patch: the order of the patch conv's weights
+    unpack = staticmethod(FluxAdapter.unpack)
+
+    def __init__(self, config: PixArtConfig, model, chunks: list[range], context):
+        self.config, self.model, self.chunks = config, model, chunks
+        self.latent_channels = config.in_channels
+        self.latent_format = SD15_LATENT if config.micro_condition else SDXL_LATENT
+        for i in (i for chunk in chunks for i in chunk):
+            model.transformer_blocks[i].attn1.set_processor(SelfAttnProcessor(i, context))
+            model.transformer_blocks[i].attn2.set_processor(CrossAttnProcessor())
+        param = next(model.adaln_single.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self._positions: dict = {}
+
+    @functools.cached_property
+    def model_sampling(self):
+        return DiscreteEPSSampling("sqrt_linear")  # supported_models.PixArtAlpha (Σ inherits it)
+
+    def rope(self, text_len: int, h: int, w: int, references=(), method=None):
+        return None  # absolute positions, added in embed_image
+
+    def _position_table(self, hw: tuple[int, int]) -> torch.Tensor:
+        """PixArtMS.forward_orig's sin/cos rows for an h x w latent, in the compute dtype as ComfyUI makes them:
+        the grid is scaled to a base size that follows the image ((h + w) / 2 rounded to 64, halved)."""
+        if hw not in self._positions:
+            h, w = hw
+            c_res = (h + w) // 2
+            interp = self.config.pe_interpolation
+            if interp is None:
+                interp = round(c_res / (512 / 8.0))
+            base = (round(c_res / 64) * 64) // self.patch
+            rows, cols, dtype = h // self.patch, w // self.patch, self.dtype
+            grid_h, grid_w = torch.meshgrid(torch.arange(rows, dtype=dtype) / (rows / base) / interp,
+                                            torch.arange(cols, dtype=dtype) / (cols / base) / interp, indexing="ij")
+            half = self.config.hidden_size // 2
+            self._positions[hw] = torch.cat([_sincos(half, grid_w, dtype), _sincos(half, grid_h, dtype)],
+                                            dim=1).to(self.device)
+        return self._positions[hw]
+
+    def embed_image(self, tokens: torch.Tensor, index: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
+        """The patch conv as a matmul on packed tokens, plus the position rows of `index`."""
+        proj = self.model.pos_embed.proj
+        image = F.linear(tokens.to(self.device, self.dtype), proj.weight.flatten(1), proj.bias)
+        return image + self._position_table(hw)[index]
+
+    def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
+        return self.model.caption_projection(cond.to(self.device, self.dtype))
+
+    def timestep_embedding(self, sigma: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None,
+                           hw: tuple[int, int] | None = None):
+        """(six modulation rows per item, the embedded timestep the head uses) at t = the nearest table index
+        of sigma, as float32; PixArt-α adds its size and aspect-ratio embeddings of the h x w latent's image in
+        pixels (encode_model_conds' default width and height; c_ar = height / width)."""
+        t = self.model_sampling.timestep(sigma.to(self.device, torch.float32)).float()
+        extra = {"resolution": None, "aspect_ratio": None}
+        if self.config.micro_condition:
+            h, w = hw[0] * 8, hw[1] * 8
+            n = t.shape[0]
+            extra = {"resolution": torch.tensor([[h, w]], dtype=self.dtype, device=self.device).repeat(n, 1),
+                     "aspect_ratio": torch.tensor([[h / w]], dtype=self.dtype, device=self.device).repeat(n, 1)}
+        return self.model.adaln_single(t, extra, batch_size=t.shape[0], hidden_dtype=self.dtype)
+
+    def run_blocks(self, image, text, temb, rope, chunk: int = 0) -> tuple:
+        for i in self.chunks[chunk]:
+            image = self.model.transformer_blocks[i](image, encoder_hidden_states=text, timestep=temb[0])
+        return image, text
+
+    def head(self, image: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        """eps in float32 (the first 4 of the 8 output channels), re-ordered from (ph, pw, c) to pack's (c, ph, pw)."""
+        shift, scale = (self.model.scale_shift_table[None] + temb[1][:, None]).chunk(2, dim=1)
+        out = self.model.proj_out(self.model.norm_out(image) * (1 + scale) + shift).float()
+        b, n, _ = out.shape
+        p, c = self.patch, self.config.out_channels
+        out = out.reshape(b, n, p, p, c)[..., :self.latent_channels]
+        return out.permute(0, 1, 4, 2, 3).reshape(b, n, self.latent_channels * p * p)
+
+
+def _sincos(dim: int, pos: torch.Tensor, dtype) -> torch.Tensor:
+    """get_1d_sincos_pos_embed_from_grid_torch: [sin, cos] of pos x omega, all in `dtype`."""
+    omega = torch.arange(dim // 2, dtype=dtype)
+    omega /= dim / 2.0
+    omega = 1.0 / 10000 ** omega
+    out = torch.einsum("m,d->md", pos.reshape(-1), omega)
+    return torch.cat([torch.sin(out), torch.cos(out)], dim=1)
+
+
+PIXART = DiTFamily(
+    name="pixart", title="PixArt-α / PixArt-Σ", match=match_layout, infer_config=infer_config,
+    meta_model=_diffusers_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes,
+    adapter_class=PixArtAdapter, block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE,
+    last_stage=LAST_STAGE)
