@@ -74,6 +74,20 @@ class ModelFamily(Protocol):
         """{original-layout key: (shape, kind)} of a complete file, for writing random test checkpoints."""
 
 
+class OneBlockListConfig:
+    """What configs of families with one block list and a 4x MLP share (SD3, Qwen-Image, PixArt)."""
+
+    num_single_layers = 0  # planning sees `num_layers` blocks and no single-stream ones
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_layers
+
+    @property
+    def mlp_hidden(self) -> int:
+        return 4 * self.hidden_size
+
+
 @dataclass(frozen=True, eq=False)
 class DiTFamily:
     """A ModelFamily assembled from one family module's pieces: the module says how to read its files (match,

@@ -86,6 +86,20 @@ def stage_ownership(config: FluxConfig, chunks: list[range], first: bool, last: 
                             FIRST_STAGE if first else (), LAST_STAGE if last else ())
 
 
+def patch_conv(tokens: torch.Tensor, proj: torch.nn.Conv2d) -> torch.Tensor:
+    """A stride-p patch conv applied to packed (c, ph, pw) tokens, as one matmul: a rank embeds only its rows."""
+    return torch.nn.functional.linear(tokens, proj.weight.flatten(1), proj.bias)
+
+
+def channels_first(out: torch.Tensor, patch: int, channels: int, keep: int | None = None) -> torch.Tensor:
+    """Output tokens in the (ph, pw, c) layout of SD3's and PixArt's heads -> pack's (c, ph, pw), keeping the
+    first `keep` channels (PixArt drops its learned variance)."""
+    b, n, _ = out.shape
+    keep = channels if keep is None else keep
+    out = out.reshape(b, n, patch, patch, channels)[..., :keep]
+    return out.permute(0, 1, 4, 2, 3).reshape(b, n, keep * patch * patch)
+
+
 def grid_ids(rows: int, cols: int, index: int = 0, row0: int = 0, col0: int = 0) -> torch.Tensor:
     """RoPE ids [index, row0 + r, col0 + c] of a rows x cols token grid, row-major."""
     ids = torch.zeros(rows, cols, 3)

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 from ..errors import ModelFileError
 from ..sampling import DiscreteEPSSampling, LatentFormat
-from .family import DiTFamily, Match
+from .family import DiTFamily, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
-from .flux_adapter import FluxAdapter
+from .flux_adapter import FluxAdapter, channels_first, patch_conv
 from .mapping import Source, block_count, has_block, linear
 
 HEAD_DIM = 72  # ComfyUI hard-codes 16 heads of 72 (1152 wide) for every PixArt
@@ -38,7 +38,7 @@ SDXL_LATENT = LatentFormat("sdxl", 0.13025, 0.0)
 
 
 @dataclass(frozen=True)
-class PixArtConfig:
+class PixArtConfig(OneBlockListConfig):
     hidden_size: int
     num_layers: int
     micro_condition: bool  # PixArt-α (1024): size and aspect-ratio embeddings
@@ -50,7 +50,6 @@ class PixArtConfig:
 
     family = "pixart"
     pooled_dim = 0
-    num_single_layers = 0
     text_encoders = "T5-XXL (CLIPLoader type pixart)"
 
     def __post_init__(self):
@@ -81,14 +80,6 @@ class PixArtConfig:
     @property
     def latent_channels(self) -> int:
         return self.in_channels
-
-    @property
-    def num_blocks(self) -> int:
-        return self.num_layers
-
-    @property
-    def mlp_hidden(self) -> int:
-        return 4 * self.hidden_size
 
     @property
     def axes_dims_rope(self) -> tuple[int, int, int]:
@@ -271,6 +262,7 @@ class PixArtAdapter:
         param = next(model.adaln_single.parameters())
         self.dtype, self.device = param.dtype, param.device
         self._positions: dict = {}
+        self._micro: dict = {}
 
     @functools.cached_property
     def model_sampling(self):
@@ -299,8 +291,7 @@ class PixArtAdapter:
 
     def embed_image(self, tokens: torch.Tensor, index: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
         """The patch conv as a matmul on packed tokens, plus the position rows of `index`."""
-        proj = self.model.pos_embed.proj
-        image = F.linear(tokens.to(self.device, self.dtype), proj.weight.flatten(1), proj.bias)
+        image = patch_conv(tokens.to(self.device, self.dtype), self.model.pos_embed.proj)
         return image + self._position_table(hw)[index]
 
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
@@ -312,13 +303,20 @@ class PixArtAdapter:
         of sigma, as float32; PixArt-α adds its size and aspect-ratio embeddings of the h x w latent's image in
         pixels (encode_model_conds' default width and height; c_ar = height / width)."""
         t = self.model_sampling.timestep(sigma.to(self.device, torch.float32)).float()
-        extra = {"resolution": None, "aspect_ratio": None}
-        if self.config.micro_condition:
-            h, w = hw[0] * 8, hw[1] * 8
-            n = t.shape[0]
-            extra = {"resolution": torch.tensor([[h, w]], dtype=self.dtype, device=self.device).repeat(n, 1),
-                     "aspect_ratio": torch.tensor([[h / w]], dtype=self.dtype, device=self.device).repeat(n, 1)}
+        extra = self._micro_conditions(hw, t.shape[0])
         return self.model.adaln_single(t, extra, batch_size=t.shape[0], hidden_dtype=self.dtype)
+
+    def _micro_conditions(self, hw: tuple[int, int], n: int) -> dict:
+        """c_size and c_ar of n items, uploaded once per job shape rather than once per step."""
+        if not self.config.micro_condition:
+            return {"resolution": None, "aspect_ratio": None}
+        key = (hw, n)
+        if key not in self._micro:
+            h, w = hw[0] * 8, hw[1] * 8
+            self._micro[key] = {
+                "resolution": torch.tensor([[h, w]], dtype=self.dtype, device=self.device).repeat(n, 1),
+                "aspect_ratio": torch.tensor([[h / w]], dtype=self.dtype, device=self.device).repeat(n, 1)}
+        return self._micro[key]
 
     def run_blocks(self, image, text, temb, rope, chunk: int = 0) -> tuple:
         for i in self.chunks[chunk]:
@@ -329,10 +327,7 @@ class PixArtAdapter:
         """eps in float32 (the first 4 of the 8 output channels), re-ordered from (ph, pw, c) to pack's (c, ph, pw)."""
         shift, scale = (self.model.scale_shift_table[None] + temb[1][:, None]).chunk(2, dim=1)
         out = self.model.proj_out(self.model.norm_out(image) * (1 + scale) + shift).float()
-        b, n, _ = out.shape
-        p, c = self.patch, self.config.out_channels
-        out = out.reshape(b, n, p, p, c)[..., :self.latent_channels]
-        return out.permute(0, 1, 4, 2, 3).reshape(b, n, self.latent_channels * p * p)
+        return channels_first(out, self.patch, self.config.out_channels, keep=self.latent_channels)
 
 
 def _sincos(dim: int, pos: torch.Tensor, dtype) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from ..errors import ModelFileError
 from ..sampling import WAN21_LATENT, model_sampling_for
 from ..strategies.attention.processor import ParallelFluxAttnProcessor
-from .family import DiTFamily, Match
+from .family import DiTFamily, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, default_axes_dims_rope
 from .flux_adapter import FluxAdapter, grid_ids, reference_placements
 from .mapping import Source, block_count, has_block
@@ -35,7 +35,7 @@ PREFIXES = BFL_PREFIXES + ("transformer.",)
 
 
 @dataclass(frozen=True)
-class QwenImageConfig:
+class QwenImageConfig(OneBlockListConfig):
     hidden_size: int
     num_heads: int
     head_dim: int
@@ -49,7 +49,6 @@ class QwenImageConfig:
     title = "Qwen-Image"
     variant = "dev"  # ModelSamplingFlux, shift 1.15 (supported_models.QwenImage)
     pooled_dim = 0
-    num_single_layers = 0
     reads_references = True  # Qwen-Image Edit's ReferenceLatent
     text_encoders = "the Qwen-Image text encoder (CLIPLoader type qwen_image: qwen_2.5_vl_7b)"
 
@@ -59,14 +58,6 @@ class QwenImageConfig:
                                  f"hidden size {self.hidden_size}; the file is damaged, so re-download it.")
         axes = tuple(self.axes_dims_rope or default_axes_dims_rope(self.head_dim))
         object.__setattr__(self, "axes_dims_rope", axes)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.num_layers
-
-    @property
-    def mlp_hidden(self) -> int:
-        return 4 * self.hidden_size
 
     @property
     def latent_channels(self) -> int:

@@ -21,13 +21,12 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import ModelFileError
 from ..sampling import SD3_LATENT, FluxModelSampling
-from .family import DiTFamily, Match
+from .family import DiTFamily, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
-from .flux_adapter import FluxAdapter
+from .flux_adapter import FluxAdapter, channels_first, patch_conv
 from .mapping import Source, block_count, has_block, linear
 
 HEAD_DIM = 64  # every SD3 release; ComfyUI's MMDiT derives heads = hidden / 64
@@ -38,7 +37,7 @@ BLOCK_LISTS = ("transformer_blocks",)
 
 
 @dataclass(frozen=True)
-class SD3Config:
+class SD3Config(OneBlockListConfig):
     hidden_size: int
     num_layers: int
     pos_embed_max_size: int
@@ -51,7 +50,6 @@ class SD3Config:
 
     family = "sd3"
     variant = "sd3"
-    num_single_layers = 0
     text_encoders = "the SD3 text encoders (TripleCLIPLoader: clip_l, clip_g and t5xxl)"
 
     def __post_init__(self):
@@ -67,14 +65,6 @@ class SD3Config:
     @property
     def head_dim(self) -> int:
         return HEAD_DIM
-
-    @property
-    def num_blocks(self) -> int:
-        return self.num_layers
-
-    @property
-    def mlp_hidden(self) -> int:
-        return 4 * self.hidden_size
 
     @property
     def latent_channels(self) -> int:
@@ -321,8 +311,7 @@ class SD3Adapter:
 
     def embed_image(self, tokens: torch.Tensor, index: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
         """The patch conv as a matmul on packed tokens, plus the position rows of `index` in the h x w latent."""
-        proj = self.model.pos_embed.proj
-        image = F.linear(tokens.to(self.device, self.dtype), proj.weight.flatten(1), proj.bias)
+        image = patch_conv(tokens.to(self.device, self.dtype), self.model.pos_embed.proj)
         return image + self._position_table((hw[0] // self.patch, hw[1] // self.patch))[index]
 
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
@@ -341,10 +330,8 @@ class SD3Adapter:
 
     def head(self, image: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         """Velocity in float32, re-ordered from the model's (ph, pw, c) patch layout to pack's (c, ph, pw)."""
-        out = self.model.proj_out(self.model.norm_out(image, temb)).float()
-        b, n, _ = out.shape
-        p, c = self.patch, self.latent_channels
-        return out.reshape(b, n, p, p, c).permute(0, 1, 4, 2, 3).reshape(b, n, c * p * p)
+        return channels_first(self.model.proj_out(self.model.norm_out(image, temb)).float(), self.patch,
+                              self.latent_channels)
 
 
 SD3 = DiTFamily(
