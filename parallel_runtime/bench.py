@@ -36,7 +36,7 @@ from .models.flux import FluxConfig
 from .models.sd3 import SD3Config
 from .models.tiny import TINY
 from .planning import costmodel
-from .planning.traffic import Shapes, compare, job_traffic
+from .planning.traffic import compare, job_traffic, shapes_of
 from .runtime.devices import default_dtype
 from .spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
 from .toy.text import TEXT_TOKENS
@@ -647,7 +647,6 @@ def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devi
     say("")
 
     # -- the grid ----------------------------------------------------------------------------------------
-    stage_cache: dict[int, tuple[int, ...]] = {}
     total_params = None
     serial: dict[float, dict] = {}
     best: dict[int, dict] = {}
@@ -681,12 +680,8 @@ def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devi
         if s.world_size == 1:
             serial[round(cfg, 6)] = res
             total_params = res["stats"][0]["param_bytes"]
-        if s.pipefusion_degree > 1 and s.pipefusion_degree not in stage_cache:
-            stage_cache[s.pipefusion_degree] = tuple(tuple(len(r) for r in chunks)
-                                                     for chunks in family_of(config).pipeline_stages(config, s.pipefusion_degree))
-        shapes = Shapes(image_tokens=image_tokens, text_tokens=text, hidden=config.hidden_size, heads=config.num_heads,
-                        num_blocks=num_blocks, stage_blocks=stage_cache.get(s.pipefusion_degree, ()),
-                        batch=latent_shape[0], act_bytes=act_bytes)
+        shapes = shapes_of(config, image_tokens=image_tokens, text_tokens=text, pipefusion=s.pipefusion_degree,
+                           batch=latent_shape[0], act_bytes=act_bytes)
         analytic = job_traffic(s, shapes, steps=args.steps, cfg=cfg)
         measured = [st["traffic"] for st in res["stats"]]
         ok, worst = compare(measured, analytic, TARGET_TRAFFIC)

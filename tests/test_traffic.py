@@ -6,10 +6,9 @@ import json
 import pytest
 
 from conftest import make_job
-from parallel_runtime.models.flux_adapter import pipeline_stages
 from parallel_runtime.models.tiny import TINY
 from parallel_runtime.spec import StrategySpec as S
-from parallel_runtime.planning.traffic import Shapes, compare, job_traffic
+from parallel_runtime.planning.traffic import Shapes, compare, job_traffic, shapes_of
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -18,9 +17,7 @@ IMAGE = (SIZE // 2) ** 2
 
 
 def shapes_for(strategy: S, config=TINY) -> Shapes:
-    stages = tuple(tuple(len(r) for r in chunks) for chunks in pipeline_stages(config, strategy.pipefusion_degree))
-    return Shapes(image_tokens=IMAGE, text_tokens=TEXT, hidden=config.hidden_size, heads=config.num_heads,
-                  num_blocks=config.num_layers + config.num_single_layers, stage_blocks=stages)
+    return shapes_of(config, image_tokens=IMAGE, text_tokens=TEXT, pipefusion=strategy.pipefusion_degree)
 
 
 def check(client, path, strategy, cfg):

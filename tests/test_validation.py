@@ -246,3 +246,22 @@ def test_devices_auto_without_a_gpu_says_so_in_one_sentence_before_loading():
     assert notice.startswith("no GPU is visible") and "48 GB" in notice and one_sentence(notice)
     assert auto_notice("cpu:1", ["cpu"]) is None and auto_notice("auto", ["cuda:0"]) is None
     assert RuntimeClient("auto").notice == (notice if not torch.cuda.is_available() else None)
+
+
+def test_sd35_medium_pipeline_ranks_fit_the_memory_cap_with_the_position_table_counted():
+    from parallel_runtime.bench import BENCH_FAMILIES, RELEASE_SHAPES
+    from parallel_runtime.models.family import family_of
+
+    for config in (BENCH_FAMILIES["sd35_medium"], RELEASE_SHAPES["sd35_medium"][0]):
+        family = family_of(config)
+        per_block, always, first, last = family.parameter_counts(config)
+        # The stored position table is a loaded buffer of the first stage: (max size)^2 rows of the width.
+        table = config.pos_embed_max_size ** 2 * config.hidden_size
+        assert first >= table
+        total = sum(per_block) + always + first + last
+        ranks = family.pipeline_stages(config, 2)
+        held = [always + sum(per_block[i] for chunk in rank for i in chunk) + (first if r == 0 else 0)
+                + (last if r == 1 else 0) for r, rank in enumerate(ranks)]
+        # The bench's PipeFusion target: no rank holds more than 1.15x its fair share of the weights.
+        assert max(held) <= 1.15 * total / 2, (config.title, held, total)
+        assert sorted(i for rank in ranks for chunk in rank for i in chunk) == list(range(config.num_layers))

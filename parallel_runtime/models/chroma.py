@@ -30,7 +30,7 @@ import torch
 
 from ..errors import ModelFileError
 from ..sampling import model_sampling_for
-from .family import Match
+from .family import JointAttentionConfig, Match
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES, default_axes_dims_rope, map_double_block, map_single_block
 from .flux_adapter import FluxAdapter, balanced_stages, prefix_ownership
 from .mapping import Source, block_count, build_from_map, has_block, linear
@@ -46,7 +46,7 @@ BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
 
 
 @dataclass(frozen=True)
-class ChromaConfig:
+class ChromaConfig(JointAttentionConfig):
     hidden_size: int
     num_heads: int
     head_dim: int
@@ -305,7 +305,7 @@ class ChromaFamily:
         return build(config, reader, match, owned, dtype, device)
 
     def pipeline_stages(self, config: ChromaConfig, stages: int) -> list[list[range]]:
-        return balanced_stages(parameter_counts(config)[0], stages)
+        return balanced_stages(parameter_counts(config), stages)
 
     def stage_ownership(self, config: ChromaConfig, chunks: list[range], first: bool, last: bool):
         return prefix_ownership(BLOCK_LISTS, (config.num_layers, config.num_single_layers), chunks, ALWAYS_OWNED,

@@ -74,7 +74,17 @@ class ModelFamily(Protocol):
         """{original-layout key: (shape, kind)} of a complete file, for writing random test checkpoints."""
 
 
-class OneBlockListConfig:
+class JointAttentionConfig:
+    """Configs of families whose blocks each run one joint [prompt, image] self-attention (all but PixArt;
+    SD3.5 Medium adds image-only layers)."""
+
+    @property
+    def attention_layers(self) -> tuple[tuple[bool, ...], ...]:
+        """Per block, its self-attention layers: True where the prompt rows join (see traffic.Shapes)."""
+        return ((True,),) * self.num_blocks
+
+
+class OneBlockListConfig(JointAttentionConfig):
     """What configs of families with one block list and a 4x MLP share (SD3, Qwen-Image, PixArt)."""
 
     num_single_layers = 0  # planning sees `num_layers` blocks and no single-stream ones
@@ -125,7 +135,7 @@ class DiTFamily:
     def pipeline_stages(self, config, stages: int) -> list[list[range]]:
         from .flux_adapter import balanced_stages
 
-        return balanced_stages(self.parameter_counts(config)[0], stages)
+        return balanced_stages(self.parameter_counts(config), stages)
 
     def stage_ownership(self, config, chunks: list[range], first: bool, last: bool) -> Callable[[str], bool]:
         from .flux_adapter import prefix_ownership

@@ -25,6 +25,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import ModelFileError
+from .family import JointAttentionConfig
 from .loading import CheckpointReader
 from .mapping import Source, apply_transform, block_count, build_from_map, linear  # noqa: F401 (re-exported)
 
@@ -54,7 +55,7 @@ def default_axes_dims_rope(head_dim: int) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True)
-class FluxConfig:
+class FluxConfig(JointAttentionConfig):
     hidden_size: int
     num_heads: int
     head_dim: int

@@ -7,6 +7,8 @@ pipeline stage owns. Strategies only ever call these methods; the checkpoint map
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from typing import Callable
 
 import torch
@@ -43,31 +45,55 @@ def block_costs(config: FluxConfig) -> list[int]:
 
 
 def pipeline_stages(config: FluxConfig, stages: int) -> list[list[range]]:
-    return balanced_stages(block_costs(config), stages)
+    return balanced_stages(parameter_counts(config), stages)
 
 
-def balanced_stages(block_memory: list[int] | tuple[int, ...], stages: int) -> list[list[range]]:
+PIPELINE_MEMORY_SLACK = 1.15  # no PipeFusion rank holds more than this x its fair share of the weights
+
+
+def balanced_stages(counts: tuple, stages: int) -> list[list[range]]:
     """The blocks of each PipeFusion rank, as the chunks it runs in pipeline order.
 
-    Every Flux block does the same work per token (12 h^2 weights per token in each stream of a double
-    block, 7 h^2 + 5 h^2 in a single block, and one attention), but a double block holds 2.4x the weights
-    of a single one. One contiguous chunk per rank cannot balance both for Flux's 1:2 mix, so ranks may
-    hold two chunks (interleaved virtual stages: rank r runs chunks r and r + stages, and a patch passes
-    every rank twice). The layout with the least work on the busiest rank wins; ties keep fewer hops.
+    `counts` is a family's `parameter_counts`: (per block, every stage's, the first's, the last's). Every
+    block does about the same work per token, but blocks differ in weights (a Flux double block holds 2.4x
+    a single one; SD3.5 Medium's first blocks carry a second attention; the first stage holds SD3's position
+    table). One contiguous chunk per rank cannot balance both for such mixes, so ranks may hold two chunks
+    (interleaved virtual stages: rank r runs chunks r and r + stages, and a patch passes every rank twice).
+    Layouts whose busiest rank holds at most PIPELINE_MEMORY_SLACK x the fair share of the weights come
+    first, then the least work on the busiest rank, then fewer hops; if none fits, the fewest bytes.
     """
+    per_block, always, first, last = counts
+    # The first and last stage's own modules ride with the first and last block, wherever those land.
+    memory = list(per_block)
+    memory[0] += first
+    memory[-1] += last
+    fair = (sum(memory) + always) / stages
+
+    def score(ranks: list[list[range]]) -> tuple:
+        work = max(sum(len(chunk) for chunk in rank) for rank in ranks)
+        held = max(always + sum(memory[i] for chunk in rank for i in chunk) for rank in ranks) / fair
+        fits = held <= PIPELINE_MEMORY_SLACK + 1e-9
+        return (not fits, work if fits else held, len(ranks[0]))
+
+    layouts = [layout for chunks in (1, 2) for layout in _stage_layouts(memory, stages, chunks)]
+    return min(layouts, key=score)
+
+
+def _stage_layouts(memory: list[int], stages: int, chunks: int, exhaustive: int = 20000) -> list[list[list[range]]]:
+    """Candidate layouts with `chunks` interleaved chunks per rank: the work-balancing DP's split under the
+    memory cap, plus every split when there are few enough (the DP balances virtual stages, not the pairs
+    of them a rank holds, so on a handful of blocks it can miss the split that fits)."""
     from ..strategies.pipefusion import split_stages
 
-    n = len(block_memory)
-    best = None
-    for chunks in (1, 2):
-        if chunks * stages > n:
-            break
-        virtual = split_stages([1.0] * n, chunks * stages, memory=list(block_memory))
-        ranks = [[virtual[c * stages + r] for c in range(chunks)] for r in range(stages)]
-        work = max(sum(len(chunk) for chunk in rank) for rank in ranks)
-        if best is None or work < best[0]:
-            best = (work, ranks)
-    return best[1]
+    n, virtual = len(memory), chunks * stages
+    if virtual > n:
+        return []
+    splits = [split_stages([1.0] * n, virtual, memory=memory)]
+    if chunks > 1 and math.comb(n - 1, virtual - 1) <= exhaustive:
+        for cuts in itertools.combinations(range(1, n), virtual - 1):
+            bounds = (0, *cuts, n)
+            splits.append([range(bounds[k], bounds[k + 1]) for k in range(virtual)])
+    return [[[split[c * stages + r] for c in range(chunks)] for r in range(stages)] for split in splits]
 
 
 def prefix_ownership(block_lists: tuple[str, ...], counts: tuple[int, ...], chunks: list[range],

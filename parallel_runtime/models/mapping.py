@@ -98,11 +98,12 @@ def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, bloc
 
 def parameter_counts(model: torch.nn.Module, blocks: list[torch.nn.Module], always: tuple[str, ...],
                      first: tuple[str, ...], last: tuple[str, ...]) -> tuple[tuple[int, ...], int, int, int]:
-    """(per block, every stage's, the first stage's, the last stage's) parameter counts of a meta-device
-    model (no memory, no file access); `always`/`first`/`last` are parameter-name prefixes."""
-    shared = [sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
-              for prefixes in (always, first, last)]
-    return (tuple(sum(p.numel() for p in b.parameters()) for b in blocks), *shared)
+    """(per block, every stage's, the first stage's, the last stage's) element counts of what a meta-device
+    model loads (no memory, no file access); `always`/`first`/`last` are parameter-name prefixes. Counted over
+    the state dict, so loaded buffers (SD3's position table) weigh in as they do on a rank."""
+    state = model.state_dict()
+    shared = [sum(t.numel() for n, t in state.items() if n.startswith(prefixes)) for prefixes in (always, first, last)]
+    return (tuple(sum(t.numel() for t in b.state_dict().values()) for b in blocks), *shared)
 
 
 def block_count(keys: list[str], prefix: str, block: str, name: str) -> int:

@@ -78,6 +78,11 @@ class PixArtConfig(OneBlockListConfig):
         return self.caption_channels
 
     @property
+    def attention_layers(self) -> tuple[tuple[bool, ...], ...]:
+        """Image-only self-attention: the prompt is cross-attended, whole on every rank."""
+        return ((False,),) * self.num_layers
+
+    @property
     def latent_channels(self) -> int:
         return self.in_channels
 

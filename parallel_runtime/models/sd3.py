@@ -71,6 +71,11 @@ class SD3Config(OneBlockListConfig):
         return self.in_channels
 
     @property
+    def attention_layers(self) -> tuple[tuple[bool, ...], ...]:
+        """Joint attention in every block, then SD3.5 Medium's image-only attn2 in its dual blocks."""
+        return tuple((True, False) if i in self.dual_attention_layers else (True,) for i in range(self.num_layers))
+
+    @property
     def max_latent_size(self) -> int:
         """The largest latent side the stored position table covers (validate.py refuses larger)."""
         return self.pos_embed_max_size * self.patch_size

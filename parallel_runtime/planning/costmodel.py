@@ -34,7 +34,7 @@ import torch
 
 from ..runtime.topology import Topology
 from ..spec import StrategySpec
-from .traffic import Shapes, branches_per_forward, job_traffic
+from .traffic import Shapes, branches_per_forward, job_traffic, shapes_of
 
 CACHE_VERSION = 3
 
@@ -520,11 +520,8 @@ def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, s
     all_blocks = (config.num_layers, config.num_single_layers)
     if stage_kinds is None and topo.pipefusion > 1:
         stage_kinds = stage_block_kinds(config, topo.pipefusion)
-    shapes = Shapes(image_tokens=n_len, text_tokens=t_len, hidden=config.hidden_size, heads=config.num_heads,
-                    num_blocks=sum(all_blocks),
-                    stage_blocks=(tuple(tuple(len(r) for r in chunks) for chunks in _stages(config, topo.pipefusion))
-                                  if topo.pipefusion > 1 else ()), batch=batch,
-                    act_bytes=act_bytes)
+    shapes = shapes_of(config, image_tokens=n_len, text_tokens=t_len, pipefusion=topo.pipefusion, batch=batch,
+                       act_bytes=act_bytes)
     comm_by_op, comm_job_extra, comm_rank = _comm_times(strategy, shapes, calib, steps, cfg)
 
     if topo.pipefusion > 1:

@@ -6,7 +6,8 @@ Written from what the strategies move, not from the counters, so the benchmark c
 Symbols: B latent batch, b = B x branches evaluated in one forward (2 when cfg > 1 runs both branches on
 one rank), T text tokens, N image tokens, H = heads x head_dim, e bytes per activation element (the
 weight dtype), C = 64 packed latent channels (16 x 2 x 2) of the float32 sampler state x, L attention
-layers (blocks) per step, S steps.
+layers (blocks) per step, S steps. Where the prompt is cross-attended (PixArt) it never travels: T counts
+as 0. Image-only self-attention layers (SD3.5 Medium's second attention) move N rows only.
 
 Per attention layer, per rank:
 
@@ -20,7 +21,8 @@ Per attention layer, per rank:
 * PipeFusion (P ranks, M patches, w warm-up steps): every chunk of blocks but the pipeline's last
   sends, per forward, its [text ; image] hidden rows, b (t_u + n N/(M U)) H e for a forward over n
   patches (n = M in warm-up steps, else M forwards of n = 1), and the next chunk's rank receives them; a
-  rank holding two interleaved chunks does this twice per patch. After every step but the last, the
+  rank holding two interleaved chunks does this twice per patch (image rows only where the prompt is
+  cross-attended: stage 0 sends it, b T H e, to every other stage once per job). After every step but the
   last stage returns the updated x rows to stage 0: B (N/U) C 4 bytes per step.
 * CFG parallel: each step the rank that ran the head all-gathers its denoised rows with its peer branch:
   sent = recv = B (rows) C 4.
@@ -45,13 +47,40 @@ class Shapes:
     text_tokens: int  # T
     hidden: int  # H
     heads: int
-    num_blocks: int  # attention layers per full forward (double + single blocks)
-    # Per PipeFusion rank, the block count of each chunk it runs (see flux_adapter.pipeline_stages);
+    num_blocks: int  # blocks per full forward (Flux: double + single)
+    # Per PipeFusion rank, the block ranges of each chunk it runs (see the family's pipeline_stages);
     # () = one even contiguous chunk per rank.
-    stage_blocks: tuple[tuple[int, ...], ...] = ()
+    stage_blocks: tuple[tuple[range, ...], ...] = ()
     batch: int = 1  # latent batch B
-    x_channels: int = 64
+    x_channels: int = 64  # C: latent channels x patch area (16 x 2 x 2 for Flux)
     act_bytes: int = 4  # e: 4 for fp32 weights, 2 for bf16/fp16
+    # Per block, its self-attention layers: True where the prompt rows join (joint attention), False for
+    # image-only attention (SD3.5 Medium's attn2, PixArt's self-attention beside its cross-attention);
+    # () = one joint layer per block.
+    attention_layers: tuple[tuple[bool, ...], ...] = ()
+
+    def layers(self, blocks) -> list[bool]:
+        """Per self-attention layer of `blocks` (indices), whether the prompt rows join it."""
+        table = self.attention_layers or ((True,),) * self.num_blocks
+        return [joint for i in blocks for joint in table[i]]
+
+    @property
+    def text_in_stream(self) -> bool:
+        """Whether prompt rows travel with the image rows (joint attention) or stay put on every rank."""
+        return any(self.layers(range(self.num_blocks)))
+
+
+def shapes_of(config, *, image_tokens: int, text_tokens: int, pipefusion: int = 1, batch: int = 1,
+              act_bytes: int = 4) -> Shapes:
+    """The byte counts' inputs for a family's config, PipeFusion stages split as the workers split them."""
+    from ..models.family import family_of
+
+    stages = (tuple(tuple(chunks) for chunks in family_of(config).pipeline_stages(config, pipefusion))
+              if pipefusion > 1 else ())
+    return Shapes(image_tokens=image_tokens, text_tokens=text_tokens, hidden=config.hidden_size,
+                  heads=config.num_heads, num_blocks=config.num_blocks, stage_blocks=stages, batch=batch,
+                  act_bytes=act_bytes, attention_layers=config.attention_layers,
+                  x_channels=config.latent_channels * getattr(config, "patch_size", 2) ** 2)
 
 
 @dataclass
@@ -91,9 +120,12 @@ def branches_per_forward(strategy: StrategySpec, cfg: float) -> int:
     return 2 if uses_uncond and strategy.cfg_degree == 1 else 1
 
 
-def even_stage_blocks(num_blocks: int, stages: int) -> tuple[tuple[int, ...], ...]:
+def even_stage_blocks(num_blocks: int, stages: int) -> tuple[tuple[range, ...], ...]:
     base, extra = divmod(num_blocks, stages)
-    return tuple((base + (1 if i < extra else 0),) for i in range(stages))
+    bounds = [0]
+    for i in range(stages):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return tuple((range(bounds[i], bounds[i + 1]),) for i in range(stages))
 
 
 def _ulysses_layer(b: int, e: int, hidden: int, u: int, rows: list[int], me: int) -> tuple[int, int]:
@@ -111,7 +143,8 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
     out = [RankTraffic(r) for r in range(topo.world_size)]
     if topo.world_size == 1:
         return out
-    n, t, h, e = shapes.image_tokens, shapes.text_tokens, shapes.hidden, shapes.act_bytes
+    n, h, e = shapes.image_tokens, shapes.hidden, shapes.act_bytes
+    t = shapes.text_tokens if shapes.text_in_stream else 0
     bb = shapes.batch
     b = bb * branches_per_forward(strategy, cfg)
     x_row = bb * shapes.x_channels * X_BYTES  # bytes of one token row of x (all latent batch items)
@@ -130,15 +163,16 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
             continue
         u, r = topo.ulysses, topo.ring
         sp = u * r
-        rows = [text_share(t, sp, j) + n // sp for j in range(sp)]  # rows of sp rank j = ring*U + ulysses
         me_r, me_u = c["ring"], c["ulysses"]
-        group_rows = [sum(rows[q * u:(q + 1) * u]) for q in range(r)]  # K/V rows each ring member starts with
         for _ in range(steps):
-            for _ in range(shapes.num_blocks):
+            for joint in shapes.layers(range(shapes.num_blocks)):
+                # rows of sp rank j = ring*U + ulysses; image-only layers leave the prompt rows out
+                rows = [(text_share(t, sp, j) if joint else 0) + n // sp for j in range(sp)]
                 if u > 1:
                     sent, recv = _ulysses_layer(b, e, h, u, rows[me_r * u:(me_r + 1) * u], me_u)
                     rt.add("ulysses", sent, recv, 2)
                 if r > 1:
+                    group_rows = [sum(rows[q * u:(q + 1) * u]) for q in range(r)]  # K/V rows each member starts with
                     unit = 2 * b * e * (h // u)
                     for hop in range(r - 1):
                         rt.add("ring", unit * group_rows[(me_r - hop) % r], unit * group_rows[(me_r - hop - 1) % r])
@@ -151,7 +185,8 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
 
 def _pipefusion(rt: RankTraffic, s: StrategySpec, topo: Topology, c: dict, shapes: Shapes, b: int, x_row: int,
                 steps: int) -> None:
-    n, t, h, e = shapes.image_tokens, shapes.text_tokens, shapes.hidden, shapes.act_bytes
+    n, h, e = shapes.image_tokens, shapes.hidden, shapes.act_bytes
+    t = shapes.text_tokens if shapes.text_in_stream else 0
     p, u, m = topo.pipefusion, topo.ulysses, s.patches
     stage_blocks = shapes.stage_blocks or even_stage_blocks(shapes.num_blocks, p)
     stage, me = c["pipefusion"], c["ulysses"]
@@ -159,14 +194,17 @@ def _pipefusion(rt: RankTraffic, s: StrategySpec, topo: Topology, c: dict, shape
     last = stage == p - 1
     texts = [text_share(t, u, j) for j in range(u)]
     per_patch = n // (m * u)  # image rows of one patch held by one Ulysses member
+    if not shapes.text_in_stream:  # a cross-attended prompt goes from stage 0 to every other stage once
+        prompt = b * shapes.text_tokens * h * e
+        rt.add("pipefusion", prompt * (p - 1) if stage == 0 else 0, 0 if stage == 0 else prompt, 1)
     for i in range(steps):
         forwards = [m] if i < s.warmup_steps else [1] * m  # patches per forward
         for n_p in forwards:
             for k, blocks in enumerate(chunks):  # a patch passes each of this rank's chunks
-                if u > 1:
-                    rows = [texts[j] + n_p * per_patch for j in range(u)]
+                for joint in (shapes.layers(blocks) if u > 1 else ()):
+                    rows = [(texts[j] if joint else 0) + n_p * per_patch for j in range(u)]
                     sent, recv = _ulysses_layer(b, e, h, u, rows, me)
-                    rt.add("ulysses", sent * blocks, recv * blocks, 2 * blocks)
+                    rt.add("ulysses", sent, recv, 2)
                 hidden = b * (texts[me] + n_p * per_patch) * h * e
                 if not (last and k == len(chunks) - 1):
                     rt.add("pipefusion", hidden, 0)

@@ -175,6 +175,19 @@ class Comm:
         self.traffic.add(op, n, n)
         return parts
 
+    def broadcast(self, t: torch.Tensor, group: Group, op: str = "broadcast") -> torch.Tensor:
+        """The group's first member's `t` into every member's `t` (counted as the source sending one copy to
+        each other member)."""
+        if group.size == 1:
+            return t
+        self._dist.broadcast(t, src=group.ranks[0], group=group.pg)
+        n = _nbytes(t)
+        if group.index == 0:
+            self.traffic.add(op, n * (group.size - 1), 0)
+        else:
+            self.traffic.add(op, 0, n)
+        return t
+
     # -- point to point ----------------------------------------------------------------------------
 
     def isend(self, t: torch.Tensor, dst: int, op: str = "p2p"):

@@ -454,8 +454,11 @@ class Denoiser:
             return idx, rope, refs
 
         text_rows = self._text_rows(layout, self.branches)
-        n_text = len(text_rows)
         text = self._text(text_rows) if stage == 0 else None
+        joint = getattr(self.adapter, "joint_text", True)
+        if not joint:  # a cross-attended prompt never changes: every stage gets it once, not with every patch
+            text = self._share_prompt(text, len(text_rows), pp)
+        n_text = len(text_rows) if joint else 0  # prompt rows in each message between chunks
         width = self.adapter.config.hidden_size
         batch = self.branches.cond.shape[0]
         sends: list = []
@@ -472,11 +475,13 @@ class Denoiser:
             idx, rope, refs = configure(patches)
             if is_first(chunk):
                 image, txt = self._image_stream(i, x[:, idx], idx, refs), text
-            else:
+            elif joint:
                 txt, image = incoming[:, :n_text], incoming[:, n_text:]
+            else:
+                txt, image = text, incoming
             image, txt = self.adapter.run_blocks(image, txt, temb, rope, chunk=chunk)
             if not is_last(chunk):
-                send(torch.cat([txt, image], dim=1).contiguous(), after, "pipefusion")
+                send((torch.cat([txt, image], dim=1) if joint else image).contiguous(), after, "pipefusion")
                 return
             x_rows = x[:, idx]
             den = self._denoised(i, x_rows, image[:, :len(idx)], temb)
@@ -533,6 +538,13 @@ class Denoiser:
             for work, _ in sends:
                 work.wait()
         return x
+
+    def _share_prompt(self, text: torch.Tensor | None, rows: int, pp) -> torch.Tensor:
+        """Stage 0's embedded prompt, broadcast once per job to every other stage of its pipeline."""
+        if pp.index != 0:
+            text = torch.empty((self.branches.cond.shape[0], rows, self.adapter.config.hidden_size),
+                               dtype=self.adapter.dtype, device=self.adapter.device)
+        return self.comm.broadcast(text.contiguous(), pp, op="pipefusion")
 
     def _recv(self, buf: torch.Tensor, src: int, op: str) -> torch.Tensor:
         self.comm.irecv(buf, src, op=op).wait()
