@@ -33,6 +33,8 @@ import torch
 
 from .models.chroma import ChromaConfig
 from .models.flux import FluxConfig
+from .models.pixart import PixArtConfig
+from .models.qwen_image import QwenImageConfig
 from .models.sd3 import SD3Config
 from .models.tiny import TINY
 from .planning import costmodel
@@ -60,6 +62,10 @@ BENCH_FAMILIES = {
     # SD3.5 Medium: the image-only second attention in the first half of the blocks.
     "sd35_medium": SD3Config(hidden_size=256, num_layers=6, pos_embed_max_size=64, context_dim=64, pooled_dim=32,
                              dual_attention_layers=(0, 1, 2)),
+    # Qwen-Image: joint double-stream blocks only (60 in the release), its own RoPE; 4 heads of 64 here.
+    "qwen_image": QwenImageConfig(hidden_size=256, num_heads=4, head_dim=64, num_layers=6, context_dim=64),
+    # PixArt-Σ: image-only self-attention plus cross-attention to the prompt; PixArt's 72-wide heads, 4 of them.
+    "pixart": PixArtConfig(hidden_size=288, num_layers=6, micro_condition=False, caption_channels=64),
 }
 # The released models' shapes, for the GPU projection after a bench model ran.
 RELEASE_SHAPES = {
@@ -68,6 +74,10 @@ RELEASE_SHAPES = {
     "sd35": (SD3Config(hidden_size=2432, num_layers=38, pos_embed_max_size=192), "SD3.5 Large shapes (width 2432, 38 blocks)"),
     "sd35_medium": (SD3Config(hidden_size=1536, num_layers=24, pos_embed_max_size=384,
                               dual_attention_layers=tuple(range(13))), "SD3.5 Medium shapes (width 1536, 24 blocks)"),
+    "qwen_image": (QwenImageConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=60),
+                   "Qwen-Image shapes (width 3072, 60 blocks)"),
+    "pixart": (PixArtConfig(hidden_size=1152, num_layers=28, micro_condition=False),
+               "PixArt-Σ shapes (width 1152, 28 blocks)"),
 }
 NAMED_MODELS = {"bench": BENCH_FLUX, "tiny": TINY, **{k: v for k, v in BENCH_FAMILIES.items() if k != "flux"}}
 TOY = "toy"  # the trained demo model (parallel_runtime/toy): its shipped file, the demo's prompt, 512x512
@@ -556,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     width, height = parse_resolution(args.resolution)
-    latent_shape = (1, 16, height // 8, width // 8)
+    latent_hw = (height // 8, width // 8)
     image_tokens = (height // 16) * (width // 16)
     devices = parse_devices(args.devices)
     max_world = len(devices)
@@ -584,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
             model_name = (f"{os.path.basename(path)} (width {config.hidden_size}, {config.num_layers} double + "
                           f"{config.num_single_layers} single blocks)"
                           + (f', prompt "{DEFAULT_PROMPT}"' if conditioning else ""))
+        latent_shape = (1, config.latent_channels, *latent_hw)
         return _bench(args, say, path, config, model_name, latent_shape, image_tokens, devices, max_world, t_start,
                       conditioning)
     finally:

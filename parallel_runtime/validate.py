@@ -148,6 +148,10 @@ def validate_job(job: Job, world_size: int) -> None:
     if side is not None and max(lat.shape[2:]) > side:
         raise ConfigError(f"the latent is {lat.shape[3] * 8}x{lat.shape[2] * 8} px but this model's position table "
                           f"covers at most {side * 8} px a side; generate a smaller image.")
+    mean_side = getattr(config, "min_mean_latent_side", None)  # PixArt: positions scale to the image's size
+    if mean_side is not None and (lat.shape[-2] + lat.shape[-1]) // 2 < mean_side:
+        raise ConfigError(f"the latent is {lat.shape[-1] * 8}x{lat.shape[-2] * 8} px but {config.title} has no "
+                          f"positions below an average side of {mean_side * 8} px; generate a larger image.")
     validate_branches(job)
     validate_strategy(job.strategy, world_size=world_size, heads=config.num_heads,
                       num_blocks=config.num_blocks, latent_hw=tuple(lat.shape[2:]),

@@ -261,6 +261,18 @@ def test_references_are_refused_by_families_that_do_not_read_them(name, tmp_path
         validate_job(dataclasses.replace(j, positive=dataclasses.replace(j.positive, references=refs)), 1)
 
 
+def test_pixart_refuses_images_too_small_for_its_positions(tmp_path):
+    from parallel_runtime.errors import ConfigError
+    from parallel_runtime.validate import validate_job
+
+    path = write_checkpoint(str(tmp_path / "pixart.safetensors"), FAMILIES["pixart"], seed=1)
+    j = job(("pixart", path))
+    validate_job(dataclasses.replace(j, latent=torch.zeros(1, 4, 32, 34)), 1)  # average side 33: base 64 px
+    # 256 x 256 px: ComfyUI's base size rounds to 0 and its PixArt divides by it; ours says so first.
+    with pytest.raises(ConfigError, match="256x256 px but PixArt-α has no positions below an average side of 264 px"):
+        validate_job(dataclasses.replace(j, latent=torch.zeros(1, 4, 32, 32)), 1)
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(references=(torch.randn(1, 4, 8, 8),)), r"shape \(1, 4, 8, 8\), not \[batch, 16, height/8"),
     (dict(references=(torch.full((1, 16, 8, 8), float("nan")),)), "NaN/Inf"),

@@ -77,6 +77,10 @@ class PixArtConfig(OneBlockListConfig):
     def context_dim(self) -> int:
         return self.caption_channels
 
+    # The position grid scales to a base of (h + w) / 2 rounded to 64 latent px: at 32 or less that is 0 and
+    # ComfyUI's PixArt divides by it, so images must average more than 256 px a side.
+    min_mean_latent_side = 33
+
     @property
     def attention_layers(self) -> tuple[tuple[bool, ...], ...]:
         """Image-only self-attention: the prompt is cross-attended, whole on every rank."""
