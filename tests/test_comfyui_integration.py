@@ -542,14 +542,14 @@ def test_interrupt_stops_the_job_and_the_next_prompt_runs(server):
 @pytest.mark.parametrize("graph_kw,expect_type,expect_text", [
     (dict(devices="cpu:2", strat=strategy(ulysses=3)), "ConfigError",
      "= 3 ranks, but the loader has 2 device(s); choose degrees whose product is 2"),
-    (dict(devices="cpu:2", strat=strategy(ulysses=2), size=48), "ConfigError",
-     "do not split evenly over 2 sequence-parallel ranks"),
+    (dict(devices="cpu:2", strat=strategy(ulysses=2), size=16), "ConfigError",
+     "are fewer than the 2 ranks splitting them"),
     (dict(devices="cpu:2", strat=strategy(pp=2, patches=2), size=48), "ConfigError",
      "num_pipeline_patch=2 does not divide the latent's 3 token rows"),
     (dict(devices="cpu:1", strat=strategy(cfg=2)), "ConfigError", "= 2 ranks, but the loader has 1 device(s)"),
     (dict(devices="cpu:1", unet=NOT_FLUX), "ModelFileError", "is not a DiT checkpoint ParaDiT runs"),
     (dict(devices="cpu:two"), "ConfigError", "devices 'cpu:two' is not understood"),
-], ids=["ulysses3-on-2", "48px-ulysses2", "48px-pipefusion-patches", "cfg2-on-1", "not-flux-file", "bad-devices"])
+], ids=["ulysses3-on-2", "16px-ulysses2", "48px-pipefusion-patches", "cfg2-on-1", "not-flux-file", "bad-devices"])
 def test_bad_inputs_fail_with_one_sentence(server, graph_kw, expect_type, expect_text):
     t0 = time.monotonic()
     result = server.run(parallel_graph(tag="bad", **graph_kw), timeout=120)

@@ -33,7 +33,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WF_DIR = os.path.join(REPO, "workflows")
 API_DIR = os.path.join(WF_DIR, "api")
 WORKFLOWS = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pipefusion", "flux_dev_cfg_parallel",
-             "flux_dev_hybrid", "flux_schnell", "chroma_ulysses", "sd35_large_cfg_parallel")
+             "flux_dev_hybrid", "flux_schnell", "chroma_ulysses", "sd35_large_cfg_parallel", "kontext_dev_ulysses",
+             "qwen_image_hybrid", "pixart_sigma_hybrid")
 FLUX_HEADS, FLUX_BLOCKS = 24, 19 + 38  # FLUX.1 dev/schnell: 19 double + 38 single blocks
 FLUX_UNETS = ("flux1-dev.safetensors", "flux1-schnell.safetensors")
 STRATEGY_WORDS = ("auto", "ulysses", "ring", "pipefusion", "cfg_parallel", "hybrid")  # the end of a workflow's name
@@ -48,7 +49,17 @@ MODELS = {
         unet="sd3.5_large.safetensors", heads=38, blocks=38, vae="sd35_vae.safetensors",
         clip=("TripleCLIPLoader", {"clip_name1": "clip_l.safetensors", "clip_name2": "clip_g.safetensors",
                                    "clip_name3": "t5xxl_fp16.safetensors"})),
+    "qwen_image_": dict(  # Qwen-Image: 60 joint blocks of 24 heads, Qwen2.5-VL text encoder, the Wan 2.1 VAE at 1328 px
+        unet="qwen_image_bf16.safetensors", heads=24, blocks=60, vae="qwen_image_vae.safetensors", size=1328,
+        clip=("CLIPLoader", {"clip_name": "qwen_2.5_vl_7b_fp8_scaled.safetensors", "type": "qwen_image",
+                             "device": "default"})),
+    "pixart_sigma_": dict(  # PixArt-Σ: 28 blocks of 16 heads (1152 / 72), T5-XXL, the SDXL VAE, 4-channel latents
+        unet="PixArt-Sigma-XL-2-1024-MS.safetensors", heads=16, blocks=28, vae="sdxl_vae.safetensors",
+        latent="EmptyLatentImage",
+        clip=("CLIPLoader", {"clip_name": "t5xxl_fp16.safetensors", "type": "pixart", "device": "default"})),
 }
+# Flux Kontext dev edits a picture: Flux's blocks and encoders, the picture as a ReferenceLatent.
+KONTEXT = dict(unet="flux1-kontext-dev.safetensors", heads=FLUX_HEADS, blocks=FLUX_BLOCKS)
 
 # Core ComfyUI nodes the workflows may use (as of ComfyUI a125cd8): widget inputs in order, socket inputs
 # in order, output types. UI-only nodes (notes) have no API twin.
@@ -60,19 +71,26 @@ CORE = {
     "FluxGuidance": (["guidance"], {"conditioning": "CONDITIONING"}, ["CONDITIONING"]),
     "ConditioningZeroOut": ([], {"conditioning": "CONDITIONING"}, ["CONDITIONING"]),
     "EmptySD3LatentImage": (["width", "height", "batch_size"], {}, ["LATENT"]),
+    "EmptyLatentImage": (["width", "height", "batch_size"], {}, ["LATENT"]),
+    "LoadImage": (["image"], {}, ["IMAGE", "MASK"]),
+    "FluxKontextImageScale": ([], {"image": "IMAGE"}, ["IMAGE"]),  # comfy_extras/nodes_flux.py
+    "VAEEncode": ([], {"pixels": "IMAGE", "vae": "VAE"}, ["LATENT"]),
+    "ReferenceLatent": ([], {"conditioning": "CONDITIONING", "latent": "LATENT"}, ["CONDITIONING"]),  # nodes_edit_model.py
     "VAELoader": (["vae_name"], {}, ["VAE"]),
     "VAEDecode": ([], {"samples": "LATENT", "vae": "VAE"}, ["IMAGE"]),
     "SaveImage": (["filename_prefix"], {"images": "IMAGE"}, []),
 }
 UI_ONLY = {"MarkdownNote", "Note"}
-OPTIONAL_CORE = {("DualCLIPLoader", "device"), ("CLIPLoader", "device")}  # "optional" in their INPUT_TYPES
+OPTIONAL_CORE = {("DualCLIPLoader", "device"), ("CLIPLoader", "device"), ("ReferenceLatent", "latent")}
+# Widget values the frontend stores after a widget but the API format leaves out: LoadImage's upload button.
+UI_EXTRA_WIDGETS = {("LoadImage", "image"): 1}
 
 
 def _ours():
     """class -> (InputSpec rows, output types), straight from nodes/convert.py."""
     return {
         "ParaDiTStrategy": (convert.STRATEGY_INPUTS, [convert.STRATEGY_TYPE]),
-        "ParaDiTLoader": (convert.loader_inputs([*FLUX_UNETS, *(m["unet"] for m in MODELS.values())]),
+        "ParaDiTLoader": (convert.loader_inputs([*FLUX_UNETS, KONTEXT["unet"], *(m["unet"] for m in MODELS.values())]),
                           [convert.MODEL_TYPE]),
         "ParaDiTSampler": (convert.sampler_inputs(convert.sampler_names(), convert.scheduler_names()), ["LATENT"]),
     }
@@ -111,12 +129,14 @@ def api_files():
 def _model_of(name: str):
     """The MODELS entry a workflow file is for, or None for Flux."""
     found = [m for prefix, m in MODELS.items() if name.startswith(prefix)]
-    assert len(found) == (0 if name.startswith("flux_") else 1), f"{name}: which model is this workflow for?"
+    flux = name.startswith(("flux_", "kontext_"))
+    assert len(found) == (0 if flux else 1), f"{name}: which model is this workflow for?"
     return found[0] if found else None
 
 
 FLUX_API = [f for f in api_files() if f.startswith("flux_")]
-OTHER_API = [f for f in api_files() if not f.startswith("flux_")]
+KONTEXT_API = [f for f in api_files() if f.startswith("kontext_")]
+OTHER_API = [f for f in api_files() if not f.startswith(("flux_", "kontext_"))]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -226,6 +246,7 @@ def test_ui_and_api_twins_agree(name):
             spec = specs.get(w)
             if spec is not None and spec.options.get("control_after_generate"):
                 assert values.pop(0) in ("fixed", "increment", "decrement", "randomize")
+            del values[:UI_EXTRA_WIDGETS.get((n["type"], w), 0)]
         assert not values, f"{name} node {nid}: extra widgets_values {values}"
         for slot, inp in enumerate(n["inputs"]):
             if inp["link"] is None:
@@ -244,14 +265,13 @@ def _by_class(graph):
     return out
 
 
-def _text_to_image(name, graph):
+def _text_to_image(name, graph, latent_class="EmptySD3LatentImage", size=1024):
     """The parts every workflow has, checked for the wiring they share: strategy -> loader -> sampler -> decode ->
-    save, a 1024x1024 latent, and a save prefix named after the workflow."""
+    save, a square latent of the model's size, and a save prefix named after the workflow."""
     c = _by_class(graph)
     (loader,), (strategy,), (sampler,) = c["ParaDiTLoader"], c["ParaDiTStrategy"], c["ParaDiTSampler"]
-    (latent,), (vae,), (decode,), (save,) = (c[k] for k in ("EmptySD3LatentImage", "VAELoader", "VAEDecode",
-                                                              "SaveImage"))
-    assert (latent["inputs"]["width"], latent["inputs"]["height"]) == (1024, 1024)
+    (latent,), (vae,), (decode,), (save,) = (c[k] for k in (latent_class, "VAELoader", "VAEDecode", "SaveImage"))
+    assert (latent["inputs"]["width"], latent["inputs"]["height"]) == (size, size)
     assert graph[decode["inputs"]["samples"][0]] is sampler and graph[save["inputs"]["images"][0]] is decode
     assert graph[decode["inputs"]["vae"][0]] is vae and graph[sampler["inputs"]["latent_image"][0]] is latent
     assert graph[loader["inputs"]["strategy"][0]] is strategy and graph[sampler["inputs"]["model"][0]] is loader
@@ -259,11 +279,14 @@ def _text_to_image(name, graph):
     return c, loader, strategy, sampler, latent, vae
 
 
-def _check_strategy(name, graph, heads, num_blocks):
-    """The strategy fits the loader's devices and the model; a workflow named for one strategy family uses it alone."""
+def _check_strategy(name, graph, heads, num_blocks, latent_hw=None):
+    """The strategy fits the loader's devices and the model; a workflow named for one strategy family uses it alone.
+    `latent_hw`: the latent's pixel size where no Empty*LatentImage node sets it (an edited picture's)."""
     c = _by_class(graph)
-    (loader,), (strategy,), (sampler,), (latent,) = (c[k] for k in ("ParaDiTLoader", "ParaDiTStrategy",
-                                                                      "ParaDiTSampler", "EmptySD3LatentImage"))
+    (loader,), (strategy,), (sampler,) = (c[k] for k in ("ParaDiTLoader", "ParaDiTStrategy", "ParaDiTSampler"))
+    if latent_hw is None:
+        latent = graph[sampler["inputs"]["latent_image"][0]]["inputs"]
+        latent_hw = (latent["height"], latent["width"])
     s = sampler["inputs"]
     st = strategy["inputs"]
     devices = loader["inputs"]["devices"]
@@ -275,7 +298,7 @@ def _check_strategy(name, graph, heads, num_blocks):
                         ulysses_degree=st["ulysses_degree"], ring_degree=st["ring_degree"],
                         num_pipeline_patch=st["num_pipeline_patch"], warmup_steps=st["warmup_steps"])
     validate_strategy(spec, world_size=n_devices, heads=heads, num_blocks=num_blocks,
-                      latent_hw=(latent["inputs"]["height"] // 8, latent["inputs"]["width"] // 8),
+                      latent_hw=(latent_hw[0] // 8, latent_hw[1] // 8),
                       cfg_scale=s["cfg"], steps=s["steps"])
     family = next((w for w in STRATEGY_WORDS if name[:-len(".json")].endswith("_" + w)), None)
     degrees = {"ulysses": spec.ulysses_degree, "ring": spec.ring_degree, "pipefusion": spec.pipefusion_degree,
@@ -312,7 +335,8 @@ def test_workflow_is_true_cfg_text_to_image_for_its_model_and_its_strategy_fits(
     """Chroma and SD3.5: their own text encoder node, unet and VAE; true CFG from two prompts, no FluxGuidance."""
     model = _model_of(name)
     graph = _load(os.path.join(API_DIR, name))
-    c, loader, strategy, sampler, latent, vae = _text_to_image(name, graph)
+    c, loader, strategy, sampler, latent, vae = _text_to_image(name, graph, model.get("latent", "EmptySD3LatentImage"),
+                                                               model.get("size", 1024))
     clip_cls, clip_inputs = model["clip"]
     (clip,) = c[clip_cls]
     assert clip["inputs"] == clip_inputs
@@ -327,6 +351,37 @@ def test_workflow_is_true_cfg_text_to_image_for_its_model_and_its_strategy_fits(
     assert positive["inputs"]["text"].strip() and negative["inputs"]["text"].strip()
     assert s["cfg"] > 1, "true CFG: cfg 1 would drop the negative prompt"
     _check_strategy(name, graph, model["heads"], model["blocks"])
+
+
+@pytest.mark.parametrize("name", KONTEXT_API)
+def test_kontext_workflow_edits_a_picture_and_its_strategy_fits(name):
+    """Flux Kontext: the picture is loaded, scaled to a Kontext size, VAE-encoded and attached to the prompt by
+    ReferenceLatent; the same latent is what the sampler denoises (the output keeps the picture's size);
+    guidance-distilled like Flux dev (FluxGuidance, cfg 1, zeroed negative)."""
+    graph = _load(os.path.join(API_DIR, name))
+    c = _by_class(graph)
+    (loader,), (sampler,), (clip,), (vae,) = c["ParaDiTLoader"], c["ParaDiTSampler"], c["DualCLIPLoader"], c["VAELoader"]
+    assert loader["inputs"]["unet_name"] == KONTEXT["unet"] and vae["inputs"]["vae_name"] == "ae.safetensors"
+    assert clip["inputs"] == {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors",
+                              "type": "flux", "device": "default"}
+    s = sampler["inputs"]
+    guidance = graph[s["positive"][0]]
+    assert guidance["class_type"] == "FluxGuidance" and s["cfg"] == 1.0
+    reference = graph[guidance["inputs"]["conditioning"][0]]
+    assert reference["class_type"] == "ReferenceLatent"
+    encoded = graph[reference["inputs"]["latent"][0]]
+    assert encoded["class_type"] == "VAEEncode" and graph[s["latent_image"][0]] is encoded
+    scale = graph[encoded["inputs"]["pixels"][0]]
+    assert scale["class_type"] == "FluxKontextImageScale"
+    assert graph[scale["inputs"]["image"][0]]["inputs"]["image"] == "example.png"  # ComfyUI ships input/example.png
+    assert graph[encoded["inputs"]["vae"][0]] is vae
+    assert graph[s["negative"][0]]["class_type"] == "ConditioningZeroOut"
+    (decode,), (save,) = c["VAEDecode"], c["SaveImage"]
+    assert graph[decode["inputs"]["samples"][0]] is sampler and graph[decode["inputs"]["vae"][0]] is vae
+    assert save["inputs"]["filename_prefix"] == f"ParaDiT/{name[:-len('.json')]}"
+    # FluxKontextImageScale picks ~1 megapixel sizes (multiples of 16); the widest is 1568 x 672.
+    for hw in ((1024, 1024), (672, 1568), (1568, 672)):
+        _check_strategy(name, graph, KONTEXT["heads"], KONTEXT["blocks"], latent_hw=hw)
 
 
 # ---------------------------------------------------------------------------------------------------

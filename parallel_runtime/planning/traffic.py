@@ -110,7 +110,8 @@ class RankTraffic:
 
 
 def text_share(text_len: int, shards: int, i: int) -> int:
-    """Text rows of shard i: an uneven split, the first `extra` shards holding one more row."""
+    """Rows of shard i of `text_len` (text or image rows): an uneven split, the first `extra` shards holding one
+    more row, as TokenLayout cuts them."""
     base, extra = divmod(text_len, shards)
     return base + (1 if i < extra else 0)
 
@@ -158,7 +159,8 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
             k = topo.naive_patch
             if topo.cfg > 1:
                 for _ in range(steps):
-                    rt.add("cfg", x_row * (n // k), x_row * (n // k))
+                    own = text_share(n, k, c["naive_patch"])
+                    rt.add("cfg", x_row * own, x_row * own)
             rt.add("result", (k - 1) * x_row * n, (k - 1) * x_row * n)
             continue
         u, r = topo.ulysses, topo.ring
@@ -167,7 +169,7 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
         for _ in range(steps):
             for joint in shapes.layers(range(shapes.num_blocks)):
                 # rows of sp rank j = ring*U + ulysses; image-only layers leave the prompt rows out
-                rows = [(text_share(t, sp, j) if joint else 0) + n // sp for j in range(sp)]
+                rows = [(text_share(t, sp, j) if joint else 0) + text_share(n, sp, j) for j in range(sp)]
                 if u > 1:
                     sent, recv = _ulysses_layer(b, e, h, u, rows[me_r * u:(me_r + 1) * u], me_u)
                     rt.add("ulysses", sent, recv, 2)
@@ -177,7 +179,8 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
                     for hop in range(r - 1):
                         rt.add("ring", unit * group_rows[(me_r - hop) % r], unit * group_rows[(me_r - hop - 1) % r])
             if topo.cfg > 1:
-                rt.add("cfg", x_row * (n // sp), x_row * (n // sp))
+                own = text_share(n, sp, me_r * u + me_u)
+                rt.add("cfg", x_row * own, x_row * own)
         if sp > 1:
             rt.add("result", (sp - 1) * x_row * n, (sp - 1) * x_row * n)
     return out
@@ -193,7 +196,7 @@ def _pipefusion(rt: RankTraffic, s: StrategySpec, topo: Topology, c: dict, shape
     chunks = stage_blocks[stage]
     last = stage == p - 1
     texts = [text_share(t, u, j) for j in range(u)]
-    per_patch = n // (m * u)  # image rows of one patch held by one Ulysses member
+    per_patch = [text_share(n // m, u, j) for j in range(u)]  # image rows of one patch held by Ulysses member j
     if not shapes.text_in_stream:  # a cross-attended prompt goes from stage 0 to every other stage once
         prompt = b * shapes.text_tokens * h * e
         rt.add("pipefusion", prompt * (p - 1) if stage == 0 else 0, 0 if stage == 0 else prompt, 1)
@@ -202,15 +205,15 @@ def _pipefusion(rt: RankTraffic, s: StrategySpec, topo: Topology, c: dict, shape
         for n_p in forwards:
             for k, blocks in enumerate(chunks):  # a patch passes each of this rank's chunks
                 for joint in (shapes.layers(blocks) if u > 1 else ()):
-                    rows = [(texts[j] if joint else 0) + n_p * per_patch for j in range(u)]
+                    rows = [(texts[j] if joint else 0) + n_p * per_patch[j] for j in range(u)]
                     sent, recv = _ulysses_layer(b, e, h, u, rows, me)
                     rt.add("ulysses", sent, recv, 2)
-                hidden = b * (texts[me] + n_p * per_patch) * h * e
+                hidden = b * (texts[me] + n_p * per_patch[me]) * h * e
                 if not (last and k == len(chunks) - 1):
                     rt.add("pipefusion", hidden, 0)
                 if not (stage == 0 and k == 0):
                     rt.add("pipefusion", 0, hidden)
-            x_bytes = x_row * n_p * per_patch
+            x_bytes = x_row * n_p * per_patch[me]
             if last and topo.cfg > 1:
                 rt.add("cfg", x_bytes, x_bytes)
             if i + 1 < steps:

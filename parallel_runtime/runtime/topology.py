@@ -137,13 +137,11 @@ def validate_strategy(s: StrategySpec, *, world_size: int, heads: int | None = N
             if rows % m:
                 raise ConfigError(f"num_pipeline_patch={m} does not divide the latent's {rows} token rows "
                                   f"({rows * 16} px high); pick a divisor of {rows} ({', '.join(str(d) for d in _divisors(rows))}).")
-            if (tokens // m) % sp:
-                raise ConfigError(f"each of the {m} pipeline patches has {tokens // m} image tokens, which ulysses_degree={sp} "
-                                  f"does not divide; change the resolution, the patch count or the ulysses degree.")
-        elif tokens % sp:
-            raise ConfigError(f"the latent's {tokens} image tokens ({h * 8}x{w * 8} px) do not split evenly over "
-                              f"{sp} sequence-parallel ranks; pick a resolution whose token count ({rows}x{cols}) "
-                              f"is a multiple of {sp}.")
+            tokens //= m  # each patch is split over the Ulysses ranks
+        if tokens < sp:  # shards may differ by a row, but none may be empty
+            raise ConfigError(f"the latent's {tokens} image tokens{' per pipeline patch' if s.pipefusion_degree > 1 else ''} "
+                              f"({h * 8}x{w * 8} px) are fewer than the {sp} ranks splitting them; generate a larger "
+                              f"image or lower the degrees.")
 
 
 def _divisors(n: int) -> list[int]:

@@ -43,8 +43,9 @@ class TokenLayout:
     """Which text, image and reference rows sequence-parallel rank `i` of `shards` holds.
 
     The canonical sequence is [text, image, references]: reference tokens (Kontext's ReferenceLatent) run
-    through every block like image tokens but are not sampled, so they are cut like the prompt (near-equal
-    runs, one per patch and shard) rather than like the image (whose shards must be equal).
+    through every block like image tokens but are not sampled. Every part is cut into near-equal runs (the
+    first shards one row longer), per patch and shard, so no resolution has to suit the degree: Qwen-Image's
+    1328 px is 83 x 83 tokens. Ulysses and Ring take per-shard lengths; the result gather takes whole rows.
     """
 
     text_len: int
@@ -70,9 +71,8 @@ class TokenLayout:
         return _even_split(self.ref_len, self.patches * self.shards, patch * self.shards + i)
 
     def image_slice(self, i: int, patch: int) -> slice:
-        n = self.patch_len // self.shards
-        start = patch * self.patch_len + i * n
-        return slice(start, start + n)
+        rows = _even_split(self.patch_len, self.shards, i)
+        return slice(patch * self.patch_len + rows.start, patch * self.patch_len + rows.stop)
 
     # Index tensors are built with arange on the device that indexes with them: a CPU index into a CUDA
     # tensor is a blocking host-to-device copy, i.e. a sync, on every use.
@@ -96,7 +96,8 @@ class TokenLayout:
 
     def stream_len(self, i: int, patches: list[int]) -> int:
         """Image-stream tokens (image and reference rows) of rank i for these patches."""
-        return len(patches) * (self.patch_len // self.shards) + sum(len(self.ref_rows(i, p)) for p in patches)
+        image = len(_even_split(self.patch_len, self.shards, i))
+        return len(patches) * image + sum(len(self.ref_rows(i, p)) for p in patches)
 
     def seq_len(self, i: int, patches: list[int]) -> int:
         return len(self.text_rows(i)) + self.stream_len(i, patches)
