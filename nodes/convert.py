@@ -276,7 +276,21 @@ def conditioning(value: Any, which: str = "positive") -> Conditioning:
         if not math.isfinite(guidance):
             raise ConfigError(f"The {which} conditioning has guidance {guidance}; set a finite FluxGuidance value.")
     return Conditioning(cond=cond.detach().cpu(), pooled=pooled.detach().cpu(), guidance=guidance,
-                        **reference_latents(extra, which))
+                        image_size=image_size(extra, which), **reference_latents(extra, which))
+
+
+def image_size(extra: dict, which: str) -> tuple[float, float, float] | None:
+    """(height, width, aspect ratio) of the `width`/`height` keys a text encode node may set (e.g.
+    CLIPTextEncodePixArtAlpha; PixArt-α embeds them), aspect_ratio defaulting to height / width as ComfyUI's
+    PixArt does; None when the node set none (the family then uses the latent's size)."""
+    if extra.get("width") is None or extra.get("height") is None:
+        return None
+    height, width = float(extra["height"]), float(extra["width"])
+    aspect = float(extra.get("aspect_ratio", height / width if width else float("nan")))
+    if not all(math.isfinite(v) and v > 0 for v in (height, width, aspect)):
+        raise ConfigError(f"The {which} conditioning's image size is {width:g}x{height:g} (aspect {aspect:g}); set a "
+                          f"positive width and height on its text encode node.")
+    return height, width, aspect
 
 
 def reference_latents(extra: dict, which: str) -> dict:

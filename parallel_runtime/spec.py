@@ -84,20 +84,25 @@ class Conditioning:
     # ReferenceLatent (Flux Kontext, Qwen-Image Edit): raw VAE latents [1 or B, C, h, w], in chain order.
     references: tuple[torch.Tensor, ...] = ()
     reference_method: str | None = None  # None: the family's default placement
+    # (height, width, aspect ratio) in pixels that a text encode node attached (PixArt-α's size conditioning);
+    # None: the latent's own size.
+    image_size: tuple[float, float, float] | None = None
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         refs = {f"{prefix}.reference.{i}": r for i, r in enumerate(self.references)}
         return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled, **refs}
 
     def meta(self, prefix: str) -> dict:
-        return {f"{prefix}_guidance": self.guidance, f"{prefix}_reference_method": self.reference_method}
+        return {f"{prefix}_guidance": self.guidance, f"{prefix}_reference_method": self.reference_method,
+                f"{prefix}_image_size": list(self.image_size) if self.image_size else None}
 
     @classmethod
     def from_message(cls, prefix: str, meta: dict, tensors: dict[str, torch.Tensor]) -> "Conditioning":
         count = sum(name.startswith(f"{prefix}.reference.") for name in tensors)
         refs = tuple(tensors[f"{prefix}.reference.{i}"] for i in range(count))
+        size = meta.get(f"{prefix}_image_size")
         return cls(tensors[f"{prefix}.cond"], tensors[f"{prefix}.pooled"], meta.get(f"{prefix}_guidance"),
-                   refs, meta.get(f"{prefix}_reference_method"))
+                   refs, meta.get(f"{prefix}_reference_method"), tuple(size) if size else None)
 
     def signature(self) -> tuple:
         """What must be equal for two branches to share one forward pass (ComfyUI batches them then)."""

@@ -141,6 +141,11 @@ def validate_job(job: Job, world_size: int) -> None:
             raise ConfigError(f"the {name} conditioning has batch {c.cond.shape[0]} but the latent has batch "
                               f"{lat.shape[0]}; use one prompt or match the batch sizes.")
         validate_references(name, c, config)
+        if c.image_size is not None and (len(c.image_size) != 3 or
+                                         not all(math.isfinite(v) and v > 0 for v in c.image_size)):
+            raise ConfigError(f"the {name} conditioning's image size {tuple(c.image_size)} is not (height, width, "
+                              f"aspect ratio) with positive values; set a positive width and height on its text "
+                              f"encode node.")
         if c.pooled.shape[0] != c.cond.shape[0]:
             raise ConfigError(f"the {name} conditioning has {c.cond.shape[0]} prompt(s) but {c.pooled.shape[0]} pooled "
                               f"vector(s); encode it with one text-encode node so the two match.")

@@ -99,19 +99,24 @@ class ParaDiTTestConditioning:
                              "tokens": ("INT", {"default": 8, "min": 1, "max": 512}),
                              "guidance": ("FLOAT", {"default": 3.5, "min": -1.0, "max": 100.0, "step": 0.1})},
                 "optional": {"width": ("INT", {"default": 4096, "min": 1, "max": 8192}),
-                             "pooled": ("INT", {"default": 768, "min": 0, "max": 8192})}}
+                             "pooled": ("INT", {"default": 768, "min": 0, "max": 8192}),
+                             "image_width": ("INT", {"default": 0, "min": 0, "max": 8192}),
+                             "image_height": ("INT", {"default": 0, "min": 0, "max": 8192})}}
 
     RETURN_TYPES = ("CONDITIONING",)
     FUNCTION = "make"
     CATEGORY = "testing"
 
-    def make(self, seed, tokens, guidance, width=4096, pooled=768):
-        """guidance < 0 sets none (the family's default applies); pooled 0 gives none (T5-only encoders)."""
+    def make(self, seed, tokens, guidance, width=4096, pooled=768, image_width=0, image_height=0):
+        """guidance < 0 sets none (the family's default applies); pooled 0 gives none (T5-only encoders);
+        image_width/height > 0 attach the size as CLIPTextEncodePixArtAlpha does (its add_dict)."""
         g = torch.Generator().manual_seed(seed)
         cond = torch.randn(1, tokens, width, generator=g)
         extra = {"pooled_output": torch.randn(1, pooled, generator=g) if pooled else None}
         if guidance >= 0:
             extra["guidance"] = guidance
+        if image_width and image_height:
+            extra.update(width=image_width, height=image_height)
         return ([[cond, extra]],)
 
 
@@ -694,6 +699,29 @@ def test_family_same_latent_as_ksampler(server, family_file, kw):
     assert ks.shape == par.shape == expected_shape(name)
     assert rel_err(ks[0], ks[1]) > 0.05  # the batch items really differ
     assert err <= KSAMPLER_RTOL
+
+
+@pytest.mark.parametrize("family_file", ["pixart_alpha"], indirect=True)
+def test_pixart_alpha_size_conditioning_same_latent_as_ksampler(server, family_file):
+    """CLIPTextEncodePixArtAlpha's width and height (here on the helper node, as its add_dict sets them) feed
+    PixArt-α's size and aspect embeddings instead of the latent's size: 1024 x 768 on the positive, 512 x 512 on
+    the negative, for a 320 x 256 image. The result must equal KSampler's, and differ from the latent-size run."""
+    name, filename, cond_kw = family_file
+    latent = {"class_type": "EmptyLatentImage", "inputs": {"width": 320, "height": 256, "batch_size": 2}}
+    graph = family_graph(filename, cond_kw, cfg=2.0, steps=3)
+    graph["4"] = latent
+    graph["1"]["inputs"].update(image_width=1024, image_height=768)
+    graph["2"]["inputs"].update(image_width=512, image_height=512)
+    result = server.run(graph)
+    ks, par = server.latent(result, "22"), server.latent(result, "13")
+    plain = family_graph(filename, cond_kw, cfg=2.0, steps=3)
+    plain["4"] = latent
+    base = server.latent(server.run(plain), "13")
+    err = rel_err(par, ks)
+    print(f"\n{name} with size conditioning: KSampler vs Parallel Sampler rel. L2 {err:.2e}; vs the latent's "
+          f"size {rel_err(par, base):.2e}")
+    assert err <= KSAMPLER_RTOL
+    assert rel_err(par, base) > 1e-3  # the sizes really reach the model
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -261,6 +261,22 @@ def test_references_are_refused_by_families_that_do_not_read_them(name, tmp_path
         validate_job(dataclasses.replace(j, positive=dataclasses.replace(j.positive, references=refs)), 1)
 
 
+def test_pixart_size_conditioning_reaches_every_strategy(client2, tmp_path):
+    """PixArt-α embeds the (height, width, aspect) a text encode node attached (CLIPTextEncodePixArtAlpha) per
+    branch; it survives the control channel and every strategy, and it changes the sample."""
+    path = write_checkpoint(str(tmp_path / "pixart.safetensors"), FAMILIES["pixart"], seed=1)
+    plain = job(("pixart", path), steps=3)
+    sized = dataclasses.replace(plain, positive=dataclasses.replace(plain.positive, image_size=(768.0, 1024.0, 0.75)))
+    serial_client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        ref, ref_plain = serial_client.run(sized).latent, serial_client.run(plain).latent
+    finally:
+        serial_client.shutdown()
+    assert rel_err(ref, ref_plain) > 1e-3
+    for strategy in (S(cfg_degree=2), S(ulysses_degree=2), S(pipefusion_degree=2, warmup_steps=3)):
+        assert rel_err(client2.run(dataclasses.replace(sized, strategy=strategy)).latent, ref) <= EXACT_RTOL
+
+
 def test_pixart_refuses_images_too_small_for_its_positions(tmp_path):
     from parallel_runtime.errors import ConfigError
     from parallel_runtime.validate import validate_job

@@ -13,7 +13,7 @@ from parallel_runtime.planning import costmodel
 from parallel_runtime.errors import ModelFileError
 from parallel_runtime.models.loading import CheckpointReader
 from parallel_runtime.models.family import Match, detect_family, family_of, families, read_model
-from parallel_runtime.models.flux import FLUX
+from parallel_runtime.models.flux_adapter import FLUX
 from parallel_runtime.models.flux_adapter import parameter_counts, pipeline_stages
 from parallel_runtime.models.tiny import TINY, write_checkpoint
 from parallel_runtime.validate import model_config

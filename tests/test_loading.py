@@ -12,13 +12,14 @@ from parallel_runtime.models.loading import CheckpointReader, parameter_bytes
 from parallel_runtime.models.flux import (
     FluxConfig,
     Source,
-    build_transformer,
     detect_layout,
     diffusers_param_names,
     infer_config,
     load_flux,
     source_map,
 )
+from parallel_runtime.models.family import Match
+from parallel_runtime.models.flux_adapter import FLUX
 from parallel_runtime.models.tiny import BENCH, TINY, write_checkpoint
 
 
@@ -178,8 +179,8 @@ def test_full_width_bf16_checkpoint(tmp_path):
         assert "model.diffusion_model.double_blocks.0.img_attn.norm.key_norm.scale" in r
         assert infer_config(r) == full
         # only materialize the small top-level pieces to keep the test light
-        model = build_transformer(full, r, "bfl", "model.diffusion_model.", owned=lambda n: n.startswith("x_embedder."),
-                                  dtype=torch.bfloat16)
+        model = FLUX.build(full, r, Match("bfl", "model.diffusion_model."), owned=lambda n: n.startswith("x_embedder."),
+                           dtype=torch.bfloat16, device="cpu")
     assert model.x_embedder.weight.dtype == torch.bfloat16
     assert parameter_bytes(model) == (3072 * 64 + 3072) * 2
 

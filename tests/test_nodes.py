@@ -387,6 +387,14 @@ def test_conditioning_conversion():
     assert convert.conditioning(cond()).guidance is None
     # T5-only encoders (Chroma) give no pooled vector: an empty one travels, the runtime checks the family.
     assert convert.conditioning(cond(pooled=False)).pooled.shape == (1, 0)
+    # CLIPTextEncodePixArtAlpha's width/height: (height, width, aspect) with ComfyUI's default aspect h / w.
+    [[t, extra]] = cond()
+    assert convert.conditioning(cond()).image_size is None
+    assert convert.conditioning([[t, dict(extra, width=1024, height=768)]]).image_size == (768.0, 1024.0, 0.75)
+    assert convert.conditioning([[t, dict(extra, width=512, height=512, aspect_ratio=2.0)]]).image_size == \
+        (512.0, 512.0, 2.0)
+    with pytest.raises(ConfigError, match="image size is 0x768.*set a positive width and height"):
+        convert.conditioning([[t, dict(extra, width=0, height=768)]])
 
 
 @pytest.mark.parametrize("value,match", [

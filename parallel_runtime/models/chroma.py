@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -30,11 +29,10 @@ import torch
 
 from ..errors import ModelFileError
 from ..sampling import model_sampling_for
-from .family import JointAttentionConfig, Match
+from .family import DiTFamily, JointAttentionConfig, Match
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES, default_axes_dims_rope, map_double_block, map_single_block
-from .flux_adapter import FluxAdapter, balanced_stages, prefix_ownership
-from .mapping import Source, block_count, build_from_map, has_block, linear
-from .mapping import parameter_counts as count_parameters
+from .flux_adapter import FluxAdapter
+from .mapping import Source, block_count, has_block, linear
 
 MOD_INDEX_ROWS = 344  # comfy/ldm/chroma/model.py: mod_index_length, fixed whatever the block counts
 APPROXIMATOR_IN = 64  # 16 (timestep) + 16 (guidance) + 32 (modulation index) sinusoid features
@@ -219,19 +217,9 @@ def checkpoint_shapes(config: ChromaConfig) -> dict[str, tuple[tuple[int, ...], 
     return out
 
 
-def build(config: ChromaConfig, reader, match: Match, owned, dtype, device):
-    model = build_from_map(_diffusers_model(config), source_map(config, match.layout, match.prefix), reader,
-                           BLOCK_LISTS, "Chroma DiT", owned=owned, dtype=dtype, device=device)
+def _comfy_norm_eps(model) -> None:
     for norm in model.distilled_guidance_layer.norms:
         norm.eps = 1e-6  # ComfyUI's rms_norm eps (diffusers leaves nn.RMSNorm's at finfo(dtype).eps)
-    return model
-
-
-@functools.lru_cache(maxsize=16)
-def parameter_counts(config: ChromaConfig) -> tuple[tuple[int, ...], int, int, int]:
-    model = _diffusers_model(config)
-    blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
-    return count_parameters(model, blocks, ALWAYS_OWNED, FIRST_STAGE, LAST_STAGE)
 
 
 # -- the strategies' view -----------------------------------------------------------------------------
@@ -291,37 +279,7 @@ class ChromaAdapter(FluxAdapter):
         return self.model.proj_out(self.model.norm_out(image, final)).float()
 
 
-class ChromaFamily:
-    name = "chroma"
-    title = "Chroma"
-
-    def match(self, keys: list[str]) -> Match | None:
-        return match_layout(keys)
-
-    def infer_config(self, reader, match: Match, name: str) -> ChromaConfig:
-        return infer_config(reader, match, name or os.path.basename(getattr(reader, "path", "checkpoint")))
-
-    def build(self, config, reader, match, owned, dtype, device):
-        return build(config, reader, match, owned, dtype, device)
-
-    def pipeline_stages(self, config: ChromaConfig, stages: int) -> list[list[range]]:
-        return balanced_stages(parameter_counts(config), stages)
-
-    def stage_ownership(self, config: ChromaConfig, chunks: list[range], first: bool, last: bool):
-        return prefix_ownership(BLOCK_LISTS, (config.num_layers, config.num_single_layers), chunks, ALWAYS_OWNED,
-                                FIRST_STAGE if first else (), LAST_STAGE if last else ())
-
-    def adapter(self, config: ChromaConfig, model, chunks: list[range], context) -> ChromaAdapter:
-        return ChromaAdapter(config, model, chunks, context)
-
-    def parameter_counts(self, config: ChromaConfig):
-        return parameter_counts(config)
-
-    def source_map(self, config: ChromaConfig, layout: str, prefix: str = "") -> dict[str, Source]:
-        return source_map(config, layout, prefix)
-
-    def checkpoint_shapes(self, config: ChromaConfig):
-        return checkpoint_shapes(config)
-
-
-CHROMA = ChromaFamily()
+CHROMA = DiTFamily(
+    name="chroma", title="Chroma", match=match_layout, infer_config=infer_config, meta_model=_diffusers_model,
+    source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=ChromaAdapter, block_lists=BLOCK_LISTS,
+    always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE, after_build=_comfy_norm_eps)

@@ -165,7 +165,7 @@ def _block_list_sizes(family: DiTFamily, config) -> tuple[int, ...]:
 def families() -> list[ModelFamily]:
     """Every family the runtime runs, in detection order (imported lazily: diffusers is heavy)."""
     from .chroma import CHROMA
-    from .flux import FLUX
+    from .flux_adapter import FLUX
     from .pixart import PIXART
     from .qwen_image import QWEN_IMAGE
     from .sd3 import SD3

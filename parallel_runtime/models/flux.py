@@ -27,7 +27,7 @@ import torch
 from ..errors import ModelFileError
 from .family import JointAttentionConfig
 from .loading import CheckpointReader
-from .mapping import Source, apply_transform, block_count, build_from_map, linear  # noqa: F401 (re-exported)
+from .mapping import Source, apply_transform, block_count, linear  # noqa: F401 (apply_transform re-exported)
 
 LAYOUTS = ("bfl", "diffusers")
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
@@ -97,6 +97,10 @@ class FluxConfig(JointAttentionConfig):
     @property
     def variant(self) -> str:
         return "dev" if self.guidance_embeds else "schnell"
+
+    @property
+    def title(self) -> str:
+        return f"Flux.1 {self.variant}"
 
     @property
     def latent_channels(self) -> int:
@@ -342,30 +346,21 @@ def source_map(config: FluxConfig, layout: str, prefix: str = "") -> dict[str, S
 
 
 # ----------------------------------------------------------------------------------
-# Building
+# Building (the family object, FLUX, lives beside the adapter in flux_adapter.py)
 # ----------------------------------------------------------------------------------
-def build_transformer(
-    config: FluxConfig,
-    reader: CheckpointReader,
-    layout: str,
-    prefix: str = "",
-    owned: Callable[[str], bool] = lambda name: True,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-):
-    """Build a ``FluxTransformer2DModel`` holding only the parameters ``owned`` selects.
-
-    The model is constructed on the meta device; owned parameters are read (only their
-    rows) from ``reader``, cast to ``dtype`` and placed on ``device``. Double/single blocks
-    that own nothing become ``nn.Identity()``; other non-owned parameters stay on meta.
-    """
+def meta_model(config: FluxConfig) -> torch.nn.Module:
+    """diffusers' FluxTransformer2DModel for `config` on the meta device (no memory)."""
     from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
-        model = FluxTransformer2DModel(**config.diffusers_kwargs())
-    return build_from_map(model, source_map(config, layout, prefix), reader,
-                          ("transformer_blocks", "single_transformer_blocks"), "Flux.1 DiT",
-                          owned=owned, dtype=dtype, device=device)
+        return FluxTransformer2DModel(**config.diffusers_kwargs())
+
+
+def match(keys: list[str]):
+    from .family import Match
+
+    found = match_layout(keys)
+    return None if found is None else Match(*found)
 
 
 def load_flux(
@@ -375,61 +370,12 @@ def load_flux(
     device: str | torch.device = "cpu",
 ):
     """Open ``path``, detect its layout, infer its config and build the owned part of the model."""
+    from .flux_adapter import FLUX
+
     with CheckpointReader(path) as reader:
-        layout, prefix = detect_layout(reader.keys(), os.path.basename(reader.path))
-        config = infer_config(reader, layout, prefix)
-        model = build_transformer(config, reader, layout, prefix, owned=owned, dtype=dtype, device=device)
+        found = match(reader.keys())
+        if found is None:
+            detect_layout(reader.keys(), os.path.basename(reader.path))  # raises the one-sentence error
+        config = infer_config(reader, found.layout, found.prefix)
+        model = FLUX.build(config, reader, found, owned=owned, dtype=dtype, device=device)
     return config, model
-
-
-# ----------------------------------------------------------------------------------
-# The family (models/family.py's seam)
-# ----------------------------------------------------------------------------------
-class FluxFamily:
-    """Flux.1 dev/schnell in BFL (ComfyUI) or diffusers key layout; the strategies' view is FluxAdapter."""
-
-    name = "flux"
-    title = "Flux.1 (dev/schnell)"
-
-    def match(self, keys: list[str]):
-        from .family import Match
-
-        found = match_layout(keys)
-        return None if found is None else Match(*found)
-
-    def infer_config(self, reader: CheckpointReader, match, name: str) -> FluxConfig:
-        return infer_config(reader, match.layout, match.prefix)
-
-    def build(self, config: FluxConfig, reader: CheckpointReader, match, owned, dtype, device):
-        return build_transformer(config, reader, match.layout, match.prefix, owned=owned, dtype=dtype, device=device)
-
-    def pipeline_stages(self, config: FluxConfig, stages: int) -> list[list[range]]:
-        from .flux_adapter import pipeline_stages
-
-        return pipeline_stages(config, stages)
-
-    def stage_ownership(self, config: FluxConfig, chunks: list[range], first: bool, last: bool):
-        from .flux_adapter import stage_ownership
-
-        return stage_ownership(config, chunks, first=first, last=last)
-
-    def adapter(self, config: FluxConfig, model, chunks: list[range], context):
-        from .flux_adapter import FluxAdapter
-
-        return FluxAdapter(config, model, chunks, context)
-
-    def parameter_counts(self, config: FluxConfig):
-        from .flux_adapter import parameter_counts
-
-        return parameter_counts(config)
-
-    def source_map(self, config: FluxConfig, layout: str, prefix: str = "") -> dict[str, Source]:
-        return source_map(config, layout, prefix)
-
-    def checkpoint_shapes(self, config: FluxConfig):
-        from .tiny import bfl_tensor_shapes
-
-        return bfl_tensor_shapes(config)
-
-
-FLUX = FluxFamily()

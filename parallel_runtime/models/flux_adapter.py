@@ -15,8 +15,9 @@ import torch
 
 from ..sampling import FLUX_LATENT, model_sampling_for
 from ..strategies.attention.processor import AttentionContext, ParallelFluxAttnProcessor
+from . import flux
+from .family import DiTFamily
 from .flux import FluxConfig
-from .mapping import parameter_counts as count_parameters
 
 ALWAYS_OWNED = ("time_text_embed.",)  # every stage modulates its blocks with the timestep embedding
 FIRST_STAGE = ("x_embedder.", "context_embedder.")
@@ -28,15 +29,9 @@ def block_names(config: FluxConfig) -> list[str]:
             + [f"single_transformer_blocks.{i}" for i in range(config.num_single_layers)])
 
 
-@functools.lru_cache(maxsize=16)
 def parameter_counts(config: FluxConfig) -> tuple[tuple[int, ...], int, int, int]:
     """(per-block counts, every stage's, the first stage's, the last stage's) parameter counts."""
-    from diffusers import FluxTransformer2DModel
-
-    with torch.device("meta"):
-        model = FluxTransformer2DModel(**config.diffusers_kwargs())
-    blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
-    return count_parameters(model, blocks, ALWAYS_OWNED, FIRST_STAGE, LAST_STAGE)
+    return FLUX.parameter_counts(config)
 
 
 def block_costs(config: FluxConfig) -> list[int]:
@@ -45,7 +40,7 @@ def block_costs(config: FluxConfig) -> list[int]:
 
 
 def pipeline_stages(config: FluxConfig, stages: int) -> list[list[range]]:
-    return balanced_stages(parameter_counts(config), stages)
+    return FLUX.pipeline_stages(config, stages)
 
 
 PIPELINE_MEMORY_SLACK = 1.15  # no PipeFusion rank holds more than this x its fair share of the weights
@@ -107,9 +102,7 @@ def prefix_ownership(block_lists: tuple[str, ...], counts: tuple[int, ...], chun
 
 def stage_ownership(config: FluxConfig, chunks: list[range], first: bool, last: bool) -> Callable[[str], bool]:
     """Predicate over diffusers parameter names: True for what a rank running `chunks` needs."""
-    return prefix_ownership(("transformer_blocks", "single_transformer_blocks"),
-                            (config.num_layers, config.num_single_layers), chunks, ALWAYS_OWNED,
-                            FIRST_STAGE if first else (), LAST_STAGE if last else ())
+    return FLUX.stage_ownership(config, chunks, first, last)
 
 
 def patch_conv(tokens: torch.Tensor, proj: torch.nn.Conv2d) -> torch.Tensor:
@@ -255,3 +248,17 @@ class FluxAdapter:
     def head(self, image: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         """Velocity prediction in float32."""
         return self.model.proj_out(self.model.norm_out(image, temb)).float()
+
+
+def _checkpoint_shapes(config: FluxConfig) -> dict:
+    from .tiny import bfl_tensor_shapes
+
+    return bfl_tensor_shapes(config)
+
+
+FLUX = DiTFamily(
+    name="flux", title="Flux.1 (dev/schnell)", match=flux.match,
+    infer_config=lambda reader, match, name: flux.infer_config(reader, match.layout, match.prefix),
+    meta_model=flux.meta_model, source_map=flux.source_map, checkpoint_shapes=_checkpoint_shapes,
+    adapter_class=FluxAdapter, block_lists=("transformer_blocks", "single_transformer_blocks"),
+    always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE)

@@ -306,25 +306,30 @@ class PixArtAdapter:
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
         return self.model.caption_projection(cond.to(self.device, self.dtype))
 
+    reads_image_size = True  # PixArt-α's c_size / c_ar (CLIPTextEncodePixArtAlpha's width and height)
+
     def timestep_embedding(self, sigma: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None,
-                           hw: tuple[int, int] | None = None):
+                           hw: tuple[int, int] | None = None, sizes: tuple = ()):
         """(six modulation rows per item, the embedded timestep the head uses) at t = the nearest table index
-        of sigma, as float32; PixArt-α adds its size and aspect-ratio embeddings of the h x w latent's image in
-        pixels (encode_model_conds' default width and height; c_ar = height / width)."""
+        of sigma, as float32; PixArt-α adds its size and aspect-ratio embeddings: per branch, the (height, width,
+        aspect) its text encode node attached, else the h x w latent's image in pixels with aspect height / width
+        (ComfyUI's PixArt.forward defaults)."""
         t = self.model_sampling.timestep(sigma.to(self.device, torch.float32)).float()
-        extra = self._micro_conditions(hw, t.shape[0])
+        extra = self._micro_conditions(hw, t.shape[0], tuple(sizes))
         return self.model.adaln_single(t, extra, batch_size=t.shape[0], hidden_dtype=self.dtype)
 
-    def _micro_conditions(self, hw: tuple[int, int], n: int) -> dict:
-        """c_size and c_ar of n items, uploaded once per job shape rather than once per step."""
+    def _micro_conditions(self, hw: tuple[int, int], n: int, sizes: tuple) -> dict:
+        """c_size and c_ar of n items (the branches' sizes, each repeated over its share of the batch),
+        uploaded once per job shape rather than once per step."""
         if not self.config.micro_condition:
             return {"resolution": None, "aspect_ratio": None}
-        key = (hw, n)
+        key = (hw, n, sizes)
         if key not in self._micro:
-            h, w = hw[0] * 8, hw[1] * 8
-            self._micro[key] = {
-                "resolution": torch.tensor([[h, w]], dtype=self.dtype, device=self.device).repeat(n, 1),
-                "aspect_ratio": torch.tensor([[h / w]], dtype=self.dtype, device=self.device).repeat(n, 1)}
+            default = (hw[0] * 8, hw[1] * 8, hw[0] / hw[1])
+            rows = [size or default for size in sizes] or [default]
+            per = n // len(rows)
+            table = torch.tensor([row for row in rows for _ in range(per)], dtype=self.dtype, device=self.device)
+            self._micro[key] = {"resolution": table[:, :2].contiguous(), "aspect_ratio": table[:, 2:].contiguous()}
         return self._micro[key]
 
     def run_blocks(self, image, text, temb, rope, chunk: int = 0) -> tuple:

@@ -148,6 +148,9 @@ class Branches:
         self.reference_method = first.reference_method
         self.references = (torch.cat([reference_tokens(adapter, c.references, batch) for c in conds]).to(device)
                            if first.references else None)
+        # Per branch, the image size its text encode node attached (None: the latent's); families that embed it
+        # (PixArt-α) read it through timestep_embedding's `sizes`.
+        self.image_sizes = tuple(c.image_size for c in conds)
 
     @property
     def text_len(self) -> int:
@@ -278,8 +281,9 @@ class Denoiser:
     def _temb(self, i: int, branches: Branches | None = None) -> torch.Tensor:
         branches = branches or self.branches
         n = branches.cond.shape[0]
+        sizes = {"sizes": branches.image_sizes} if getattr(self.adapter, "reads_image_size", False) else {}
         return self.adapter.timestep_embedding(self.sigmas_on_device[i].expand(n), branches.pooled, branches.guidance,
-                                               self.hw)
+                                               self.hw, **sizes)
 
     def _repeat(self, x: torch.Tensor, branches: Branches | None = None) -> torch.Tensor:
         count = (branches or self.branches).count

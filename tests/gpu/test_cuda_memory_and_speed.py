@@ -11,8 +11,8 @@ import torch
 from conftest import make_conditioning
 from parallel_runtime.runtime.client import RuntimeClient
 from parallel_runtime.models.loading import CheckpointReader
-from parallel_runtime.models.flux import FluxConfig, build_transformer, detect_layout, load_flux
-from parallel_runtime.models.flux_adapter import FluxAdapter, parameter_counts, pipeline_stages, stage_ownership
+from parallel_runtime.models.flux import FluxConfig, load_flux, match
+from parallel_runtime.models.flux_adapter import FLUX, FluxAdapter, parameter_counts, pipeline_stages, stage_ownership
 from parallel_runtime.models.tiny import write_checkpoint
 from parallel_runtime.sampling import ksampler_sigmas, model_sampling_for
 from parallel_runtime.spec import Job, ModelSpec, SamplingSpec, StrategySpec
@@ -47,9 +47,8 @@ def test_pipefusion_stage_memory_matches_the_analytic_split(gpu, memory_flux, st
         torch.cuda.synchronize(gpu)
         before = torch.cuda.memory_allocated(gpu)
         with CheckpointReader(path) as reader:
-            layout, prefix = detect_layout(reader.keys(), "memory-flux")
-            model = build_transformer(MEMORY_CONFIG, reader, layout, prefix, dtype=torch.bfloat16, device=gpu,
-                                      owned=stage_ownership(MEMORY_CONFIG, chunks, first=is_first, last=is_last))
+            model = FLUX.build(MEMORY_CONFIG, reader, match(reader.keys()), dtype=torch.bfloat16, device=gpu,
+                               owned=stage_ownership(MEMORY_CONFIG, chunks, first=is_first, last=is_last))
         used = torch.cuda.memory_allocated(gpu) - before
         params = (sum(per_block[i] for chunk in chunks for i in chunk) + always + (first if is_first else 0)
                   + (last if is_last else 0))
