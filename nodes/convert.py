@@ -20,7 +20,7 @@ from parallel_runtime.errors import ConfigError
 from parallel_runtime.spec import Conditioning, ModelSpec, StrategySpec
 
 STRATEGY_TYPE = "PARADIT_STRATEGY"
-MODEL_TYPE = "PARADIT_MODEL"
+MODEL_TYPE = "MODEL"  # ComfyUI's own: KSampler and every model node take Load Parallel DiT's output
 STATUS_EVENT = "paradit.status"
 CATEGORY = "ParaDiT"
 
@@ -93,7 +93,7 @@ def loader_inputs(unet_names: list[str]) -> tuple[InputSpec, ...]:
 
 
 def sampler_inputs(samplers: tuple[str, ...], schedulers: tuple[str, ...]) -> tuple[InputSpec, ...]:
-    """KSampler's inputs, with the model socket replaced by PARADIT_MODEL."""
+    """KSampler's inputs; the model must come from Load Parallel DiT."""
     return (
         InputSpec("model", MODEL_TYPE, {"tooltip": "From Load Parallel DiT."}),
         InputSpec("seed", "int", {"default": 0, "min": 0, "max": SEED_MAX, "control_after_generate": True,
@@ -198,7 +198,8 @@ def resolve_strategy(choice: StrategyChoice | None, chooser: Callable[..., tuple
 
 @dataclass(frozen=True)
 class ParaDiTModel:
-    """PARADIT_MODEL: a validated handle; the workers load the weights at sample time."""
+    """What Load Parallel DiT's MODEL carries for the runtime (nodes/remote_model.py): the file, devices and
+    strategy; the workers load the weights at the first sample."""
 
     model: ModelSpec
     devices: str = "auto"

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from . import convert
+from . import convert, remote_model
 
-ModelType = io.Custom(convert.MODEL_TYPE)
 
 
 class ParaDiTLoader(io.ComfyNode):
@@ -17,10 +16,11 @@ class ParaDiTLoader(io.ComfyNode):
             node_id="ParaDiTLoader",
             display_name="Load Parallel DiT",
             category=convert.CATEGORY,
-            description="Picks a Flux checkpoint and the devices its worker processes run on. Nothing is loaded "
-                        "here: the workers read the weights when the Parallel Sampler first runs.",
+            description="Picks a DiT checkpoint and the devices its worker processes run on, and outputs a MODEL "
+                        "for KSampler, SamplerCustomAdvanced or Parallel Sampler. No weights load here: the workers "
+                        "read them at the first sample.",
             inputs=convert.build_inputs(io, convert.loader_inputs(folder_paths.get_filename_list("diffusion_models"))),
-            outputs=[ModelType.Output(display_name="model")],
+            outputs=[io.Model.Output(display_name="model")],
         )
 
     @classmethod
@@ -31,4 +31,4 @@ class ParaDiTLoader(io.ComfyNode):
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         handle = convert.model_handle(path, weight_dtype, devices, strategy, name=unet_name)
         device_list = parse_devices(handle.devices)  # raises ConfigError with the fix
-        return io.NodeOutput(handle, ui=ui.PreviewText(handle.describe(device_list)))
+        return io.NodeOutput(remote_model.parallel_model(handle), ui=ui.PreviewText(handle.describe(device_list)))

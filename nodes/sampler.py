@@ -5,9 +5,7 @@ import time
 
 from comfy_api.latest import io, ui
 
-from . import convert
-
-ModelType = io.Custom(convert.MODEL_TYPE)
+from . import convert, remote_model
 
 STATUS_INTERVAL_S = 1.0  # at most this often a client.status() call and a "paradit.status" event while sampling
 
@@ -103,8 +101,10 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     from parallel_runtime.validate import validate_numbers
 
     host = host or HOST
-    if not isinstance(model, convert.ParaDiTModel):
-        raise ConfigError("The model input must come from a Load Parallel DiT node.")
+    model = remote_model.handle_of(model)
+    if model is None:
+        raise ConfigError("Parallel Sampler needs the MODEL of a Load Parallel DiT node, not an ordinary one (e.g. "
+                          "from UNETLoader); load the file with Load Parallel DiT, or sample this model with KSampler.")
 
     samples, extra = convert.latent_samples(latent_image)
     pos = convert.conditioning(positive, "positive")

@@ -120,3 +120,13 @@ class Job:
     positive: Conditioning
     negative: Conditioning | None = None
     extra: dict = field(default_factory=dict)
+    # Set for one model call of a stock ComfyUI sampler (strategies/model_call.py): the model's timestep per
+    # row of `latent`, which then holds the input-scaled x of the call's chunks (positive = the first chunk,
+    # negative = the second); the result is the model output, not a denoised latent.
+    timestep: torch.Tensor | None = None
+
+    @property
+    def batch(self) -> int:
+        """Latent rows per conditioning: the latent batch, or one chunk's rows of a model call."""
+        chunks = 2 if self.timestep is not None and self.negative is not None else 1
+        return self.latent.shape[0] // chunks

@@ -137,9 +137,9 @@ def validate_job(job: Job, world_size: int) -> None:
         if config.pooled_dim and (c.pooled is None or c.pooled.shape[-1] != config.pooled_dim):
             raise ConfigError(f"the {name} conditioning lacks a {config.pooled_dim}-wide pooled CLIP vector; "
                               f"encode the prompt with {config.text_encoders}.")
-        if c.cond.shape[0] not in (1, lat.shape[0]):
+        if c.cond.shape[0] not in (1, job.batch):
             raise ConfigError(f"the {name} conditioning has batch {c.cond.shape[0]} but the latent has batch "
-                              f"{lat.shape[0]}; use one prompt or match the batch sizes.")
+                              f"{job.batch}; use one prompt or match the batch sizes.")
         validate_references(name, c, config)
         if c.image_size is not None and (len(c.image_size) != 3 or
                                          not all(math.isfinite(v) and v > 0 for v in c.image_size)):
@@ -160,4 +160,4 @@ def validate_job(job: Job, world_size: int) -> None:
     validate_branches(job)
     validate_strategy(job.strategy, world_size=world_size, heads=config.num_heads,
                       num_blocks=config.num_blocks, latent_hw=tuple(lat.shape[2:]),
-                      cfg_scale=sp.cfg, steps=sp.steps)
+                      cfg_scale=sp.cfg if job.timestep is None else None, steps=sp.steps)

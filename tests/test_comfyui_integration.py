@@ -360,6 +360,16 @@ def with_ksampler(graph: dict, compute_dtype: str | None = None, **kw) -> dict:
 
 
 
+def stock_graph(devices="cpu:1", strat=None, size=128, sampler="KSampler", batch=2, **kw) -> dict:
+    """Load Parallel DiT's MODEL (11) into ComfyUI's own KSampler (12) beside UNETLoader + KSampler (20-22) on the
+    same file, conditioning and latent (non-square, batch 2)."""
+    graph = with_ksampler(parallel_graph(devices=devices, strat=strat, size=size, tag="stock", **kw), **kw)
+    graph["4"] = {"class_type": "EmptySD3LatentImage", "inputs": {"width": size + 32, "height": size,
+                                                                  "batch_size": batch}}
+    graph["12"] = {"class_type": sampler, "inputs": dict(graph["21"]["inputs"], model=["11", 0])}
+    return graph
+
+
 # ---------------------------------------------------------------------------------------------------
 # (a) What ComfyUI sees.
 
@@ -382,13 +392,13 @@ def test_object_info_lists_the_three_nodes(server):
     strat, loader, samp = (info[n] for n in EXPECTED_INPUTS)
     assert strat["display_name"] == "Strategy Selector" and strat["output"] == ["PARADIT_STRATEGY"]
     assert strat["input"]["required"]["mode"][1]["options"] == ["auto", "manual"]
-    assert loader["display_name"] == "Load Parallel DiT" and loader["output"] == ["PARADIT_MODEL"]
+    assert loader["display_name"] == "Load Parallel DiT" and loader["output"] == ["MODEL"]
     assert MODEL in loader["input"]["required"]["unet_name"][1]["options"]
     assert loader["input"]["required"]["weight_dtype"][1]["options"] == ["default", "bf16", "fp16", "fp32"]
     assert loader["input"]["optional"]["strategy"][0] == "PARADIT_STRATEGY"
     assert samp["display_name"] == "Parallel Sampler" and samp["output"] == ["LATENT"]
     req = samp["input"]["required"]
-    assert req["model"][0] == "PARADIT_MODEL" and req["latent_image"][0] == "LATENT"
+    assert req["model"][0] == "MODEL" and req["latent_image"][0] == "LATENT"
     assert req["positive"][0] == req["negative"][0] == "CONDITIONING"
     assert req["seed"][1].get("control_after_generate") is True
     # Same widgets as KSampler, with the runtime's samplers/schedulers (all of which KSampler also has).
@@ -788,3 +798,49 @@ def test_qwen_image_edit_same_latent_as_ksampler(server, family_file, method, kw
     print(f"\nqwen_image edit ({method or 'index'}): KSampler vs Parallel Sampler cpu:1, {kw}: rel. L2 error {err:.2e}")
     assert ks.shape == par.shape == (2, 16, 1, 16, 20)
     assert err <= KSAMPLER_RTOL
+
+
+# ---------------------------------------------------------------------------------------------------
+# (i) ComfyUI's own KSampler on Load Parallel DiT's MODEL: every model call of the host's sampling loop runs on
+# the workers (the cond and uncond chunks split over the CFG group, the sequence over Ulysses/Ring); the latent
+# equals UNETLoader + KSampler's on the same file. Samplers and schedulers beyond Parallel Sampler's own: SDE and
+# ancestral ones draw their noise on the host, multistep ones keep their history there.
+
+STOCK_PAIRS = [("euler", "simple"), ("dpmpp_2m_sde", "karras"), ("uni_pc", "exponential"), ("heun", "beta"),
+               ("lcm", "kl_optimal"), ("res_multistep", "normal"), ("ddim", "ddim_uniform"),
+               ("dpmpp_2m", "sgm_uniform"), ("euler_ancestral", "karras"), ("dpmpp_sde", "exponential"),
+               ("deis", "beta"), ("ipndm", "simple")]
+
+
+@pytest.mark.parametrize("sampler_name,scheduler", STOCK_PAIRS, ids=[f"{a}-{b}" for a, b in STOCK_PAIRS])
+def test_ksampler_on_the_parallel_model_equals_unetloader(server, sampler_name, scheduler):
+    t0 = time.monotonic()
+    result = server.run(stock_graph(cfg=2.0, steps=4, seed=11, sampler_name=sampler_name, scheduler=scheduler))
+    assert result["status"] == "success", _explain(result)
+    ks, par = server.latent(result, "22"), server.latent(result, "13")
+    err = rel_err(par, ks)
+    print(f"\nKSampler {sampler_name}/{scheduler} cfg 2: Load Parallel DiT vs UNETLoader rel. L2 {err:.2e} "
+          f"({time.monotonic() - t0:.1f} s)")
+    assert ks.shape == par.shape and rel_err(ks[0], ks[1]) > 0.05
+    assert err <= KSAMPLER_RTOL
+
+
+@pytest.mark.parametrize("strat", [strategy(cfg=2), strategy(ulysses=2), strategy(ring=2)],
+                         ids=["cfg2", "ulysses2", "ring2"])
+def test_ksampler_on_two_workers_equals_unetloader(server, strat):
+    result = server.run(stock_graph(devices="cpu:2", strat=strat, cfg=2.0, steps=3, seed=4,
+                                    sampler_name="dpmpp_2m", scheduler="karras"))
+    assert result["status"] == "success", _explain(result)
+    err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
+    print(f"\nKSampler on cpu:2 {strat['inputs']}: rel. L2 {err:.2e}")
+    assert err <= KSAMPLER_RTOL
+
+
+def test_parallel_sampler_refuses_an_ordinary_model_in_one_sentence(server):
+    graph = parallel_graph(tag="ordinary")
+    graph["20"] = {"class_type": "UNETLoader", "inputs": {"unet_name": MODEL, "weight_dtype": "default"}}
+    graph["12"]["inputs"]["model"] = ["20", 0]
+    result = server.run(graph)
+    assert result["status"] == "error"
+    message = result["error"]["exception_message"].strip()
+    assert "Parallel Sampler needs the MODEL of a Load Parallel DiT node" in message and "KSampler" in message

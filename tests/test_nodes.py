@@ -49,7 +49,7 @@ def _make_fake_comfy_api():
         return t
 
     for cls, name in [("Int", "INT"), ("Float", "FLOAT"), ("String", "STRING"), ("Combo", "COMBO"),
-                      ("Conditioning", "CONDITIONING"), ("Latent", "LATENT")]:
+                      ("Conditioning", "CONDITIONING"), ("Latent", "LATENT"), ("Model", "MODEL")]:
         setattr(io, cls, _type(name))
     io.Custom = _type
 
@@ -291,14 +291,14 @@ def test_loader_schema(folder_paths):
     assert inputs["devices"] == ("STRING", {**inputs["devices"][1], "default": "auto"})
     assert inputs["strategy"][0] == "PARADIT_STRATEGY" and inputs["strategy"][1]["optional"] is True
     assert all(not inputs[k][1].get("optional") for k in ("unet_name", "weight_dtype", "devices"))
-    assert [o.io_type for o in schema.outputs] == ["PARADIT_MODEL"]
+    assert [o.io_type for o in schema.outputs] == ["MODEL"]  # ComfyUI's own: KSampler takes it
 
 
 def test_sampler_schema_matches_ksampler():
     inputs, schema = schema_inputs(ParaDiTSampler)
     assert (schema.node_id, schema.display_name) == ("ParaDiTSampler", "Parallel Sampler")
     assert list(inputs) == KSAMPLER_INPUTS
-    assert inputs["model"][0] == "PARADIT_MODEL"
+    assert inputs["model"][0] == "MODEL"
     assert inputs["positive"][0] == inputs["negative"][0] == "CONDITIONING"
     assert inputs["latent_image"][0] == "LATENT"
     assert inputs["seed"][1]["max"] == 0xFFFFFFFFFFFFFFFF and inputs["seed"][1]["control_after_generate"]
@@ -362,15 +362,19 @@ def test_resolve_strategy():
 # ---------------------------------------------------------------------------------------------
 # Loader.
 
-def test_loader_resolves_only_through_folder_paths(folder_paths, runtime):
+def test_loader_resolves_only_through_folder_paths(folder_paths, runtime, monkeypatch):
+    from nodes import remote_model
+
+    # The MODEL itself needs ComfyUI (tests/test_comfyui_integration.py builds real ones); here it wraps the handle.
+    monkeypatch.setattr(remote_model, "parallel_model", lambda h: types.SimpleNamespace(handle=h))
     strat = convert.strategy_choice("manual", ulysses_degree=2)
     out = ParaDiTLoader.execute("tiny.safetensors", "fp16", " cpu:2 ", strat)
-    h = out.args[0]
+    h = out.args[0].handle
     assert folder_paths.asked == [("diffusion_models", "tiny.safetensors")]
     assert h.model.path == "/models/diffusion_models/tiny.safetensors" and h.model.weight_dtype == "fp16"
     assert h.devices == "cpu:2" and h.strategy is strat
     assert runtime.clients == {}  # no workers at load time
-    assert ParaDiTLoader.execute("tiny.safetensors", "default", "auto").args[0].strategy.mode == "auto"
+    assert ParaDiTLoader.execute("tiny.safetensors", "default", "auto").args[0].handle.strategy.mode == "auto"
     with pytest.raises(FileNotFoundError):
         ParaDiTLoader.execute("../../etc/passwd", "default", "auto")
     with pytest.raises(ConfigError, match="fix the devices field"):

@@ -247,11 +247,11 @@ class ChromaAdapter(FluxAdapter):
     def _index_features(self) -> torch.Tensor:
         return sinusoid(torch.arange(MOD_INDEX_ROWS, device=self.device), 32).to(self.dtype)
 
-    def timestep_embedding(self, sigma: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None,
+    def timestep_embedding(self, t: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None,
                            hw: tuple[int, int] | None = None):
         """The [B, 344, hidden] modulation table (pooled is unused: Chroma has no pooled-text path).
         t stays float32 as model_base passes it; guidance is in the compute dtype as ComfyUI's extra conds are."""
-        t16 = sinusoid(sigma.to(self.device, torch.float32), 16).to(self.dtype)
+        t16 = sinusoid(t.to(self.device, torch.float32), 16).to(self.dtype)
         g16 = sinusoid(guidance.to(self.device, self.dtype), 16)
         n = t16.shape[0]
         time_guidance = torch.cat([t16, g16], dim=1)[:, None].expand(n, MOD_INDEX_ROWS, 32)

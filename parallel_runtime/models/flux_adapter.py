@@ -219,9 +219,10 @@ class FluxAdapter:
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
         return self.model.context_embedder(cond.to(self.device, self.dtype))
 
-    def timestep_embedding(self, sigma: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None,
+    def timestep_embedding(self, t: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None,
                            hw: tuple[int, int] | None = None):
-        """ComfyUI's Flux time inputs, rounded exactly as it rounds them (time_text_embed computes the sinusoid
+        """ComfyUI's Flux time inputs for timestep t (= sigma, ModelSamplingFlux's units), rounded exactly as it
+        rounds them (time_text_embed computes the sinusoid
         in float32 from whatever t it gets, then casts it to the compute dtype, as ComfyUI's Flux does).
 
         - t = 1000 * sigma stays float32: ComfyUI's model_base passes `timestep(sigma).float()`. In bf16,
@@ -231,7 +232,7 @@ class FluxAdapter:
           (guidance, pooled) to the model's dtype, and its timestep_embedding multiplies in that dtype
           (bf16: 3.5 * 1000 -> 3504).
         """
-        t = sigma.to(self.device, torch.float32) * 1000
+        t = t.to(self.device, torch.float32) * 1000
         pooled = pooled.to(self.device, self.dtype)
         if self.config.guidance_embeds:
             g = guidance.to(self.device, self.dtype) * 1000

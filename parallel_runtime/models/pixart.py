@@ -308,13 +308,13 @@ class PixArtAdapter:
 
     reads_image_size = True  # PixArt-α's c_size / c_ar (CLIPTextEncodePixArtAlpha's width and height)
 
-    def timestep_embedding(self, sigma: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None,
+    def timestep_embedding(self, t: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None,
                            hw: tuple[int, int] | None = None, sizes: tuple = ()):
         """(six modulation rows per item, the embedded timestep the head uses) at t = the nearest table index
-        of sigma, as float32; PixArt-α adds its size and aspect-ratio embeddings: per branch, the (height, width,
+        of sigma (ModelSamplingDiscrete's units), as float32; PixArt-α adds its size and aspect-ratio embeddings: per branch, the (height, width,
         aspect) its text encode node attached, else the h x w latent's image in pixels with aspect height / width
         (ComfyUI's PixArt.forward defaults)."""
-        t = self.model_sampling.timestep(sigma.to(self.device, torch.float32)).float()
+        t = t.to(self.device, torch.float32)
         extra = self._micro_conditions(hw, t.shape[0], tuple(sizes))
         return self.model.adaln_single(t, extra, batch_size=t.shape[0], hidden_dtype=self.dtype)
 

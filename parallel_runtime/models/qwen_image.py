@@ -191,11 +191,12 @@ class QwenImageAdapter:
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
         return self.model.txt_in(self.model.txt_norm(cond.to(self.device, self.dtype)))
 
-    def timestep_embedding(self, sigma: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None,
+    def timestep_embedding(self, t: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None,
                            hw: tuple[int, int] | None = None):
-        """Timesteps(256, flip_sin_to_cos, scale 1000) of t = sigma in float32 (model_base passes it so), then
-        the MLP in the compute dtype. pooled and guidance are unused: Qwen-Image has neither."""
-        t = sigma.to(self.device, torch.float32)
+        """Timesteps(256, flip_sin_to_cos, scale 1000) of t (= sigma x the sampling's multiplier, 1 unless a
+        shift node says otherwise) in float32 as model_base passes it, then the MLP in the compute dtype. pooled
+        and guidance are unused: Qwen-Image has neither."""
+        t = t.to(self.device, torch.float32)
         return self.model.time_text_embed(t, torch.empty(0, dtype=self.dtype, device=self.device))
 
     def run_blocks(self, image, text, temb, rope, chunk: int = 0) -> tuple:

@@ -322,10 +322,11 @@ class SD3Adapter:
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
         return self.model.context_embedder(cond.to(self.device, self.dtype))
 
-    def timestep_embedding(self, sigma: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None,
+    def timestep_embedding(self, t: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None,
                            hw: tuple[int, int] | None = None):
-        """c = t_embedder(1000 sigma) + y_embedder(pooled); the timestep stays float32 as model_base passes it."""
-        t = self.model_sampling.timestep(sigma.to(self.device, torch.float32))
+        """c = t_embedder(t) + y_embedder(pooled), t = 1000 sigma (ModelSamplingSD3's units) in float32 as
+        model_base passes it."""
+        t = t.to(self.device, torch.float32)
         return self.model.time_text_embed(t, pooled.to(self.device, self.dtype))
 
     def run_blocks(self, image, text, temb, rope, chunk: int = 0) -> tuple:

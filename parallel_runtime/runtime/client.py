@@ -236,6 +236,8 @@ class RuntimeClient:
             if job.negative is not None:
                 meta.update(job.negative.meta("negative"))
                 tensors.update(job.negative.tensors("negative"))
+            if job.timestep is not None:
+                tensors["timestep"] = job.timestep
             self.last_strategy = job.strategy.label()
             # What a step costs depends on the model and its dtype too (and on whether cfg adds a branch).
             key = (job.model.path, job.model.weight_dtype, job.strategy, tuple(job.latent.shape), job.sampling.steps,

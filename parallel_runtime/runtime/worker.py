@@ -128,7 +128,7 @@ def _job_from_message(meta: dict, tensors: dict):
 
     return Job(ModelSpec(**meta["model"]), StrategySpec(**meta["strategy"]), SamplingSpec(**meta["sampling"]),
                tensors["latent"], branch("positive"), branch("negative") if "negative.cond" in tensors else None,
-               extra=meta.get("extra", {}))
+               extra=meta.get("extra", {}), timestep=tensors.get("timestep"))
 
 
 def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse, gate: queue.Queue) -> None:
@@ -157,13 +157,15 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
 def _denoise(state: WorkerState, chan: Channel, job, topology, pulse) -> tuple[dict, torch.Tensor | None]:
     from ..models.loading import parameter_bytes
     from ..strategies.denoise import Denoiser
+    from ..strategies.model_call import ModelCallForward
 
     comm = state.comm_for(topology)
     comm.reset_traffic()
     pulse.traffic = comm.traffic
     if state.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(state.device)
-    denoiser = Denoiser(state.adapter, topology, comm, state.context)
+    runner = Denoiser if job.timestep is None else ModelCallForward  # a whole denoise, or one stock-sampler call
+    denoiser = runner(state.adapter, topology, comm, state.context)
 
     def progress(step: int, total: int) -> None:
         # Every rank reports each step with its memory (live status); the result rank's drives the bar.

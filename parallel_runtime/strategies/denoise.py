@@ -202,7 +202,10 @@ class Denoiser:
         x = self.adapter.pack(start_latent(job.latent.float(), noise, sigmas[0], self.adapter.latent_format, ms))
         x = x.to(self.adapter.device)
         self.sigmas = sigmas  # on the host: Python-side decisions never wait for the device
-        self.sigmas_on_device = sigmas.to(self.adapter.device)  # the time embedding's input, uploaded once
+        self.sigmas_on_device = sigmas.to(self.adapter.device)  # calculate_input's sigma, uploaded once
+        # The time embedding's input: the model's own timestep units (ComfyUI's model_sampling.timestep(sigma)
+        # .float(), as model_base passes it), so a stock sampler's call and our loop feed the same number.
+        self.timesteps_on_device = self.adapter.model_sampling.timestep(self.sigmas_on_device).float()
         self.sampler = make_sampler(sp.sampler_name, sigmas, sp.seed, job.latent.shape, to_state=self.adapter.pack,
                                     prediction=ms.prediction)
 
@@ -282,7 +285,7 @@ class Denoiser:
         branches = branches or self.branches
         n = branches.cond.shape[0]
         sizes = {"sizes": branches.image_sizes} if getattr(self.adapter, "reads_image_size", False) else {}
-        return self.adapter.timestep_embedding(self.sigmas_on_device[i].expand(n), branches.pooled, branches.guidance,
+        return self.adapter.timestep_embedding(self.timesteps_on_device[i].expand(n), branches.pooled, branches.guidance,
                                                self.hw, **sizes)
 
     def _repeat(self, x: torch.Tensor, branches: Branches | None = None) -> torch.Tensor:

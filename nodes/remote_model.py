@@ -1,0 +1,187 @@
+"""A ComfyUI MODEL whose diffusion model runs on the ParaDiT workers.
+
+Load Parallel DiT builds the same BaseModel UNETLoader builds (ComfyUI's own detection picks the model class,
+model_sampling and latent format from the file's header), but without its diffusion model: in its place sits
+`RemoteDiT`, which holds no weights and turns each call into one runtime job. So KSampler, KSamplerAdvanced,
+SamplerCustomAdvanced, guiders and model-sampling patches work unchanged, and Parallel Sampler finds the handle
+it needs on the same object.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import convert
+
+class RemoteDiT(torch.nn.Module):
+    """The diffusion model of a parallel MODEL: no parameters; `forward` runs on the workers."""
+
+    def __init__(self, handle: convert.ParaDiTModel, dtype: torch.dtype):
+        super().__init__()
+        self.handle = handle
+        self.dtype = dtype  # ComfyUI's BaseModel.get_dtype reads it
+        self.patch_size = 2  # and its extra_conds this
+        self._strategies: dict = {}  # (latent shape, chunks) -> resolved StrategySpec, once per sampling setup
+        self.host = None  # the node module's ComfyHost (tests swap in a fake)
+
+    def forward(self, x, timesteps, context=None, y=None, guidance=None, control=None, transformer_options=None,
+                **kwargs):
+        from parallel_runtime.runtime.client import get_client
+        from parallel_runtime.spec import Job, SamplingSpec
+
+        options = transformer_options or {}
+        _refuse_what_the_workers_cannot_do(control, options, kwargs)
+        video = x.ndim == 5
+        if video:  # a video VAE's latent (Qwen-Image's Wan 2.1) with one frame: the workers take [B, C, H, W]
+            x = x.squeeze(2)
+        labels = list(options.get("cond_or_uncond") or [0])
+        rows = x.shape[0]
+        if rows % len(labels):
+            raise convert.ConfigError(f"ParaDiT got a model call of {rows} rows in {len(labels)} chunks; this is a "
+                                      f"ParaDiT bug, please report it.")
+        batch = rows // len(labels)
+        outputs = []
+        # Up to two chunks per runtime call (ComfyUI's cond and uncond); the CFG group splits them.
+        for start in range(0, len(labels), 2):
+            ks = list(range(start, min(start + 2, len(labels))))
+            sl = slice(ks[0] * batch, (ks[-1] + 1) * batch)
+            chunks = [_chunk_conditioning(k, batch, context, y, guidance, kwargs) for k in ks]
+            strategy = self._strategy(tuple(x[sl].shape), len(chunks))
+            job = Job(self.handle.model, strategy, SamplingSpec(steps=1), x[sl].detach().float().cpu(), chunks[0],
+                      chunks[1] if len(chunks) > 1 else None, timestep=timesteps[sl].detach().float().cpu())
+            client = get_client(self.handle.devices)
+            outputs.append(_run(client, job, self.host))
+        out = torch.cat(outputs).to(x.device)
+        return out.unsqueeze(2) if video else out
+
+    def _strategy(self, shape: tuple, chunks: int):
+        """The handle's strategy for calls of this shape: manual as set, auto decided once per shape."""
+        key = (shape, chunks)
+        if key not in self._strategies:
+            def choose(*args):
+                from parallel_runtime.planning.auto import choose_strategy
+
+                return choose_strategy(*args)
+
+            cfg = 2.0 if chunks == 2 else 1.0  # a second chunk is ComfyUI's uncond: CFG parallel can take it
+            per_image = (shape[0] // chunks, *shape[1:])
+            self._strategies[key] = convert.resolve_strategy(self.handle.strategy, choose, self.handle.model.path,
+                                                             per_image, cfg, self.handle.devices)[0]
+        return self._strategies[key]
+
+
+def _run(client, job, host):
+    """One runtime job; ComfyUI's Cancel stops the workers and raises ComfyUI's own interrupt."""
+    from parallel_runtime.errors import Cancelled
+
+    if host is None:
+        from .sampler import HOST as host
+    try:
+        return client.run(job, interrupted=host.interrupted).latent
+    except Cancelled:
+        raise host.interrupt() from None
+
+
+def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs):
+    """Chunk k's rows of the call's conditioning inputs as a runtime Conditioning."""
+    from parallel_runtime.spec import Conditioning
+
+    sl = slice(k * batch, (k + 1) * batch)
+    cond = context[sl].detach().float().cpu()
+    pooled = y[sl].detach().float().cpu() if y is not None else torch.zeros(batch, 0)
+    g = None
+    if guidance is not None:
+        values = guidance[sl].detach().float().unique()
+        if values.numel() != 1:
+            raise convert.ConfigError("one chunk of the model call carries several guidance values; ParaDiT "
+                                      "needs one per prompt (one FluxGuidance per conditioning).")
+        g = float(values[0])
+    size = None
+    if kwargs.get("c_size") is not None and kwargs.get("c_ar") is not None:  # PixArt-α's size conditioning
+        (height, width), aspect = kwargs["c_size"][k * batch].tolist(), float(kwargs["c_ar"][k * batch].flatten()[0])
+        size = (float(height), float(width), aspect)
+    return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size)
+
+
+# Extra model inputs (ComfyUI's extra_conds) the workers compute themselves or that a call may carry empty.
+_KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method"}
+
+
+def _refuse_what_the_workers_cannot_do(control, options: dict, kwargs: dict) -> None:
+    """One sentence for each model input or patch the workers would otherwise silently ignore."""
+    if control is not None:
+        raise convert.ConfigError("ControlNet does not run on the ParaDiT workers yet; remove the ControlNet "
+                                  "node or load the model with UNETLoader.")
+    for name in ("patches", "patches_replace"):
+        if options.get(name):
+            kinds = ", ".join(sorted(options[name]))
+            raise convert.ConfigError(f"a model patch ({name}: {kinds}) changes the diffusion model's blocks, "
+                                      f"which run on the ParaDiT workers; remove that patch node or load the "
+                                      f"model with UNETLoader.")
+    if kwargs.get("attention_mask") is not None:
+        raise convert.ConfigError("attention masks do not run on the ParaDiT workers yet; remove the node that "
+                                  "sets one or load the model with UNETLoader.")
+    if kwargs.get("ref_latents"):
+        raise convert.ConfigError("reference latents (ReferenceLatent) under KSampler do not run on the ParaDiT "
+                                  "workers yet; use Parallel Sampler for Kontext and Qwen-Image Edit.")
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN_INPUTS)
+    if unknown:
+        raise convert.ConfigError(f"the model call carries inputs ParaDiT does not run ({', '.join(unknown)}); "
+                                  f"remove the node that adds them or load the model with UNETLoader.")
+
+
+def parallel_model(handle: convert.ParaDiTModel):
+    """The MODEL Load Parallel DiT outputs: ComfyUI's BaseModel for the file, its diffusion model remote."""
+    import comfy.model_detection as detection
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    import comfy.utils
+
+    sd = _meta_state_dict(handle.model.path)
+    prefix = detection.unet_prefix_from_state_dict(sd)
+    sd = comfy.utils.state_dict_prefix_replace(sd, {prefix: ""}, filter_keys=True) or sd
+    config = detection.model_config_from_unet(sd, "")
+    if config is None:
+        converted = detection.convert_diffusers_mmdit(sd, "")
+        config = detection.model_config_from_unet(converted, "") if converted is not None else None
+    if config is None:
+        raise convert.ConfigError(f"ComfyUI does not recognise {handle.name or handle.model.path} as a diffusion "
+                                  f"model it can sample; choose a DiT file ParaDiT runs.")
+    dtype = _host_dtype(handle, sd, config, mm)
+    config.set_inference_dtype(dtype, mm.unet_manual_cast(dtype, mm.get_torch_device(),
+                                                          config.supported_inference_dtypes))
+    config.unet_config["disable_unet_model_creation"] = True  # the DiT lives on the workers
+    base = config.get_model(sd, "")
+    base.diffusion_model = RemoteDiT(handle, dtype)
+    base.memory_required = lambda *args, **kwargs: 0  # nothing of the DiT's lives in the host's memory
+    return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(),
+                                            offload_device=mm.unet_offload_device(), size=1)
+
+
+def handle_of(model) -> convert.ParaDiTModel | None:
+    """The ParaDiT handle behind a MODEL from Load Parallel DiT (or the handle itself), else None."""
+    if isinstance(model, convert.ParaDiTModel):
+        return model
+    inner = getattr(getattr(model, "model", None), "diffusion_model", None)
+    return inner.handle if isinstance(inner, RemoteDiT) else None
+
+
+def _meta_state_dict(path: str) -> dict:
+    """The checkpoint's tensors as meta tensors of the stored shape and dtype: ComfyUI's detection reads only
+    names, shapes and dtypes, and nothing of the file's data is read here."""
+    from parallel_runtime.models.loading import CheckpointReader
+
+    with CheckpointReader(path) as reader:
+        return {k: torch.empty(reader.shape(k), dtype=reader.dtype(k), device="meta") for k in reader.keys()}
+
+
+def _host_dtype(handle, sd: dict, config, mm) -> torch.dtype:
+    """The dtype UNETLoader would pick for this file (or the loader's weight_dtype): the host casts the model's
+    input to it before each call, as for a model it holds."""
+    named = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(handle.model.weight_dtype)
+    if named is not None:
+        return named
+    import comfy.utils
+
+    return mm.unet_dtype(model_params=comfy.utils.calculate_parameters(sd),
+                         supported_dtypes=list(config.supported_inference_dtypes),
+                         weight_dtype=comfy.utils.weight_dtype(sd))

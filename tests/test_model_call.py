@@ -1,0 +1,123 @@
+"""One model call per sampler evaluation (a stock ComfyUI sampler's way in): the sampling loop runs here, in the
+test, as KSampler runs it on the host, and every evaluation is a runtime job carrying ComfyUI's model inputs
+(input-scaled x, the model's timestep, cond and uncond chunks batched). The loop's result must equal Parallel
+Sampler's own job on the same file, per family (flow and EPS models, t in each family's own units) and under
+every exact strategy.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import rel_err
+from test_families import FAMILIES, LATENT_SIZE, conditioning
+from parallel_runtime.models.family import read_model
+from parallel_runtime.models.loading import CheckpointReader
+from parallel_runtime.models.tiny import write_checkpoint
+from parallel_runtime.runtime.client import RuntimeClient
+from parallel_runtime.sampling import cfg_combine, final_latent, ksampler_sigmas, prepare_noise, start_latent
+from parallel_runtime.spec import Job, ModelSpec, SamplingSpec
+from parallel_runtime.spec import StrategySpec as S
+from parallel_runtime.strategies.attention.processor import AttentionContext
+
+pytestmark = pytest.mark.timeout(600)
+
+# Exact strategies split sums differently (~1e-7 per op); the host loop redoes the sampler's float32 maths in
+# another order (~1e-7). A wrong timestep unit, chunk order or input scaling is off by 1e-2 or more.
+CALL_RTOL = 1e-4
+STEPS, CFG, SEED = 4, 2.5, 5
+NAMES = ["kontext", "sd3_medium_dual", "qwen_image", "pixart", "chroma"]  # kontext: a Flux.1 dev file
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def family(request, tmp_path_factory):
+    name = request.param
+    path = str(tmp_path_factory.mktemp(name) / f"{name}.safetensors")
+    write_checkpoint(path, FAMILIES[name], seed=11, prefix="model.diffusion_model.")
+    with CheckpointReader(path) as reader:
+        fam, match, config = read_model(reader)
+        model = fam.build(config, reader, match, owned=lambda n: True, dtype=torch.float32, device="cpu")
+    adapter = fam.adapter(config, model, fam.pipeline_stages(config, 1)[0], AttentionContext())
+    return name, path, adapter
+
+
+def latent_of(name: str) -> torch.Tensor:
+    h, w = LATENT_SIZE.get(name, (16, 24))
+    return torch.zeros(2, FAMILIES[name].latent_channels, h, w)
+
+
+def prompts(name: str):
+    config = FAMILIES[name]
+    return conditioning(config, 1), conditioning(config, 2)
+
+
+def host_loop(client: RuntimeClient, name: str, path: str, adapter, strategy: S) -> torch.Tensor:
+    """KSampler with euler/simple on the host: one runtime call per step, [cond chunk; uncond chunk] batched."""
+    ms, lf = adapter.model_sampling, adapter.latent_format
+    latent = latent_of(name)
+    sigmas = ksampler_sigmas(ms, "simple", STEPS)
+    x = start_latent(latent, prepare_noise(latent, SEED), sigmas[0], lf, ms)
+    positive, negative = prompts(name)
+    b = latent.shape[0]
+    for i in range(STEPS):
+        sigma = sigmas[i]
+        x_in = ms.calculate_input(sigma, x).repeat(2, 1, 1, 1)
+        t = ms.timestep(sigma.expand(2 * b)).float()
+        call = Job(ModelSpec(path), strategy, SamplingSpec(steps=1), x_in, positive, negative, timestep=t)
+        out = client.run(call).latent
+        out = out.squeeze(2) if out.ndim == 5 else out  # a video latent format's frame axis
+        cond, uncond = (ms.calculate_denoised(sigma, o, x) for o in out.chunk(2))
+        denoised = cfg_combine(cond, uncond, CFG)
+        x = x + (x - denoised) / sigma * (sigmas[i + 1] - sigma)  # k-diffusion's euler step
+    return final_latent(x, sigmas[-1], lf, ms)
+
+
+@pytest.fixture(scope="module")
+def parallel_sampler(family):
+    """Parallel Sampler's own loop (the whole denoise on the workers) at one worker: the reference."""
+    name, path, _ = family
+    positive, negative = prompts(name)
+    job = Job(ModelSpec(path), S(), SamplingSpec(seed=SEED, steps=STEPS, cfg=CFG), latent_of(name), positive,
+              negative)
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        out = client.run(job).latent
+    finally:
+        client.shutdown()
+    return out.squeeze(2) if out.ndim == 5 else out
+
+
+def test_host_loop_of_calls_equals_parallel_sampler_at_one_worker(family, parallel_sampler):
+    name, path, adapter = family
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        got = host_loop(client, name, path, adapter, S())
+    finally:
+        client.shutdown()
+    assert rel_err(got, parallel_sampler) <= CALL_RTOL
+
+
+@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2)],
+                         ids=lambda s: s.label())
+def test_calls_under_exact_strategies_equal_parallel_sampler(family, parallel_sampler, client2, strategy):
+    name, path, adapter = family
+    assert rel_err(host_loop(client2, name, path, adapter, strategy), parallel_sampler) <= CALL_RTOL
+
+
+def test_a_call_returns_the_raw_model_output_of_each_chunk_in_order(family, client2):
+    """Swapping the chunks swaps the output halves (cond/uncond order is ComfyUI's, not ours), and a one-chunk
+    call (cfg 1) under CFG parallel gives the same rows as the first half of a two-chunk call."""
+    name, path, adapter = family
+    positive, negative = prompts(name)
+    x = torch.randn(latent_of(name).shape, generator=torch.Generator().manual_seed(3)).repeat(2, 1, 1, 1)
+    t = adapter.model_sampling.timestep(torch.full((x.shape[0],), 0.7)).float()
+    job = Job(ModelSpec(path), S(cfg_degree=2), SamplingSpec(steps=1), x, positive, negative, timestep=t)
+    both = client2.run(job).latent
+    swapped = client2.run(dataclasses.replace(job, positive=negative, negative=positive)).latent
+    one = client2.run(dataclasses.replace(job, latent=x[:2], negative=None, timestep=t[:2])).latent
+    assert torch.allclose(both[:2], swapped[2:], rtol=0, atol=1e-6) and torch.allclose(both[2:], swapped[:2],
+                                                                                        rtol=0, atol=1e-6)
+    assert rel_err(one, both[:2]) <= CALL_RTOL
+    assert rel_err(both[:2], both[2:]) > 1e-3  # the two prompts really differ
