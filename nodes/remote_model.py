@@ -135,7 +135,9 @@ def parallel_model(handle: convert.ParaDiTModel):
     import comfy.model_management as mm
     import comfy.model_patcher
     import comfy.utils
+    from parallel_runtime.validate import model_config
 
+    model_config(handle.model.path)  # a file no family claims fails here, in one sentence naming what it is
     sd = _meta_state_dict(handle.model.path)
     prefix = detection.unet_prefix_from_state_dict(sd)
     sd = comfy.utils.state_dict_prefix_replace(sd, {prefix: ""}, filter_keys=True) or sd

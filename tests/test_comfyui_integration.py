@@ -844,3 +844,99 @@ def test_parallel_sampler_refuses_an_ordinary_model_in_one_sentence(server):
     assert result["status"] == "error"
     message = result["error"]["exception_message"].strip()
     assert "Parallel Sampler needs the MODEL of a Load Parallel DiT node" in message and "KSampler" in message
+
+
+def _both_models(graph: dict, build) -> dict:
+    """`build(model_ref, base)` returns (output node id, nodes) of one sampling chain with node ids from `base`
+    on; it is added once on Load Parallel DiT's MODEL (11) and once on UNETLoader's (20), saved as 13 and 22."""
+    graph = {k: v for k, v in graph.items() if k not in ("12", "21")}
+    graph["20"] = {"class_type": "UNETLoader", "inputs": {"unet_name": graph["11"]["inputs"]["unet_name"],
+                                                          "weight_dtype": "default"}}
+    for model, save, base in ((["11", 0], "13", 40), (["20", 0], "22", 50)):
+        out, nodes = build(model, base)
+        graph.update(nodes)
+        graph[save] = {"class_type": "SaveLatent", "inputs": {"samples": [out, 0], "filename_prefix": f"latents/{base}"}}
+    return graph
+
+
+def _stock_run(server, graph) -> float:
+    result = server.run(graph)
+    assert result["status"] == "success", _explain(result)
+    par, ref = server.latent(result, "13"), server.latent(result, "22")
+    assert par.shape == ref.shape
+    return rel_err(par, ref)
+
+
+def test_ksampler_advanced_two_pass_on_the_parallel_model(server):
+    """KSamplerAdvanced steps 0-3 with leftover noise, then 3-6 without adding noise (a two-pass graph)."""
+    def build(model, base):
+        common = {"model": model, "noise_seed": 21, "steps": 6, "cfg": 2.0, "sampler_name": "dpmpp_2m_sde",
+                  "scheduler": "karras", "positive": ["1", 0], "negative": ["2", 0]}
+        first, second = str(base), str(base + 1)
+        return second, {
+            first: {"class_type": "KSamplerAdvanced", "inputs": dict(common, add_noise="enable", latent_image=["4", 0],
+                                                                     start_at_step=0, end_at_step=3,
+                                                                     return_with_leftover_noise="enable")},
+            second: {"class_type": "KSamplerAdvanced", "inputs": dict(common, add_noise="disable",
+                                                                      latent_image=[first, 0], start_at_step=3,
+                                                                      end_at_step=10000,
+                                                                      return_with_leftover_noise="disable")}}
+    err = _stock_run(server, _both_models(stock_graph(devices="cpu:2", strat=strategy(ulysses=2)), build))
+    print(f"\nKSamplerAdvanced two-pass, ulysses2: rel. L2 {err:.2e}")
+    assert err <= KSAMPLER_RTOL
+
+
+def test_sampler_custom_advanced_with_cfg_guider_on_the_parallel_model(server):
+    def build(model, base):
+        g, k, q, n, out = (str(base + i) for i in range(5))
+        return out, {
+            g: {"class_type": "CFGGuider", "inputs": {"model": model, "positive": ["1", 0], "negative": ["2", 0],
+                                                      "cfg": 3.0}},
+            k: {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "uni_pc_bh2"}},
+            q: {"class_type": "BasicScheduler", "inputs": {"model": model, "scheduler": "kl_optimal", "steps": 5,
+                                                           "denoise": 1.0}},
+            n: {"class_type": "RandomNoise", "inputs": {"noise_seed": 8}},
+            out: {"class_type": "SamplerCustomAdvanced",
+                  "inputs": {"noise": [n, 0], "guider": [g, 0], "sampler": [k, 0], "sigmas": [q, 0],
+                             "latent_image": ["4", 0]}}}
+    err = _stock_run(server, _both_models(stock_graph(devices="cpu:2", strat=strategy(cfg=2)), build))
+    print(f"\nSamplerCustomAdvanced + CFGGuider, cfg2: rel. L2 {err:.2e}")
+    assert err <= KSAMPLER_RTOL
+
+
+def test_model_sampling_flux_shift_reaches_the_parallel_model(server):
+    """ModelSamplingFlux patches model_sampling on the host: the shifted schedule and timesteps reach the workers."""
+    def build(model, base):
+        m, k = str(base), str(base + 1)
+        return k, {
+            m: {"class_type": "ModelSamplingFlux", "inputs": {"model": model, "max_shift": 2.0, "base_shift": 0.3,
+                                                              "width": 160, "height": 128}},
+            k: {"class_type": "KSampler", "inputs": dict(sampling(seed=3, steps=4, cfg=2.0), model=[m, 0],
+                                                         positive=["1", 0], negative=["2", 0],
+                                                         latent_image=["4", 0])}}
+    err = _stock_run(server, _both_models(stock_graph(), build))
+    print(f"\nModelSamplingFlux shift on the parallel model: rel. L2 {err:.2e}")
+    assert err <= KSAMPLER_RTOL
+
+
+@pytest.mark.parametrize("family_file", list(FAMILY_FILES), indirect=True)
+def test_family_ksampler_on_the_parallel_model_equals_unetloader(server, family_file):
+    """Every family's MODEL under stock KSampler (SD3's x1000 timesteps, PixArt's discrete eps model, Qwen-Image's
+    5D latents) with dpmpp_2m_sde/karras at cfg 2 on ulysses2 and on CFG parallel."""
+    name, filename, cond_kw = family_file
+    split = strategy(ulysses=2) if FAMILY_FILES[name][0].num_heads % 2 == 0 else strategy(ring=2)  # 3-head file
+    for strat in (split, strategy(cfg=2)):
+        graph = family_graph(filename, cond_kw, cfg=2.0, steps=3, seed=6, sampler_name="dpmpp_2m_sde",
+                             scheduler="karras")
+        graph["10"], graph["11"]["inputs"]["devices"] = strat, "cpu:2"
+        if name in FOUR_CHANNELS:
+            graph["4"] = {"class_type": "EmptyLatentImage", "inputs": {"width": 320, "height": 256, "batch_size": 2}}
+        graph["12"] = {"class_type": "KSampler", "inputs": dict(graph["21"]["inputs"], model=["11", 0])}
+        result = server.run(graph)
+        assert result["status"] == "success", _explain(result)
+        ks, par = server.latent(result, "22"), server.latent(result, "13")
+        err = rel_err(par, ks)
+        degrees = {k: v for k, v in strat["inputs"].items() if k.endswith("_degree") and v > 1}
+        print(f"\n{name}: KSampler on Load Parallel DiT {degrees} vs UNETLoader: rel. L2 {err:.2e}")
+        assert ks.shape == par.shape == expected_shape(name)
+        assert err <= KSAMPLER_RTOL

@@ -67,7 +67,6 @@ def host_loop(client: RuntimeClient, name: str, path: str, adapter, strategy: S)
         t = ms.timestep(sigma.expand(2 * b)).float()
         call = Job(ModelSpec(path), strategy, SamplingSpec(steps=1), x_in, positive, negative, timestep=t)
         out = client.run(call).latent
-        out = out.squeeze(2) if out.ndim == 5 else out  # a video latent format's frame axis
         cond, uncond = (ms.calculate_denoised(sigma, o, x) for o in out.chunk(2))
         denoised = cfg_combine(cond, uncond, CFG)
         x = x + (x - denoised) / sigma * (sigmas[i + 1] - sigma)  # k-diffusion's euler step

@@ -34,7 +34,7 @@ WF_DIR = os.path.join(REPO, "workflows")
 API_DIR = os.path.join(WF_DIR, "api")
 WORKFLOWS = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pipefusion", "flux_dev_cfg_parallel",
              "flux_dev_hybrid", "flux_schnell", "chroma_ulysses", "sd35_large_cfg_parallel", "kontext_dev_ulysses",
-             "qwen_image_hybrid", "pixart_sigma_hybrid")
+             "qwen_image_hybrid", "pixart_sigma_hybrid", "flux_dev_ksampler")
 FLUX_HEADS, FLUX_BLOCKS = 24, 19 + 38  # FLUX.1 dev/schnell: 19 double + 38 single blocks
 FLUX_UNETS = ("flux1-dev.safetensors", "flux1-schnell.safetensors")
 STRATEGY_WORDS = ("auto", "ulysses", "ring", "pipefusion", "cfg_parallel", "hybrid")  # the end of a workflow's name
@@ -79,11 +79,15 @@ CORE = {
     "VAELoader": (["vae_name"], {}, ["VAE"]),
     "VAEDecode": ([], {"samples": "LATENT", "vae": "VAE"}, ["IMAGE"]),
     "SaveImage": (["filename_prefix"], {"images": "IMAGE"}, []),
+    # ComfyUI's own sampler on Load Parallel DiT's MODEL (the stock-KSampler workflow)
+    "KSampler": (["seed", "steps", "cfg", "sampler_name", "scheduler", "denoise"],
+                 {"model": "MODEL", "positive": "CONDITIONING", "negative": "CONDITIONING", "latent_image": "LATENT"},
+                 ["LATENT"]),
 }
 UI_ONLY = {"MarkdownNote", "Note"}
 OPTIONAL_CORE = {("DualCLIPLoader", "device"), ("CLIPLoader", "device"), ("ReferenceLatent", "latent")}
 # Widget values the frontend stores after a widget but the API format leaves out: LoadImage's upload button.
-UI_EXTRA_WIDGETS = {("LoadImage", "image"): 1}
+UI_EXTRA_WIDGETS = {("LoadImage", "image"): 1, ("KSampler", "seed"): 1}  # and KSampler's control_after_generate
 
 
 def _ours():
@@ -269,7 +273,8 @@ def _text_to_image(name, graph, latent_class="EmptySD3LatentImage", size=1024):
     """The parts every workflow has, checked for the wiring they share: strategy -> loader -> sampler -> decode ->
     save, a square latent of the model's size, and a save prefix named after the workflow."""
     c = _by_class(graph)
-    (loader,), (strategy,), (sampler,) = c["ParaDiTLoader"], c["ParaDiTStrategy"], c["ParaDiTSampler"]
+    (loader,), (strategy,) = c["ParaDiTLoader"], c["ParaDiTStrategy"]
+    (sampler,) = c.get("ParaDiTSampler") or c["KSampler"]  # Parallel Sampler, or ComfyUI's own on the MODEL
     (latent,), (vae,), (decode,), (save,) = (c[k] for k in (latent_class, "VAELoader", "VAEDecode", "SaveImage"))
     assert (latent["inputs"]["width"], latent["inputs"]["height"]) == (size, size)
     assert graph[decode["inputs"]["samples"][0]] is sampler and graph[save["inputs"]["images"][0]] is decode
@@ -283,7 +288,8 @@ def _check_strategy(name, graph, heads, num_blocks, latent_hw=None):
     """The strategy fits the loader's devices and the model; a workflow named for one strategy family uses it alone.
     `latent_hw`: the latent's pixel size where no Empty*LatentImage node sets it (an edited picture's)."""
     c = _by_class(graph)
-    (loader,), (strategy,), (sampler,) = (c[k] for k in ("ParaDiTLoader", "ParaDiTStrategy", "ParaDiTSampler"))
+    (loader,), (strategy,) = (c[k] for k in ("ParaDiTLoader", "ParaDiTStrategy"))
+    (sampler,) = c.get("ParaDiTSampler") or c["KSampler"]
     if latent_hw is None:
         latent = graph[sampler["inputs"]["latent_image"][0]]["inputs"]
         latent_hw = (latent["height"], latent["width"])

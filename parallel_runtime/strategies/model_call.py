@@ -22,7 +22,8 @@ from .denoise import Branches, Denoiser, TokenLayout
 
 class ModelCallForward(Denoiser):
     """A Denoiser whose job is one model call (`job.timestep` set): returns the model output on the result
-    rank, [rows, C, H, W] (5D for a video latent format), in float32 as ComfyUI's apply_model casts it."""
+    rank, [rows, C, H, W] as the call's 4D input (a video latent's frame axis is the caller's), in float32 as
+    ComfyUI's apply_model casts it."""
 
     def _run(self, job: Job) -> torch.Tensor | None:
         rows, _, h, w = job.latent.shape
@@ -55,7 +56,7 @@ class ModelCallForward(Denoiser):
             out = torch.cat(self.comm.all_gather(mine_rows, self.comm.group("cfg"), op="cfg"))
         if not self._is_result_rank():
             return None
-        return self._comfy_shape(self.adapter.unpack(out, h, w).cpu())
+        return self.adapter.unpack(out, h, w).cpu()  # [rows, C, H, W]: the caller restores a frame axis
 
     def _forward(self, x: torch.Tensor, t: torch.Tensor, branches: Branches) -> torch.Tensor:
         """This rank's token rows of the model output for one group of chunks, in a tensor shaped like x."""
