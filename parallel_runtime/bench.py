@@ -438,6 +438,29 @@ def run_config(devices: str, job: Job, threads: int) -> dict:
             "load_s": max(st["load_seconds"] for st in stats), "idle_rss": idle, "peak_rss_psutil": peak}
 
 
+def run_calls(path: str, config, latent_shape, text_tokens: int, cfg: float, steps: int, threads: int) -> list[float]:
+    """A stock sampler's way in at one worker: `steps` model calls (one per step, cond and uncond batched as
+    ComfyUI batches them at cfg > 1), each a runtime job from this process. Seconds per call, the first (which
+    loads the model) left out."""
+    from .runtime.client import RuntimeClient
+
+    template = make_job(path, config, StrategySpec(), latent_shape, text_tokens, cfg, steps)
+    chunks = 2 if template.negative is not None else 1
+    x = torch.randn((chunks * latent_shape[0], *latent_shape[1:]), generator=torch.Generator().manual_seed(3))
+    call = dataclasses.replace(template, sampling=SamplingSpec(steps=1), latent=x,
+                               timestep=torch.full((x.shape[0],), 0.5))
+    client = RuntimeClient("cpu:1", threads_per_worker=threads)
+    try:
+        times = []
+        for _ in range(steps + 1):
+            t0 = time.perf_counter()
+            client.run(call)
+            times.append(time.perf_counter() - t0)
+    finally:
+        client.shutdown()
+    return times[1:]
+
+
 _CAPACITY_PROBE = r"""
 import time
 import numpy as np
@@ -661,7 +684,7 @@ def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devi
     total_params = None
     serial: dict[float, dict] = {}
     best: dict[int, dict] = {}
-    inproc, inproc_runs = None, []
+    inproc, inproc_runs, call_runs = None, [], []
     want_inproc = not args.no_overhead and kind == "cpu"
     for rep in range(args.repeats):
         # Round robin: a burst of contention on a shared machine hits one run of a configuration, not all.
@@ -673,6 +696,10 @@ def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devi
                 inproc_runs.append(t)
                 inproc = min(inproc_runs)
                 say(f"[{rep + 1}/{args.repeats}] serial in-process (no runtime): {t * 1e3:.0f} ms/step")
+                calls = run_calls(path, config, latent_shape, text, cfg, args.steps, args.threads)
+                call_runs.append(statistics.median(calls))
+                say(f"[{rep + 1}/{args.repeats}] serial, one runtime job per model call (stock KSampler's way in): "
+                    f"{call_runs[-1] * 1e3:.0f} ms/call")
             where = subset_devices(devices, args.devices, s.world_size)
             cap = cpu_capacity(s.world_size) if kind == "cpu" and s.world_size > 1 else None
             job = make_job(path, config, s, latent_shape, text, cfg, args.steps, conditioning)
@@ -723,7 +750,14 @@ def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devi
         targets.append({"target": name, "status": "n/a" if ok is None else ("PASS" if ok else "FAIL"), "detail": detail})
 
     record["in_process_step_s"] = inproc_runs
+    record["model_call_s"] = call_runs
     _measured_targets(args, results, serial, inproc, total_params, target)
+    if call_runs and inproc is not None:
+        over = min(call_runs) / inproc - 1
+        target("model call through the runtime at 1 worker <= 5% over in-process", over <= TARGET_OVERHEAD,
+               f"call {min(call_runs) * 1e3:.0f} ms vs in-process step {inproc * 1e3:.0f} ms: {over:+.1%}")
+    else:
+        target("model call through the runtime at 1 worker <= 5% over in-process", None, "not measured")
     auto_record = record["auto"] = _auto_target(args, results, auto_pick, auto_reason, max_world, target)
 
     conditions = []

@@ -940,3 +940,28 @@ def test_family_ksampler_on_the_parallel_model_equals_unetloader(server, family_
         print(f"\n{name}: KSampler on Load Parallel DiT {degrees} vs UNETLoader: rel. L2 {err:.2e}")
         assert ks.shape == par.shape == expected_shape(name)
         assert err <= KSAMPLER_RTOL
+
+
+def test_interrupt_under_ksampler_on_the_parallel_model_stops_and_the_next_prompt_runs(server):
+    """ComfyUI's own progress bar advances per step of its sampler; Interrupt stops the workers' current call
+    within about a step, and the next prompt runs on the same workers."""
+    marks = {}
+
+    def on_message(msg):
+        if msg.get("type") == "progress" and msg["data"].get("node") == "12" and "interrupt" not in marks:
+            marks["interrupt"] = time.monotonic()
+            marks["step"], marks["max"] = msg["data"]["value"], msg["data"]["max"]
+            qw.http_json(server.url + "/interrupt", {})
+
+    graph = stock_graph(devices="cpu:2", strat=strategy(ulysses=2), cfg=2.0, steps=500, seed=78)
+    graph.pop("21"), graph.pop("22"), graph.pop("20")  # only the parallel chain
+    result = server.run(graph, on_message=on_message)
+    ended = time.monotonic()
+    assert "interrupt" in marks, "KSampler's progress bar never advanced"
+    assert result["status"] == "interrupted", _explain(result)
+    print(f"\nKSampler interrupt at step {marks['step']}/{marks['max']} -> prompt ended "
+          f"{ended - marks['interrupt']:.2f} s later")
+    assert marks["max"] == 500 and marks["step"] < 50 and ended - marks["interrupt"] < 10.0
+    after = server.run(stock_graph(devices="cpu:2", strat=strategy(ulysses=2), cfg=2.0, steps=3, seed=79))
+    assert after["status"] == "success", _explain(after)
+    assert rel_err(server.latent(after, "13"), server.latent(after, "22")) <= KSAMPLER_RTOL
