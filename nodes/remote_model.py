@@ -15,9 +15,10 @@ from . import convert
 class RemoteDiT(torch.nn.Module):
     """The diffusion model of a parallel MODEL: no parameters; `forward` runs on the workers."""
 
-    def __init__(self, handle: convert.ParaDiTModel, dtype: torch.dtype):
+    def __init__(self, handle: convert.ParaDiTModel, dtype: torch.dtype, latent_format=None):
         super().__init__()
         self.handle = handle
+        self.latent_format = latent_format  # to hand reference latents back raw, as Conditioning carries them
         self.dtype = dtype  # ComfyUI's BaseModel.get_dtype reads it
         self.patch_size = 2  # and its extra_conds this
         self._strategies: dict = {}  # (latent shape, chunks) -> resolved StrategySpec, once per sampling setup
@@ -44,7 +45,7 @@ class RemoteDiT(torch.nn.Module):
         for start in range(0, len(labels), 2):
             ks = list(range(start, min(start + 2, len(labels))))
             sl = slice(ks[0] * batch, (ks[-1] + 1) * batch)
-            chunks = [_chunk_conditioning(k, batch, context, y, guidance, kwargs) for k in ks]
+            chunks = [_chunk_conditioning(k, batch, context, y, guidance, kwargs, self.latent_format) for k in ks]
             strategy = self._strategy(tuple(x[sl].shape), len(chunks))
             job = Job(self.handle.model, strategy, SamplingSpec(steps=1), x[sl].detach().float().cpu(), chunks[0],
                       chunks[1] if len(chunks) > 1 else None, timestep=timesteps[sl].detach().float().cpu())
@@ -81,7 +82,7 @@ def _run(client, job, host):
         raise host.interrupt() from None
 
 
-def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs):
+def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent_format=None):
     """Chunk k's rows of the call's conditioning inputs as a runtime Conditioning."""
     from parallel_runtime.spec import Conditioning
 
@@ -99,7 +100,23 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs):
     if kwargs.get("c_size") is not None and kwargs.get("c_ar") is not None:  # PixArt-α's size conditioning
         (height, width), aspect = kwargs["c_size"][k * batch].tolist(), float(kwargs["c_ar"][k * batch].flatten()[0])
         size = (float(height), float(width), aspect)
-    return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size)
+    return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size,
+                        references=_chunk_references(kwargs.get("ref_latents"), k, batch, latent_format),
+                        reference_method=kwargs.get("ref_latents_method"))
+
+
+def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
+    """ReferenceLatent's latents of chunk k, raw as the runtime takes them. ComfyUI hands them to the model
+    after process_latent_in, repeated over each chunk's rows; the workers redo process_in (a round trip of one
+    float32 rounding, ~1e-7 relative)."""
+    if not refs:
+        return ()
+    out = []
+    for ref in refs:
+        one = ref[k * batch:k * batch + 1].detach().float().cpu()  # the chunk's rows are one latent repeated
+        raw = latent_format.process_out(one) if latent_format is not None else one
+        out.append(raw.squeeze(2) if raw.ndim == 5 else raw)  # a video latent format's frame axis
+    return tuple(out)
 
 
 # Extra model inputs (ComfyUI's extra_conds) the workers compute themselves or that a call may carry empty.
@@ -120,9 +137,6 @@ def _refuse_what_the_workers_cannot_do(control, options: dict, kwargs: dict) -> 
     if kwargs.get("attention_mask") is not None:
         raise convert.ConfigError("attention masks do not run on the ParaDiT workers yet; remove the node that "
                                   "sets one or load the model with UNETLoader.")
-    if kwargs.get("ref_latents"):
-        raise convert.ConfigError("reference latents (ReferenceLatent) under KSampler do not run on the ParaDiT "
-                                  "workers yet; use Parallel Sampler for Kontext and Qwen-Image Edit.")
     unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN_INPUTS)
     if unknown:
         raise convert.ConfigError(f"the model call carries inputs ParaDiT does not run ({', '.join(unknown)}); "
@@ -153,7 +167,7 @@ def parallel_model(handle: convert.ParaDiTModel):
                                                           config.supported_inference_dtypes))
     config.unet_config["disable_unet_model_creation"] = True  # the DiT lives on the workers
     base = config.get_model(sd, "")
-    base.diffusion_model = RemoteDiT(handle, dtype)
+    base.diffusion_model = RemoteDiT(handle, dtype, base.latent_format)
     base.memory_required = lambda *args, **kwargs: 0  # nothing of the DiT's lives in the host's memory
     return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(),
                                             offload_device=mm.unet_offload_device(), size=1)

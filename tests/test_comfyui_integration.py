@@ -800,6 +800,35 @@ def test_qwen_image_edit_same_latent_as_ksampler(server, family_file, method, kw
     assert err <= KSAMPLER_RTOL
 
 
+@pytest.mark.parametrize("method, devices, strat", [
+    ("index", "cpu:1", None), (None, "cpu:2", strategy(ulysses=2)), ("uxo/uno", "cpu:2", strategy(cfg=2)),
+], ids=["index-cpu1", "offset-ulysses2", "uxo-cfg2"])
+def test_kontext_under_stock_ksampler_equals_unetloader(server, method, devices, strat):
+    """ComfyUI's Kontext template samples with KSampler: the references reach the workers from the model call
+    (ComfyUI's process_latent_in undone on the host, one float32 rounding), the negative without them runs as
+    its own call, as ComfyUI calls it."""
+    graph = kontext_graph(method, devices=devices, strat=strat, cfg=2.0, sampler_name="dpmpp_2m_sde",
+                          scheduler="karras", steps=4, seed=12)
+    graph["12"]["class_type"] = "KSampler"  # same inputs as Parallel Sampler, on the parallel MODEL
+    result = server.run(graph)
+    assert result["status"] == "success", _explain(result)
+    err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
+    print(f"\nkontext ({method or 'offset'}) under KSampler on {devices}: rel. L2 {err:.2e}")
+    assert err <= KSAMPLER_RTOL
+
+
+@pytest.mark.parametrize("family_file", ["qwen_image"], indirect=True)
+def test_qwen_image_edit_under_stock_ksampler_equals_unetloader(server, family_file):
+    graph = kontext_graph(None, family_file, cfg=2.0, sampler_name="res_multistep", scheduler="beta", steps=4)
+    graph["12"]["class_type"] = "KSampler"
+    graph["10"], graph["11"]["inputs"]["devices"] = strategy(ulysses=2), "cpu:2"
+    result = server.run(graph)
+    assert result["status"] == "success", _explain(result)
+    err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
+    print(f"\nqwen_image edit under KSampler, ulysses2: rel. L2 {err:.2e}")
+    assert err <= KSAMPLER_RTOL
+
+
 # ---------------------------------------------------------------------------------------------------
 # (i) ComfyUI's own KSampler on Load Parallel DiT's MODEL: every model call of the host's sampling loop runs on
 # the workers (the cond and uncond chunks split over the CFG group, the sequence over Ulysses/Ring); the latent
