@@ -8,6 +8,8 @@ it needs on the same object.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import convert
@@ -23,6 +25,14 @@ class RemoteDiT(torch.nn.Module):
         self.patch_size = 2  # and its extra_conds this
         self._strategies: dict = {}  # (latent shape, chunks) -> resolved StrategySpec, once per sampling setup
         self.host = None  # the node module's ComfyHost (tests swap in a fake)
+        self._keys: dict = {}  # ComfyUI's parameter names -> (shape, dtype), so LoRA loaders find their keys
+        self._base = lambda: None  # weakref to the BaseModel (not a submodule), for its current patcher
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """The file's parameters as meta tensors under ComfyUI's names: a LoRA loader maps its keys onto them
+        (and the call then refuses what it cannot apply), without any memory here."""
+        for name, (shape, dtype) in self._keys.items():
+            destination[prefix + name] = torch.empty(shape, dtype=dtype, device="meta")
 
     def forward(self, x, timesteps, context=None, y=None, guidance=None, control=None, transformer_options=None,
                 **kwargs):
@@ -31,6 +41,12 @@ class RemoteDiT(torch.nn.Module):
 
         options = transformer_options or {}
         _refuse_what_the_workers_cannot_do(control, options, kwargs)
+        base = self._base()
+        patcher = getattr(base, "current_patcher", None)
+        if patcher is not None and patcher.patches:
+            raise convert.ConfigError("a LoRA (or another weight patch) is applied to Load Parallel DiT's MODEL, and "
+                                      "weight patches do not reach the ParaDiT workers yet; remove the LoRA loader "
+                                      "or load the model with UNETLoader.")
         video = x.ndim == 5
         if video:  # a video VAE's latent (Qwen-Image's Wan 2.1) with one frame: the workers take [B, C, H, W]
             x = x.squeeze(2)
@@ -156,9 +172,11 @@ def parallel_model(handle: convert.ParaDiTModel):
     prefix = detection.unet_prefix_from_state_dict(sd)
     sd = comfy.utils.state_dict_prefix_replace(sd, {prefix: ""}, filter_keys=True) or sd
     config = detection.model_config_from_unet(sd, "")
-    if config is None:
+    if config is None:  # diffusers keys: ComfyUI's model (and a LoRA's keys) use the converted names
         converted = detection.convert_diffusers_mmdit(sd, "")
-        config = detection.model_config_from_unet(converted, "") if converted is not None else None
+        if converted is not None:
+            sd = converted
+            config = detection.model_config_from_unet(sd, "")
     if config is None:
         raise convert.ConfigError(f"ComfyUI does not recognise {handle.name or handle.model.path} as a diffusion "
                                   f"model it can sample; choose a DiT file ParaDiT runs.")
@@ -167,7 +185,10 @@ def parallel_model(handle: convert.ParaDiTModel):
                                                           config.supported_inference_dtypes))
     config.unet_config["disable_unet_model_creation"] = True  # the DiT lives on the workers
     base = config.get_model(sd, "")
-    base.diffusion_model = RemoteDiT(handle, dtype, base.latent_format)
+    remote = RemoteDiT(handle, dtype, base.latent_format)
+    remote._keys = {name: (tuple(t.shape), t.dtype) for name, t in sd.items()}
+    remote._base = weakref.ref(base)
+    base.diffusion_model = remote
     base.memory_required = lambda *args, **kwargs: 0  # nothing of the DiT's lives in the host's memory
     return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(),
                                             offload_device=mm.unet_offload_device(), size=1)

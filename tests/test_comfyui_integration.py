@@ -67,6 +67,17 @@ pytestmark = pytest.mark.timeout(900)
 FLUX_SHAPE = FluxConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=1, num_single_layers=1,
                         context_dim=4096, pooled_dim=768, guidance_embeds=True)
 MODEL = "flux-mini.safetensors"
+TEST_LORA = "paradit-test-lora.safetensors"  # a rank-4 LoRA on the Flux file's first attention output
+
+
+def write_test_lora(folder: str) -> None:
+    """ComfyUI-format LoRA keys for MODEL (written before the server starts: ComfyUI lists loras once)."""
+    os.makedirs(folder, exist_ok=True)
+    g = torch.Generator().manual_seed(5)
+    key = "diffusion_model.double_blocks.0.img_attn.proj"
+    save_file({f"{key}.lora_up.weight": torch.randn(FLUX_SHAPE.hidden_size, 4, generator=g) * 0.01,
+               f"{key}.lora_down.weight": torch.randn(4, FLUX_SHAPE.hidden_size, generator=g) * 0.01},
+              os.path.join(folder, TEST_LORA))
 NOT_FLUX = "not-flux-vae.safetensors"
 
 # KSampler vs Parallel Sampler: both run in fp32 on CPU (ComfyUI picks fp32 for Flux on CPU and the file
@@ -237,6 +248,7 @@ def server():
             os.makedirs(d, exist_ok=True)
         write_checkpoint(os.path.join(models, MODEL), FLUX_SHAPE, seed=0, prefix="model.diffusion_model.",
                          dtype=torch.float32)
+        write_test_lora(os.path.join(root, "models", "loras"))
         save_file({"encoder.conv_in.weight": torch.zeros(128, 3, 3, 3),  # a VAE-like file, not a DiT
                    "decoder.conv_in.weight": torch.zeros(512, 16, 3, 3)}, os.path.join(models, NOT_FLUX))
         os.symlink(REPO, os.path.join(custom, "ParaDiT"))
@@ -246,7 +258,8 @@ def server():
         yaml = os.path.join(root, "extra_model_paths.yaml")
         with open(yaml, "w") as f:
             f.write(f"paradit_test:\n    base_path: {root}\n    custom_nodes: custom_nodes\n"
-                    f"    diffusion_models: models/diffusion_models\n")
+                    f"    diffusion_models: models/diffusion_models\n"
+                    f"    loras: models/loras\n")
         port = _free_port()
         cmd = [COMFYUI_PYTHON, os.path.join(COMFYUI_DIR, "main.py"), "--cpu", "--listen", "127.0.0.1",
                "--port", str(port), "--extra-model-paths-config", yaml,
@@ -994,3 +1007,17 @@ def test_interrupt_under_ksampler_on_the_parallel_model_stops_and_the_next_promp
     after = server.run(stock_graph(devices="cpu:2", strat=strategy(ulysses=2), cfg=2.0, steps=3, seed=79))
     assert after["status"] == "success", _explain(after)
     assert rel_err(server.latent(after, "13"), server.latent(after, "22")) <= KSAMPLER_RTOL
+
+
+def test_a_lora_on_the_parallel_model_is_refused_not_ignored(server):
+    """LoraLoaderModelOnly finds its keys on the parallel MODEL (its diffusion model lists the file's parameter
+    names, as meta tensors); until the workers apply weight patches, the prompt fails in one sentence instead of
+    sampling without the LoRA."""
+    graph = {k: v for k, v in stock_graph(steps=2).items() if k not in ("20", "21", "22")}  # the parallel chain
+    graph["30"] = {"class_type": "LoraLoaderModelOnly",
+                   "inputs": {"model": ["11", 0], "lora_name": TEST_LORA, "strength_model": 0.8}}
+    graph["12"]["inputs"]["model"] = ["30", 0]
+    result = server.run(graph)
+    assert result["status"] == "error", _explain(result)
+    message = result["error"]["exception_message"].strip()
+    assert "a LoRA (or another weight patch) is applied to Load Parallel DiT's MODEL" in message, message
