@@ -194,6 +194,22 @@ def parallel_model(handle: convert.ParaDiTModel):
                                             offload_device=mm.unet_offload_device(), size=1)
 
 
+def refuse_model_patches(model) -> None:
+    """Parallel Sampler runs the file with its own sampling: a patch made on the MODEL in the graph (a LoRA, a
+    ModelSampling shift, a model function wrapper) would be silently lost there, so it is refused instead."""
+    if getattr(model, "patches", None):
+        raise convert.ConfigError("Parallel Sampler runs the file without weight patches, and a LoRA (or another "
+                                  "weight patch) is applied to this MODEL; remove the LoRA loader (LoRA on the "
+                                  "workers is coming).")
+    patched = sorted(getattr(model, "object_patches", None) or {})
+    wrapper = (getattr(model, "model_options", None) or {}).get("model_function_wrapper")
+    if patched or wrapper is not None:
+        what = ", ".join(patched) if patched else "model_function_wrapper"
+        raise convert.ConfigError(f"Parallel Sampler samples with the model's own settings, and this MODEL is patched "
+                                  f"({what}, as ModelSampling nodes set); sample it with KSampler, which applies "
+                                  f"the patch, or remove the patch node.")
+
+
 def handle_of(model) -> convert.ParaDiTModel | None:
     """The ParaDiT handle behind a MODEL from Load Parallel DiT (or the handle itself), else None."""
     if isinstance(model, convert.ParaDiTModel):

@@ -101,6 +101,7 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     from parallel_runtime.validate import validate_numbers
 
     host = host or HOST
+    remote_model.refuse_model_patches(model)
     model = remote_model.handle_of(model)
     if model is None:
         raise ConfigError("Parallel Sampler needs the MODEL of a Load Parallel DiT node, not an ordinary one (e.g. "

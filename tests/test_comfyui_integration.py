@@ -1021,3 +1021,23 @@ def test_a_lora_on_the_parallel_model_is_refused_not_ignored(server):
     assert result["status"] == "error", _explain(result)
     message = result["error"]["exception_message"].strip()
     assert "a LoRA (or another weight patch) is applied to Load Parallel DiT's MODEL" in message, message
+
+
+@pytest.mark.parametrize("patch", ["lora", "model_sampling"])
+def test_parallel_sampler_refuses_a_patched_model_in_one_sentence(server, patch):
+    """Parallel Sampler runs the file with its own sampling: a LoRA or a ModelSampling shift on the MODEL would be
+    lost there, so the prompt fails in one sentence naming KSampler as the way to keep it."""
+    graph = parallel_graph(tag=f"patched-{patch}")
+    if patch == "lora":
+        graph["30"] = {"class_type": "LoraLoaderModelOnly",
+                       "inputs": {"model": ["11", 0], "lora_name": TEST_LORA, "strength_model": 0.8}}
+        expected = "Parallel Sampler runs the file without weight patches"
+    else:
+        graph["30"] = {"class_type": "ModelSamplingFlux", "inputs": {"model": ["11", 0], "max_shift": 2.0,
+                                                                     "base_shift": 0.3, "width": 128, "height": 128}}
+        expected = "sample it with KSampler, which applies the patch"
+    graph["12"]["inputs"]["model"] = ["30", 0]
+    result = server.run(graph)
+    assert result["status"] == "error", _explain(result)
+    message = result["error"]["exception_message"].strip()
+    assert expected in message and message.count(". ") == 0, message
