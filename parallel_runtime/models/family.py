@@ -84,6 +84,26 @@ class JointAttentionConfig:
         return ((True,),) * self.num_blocks
 
 
+class FixedHeadSizeConfig:
+    """Configs whose family fixes the head size (SD3 64, PixArt 72): the width sets the head count, and the
+    latent has the model's input channels."""
+
+    head_dim: int  # set by the family's config class
+
+    def check_width(self, what: str) -> None:
+        if self.hidden_size % self.head_dim:
+            raise ModelFileError(f"{what} {self.hidden_size} is not a multiple of its head size {self.head_dim}; "
+                                 f"the file is damaged, so re-download it.")
+
+    @property
+    def num_heads(self) -> int:
+        return self.hidden_size // self.head_dim
+
+    @property
+    def latent_channels(self) -> int:
+        return self.in_channels
+
+
 class OneBlockListConfig(JointAttentionConfig):
     """What configs of families with one block list and a 4x MLP share (SD3, Qwen-Image, PixArt)."""
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..errors import ModelFileError
 from ..sampling import DiscreteEPSSampling, LatentFormat
-from .family import DiTFamily, Match, OneBlockListConfig
+from .family import DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 from .flux_adapter import FluxAdapter, channels_first, patch_conv
 from .mapping import Source, block_count, has_block, linear
@@ -38,7 +38,7 @@ SDXL_LATENT = LatentFormat("sdxl", 0.13025, 0.0)
 
 
 @dataclass(frozen=True)
-class PixArtConfig(OneBlockListConfig):
+class PixArtConfig(FixedHeadSizeConfig, OneBlockListConfig):
     hidden_size: int
     num_layers: int
     micro_condition: bool  # PixArt-α (1024): size and aspect-ratio embeddings
@@ -52,10 +52,10 @@ class PixArtConfig(OneBlockListConfig):
     pooled_dim = 0
     text_encoders = "T5-XXL (CLIPLoader type pixart)"
 
+    head_dim = HEAD_DIM
+
     def __post_init__(self):
-        if self.hidden_size % HEAD_DIM:
-            raise ModelFileError(f"PixArt width {self.hidden_size} is not a multiple of its head size {HEAD_DIM}; "
-                                 f"the file is damaged, so re-download it.")
+        self.check_width("PixArt width")
 
     @property
     def title(self) -> str:
@@ -64,14 +64,6 @@ class PixArtConfig(OneBlockListConfig):
     @property
     def variant(self) -> str:
         return "alpha" if self.micro_condition else "sigma"
-
-    @property
-    def num_heads(self) -> int:
-        return self.hidden_size // HEAD_DIM
-
-    @property
-    def head_dim(self) -> int:
-        return HEAD_DIM
 
     @property
     def context_dim(self) -> int:
@@ -85,10 +77,6 @@ class PixArtConfig(OneBlockListConfig):
     def attention_layers(self) -> tuple[tuple[bool, ...], ...]:
         """Image-only self-attention: the prompt is cross-attended, whole on every rank."""
         return ((False,),) * self.num_layers
-
-    @property
-    def latent_channels(self) -> int:
-        return self.in_channels
 
     @property
     def axes_dims_rope(self) -> tuple[int, int, int]:

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ModelFileError
 from ..sampling import SD3_LATENT, FluxModelSampling
-from .family import DiTFamily, Match, OneBlockListConfig
+from .family import DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 from .flux_adapter import FluxAdapter, channels_first, patch_conv
 from .mapping import Source, block_count, has_block, linear
@@ -37,7 +37,7 @@ BLOCK_LISTS = ("transformer_blocks",)
 
 
 @dataclass(frozen=True)
-class SD3Config(OneBlockListConfig):
+class SD3Config(FixedHeadSizeConfig, OneBlockListConfig):
     hidden_size: int
     num_layers: int
     pos_embed_max_size: int
@@ -52,23 +52,11 @@ class SD3Config(OneBlockListConfig):
     variant = "sd3"
     text_encoders = "the SD3 text encoders (TripleCLIPLoader: clip_l, clip_g and t5xxl)"
 
+    head_dim = HEAD_DIM
+
     def __post_init__(self):
-        if self.hidden_size % HEAD_DIM:
-            raise ModelFileError(f"SD3 hidden size {self.hidden_size} is not a multiple of its head size {HEAD_DIM}; "
-                                 f"the file is damaged, so re-download it.")
+        self.check_width("SD3 hidden size")
         object.__setattr__(self, "dual_attention_layers", tuple(self.dual_attention_layers))
-
-    @property
-    def num_heads(self) -> int:
-        return self.hidden_size // HEAD_DIM
-
-    @property
-    def head_dim(self) -> int:
-        return HEAD_DIM
-
-    @property
-    def latent_channels(self) -> int:
-        return self.in_channels
 
     @property
     def attention_layers(self) -> tuple[tuple[bool, ...], ...]:
