@@ -221,12 +221,7 @@ class Denoiser:
         self.cfg_scale = sp.cfg
         self.uses_uncond = cfg_uses_uncond(sp.cfg)
 
-        naive = self.topology.naive_patch > 1
-        self.layout = TokenLayout(text_len=self._sequence_text_len(self.branches), image_len=x.shape[1],
-                                  patches=s.patches if self.topology.pipefusion > 1 else 1,
-                                  shards=self.topology.naive_patch if naive else self.topology.sp,
-                                  split_text=not naive, ref_len=self.branches.ref_len)
-        self.shard = self.coords["naive_patch"] if naive else self.topology.sp_rank(self.rank)
+        self._set_layout(self.branches, x.shape[1], s.patches if self.topology.pipefusion > 1 else 1)
         self.hw = (h, w)
         try:
             if self.topology.pipefusion > 1:
@@ -281,12 +276,23 @@ class Denoiser:
     def _text(self, rows: range, branches: Branches | None = None) -> torch.Tensor:
         return self.adapter.embed_text((branches or self.branches).cond[:, rows.start:rows.stop])
 
+    def _set_layout(self, branches: Branches, image_len: int, patches: int) -> None:
+        """This rank's TokenLayout and shard index: naive patch splits the image only, sequence parallelism the
+        whole [text, image, references] sequence."""
+        naive = self.topology.naive_patch > 1
+        self.layout = TokenLayout(text_len=self._sequence_text_len(branches), image_len=image_len, patches=patches,
+                                  shards=self.topology.naive_patch if naive else self.topology.sp,
+                                  split_text=not naive, ref_len=branches.ref_len)
+        self.shard = self.coords["naive_patch"] if naive else self.topology.sp_rank(self.rank)
+
     def _temb(self, i: int, branches: Branches | None = None) -> torch.Tensor:
         branches = branches or self.branches
-        n = branches.cond.shape[0]
+        return self._embed_time(self.timesteps_on_device[i].expand(branches.cond.shape[0]), branches)
+
+    def _embed_time(self, t: torch.Tensor, branches: Branches) -> torch.Tensor:
+        """The adapter's time embedding of per-row timesteps t (PixArt-α also reads the branches' image sizes)."""
         sizes = {"sizes": branches.image_sizes} if getattr(self.adapter, "reads_image_size", False) else {}
-        return self.adapter.timestep_embedding(self.timesteps_on_device[i].expand(n), branches.pooled, branches.guidance,
-                                               self.hw, **sizes)
+        return self.adapter.timestep_embedding(t, branches.pooled, branches.guidance, self.hw, **sizes)
 
     def _repeat(self, x: torch.Tensor, branches: Branches | None = None) -> torch.Tensor:
         count = (branches or self.branches).count
@@ -336,16 +342,22 @@ class Denoiser:
         self.step_times.append(time.perf_counter() - t0)
         self.progress(i + 1, len(self.sigmas) - 1)
 
-    def _gather_result(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor | None:
+    def _gather_shards(self, x: torch.Tensor) -> torch.Tensor:
+        """x with every shard's image rows filled in from the rank that holds them (sequence or naive patch)."""
         group = self.comm.group("naive_patch" if self.topology.naive_patch > 1 else "sp")
+        if group.size == 1:
+            return x
+        parts = self.comm.all_gather(x, group, op="result")
+        full = x.clone()
+        for j, part in enumerate(parts):
+            idx = self.layout.image_index(j, list(range(self.layout.patches)), x.device)
+            full[:, idx] = part[:, idx]
+        return full
+
+    def _gather_result(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor | None:
         if self.topology.pipefusion > 1 and self.coords["pipefusion"] != self.topology.pipefusion - 1:
             return None  # only the last stage holds the sampled rows
-        if group.size > 1:
-            parts = self.comm.all_gather(x, group, op="result")
-            x = x.clone()
-            for j, part in enumerate(parts):
-                idx = self.layout.image_index(j, list(range(self.layout.patches)), x.device)
-                x[:, idx] = part[:, idx]
+        x = self._gather_shards(x)
         if not self._is_result_rank():
             return None
         return self._comfy_shape(final_latent(self.adapter.unpack(x, h, w), self.sigmas[-1],

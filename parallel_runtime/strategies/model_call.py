@@ -17,7 +17,7 @@ import torch
 from ..errors import ConfigError
 from ..runtime.topology import validate_strategy
 from ..spec import Job
-from .denoise import Branches, Denoiser, TokenLayout
+from .denoise import Branches, Denoiser
 
 
 class ModelCallForward(Denoiser):
@@ -49,7 +49,7 @@ class ModelCallForward(Denoiser):
         for group in groups:
             idx = torch.cat([torch.arange(k * batch, (k + 1) * batch) for k in group])
             branches = Branches([chunks[k] for k in group], batch, self.adapter)
-            out[idx] = self._gather_rows(self._forward(x[idx], t[idx.to(t.device)], branches))
+            out[idx] = self._gather_shards(self._forward(x[idx], t[idx.to(t.device)], branches))
         self._finish_vote()
         if split:
             mine_rows = out[mine[0] * batch:(mine[0] + 1) * batch].contiguous()
@@ -60,18 +60,13 @@ class ModelCallForward(Denoiser):
 
     def _forward(self, x: torch.Tensor, t: torch.Tensor, branches: Branches) -> torch.Tensor:
         """This rank's token rows of the model output for one group of chunks, in a tensor shaped like x."""
-        naive = self.topology.naive_patch > 1
         self.branches = branches
-        self.layout = TokenLayout(text_len=self._sequence_text_len(branches), image_len=x.shape[1], patches=1,
-                                  shards=self.topology.naive_patch if naive else self.topology.sp,
-                                  split_text=not naive, ref_len=branches.ref_len)
-        self.shard = self.coords["naive_patch"] if naive else self.topology.sp_rank(self.rank)
+        self._set_layout(branches, x.shape[1], patches=1)
         attention, image_attention, rope, text, refs = self._forward_setup(branches, x.device)
         self.context.attention, self.context.image_attention = attention, image_attention
         rows = self.layout.image_slice(self.shard, 0)
         index = torch.arange(rows.start, rows.stop, device=x.device)
-        sizes = {"sizes": branches.image_sizes} if getattr(self.adapter, "reads_image_size", False) else {}
-        temb = self.adapter.timestep_embedding(t, branches.pooled, branches.guidance, self.hw, **sizes)
+        temb = self._embed_time(t, branches)
         image = self.adapter.embed_image(x[:, rows], index, self.hw)  # x arrives input-scaled
         if refs is not None:
             image = torch.cat([image, refs], dim=1)
@@ -79,16 +74,3 @@ class ModelCallForward(Denoiser):
         out = torch.zeros_like(x)
         out[:, rows] = self.adapter.head(image[:, :len(index)], temb)
         return out
-
-    def _gather_rows(self, out: torch.Tensor) -> torch.Tensor:
-        """Every rank of the sequence split's rows into one tensor."""
-        group = self.comm.group("naive_patch" if self.topology.naive_patch > 1 else "sp")
-        if group.size == 1:
-            return out
-        parts = self.comm.all_gather(out, group, op="result")
-        full = out.clone()
-        for j, part in enumerate(parts):
-            rows = self.layout.image_slice(j, 0)
-            full[:, rows] = part[:, rows]
-        return full
-
