@@ -17,16 +17,17 @@ from . import convert
 class RemoteDiT(torch.nn.Module):
     """The diffusion model of a parallel MODEL: no parameters; `forward` runs on the workers."""
 
-    def __init__(self, handle: convert.ParaDiTModel, dtype: torch.dtype, latent_format=None):
+    def __init__(self, handle: convert.ParaDiTModel, dtype: torch.dtype, base, keys: dict):
+        """`base`: the BaseModel this serves (held weakly: it owns us); `keys`: ComfyUI's parameter names ->
+        (shape, dtype) of the file, so LoRA loaders find their keys."""
         super().__init__()
         self.handle = handle
-        self.latent_format = latent_format  # to hand reference latents back raw, as Conditioning carries them
         self.dtype = dtype  # ComfyUI's BaseModel.get_dtype reads it
         self.patch_size = 2  # and its extra_conds this
+        self.latent_format = base.latent_format  # to hand reference latents back raw, as Conditioning carries them
+        self._base = weakref.ref(base)  # not a submodule: read for its current patcher
+        self._keys = keys
         self._strategies: dict = {}  # (latent shape, chunks) -> resolved StrategySpec, once per sampling setup
-        self.host = None  # the node module's ComfyHost (tests swap in a fake)
-        self._keys: dict = {}  # ComfyUI's parameter names -> (shape, dtype), so LoRA loaders find their keys
-        self._base = lambda: None  # weakref to the BaseModel (not a submodule), for its current patcher
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """The file's parameters as meta tensors under ComfyUI's names: a LoRA loader maps its keys onto them
@@ -56,6 +57,7 @@ class RemoteDiT(torch.nn.Module):
             raise convert.ConfigError(f"ParaDiT got a model call of {rows} rows in {len(labels)} chunks; this is a "
                                       f"ParaDiT bug, please report it.")
         batch = rows // len(labels)
+        client = get_client(self.handle.devices)
         outputs = []
         # Up to two chunks per runtime call (ComfyUI's cond and uncond); the CFG group splits them.
         for start in range(0, len(labels), 2):
@@ -65,8 +67,7 @@ class RemoteDiT(torch.nn.Module):
             strategy = self._strategy(tuple(x[sl].shape), len(chunks))
             job = Job(self.handle.model, strategy, SamplingSpec(steps=1), x[sl].detach().float().cpu(), chunks[0],
                       chunks[1] if len(chunks) > 1 else None, timestep=timesteps[sl].detach().float().cpu())
-            client = get_client(self.handle.devices)
-            outputs.append(_run(client, job, self.host))
+            outputs.append(_run(client, job))
         out = torch.cat(outputs).to(x.device)
         return out.unsqueeze(2) if video else out
 
@@ -86,12 +87,12 @@ class RemoteDiT(torch.nn.Module):
         return self._strategies[key]
 
 
-def _run(client, job, host):
+def _run(client, job):
     """One runtime job; ComfyUI's Cancel stops the workers and raises ComfyUI's own interrupt."""
     from parallel_runtime.errors import Cancelled
 
-    if host is None:
-        from .sampler import HOST as host
+    from .sampler import HOST as host
+
     try:
         return client.run(job, interrupted=host.interrupted).latent
     except Cancelled:
@@ -185,10 +186,7 @@ def parallel_model(handle: convert.ParaDiTModel):
                                                           config.supported_inference_dtypes))
     config.unet_config["disable_unet_model_creation"] = True  # the DiT lives on the workers
     base = config.get_model(sd, "")
-    remote = RemoteDiT(handle, dtype, base.latent_format)
-    remote._keys = {name: (tuple(t.shape), t.dtype) for name, t in sd.items()}
-    remote._base = weakref.ref(base)
-    base.diffusion_model = remote
+    base.diffusion_model = RemoteDiT(handle, dtype, base, {name: (tuple(t.shape), t.dtype) for name, t in sd.items()})
     base.memory_required = lambda *args, **kwargs: 0  # nothing of the DiT's lives in the host's memory
     return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(),
                                             offload_device=mm.unet_offload_device(), size=1)
@@ -230,7 +228,9 @@ def _meta_state_dict(path: str) -> dict:
 def _host_dtype(handle, sd: dict, config, mm) -> torch.dtype:
     """The dtype UNETLoader would pick for this file (or the loader's weight_dtype): the host casts the model's
     input to it before each call, as for a model it holds."""
-    named = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(handle.model.weight_dtype)
+    from parallel_runtime.runtime.devices import named_dtype
+
+    named = named_dtype(handle.model.weight_dtype)
     if named is not None:
         return named
     import comfy.utils

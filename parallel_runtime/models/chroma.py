@@ -32,7 +32,7 @@ from ..sampling import model_sampling_for
 from .family import DiTFamily, JointAttentionConfig, Match
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES, default_axes_dims_rope, map_double_block, map_single_block
 from .flux_adapter import FluxAdapter
-from .mapping import Source, block_count, has_block, linear
+from .mapping import Source, block_count, has_block, linear, same_names
 
 MOD_INDEX_ROWS = 344  # comfy/ldm/chroma/model.py: mod_index_length, fixed whatever the block counts
 APPROXIMATOR_IN = 64  # 16 (timestep) + 16 (guidance) + 32 (modulation index) sinusoid features
@@ -163,7 +163,7 @@ def _diffusers_model(config: ChromaConfig):
 
 def source_map(config: ChromaConfig, layout: str, prefix: str = "") -> dict[str, Source]:
     if layout == "diffusers":
-        return {n: Source(prefix + n) for n in _diffusers_model(config).state_dict()}
+        return same_names(_diffusers_model(config).state_dict(), prefix)
     p, H = prefix, config.hidden_size
     M = 4 * H
     out: dict[str, Source] = {}

@@ -27,7 +27,7 @@ import torch
 from ..errors import ModelFileError
 from .family import JointAttentionConfig
 from .loading import CheckpointReader
-from .mapping import Source, apply_transform, block_count, linear  # noqa: F401 (apply_transform re-exported)
+from .mapping import Source, apply_transform, block_count, linear, same_names  # noqa: F401 (apply_transform re-exported)
 
 LAYOUTS = ("bfl", "diffusers")
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
@@ -272,11 +272,7 @@ def infer_config(reader: CheckpointReader, layout: str | None = None, prefix: st
 # ----------------------------------------------------------------------------------
 def diffusers_param_names(config: FluxConfig) -> list[str]:
     """Every parameter name of ``FluxTransformer2DModel(**config.diffusers_kwargs())`` (built on meta)."""
-    from diffusers import FluxTransformer2DModel
-
-    with torch.device("meta"):
-        model = FluxTransformer2DModel(**config.diffusers_kwargs())
-    return list(model.state_dict().keys())
+    return list(meta_model(config).state_dict().keys())
 
 
 def map_double_block(out: dict, d: str, b: str, H: int, M: int, modulation: bool = True) -> None:
@@ -317,7 +313,7 @@ def map_single_block(out: dict, s: str, b: str, H: int, M: int, modulation: bool
 def source_map(config: FluxConfig, layout: str, prefix: str = "") -> dict[str, Source]:
     """Map every diffusers parameter name to its ``Source`` in a checkpoint of ``layout``."""
     if layout == "diffusers":
-        return {n: Source(prefix + n) for n in diffusers_param_names(config)}
+        return same_names(diffusers_param_names(config), prefix)
     if layout != "bfl":
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
 

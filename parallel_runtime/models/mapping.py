@@ -96,6 +96,11 @@ def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, bloc
     return model
 
 
+def same_names(names, prefix: str = "") -> dict[str, Source]:
+    """The key map of a diffusers-layout file: every parameter under its own name (after `prefix`)."""
+    return {n: Source(prefix + n) for n in names}
+
+
 def parameter_counts(model: torch.nn.Module, blocks: list[torch.nn.Module], always: tuple[str, ...],
                      first: tuple[str, ...], last: tuple[str, ...]) -> tuple[tuple[int, ...], int, int, int]:
     """(per block, every stage's, the first stage's, the last stage's) element counts of what a meta-device

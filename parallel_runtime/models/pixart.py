@@ -26,7 +26,7 @@ from ..sampling import DiscreteEPSSampling, LatentFormat
 from .family import DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 from .flux_adapter import FluxAdapter, channels_first, patch_conv
-from .mapping import Source, block_count, has_block, linear
+from .mapping import Source, block_count, has_block, linear, same_names
 
 HEAD_DIM = 72  # ComfyUI hard-codes 16 heads of 72 (1152 wide) for every PixArt
 ALWAYS_OWNED = ("adaln_single.",)
@@ -144,7 +144,7 @@ def _diffusers_model(config: PixArtConfig):
 def source_map(config: PixArtConfig, layout: str, prefix: str = "") -> dict[str, Source]:
     """comfy/utils.py's PIXART_MAP_BASIC / PIXART_MAP_BLOCK, read in the other direction."""
     if layout == "diffusers":
-        return {n: Source(prefix + n) for n in _diffusers_model(config).state_dict()}
+        return same_names(_diffusers_model(config).state_dict(), prefix)
     p, H = prefix, config.hidden_size
     out: dict[str, Source] = {}
     linear(out, "pos_embed.proj", p + "x_embedder.proj")

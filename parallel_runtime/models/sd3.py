@@ -27,7 +27,7 @@ from ..sampling import SD3_LATENT, FluxModelSampling
 from .family import DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 from .flux_adapter import FluxAdapter, channels_first, patch_conv
-from .mapping import Source, block_count, has_block, linear
+from .mapping import Source, block_count, has_block, linear, same_names
 
 HEAD_DIM = 64  # every SD3 release; ComfyUI's MMDiT derives heads = hidden / 64
 ALWAYS_OWNED = ("time_text_embed.",)
@@ -152,7 +152,7 @@ def _map_attention(out: dict, dst: str, src: str, H: int, qk_norm: bool, q="to_q
 
 def source_map(config: SD3Config, layout: str, prefix: str = "") -> dict[str, Source]:
     if layout == "diffusers":
-        return {n: Source(prefix + n) for n in _diffusers_model(config).state_dict()}
+        return same_names(_diffusers_model(config).state_dict(), prefix)
     p, H = prefix, config.hidden_size
     out: dict[str, Source] = {}
     linear(out, "pos_embed.proj", p + "x_embedder.proj")

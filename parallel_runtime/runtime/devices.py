@@ -44,6 +44,13 @@ def auto_notice(spec: str, devices: list[str]) -> str | None:
     return None
 
 
+def named_dtype(name: str):
+    """The torch dtype of a weight_dtype name other than 'default' (fp32, bf16, fp16), else None."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+
+
 def default_dtype(device_type: str, capability: tuple[int, int] | None = None):
     """weight_dtype 'default', as ComfyUI picks it: half precision where the device computes it fast. bf16
     needs compute capability 8.0 (Ampere); older GPUs (Volta, Turing) get fp16. CPU: fp32."""

@@ -106,14 +106,13 @@ class WorkerState:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    from .devices import default_dtype
+    from .devices import default_dtype, named_dtype
 
-    table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if name == "default":
         return default_dtype(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
-    if name not in table:
+    if named_dtype(name) is None:
         raise ConfigError(f"weight_dtype {name!r} is unknown; choose default, bf16, fp16 or fp32.")
-    return table[name]
+    return named_dtype(name)
 
 
 class Aborted(Exception):
