@@ -28,6 +28,11 @@ class RemoteDiT(torch.nn.Module):
         self._base = weakref.ref(base)  # not a submodule: read for its current patcher
         self._keys = keys
         self._strategies: dict = {}  # (latent shape, chunks) -> resolved StrategySpec, once per sampling setup
+        self._patches = None  # (patches_uuid, WeightPatches) of the last LoRA stack seen
+
+    def parameter_shapes(self) -> dict:
+        """ComfyUI's parameter name (no prefix) -> the file's shape."""
+        return {name: shape for name, (shape, _) in self._keys.items()}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """The file's parameters as meta tensors under ComfyUI's names: a LoRA loader maps its keys onto them
@@ -42,12 +47,7 @@ class RemoteDiT(torch.nn.Module):
 
         options = transformer_options or {}
         _refuse_what_the_workers_cannot_do(control, options, kwargs)
-        base = self._base()
-        patcher = getattr(base, "current_patcher", None)
-        if patcher is not None and patcher.patches:
-            raise convert.ConfigError("a LoRA (or another weight patch) is applied to Load Parallel DiT's MODEL, and "
-                                      "weight patches do not reach the ParaDiT workers yet; remove the LoRA loader "
-                                      "or load the model with UNETLoader.")
+        patches = self._weight_patches(getattr(self._base(), "current_patcher", None))
         video = x.ndim == 5
         if video:  # a video VAE's latent (Qwen-Image's Wan 2.1) with one frame: the workers take [B, C, H, W]
             x = x.squeeze(2)
@@ -66,10 +66,21 @@ class RemoteDiT(torch.nn.Module):
             chunks = [_chunk_conditioning(k, batch, context, y, guidance, kwargs, self.latent_format) for k in ks]
             strategy = self._strategy(tuple(x[sl].shape), len(chunks))
             job = Job(self.handle.model, strategy, SamplingSpec(steps=1), x[sl].detach().float().cpu(), chunks[0],
-                      chunks[1] if len(chunks) > 1 else None, timestep=timesteps[sl].detach().float().cpu())
+                      chunks[1] if len(chunks) > 1 else None, timestep=timesteps[sl].detach().float().cpu(),
+                      weight_patches=patches)
             outputs.append(_run(client, job))
         out = torch.cat(outputs).to(x.device)
         return out.unsqueeze(2) if video else out
+
+    def _weight_patches(self, patcher):
+        """The sampling patcher's LoRA stack for the workers, converted once per stack (ComfyUI's patches_uuid
+        changes whenever the patches do)."""
+        from .weight_patches import weight_patches_of
+
+        uuid = getattr(patcher, "patches_uuid", None) if patcher is not None and patcher.patches else None
+        if self._patches is None or self._patches[0] != uuid:
+            self._patches = (uuid, weight_patches_of(patcher, self.parameter_shapes()))
+        return self._patches[1]
 
     def _strategy(self, shape: tuple, chunks: int):
         """The handle's strategy for calls of this shape: manual as set, auto decided once per shape."""
@@ -193,12 +204,9 @@ def parallel_model(handle: convert.ParaDiTModel):
 
 
 def refuse_model_patches(model) -> None:
-    """Parallel Sampler runs the file with its own sampling: a patch made on the MODEL in the graph (a LoRA, a
-    ModelSampling shift, a model function wrapper) would be silently lost there, so it is refused instead."""
-    if getattr(model, "patches", None):
-        raise convert.ConfigError("Parallel Sampler runs the file without weight patches, and a LoRA (or another "
-                                  "weight patch) is applied to this MODEL; remove the LoRA loader (LoRA on the "
-                                  "workers is coming).")
+    """Parallel Sampler runs the file with its own sampling: a patch on the MODEL's sampling (a ModelSampling
+    shift, a model function wrapper) would be silently lost there, so it is refused instead. Weight patches
+    (LoRA) are not: they travel with the job (`weight_patches_of`)."""
     patched = sorted(getattr(model, "object_patches", None) or {})
     wrapper = (getattr(model, "model_options", None) or {}).get("model_function_wrapper")
     if patched or wrapper is not None:
@@ -214,6 +222,12 @@ def handle_of(model) -> convert.ParaDiTModel | None:
         return model
     inner = getattr(getattr(model, "model", None), "diffusion_model", None)
     return inner.handle if isinstance(inner, RemoteDiT) else None
+
+
+def parameter_shapes(model) -> dict:
+    """ComfyUI's parameter name (no prefix) -> shape of the file behind a parallel MODEL ({} for a handle)."""
+    inner = getattr(getattr(model, "model", None), "diffusion_model", None)
+    return inner.parameter_shapes() if isinstance(inner, RemoteDiT) else {}
 
 
 def _meta_state_dict(path: str) -> dict:

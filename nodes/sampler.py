@@ -6,6 +6,7 @@ import time
 from comfy_api.latest import io, ui
 
 from . import convert, remote_model
+from .weight_patches import weight_patches_of
 
 STATUS_INTERVAL_S = 1.0  # at most this often a client.status() call and a "paradit.status" event while sampling
 
@@ -102,10 +103,12 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
 
     host = host or HOST
     remote_model.refuse_model_patches(model)
-    model = remote_model.handle_of(model)
-    if model is None:
+    handle = remote_model.handle_of(model)
+    if handle is None:
         raise ConfigError("Parallel Sampler needs the MODEL of a Load Parallel DiT node, not an ordinary one (e.g. "
                           "from UNETLoader); load the file with Load Parallel DiT, or sample this model with KSampler.")
+    lora = weight_patches_of(model, remote_model.parameter_shapes(model))
+    model = handle
 
     samples, extra = convert.latent_samples(latent_image)
     pos = convert.conditioning(positive, "positive")
@@ -164,7 +167,7 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
             send("running", step=step, total=total, info=info)
 
     job = Job(model=model.model, strategy=strategy, sampling=sampling, latent=samples, positive=pos,
-              negative=neg, extra=extra)
+              negative=neg, extra=extra, weight_patches=lora)
     try:
         out = client.sample(job, progress=progress, interrupted=host.interrupted)
     except Cancelled:

@@ -124,9 +124,71 @@ class Job:
     # row of `latent`, which then holds the input-scaled x of the call's chunks (positive = the first chunk,
     # negative = the second); the result is the model output, not a denoised latent.
     timestep: torch.Tensor | None = None
+    # LoRA-style patches each rank applies to the weights it holds (None: the file's own weights).
+    weight_patches: "WeightPatches | None" = None
 
     @property
     def batch(self) -> int:
         """Latent rows per conditioning: the latent batch, or one chunk's rows of a model call."""
         chunks = 2 if self.timestep is not None and self.negative is not None else 1
         return self.latent.shape[0] // chunks
+
+
+# What a LoRA-style weight patch may hold, per kind (ComfyUI's weight adapters and plain patch tuples).
+PATCH_SLOTS = {
+    "lora": ("up", "down", "mid", "dora_scale"),
+    "loha": ("w1a", "w1b", "w2a", "w2b", "t1", "t2", "dora_scale"),
+    "lokr": ("w1", "w2", "w1_a", "w1_b", "w2_a", "w2_b", "t2", "dora_scale"),
+    "diff": ("diff",),
+    "set": ("value",),
+}
+PATCH_FUNCTIONS = (None, "swap_halves")  # what may act on a patch's delta (diffusers LoRA keys of a final norm)
+
+
+@dataclass
+class WeightPatch:
+    """One entry of ComfyUI's patch list for one weight (the tuple comfy/lora.py's calculate_weight reads)."""
+
+    kind: str  # a PATCH_SLOTS key
+    tensors: dict[str, torch.Tensor]  # by slot name; absent slots are None in ComfyUI
+    strength: float = 1.0
+    strength_model: float = 1.0
+    alpha: float | None = None
+    offset: tuple[int, int, int] | None = None  # (dim, start, length): the patch covers that part of the weight
+    function: str | None = None  # a PATCH_FUNCTIONS name
+
+
+@dataclass
+class WeightPatches:
+    """Every weight patch on a MODEL (a LoRA stack), by ComfyUI's parameter name without "diffusion_model.".
+
+    `id` changes whenever the patches do (ComfyUI's patches_uuid): workers keep the last set they were sent, so
+    its tensors cross the control channel once, and a job naming the same id carries only the id."""
+
+    id: str
+    weights: dict[str, list[WeightPatch]]
+
+    def meta(self) -> dict:
+        return {"id": self.id, "weights": [[key, [{"kind": p.kind, "slots": sorted(p.tensors), "strength": p.strength,
+                                                   "strength_model": p.strength_model, "alpha": p.alpha,
+                                                   "offset": list(p.offset) if p.offset else None,
+                                                   "function": p.function} for p in patches]]
+                                           for key, patches in self.weights.items()]}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        # Indices, not the keys themselves, name the tensors: ComfyUI's keys hold dots.
+        return {f"patch/{n}/{i}/{slot}": t for n, patches in enumerate(self.weights.values())
+                for i, p in enumerate(patches) for slot, t in p.tensors.items()}
+
+    @classmethod
+    def from_message(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> "WeightPatches":
+        weights = {}
+        for n, (key, patches) in enumerate(meta["weights"]):
+            weights[key] = [WeightPatch(p["kind"], {s: tensors[f"patch/{n}/{i}/{s}"] for s in p["slots"]},
+                                        p["strength"], p["strength_model"], p["alpha"],
+                                        tuple(p["offset"]) if p["offset"] else None, p["function"])
+                            for i, p in enumerate(patches)]
+        return cls(meta["id"], weights)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())

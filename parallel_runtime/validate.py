@@ -158,6 +158,13 @@ def validate_job(job: Job, world_size: int) -> None:
         raise ConfigError(f"the latent is {lat.shape[-1] * 8}x{lat.shape[-2] * 8} px but {config.title} has no "
                           f"positions below an average side of {mean_side * 8} px; generate a larger image.")
     validate_branches(job)
+    if job.weight_patches is not None:
+        from .models.family import family_of
+        from .models.weight_patches import validate_weight_patches
+
+        family = family_of(config)
+        validate_weight_patches(job.weight_patches, family.weight_patch_targets(config),
+                                f"this {getattr(config, 'title', family.title)} file")
     validate_strategy(job.strategy, world_size=world_size, heads=config.num_heads,
                       num_blocks=config.num_blocks, latent_hw=tuple(lat.shape[2:]),
                       cfg_scale=sp.cfg if job.timestep is None else None, steps=sp.steps)

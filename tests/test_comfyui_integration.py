@@ -67,17 +67,61 @@ pytestmark = pytest.mark.timeout(900)
 FLUX_SHAPE = FluxConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=1, num_single_layers=1,
                         context_dim=4096, pooled_dim=768, guidance_embeds=True)
 MODEL = "flux-mini.safetensors"
-TEST_LORA = "paradit-test-lora.safetensors"  # a rank-4 LoRA on the Flux file's first attention output
+# LoRA files for MODEL in the formats users have, each keyed as its trainer writes it (written before the server
+# starts: ComfyUI lists loras once). ComfyUI's loaders map them onto the model's names; the workers apply them.
+LORAS = {"bfl": "paradit-lora-bfl.safetensors", "kohya": "paradit-lora-kohya.safetensors",
+         "peft": "paradit-lora-peft.safetensors", "lycoris": "paradit-lora-lycoris.safetensors"}
 
 
-def write_test_lora(folder: str) -> None:
-    """ComfyUI-format LoRA keys for MODEL (written before the server starts: ComfyUI lists loras once)."""
+def write_test_loras(folder: str) -> None:
+    """Rank-4 LoRAs whose deltas are ~25% of the weights they touch (a visible change)."""
     os.makedirs(folder, exist_ok=True)
+    H, M = FLUX_SHAPE.hidden_size, 4 * FLUX_SHAPE.hidden_size
     g = torch.Generator().manual_seed(5)
-    key = "diffusion_model.double_blocks.0.img_attn.proj"
-    save_file({f"{key}.lora_up.weight": torch.randn(FLUX_SHAPE.hidden_size, 4, generator=g) * 0.01,
-               f"{key}.lora_down.weight": torch.randn(4, FLUX_SHAPE.hidden_size, generator=g) * 0.01},
-              os.path.join(folder, TEST_LORA))
+
+    def rand(*shape, scale=0.05):
+        return torch.randn(*shape, generator=g) * scale
+
+    def lora(keys: dict, up: str, down: str, alpha: bool = False) -> dict:
+        out = {}
+        for name, (rows, cols) in keys.items():
+            out[name + up], out[name + down] = rand(rows, 4), rand(4, cols)
+            if alpha:
+                out[name + ".alpha"] = torch.tensor(2.0)
+        return out
+
+    # BFL / ComfyUI's own names (lora_A = down, lora_B = up), with a bias diff.
+    bfl = lora({"diffusion_model.double_blocks.0.img_attn.qkv": (3 * H, H),
+                "diffusion_model.double_blocks.0.txt_mlp.0": (M, H),
+                "diffusion_model.single_blocks.0.linear1": (3 * H + M, H),
+                "diffusion_model.single_blocks.0.linear2": (H, H + M),
+                "diffusion_model.final_layer.linear": (64, H)}, ".lora_B.weight", ".lora_A.weight")
+    bfl["diffusion_model.double_blocks.0.img_attn.proj.diff_b"] = rand(H, scale=0.01)
+    # kohya (sd-scripts): lora_unet_ with underscores, lora_up/lora_down and an alpha.
+    kohya = lora({"lora_unet_double_blocks_0_img_attn_proj": (H, H), "lora_unet_double_blocks_0_img_mod_lin": (6 * H, H),
+                  "lora_unet_single_blocks_0_modulation_lin": (3 * H, H),
+                  "lora_unet_double_blocks_0_txt_attn_qkv": (3 * H, H)}, ".lora_up.weight", ".lora_down.weight",
+                 alpha=True)
+    # diffusers / PEFT: diffusers' names, so q, k, v and the single blocks' MLP land in fused tensors at offsets,
+    # and the final norm's (scale, shift) in BFL's (shift, scale) order.
+    peft = lora({f"transformer.{k}": v for k, v in {
+        "transformer_blocks.0.attn.to_q": (H, H), "transformer_blocks.0.attn.to_k": (H, H),
+        "transformer_blocks.0.attn.to_v": (H, H), "transformer_blocks.0.attn.add_v_proj": (H, H),
+        "single_transformer_blocks.0.proj_mlp": (M, H), "norm_out.linear": (2 * H, H),
+        "x_embedder": (H, 64)}.items()}, ".lora_B.weight", ".lora_A.weight")
+    # LyCORIS (SimpleTuner's lycoris_ names): a LoKr on the image MLP, a LoHa on the single block's output.
+    lycoris = {"lycoris_transformer_blocks_0_ff_net_0_proj.lokr_w1": rand(4, 4, scale=1.0),
+               "lycoris_transformer_blocks_0_ff_net_0_proj.lokr_w2_a": rand(H, 4),
+               "lycoris_transformer_blocks_0_ff_net_0_proj.lokr_w2_b": rand(4, H // 4),
+               "lycoris_transformer_blocks_0_ff_net_0_proj.alpha": torch.tensor(4.0),
+               "lycoris_single_transformer_blocks_0_proj_out.hada_w1_a": rand(H, 4, scale=0.3),
+               "lycoris_single_transformer_blocks_0_proj_out.hada_w1_b": rand(4, H + M, scale=0.3),
+               "lycoris_single_transformer_blocks_0_proj_out.hada_w2_a": rand(H, 4, scale=0.3),
+               "lycoris_single_transformer_blocks_0_proj_out.hada_w2_b": rand(4, H + M, scale=0.3)}
+    for kind, tensors in (("bfl", bfl), ("kohya", kohya), ("peft", peft), ("lycoris", lycoris)):
+        save_file(tensors, os.path.join(folder, LORAS[kind]))
+
+
 NOT_FLUX = "not-flux-vae.safetensors"
 
 # KSampler vs Parallel Sampler: both run in fp32 on CPU (ComfyUI picks fp32 for Flux on CPU and the file
@@ -248,7 +292,7 @@ def server():
             os.makedirs(d, exist_ok=True)
         write_checkpoint(os.path.join(models, MODEL), FLUX_SHAPE, seed=0, prefix="model.diffusion_model.",
                          dtype=torch.float32)
-        write_test_lora(os.path.join(root, "models", "loras"))
+        write_test_loras(os.path.join(root, "models", "loras"))
         save_file({"encoder.conv_in.weight": torch.zeros(128, 3, 3, 3),  # a VAE-like file, not a DiT
                    "decoder.conv_in.weight": torch.zeros(512, 16, 3, 3)}, os.path.join(models, NOT_FLUX))
         os.symlink(REPO, os.path.join(custom, "ParaDiT"))
@@ -1009,33 +1053,103 @@ def test_interrupt_under_ksampler_on_the_parallel_model_stops_and_the_next_promp
     assert rel_err(server.latent(after, "13"), server.latent(after, "22")) <= KSAMPLER_RTOL
 
 
-def test_a_lora_on_the_parallel_model_is_refused_not_ignored(server):
-    """LoraLoaderModelOnly finds its keys on the parallel MODEL (its diffusion model lists the file's parameter
-    names, as meta tensors); until the workers apply weight patches, the prompt fails in one sentence instead of
-    sampling without the LoRA."""
-    graph = {k: v for k, v in stock_graph(steps=2).items() if k not in ("20", "21", "22")}  # the parallel chain
-    graph["30"] = {"class_type": "LoraLoaderModelOnly",
-                   "inputs": {"model": ["11", 0], "lora_name": TEST_LORA, "strength_model": 0.8}}
-    graph["12"]["inputs"]["model"] = ["30", 0]
+# ---------------------------------------------------------------------------------------------------
+# (j) LoRA on the parallel MODEL: ComfyUI's loaders map each file's keys onto the model's names, and every rank
+# applies the patches to the weights it holds; the latent equals UNETLoader + the same LoRA nodes.
+
+def lora_chain(loras: list[tuple[str, float]], parallel_sampler: bool = False):
+    """A `_both_models` builder: LoraLoaderModelOnly per (file, strength), then KSampler (Parallel Sampler on Load
+    Parallel DiT's MODEL when `parallel_sampler`)."""
+    def build(model, base):
+        sampler = "ParaDiTSampler" if parallel_sampler and model == ["11", 0] else "KSampler"
+        nodes = {}
+        for i, (name, strength) in enumerate(loras):
+            nodes[str(base + i)] = {"class_type": "LoraLoaderModelOnly",
+                                    "inputs": {"model": model, "lora_name": name, "strength_model": strength}}
+            model = [str(base + i), 0]
+        out = str(base + len(loras))
+        nodes[out] = {"class_type": sampler, "inputs": dict(LORA_SAMPLING, model=model, positive=["1", 0],
+                                                           negative=["2", 0], latent_image=["4", 0])}
+        return out, nodes
+    return build
+
+
+LORA_SAMPLING = sampling(seed=3, steps=3, cfg=2.0, sampler_name="dpmpp_2m")
+
+
+def _lora_graph(loras, devices="cpu:1", strat=None, parallel_sampler=False) -> dict:
+    graph = _both_models(stock_graph(devices=devices, strat=strat), lora_chain(loras, parallel_sampler))
+    # A third chain, UNETLoader without the LoRAs (saved as 32), proves the LoRAs change the picture.
+    graph["30"] = {"class_type": "KSampler", "inputs": dict(LORA_SAMPLING, model=["20", 0], positive=["1", 0],
+                                                           negative=["2", 0], latent_image=["4", 0])}
+    graph["32"] = {"class_type": "SaveLatent", "inputs": {"samples": ["30", 0], "filename_prefix": "latents/nolora"}}
+    return graph
+
+
+def _lora_run(server, graph, what: str) -> float:
     result = server.run(graph)
-    assert result["status"] == "error", _explain(result)
-    message = result["error"]["exception_message"].strip()
-    assert "a LoRA (or another weight patch) is applied to Load Parallel DiT's MODEL" in message, message
+    assert result["status"] == "success", _explain(result)
+    par, ref, plain = (server.latent(result, n) for n in ("13", "22", "32"))
+    err, change = rel_err(par, ref), rel_err(ref, plain)
+    print(f"\n{what}: Load Parallel DiT vs UNETLoader rel. L2 {err:.2e} (the LoRAs change the latent by {change:.2e})")
+    assert change > 1e-2  # a LoRA the workers ignored would be caught here
+    return err
 
 
-@pytest.mark.parametrize("patch", ["lora", "model_sampling"])
-def test_parallel_sampler_refuses_a_patched_model_in_one_sentence(server, patch):
-    """Parallel Sampler runs the file with its own sampling: a LoRA or a ModelSampling shift on the MODEL would be
-    lost there, so the prompt fails in one sentence naming KSampler as the way to keep it."""
-    graph = parallel_graph(tag=f"patched-{patch}")
-    if patch == "lora":
-        graph["30"] = {"class_type": "LoraLoaderModelOnly",
-                       "inputs": {"model": ["11", 0], "lora_name": TEST_LORA, "strength_model": 0.8}}
-        expected = "Parallel Sampler runs the file without weight patches"
-    else:
-        graph["30"] = {"class_type": "ModelSamplingFlux", "inputs": {"model": ["11", 0], "max_shift": 2.0,
-                                                                     "base_shift": 0.3, "width": 128, "height": 128}}
-        expected = "sample it with KSampler, which applies the patch"
+@pytest.mark.parametrize("kind", list(LORAS))
+def test_lora_file_format_on_the_parallel_model_equals_unetloader(server, kind):
+    """BFL/ComfyUI names (with a bias diff), kohya (alpha), diffusers/PEFT (q/k/v and MLP at offsets in fused
+    tensors, the final norm's halves swapped) and LyCORIS (LoKr, LoHa), each at strength 1."""
+    assert _lora_run(server, _lora_graph([(LORAS[kind], 1.0)]), f"LoRA {kind}") <= KSAMPLER_RTOL
+
+
+@pytest.mark.parametrize("strat", [strategy(ulysses=2), strategy(cfg=2)], ids=["ulysses2", "cfg2"])
+def test_two_stacked_loras_on_two_workers_equal_unetloader(server, strat):
+    loras = [(LORAS["kohya"], 0.8), (LORAS["peft"], -0.5)]
+    err = _lora_run(server, _lora_graph(loras, "cpu:2", strat), f"kohya 0.8 + peft -0.5 on cpu:2 {strat['inputs']}")
+    assert err <= KSAMPLER_RTOL
+
+
+def test_two_stacked_loras_under_parallel_sampler_pipefusion_equal_unetloader(server):
+    """Parallel Sampler takes the LoRA'd MODEL too: each PipeFusion stage patches only the blocks it holds. Warm-up
+    over every step keeps PipeFusion exact, so the bound is KSampler's."""
+    loras = [(LORAS["bfl"], 0.8), (LORAS["lycoris"], -0.5)]
+    graph = _lora_graph(loras, "cpu:2", strategy(pp=2, warmup=LORA_SAMPLING["steps"]), parallel_sampler=True)
+    err = _lora_run(server, graph, "bfl 0.8 + lycoris -0.5 under Parallel Sampler pp2")
+    assert err <= KSAMPLER_RTOL
+
+
+def _model_loads(server) -> int:
+    return sum(c.get("model_loads", 0) for c in server.get("/paradit/status")["clients"])
+
+
+def test_swapping_loras_between_prompts_repatches_without_reloading(server):
+    """A, then B, then none, then A again on the same workers: each prompt equals UNETLoader with the same LoRA,
+    and the base file is read once (the workers keep the file's weights aside and re-patch)."""
+    runs = [[(LORAS["kohya"], 0.8)], [(LORAS["peft"], 1.0)], [], [(LORAS["kohya"], 0.8)]]
+    loads = None
+    for i, loras in enumerate(runs):
+        graph = _lora_graph(loras, "cpu:2", strategy(ulysses=2))
+        for node in [n for n, v in graph.items() if v["class_type"] == "KSampler"]:
+            graph[node]["inputs"]["seed"] = 40 + i  # a new seed per prompt: ComfyUI would reuse cached results
+        result = server.run(graph)
+        assert result["status"] == "success", _explain(result)
+        err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
+        print(f"\nprompt {i} with {[n for n, _ in loras] or 'no LoRA'}: rel. L2 {err:.2e}, "
+              f"model loads so far {_model_loads(server)}")
+        assert err <= KSAMPLER_RTOL
+        if loads is None:
+            loads = _model_loads(server)
+    assert _model_loads(server) == loads
+
+
+def test_parallel_sampler_refuses_a_model_sampling_patch_in_one_sentence(server):
+    """Parallel Sampler runs the file with its own sampling: a ModelSampling shift on the MODEL would be lost there,
+    so the prompt fails in one sentence naming KSampler as the way to keep it."""
+    graph = parallel_graph(tag="patched-model-sampling")
+    graph["30"] = {"class_type": "ModelSamplingFlux", "inputs": {"model": ["11", 0], "max_shift": 2.0,
+                                                                 "base_shift": 0.3, "width": 128, "height": 128}}
+    expected = "sample it with KSampler, which applies the patch"
     graph["12"]["inputs"]["model"] = ["30", 0]
     result = server.run(graph)
     assert result["status"] == "error", _explain(result)

@@ -137,6 +137,7 @@ class DiTFamily:
     always_owned: tuple[str, ...]
     first_stage: tuple[str, ...]
     last_stage: tuple[str, ...]
+    comfy_layout: str  # the key layout whose names are ComfyUI's parameter names (what LoRA patches name)
     after_build: Callable[[torch.nn.Module], None] | None = None  # settings the key map cannot carry (eps, ...)
 
     def build(self, config, reader, match: Match, owned, dtype, device) -> torch.nn.Module:
@@ -166,6 +167,10 @@ class DiTFamily:
     def adapter(self, config, model: torch.nn.Module, chunks: list[range], context) -> DiTAdapter:
         return self.adapter_class(config, model, chunks, context)
 
+    def weight_patch_targets(self, config) -> dict:
+        """ComfyUI parameter name -> [(diffusers parameter, Source)]: where a LoRA patch of that name lands."""
+        return _weight_patch_targets(self, config)
+
 
 @functools.lru_cache(maxsize=32)
 def _parameter_counts(family: DiTFamily, config) -> tuple[tuple[int, ...], int, int, int]:
@@ -174,6 +179,13 @@ def _parameter_counts(family: DiTFamily, config) -> tuple[tuple[int, ...], int, 
     model = family.meta_model(config)
     blocks = [block for attr in family.block_lists for block in getattr(model, attr)]
     return parameter_counts(model, blocks, family.always_owned, family.first_stage, family.last_stage)
+
+
+@functools.lru_cache(maxsize=8)
+def _weight_patch_targets(family: DiTFamily, config) -> dict:
+    from .weight_patches import patch_targets
+
+    return patch_targets(family.source_map(config, family.comfy_layout))
 
 
 @functools.lru_cache(maxsize=32)

@@ -262,4 +262,4 @@ FLUX = DiTFamily(
     infer_config=lambda reader, match, name: flux.infer_config(reader, match.layout, match.prefix),
     meta_model=flux.meta_model, source_map=flux.source_map, checkpoint_shapes=_checkpoint_shapes,
     adapter_class=FluxAdapter, block_lists=("transformer_blocks", "single_transformer_blocks"),
-    always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE)
+    always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE, comfy_layout="bfl")

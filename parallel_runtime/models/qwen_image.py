@@ -215,4 +215,4 @@ QWEN_IMAGE = DiTFamily(
     name="qwen_image", title="Qwen-Image (and Edit)", match=match_layout, infer_config=infer_config,
     meta_model=_diffusers_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes,
     adapter_class=QwenImageAdapter, block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE,
-    last_stage=LAST_STAGE)
+    last_stage=LAST_STAGE, comfy_layout="diffusers")

@@ -331,4 +331,5 @@ class SD3Adapter:
 SD3 = DiTFamily(
     name="sd3", title="SD3 / SD3.5 (Medium, Large)", match=match_layout, infer_config=infer_config,
     meta_model=_diffusers_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=SD3Adapter,
-    block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE)
+    block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE,
+    comfy_layout="original")

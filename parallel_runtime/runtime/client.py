@@ -80,6 +80,8 @@ class RuntimeClient:
         self.device_bytes: dict[int, int | None] = {}  # latest accelerator memory each rank reported (RSS is read here)
         self.memory_reports: list[dict] = []  # each rank's memory as it answered the last ping
         self._step_estimates: dict[tuple, float] = {}  # job shape (see run) -> slowest step seen
+        self.model_loads = 0  # jobs for which some worker read weights from a file (status, tests)
+        self._patches_on_workers: str | None = None  # id of the WeightPatches every worker holds
         # Runs when the client is collected and at interpreter exit; it takes no lock, so exit never waits
         # for a running job.
         self._finalizer = weakref.finalize(self, _kill_all, self.procs, self.chans)
@@ -97,6 +99,7 @@ class RuntimeClient:
             self.shutdown()
             if self.notice:
                 log.warning("ParaDiT: %s", self.notice)
+            self._patches_on_workers = None  # fresh workers hold no patches
             self._dir = tempfile.mkdtemp(prefix="paradit-")  # mkdtemp makes it 0700: only we can connect
             address = os.path.join(self._dir, "control.sock")
             key = secrets.token_bytes(32)
@@ -238,6 +241,10 @@ class RuntimeClient:
                 tensors.update(job.negative.tensors("negative"))
             if job.timestep is not None:
                 tensors["timestep"] = job.timestep
+            if job.weight_patches is not None:
+                meta["weight_patches"] = job.weight_patches.meta()
+                if job.weight_patches.id != self._patches_on_workers:  # else the workers keep them already
+                    tensors.update(job.weight_patches.tensors())
             self.last_strategy = job.strategy.label()
             # What a step costs depends on the model and its dtype too (and on whether cfg adds a branch).
             key = (job.model.path, job.model.weight_dtype, job.strategy, tuple(job.latent.shape), job.sampling.steps,
@@ -245,7 +252,9 @@ class RuntimeClient:
             watch = JobWatch(self.watchdog, self.devices, self._step_estimates.get(key))
             t0 = time.perf_counter()
             self._send_all(encode("job", meta, tensors))
+            self._patches_on_workers = job.weight_patches.id if job.weight_patches is not None else None
             latent, stats = self._collect(watch, progress, interrupted)
+            self.model_loads += any(s.get("loaded") for s in stats)
             if watch.step_seconds:
                 self._step_estimates[key] = max(watch.step_seconds)
             return JobResult(latent, stats, time.perf_counter() - t0)
@@ -486,7 +495,8 @@ class RuntimeClient:
                     "device_bytes": self.device_bytes.get(rank)}
                    for rank, device in enumerate(self.devices)]
         return {"devices": self.devices, "workers": workers, "strategy": self.last_strategy,
-                "sec_per_step": self.last_sec_per_step}
+                "sec_per_step": self.last_sec_per_step, "model_loads": self.model_loads,
+                "weight_patches": self._patches_on_workers}
 
     def release(self) -> None:
         """Free the workers' weights but keep the processes (and their process group) alive."""

@@ -46,6 +46,8 @@ class WorkerState:
         self.groups = None  # comm.GroupPool: process groups kept across jobs and topologies
         self.cancel = threading.Event()
         self.last_load_seconds = 0.0
+        self.patcher = None  # models.weight_patches.RankWeightPatcher of the loaded model
+        self.weight_patches = None  # the last WeightPatches the client sent (kept for a reload)
 
     # -- model ---------------------------------------------------------------------------------------
 
@@ -53,6 +55,7 @@ class WorkerState:
         """Load the blocks this rank's pipeline stage owns; returns True if it had to (re)load."""
         from ..models.family import read_model
         from ..models.loading import CheckpointReader
+        from ..models.weight_patches import RankWeightPatcher
         from ..strategies.attention.processor import AttentionContext
 
         path = model_spec["path"]
@@ -61,7 +64,7 @@ class WorkerState:
         key = (path, stat.st_mtime_ns, stat.st_size, model_spec["weight_dtype"], stage, stages)
         if key == self.loaded_key:
             return False
-        self.adapter = self.loaded_key = None  # free the old weights before reading new ones
+        self.adapter = self.loaded_key = self.patcher = None  # free the old weights before reading new ones
         t0 = time.perf_counter()
         with CheckpointReader(path) as reader:
             family, match, config = read_model(reader, os.path.basename(path))
@@ -71,6 +74,7 @@ class WorkerState:
             model = family.build(config, reader, match, owned=owned, dtype=dtype, device=self.device)
         self.context = AttentionContext()
         self.adapter = family.adapter(config, model, chunks, self.context)
+        self.patcher = RankWeightPatcher(model, family.weight_patch_targets(config))
         self.loaded_key = key
         self.last_load_seconds = time.perf_counter() - t0
         return True
@@ -99,8 +103,20 @@ class WorkerState:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def take_weight_patches(self, meta: dict | None, tensors: dict) -> None:
+        """Keep the job's weight patches: sent in full when they are new to this worker, else named by id."""
+        from ..spec import WeightPatches
+
+        if meta is None:
+            self.weight_patches = None
+        elif any(name.startswith("patch/") for name in tensors):
+            self.weight_patches = WeightPatches.from_message(meta, tensors)
+        elif self.weight_patches is None or self.weight_patches.id != meta["id"]:
+            raise ConfigError("the job names LoRA patches this worker was never sent (a ParaDiT bug); run the "
+                              "prompt again.")
+
     def release(self) -> None:
-        self.adapter = self.loaded_key = self.context = None
+        self.adapter = self.loaded_key = self.context = self.patcher = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -140,15 +156,18 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
 
     job = _job_from_message(meta, tensors)
     topology = Topology.from_strategy(job.strategy)
+    state.take_weight_patches(meta.get("weight_patches"), tensors)  # first: the client counts on it being kept
     FAULTS.maybe("oom_load", state.rank)
     loaded = state.ensure_model(meta["model"], topology)
-    chan.send("loaded", {"rank": state.rank, "param_bytes": parameter_bytes(state.adapter.model)})
+    patched = state.patcher.apply(state.weight_patches)
+    chan.send("loaded", {"rank": state.rank, "param_bytes": parameter_bytes(state.adapter.model),
+                         "patched_tensors": patched})
     if gate.get() != "go":
         raise Aborted()
     pulse.phase = "sampling"
     stats, latent = _denoise(state, chan, job, topology, pulse)
     state.end_job()  # on a failure serve() does, after telling the client
-    stats.update(loaded=loaded, load_seconds=state.last_load_seconds)
+    stats.update(loaded=loaded, load_seconds=state.last_load_seconds, patched_tensors=patched)
     pulse.end_job()  # no beat may follow the result
     chan.send("done", stats, {"latent": latent} if latent is not None else None)
 
