@@ -1125,7 +1125,7 @@ def _model_loads(server) -> int:
 
 def test_swapping_loras_between_prompts_repatches_without_reloading(server):
     """A, then B, then none, then A again on the same workers: each prompt equals UNETLoader with the same LoRA,
-    and the base file is read once (the workers keep the file's weights aside and re-patch)."""
+    and the model is loaded once (a swap re-reads only the tensors the LoRAs touch, from the file)."""
     runs = [[(LORAS["kohya"], 0.8)], [(LORAS["peft"], 1.0)], [], [(LORAS["kohya"], 0.8)]]
     loads = None
     for i, loras in enumerate(runs):

@@ -36,6 +36,11 @@ def apply_transform(tensor: torch.Tensor, transform: str | None) -> torch.Tensor
     raise ValueError(f"unknown transform {transform!r}")
 
 
+def read_source(reader, src: Source, dtype: torch.dtype, device) -> torch.Tensor:
+    """One parameter's value from the file, as a rank holds it."""
+    return apply_transform(reader.read(src.key, rows=src.rows, dtype=dtype, device=device), src.transform)
+
+
 def linear(out: dict, dst: str, src: str, rows: slice | None = None, transform: str | None = None) -> None:
     """Map a Linear's weight and bias (the same rows of both)."""
     out[f"{dst}.weight"] = Source(f"{src}.weight", rows, transform)
@@ -80,7 +85,7 @@ def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, bloc
     state: dict[str, torch.Tensor] = {}
     for n in wanted:
         src = smap[n]
-        tensor = apply_transform(reader.read(src.key, rows=src.rows, dtype=dtype, device=device), src.transform)
+        tensor = read_source(reader, src, dtype, device)
         if tuple(tensor.shape) != expected[n]:
             where = f"{src.key!r}" + (f" rows {src.rows.start}:{src.rows.stop}" if src.rows is not None else "")
             raise ModelFileError(

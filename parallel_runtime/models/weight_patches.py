@@ -5,8 +5,9 @@ ComfyUI patches a weight by name (its own parameter names, which are the checkpo
 ComfyUI layout): it upcasts the weight to float32, adds each patch of its list in order (comfy/lora.py's
 calculate_weight) and casts back. A rank holds diffusers parameters cut from those tensors (`mapping.Source`:
 rows, a transform), so `RankWeightPatcher` rebuilds each patched tensor from the original parameters it
-came from, runs the same arithmetic on it, and writes the rows back. The originals are kept aside (on the CPU),
-so a new LoRA stack, or none, starts from the file's weights again.
+came from, runs the same arithmetic on it, and writes the rows back. A new LoRA stack, or none, starts from the
+file's weights again: the touched tensors are read again from the file (`FileParameters`), the model is not
+rebuilt.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from ..errors import ConfigError
 from ..spec import PATCH_FUNCTIONS, PATCH_SLOTS, WeightPatch, WeightPatches
-from .mapping import Source, apply_transform
+from .mapping import Source, apply_transform, read_source
 
 
 def patched_weight(weight: torch.Tensor, patches: Iterable[WeightPatch]) -> torch.Tensor:
@@ -129,15 +130,38 @@ def patch_targets(source_map: dict[str, Source]) -> dict[str, list[tuple[str, So
     return targets
 
 
+class FileParameters:
+    """The file's value of any parameter a rank holds, read again exactly as the build read it (rows, transform,
+    dtype). Re-reading, rather than keeping a copy aside, costs no memory: ranks on one machine share the file's
+    pages, where a copy per rank of a LoRA'd Flux would be 24 GB each."""
+
+    def __init__(self, path: str, source_map: dict[str, Source], dtype: torch.dtype, device):
+        self.path, self.source_map, self.dtype, self.device = path, source_map, dtype, device
+        self._reader = None
+
+    def __enter__(self) -> "FileParameters":
+        from .loading import CheckpointReader
+
+        self._reader = CheckpointReader(self.path)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._reader.close()
+        self._reader = None
+
+    def read(self, name: str) -> torch.Tensor:
+        return read_source(self._reader, self.source_map[name], self.dtype, self.device)
+
+
 class RankWeightPatcher:
     """Puts a WeightPatches on the parameters this rank holds, and takes the last one off."""
 
-    def __init__(self, model: torch.nn.Module, targets: dict[str, list[tuple[str, Source]]]):
+    def __init__(self, model: torch.nn.Module, targets: dict[str, list[tuple[str, Source]]], files: FileParameters):
         tensors = dict(model.named_parameters())
         tensors.update(model.named_buffers())
         self.params = {n: t for n, t in tensors.items() if t.device.type != "meta"}
-        self.targets = targets
-        self.originals: dict[str, torch.Tensor] = {}  # parameter -> its file value, while a patch changes it
+        self.targets, self.files = targets, files
+        self.patched: set[str] = set()  # parameters that differ from the file
         self.applied: str | None = None  # the id of the patches in place
 
     def apply(self, patches: WeightPatches | None) -> int:
@@ -148,11 +172,13 @@ class RankWeightPatcher:
         if new_id == self.applied:
             return len(mine)
         self.applied = None  # half-applied until the end: a failure here makes the next job start over
-        patched = {name for key in mine for name, _ in self.targets[key]}
-        for name in [n for n in self.originals if n not in patched]:
-            self.params[name].copy_(self.originals.pop(name))
-        for key, key_patches in mine.items():
-            self._patch(key, key_patches)
+        wanted = {name for key in mine for name, _ in self.targets[key]}
+        with self.files:
+            for name in sorted(self.patched - wanted):
+                self.params[name].copy_(self.files.read(name))
+                self.patched.discard(name)
+            for key, key_patches in mine.items():  # one tensor at a time: no second copy of the model
+                self._patch(key, key_patches)
         self.applied = new_id
         return len(mine)
 
@@ -163,19 +189,16 @@ class RankWeightPatcher:
             raise RuntimeError(f"this rank holds only part of {key}; ParaDiT cannot patch it (a ParaDiT bug).")
         return bool(sources) and all(held)
 
-    def _original(self, name: str) -> torch.Tensor:
-        return self.originals[name] if name in self.originals else self.params[name]
-
     def _patch(self, key: str, patches: list[WeightPatch]) -> None:
         sources = sorted(self.targets[key], key=lambda ns: ns[1].rows.start if ns[1].rows is not None else 0)
-        # The whole tensor in float32, as the file (and ComfyUI's model) hold it: the transforms undo themselves.
-        parts = [apply_transform(self._original(name).float(), source.transform) for name, source in sources]
-        weight = patched_weight(torch.cat(parts) if len(parts) > 1 else parts[0].clone(), patches)
+        # The whole tensor in float32 as ComfyUI's model holds it (the file's value in the rank's dtype, upcast):
+        # the transforms undo themselves.
+        parts = [apply_transform(self.files.read(name).float(), source.transform) for name, source in sources]
+        weight = patched_weight(torch.cat(parts) if len(parts) > 1 else parts[0], patches)
         for name, source in sources:
-            if name not in self.originals:
-                self.originals[name] = self.params[name].detach().to("cpu", copy=True)
             rows = weight[source.rows] if source.rows is not None else weight
             self.params[name].copy_(apply_transform(rows, source.transform))  # copy_ casts as ComfyUI's .to
+            self.patched.add(name)
 
 
 def validate_weight_patches(patches: WeightPatches, targets: dict, what: str) -> None:

@@ -55,7 +55,7 @@ class WorkerState:
         """Load the blocks this rank's pipeline stage owns; returns True if it had to (re)load."""
         from ..models.family import read_model
         from ..models.loading import CheckpointReader
-        from ..models.weight_patches import RankWeightPatcher
+        from ..models.weight_patches import FileParameters, RankWeightPatcher
         from ..strategies.attention.processor import AttentionContext
 
         path = model_spec["path"]
@@ -74,7 +74,8 @@ class WorkerState:
             model = family.build(config, reader, match, owned=owned, dtype=dtype, device=self.device)
         self.context = AttentionContext()
         self.adapter = family.adapter(config, model, chunks, self.context)
-        self.patcher = RankWeightPatcher(model, family.weight_patch_targets(config))
+        files = FileParameters(path, family.source_map(config, match.layout, match.prefix), dtype, self.device)
+        self.patcher = RankWeightPatcher(model, family.weight_patch_targets(config), files)
         self.loaded_key = key
         self.last_load_seconds = time.perf_counter() - t0
         return True
