@@ -13,6 +13,7 @@ import weakref
 import torch
 
 from . import convert
+from .host import HOST
 
 class RemoteDiT(torch.nn.Module):
     """The diffusion model of a parallel MODEL: no parameters; `forward` runs on the workers."""
@@ -58,16 +59,19 @@ class RemoteDiT(torch.nn.Module):
                                       f"ParaDiT bug, please report it.")
         batch = rows // len(labels)
         client = get_client(self.handle.devices)
+        step = _schedule_step(options)
+        if step == 0:  # a sampling run starts: ComfyUI's models leave the workers' GPUs, as for Parallel Sampler
+            HOST.free_memory_for(client.devices)
         outputs = []
         # Up to two chunks per runtime call (ComfyUI's cond and uncond); the CFG group splits them.
         for start in range(0, len(labels), 2):
             ks = list(range(start, min(start + 2, len(labels))))
             sl = slice(ks[0] * batch, (ks[-1] + 1) * batch)
             chunks = [_chunk_conditioning(k, batch, context, y, guidance, kwargs, self.latent_format) for k in ks]
-            strategy = self._strategy(tuple(x[sl].shape), len(chunks))
+            strategy = self._strategy(tuple(x[sl].shape), len(chunks), client)
             job = Job(self.handle.model, strategy, SamplingSpec(steps=1), x[sl].detach().float().cpu(), chunks[0],
                       chunks[1] if len(chunks) > 1 else None, timestep=timesteps[sl].detach().float().cpu(),
-                      weight_patches=patches)
+                      weight_patches=patches, call_step=step)
             outputs.append(_run(client, job))
         out = torch.cat(outputs).to(x.device)
         return out.unsqueeze(2) if video else out
@@ -82,14 +86,15 @@ class RemoteDiT(torch.nn.Module):
             self._patches = (uuid, weight_patches_of(patcher, self.parameter_shapes()))
         return self._patches[1]
 
-    def _strategy(self, shape: tuple, chunks: int):
-        """The handle's strategy for calls of this shape: manual as set, auto decided once per shape."""
+    def _strategy(self, shape: tuple, chunks: int, client):
+        """The handle's strategy for calls of this shape: manual as set, auto decided once per shape (for
+        per-call runs: PipeFusion's pipeline drains every call, and the workers' free memory is the budget)."""
         key = (shape, chunks)
         if key not in self._strategies:
             def choose(*args):
                 from parallel_runtime.planning.auto import choose_strategy
 
-                return choose_strategy(*args)
+                return choose_strategy(*args, memory_budget_bytes=client.memory_budget(), per_call=True)
 
             cfg = 2.0 if chunks == 2 else 1.0  # a second chunk is ComfyUI's uncond: CFG parallel can take it
             per_image = (shape[0] // chunks, *shape[1:])
@@ -98,16 +103,25 @@ class RemoteDiT(torch.nn.Module):
         return self._strategies[key]
 
 
+def _schedule_step(options: dict) -> int:
+    """The step of the sampler's schedule this call belongs to: how many of the schedule's sigmas (ComfyUI puts
+    them in transformer_options) lie above the call's. A second evaluation within a step (Heun) counts as the
+    next step; without a schedule, 0 (PipeFusion then warms up: exact)."""
+    schedule, sigma = options.get("sample_sigmas"), options.get("sigmas")
+    if schedule is None or sigma is None:
+        return 0
+    current = float(sigma.max())
+    return int((schedule.float() > current * (1 + 1e-6)).sum())
+
+
 def _run(client, job):
     """One runtime job; ComfyUI's Cancel stops the workers and raises ComfyUI's own interrupt."""
     from parallel_runtime.errors import Cancelled
 
-    from .sampler import HOST as host
-
     try:
-        return client.run(job, interrupted=host.interrupted).latent
+        return client.run(job, interrupted=HOST.interrupted).latent
     except Cancelled:
-        raise host.interrupt() from None
+        raise HOST.interrupt() from None
 
 
 def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent_format=None):

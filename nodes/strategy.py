@@ -29,7 +29,7 @@ class ParaDiTStrategy(io.ComfyNode):
         node_id = getattr(cls.hidden, "unique_id", None) if cls.hidden is not None else None
         choice = convert.strategy_choice(mode, cfg_degree, pipefusion_degree, ulysses_degree, ring_degree,
                                          num_pipeline_patch, warmup_steps, node_id=node_id)
-        from .sampler import HOST
+        from .host import HOST
 
         HOST.send_text(choice.describe(), node_id)
         return io.NodeOutput(choice, ui=ui.PreviewText(choice.describe()))

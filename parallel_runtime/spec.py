@@ -124,6 +124,8 @@ class Job:
     # row of `latent`, which then holds the input-scaled x of the call's chunks (positive = the first chunk,
     # negative = the second); the result is the model output, not a denoised latent.
     timestep: torch.Tensor | None = None
+    # A model call's step in the host sampler's schedule (PipeFusion warms up on the first steps of each run).
+    call_step: int | None = None
     # LoRA-style patches each rank applies to the weights it holds (None: the file's own weights).
     weight_patches: "WeightPatches | None" = None
 

@@ -922,6 +922,29 @@ def test_ksampler_on_two_workers_equals_unetloader(server, strat):
     assert err <= KSAMPLER_RTOL
 
 
+def test_ksampler_with_pipefusion_warm_throughout_equals_unetloader(server):
+    """PipeFusion inside each model call; every step a warm-up step (the whole image through both stages): exact."""
+    result = server.run(stock_graph(devices="cpu:2", strat=strategy(pp=2, warmup=4), cfg=2.0, steps=4, seed=4,
+                                    sampler_name="dpmpp_2m", scheduler="karras"))
+    assert result["status"] == "success", _explain(result)
+    err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
+    print(f"\nKSampler on cpu:2 pp2 warm-up 4 of 4: rel. L2 {err:.2e}")
+    assert err <= KSAMPLER_RTOL
+
+
+def test_ksampler_with_pipefusion_stale_kv_stays_close_to_unetloader(server):
+    """After one warm-up step each call pipelines 2 patches over the previous call's K/V (heun: two calls a step,
+    the second counted as the next step). Approximate like Parallel Sampler's PipeFusion: within a few percent of
+    the exact latent, but measurably off it (the stale rows were read)."""
+    for sampler_name in ("dpmpp_2m", "heun"):
+        result = server.run(stock_graph(devices="cpu:2", strat=strategy(pp=2, patches=2, warmup=1), cfg=2.0, steps=6,
+                                        seed=4, sampler_name=sampler_name, scheduler="karras"))
+        assert result["status"] == "success", _explain(result)
+        err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
+        print(f"\nKSampler {sampler_name} on cpu:2 pp2 M2 warm-up 1 of 6: rel. L2 {err:.2e} vs UNETLoader")
+        assert KSAMPLER_RTOL < err < 5e-2
+
+
 def test_parallel_sampler_refuses_an_ordinary_model_in_one_sentence(server):
     graph = parallel_graph(tag="ordinary")
     graph["20"] = {"class_type": "UNETLoader", "inputs": {"unet_name": MODEL, "weight_dtype": "default"}}
@@ -1103,8 +1126,10 @@ def test_lora_file_format_on_the_parallel_model_equals_unetloader(server, kind):
     assert _lora_run(server, _lora_graph([(LORAS[kind], 1.0)]), f"LoRA {kind}") <= KSAMPLER_RTOL
 
 
-@pytest.mark.parametrize("strat", [strategy(ulysses=2), strategy(cfg=2)], ids=["ulysses2", "cfg2"])
+@pytest.mark.parametrize("strat", [strategy(ulysses=2), strategy(cfg=2), strategy(pp=2, warmup=3)],
+                         ids=["ulysses2", "cfg2", "pp2-warm"])
 def test_two_stacked_loras_on_two_workers_equal_unetloader(server, strat):
+    """Under PipeFusion each stage patches only the blocks it holds; warm-up over all 3 steps keeps it exact."""
     loras = [(LORAS["kohya"], 0.8), (LORAS["peft"], -0.5)]
     err = _lora_run(server, _lora_graph(loras, "cpu:2", strat), f"kohya 0.8 + peft -0.5 on cpu:2 {strat['inputs']}")
     assert err <= KSAMPLER_RTOL

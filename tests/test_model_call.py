@@ -65,7 +65,8 @@ def host_loop(client: RuntimeClient, name: str, path: str, adapter, strategy: S)
         sigma = sigmas[i]
         x_in = ms.calculate_input(sigma, x).repeat(2, 1, 1, 1)
         t = ms.timestep(sigma.expand(2 * b)).float()
-        call = Job(ModelSpec(path), strategy, SamplingSpec(steps=1), x_in, positive, negative, timestep=t)
+        call = Job(ModelSpec(path), strategy, SamplingSpec(steps=1), x_in, positive, negative, timestep=t,
+                   call_step=i)
         out = client.run(call).latent
         cond, uncond = (ms.calculate_denoised(sigma, o, x) for o in out.chunk(2))
         denoised = cfg_combine(cond, uncond, CFG)
@@ -103,6 +104,30 @@ def test_host_loop_of_calls_equals_parallel_sampler_at_one_worker(family, parall
 def test_calls_under_exact_strategies_equal_parallel_sampler(family, parallel_sampler, client2, strategy):
     name, path, adapter = family
     assert rel_err(host_loop(client2, name, path, adapter, strategy), parallel_sampler) <= CALL_RTOL
+
+
+def test_calls_under_pipefusion_warmed_up_throughout_equal_parallel_sampler(family, parallel_sampler, client2):
+    """PipeFusion within each call, every step a warm-up step: the whole image through both stages, exact."""
+    name, path, adapter = family
+    strategy = S(pipefusion_degree=2, warmup_steps=STEPS)
+    assert rel_err(host_loop(client2, name, path, adapter, strategy), parallel_sampler) <= CALL_RTOL
+
+
+def test_calls_under_pipefusion_with_stale_kv_equal_parallel_samplers_pipefusion(family, parallel_sampler, client2):
+    """After one warm-up step each call pipelines its patches over stale K/V from the previous call. The staleness
+    is the same as in Parallel Sampler's cross-step pipeline (patches before this one fresh, after it one
+    evaluation old), so the two agree to round-off while both differ from the exact result."""
+    name, path, adapter = family
+    strategy = S(pipefusion_degree=2, warmup_steps=1, num_pipeline_patch=2)
+    positive, negative = prompts(name)
+    own = client2.run(Job(ModelSpec(path), strategy, SamplingSpec(seed=SEED, steps=STEPS, cfg=CFG), latent_of(name),
+                          positive, negative)).latent
+    own = own.squeeze(2) if own.ndim == 5 else own
+    calls = host_loop(client2, name, path, adapter, strategy)
+    print(f"\n{name}: per-call PipeFusion vs Parallel Sampler's {rel_err(calls, own):.2e}, "
+          f"vs exact {rel_err(calls, parallel_sampler):.2e}")
+    assert rel_err(calls, own) <= CALL_RTOL
+    assert rel_err(calls, parallel_sampler) > CALL_RTOL  # stale K/V really was read
 
 
 def test_a_call_returns_the_raw_model_output_of_each_chunk_in_order(family, client2):

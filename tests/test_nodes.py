@@ -100,6 +100,7 @@ if "comfy_api" not in sys.modules:
 from nodes import convert  # noqa: E402
 from nodes.loader import ParaDiTLoader  # noqa: E402
 from nodes.sampler import ParaDiTSampler  # noqa: E402
+from nodes import host as host_mod  # noqa: E402
 from nodes import sampler as sampler_mod  # noqa: E402
 from nodes.strategy import ParaDiTStrategy  # noqa: E402
 from parallel_runtime.errors import Cancelled, ConfigError, OutOfMemory  # noqa: E402
@@ -324,7 +325,7 @@ def test_sampler_names_fall_back_without_runtime_samplers(monkeypatch):
 
 def test_strategy_node_manual_and_auto(monkeypatch):
     host = FakeHost()
-    monkeypatch.setattr(sampler_mod, "HOST", host)
+    monkeypatch.setattr(host_mod, "HOST", host)
     node = type("Clone", (ParaDiTStrategy,), {"hidden": types.SimpleNamespace(unique_id="7")})
     out = node.execute("manual", 2, 1, 2, 1, 0, 1)
     choice = out.args[0]

@@ -72,7 +72,7 @@ def device_memory_budget(devices: list[str]) -> int:
 
 def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str], calib: costmodel.Calibration, *,
                     text_len: int, steps: int, weight_dtype: str = "default", memory_budget_bytes: int | None = None,
-                    warmup_steps: int = 1, unequal_prompts: bool = False) -> list[Candidate]:
+                    warmup_steps: int = 1, unequal_prompts: bool = False, per_call: bool = False) -> list[Candidate]:
     """All candidates, projected and checked against memory, fastest first. `unequal_prompts`: the positive
     and negative prompts encode to different lengths, which PipeFusion runs only with CFG parallel."""
     b, _, h, w = latent_shape
@@ -88,7 +88,7 @@ def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str],
             continue
         mem = costmodel.rank_memory(s, config, text_tokens=text_len, image_tokens=(h // 2) * (w // 2), batch=b,
                                     cfg=cfg, weight_bytes=e, act_bytes=e, layout=layout)
-        proj = costmodel.project(s, config, calib, cfg=cfg, steps=steps, batch=b, act_bytes=e)
+        proj = costmodel.project(s, config, calib, cfg=cfg, steps=steps, batch=b, act_bytes=e, per_call=per_call)
         out.append(Candidate(s, proj, mem, mem["total"] <= budget))
     out.sort(key=lambda c: c.projection.job_s)
     return out
@@ -144,8 +144,10 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
                     text_len: int = DEFAULT_TEXT_TOKENS, steps: int = DEFAULT_STEPS, threads: int | None = None,
                     weight_dtype: str = "default", memory_budget_bytes: int | None = None,
                     calibration: costmodel.Calibration | None = None, warmup_steps: int = 1,
-                    refresh: bool = False, unequal_prompts: bool = False) -> tuple[StrategySpec, str]:
-    """The strategy to run a job on `devices`, and a one-line reason.
+                    refresh: bool = False, unequal_prompts: bool = False,
+                    per_call: bool = False) -> tuple[StrategySpec, str]:
+    """The strategy to run a job on `devices`, and a one-line reason. `per_call`: for a stock sampler's model
+    calls (PipeFusion drains its pipeline every call).
 
     Calibration (block compute at this job's token count, link between the workers) is measured on first
     use and cached on disk; pass `calibration` to reuse one, `memory_budget_bytes` to override the
@@ -172,7 +174,7 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
     budget = device_memory_budget(device_list) if memory_budget_bytes is None else memory_budget_bytes
     candidates = rank_candidates(config, tuple(latent_shape), cfg, device_list, calibration, text_len=text_len,
                                  steps=steps, weight_dtype=weight_dtype, memory_budget_bytes=budget,
-                                 warmup_steps=warmup_steps, unequal_prompts=unequal_prompts)
+                                 warmup_steps=warmup_steps, unequal_prompts=unequal_prompts, per_call=per_call)
     best = pick(candidates)
     if best is None:
         need = min((c.memory["total"] for c in candidates), default=0)

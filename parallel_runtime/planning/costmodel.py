@@ -494,8 +494,10 @@ def stage_block_kinds(config, stages: int) -> list[tuple[int, int]]:
 
 
 def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, steps: int, batch: int = 1,
-            act_bytes: int | None = None, stage_kinds: list[tuple[int, int]] | None = None) -> Projection:
-    """Seconds per step and per job of `strategy` under `calib`."""
+            act_bytes: int | None = None, stage_kinds: list[tuple[int, int]] | None = None,
+            per_call: bool = False) -> Projection:
+    """Seconds per step and per job of `strategy` under `calib`. `per_call`: a stock sampler calls the model
+    once per step, so PipeFusion's pipeline fills and drains within every step."""
     topo = Topology.from_strategy(strategy)
     bt = calib.blocks
     t_len, n_len = bt.text_tokens, bt.image_tokens
@@ -543,6 +545,8 @@ def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, s
         compute = max(steady_stage)
         warm = sum(warm_stage) + sum(other) + sum(p2p)
         fill = sum(steady_stage[:-1]) / m
+        if per_call:  # every patch goes through every stage before the call returns: the bubble, each step
+            step, fill = sum(stage_time) / m + (m - 1) * max(stage_time) / m, 0.0
         w = min(strategy.warmup_steps, steps)
         job = w * warm + (steps - w) * step + (fill if steps > w else 0.0) + comm_job_extra
         return Projection(strategy, step, job, compute, max(step - compute, 0.0), comm_by_op)

@@ -241,6 +241,7 @@ class RuntimeClient:
                 tensors.update(job.negative.tensors("negative"))
             if job.timestep is not None:
                 tensors["timestep"] = job.timestep
+                meta["call_step"] = job.call_step
             if job.weight_patches is not None:
                 meta["weight_patches"] = job.weight_patches.meta()
                 if job.weight_patches.id != self._patches_on_workers:  # else the workers keep them already

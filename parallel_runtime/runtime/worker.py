@@ -93,14 +93,17 @@ class WorkerState:
             self.comms = {topology: Comm(topology, self.rank, self.device, pool=self.groups)}
         return self.comms[topology]
 
-    def end_job(self) -> None:
+    def end_job(self, keep_stale_kv: bool = False) -> None:
         """Free what one job built (PipeFusion's stale K/V alone is ~1.6 GB per rank at 1024^2): the
         attention strategy holds it, so point the processors back at plain attention and return the
-        cached blocks to the device."""
+        cached blocks to the device. A stock sampler's PipeFusion call keeps its stale K/V for the next call
+        (until a job of another kind, a failure or a release)."""
         from ..strategies.attention import LocalAttention
 
         if self.context is not None:
-            self.context.attention = LocalAttention()
+            self.context.attention = self.context.image_attention = LocalAttention()
+            if not keep_stale_kv:
+                self.context.stale_kv.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -144,7 +147,7 @@ def _job_from_message(meta: dict, tensors: dict):
 
     return Job(ModelSpec(**meta["model"]), StrategySpec(**meta["strategy"]), SamplingSpec(**meta["sampling"]),
                tensors["latent"], branch("positive"), branch("negative") if "negative.cond" in tensors else None,
-               extra=meta.get("extra", {}), timestep=tensors.get("timestep"))
+               extra=meta.get("extra", {}), timestep=tensors.get("timestep"), call_step=meta.get("call_step"))
 
 
 def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse, gate: queue.Queue) -> None:
@@ -167,7 +170,8 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
         raise Aborted()
     pulse.phase = "sampling"
     stats, latent = _denoise(state, chan, job, topology, pulse)
-    state.end_job()  # on a failure serve() does, after telling the client
+    # On a failure serve() ends the job, after telling the client (and drops any stale K/V).
+    state.end_job(keep_stale_kv=job.timestep is not None and job.strategy.pipefusion_degree > 1)
     stats.update(loaded=loaded, load_seconds=state.last_load_seconds, patched_tensors=patched)
     pulse.end_job()  # no beat may follow the result
     chan.send("done", stats, {"latent": latent} if latent is not None else None)

@@ -225,7 +225,7 @@ class Denoiser:
         self.hw = (h, w)
         try:
             if self.topology.pipefusion > 1:
-                x = self._run_pipefusion(x, s.warmup_steps)
+                x = self._run_pipefusion(x, s.warmup_steps, len(sigmas) - 1)
             else:
                 x = self._run_sequence_parallel(x)
         finally:
@@ -419,7 +419,15 @@ class Denoiser:
 
     # -- PipeFusion ------------------------------------------------------------------------------------
 
-    def _run_pipefusion(self, x: torch.Tensor, warmup: int) -> torch.Tensor:
+    # Set by ModelCallForward: the last chunk writes the model output of each patch here instead of sampling.
+    model_output: torch.Tensor | None = None
+
+    def _stale_caches(self, layout: TokenLayout) -> tuple[StaleKVCache, StaleKVCache]:
+        """The joint and image-only stale K/V buffers of one pipeline run: fresh for a whole denoise."""
+        return (StaleKVCache(layout.text_len + layout.image_len + layout.ref_len),
+                StaleKVCache(layout.image_len + layout.ref_len))
+
+    def _run_pipefusion(self, x: torch.Tensor, warmup: int, n_steps: int) -> torch.Tensor:
         """Stage loop. A rank runs its chunks of blocks (one, or two interleaved virtual stages) for each
         token set in turn; messages between chunks are the [text ; image] hidden rows of this Ulysses shard,
         and the last chunk sends each updated patch of x straight back to rank 0."""
@@ -431,7 +439,6 @@ class Denoiser:
         before = pp.ranks[(stage - 1) % stages]
         m = layout.patches
         all_patches = list(range(m))
-        n_steps = len(self.sigmas) - 1
 
         def is_first(chunk):  # the very first virtual stage embeds
             return stage == 0 and chunk == 0
@@ -441,8 +448,7 @@ class Denoiser:
 
         # Joint [text, image] attention and image-only attention (SD3.5 Medium's second attention, PixArt's
         # self-attention) each keep their own stale buffers, over their own rows.
-        self.cache = StaleKVCache(layout.text_len + layout.image_len + layout.ref_len)
-        self.image_cache = StaleKVCache(layout.image_len + layout.ref_len)
+        self.cache, self.image_cache = self._stale_caches(layout)
         stale = StaleKVAttention(self.cache, LocalAttention())
         stale_image = StaleKVAttention(self.image_cache, LocalAttention())
         attention = stale if uly.size == 1 else UlyssesAttention(self.comm, uly, [], stale)
@@ -502,6 +508,9 @@ class Denoiser:
             image, txt = self.adapter.run_blocks(image, txt, temb, rope, chunk=chunk)
             if not is_last(chunk):
                 send((torch.cat([txt, image], dim=1) if joint else image).contiguous(), after, "pipefusion")
+                return
+            if self.model_output is not None:  # a stock sampler's call: the host samples
+                self.model_output[:, idx] = self.adapter.head(image[:, :len(idx)], temb)
                 return
             x_rows = x[:, idx]
             den = self._denoised(i, x_rows, image[:, :len(idx)], temb)

@@ -6,15 +6,17 @@ t already in the model's timestep units, one row per (chunk, latent) with cond a
 together when ComfyUI batched them. The call returns the raw model output (velocity, eps), not a denoised
 latent: the host's model_sampling and sampler take it from there.
 
-What stays the same as in the denoise loop: the token layout, the sequence split (Ulysses, Ring, naive patch)
-and the family's blocks. What differs: the CFG group splits the call's rows (ComfyUI's cond and uncond chunks
-go to different ranks), no sampler state lives on the workers, and nothing carries over between calls.
+What stays the same as in the denoise loop: the token layout, the sequence split (Ulysses, Ring, naive patch),
+PipeFusion's stages and the family's blocks. What differs: the CFG group splits the call's rows (ComfyUI's cond
+and uncond chunks go to different ranks), no sampler state lives on the workers, and PipeFusion's pipeline
+drains at the end of every call; only its stale K/V carries over from one call to the next.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
-from ..errors import ConfigError
 from ..runtime.topology import validate_strategy
 from ..spec import Job
 from .denoise import Branches, Denoiser
@@ -28,9 +30,6 @@ class ModelCallForward(Denoiser):
     def _run(self, job: Job) -> torch.Tensor | None:
         rows, _, h, w = job.latent.shape
         s, cfg = job.strategy, self.adapter.config
-        if s.pipefusion_degree > 1:
-            raise ConfigError("PipeFusion runs under Parallel Sampler only for now; under KSampler use ulysses, "
-                              "ring or cfg degrees, or switch to Parallel Sampler.")
         validate_strategy(s, world_size=self.topology.world_size, heads=cfg.num_heads, num_blocks=cfg.num_blocks,
                           latent_hw=(h, w), steps=1)
         self.step_times, self.hw = [], (h, w)
@@ -46,11 +45,19 @@ class ModelCallForward(Denoiser):
         self._check_cancel()
         # Chunks with one token layout run as one batch, as ComfyUI batched them; others one by one.
         groups = [mine] if len({chunks[k].signature() for k in mine}) == 1 else [[k] for k in mine]
+        pipelines = []
         for group in groups:
             idx = torch.cat([torch.arange(k * batch, (k + 1) * batch) for k in group])
             branches = Branches([chunks[k] for k in group], batch, self.adapter)
-            out[idx] = self._gather_shards(self._forward(x[idx], t[idx.to(t.device)], branches))
+            if self.topology.pipefusion > 1:
+                pipelines.append((tuple(group), tuple(x[idx].shape)))
+                part = self._pipeline(x[idx], t[idx.to(t.device)], branches, job, pipelines[-1])
+            else:
+                part = self._forward(x[idx], t[idx.to(t.device)], branches)
+            out[idx] = self._gather_shards(part)
         self._finish_vote()
+        for key in [k for k in self.context.stale_kv if k[0] not in pipelines]:  # buffers of calls no longer made
+            del self.context.stale_kv[key]
         if split:
             mine_rows = out[mine[0] * batch:(mine[0] + 1) * batch].contiguous()
             out = torch.cat(self.comm.all_gather(mine_rows, self.comm.group("cfg"), op="cfg"))
@@ -67,10 +74,49 @@ class ModelCallForward(Denoiser):
         rows = self.layout.image_slice(self.shard, 0)
         index = torch.arange(rows.start, rows.stop, device=x.device)
         temb = self._embed_time(t, branches)
-        image = self.adapter.embed_image(x[:, rows], index, self.hw)  # x arrives input-scaled
-        if refs is not None:
-            image = torch.cat([image, refs], dim=1)
+        image = self._image_stream(0, x[:, rows], index, refs)
         image, _ = self.adapter.run_blocks(image, text, temb, rope)
         out = torch.zeros_like(x)
         out[:, rows] = self.adapter.head(image[:, :len(index)], temb)
         return out
+
+    def _pipeline(self, x: torch.Tensor, t: torch.Tensor, branches: Branches, job: Job, key: tuple) -> torch.Tensor:
+        """PipeFusion within one call: the call's patches flow through the stages one after another, so a
+        call costs (patches + stages - 1) patch-times of one stage where the denoise loop's pipeline never
+        drains. Each attention layer reads the other patches' K/V as this rank's previous call left them
+        (stale by one sampler evaluation); the first `warmup_steps` steps of the host's schedule, and any call
+        without buffers of its shape, run the whole image at once: exact, and they fill the buffers."""
+        s = job.strategy
+        self.branches, self.call_t = branches, t
+        self._set_layout(branches, x.shape[1], patches=s.patches)
+        store = self.context.stale_kv
+        full = (key, self.layout)
+        warm = self._anyone((job.call_step or 0) < s.warmup_steps or full not in store)
+        if warm:
+            store[full] = Denoiser._stale_caches(self, self.layout)
+        self._caches = store[full]
+        self.model_output = torch.zeros_like(x)
+        self._run_pipefusion(x, warmup=1 if warm else 0, n_steps=1)
+        return self.model_output
+
+    def _anyone(self, flag: bool) -> bool:
+        """True on every rank if it is True on any: all stages must run the same schedule."""
+        work, value = self.comm.vote_async(flag)
+        if work is not None:
+            work.wait()
+        return bool(int(value.item()))
+
+    def _stale_caches(self, layout):
+        return self._caches  # kept between calls in the worker's AttentionContext
+
+    def _temb(self, i: int, branches: Branches | None = None) -> torch.Tensor:
+        return self._embed_time(self.call_t, branches or self.branches)
+
+    def _image_stream(self, i: int, x_rows: torch.Tensor, index: torch.Tensor, refs: torch.Tensor | None,
+                      branches: Branches | None = None) -> torch.Tensor:
+        """The call's x arrives input-scaled, one row per (chunk, latent): embedded as it is."""
+        image = self.adapter.embed_image(x_rows, index, self.hw)
+        return image if refs is None else torch.cat([image, refs], dim=1)
+
+    def _step_done(self, i: int, t0: float) -> None:
+        self.step_times.append(time.perf_counter() - t0)  # the host's sampler drives the progress bar

@@ -6,7 +6,7 @@ FluxAttnProcessor does, then hands q/k/v of the tokens this rank holds to the jo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -24,6 +24,8 @@ class AttentionContext:
 
     attention: Callable = LocalAttention()
     image_attention: Callable = LocalAttention()
+    # PipeFusion's stale K/V under a stock sampler, kept from one model call to the next (model_call.py).
+    stale_kv: dict = field(default_factory=dict)
 
 
 class ParallelFluxAttnProcessor:
