@@ -438,27 +438,52 @@ def run_config(devices: str, job: Job, threads: int) -> dict:
             "load_s": max(st["load_seconds"] for st in stats), "idle_rss": idle, "peak_rss_psutil": peak}
 
 
-def run_calls(path: str, config, latent_shape, text_tokens: int, cfg: float, steps: int, threads: int) -> list[float]:
-    """A stock sampler's way in at one worker: `steps` model calls (one per step, cond and uncond batched as
-    ComfyUI batches them at cfg > 1), each a runtime job from this process. Seconds per call, the first (which
-    loads the model) left out."""
+def run_calls(path: str, config, latent_shape, text_tokens: int, cfg: float, steps: int, threads: int,
+              strategy: StrategySpec = StrategySpec(), devices: str = "cpu:1") -> list[float]:
+    """A stock sampler's way in: `steps` model calls (one per step, cond and uncond batched as ComfyUI batches
+    them at cfg > 1), each a runtime job from this process. Seconds per call, leaving out the first (which loads
+    the model) and PipeFusion's warm-up calls."""
     from .runtime.client import RuntimeClient
 
-    template = make_job(path, config, StrategySpec(), latent_shape, text_tokens, cfg, steps)
+    template = make_job(path, config, strategy, latent_shape, text_tokens, cfg, steps)
     chunks = 2 if template.negative is not None else 1
     x = torch.randn((chunks * latent_shape[0], *latent_shape[1:]), generator=torch.Generator().manual_seed(3))
     call = dataclasses.replace(template, sampling=SamplingSpec(steps=1), latent=x,
                                timestep=torch.full((x.shape[0],), 0.5))
-    client = RuntimeClient("cpu:1", threads_per_worker=threads)
+    skip = max(1, strategy.warmup_steps if strategy.pipefusion_degree > 1 else 1)
+    client = RuntimeClient(devices, threads_per_worker=threads)
     try:
         times = []
-        for _ in range(steps + 1):
+        for i in range(steps + skip):
             t0 = time.perf_counter()
-            client.run(call)
+            client.run(dataclasses.replace(call, call_step=max(0, i - skip + 1)))
             times.append(time.perf_counter() - t0)
     finally:
         client.shutdown()
-    return times[1:]
+    return times[skip:]
+
+
+def pipefusion_per_call(say, args, path, config, latent_shape, text: int, results: list[dict], calib,
+                        devices: list[str]) -> dict | None:
+    """The bubble of PipeFusion under a stock sampler: the best PipeFusion row of Parallel Sampler's grid, run
+    again as one model call per step (its pipeline fills and drains every call)."""
+    rows = [r for r in results if r["strategy"].pipefusion_degree > 1 and abs(r["cfg"] - args.cfg) < 1e-9]
+    if not rows:
+        return None
+    row = min(rows, key=lambda r: r["step_s"])
+    s, world = row["strategy"], row["strategy"].world_size
+    where = subset_devices(devices, args.devices, world)
+    calls = run_calls(path, config, latent_shape, text, args.cfg, args.steps, args.threads, s, where)
+    call_s = statistics.median(calls)
+    out = {"label": row["label"], "parallel_sampler_step_s": row["step_s"], "per_call_s": call_s,
+           "bubble": call_s / row["step_s"] - 1}
+    if calib is not None:
+        out["projected_per_call_s"] = costmodel.project(s, config, calib, cfg=args.cfg, steps=args.steps,
+                                                        batch=latent_shape[0], per_call=True).step_s
+    projected = (f"; cost model {out['projected_per_call_s'] * 1e3:.0f} ms" if "projected_per_call_s" in out else "")
+    say(f"PipeFusion under a stock sampler ({row['label']}): {call_s * 1e3:.0f} ms per call vs Parallel Sampler's "
+        f"{row['step_s'] * 1e3:.0f} ms per step: the per-call pipeline's bubble costs {out['bubble']:+.0%}{projected}")
+    return out
 
 
 _CAPACITY_PROBE = r"""
@@ -749,6 +774,10 @@ def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devi
     def target(name: str, ok: bool | None, detail: str) -> None:
         targets.append({"target": name, "status": "n/a" if ok is None else ("PASS" if ok else "FAIL"), "detail": detail})
 
+    if not args.no_overhead and max_world > 1:
+        say("")
+        record["pipefusion_per_call"] = pipefusion_per_call(say, args, path, config, latent_shape, text, results, calib,
+                                                            devices)
     record["in_process_step_s"] = inproc_runs
     record["model_call_s"] = call_runs
     _measured_targets(args, results, serial, inproc, total_params, target)
