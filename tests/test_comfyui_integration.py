@@ -1013,6 +1013,30 @@ def test_sampler_custom_advanced_with_cfg_guider_on_the_parallel_model(server):
     assert err <= KSAMPLER_RTOL
 
 
+@pytest.mark.parametrize("style", ["regular", "nested"])
+def test_dual_cfg_guider_three_prompts_on_the_parallel_model(server, style):
+    """DualCFGGuider evaluates three prompts per step; ComfyUI batches them into one call of three chunks, which
+    the parallel MODEL runs as a two-chunk job (split over the CFG group) and a one-chunk job."""
+    def build(model, base):
+        g, k, q, n, out = (str(base + i) for i in range(5))
+        return out, {
+            g: {"class_type": "DualCFGGuider", "inputs": {"model": model, "cond1": ["1", 0], "cond2": ["3", 0],
+                                                          "negative": ["2", 0], "cfg_conds": 3.0,
+                                                          "cfg_cond2_negative": 1.5, "style": style}},
+            k: {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler_ancestral"}},
+            q: {"class_type": "BasicScheduler", "inputs": {"model": model, "scheduler": "beta", "steps": 4,
+                                                           "denoise": 1.0}},
+            n: {"class_type": "RandomNoise", "inputs": {"noise_seed": 9}},
+            out: {"class_type": "SamplerCustomAdvanced",
+                  "inputs": {"noise": [n, 0], "guider": [g, 0], "sampler": [k, 0], "sigmas": [q, 0],
+                             "latent_image": ["4", 0]}}}
+    graph = stock_graph(devices="cpu:2", strat=strategy(cfg=2))
+    graph["3"] = cond(3)
+    err = _stock_run(server, _both_models(graph, build))
+    print(f"\nDualCFGGuider ({style}), three prompts, cfg2: rel. L2 {err:.2e}")
+    assert err <= KSAMPLER_RTOL
+
+
 def test_model_sampling_flux_shift_reaches_the_parallel_model(server):
     """ModelSamplingFlux patches model_sampling on the host: the shifted schedule and timesteps reach the workers."""
     def build(model, base):
