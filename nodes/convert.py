@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from parallel_runtime.errors import ConfigError
+from parallel_runtime.runtime.devices import WEIGHT_DTYPES  # one list for the node and the workers
 from parallel_runtime.spec import Conditioning, ModelSpec, StrategySpec
 
 STRATEGY_TYPE = "PARADIT_STRATEGY"
@@ -25,7 +26,6 @@ STATUS_EVENT = "paradit.status"
 CATEGORY = "ParaDiT"
 
 MODES = ("auto", "manual")
-WEIGHT_DTYPES = ("default", "bf16", "fp16", "fp32")
 DEFAULT_SAMPLERS = ("euler", "euler_ancestral", "dpmpp_2m")
 DEFAULT_SCHEDULERS = ("simple", "normal", "beta", "sgm_uniform")
 SEED_MAX = 0xFFFFFFFFFFFFFFFF

@@ -22,6 +22,24 @@ def _model_config(path: str, mtime_ns: int, size: int):
         return read_model(reader, os.path.basename(path))[2]
 
 
+@lru_cache(maxsize=16)
+def _fp8_file(path: str, mtime_ns: int, size: int) -> bool:
+    from .models.loading import CheckpointReader
+    from .models.stored import FP8_DTYPES
+
+    with CheckpointReader(path) as reader:
+        return any(reader.dtype(k) in FP8_DTYPES for k in reader.keys())
+
+
+def stores_fp8(path: str, weight_dtype: str) -> bool:
+    """Whether the workers hold this file's linear weights in fp8 (an fp8 file under 'default', or an fp8
+    weight_dtype)."""
+    if weight_dtype.startswith("fp8"):
+        return True
+    st = os.stat(path)
+    return weight_dtype == "default" and _fp8_file(path, st.st_mtime_ns, st.st_size)
+
+
 def model_config(path: str):
     """The config of a checkpoint (its family's), read from its header only (cached per file version)."""
     try:
@@ -160,6 +178,10 @@ def validate_job(job: Job, world_size: int) -> None:
     validate_branches(job)
     if job.weight_patches is not None:
         from .models.family import family_of
+
+        if stores_fp8(job.model.path, job.model.weight_dtype):
+            raise ConfigError("LoRA on fp8 weights is not applied on the ParaDiT workers yet; set Load Parallel DiT's "
+                              "weight_dtype to bf16 (or load the bf16 release of the model) to use the LoRA.")
         from .models.weight_patches import validate_weight_patches
 
         family = family_of(config)

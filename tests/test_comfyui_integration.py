@@ -122,6 +122,28 @@ def write_test_loras(folder: str) -> None:
         save_file(tensors, os.path.join(folder, LORAS[kind]))
 
 
+FP8_MODELS = {"fp8": "flux-mini-fp8.safetensors", "fp8_scaled": "flux-mini-fp8-scaled.safetensors"}
+
+
+def write_fp8_models(folder: str) -> None:
+    """MODEL's matrices in float8_e4m3fn (the rest fp32, as ComfyUI's fp8 releases keep norms and biases), and in
+    ComfyUI's scaled-fp8 layout: matrix / scale in fp8, a `scale_weight` per layer, the `scaled_fp8` marker."""
+    from safetensors.torch import load_file
+
+    base = load_file(os.path.join(folder, MODEL))
+    g = torch.Generator().manual_seed(8)
+    plain, scaled = {}, {"model.diffusion_model.scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
+    for key, t in base.items():
+        if key.endswith(".weight") and t.ndim == 2:
+            scale = torch.rand((), generator=g) * 0.5 + 0.75
+            plain[key] = t.to(torch.float8_e4m3fn)
+            scaled[key], scaled[key[:-len("weight")] + "scale_weight"] = (t / scale).to(torch.float8_e4m3fn), scale
+        else:
+            plain[key] = scaled[key] = t
+    save_file(plain, os.path.join(folder, FP8_MODELS["fp8"]))
+    save_file(scaled, os.path.join(folder, FP8_MODELS["fp8_scaled"]))
+
+
 NOT_FLUX = "not-flux-vae.safetensors"
 
 # KSampler vs Parallel Sampler: both run in fp32 on CPU (ComfyUI picks fp32 for Flux on CPU and the file
@@ -293,6 +315,7 @@ def server():
         write_checkpoint(os.path.join(models, MODEL), FLUX_SHAPE, seed=0, prefix="model.diffusion_model.",
                          dtype=torch.float32)
         write_test_loras(os.path.join(root, "models", "loras"))
+        write_fp8_models(models)
         save_file({"encoder.conv_in.weight": torch.zeros(128, 3, 3, 3),  # a VAE-like file, not a DiT
                    "decoder.conv_in.weight": torch.zeros(512, 16, 3, 3)}, os.path.join(models, NOT_FLUX))
         os.symlink(REPO, os.path.join(custom, "ParaDiT"))
@@ -943,6 +966,24 @@ def test_ksampler_with_pipefusion_stale_kv_stays_close_to_unetloader(server):
         err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
         print(f"\nKSampler {sampler_name} on cpu:2 pp2 M2 warm-up 1 of 6: rel. L2 {err:.2e} vs UNETLoader")
         assert KSAMPLER_RTOL < err < 5e-2
+
+
+@pytest.mark.parametrize("kind,weight_dtype", [("fp8", "default"), ("fp8_scaled", "default"),
+                                               ("fp32", "fp8_e4m3fn")], ids=["fp8", "fp8_scaled", "cast_fp8"])
+def test_fp8_model_under_ksampler_equals_unetloader(server, kind, weight_dtype):
+    """The same fp8 file (or the fp32 file with weight_dtype fp8_e4m3fn on both loaders) through UNETLoader and
+    Load Parallel DiT on 2 workers (Ulysses): the workers keep the matrices in fp8 and upcast each per layer, as
+    ComfyUI's manual cast does; the latents match to fp32 round-off."""
+    unet = FP8_MODELS.get(kind, MODEL)
+    graph = stock_graph(devices="cpu:2", strat=strategy(ulysses=2), cfg=2.0, steps=3, seed=12,
+                        sampler_name="dpmpp_2m", scheduler="karras")
+    graph["11"]["inputs"].update(unet_name=unet, weight_dtype=weight_dtype)
+    graph["20"]["inputs"].update(unet_name=unet, weight_dtype=weight_dtype)
+    result = server.run(graph)
+    assert result["status"] == "success", _explain(result)
+    err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
+    print(f"\n{unet} weight_dtype {weight_dtype} under KSampler, ulysses2: rel. L2 {err:.2e}")
+    assert err <= KSAMPLER_RTOL
 
 
 def test_parallel_sampler_refuses_an_ordinary_model_in_one_sentence(server):

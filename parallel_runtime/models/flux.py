@@ -186,9 +186,6 @@ def detect_layout(keys: Iterable[str], name: str = "checkpoint") -> tuple[str, s
 # ----------------------------------------------------------------------------------
 # Config inference (shapes only)
 # ----------------------------------------------------------------------------------
-_SCALED_FP8 = re.compile(r"(^|\.)(scaled_fp8|scale_weight|weight_scale|input_scale|scale_input)$")
-
-
 # The tensors whose shapes give away a Flux config, per checkpoint layout.
 _CONFIG_KEYS = {
     "bfl": {"double": "double_blocks", "single": "single_blocks", "img_in": "img_in.weight",
@@ -215,12 +212,6 @@ def infer_config(reader: CheckpointReader, layout: str | None = None, prefix: st
     if layout is None or prefix is None:
         layout, prefix = detect_layout(keys, name)
     p = prefix
-    for k in keys:
-        if k.startswith(p) and _SCALED_FP8.search(k):
-            raise ModelFileError(
-                f"{name} is a scaled-fp8 checkpoint ({k!r}), which ParaDiT cannot load; "
-                f"use the bf16 (or plain fp8) release of the model."
-            )
 
     def shape(key: str) -> tuple[int, ...]:
         if p + key not in reader:

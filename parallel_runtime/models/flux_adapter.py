@@ -18,6 +18,7 @@ from ..strategies.attention.processor import AttentionContext, ParallelFluxAttnP
 from . import flux
 from .family import DiTFamily
 from .flux import FluxConfig
+from .stored import compute_placement
 
 ALWAYS_OWNED = ("time_text_embed.",)  # every stage modulates its blocks with the timestep embedding
 FIRST_STAGE = ("x_embedder.", "context_embedder.")
@@ -169,8 +170,7 @@ class FluxAdapter:
         for layer in (i for chunk in chunks for i in chunk):
             all_blocks[layer].attn.set_processor(ParallelFluxAttnProcessor(layer, context))
         self._blocks = all_blocks
-        param = next(p for p in getattr(model, self.embedding_module).parameters())
-        self.dtype, self.device = param.dtype, param.device
+        self.dtype, self.device = compute_placement(getattr(model, self.embedding_module))
 
     @property
     def variant(self) -> str:

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from ..errors import ModelFileError
+from .stored import Storage, install_fp8_linears, linear_names, scale_key
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,26 @@ def apply_transform(tensor: torch.Tensor, transform: str | None) -> torch.Tensor
     raise ValueError(f"unknown transform {transform!r}")
 
 
-def read_source(reader, src: Source, dtype: torch.dtype, device) -> torch.Tensor:
-    """One parameter's value from the file, as a rank holds it."""
+def read_source(reader, src: Source, dtype: torch.dtype | None, device) -> torch.Tensor:
+    """One parameter's value from the file in `dtype` (None: as stored)."""
     return apply_transform(reader.read(src.key, rows=src.rows, dtype=dtype, device=device), src.transform)
+
+
+def read_stored(reader, src: Source, storage: Storage, device, linear: str | None):
+    """(value, per-tensor scale or None, kept in fp8?) of one parameter as a rank holds it. `linear`: "weight"
+    or "bias" of an nn.Linear, else None. A linear weight the storage keeps in fp8 stays fp8 with its scale
+    beside it; anything else is in the compute dtype (a scaled tensor multiplied by its scale), rounded
+    through fp8 first where ComfyUI stores it in fp8 (see Storage.rounding)."""
+    stored = reader.dtype(src.key)
+    key = scale_key(src.key)
+    scale = reader.read(key, dtype=torch.float32, device=device) if key in reader else None
+    kept = storage.linear_dtype(stored) if linear == "weight" else None
+    if kept is not None:
+        return read_source(reader, src, kept, device), scale, True
+    tensor = read_source(reader, src, storage.rounding(linear == "bias"), device).to(storage.compute)
+    if scale is not None:
+        tensor = tensor * scale.to(storage.compute)
+    return tensor, None, False
 
 
 def linear(out: dict, dst: str, src: str, rows: slice | None = None, transform: str | None = None) -> None:
@@ -59,13 +77,16 @@ def drop_unowned_blocks(model: torch.nn.Module, block_lists: tuple[str, ...], wa
 
 
 def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, block_lists: tuple[str, ...],
-                   what: str, owned: Callable[[str], bool] = lambda name: True, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu") -> torch.nn.Module:
+                   what: str, owned: Callable[[str], bool] = lambda name: True,
+                   dtype: torch.dtype | Storage = torch.float32, device: str | torch.device = "cpu") -> torch.nn.Module:
     """Fill a meta-device `model` with the parameters `owned` selects, read through `smap` from `reader`.
 
-    `what` names the model in errors ("Flux.1 DiT"). Blocks owning nothing become Identity; other
-    parameters not owned stay on meta, so touching them fails loudly instead of computing garbage.
+    `what` names the model in errors ("Flux.1 DiT"); `dtype`: the compute dtype, or a `stored.Storage` (fp8
+    linear weights kept fp8). Blocks owning nothing become Identity; other parameters not owned stay on
+    meta, so touching them fails loudly instead of computing garbage.
     """
+    storage = dtype if isinstance(dtype, Storage) else Storage(dtype)
+    storage = storage.for_file(reader)
     name = os.path.basename(getattr(reader, "path", "checkpoint"))
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     if set(smap) != set(expected):
@@ -83,19 +104,26 @@ def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, bloc
                              f"re-download it.")
 
     state: dict[str, torch.Tensor] = {}
+    linears = linear_names(model)
+    fp8_linears: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for n in wanted:
         src = smap[n]
-        tensor = read_source(reader, src, dtype, device)
+        part = n.rpartition(".")[2] if n in linears else None  # "weight" or "bias" of a Linear
+        tensor, scale, kept = read_stored(reader, src, storage, device, linear=part)
         if tuple(tensor.shape) != expected[n]:
             where = f"{src.key!r}" + (f" rows {src.rows.start}:{src.rows.stop}" if src.rows is not None else "")
             raise ModelFileError(
                 f"{name}: tensor {where} has shape {tuple(tensor.shape)} but {n} needs {expected[n]}; "
                 f"the file is damaged or mixes model variants, so re-download it.")
-        state[n] = tensor.contiguous()
+        if kept:
+            fp8_linears[linears[n]] = (tensor.contiguous(), scale)
+        else:
+            state[n] = tensor.contiguous()
 
     result = model.load_state_dict(state, strict=False, assign=True)
     if result.unexpected_keys:
         raise RuntimeError(f"unexpected keys while loading {what}: {result.unexpected_keys[:3]}")
+    install_fp8_linears(model, fp8_linears)
     model.eval()
     model.requires_grad_(False)
     return model

@@ -27,6 +27,7 @@ from .family import DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 from .flux_adapter import FluxAdapter, channels_first, patch_conv
 from .mapping import Source, block_count, has_block, linear, same_names
+from .stored import compute_placement
 
 HEAD_DIM = 72  # ComfyUI hard-codes 16 heads of 72 (1152 wide) for every PixArt
 ALWAYS_OWNED = ("adaln_single.",)
@@ -256,8 +257,7 @@ class PixArtAdapter:
         for i in (i for chunk in chunks for i in chunk):
             model.transformer_blocks[i].attn1.set_processor(SelfAttnProcessor(i, context))
             model.transformer_blocks[i].attn2.set_processor(CrossAttnProcessor())
-        param = next(model.adaln_single.parameters())
-        self.dtype, self.device = param.dtype, param.device
+        self.dtype, self.device = compute_placement(model.adaln_single)
         self._positions: dict = {}
         self._micro: dict = {}
 

@@ -26,6 +26,7 @@ from .family import DiTFamily, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, default_axes_dims_rope
 from .flux_adapter import FluxAdapter, grid_ids, reference_placements
 from .mapping import Source, block_count, has_block
+from .stored import compute_placement
 
 ALWAYS_OWNED = ("time_text_embed.",)
 FIRST_STAGE = ("img_in.", "txt_norm.", "txt_in.")
@@ -163,8 +164,7 @@ class QwenImageAdapter:
         self.config, self.model, self.chunks = config, model, chunks
         for i in (i for chunk in chunks for i in chunk):
             model.transformer_blocks[i].attn.set_processor(ParallelFluxAttnProcessor(i, context))
-        param = next(model.time_text_embed.parameters())
-        self.dtype, self.device = param.dtype, param.device
+        self.dtype, self.device = compute_placement(model.time_text_embed)
         self._pos_embed = FluxPosEmbed(theta=10000, axes_dim=list(config.axes_dims_rope))
 
     @functools.cached_property

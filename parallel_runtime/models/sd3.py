@@ -28,6 +28,7 @@ from .family import DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 from .flux_adapter import FluxAdapter, channels_first, patch_conv
 from .mapping import Source, block_count, has_block, linear, same_names
+from .stored import compute_placement
 
 HEAD_DIM = 64  # every SD3 release; ComfyUI's MMDiT derives heads = hidden / 64
 ALWAYS_OWNED = ("time_text_embed.",)
@@ -278,8 +279,7 @@ class SD3Adapter:
             block.attn.set_processor(ParallelJointAttnProcessor(i, context))
             if block.attn2 is not None:
                 block.attn2.set_processor(ParallelJointAttnProcessor(i, context, image_only=True))
-        param = next(model.time_text_embed.parameters())
-        self.dtype, self.device = param.dtype, param.device
+        self.dtype, self.device = compute_placement(model.time_text_embed)
         self._positions: dict = {}
 
     @functools.cached_property

@@ -18,7 +18,8 @@ import torch
 
 from ..errors import ConfigError
 from ..spec import PATCH_FUNCTIONS, PATCH_SLOTS, WeightPatch, WeightPatches
-from .mapping import Source, apply_transform, read_source
+from .mapping import Source, apply_transform, read_stored
+from .stored import Storage
 
 
 def patched_weight(weight: torch.Tensor, patches: Iterable[WeightPatch]) -> torch.Tensor:
@@ -135,8 +136,8 @@ class FileParameters:
     dtype). Re-reading, rather than keeping a copy aside, costs no memory: ranks on one machine share the file's
     pages, where a copy per rank of a LoRA'd Flux would be 24 GB each."""
 
-    def __init__(self, path: str, source_map: dict[str, Source], dtype: torch.dtype, device):
-        self.path, self.source_map, self.dtype, self.device = path, source_map, dtype, device
+    def __init__(self, path: str, source_map: dict[str, Source], storage: Storage, device):
+        self.path, self.source_map, self.storage, self.device = path, source_map, storage, device
         self._reader = None
 
     def __enter__(self) -> "FileParameters":
@@ -150,7 +151,8 @@ class FileParameters:
         self._reader = None
 
     def read(self, name: str) -> torch.Tensor:
-        return read_source(self._reader, self.source_map[name], self.dtype, self.device)
+        """As the build read it (a linear weight kept in fp8 is not patched here: see validate_weight_patches)."""
+        return read_stored(self._reader, self.source_map[name], self.storage, self.device, linear=None)[0]
 
 
 class RankWeightPatcher:

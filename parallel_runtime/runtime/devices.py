@@ -44,11 +44,16 @@ def auto_notice(spec: str, devices: list[str]) -> str | None:
     return None
 
 
+WEIGHT_DTYPES = ("default", "bf16", "fp16", "fp32", "fp8_e4m3fn", "fp8_e5m2")  # Load Parallel DiT's choices
+
+
 def named_dtype(name: str):
-    """The torch dtype of a weight_dtype name other than 'default' (fp32, bf16, fp16), else None."""
+    """The torch dtype of a weight_dtype name other than 'default' (fp32, bf16, fp16, fp8_e4m3fn, fp8_e5m2),
+    else None. The fp8 names store linear weights in fp8 (UNETLoader's options of the same names)."""
     import torch
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+            "fp8_e4m3fn": getattr(torch, "float8_e4m3fn", None), "fp8_e5m2": getattr(torch, "float8_e5m2", None)}.get(name)
 
 
 def default_dtype(device_type: str, capability: tuple[int, int] | None = None):

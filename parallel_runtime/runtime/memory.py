@@ -43,19 +43,20 @@ def weight_bytes(weight_dtype: str, device: str) -> int:
     """Bytes per parameter on a device for the loader's weight_dtype ('default' = ComfyUI's choice)."""
     if weight_dtype == "default":
         return 2 if device.startswith("cuda") else 4
-    return {"fp32": 4, "bf16": 2, "fp16": 2}.get(weight_dtype, 4)
+    return {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3fn": 1, "fp8_e5m2": 1}.get(weight_dtype, 4)
 
 
 def job_rank_memory(job, device: str) -> dict:
     """Estimated peak bytes on the fullest rank of `job` (parameters, KV buffers, activations)."""
     from ..planning.costmodel import rank_memory
-    from ..validate import model_config
+    from ..validate import model_config, stores_fp8
 
     config = model_config(job.model.path)
     b, _, h, w = job.latent.shape
-    e = weight_bytes(job.model.weight_dtype, device)
+    fp8 = stores_fp8(job.model.path, job.model.weight_dtype)
+    act = weight_bytes("default" if fp8 else job.model.weight_dtype, device)  # fp8 weights compute in the default
     return rank_memory(job.strategy, config, text_tokens=job.positive.cond.shape[1], image_tokens=(h // 2) * (w // 2),
-                       batch=b, cfg=job.sampling.cfg, weight_bytes=e, act_bytes=e)
+                       batch=b, cfg=job.sampling.cfg, weight_bytes=1 if fp8 else act, act_bytes=act)
 
 
 def gb(n: float) -> str:

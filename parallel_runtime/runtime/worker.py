@@ -70,11 +70,11 @@ class WorkerState:
             family, match, config = read_model(reader, os.path.basename(path))
             chunks = family.pipeline_stages(config, stages)[stage]
             owned = family.stage_ownership(config, chunks, first=stage == 0, last=stage == stages - 1)
-            dtype = resolve_dtype(model_spec["weight_dtype"], self.device)
-            model = family.build(config, reader, match, owned=owned, dtype=dtype, device=self.device)
+            storage = resolve_storage(model_spec["weight_dtype"], self.device)
+            model = family.build(config, reader, match, owned=owned, dtype=storage, device=self.device)
         self.context = AttentionContext()
         self.adapter = family.adapter(config, model, chunks, self.context)
-        files = FileParameters(path, family.source_map(config, match.layout, match.prefix), dtype, self.device)
+        files = FileParameters(path, family.source_map(config, match.layout, match.prefix), storage, self.device)
         self.patcher = RankWeightPatcher(model, family.weight_patch_targets(config), files)
         self.loaded_key = key
         self.last_load_seconds = time.perf_counter() - t0
@@ -126,13 +126,25 @@ class WorkerState:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    from .devices import default_dtype, named_dtype
+    """The dtype layers compute in for the loader's weight_dtype (fp8 weights compute in the default one)."""
+    from .devices import WEIGHT_DTYPES, default_dtype, named_dtype
 
-    if name == "default":
+    if name not in WEIGHT_DTYPES or (name != "default" and named_dtype(name) is None):
+        raise ConfigError(f"weight_dtype {name!r} is unknown; choose one of {', '.join(WEIGHT_DTYPES)}.")
+    if name == "default" or name.startswith("fp8"):
         return default_dtype(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
-    if named_dtype(name) is None:
-        raise ConfigError(f"weight_dtype {name!r} is unknown; choose default, bf16, fp16 or fp32.")
     return named_dtype(name)
+
+
+def resolve_storage(name: str, device: torch.device):
+    """How the rank stores the weights: a file's fp8 linear weights stay fp8 under 'default' (as ComfyUI keeps
+    them), an fp8 weight_dtype casts every linear weight to fp8; bf16/fp16/fp32 store everything in that."""
+    from ..models.stored import Storage
+    from .devices import named_dtype
+
+    fp8 = name.startswith("fp8")
+    return Storage(resolve_dtype(name, device), keep_fp8=name == "default" or fp8,
+                   cast_fp8=named_dtype(name) if fp8 else None)
 
 
 class Aborted(Exception):

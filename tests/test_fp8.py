@@ -1,0 +1,171 @@
+"""fp8 checkpoints kept in fp8 on every rank: plain e4m3fn/e5m2 files, ComfyUI's scaled-fp8 files, and
+Load Parallel DiT's fp8 weight_dtype (a bf16/fp32 file cast at load).
+
+Each is checked against an fp32 file holding the same values (the fp8 numbers upcast, times their scale):
+a rank upcasts each fp8 weight to the compute dtype when its layer runs, so the latents are equal. ComfyUI's
+UNETLoader on the same fp8 files: tests/test_comfyui_integration.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import rel_err
+from test_families import FAMILIES, job
+from parallel_runtime.errors import ConfigError, ModelFileError
+from parallel_runtime.models.family import family_of, read_model
+from parallel_runtime.models.loading import CheckpointReader
+from parallel_runtime.models.stored import FP8_DTYPES
+from parallel_runtime.models.tiny import write_checkpoint
+from parallel_runtime.runtime.client import RuntimeClient
+from parallel_runtime.spec import ModelSpec, WeightPatches
+from parallel_runtime.spec import StrategySpec as S
+
+pytestmark = pytest.mark.timeout(600)
+
+PREFIX = "model.diffusion_model."
+# Both sides compute in fp32 from the same fp8 numbers: only a scaled layer's multiply moves (weight * scale on
+# the fly vs stored pre-multiplied: one fp32 rounding, ~1e-7). A weight read unscaled or cast twice is off by
+# 1e-2 or more.
+FP8_RTOL = 1e-5
+EXACT_RTOL = 1e-4  # exact strategies at 2 workers vs 1 (tests/test_families.py)
+NAMES = ["kontext", "sd3_medium_dual", "qwen_image", "pixart", "chroma"]
+
+
+def is_linear_weight(key: str, tensor: torch.Tensor) -> bool:
+    return key.endswith(".weight") and tensor.ndim == 2
+
+
+def fp8_twins(folder, name: str, fp8: torch.dtype, scaled: bool) -> tuple[str, str]:
+    """An fp8 file (matrices in `fp8`, the rest fp32; with `scaled`, ComfyUI's layout: matrix / scale stored,
+    `scale_weight` per layer and the `scaled_fp8` marker) and its fp32 twin holding the values it means. ComfyUI
+    builds a scaled-fp8 model's linear layers in fp8, so their biases are rounded to fp8 too."""
+    base = load_file(write_checkpoint(str(folder / f"{name}-base.safetensors"), FAMILIES[name], seed=11, prefix=PREFIX))
+    g = torch.Generator().manual_seed(4)
+    quant, meant = {}, {}
+    for key, t in base.items():
+        if not is_linear_weight(key, t):
+            linear_bias = key.endswith(".bias") and is_linear_weight(key[:-4] + "weight", base.get(key[:-4] + "weight",
+                                                                                               torch.empty(0)))
+            quant[key] = t
+            meant[key] = t.to(fp8).float() if scaled and linear_bias else t
+            continue
+        scale = torch.rand((), generator=g) * 0.5 + 0.75 if scaled else None
+        q = (t / scale if scaled else t).to(fp8)
+        quant[key] = q
+        meant[key] = q.float() * scale if scaled else q.float()
+        if scaled:
+            quant[key[:-len("weight")] + "scale_weight"] = scale.reshape(())
+    if scaled:
+        quant[PREFIX + "scaled_fp8"] = torch.empty(0, dtype=fp8)
+    tag = f"{name}-{str(fp8).split('_')[-1]}{'-scaled' if scaled else ''}"
+    save_file(quant, str(folder / f"{tag}.safetensors"))
+    save_file(meant, str(folder / f"{tag}-fp32.safetensors"))
+    return str(folder / f"{tag}.safetensors"), str(folder / f"{tag}-fp32.safetensors")
+
+
+def analytic_bytes(path: str, fp8_linears: bool, stage: int = 0, stages: int = 1) -> int:
+    """Bytes a rank of PipeFusion-`stages` holds: its parameters, linear weights at 1 byte if kept in fp8 (and
+    a 4-byte scale beside each in a scaled-fp8 file), the rest at 4 (fp32 compute on CPU)."""
+    with CheckpointReader(path) as reader:
+        scales = 4 if any(k.endswith(".scale_weight") for k in reader.keys()) else 0
+    with CheckpointReader(path) as reader:
+        family, match, config = read_model(reader)
+    model = family.meta_model(config)
+    owned = family.stage_ownership(config, family.pipeline_stages(config, stages)[stage], first=stage == 0,
+                                   last=stage == stages - 1)
+    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return sum(t.numel() + scales if fp8_linears and n in linears else 4 * t.numel()
+               for n, t in model.state_dict().items() if owned(n))
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def family_files(request, tmp_path_factory):
+    return request.param, tmp_path_factory.mktemp(request.param)
+
+
+@pytest.mark.parametrize("fp8,scaled", [(FP8_DTYPES[0], False), (FP8_DTYPES[1], False), (FP8_DTYPES[0], True)],
+                         ids=["e4m3fn", "e5m2", "e4m3fn-scaled"])
+def test_fp8_file_equals_its_fp32_twin_and_stays_fp8(family_files, fp8, scaled):
+    name, folder = family_files
+    quant, meant = fp8_twins(folder, name, fp8, scaled)
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        got, ref = client.run(job((name, quant))), client.run(job((name, meant)))
+    finally:
+        client.shutdown()
+    assert rel_err(got.latent, ref.latent) <= FP8_RTOL
+    held = got.stats[0]["param_bytes"]
+    assert held == analytic_bytes(quant, True)  # every linear weight 1 byte, exactly
+    assert held < 0.4 * ref.stats[0]["param_bytes"]
+
+
+@pytest.mark.parametrize("strategy", [S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2),
+                                      S(pipefusion_degree=2, warmup_steps=6)], ids=lambda s: s.label())
+def test_fp8_exact_strategies_at_two_workers_equal_one(family_files, client2, strategy):
+    name, folder = family_files
+    quant, _ = fp8_twins(folder, name, FP8_DTYPES[0], True)
+    one = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        serial = one.run(job((name, quant))).latent
+    finally:
+        one.shutdown()
+    result = client2.run(job((name, quant), strategy))
+    assert rel_err(result.latent, serial) <= EXACT_RTOL
+    if strategy.pipefusion_degree > 1:  # each stage holds its blocks, in fp8
+        for rank, st in enumerate(result.stats):
+            assert abs(st["param_bytes"] / analytic_bytes(quant, True, rank, 2) - 1) <= 0.05
+
+
+def test_fp8_weight_dtype_casts_a_full_precision_file_at_load(tmp_path):
+    """weight_dtype fp8_e4m3fn, as UNETLoader's: every linear weight stored in fp8, every other tensor rounded
+    through fp8 as ComfyUI's fp8-typed layers store it, all computed in fp32."""
+    name = "kontext"
+    base_path = write_checkpoint(str(tmp_path / "base.safetensors"), FAMILIES[name], seed=11, prefix=PREFIX)
+    rounded = {k: t.to(FP8_DTYPES[0]).float() for k, t in load_file(base_path).items()}
+    save_file(rounded, str(tmp_path / "rounded.safetensors"))
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        cast = client.run(dataclasses.replace(job((name, base_path)),
+                                              model=ModelSpec(base_path, weight_dtype="fp8_e4m3fn")))
+        ref = client.run(job((name, str(tmp_path / "rounded.safetensors"))))
+        plain = client.run(job((name, base_path)))
+    finally:
+        client.shutdown()
+    assert rel_err(cast.latent, ref.latent) <= FP8_RTOL
+    assert rel_err(cast.latent, plain.latent) > 1e-3  # the cast really happened
+    assert cast.stats[0]["param_bytes"] == analytic_bytes(base_path, True)
+
+
+def test_fp8_lora_is_refused_in_one_sentence(tmp_path):
+    name = "kontext"
+    quant, _ = fp8_twins(tmp_path, name, FP8_DTYPES[0], False)
+    config = FAMILIES[name]
+    key = next(k for k, v in family_of(config).checkpoint_shapes(config).items() if v[1] == "weight")
+    from parallel_runtime.spec import WeightPatch
+
+    patches = WeightPatches("x", {key: [WeightPatch("diff", {"diff": torch.zeros(1)})]})
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        with pytest.raises(ConfigError, match="LoRA on fp8 weights is not applied on the ParaDiT workers yet"):
+            client.run(dataclasses.replace(job((name, quant)), weight_patches=patches))
+    finally:
+        client.shutdown()
+
+
+def test_a_truncated_fp8_file_fails_in_one_sentence_and_the_next_job_runs(tmp_path):
+    name = "kontext"
+    quant, meant = fp8_twins(tmp_path, name, FP8_DTYPES[0], True)
+    data = open(quant, "rb").read()
+    bad = tmp_path / "truncated-fp8.safetensors"
+    bad.write_bytes(data[: len(data) // 2])
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        with pytest.raises(ModelFileError, match="truncated-fp8.safetensors is not a valid safetensors file"):
+            client.run(job((name, str(bad))))
+        assert client.run(job((name, meant))).latent.abs().sum() > 0
+    finally:
+        client.shutdown()
