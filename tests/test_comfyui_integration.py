@@ -474,7 +474,7 @@ def test_object_info_lists_the_three_nodes(server):
     assert strat["input"]["required"]["mode"][1]["options"] == ["auto", "manual"]
     assert loader["display_name"] == "Load Parallel DiT" and loader["output"] == ["MODEL"]
     assert MODEL in loader["input"]["required"]["unet_name"][1]["options"]
-    assert loader["input"]["required"]["weight_dtype"][1]["options"] == ["default", "bf16", "fp16", "fp32"]
+    assert loader["input"]["required"]["weight_dtype"][1]["options"] == ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn", "fp8_e5m2"]
     assert loader["input"]["optional"]["strategy"][0] == "PARADIT_STRATEGY"
     assert samp["display_name"] == "Parallel Sampler" and samp["output"] == ["LATENT"]
     req = samp["input"]["required"]

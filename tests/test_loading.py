@@ -345,14 +345,3 @@ def test_not_a_flux_checkpoint(tmp_path, tensors, hint):
     assert "other.safetensors is not a Flux DiT checkpoint" in msg
     assert "choose a Flux model from models/diffusion_models" in msg
     assert hint in msg, msg
-
-
-def test_scaled_fp8_is_refused(tmp_path, tiny_files):
-    bfl_path, _ = tiny_files
-    with CheckpointReader(bfl_path) as r:
-        tensors = {k: r.read(k) for k in r.keys()}
-    tensors["double_blocks.0.img_attn.qkv.scale_weight"] = torch.ones(1)
-    path = tmp_path / "scaled.safetensors"
-    save_file(tensors, str(path))
-    with pytest.raises(ModelFileError, match="scaled-fp8"):
-        load_flux(path)

@@ -288,7 +288,7 @@ def test_loader_schema(folder_paths):
     assert (schema.node_id, schema.display_name) == ("ParaDiTLoader", "Load Parallel DiT")
     assert list(inputs) == ["unet_name", "weight_dtype", "devices", "strategy"]
     assert inputs["unet_name"][1]["options"] == ["flux1-dev.safetensors", "tiny.safetensors"]
-    assert inputs["weight_dtype"][1]["options"] == ["default", "bf16", "fp16", "fp32"]
+    assert inputs["weight_dtype"][1]["options"] == ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn", "fp8_e5m2"]
     assert inputs["devices"] == ("STRING", {**inputs["devices"][1], "default": "auto"})
     assert inputs["strategy"][0] == "PARADIT_STRATEGY" and inputs["strategy"][1]["optional"] is True
     assert all(not inputs[k][1].get("optional") for k in ("unet_name", "weight_dtype", "devices"))
