@@ -59,19 +59,20 @@ class RemoteDiT(torch.nn.Module):
                                       f"ParaDiT bug, please report it.")
         batch = rows // len(labels)
         client = get_client(self.handle.devices)
-        step = _schedule_step(options)
+        step, last = _schedule_step(options)
         if step == 0:  # a sampling run starts: ComfyUI's models leave the workers' GPUs, as for Parallel Sampler
             HOST.free_memory_for(client.devices)
+        # One strategy for the whole call (its jobs then share the workers' stages: no reload between them).
+        strategy = self._strategy((min(2, len(labels)) * batch, *x.shape[1:]), min(2, len(labels)), client)
         outputs = []
-        # Up to two chunks per runtime call (ComfyUI's cond and uncond); the CFG group splits them.
-        for start in range(0, len(labels), 2):
+        # Up to two chunks per runtime job (ComfyUI's cond and uncond); the CFG group splits them.
+        for slot, start in enumerate(range(0, len(labels), 2)):
             ks = list(range(start, min(start + 2, len(labels))))
             sl = slice(ks[0] * batch, (ks[-1] + 1) * batch)
             chunks = [_chunk_conditioning(k, batch, context, y, guidance, kwargs, self.latent_format) for k in ks]
-            strategy = self._strategy(tuple(x[sl].shape), len(chunks), client)
             job = Job(self.handle.model, strategy, SamplingSpec(steps=1), x[sl].detach().float().cpu(), chunks[0],
                       chunks[1] if len(chunks) > 1 else None, timestep=timesteps[sl].detach().float().cpu(),
-                      weight_patches=patches, call_step=step)
+                      weight_patches=patches, call_step=step, call_slot=slot, call_last=last)
             outputs.append(_run(client, job))
         out = torch.cat(outputs).to(x.device)
         return out.unsqueeze(2) if video else out
@@ -103,15 +104,17 @@ class RemoteDiT(torch.nn.Module):
         return self._strategies[key]
 
 
-def _schedule_step(options: dict) -> int:
-    """The step of the sampler's schedule this call belongs to: how many of the schedule's sigmas (ComfyUI puts
-    them in transformer_options) lie above the call's. A second evaluation within a step (Heun) counts as the
-    next step; without a schedule, 0 (PipeFusion then warms up: exact)."""
+def _schedule_step(options: dict) -> tuple[int | None, bool]:
+    """(the step of the sampler's schedule this call belongs to, whether it is the run's last step). The step
+    is how many of the schedule's sigmas (ComfyUI puts them in transformer_options) lie above the call's: a
+    second evaluation within a step (Heun) counts as the next step. Without a schedule: (None, True), so
+    PipeFusion warms up (exact) and keeps nothing for a next call."""
     schedule, sigma = options.get("sample_sigmas"), options.get("sigmas")
     if schedule is None or sigma is None:
-        return 0
+        return None, True
     current = float(sigma.max())
-    return int((schedule.float() > current * (1 + 1e-6)).sum())
+    step = int((schedule.float() > current * (1 + 1e-6)).sum())
+    return step, step >= len(schedule) - 2
 
 
 def _run(client, job):

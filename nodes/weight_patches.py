@@ -35,9 +35,10 @@ def weight_patches_of(patcher, shapes: dict):
             raise convert.ConfigError(f"a patch on {key!r} is not on the diffusion model, which is all the ParaDiT "
                                       f"workers hold; remove the node that adds it.")
         name = key[len(PREFIX):]
-        converted = [_patch(name, entry, shapes.get(name)) for entry in entries]
-        weights[name] = [p for p in converted if p is not None]
-    return WeightPatches(str(patcher.patches_uuid), weights)
+        converted = [p for p in (_patch(name, entry, shapes.get(name)) for entry in entries) if p is not None]
+        if converted:  # a weight whose every patch ComfyUI would skip stays the file's
+            weights[name] = converted
+    return WeightPatches(str(patcher.patches_uuid), weights) if weights else None
 
 
 def _patch(name: str, entry: tuple, shape):
@@ -65,13 +66,21 @@ def _patch(name: str, entry: tuple, shape):
             return WeightPatch("diff", {"diff": payload[0]}, **common)
         if kind == "set":
             return WeightPatch("set", {"value": payload[0]}, **common)
-    what = kind or type(value).__name__
+    if isinstance(value, list):
+        what = "model-merge"
+    elif kind == "diff":
+        what = "padded diff"
+    else:
+        what = kind or type(value).__name__
     raise convert.ConfigError(f"the weight patch on {name} is a {what} patch, which the ParaDiT workers do not apply "
                               f"(they apply LoRA, LoHa, LoKr and plain diff/set patches); remove the node that adds "
                               f"it or load the model with UNETLoader.")
 
 
 def _adapter_tensors(name: str, kind: str, weights) -> tuple[dict, float | None]:
+    if len(weights) != len(_ADAPTER_SLOTS[kind]):  # a ComfyUI whose adapter holds more than we would send
+        raise convert.ConfigError(f"the {kind} patch on {name} has {len(weights)} parts where ParaDiT knows "
+                                  f"{len(_ADAPTER_SLOTS[kind])}; update ParaDiT or load the model with UNETLoader.")
     tensors, alpha = {}, None
     for slot, value in zip(_ADAPTER_SLOTS[kind], weights):
         if value is None:
@@ -102,19 +111,30 @@ def _delta_fits(name: str, patch, target) -> bool:
     """Whether the adapter's delta has the weight's element count (ComfyUI logs and skips it otherwise)."""
     if target is None:
         return True
-    t = patch.tensors
-    if patch.kind == "lora":
-        rows = t["up"].shape[0]
-        cols = t["down"].flatten(1).shape[1] if "mid" not in t else t["down"].shape[1] * t["mid"][0, 0].numel()
-    elif patch.kind == "loha":
-        rows, cols = t["w1a"].shape[0], t["w1b"].flatten(1).shape[1] if "t1" not in t else -1
-    else:
-        return True  # LoKr's Kronecker shapes: checked by the workers' reshape
     size = 1
     for d in target:
         size *= d
-    if cols >= 0 and rows * cols != size:
-        log.warning("ParaDiT: LoRA patch for %s does not fit the weight %s: not merged (as ComfyUI).", name,
-                    tuple(target))
-        return False
-    return True
+    if _delta_numel(patch.kind, patch.tensors) == size:
+        return True
+    log.warning("ParaDiT: %s patch for %s does not fit the weight %s: not merged (as ComfyUI).", patch.kind, name,
+                tuple(target))
+    return False
+
+
+def _delta_numel(kind: str, t: dict) -> int:
+    """Elements of the delta an adapter's factors make (see parallel_runtime/models/weight_patches.py)."""
+    def spatial(core):  # a Tucker core's kernel size (1 without one)
+        return core.shape[2] * core.shape[3] if core is not None else 1
+
+    if kind == "lora":
+        if "mid" in t:
+            return t["up"].shape[0] * t["down"].shape[1] * spatial(t["mid"])
+        return t["up"].shape[0] * t["down"].flatten(1).shape[1]
+    if kind == "loha":
+        return t["w1a"].shape[1 if "t1" in t else 0] * t["w1b"].shape[1] * spatial(t.get("t1"))
+
+    def factor(whole, a, b, core=None):  # one Kronecker factor, given whole or as a (Tucker) product
+        if whole in t:
+            return t[whole].numel()
+        return t[a].shape[1 if core in t else 0] * t[b].shape[1] * spatial(t.get(core))
+    return factor("w1", "w1_a", "w1_b") * factor("w2", "w2_a", "w2_b", "t2")

@@ -456,7 +456,7 @@ def run_calls(path: str, config, latent_shape, text_tokens: int, cfg: float, ste
         times = []
         for i in range(steps + skip):
             t0 = time.perf_counter()
-            client.run(dataclasses.replace(call, call_step=max(0, i - skip + 1)))
+            client.run(dataclasses.replace(call, call_step=i, call_last=i == steps + skip - 1))
             times.append(time.perf_counter() - t0)
     finally:
         client.shutdown()

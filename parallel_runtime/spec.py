@@ -124,8 +124,12 @@ class Job:
     # row of `latent`, which then holds the input-scaled x of the call's chunks (positive = the first chunk,
     # negative = the second); the result is the model output, not a denoised latent.
     timestep: torch.Tensor | None = None
-    # A model call's step in the host sampler's schedule (PipeFusion warms up on the first steps of each run).
+    # A model call's place in the host sampler's run: its step in the schedule (None: unknown; PipeFusion warms
+    # up on the first steps), which of the call's jobs this is (a call of more than two chunks is several jobs),
+    # and whether the run's last step (the workers then drop what they kept for the next call).
     call_step: int | None = None
+    call_slot: int = 0
+    call_last: bool = False
     # LoRA-style patches each rank applies to the weights it holds (None: the file's own weights).
     weight_patches: "WeightPatches | None" = None
 

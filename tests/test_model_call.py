@@ -145,3 +145,32 @@ def test_a_call_returns_the_raw_model_output_of_each_chunk_in_order(family, clie
                                                                                         rtol=0, atol=1e-6)
     assert rel_err(one, both[:2]) <= CALL_RTOL
     assert rel_err(both[:2], both[2:]) > 1e-3  # the two prompts really differ
+
+
+def test_pipefusion_jobs_of_one_call_keep_their_own_stale_kv(family, client2):
+    """A call of four chunks (two prompt pairs, as ConditioningCombine makes) is two jobs per step. Each keeps its
+    own stale K/V, so pair A's result with pair B beside it equals pair A's alone; shared buffers would let one
+    pair's patches attend to the other's keys."""
+    name, path, adapter = family
+    ms, lf = adapter.model_sampling, adapter.latent_format
+    strategy = S(pipefusion_degree=2, warmup_steps=1, num_pipeline_patch=2)
+    config = FAMILIES[name]
+    pairs = [(conditioning(config, 1), conditioning(config, 2)), (conditioning(config, 3), conditioning(config, 4))]
+
+    def run(pairs_used):
+        latent = latent_of(name)
+        sigmas = ksampler_sigmas(ms, "simple", STEPS)
+        x = start_latent(latent, prepare_noise(latent, SEED), sigmas[0], lf, ms)
+        b = latent.shape[0]
+        for i in range(STEPS):
+            sigma = sigmas[i]
+            x_in = ms.calculate_input(sigma, x).repeat(2, 1, 1, 1)
+            t = ms.timestep(sigma.expand(2 * b)).float()
+            outs = [client2.run(Job(ModelSpec(path), strategy, SamplingSpec(steps=1), x_in, pos, neg, timestep=t,
+                                    call_step=i, call_slot=slot, call_last=i == STEPS - 1)).latent
+                    for slot, (pos, neg) in enumerate(pairs_used)]
+            cond, uncond = (ms.calculate_denoised(sigma, o, x) for o in outs[0].chunk(2))  # pair A drives x
+            x = x + (x - cfg_combine(cond, uncond, CFG)) / sigma * (sigmas[i + 1] - sigma)
+        return x
+
+    assert rel_err(run(pairs), run(pairs[:1])) <= CALL_RTOL

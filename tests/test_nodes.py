@@ -598,3 +598,61 @@ def test_sampler_refuses_nan_settings_before_freeing_starting_or_planning(runtim
         sampler_mod.sample(handle(convert.strategy_choice("auto")), 0, 2, float("nan"), "euler", "simple",
                            cond(), cond(), latent(), 1.0, host=host)
     assert host.freed == [] and "cpu:2" not in runtime.clients and getattr(runtime, "budgets", []) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# ComfyUI's weight patches as the runtime's (nodes/weight_patches.py), with stand-ins for ComfyUI's adapters.
+
+class FakeAdapter:
+    def __init__(self, name, weights):
+        self.name, self.weights = name, weights
+
+
+class FakePatcher:
+    def __init__(self, patches, uuid="u1"):
+        self.patches, self.patches_uuid = patches, uuid
+
+
+def test_weight_patches_keep_what_comfyui_would_merge_and_skip_what_it_would_not():
+    from nodes.weight_patches import weight_patches_of
+
+    up, down = torch.ones(6, 2), torch.ones(2, 4)
+    shapes = {"a.weight": (6, 4), "b.weight": (6, 4), "c.bias": (6,)}
+    patcher = FakePatcher({
+        "diffusion_model.a.weight": [(0.8, FakeAdapter("lora", (up, down, 2.0, None, None, None)), 1.0, None, None)],
+        # a rank-2 LoRA of another model's width: ComfyUI logs and skips it, and so does ParaDiT
+        "diffusion_model.b.weight": [(1.0, FakeAdapter("lora", (torch.ones(5, 2), down, None, None, None, None)),
+                                      1.0, None, None)],
+        "diffusion_model.c.bias": [(0.5, (torch.ones(6),), 1.0, None, None)],
+    })
+    out = weight_patches_of(patcher, shapes)
+    assert out.id == "u1" and sorted(out.weights) == ["a.weight", "c.bias"]
+    lora = out.weights["a.weight"][0]
+    assert (lora.kind, lora.strength, lora.alpha, sorted(lora.tensors)) == ("lora", 0.8, 2.0, ["down", "up"])
+    assert out.weights["c.bias"][0].kind == "diff"
+    nothing = FakePatcher({"diffusion_model.b.weight": patcher.patches["diffusion_model.b.weight"]})
+    assert weight_patches_of(nothing, shapes) is None  # every patch skipped: the file's weights, no empty stack
+
+
+def test_lokr_and_tucker_loha_sizes_are_checked_on_the_host():
+    from nodes.weight_patches import weight_patches_of
+
+    lokr = FakeAdapter("lokr", (torch.ones(2, 2), None, 4.0, None, None, torch.ones(3, 1), torch.ones(1, 2), None,
+                                None))  # kron((2, 2), (3, 2)) = (6, 4)
+    loha = FakeAdapter("loha", (torch.ones(2, 6), torch.ones(2, 4), None, torch.ones(2, 6), torch.ones(2, 4),
+                                torch.ones(2, 2, 1, 1), torch.ones(2, 2, 1, 1), None))  # Tucker: (6, 4, 1, 1)
+    for adapter in (lokr, loha):
+        patcher = FakePatcher({"diffusion_model.a.weight": [(1.0, adapter, 1.0, None, None)]})
+        assert weight_patches_of(patcher, {"a.weight": (6, 4)}) is not None
+        assert weight_patches_of(patcher, {"a.weight": (6, 5)}) is None
+
+
+@pytest.mark.parametrize("value,what", [([("x",)], "model-merge"), (("diff", (torch.ones(6, 4), {"pad_weight": True})),
+                                                                      "padded diff"),
+                                        (FakeAdapter("oft", (torch.ones(1),)), "oft")])
+def test_patches_the_workers_cannot_apply_are_refused_by_name(value, what):
+    from nodes.weight_patches import weight_patches_of
+
+    patcher = FakePatcher({"diffusion_model.a.weight": [(1.0, value, 1.0, None, None)]})
+    with pytest.raises(ConfigError, match=f"is a {what} patch, which the ParaDiT workers do not apply"):
+        weight_patches_of(patcher, {"a.weight": (6, 4)})

@@ -241,10 +241,12 @@ class RuntimeClient:
                 tensors.update(job.negative.tensors("negative"))
             if job.timestep is not None:
                 tensors["timestep"] = job.timestep
-                meta["call_step"] = job.call_step
+                meta.update(call_step=job.call_step, call_slot=job.call_slot, call_last=job.call_last)
             if job.weight_patches is not None:
-                meta["weight_patches"] = job.weight_patches.meta()
-                if job.weight_patches.id != self._patches_on_workers:  # else the workers keep them already
+                # Tensors only when new to the workers; else they keep the ones they have under that id.
+                sent = job.weight_patches.id != self._patches_on_workers
+                meta["weight_patches"] = dict(job.weight_patches.meta(), sent=sent)
+                if sent:
                     tensors.update(job.weight_patches.tensors())
             self.last_strategy = job.strategy.label()
             # What a step costs depends on the model and its dtype too (and on whether cfg adds a branch).

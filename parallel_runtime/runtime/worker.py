@@ -113,7 +113,7 @@ class WorkerState:
 
         if meta is None:
             self.weight_patches = None
-        elif any(name.startswith("patch/") for name in tensors):
+        elif meta.get("sent"):
             self.weight_patches = WeightPatches.from_message(meta, tensors)
         elif self.weight_patches is None or self.weight_patches.id != meta["id"]:
             raise ConfigError("the job names LoRA patches this worker was never sent (a ParaDiT bug); run the "
@@ -159,7 +159,8 @@ def _job_from_message(meta: dict, tensors: dict):
 
     return Job(ModelSpec(**meta["model"]), StrategySpec(**meta["strategy"]), SamplingSpec(**meta["sampling"]),
                tensors["latent"], branch("positive"), branch("negative") if "negative.cond" in tensors else None,
-               extra=meta.get("extra", {}), timestep=tensors.get("timestep"), call_step=meta.get("call_step"))
+               extra=meta.get("extra", {}), timestep=tensors.get("timestep"), call_step=meta.get("call_step"),
+               call_slot=meta.get("call_slot", 0), call_last=meta.get("call_last", False))
 
 
 def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse, gate: queue.Queue) -> None:
@@ -183,7 +184,7 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
     pulse.phase = "sampling"
     stats, latent = _denoise(state, chan, job, topology, pulse)
     # On a failure serve() ends the job, after telling the client (and drops any stale K/V).
-    state.end_job(keep_stale_kv=job.timestep is not None and job.strategy.pipefusion_degree > 1)
+    state.end_job(keep_stale_kv=job.timestep is not None and job.strategy.pipefusion_degree > 1 and not job.call_last)
     stats.update(loaded=loaded, load_seconds=state.last_load_seconds, patched_tensors=patched)
     pulse.end_job()  # no beat may follow the result
     chan.send("done", stats, {"latent": latent} if latent is not None else None)

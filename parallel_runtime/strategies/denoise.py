@@ -161,6 +161,12 @@ class Branches:
         return 0 if self.references is None else self.references.shape[1]
 
 
+def stale_caches(layout: TokenLayout) -> tuple[StaleKVCache, StaleKVCache]:
+    """Fresh joint and image-only stale K/V buffers for a pipeline over `layout`'s rows."""
+    return (StaleKVCache(layout.text_len + layout.image_len + layout.ref_len),
+            StaleKVCache(layout.image_len + layout.ref_len))
+
+
 class Denoiser:
     def __init__(self, adapter: DiTAdapter, topology: Topology, comm: Comm, context: AttentionContext):
         self.adapter, self.topology, self.comm, self.context = adapter, topology, comm, context
@@ -419,18 +425,15 @@ class Denoiser:
 
     # -- PipeFusion ------------------------------------------------------------------------------------
 
-    # Set by ModelCallForward: the last chunk writes the model output of each patch here instead of sampling.
-    model_output: torch.Tensor | None = None
-
-    def _stale_caches(self, layout: TokenLayout) -> tuple[StaleKVCache, StaleKVCache]:
-        """The joint and image-only stale K/V buffers of one pipeline run: fresh for a whole denoise."""
-        return (StaleKVCache(layout.text_len + layout.image_len + layout.ref_len),
-                StaleKVCache(layout.image_len + layout.ref_len))
-
-    def _run_pipefusion(self, x: torch.Tensor, warmup: int, n_steps: int) -> torch.Tensor:
+    def _run_pipefusion(self, x: torch.Tensor, warmup: int, n_steps: int,
+                        caches: tuple[StaleKVCache, StaleKVCache] | None = None,
+                        model_output: torch.Tensor | None = None) -> torch.Tensor:
         """Stage loop. A rank runs its chunks of blocks (one, or two interleaved virtual stages) for each
         token set in turn; messages between chunks are the [text ; image] hidden rows of this Ulysses shard,
-        and the last chunk sends each updated patch of x straight back to rank 0."""
+        and the last chunk sends each updated patch of x straight back to rank 0.
+
+        A stock sampler's call (model_call.py) passes the stale buffers its previous call left (`caches`) and
+        `model_output`, where the last chunk then writes each patch's model output instead of sampling."""
         layout, me = self.layout, self.shard
         pp, uly = self.comm.group("pipefusion"), self.comm.group("ulysses")
         stage, stages = pp.index, pp.size
@@ -448,7 +451,7 @@ class Denoiser:
 
         # Joint [text, image] attention and image-only attention (SD3.5 Medium's second attention, PixArt's
         # self-attention) each keep their own stale buffers, over their own rows.
-        self.cache, self.image_cache = self._stale_caches(layout)
+        self.cache, self.image_cache = caches or stale_caches(layout)
         stale = StaleKVAttention(self.cache, LocalAttention())
         stale_image = StaleKVAttention(self.image_cache, LocalAttention())
         attention = stale if uly.size == 1 else UlyssesAttention(self.comm, uly, [], stale)
@@ -509,8 +512,8 @@ class Denoiser:
             if not is_last(chunk):
                 send((torch.cat([txt, image], dim=1) if joint else image).contiguous(), after, "pipefusion")
                 return
-            if self.model_output is not None:  # a stock sampler's call: the host samples
-                self.model_output[:, idx] = self.adapter.head(image[:, :len(idx)], temb)
+            if model_output is not None:  # a stock sampler's call: the host samples
+                model_output[:, idx] = self.adapter.head(image[:, :len(idx)], temb)
                 return
             x_rows = x[:, idx]
             den = self._denoised(i, x_rows, image[:, :len(idx)], temb)

@@ -19,7 +19,7 @@ import torch
 
 from ..runtime.topology import validate_strategy
 from ..spec import Job
-from .denoise import Branches, Denoiser
+from .denoise import Branches, Denoiser, stale_caches
 
 
 class ModelCallForward(Denoiser):
@@ -45,19 +45,17 @@ class ModelCallForward(Denoiser):
         self._check_cancel()
         # Chunks with one token layout run as one batch, as ComfyUI batched them; others one by one.
         groups = [mine] if len({chunks[k].signature() for k in mine}) == 1 else [[k] for k in mine]
-        pipelines = []
+        if self.topology.pipefusion > 1 and job.call_step == 0 and job.call_slot == 0:
+            self.context.stale_kv.clear()  # a new sampling run: nothing of the last one is stale K/V of this one
         for group in groups:
             idx = torch.cat([torch.arange(k * batch, (k + 1) * batch) for k in group])
             branches = Branches([chunks[k] for k in group], batch, self.adapter)
             if self.topology.pipefusion > 1:
-                pipelines.append((tuple(group), tuple(x[idx].shape)))
-                part = self._pipeline(x[idx], t[idx.to(t.device)], branches, job, pipelines[-1])
+                part = self._pipeline(x[idx], t[idx.to(t.device)], branches, job, (job.call_slot, tuple(group)))
             else:
                 part = self._forward(x[idx], t[idx.to(t.device)], branches)
             out[idx] = self._gather_shards(part)
         self._finish_vote()
-        for key in [k for k in self.context.stale_kv if k[0] not in pipelines]:  # buffers of calls no longer made
-            del self.context.stale_kv[key]
         if split:
             mine_rows = out[mine[0] * batch:(mine[0] + 1) * batch].contiguous()
             out = torch.cat(self.comm.all_gather(mine_rows, self.comm.group("cfg"), op="cfg"))
@@ -85,19 +83,26 @@ class ModelCallForward(Denoiser):
         call costs (patches + stages - 1) patch-times of one stage where the denoise loop's pipeline never
         drains. Each attention layer reads the other patches' K/V as this rank's previous call left them
         (stale by one sampler evaluation); the first `warmup_steps` steps of the host's schedule, and any call
-        without buffers of its shape, run the whole image at once: exact, and they fill the buffers."""
+        without buffers of its layout, run the whole image at once: exact, and they fill the buffers.
+
+        `key`: (the job's slot in the host's call, its chunks), so the jobs of one call never share buffers; a
+        slot's buffers are replaced when its token layout changes (another prompt length, reference or size)."""
         s = job.strategy
         self.branches, self.call_t = branches, t
         self._set_layout(branches, x.shape[1], patches=s.patches)
         store = self.context.stale_kv
-        full = (key, self.layout)
-        warm = self._anyone((job.call_step or 0) < s.warmup_steps or full not in store)
-        if warm:
-            store[full] = Denoiser._stale_caches(self, self.layout)
-        self._caches = store[full]
-        self.model_output = torch.zeros_like(x)
-        self._run_pipefusion(x, warmup=1 if warm else 0, n_steps=1)
-        return self.model_output
+        held = store.get(key)
+        fresh = held is None or held[0] != self.layout
+        if self._anyone((job.call_step or 0) < s.warmup_steps or fresh):
+            store.pop(key, None)
+            held = None  # the old buffers go before their successors fill
+            store[key] = held = (self.layout, stale_caches(self.layout))
+            warmup = 1
+        else:
+            warmup = 0
+        model_output = torch.zeros_like(x)
+        self._run_pipefusion(x, warmup=warmup, n_steps=1, caches=held[1], model_output=model_output)
+        return model_output
 
     def _anyone(self, flag: bool) -> bool:
         """True on every rank if it is True on any: all stages must run the same schedule."""
@@ -105,9 +110,6 @@ class ModelCallForward(Denoiser):
         if work is not None:
             work.wait()
         return bool(int(value.item()))
-
-    def _stale_caches(self, layout):
-        return self._caches  # kept between calls in the worker's AttentionContext
 
     def _temb(self, i: int, branches: Branches | None = None) -> torch.Tensor:
         return self._embed_time(self.call_t, branches or self.branches)
