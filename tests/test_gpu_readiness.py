@@ -186,7 +186,8 @@ def test_resolve_dtype():
     cpu = torch.device("cpu")
     assert resolve_dtype("default", cpu) == torch.float32
     assert [resolve_dtype(n, cpu) for n in ("fp32", "bf16", "fp16")] == [torch.float32, torch.bfloat16, torch.float16]
-    with pytest.raises(ConfigError, match="choose default, bf16, fp16 or fp32"):
+    assert [resolve_dtype(n, cpu) for n in ("fp8_e4m3fn", "fp8_e5m2")] == [torch.float32] * 2  # fp8 computes in fp32
+    with pytest.raises(ConfigError, match="choose one of default, bf16, fp16, fp32, fp8_e4m3fn, fp8_e5m2"):
         resolve_dtype("fp8", cpu)
 
 

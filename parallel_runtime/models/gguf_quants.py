@@ -1,0 +1,95 @@
+"""GGUF block formats dequantized with torch, on the device that holds the blocks.
+
+A quantized GGUF tensor is rows of fixed-size blocks (each row: its values' blocks, back to back), so a rank
+keeps its rows as raw bytes [rows, bytes_per_row] and a layer dequantizes its weight just before it runs: on
+a GPU that is a few elementwise kernels, where a round trip through numpy would stall every layer. The
+arithmetic follows ggml's reference dequantizers (as the `gguf` package's numpy ones do, in the same order of
+float32 operations), so values are bit-identical to `gguf.quants.dequantize` (tests/test_gguf.py).
+"""
+from __future__ import annotations
+
+import torch
+
+QK_K = 256  # values per K-quant super-block
+
+# format -> (values per block, bytes per block)
+BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210)}
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 pairs of bytes -> float32 [n, 1]."""
+    return raw.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
+    """[n, bytes] -> [n, 2 * bytes] values: per run of `width` bytes, their low nibbles, then their high ones."""
+    n = qs.shape[0]
+    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=qs.device).reshape(1, 1, 2, 1)
+    return ((qs.reshape(n, -1, 1, width) >> shifts) & 0x0F).reshape(n, -1)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b[:, :2]) * b[:, 2:].contiguous().view(torch.int8).float()
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 2:], 16).to(torch.int8) - 8
+    return _f16(b[:, :2]) * q.float()
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks -> two [n, 8] uint8."""
+    d, m, m_d = scales.reshape(scales.shape[0], 3, 4).unbind(1)
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _scaled(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K: d * scale * q - dmin * min per 32-value sub-block."""
+    n = b.shape[0]
+    sc, mn = _k_scales(b[:, 4:16])
+    d = (_f16(b[:, :2]) * sc.float()).reshape(n, 8, 1)
+    dm = (_f16(b[:, 2:4]) * mn.float()).reshape(n, 8, 1)
+    return (d * q.reshape(n, 8, 32).float() - dm).reshape(n, QK_K)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    return _scaled(b, _nibbles(b[:, 16:], 32))
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    low = _nibbles(b[:, 48:], 32).reshape(n, 8, 32)
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)
+    high = (b[:, 16:48].reshape(n, 1, 32) >> shifts) & 0x01  # bit k of each byte: sub-block k's fifth bit
+    return _scaled(b, low | (high << 4))
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], b[:, 208:210]
+    d = (_f16(d) * scales.contiguous().view(torch.int8).float()).reshape(n, 16, 1)
+    low = _nibbles(ql, 64).reshape(n, 8, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
+    high = ((qh.reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, 8, 32)
+    q = (low | (high << 4)).to(torch.int8) - 32
+    return (d * q.reshape(n, 16, 16).float()).reshape(n, QK_K)
+
+
+_DEQUANTIZE = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def dequantize(data: torch.Tensor, fmt: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Raw rows of `fmt` blocks (uint8 [rows, bytes_per_row]) -> a `dtype` tensor of `shape`."""
+    per_block, size = BLOCKS[fmt]
+    blocks = data.reshape(-1, size)
+    return _DEQUANTIZE[fmt](blocks).reshape(shape).to(dtype)
+
+
+def row_bytes(fmt: str, values: int) -> int:
+    """Bytes of one row of `values` values (a whole number of blocks)."""
+    per_block, size = BLOCKS[fmt]
+    if values % per_block:
+        raise ValueError(f"{values} values are not whole {fmt} blocks of {per_block}")
+    return values // per_block * size
