@@ -934,25 +934,28 @@ def test_ksampler_on_the_parallel_model_equals_unetloader(server, sampler_name, 
     assert err <= KSAMPLER_RTOL
 
 
+def _two_worker_ksampler(server, strat, what: str, steps=3, sampler_name="dpmpp_2m", **graph) -> float:
+    """KSampler (cfg 2, karras) on Load Parallel DiT's MODEL over cpu:2 beside UNETLoader's: their rel. L2."""
+    g = stock_graph(devices="cpu:2", strat=strat, cfg=2.0, steps=steps, seed=4, sampler_name=sampler_name,
+                    scheduler="karras")
+    for node, inputs in graph.items():
+        g[node]["inputs"].update(inputs)
+    result = server.run(g)
+    assert result["status"] == "success", _explain(result)
+    err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
+    print(f"\nKSampler {sampler_name} on cpu:2, {what}: rel. L2 {err:.2e} vs UNETLoader")
+    return err
+
+
 @pytest.mark.parametrize("strat", [strategy(cfg=2), strategy(ulysses=2), strategy(ring=2)],
                          ids=["cfg2", "ulysses2", "ring2"])
 def test_ksampler_on_two_workers_equals_unetloader(server, strat):
-    result = server.run(stock_graph(devices="cpu:2", strat=strat, cfg=2.0, steps=3, seed=4,
-                                    sampler_name="dpmpp_2m", scheduler="karras"))
-    assert result["status"] == "success", _explain(result)
-    err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
-    print(f"\nKSampler on cpu:2 {strat['inputs']}: rel. L2 {err:.2e}")
-    assert err <= KSAMPLER_RTOL
+    assert _two_worker_ksampler(server, strat, str(strat["inputs"])) <= KSAMPLER_RTOL
 
 
 def test_ksampler_with_pipefusion_warm_throughout_equals_unetloader(server):
     """PipeFusion inside each model call; every step a warm-up step (the whole image through both stages): exact."""
-    result = server.run(stock_graph(devices="cpu:2", strat=strategy(pp=2, warmup=4), cfg=2.0, steps=4, seed=4,
-                                    sampler_name="dpmpp_2m", scheduler="karras"))
-    assert result["status"] == "success", _explain(result)
-    err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
-    print(f"\nKSampler on cpu:2 pp2 warm-up 4 of 4: rel. L2 {err:.2e}")
-    assert err <= KSAMPLER_RTOL
+    assert _two_worker_ksampler(server, strategy(pp=2, warmup=4), "pp2 warm-up 4 of 4", steps=4) <= KSAMPLER_RTOL
 
 
 def test_ksampler_with_pipefusion_stale_kv_stays_close_to_unetloader(server):
@@ -960,11 +963,8 @@ def test_ksampler_with_pipefusion_stale_kv_stays_close_to_unetloader(server):
     the second counted as the next step). Approximate like Parallel Sampler's PipeFusion: within a few percent of
     the exact latent, but measurably off it (the stale rows were read)."""
     for sampler_name in ("dpmpp_2m", "heun"):
-        result = server.run(stock_graph(devices="cpu:2", strat=strategy(pp=2, patches=2, warmup=1), cfg=2.0, steps=6,
-                                        seed=4, sampler_name=sampler_name, scheduler="karras"))
-        assert result["status"] == "success", _explain(result)
-        err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
-        print(f"\nKSampler {sampler_name} on cpu:2 pp2 M2 warm-up 1 of 6: rel. L2 {err:.2e} vs UNETLoader")
+        err = _two_worker_ksampler(server, strategy(pp=2, patches=2, warmup=1), "pp2 M2 warm-up 1 of 6", steps=6,
+                                   sampler_name=sampler_name)
         assert KSAMPLER_RTOL < err < 5e-2
 
 
@@ -975,14 +975,9 @@ def test_fp8_model_under_ksampler_equals_unetloader(server, kind, weight_dtype):
     Load Parallel DiT on 2 workers (Ulysses): the workers keep the matrices in fp8 and upcast each per layer, as
     ComfyUI's manual cast does; the latents match to fp32 round-off."""
     unet = FP8_MODELS.get(kind, MODEL)
-    graph = stock_graph(devices="cpu:2", strat=strategy(ulysses=2), cfg=2.0, steps=3, seed=12,
-                        sampler_name="dpmpp_2m", scheduler="karras")
-    graph["11"]["inputs"].update(unet_name=unet, weight_dtype=weight_dtype)
-    graph["20"]["inputs"].update(unet_name=unet, weight_dtype=weight_dtype)
-    result = server.run(graph)
-    assert result["status"] == "success", _explain(result)
-    err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
-    print(f"\n{unet} weight_dtype {weight_dtype} under KSampler, ulysses2: rel. L2 {err:.2e}")
+    loader = {"unet_name": unet, "weight_dtype": weight_dtype}
+    err = _two_worker_ksampler(server, strategy(ulysses=2), f"{unet} weight_dtype {weight_dtype}, ulysses2",
+                               **{"11": loader, "20": loader})
     assert err <= KSAMPLER_RTOL
 
 
