@@ -233,18 +233,23 @@ def refuse_model_patches(model) -> None:
                                   f"the patch, or remove the patch node.")
 
 
+def _remote_dit(model) -> RemoteDiT | None:
+    inner = getattr(getattr(model, "model", None), "diffusion_model", None)
+    return inner if isinstance(inner, RemoteDiT) else None
+
+
 def handle_of(model) -> convert.ParaDiTModel | None:
     """The ParaDiT handle behind a MODEL from Load Parallel DiT (or the handle itself), else None."""
     if isinstance(model, convert.ParaDiTModel):
         return model
-    inner = getattr(getattr(model, "model", None), "diffusion_model", None)
-    return inner.handle if isinstance(inner, RemoteDiT) else None
+    inner = _remote_dit(model)
+    return inner.handle if inner is not None else None
 
 
 def parameter_shapes(model) -> dict:
     """ComfyUI's parameter name (no prefix) -> shape of the file behind a parallel MODEL ({} for a handle)."""
-    inner = getattr(getattr(model, "model", None), "diffusion_model", None)
-    return inner.parameter_shapes() if isinstance(inner, RemoteDiT) else {}
+    inner = _remote_dit(model)
+    return inner.parameter_shapes() if inner is not None else {}
 
 
 def _meta_state_dict(path: str) -> dict:

@@ -1031,19 +1031,26 @@ def test_ksampler_advanced_two_pass_on_the_parallel_model(server):
     assert err <= KSAMPLER_RTOL
 
 
-def test_sampler_custom_advanced_with_cfg_guider_on_the_parallel_model(server):
+def custom_sampling(guider: dict, sampler_name: str, scheduler: str, steps: int, seed: int):
+    """A `_both_models` builder: `guider` (its node without the model) -> SamplerCustomAdvanced with KSamplerSelect,
+    BasicScheduler and RandomNoise."""
     def build(model, base):
         g, k, q, n, out = (str(base + i) for i in range(5))
         return out, {
-            g: {"class_type": "CFGGuider", "inputs": {"model": model, "positive": ["1", 0], "negative": ["2", 0],
-                                                      "cfg": 3.0}},
-            k: {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "uni_pc_bh2"}},
-            q: {"class_type": "BasicScheduler", "inputs": {"model": model, "scheduler": "kl_optimal", "steps": 5,
+            g: {"class_type": guider["class_type"], "inputs": dict(guider["inputs"], model=model)},
+            k: {"class_type": "KSamplerSelect", "inputs": {"sampler_name": sampler_name}},
+            q: {"class_type": "BasicScheduler", "inputs": {"model": model, "scheduler": scheduler, "steps": steps,
                                                            "denoise": 1.0}},
-            n: {"class_type": "RandomNoise", "inputs": {"noise_seed": 8}},
+            n: {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}},
             out: {"class_type": "SamplerCustomAdvanced",
                   "inputs": {"noise": [n, 0], "guider": [g, 0], "sampler": [k, 0], "sigmas": [q, 0],
                              "latent_image": ["4", 0]}}}
+    return build
+
+
+def test_sampler_custom_advanced_with_cfg_guider_on_the_parallel_model(server):
+    guider = {"class_type": "CFGGuider", "inputs": {"positive": ["1", 0], "negative": ["2", 0], "cfg": 3.0}}
+    build = custom_sampling(guider, "uni_pc_bh2", "kl_optimal", steps=5, seed=8)
     err = _stock_run(server, _both_models(stock_graph(devices="cpu:2", strat=strategy(cfg=2)), build))
     print(f"\nSamplerCustomAdvanced + CFGGuider, cfg2: rel. L2 {err:.2e}")
     assert err <= KSAMPLER_RTOL
@@ -1053,19 +1060,9 @@ def test_sampler_custom_advanced_with_cfg_guider_on_the_parallel_model(server):
 def test_dual_cfg_guider_three_prompts_on_the_parallel_model(server, style):
     """DualCFGGuider evaluates three prompts per step; ComfyUI batches them into one call of three chunks, which
     the parallel MODEL runs as a two-chunk job (split over the CFG group) and a one-chunk job."""
-    def build(model, base):
-        g, k, q, n, out = (str(base + i) for i in range(5))
-        return out, {
-            g: {"class_type": "DualCFGGuider", "inputs": {"model": model, "cond1": ["1", 0], "cond2": ["3", 0],
-                                                          "negative": ["2", 0], "cfg_conds": 3.0,
-                                                          "cfg_cond2_negative": 1.5, "style": style}},
-            k: {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler_ancestral"}},
-            q: {"class_type": "BasicScheduler", "inputs": {"model": model, "scheduler": "beta", "steps": 4,
-                                                           "denoise": 1.0}},
-            n: {"class_type": "RandomNoise", "inputs": {"noise_seed": 9}},
-            out: {"class_type": "SamplerCustomAdvanced",
-                  "inputs": {"noise": [n, 0], "guider": [g, 0], "sampler": [k, 0], "sigmas": [q, 0],
-                             "latent_image": ["4", 0]}}}
+    guider = {"class_type": "DualCFGGuider", "inputs": {"cond1": ["1", 0], "cond2": ["3", 0], "negative": ["2", 0],
+                                                        "cfg_conds": 3.0, "cfg_cond2_negative": 1.5, "style": style}}
+    build = custom_sampling(guider, "euler_ancestral", "beta", steps=4, seed=9)
     graph = stock_graph(devices="cpu:2", strat=strategy(cfg=2))
     graph["3"] = cond(3)
     err = _stock_run(server, _both_models(graph, build))

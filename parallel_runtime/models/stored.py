@@ -41,8 +41,9 @@ class Storage:
 
     def linear_dtype(self, stored: torch.dtype) -> torch.dtype | None:
         """The dtype a linear weight stored as `stored` is kept in on the rank; None: the compute dtype."""
-        if self.cast_fp8 is not None or self.scaled_fp8 is not None:
-            return self.cast_fp8 or self.scaled_fp8
+        forced = self.cast_fp8 or self.scaled_fp8
+        if forced is not None:
+            return forced
         return stored if self.keep_fp8 and stored in FP8_DTYPES else None
 
     def rounding(self, linear_bias: bool) -> torch.dtype | None:
