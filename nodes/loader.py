@@ -1,16 +1,29 @@
 """Load Parallel DiT: validates a checkpoint choice and a device list; the workers load it at sample time."""
 from __future__ import annotations
 
+import os
+
 from comfy_api.latest import io, ui
 
 from . import convert, remote_model
 
 
+def model_files() -> list[str]:
+    """The loader's choices: ComfyUI's diffusion_models list (models/diffusion_models and models/unet) plus the
+    `.gguf` files in the same folders, which ComfyUI lists only through ComfyUI-GGUF's own loader."""
+    import folder_paths
+
+    names = set(folder_paths.get_filename_list("diffusion_models"))
+    for folder in folder_paths.get_folder_paths("diffusion_models"):
+        if os.path.isdir(folder):
+            files, _ = folder_paths.recursive_search(folder, excluded_dir_names=[".git"])
+            names.update(folder_paths.filter_files_extensions(files, {".gguf"}))
+    return sorted(names)
+
 
 class ParaDiTLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        import folder_paths
 
         return io.Schema(
             node_id="ParaDiTLoader",
@@ -19,7 +32,7 @@ class ParaDiTLoader(io.ComfyNode):
             description="Picks a DiT checkpoint and the devices its worker processes run on, and outputs a MODEL "
                         "for KSampler, SamplerCustomAdvanced or Parallel Sampler. No weights load here: the workers "
                         "read them at the first sample.",
-            inputs=convert.build_inputs(io, convert.loader_inputs(folder_paths.get_filename_list("diffusion_models"))),
+            inputs=convert.build_inputs(io, convert.loader_inputs(model_files())),
             outputs=[io.Model.Output(display_name="model")],
         )
 

@@ -255,9 +255,9 @@ def parameter_shapes(model) -> dict:
 def _meta_state_dict(path: str) -> dict:
     """The checkpoint's tensors as meta tensors of the stored shape and dtype: ComfyUI's detection reads only
     names, shapes and dtypes, and nothing of the file's data is read here."""
-    from parallel_runtime.models.loading import CheckpointReader
+    from parallel_runtime.models.loading import open_checkpoint
 
-    with CheckpointReader(path) as reader:
+    with open_checkpoint(path) as reader:
         return {k: torch.empty(reader.shape(k), dtype=reader.dtype(k), device="meta") for k in reader.keys()}
 
 

@@ -547,14 +547,14 @@ def run_in_process(path: str, latent_shape, text_tokens: int, cfg: float, steps:
 
 def _in_process_reference(spec: dict) -> None:
     from .models.family import read_model
-    from .models.loading import CheckpointReader
+    from .models.loading import open_checkpoint
     from .runtime.comm import Comm
     from .runtime.topology import Topology
     from .strategies.attention.processor import AttentionContext
     from .strategies.denoise import Denoiser
 
     torch.set_num_threads(spec["threads"])
-    with CheckpointReader(spec["path"]) as reader:
+    with open_checkpoint(spec["path"]) as reader:
         family, match, config = read_model(reader)
         model = family.build(config, reader, match, owned=lambda name: True, dtype=torch.float32, device="cpu")
     ctx = AttentionContext()

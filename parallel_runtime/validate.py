@@ -16,28 +16,42 @@ from .spec import REFERENCE_METHODS, Job
 @lru_cache(maxsize=16)
 def _model_config(path: str, mtime_ns: int, size: int):
     from .models.family import read_model
-    from .models.loading import CheckpointReader
+    from .models.loading import open_checkpoint
 
-    with CheckpointReader(path) as reader:
+    with open_checkpoint(path) as reader:
         return read_model(reader, os.path.basename(path))[2]
 
 
 @lru_cache(maxsize=16)
-def _fp8_file(path: str, mtime_ns: int, size: int) -> bool:
-    from .models.loading import CheckpointReader
+def _compact_share(path: str, mtime_ns: int, size: int) -> tuple[float, bool, float]:
+    """(bytes of the file's block-quantized tensors per parameter of the file, whether it stores tensors in fp8,
+    the share of its parameters stored as plain floats)."""
+    from .models.loading import open_checkpoint
     from .models.stored import FP8_DTYPES
 
-    with CheckpointReader(path) as reader:
-        return any(reader.dtype(k) in FP8_DTYPES for k in reader.keys())
+    with open_checkpoint(path) as reader:
+        keys = reader.keys()
+        numel = {k: math.prod(reader.shape(k)) for k in keys}
+        quantized = [k for k in keys if reader.quant_format(k) is not None]
+        fp8 = any(reader.dtype(k) in FP8_DTYPES for k in keys if k not in quantized)
+        held = sum(reader.stored_bytes(k) for k in quantized)
+        plain = sum(numel[k] for k in keys if k not in quantized)
+    return held / max(1, sum(numel.values())), fp8, plain / max(1, sum(numel.values()))
 
 
-def stores_fp8(path: str, weight_dtype: str) -> bool:
-    """Whether the workers hold this file's linear weights in fp8 (an fp8 file under 'default', or an fp8
-    weight_dtype)."""
+def stored_bytes_per_parameter(path: str, weight_dtype: str, plain_bytes: int) -> float:
+    """Mean bytes a rank holds per parameter of this file, as the workers store it (worker.resolve_storage):
+    GGUF blocks and fp8 weights kept as they are under 'default', an fp8 weight_dtype casts to 1 byte, and
+    everything else at `plain_bytes` (the compute dtype's)."""
     if weight_dtype.startswith("fp8"):
-        return True
+        return 1.0
+    if weight_dtype != "default":
+        return float(plain_bytes)
     st = os.stat(path)
-    return weight_dtype == "default" and _fp8_file(path, st.st_mtime_ns, st.st_size)
+    quantized, fp8, plain_share = _compact_share(path, st.st_mtime_ns, st.st_size)
+    if fp8:  # fp8 linear weights are nearly all of a DiT's parameters
+        return 1.0
+    return quantized + plain_share * plain_bytes
 
 
 def model_config(path: str):
@@ -179,9 +193,6 @@ def validate_job(job: Job, world_size: int) -> None:
     if job.weight_patches is not None:
         from .models.family import family_of
 
-        if stores_fp8(job.model.path, job.model.weight_dtype):
-            raise ConfigError("LoRA on fp8 weights is not applied on the ParaDiT workers yet; set Load Parallel DiT's "
-                              "weight_dtype to bf16 (or load the bf16 release of the model) to use the LoRA.")
         from .models.weight_patches import validate_weight_patches
 
         family = family_of(config)

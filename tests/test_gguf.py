@@ -30,10 +30,10 @@ def random_blocks(fmt: str, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(ROWS, -1)
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_dequantize_equals_the_reference_bit_for_bit(fmt):
     rng = np.random.default_rng(3)
-    if fmt in ("Q8_0", "Q4_0"):
+    if fmt in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         raw = quantize(rng.standard_normal((ROWS, VALUES)).astype(np.float32), getattr(T, fmt))
     else:
         raw = random_blocks(fmt, rng)
@@ -50,3 +50,121 @@ def test_gguf_row_bytes_refuse_partial_blocks():
     assert row_bytes("Q4_K", 512) == 288 and row_bytes("Q8_0", 64) == 68
     with pytest.raises(ValueError, match="not whole Q4_K blocks"):
         row_bytes("Q4_K", 100)
+
+
+# ---- GGUF diffusion-model files through the runtime ------------------------------------------------------------
+
+import dataclasses  # noqa: E402
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from conftest import rel_err  # noqa: E402
+from test_families import FAMILIES, job  # noqa: E402
+from parallel_runtime.errors import ModelFileError  # noqa: E402
+from parallel_runtime.models.family import read_model  # noqa: E402
+from parallel_runtime.models.loading import open_checkpoint  # noqa: E402
+from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
+from parallel_runtime.runtime.client import RuntimeClient  # noqa: E402
+from parallel_runtime.spec import StrategySpec as S  # noqa: E402
+
+# Both sides compute in fp32 from the same numbers (the GGUF side dequantizes them per layer, bit-identical to
+# gguf's reference): equal up to BLAS blocking of equal operands, ~1e-7. A misread block is off by O(1).
+GGUF_RTOL = 1e-5
+EXACT_RTOL = 1e-4  # exact strategies at 2 workers vs 1 (tests/test_families.py)
+NAMES = ["kontext", "sd3_medium_dual", "qwen_image", "pixart", "chroma"]
+ARCH = {"kontext": "flux", "chroma": "flux", "sd3_medium_dual": "sd3", "qwen_image": "qwen_image", "pixart": "pixart"}
+# Formats cycled over the linear weights each can hold: 256-value K-quant rows (Q2_K and Q3_K through gguf's numpy
+# dequantizer, as ComfyUI-GGUF falls back to it), 32-value legacy rows, the rest BF16/F16; 1-D tensors F32.
+K_FORMATS = ["Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K"]
+LEGACY_FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16"]
+# fp16 fields of crafted K-quant blocks (byte offset: magnitude), so a weight stays ~0.01-0.1 like a real one.
+K_FIELDS = {"Q4_K": {0: 2e-4, 2: 1e-3}, "Q5_K": {0: 1e-4, 2: 1e-3}, "Q6_K": {208: 2e-5},
+            "Q3_K": {108: 4e-4}, "Q2_K": {80: 2e-3, 82: 2e-3}}
+
+
+def crafted_k_blocks(fmt: str, rows: int, values: int, rng: np.random.Generator) -> np.ndarray:
+    size = gguf.GGML_QUANT_SIZES[getattr(T, fmt)][1]
+    blocks = rng.integers(0, 256, size=(rows * values // 256, size), dtype=np.uint8)
+    for offset, magnitude in K_FIELDS[fmt].items():
+        field = rng.uniform(0.5, 1.0, size=(blocks.shape[0], 1)) * magnitude
+        blocks[:, offset:offset + 2] = field.astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def gguf_twins(folder, name: str) -> tuple[str, str]:
+    """A GGUF file of a tiny `name` model (keys without prefix, as ComfyUI-GGUF's converter writes them) and the
+    fp32 safetensors file of the values it holds (gguf's reference dequantization)."""
+    base = load_file(write_checkpoint(str(folder / f"{name}-base.safetensors"), FAMILIES[name], seed=11))
+    rng = np.random.default_rng(5)
+    writer = gguf.GGUFWriter(str(folder / f"{name}.gguf"), arch=ARCH[name])
+    meant, legacy, k_quant = {}, 0, 0
+    for key, t in base.items():
+        array = t.numpy()
+        if key.endswith(".weight") and t.ndim == 2 and t.shape[1] % 256 == 0:
+            fmt, k_quant = K_FORMATS[k_quant % len(K_FORMATS)], k_quant + 1
+            raw = crafted_k_blocks(fmt, *t.shape, rng)
+        elif key.endswith(".weight") and t.ndim == 2 and t.shape[1] % 32 == 0:
+            fmt, legacy = LEGACY_FORMATS[legacy % len(LEGACY_FORMATS)], legacy + 1
+            raw = quantize(array, getattr(T, fmt))
+        else:
+            fmt, raw = ("F16", array.astype(np.float16)) if t.ndim >= 2 else ("F32", array)
+        if fmt in ("F16", "F32"):
+            writer.add_tensor(key, raw)
+            meant[key] = torch.from_numpy(raw.astype(np.float32))
+        else:
+            writer.add_tensor(key, raw, raw_dtype=getattr(T, fmt))
+            meant[key] = torch.from_numpy(reference(raw, getattr(T, fmt)).astype(np.float32).reshape(t.shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(meant, str(folder / f"{name}-gguf-fp32.safetensors"))
+    return str(folder / f"{name}.gguf"), str(folder / f"{name}-gguf-fp32.safetensors")
+
+
+def analytic_bytes(path: str, stage: int = 0, stages: int = 1) -> int:
+    """Bytes a rank of PipeFusion-`stages` holds: each linear weight's blocks as stored (BF16 ones upcast to
+    fp32: only block formats stay compact), everything else at 4 bytes (fp32 compute on CPU)."""
+    with open_checkpoint(path) as reader:
+        family, match, config = read_model(reader)
+        model = family.meta_model(config)
+        smap = family.source_map(config, match.layout, match.prefix)
+        owned = family.stage_ownership(config, family.pipeline_stages(config, stages)[stage], first=stage == 0,
+                                       last=stage == stages - 1)
+        linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        total = 0
+        for n, t in model.state_dict().items():
+            if not owned(n):
+                continue
+            src = smap[n]
+            if n in linears and reader.quant_format(src.key) not in (None, "BF16"):
+                rows = t.shape[0]
+                total += reader.stored_bytes(src.key) * rows // reader.shape(src.key)[0]
+            else:
+                total += 4 * t.numel()
+    return total
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def gguf_files(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"gguf-{request.param}")
+    return (request.param, *gguf_twins(folder, request.param))
+
+
+def test_gguf_file_equals_its_fp32_twin_and_stays_quantized(gguf_files):
+    name, quant, meant = gguf_files
+    with open_checkpoint(quant) as reader:
+        formats = {reader.quant_format(k) for k in reader.keys()}
+    assert {"Q8_0", "Q4_0", "Q4_K"} <= formats  # the file really mixes block formats
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        got, ref = client.run(job((name, quant))), client.run(job((name, meant)))
+    finally:
+        client.shutdown()
+    assert torch.isfinite(ref.latent).all() and ref.latent.abs().sum() > 0
+    assert rel_err(got.latent, ref.latent) <= GGUF_RTOL
+    held = got.stats[0]["param_bytes"]
+    assert held == analytic_bytes(quant)  # blocks as stored, exactly
+    # Tiny PixArt's width (144) is not whole 32-value blocks, so most of its linears stay F16 there (as
+    # ComfyUI-GGUF's converter leaves them); the other tiny models quantize nearly every weight.
+    assert held < (0.85 if name == "pixart" else 0.5) * ref.stats[0]["param_bytes"]

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import ModelFileError
 from .family import JointAttentionConfig
-from .loading import CheckpointReader
+from .loading import open_checkpoint
 from .mapping import Source, apply_transform, block_count, linear, same_names  # noqa: F401 (apply_transform re-exported)
 
 LAYOUTS = ("bfl", "diffusers")
@@ -205,7 +205,7 @@ _CONFIG_KEYS = {
 }
 
 
-def infer_config(reader: CheckpointReader, layout: str | None = None, prefix: str | None = None) -> FluxConfig:
+def infer_config(reader, layout: str | None = None, prefix: str | None = None) -> FluxConfig:
     """Infer a ``FluxConfig`` from tensor names and shapes (no tensor data is read)."""
     name = os.path.basename(getattr(reader, "path", "checkpoint"))
     keys = reader.keys()
@@ -359,7 +359,7 @@ def load_flux(
     """Open ``path``, detect its layout, infer its config and build the owned part of the model."""
     from .flux_adapter import FLUX
 
-    with CheckpointReader(path) as reader:
+    with open_checkpoint(path) as reader:
         found = match(reader.keys())
         if found is None:
             detect_layout(reader.keys(), os.path.basename(reader.path))  # raises the one-sentence error

@@ -13,7 +13,7 @@ import torch
 QK_K = 256  # values per K-quant super-block
 
 # format -> (values per block, bytes per block)
-BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210)}
+BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210)}
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
@@ -35,6 +35,26 @@ def _q8_0(b: torch.Tensor) -> torch.Tensor:
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
     q = _nibbles(b[:, 2:], 16).to(torch.int8) - 8
     return _f16(b[:, :2]) * q.float()
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b[:, :2]) * _nibbles(b[:, 4:], 16).float() + _f16(b[:, 2:4])
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """[n, 4] bytes of a little-endian uint32 -> [n, 32] values of bit j << 4 (value j's fifth bit)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=qh.device).reshape(1, 1, 8)
+    return ((qh.reshape(-1, 4, 1) >> shifts) & 0x01).reshape(-1, 32) << 4
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    q = (_nibbles(b[:, 6:], 16) | _fifth_bits(b[:, 2:6])).to(torch.int8) - 16
+    return _f16(b[:, :2]) * q.float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 8:], 16) | _fifth_bits(b[:, 4:8])
+    return _f16(b[:, :2]) * q.float() + _f16(b[:, 2:4])
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +97,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q.reshape(n, 16, 16).float()).reshape(n, QK_K)
 
 
-_DEQUANTIZE = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_DEQUANTIZE = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def dequantize(data: torch.Tensor, fmt: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -1,12 +1,13 @@
-"""Lazy, per-rank reading of .safetensors checkpoints.
+"""Lazy, per-rank reading of checkpoints: `.safetensors` here, `.gguf` in `gguf_file`, one interface.
 
-Nothing here unpickles: only ``.safetensors`` files are accepted, and tensors are read
+Nothing here unpickles: only ``.safetensors`` and ``.gguf`` files are accepted, and tensors are read
 one at a time (optionally only a range of rows) so a rank never touches weights it does
 not own.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Iterable
 
@@ -36,6 +37,16 @@ for _tag, _name in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("
 _PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
 
 
+def open_checkpoint(path: str | os.PathLike):
+    """A reader for a model file: a `GGUFCheckpoint` for `.gguf`, else a `CheckpointReader` (which refuses
+    anything but safetensors with a sentence)."""
+    if os.fspath(path).lower().endswith(".gguf"):
+        from .gguf_file import GGUFCheckpoint
+
+        return GGUFCheckpoint(path)
+    return CheckpointReader(path)
+
+
 class CheckpointReader:
     """Read-only, lazy view of one ``.safetensors`` file.
 
@@ -48,13 +59,11 @@ class CheckpointReader:
         name = os.path.basename(self.path)
         lower = self.path.lower()
         if not lower.endswith(".safetensors"):
-            if lower.endswith(".gguf"):
-                fix = "use the .safetensors release of the model instead (GGUF is not supported)"
-            elif lower.endswith(_PICKLE_SUFFIXES):
+            if lower.endswith(_PICKLE_SUFFIXES):
                 fix = "convert it to .safetensors (pickled checkpoints are never loaded)"
             else:
-                fix = "convert it to .safetensors"
-            raise ModelFileError(f"{name} is not a .safetensors file; {fix}.")
+                fix = "convert it to .safetensors or .gguf"
+            raise ModelFileError(f"{name} is not a .safetensors or .gguf file; {fix}.")
         if not os.path.exists(self.path):
             raise ModelFileError(
                 f"Checkpoint {self.path} does not exist; put the model file there or pick an existing one."
@@ -94,6 +103,14 @@ class CheckpointReader:
             raise ModelFileError(
                 f"{self.path} stores {key!r} as {tag}, which this torch cannot load; re-save the model in bf16/fp16/fp32."
             ) from None
+
+    def quant_format(self, key: str) -> str | None:
+        """Block-quantized storage of `key` (GGUF files only); safetensors tensors are plain."""
+        return None
+
+    def stored_bytes(self, key: str) -> int:
+        shape = self.shape(key)
+        return int(torch.empty(0, dtype=self.dtype(key)).element_size() * math.prod(shape))
 
     # -- data ----------------------------------------------------------------------
     def read(

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..errors import ModelFileError
-from .stored import Storage, install_fp8_linears, linear_names, scale_key
+from .stored import Fp8Weight, GGUFWeight, Storage, install_kept_linears, linear_names, scale_key
 
 
 @dataclass(frozen=True)
@@ -43,20 +43,23 @@ def read_source(reader, src: Source, dtype: torch.dtype | None, device) -> torch
 
 
 def read_stored(reader, src: Source, storage: Storage, device, linear: str | None):
-    """(value, per-tensor scale or None, kept in fp8?) of one parameter as a rank holds it. `linear`: "weight"
-    or "bias" of an nn.Linear, else None. A linear weight the storage keeps in fp8 stays fp8 with its scale
-    beside it; anything else is in the compute dtype (a scaled tensor multiplied by its scale), rounded
-    through fp8 first where ComfyUI stores it in fp8 (see Storage.rounding)."""
-    stored = reader.dtype(src.key)
-    key = scale_key(src.key)
-    scale = reader.read(key, dtype=torch.float32, device=device) if key in reader else None
-    kept = storage.linear_dtype(stored) if linear == "weight" else None
+    """One parameter as a rank holds it. `linear`: "weight" or "bias" of an nn.Linear, else None. A linear weight
+    the storage keeps compact comes back as an `Fp8Weight` (fp8 values, the file's scale beside them) or a
+    `GGUFWeight` (its rows' raw blocks); anything else as a tensor in the compute dtype (a scaled tensor
+    multiplied by its scale), rounded through fp8 first where ComfyUI stores it in fp8 (see Storage.rounding)."""
+    quant_format = reader.quant_format(src.key)
+    if linear == "weight" and storage.keeps_blocks(quant_format):
+        blocks = apply_transform(reader.read_quantized(src.key, rows=src.rows, device=device), src.transform)
+        return GGUFWeight(blocks, quant_format, (blocks.shape[0], reader.shape(src.key)[1]))
+    key = scale_key(src.key) if src.key.endswith(".weight") else None
+    scale = reader.read(key, dtype=torch.float32, device=device) if key is not None and key in reader else None
+    kept = storage.linear_dtype(reader.dtype(src.key)) if linear == "weight" and quant_format is None else None
     if kept is not None:
-        return read_source(reader, src, kept, device), scale, True
+        return Fp8Weight(read_source(reader, src, kept, device), scale)
     tensor = read_source(reader, src, storage.rounding(linear == "bias"), device).to(storage.compute)
     if scale is not None:
         tensor = tensor * scale.to(storage.compute)
-    return tensor, None, False
+    return tensor
 
 
 def linear(out: dict, dst: str, src: str, rows: slice | None = None, transform: str | None = None) -> None:
@@ -82,7 +85,7 @@ def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, bloc
     """Fill a meta-device `model` with the parameters `owned` selects, read through `smap` from `reader`.
 
     `what` names the model in errors ("Flux.1 DiT"); `dtype`: the compute dtype, or a `stored.Storage` (fp8
-    linear weights kept fp8). Blocks owning nothing become Identity; other parameters not owned stay on
+    linear weights kept fp8, GGUF ones in their blocks). Blocks owning nothing become Identity; other parameters not owned stay on
     meta, so touching them fails loudly instead of computing garbage.
     """
     storage = dtype if isinstance(dtype, Storage) else Storage(dtype)
@@ -105,25 +108,25 @@ def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, bloc
 
     state: dict[str, torch.Tensor] = {}
     linears = linear_names(model)
-    fp8_linears: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    kept_linears: dict[str, Fp8Weight | GGUFWeight] = {}
     for n in wanted:
         src = smap[n]
         part = n.rpartition(".")[2] if n in linears else None  # "weight" or "bias" of a Linear
-        tensor, scale, kept = read_stored(reader, src, storage, device, linear=part)
+        tensor = read_stored(reader, src, storage, device, linear=part)
         if tuple(tensor.shape) != expected[n]:
             where = f"{src.key!r}" + (f" rows {src.rows.start}:{src.rows.stop}" if src.rows is not None else "")
             raise ModelFileError(
                 f"{name}: tensor {where} has shape {tuple(tensor.shape)} but {n} needs {expected[n]}; "
                 f"the file is damaged or mixes model variants, so re-download it.")
-        if kept:
-            fp8_linears[linears[n]] = (tensor.contiguous(), scale)
-        else:
+        if isinstance(tensor, torch.Tensor):
             state[n] = tensor.contiguous()
+        else:
+            kept_linears[linears[n]] = tensor
 
     result = model.load_state_dict(state, strict=False, assign=True)
     if result.unexpected_keys:
         raise RuntimeError(f"unexpected keys while loading {what}: {result.unexpected_keys[:3]}")
-    install_fp8_linears(model, fp8_linears)
+    install_kept_linears(model, kept_linears)
     model.eval()
     model.requires_grad_(False)
     return model

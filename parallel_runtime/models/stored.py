@@ -1,10 +1,12 @@
-"""How a rank stores a checkpoint's weights and computes with them: fp8 kept fp8, computed as ComfyUI does.
+"""How a rank stores a checkpoint's weights and computes with them: fp8 kept fp8, GGUF blocks kept as blocks,
+computed as ComfyUI (and ComfyUI-GGUF) do.
 
 ComfyUI keeps an fp8 file's linear weights in fp8 and upcasts each one to the compute dtype when its layer
 runs ("manual cast"); a scaled-fp8 file (ComfyUI's `scaled_fp8` marker and a `scale_weight` per layer)
-multiplies the upcast weight by its scale. A rank does the same with the linear layers it owns
-(`Fp8Linear`), so it holds half the bytes of bf16; every other tensor (norms, biases, embeddings) is small
-and is read in the compute dtype.
+multiplies the upcast weight by its scale. ComfyUI-GGUF keeps a GGUF file's quantized blocks and dequantizes a
+layer's weight just before the layer runs. A rank does the same with the linear layers it owns (`Fp8Linear`,
+`GGUFLinear`), so it holds the file's bytes, not bf16's; every other tensor (norms, biases, embeddings) is
+small and is read in the compute dtype.
 """
 from __future__ import annotations
 
@@ -20,12 +22,12 @@ SCALED_FP8_MARKER = "scaled_fp8"  # ComfyUI's key for "this file's fp8 weights c
 
 @dataclass(frozen=True)
 class Storage:
-    """`compute`: the dtype layers run in. `keep_fp8`: linear weights stored in fp8 in the file stay fp8 (else
-    they are upcast at load). `cast_fp8`: cast every linear weight to this fp8 dtype at load, as UNETLoader's
+    """`compute`: the dtype layers run in. `keep_quantized`: linear weights stored in fp8 or GGUF blocks in the
+    file stay so (else they are upcast at load). `cast_fp8`: cast every linear weight to this fp8 dtype at load, as UNETLoader's
     weight_dtype fp8 options do (the other tensors are rounded through it too, as ComfyUI stores them)."""
 
     compute: torch.dtype
-    keep_fp8: bool = True
+    keep_quantized: bool = True
     cast_fp8: torch.dtype | None = None
     # A scaled-fp8 file's type: ComfyUI builds every Linear of such a model in it, biases included.
     scaled_fp8: torch.dtype | None = None
@@ -34,7 +36,7 @@ class Storage:
         """This storage for one file: a scaled-fp8 file's marker names the fp8 type of all its linear layers
         (an fp32 marker means e4m3fn, as in ComfyUI)."""
         key = next((k for k in reader.keys() if k.rpartition(".")[2] == SCALED_FP8_MARKER), None)
-        if key is None or not self.keep_fp8:
+        if key is None or not self.keep_quantized:
             return self
         marker = reader.dtype(key)
         return dataclasses.replace(self, scaled_fp8=marker if marker in FP8_DTYPES else FP8_DTYPES[0])
@@ -44,7 +46,11 @@ class Storage:
         forced = self.cast_fp8 or self.scaled_fp8
         if forced is not None:
             return forced
-        return stored if self.keep_fp8 and stored in FP8_DTYPES else None
+        return stored if self.keep_quantized and stored in FP8_DTYPES else None
+
+    def keeps_blocks(self, quant_format: str | None) -> bool:
+        """Whether a linear weight stored in GGUF blocks stays in them (a forced fp8 type casts it instead)."""
+        return quant_format is not None and self.keep_quantized and self.cast_fp8 is None
 
     def rounding(self, linear_bias: bool) -> torch.dtype | None:
         """The fp8 type another tensor is rounded through before the compute dtype, as ComfyUI stores it."""
@@ -80,24 +86,82 @@ class Fp8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight.dtype}"
 
 
+class GGUFLinear(torch.nn.Module):
+    """A Linear whose weight stays in GGUF blocks on the rank (uint8 [out, bytes per row], a buffer: it is not a
+    float parameter); each call dequantizes it to the input's dtype, as ComfyUI-GGUF's layers do. A LoRA is
+    applied per call too (`patch`, see weight_patches.PatchedBlocks), so the patched weight is never held."""
+
+    def __init__(self, blocks: torch.Tensor, quant_format: str, shape: tuple[int, int], bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = shape
+        self.quant_format = quant_format
+        self.register_buffer("weight_blocks", blocks)
+        self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.patch = None  # callable(layer, dtype) -> patched weight, set while a LoRA is applied
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        from .gguf_file import dequantize_blocks
+
+        return dequantize_blocks(self.weight_blocks, self.quant_format, (self.out_features, self.in_features), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.patch(self, x.dtype) if self.patch is not None else self.dequantized(x.dtype)
+        return F.linear(x, weight, self.bias.to(x.dtype) if self.bias is not None else None)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.quant_format}"
+
+
+@dataclass
+class Fp8Weight:
+    """A linear weight a rank keeps in fp8 (with the file's per-tensor scale, if any)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    def linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
+        return Fp8Linear(self.weight.contiguous(), bias, self.scale)
+
+
+@dataclass
+class GGUFWeight:
+    """A linear weight a rank keeps in GGUF blocks: its rows' raw bytes and the block format."""
+
+    blocks: torch.Tensor
+    quant_format: str
+    shape: tuple[int, int]
+
+    def linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
+        return GGUFLinear(self.blocks.contiguous(), self.quant_format, self.shape, bias)
+
+
+KEPT_LINEARS = (Fp8Linear, GGUFLinear)
+
+
 def linear_names(model: torch.nn.Module) -> dict[str, str]:
-    """`<module>.weight` and `<module>.bias` -> module name, for every nn.Linear of a (meta-device) model."""
-    return {f"{name}.{p}": name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-            for p in ("weight", "bias")}
+    """`<module>.weight` and `<module>.bias` -> module name, for every linear layer of a model (nn.Linear, and
+    the layers that keep their weight compact)."""
+    return {f"{name}.{p}": name for name, m in model.named_modules()
+            if isinstance(m, (torch.nn.Linear, *KEPT_LINEARS)) for p in ("weight", "bias")}
 
 
-def install_fp8_linears(model: torch.nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
-    """Replace each Linear named in `weights` (module name -> (fp8 weight, scale or None)) by an Fp8Linear that
-    keeps its already-loaded bias."""
-    for name, (weight, scale) in weights.items():
+def install_kept_linears(model: torch.nn.Module, weights: dict) -> None:
+    """Replace each Linear named in `weights` (module name -> Fp8Weight or GGUFWeight) by the layer that keeps
+    that weight compact, with the Linear's already-loaded bias."""
+    for name, kept in weights.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, child)
         bias = old.bias if old.bias is not None and old.bias.device.type != "meta" else None
-        setattr(parent, child, Fp8Linear(weight, bias, scale))
+        setattr(parent, child, kept.linear(bias))
 
 
 def compute_placement(module: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
-    """(dtype, device) a built module computes in: its first tensor not stored in fp8 (a bias, a norm)."""
+    """(dtype, device) a built module computes in: its first float parameter not stored in fp8 (a bias, a norm;
+    GGUF blocks are buffers)."""
     param = next(p for p in module.parameters() if p.dtype not in FP8_DTYPES)
     return param.dtype, param.device

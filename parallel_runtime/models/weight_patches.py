@@ -8,10 +8,16 @@ rows, a transform), so `RankWeightPatcher` rebuilds each patched tensor from the
 came from, runs the same arithmetic on it, and writes the rows back. A new LoRA stack, or none, starts from the
 file's weights again: the touched tensors are read again from the file (`FileParameters`), the model is not
 rebuilt.
+
+Quantized weights are patched as ComfyUI patches them. An fp8 weight is baked back into fp8 with ComfyUI's
+seeded stochastic rounding (`stochastic_round`, seeded by the tensor's name), so the same fp8 numbers result.
+Weights kept in GGUF blocks are patched per call, as ComfyUI-GGUF does (`PatchedBlocks`): the patched weight is
+never held.
 """
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Iterable
 
 import torch
@@ -19,7 +25,9 @@ import torch
 from ..errors import ConfigError
 from ..spec import PATCH_FUNCTIONS, PATCH_SLOTS, WeightPatch, WeightPatches
 from .mapping import Source, apply_transform, read_stored
-from .stored import Storage
+from .stored import FP8_DTYPES, Fp8Weight, GGUFLinear, Storage, linear_names
+
+COMFY_PREFIX = "diffusion_model."  # ComfyUI's name for a DiT parameter: the seed of its stochastic rounding
 
 
 def patched_weight(weight: torch.Tensor, patches: Iterable[WeightPatch]) -> torch.Tensor:
@@ -131,6 +139,43 @@ def patch_targets(source_map: dict[str, Source]) -> dict[str, list[tuple[str, So
     return targets
 
 
+def string_to_seed(name: str) -> int:
+    """ComfyUI's seed for rounding a patched weight (model_patcher.string_to_seed): the CRC-32 of its name."""
+    return zlib.crc32(name.encode("utf-8"))
+
+
+def _round_to_fp8(x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """ComfyUI's stochastic rounding of one slice to fp8 (comfy/float.py), step for step: through fp16, then a
+    uniform draw added to the scaled mantissa before flooring, so the rounding is unbiased."""
+    exponent_bits, mantissa_bits, bias = (4, 3, 7) if dtype == FP8_DTYPES[0] else (5, 2, 15)
+    x = x.half()
+    abs_x = x.abs()
+    sign = torch.where(abs_x == 0, 0, torch.sign(x))
+    exponent = torch.clamp(torch.floor(torch.log2(abs_x)) + bias, 0, 2 ** exponent_bits - 1)
+    normal = ~(exponent == 0)
+    mantissa = torch.where(normal, (abs_x / (2.0 ** (exponent - bias)) - 1.0) * (2 ** mantissa_bits),
+                           abs_x / (2.0 ** (-bias + 1 - mantissa_bits)))
+    mantissa += torch.rand(mantissa.size(), dtype=mantissa.dtype, layout=mantissa.layout, device=mantissa.device,
+                           generator=generator)
+    abs_x[:] = mantissa.floor() / (2 ** mantissa_bits)
+    sign *= torch.where(normal, (2.0 ** (exponent - bias)) * (1.0 + abs_x), (2.0 ** (-bias + 1)) * abs_x)
+    limits = torch.finfo(dtype)
+    return torch.clamp(sign, min=limits.min, max=limits.max, out=sign)
+
+
+def stochastic_round(value: torch.Tensor, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """`value` in fp8 as ComfyUI's comfy.float.stochastic_rounding makes it: slices of ~4096^2 values, one
+    generator seeded per tensor, on the tensor's device (so the draws, and the fp8 numbers, are ComfyUI's)."""
+    generator = torch.Generator(device=value.device)
+    generator.manual_seed(seed)
+    out = torch.empty_like(value, dtype=dtype)
+    slices = max(1, value.numel() / (4096 * 4096))
+    size = max(1, round(value.shape[0] / slices))
+    for i in range(0, value.shape[0], size):
+        out[i:i + size].copy_(_round_to_fp8(value[i:i + size], dtype, generator))
+    return out
+
+
 class FileParameters:
     """The file's value of any parameter a rank holds, read again exactly as the build read it (rows, transform,
     dtype). Re-reading, rather than keeping a copy aside, costs no memory: ranks on one machine share the file's
@@ -141,18 +186,57 @@ class FileParameters:
         self._reader = None
 
     def __enter__(self) -> "FileParameters":
-        from .loading import CheckpointReader
+        from .loading import open_checkpoint
 
-        self._reader = CheckpointReader(self.path)
+        self._reader = open_checkpoint(self.path)
         return self
 
     def __exit__(self, *exc) -> None:
         self._reader.close()
         self._reader = None
 
-    def read(self, name: str) -> torch.Tensor:
-        """As the build read it (a linear weight kept in fp8 is not patched here: see validate_weight_patches)."""
-        return read_stored(self._reader, self.source_map[name], self.storage, self.device, linear=None)[0]
+    def read(self, name: str, linear: str | None) -> torch.Tensor:
+        """As the build stored it (`linear`: "weight"/"bias" of a linear layer): an fp8 weight in fp8."""
+        value = read_stored(self._reader, self.source_map[name], self.storage, self.device, linear=linear)
+        return value.weight if isinstance(value, Fp8Weight) else value
+
+    def comfy_value(self, name: str, linear: str | None) -> tuple[torch.Tensor, torch.dtype | None, torch.Tensor | None]:
+        """(float32 value as ComfyUI upcasts it to patch it, the fp8 type ComfyUI stores it in or None, the
+        file's scale of it or None)."""
+        value = read_stored(self._reader, self.source_map[name], self.storage, self.device, linear=linear)
+        if isinstance(value, Fp8Weight):
+            scale = value.scale.float() if value.scale is not None else None
+            weight = value.weight.float()
+            return (weight * scale if scale is not None else weight), value.weight.dtype, scale
+        return value.float(), self.storage.rounding(linear == "bias"), None
+
+
+class PatchedBlocks:
+    """A LoRA on weights kept in GGUF blocks, applied when the layers run, as ComfyUI-GGUF applies it: the
+    blocks dequantized to the compute dtype, patched in float32 (calculate_weight) and cast back. The layers
+    cut from one file tensor (Flux's fused qkv: to_q, to_k, to_v) share one: the first to run builds the whole
+    patched tensor, the others take their rows of it, and it is dropped once each has."""
+
+    def __init__(self, layers: list[tuple[GGUFLinear, Source]], patches: list[WeightPatch]):
+        self.layers, self.patches = layers, patches
+        self._full, self._dtype, self._taken = None, None, set()
+
+    def install(self) -> None:
+        for layer, _ in self.layers:
+            layer.patch = self
+
+    def __call__(self, layer: GGUFLinear, dtype: torch.dtype) -> torch.Tensor:
+        if self._full is None or id(layer) in self._taken or dtype != self._dtype:
+            parts = [apply_transform(part.dequantized(dtype).float(), source.transform) for part, source in self.layers]
+            self._full = patched_weight(torch.cat(parts) if len(parts) > 1 else parts[0], self.patches)
+            self._dtype, self._taken = dtype, set()
+        source = next(source for part, source in self.layers if part is layer)
+        rows = self._full[source.rows] if source.rows is not None else self._full
+        weight = apply_transform(rows, source.transform).to(dtype)
+        self._taken.add(id(layer))
+        if len(self._taken) == len(self.layers):
+            self._full = None
+        return weight
 
 
 class RankWeightPatcher:
@@ -162,6 +246,8 @@ class RankWeightPatcher:
         tensors = dict(model.named_parameters())
         tensors.update(model.named_buffers())
         self.params = {n: t for n, t in tensors.items() if t.device.type != "meta"}
+        self.blocks = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, GGUFLinear)}
+        self.linear_parts = {n: n.rpartition(".")[2] for n in linear_names(model)}
         self.targets, self.files = targets, files
         self.patched: set[str] = set()  # parameters that differ from the file
         self.applied: str | None = None  # the id of the patches in place
@@ -177,7 +263,10 @@ class RankWeightPatcher:
         wanted = {name for key in mine for name, _ in self.targets[key]}
         with self.files:
             for name in sorted(self.patched - wanted):
-                self.params[name].copy_(self.files.read(name))
+                if name in self.blocks:
+                    self.blocks[name].patch = None
+                else:
+                    self.params[name].copy_(self.files.read(name, self.linear_parts.get(name)))
                 self.patched.discard(name)
             for key, key_patches in mine.items():  # one tensor at a time: no second copy of the model
                 self._patch(key, key_patches)
@@ -186,17 +275,26 @@ class RankWeightPatcher:
 
     def _held(self, key: str) -> bool:
         sources = self.targets.get(key, ())
-        held = [name in self.params for name, _ in sources]
+        held = [name in self.params or name in self.blocks for name, _ in sources]
         if any(held) and not all(held):
             raise RuntimeError(f"this rank holds only part of {key}; ParaDiT cannot patch it (a ParaDiT bug).")
         return bool(sources) and all(held)
 
     def _patch(self, key: str, patches: list[WeightPatch]) -> None:
         sources = sorted(self.targets[key], key=lambda ns: ns[1].rows.start if ns[1].rows is not None else 0)
+        if sources[0][0] in self.blocks:  # cut from one GGUF tensor: all its parts are kept in blocks
+            PatchedBlocks([(self.blocks[name], source) for name, source in sources], patches).install()
+            self.patched.update(name for name, _ in sources)
+            return
         # The whole tensor in float32 as ComfyUI's model holds it (the file's value in the rank's dtype, upcast):
         # the transforms undo themselves.
-        parts = [apply_transform(self.files.read(name).float(), source.transform) for name, source in sources]
+        values = [self.files.comfy_value(name, self.linear_parts.get(name)) for name, _ in sources]
+        parts = [apply_transform(v, source.transform) for (v, _, _), (_, source) in zip(values, sources)]
         weight = patched_weight(torch.cat(parts) if len(parts) > 1 else parts[0], patches)
+        _, fp8, scale = values[0]
+        if fp8 is not None:  # back into fp8 as ComfyUI bakes it (a scaled weight divided by its scale first)
+            weight = stochastic_round(weight / scale if scale is not None else weight, fp8,
+                                      seed=string_to_seed(COMFY_PREFIX + key))
         for name, source in sources:
             rows = weight[source.rows] if source.rows is not None else weight
             self.params[name].copy_(apply_transform(rows, source.transform))  # copy_ casts as ComfyUI's .to

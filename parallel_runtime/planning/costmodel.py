@@ -617,7 +617,7 @@ def param_layout(config) -> ParamLayout:
 
 
 def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_tokens: int, batch: int, cfg: float,
-                weight_bytes: int, act_bytes: int, layout: ParamLayout | None = None) -> dict:
+                weight_bytes: float, act_bytes: int, layout: ParamLayout | None = None) -> dict:
     """Estimated peak bytes on the fullest rank: parameters, KV buffers and transient activations."""
     layout = layout or param_layout(config)
     topo = Topology.from_strategy(strategy)
@@ -643,8 +643,8 @@ def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_token
     # sequence for Ulysses/Ring attention; about 3x for temporaries.
     act = 3 * b * rows * (8 * h + config.mlp_hidden) * act_bytes
     act += 3 * b * s_len * (h // topo.ulysses) * act_bytes if (topo.ulysses > 1 or topo.ring > 1) else 0
-    return {"params": params * weight_bytes, "kv": kv, "activations": int(act),
-            "total": params * weight_bytes + kv + int(act)}
+    return {"params": int(params * weight_bytes), "kv": kv, "activations": int(act),
+            "total": int(params * weight_bytes) + kv + int(act)}
 
 
 # -------------------------------------------------------------------------------------------------

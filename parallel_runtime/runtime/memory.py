@@ -49,14 +49,15 @@ def weight_bytes(weight_dtype: str, device: str) -> int:
 def job_rank_memory(job, device: str) -> dict:
     """Estimated peak bytes on the fullest rank of `job` (parameters, KV buffers, activations)."""
     from ..planning.costmodel import rank_memory
-    from ..validate import model_config, stores_fp8
+    from ..validate import model_config, stored_bytes_per_parameter
 
     config = model_config(job.model.path)
     b, _, h, w = job.latent.shape
-    fp8 = stores_fp8(job.model.path, job.model.weight_dtype)
-    act = weight_bytes("default" if fp8 else job.model.weight_dtype, device)  # fp8 weights compute in the default
+    dtype = job.model.weight_dtype
+    act = weight_bytes("default" if dtype.startswith("fp8") else dtype, device)  # fp8 computes in the default
+    per_param = stored_bytes_per_parameter(job.model.path, dtype, act)
     return rank_memory(job.strategy, config, text_tokens=job.positive.cond.shape[1], image_tokens=(h // 2) * (w // 2),
-                       batch=b, cfg=job.sampling.cfg, weight_bytes=1 if fp8 else act, act_bytes=act)
+                       batch=b, cfg=job.sampling.cfg, weight_bytes=per_param, act_bytes=act)
 
 
 def gb(n: float) -> str:

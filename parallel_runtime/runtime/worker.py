@@ -54,7 +54,7 @@ class WorkerState:
     def ensure_model(self, model_spec: dict, topology) -> bool:
         """Load the blocks this rank's pipeline stage owns; returns True if it had to (re)load."""
         from ..models.family import read_model
-        from ..models.loading import CheckpointReader
+        from ..models.loading import open_checkpoint
         from ..models.weight_patches import FileParameters, RankWeightPatcher
         from ..strategies.attention.processor import AttentionContext
 
@@ -66,7 +66,7 @@ class WorkerState:
             return False
         self.adapter = self.loaded_key = self.patcher = None  # free the old weights before reading new ones
         t0 = time.perf_counter()
-        with CheckpointReader(path) as reader:
+        with open_checkpoint(path) as reader:
             family, match, config = read_model(reader, os.path.basename(path))
             chunks = family.pipeline_stages(config, stages)[stage]
             owned = family.stage_ownership(config, chunks, first=stage == 0, last=stage == stages - 1)
@@ -137,13 +137,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_storage(name: str, device: torch.device):
-    """How the rank stores the weights: a file's fp8 linear weights stay fp8 under 'default' (as ComfyUI keeps
-    them), an fp8 weight_dtype casts every linear weight to fp8; bf16/fp16/fp32 store everything in that."""
+    """How the rank stores the weights: a file's fp8 linear weights stay fp8 and its GGUF blocks stay blocks under
+    'default' (as ComfyUI and ComfyUI-GGUF keep them), an fp8 weight_dtype casts every linear weight to fp8;
+    bf16/fp16/fp32 store everything in that."""
     from ..models.stored import Storage
     from .devices import named_dtype
 
     fp8 = name.startswith("fp8")
-    return Storage(resolve_dtype(name, device), keep_fp8=name == "default" or fp8,
+    return Storage(resolve_dtype(name, device), keep_quantized=name == "default" or fp8,
                    cast_fp8=named_dtype(name) if fp8 else None)
 
 
