@@ -15,13 +15,15 @@ from safetensors.torch import load_file, save_file
 
 from conftest import rel_err
 from test_families import FAMILIES, job
-from parallel_runtime.errors import ConfigError, ModelFileError
-from parallel_runtime.models.family import family_of, read_model
+from test_weight_patches import lora_stack, stacked
+from parallel_runtime.errors import ModelFileError
+from parallel_runtime.models.family import read_model
 from parallel_runtime.models.loading import CheckpointReader
 from parallel_runtime.models.stored import FP8_DTYPES
+from parallel_runtime.models.weight_patches import stochastic_round, string_to_seed
 from parallel_runtime.models.tiny import write_checkpoint
 from parallel_runtime.runtime.client import RuntimeClient
-from parallel_runtime.spec import ModelSpec, WeightPatches
+from parallel_runtime.spec import ModelSpec
 from parallel_runtime.spec import StrategySpec as S
 
 pytestmark = pytest.mark.timeout(600)
@@ -140,20 +142,76 @@ def test_fp8_weight_dtype_casts_a_full_precision_file_at_load(tmp_path):
     assert cast.stats[0]["param_bytes"] == analytic_bytes(base_path, True)
 
 
-def test_fp8_lora_is_refused_in_one_sentence(tmp_path):
-    name = "kontext"
-    quant, _ = fp8_twins(tmp_path, name, FP8_DTYPES[0], False)
-    config = FAMILIES[name]
-    key = next(k for k, v in family_of(config).checkpoint_shapes(config).items() if v[1] == "weight")
-    from parallel_runtime.spec import WeightPatch
+def test_fp8_stochastic_round_lands_on_a_neighbour_unbiased_and_seeded():
+    """ComfyUI's rounding of a patched fp8 weight: each value goes to one of its two fp8 neighbours, with the
+    probability that makes the mean exact, from a generator seeded by the tensor's name (identical to ComfyUI's
+    comfy.float.stochastic_rounding: tests/test_comfyui_integration.py compares the LoRA'd images)."""
+    # ComfyUI's string_to_seed is the bitwise CRC-32 (init and final xor 0xFFFFFFFF, polynomial 0xEDB88320):
+    assert string_to_seed("x") == 0x8CDC1683 and string_to_seed("123456789") == 0xCBF43926  # the CRC-32 check value
+    value = torch.full((256, 512), 0.3)
+    for fp8 in FP8_DTYPES:
+        got = stochastic_round(value, fp8, seed=7)
+        grid = sorted({float(v) for v in got.float().unique()})
+        below = value.to(fp8).float()[0, 0].item()
+        assert len(grid) == 2 and grid[0] <= 0.3 <= grid[1] and below in grid
+        assert abs(got.float().mean().item() - 0.3) < 2e-3 * 0.3 * 8  # unbiased: 131k draws
+        assert torch.equal(got.view(torch.uint8), stochastic_round(value, fp8, seed=7).view(torch.uint8))
+        assert not torch.equal(got.view(torch.uint8), stochastic_round(value, fp8, seed=8).view(torch.uint8))
+    x = torch.randn(64, 96) * 3
+    err = (stochastic_round(x, FP8_DTYPES[0], 1).float() - x).abs()
+    assert (err <= x.abs() / 8 + 2 ** -9).all()  # within one e4m3 step (3 mantissa bits; subnormal step 2^-9)
 
-    patches = WeightPatches("x", {key: [WeightPatch("diff", {"diff": torch.zeros(1)})]})
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
+
+def baked_fp8_file(quant: str, path: str, deltas: list[dict]) -> str:
+    """`quant` with each patched tensor baked back as ComfyUI bakes a LoRA into an fp8 model: the whole tensor
+    upcast (times its scale), every delta added in float32, then stochastically rounded (divided by the scale)
+    with the seed of its ComfyUI name. Tensors ComfyUI keeps in higher precision just add the deltas."""
+    sd = load_file(quant)
+    scaled = PREFIX + "scaled_fp8" in sd
+    for stack_keys in {k for stack in deltas for k in stack}:
+        key = PREFIX + stack_keys
+        scale_key = key[: -len("weight")] + "scale_weight" if key.endswith(".weight") else None
+        scale = sd.get(scale_key) if scale_key else None
+        stored = sd[key]
+        fp8 = stored.dtype if stored.dtype in FP8_DTYPES else (FP8_DTYPES[0] if scaled and key.endswith(".bias") else None)
+        w = stored.to(fp8).float() if fp8 is not None else stored.float()
+        w = w * scale if scale is not None else w
+        for stack in deltas:
+            for offset, delta in stack.get(stack_keys, ()):
+                (w.narrow(*offset) if offset is not None else w).add_(delta)
+        if fp8 is None:
+            sd[key] = w
+            continue
+        rounded = stochastic_round(w / scale if scale is not None else w, fp8, string_to_seed("diffusion_model." + stack_keys))
+        sd[key] = rounded if stored.dtype in FP8_DTYPES else rounded.float()
+    save_file(sd, path)
+    return path
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["e4m3fn", "e4m3fn-scaled"])
+def test_fp8_lora_is_baked_into_fp8_as_comfyui_bakes_it(tmp_path, client2, scaled):
+    """A LoRA on an fp8 model stays fp8 on the rank: each patched tensor is rebuilt whole, patched in float32 and
+    rounded back with ComfyUI's seeded stochastic rounding. Equal to a file holding those baked fp8 numbers, at
+    one worker and under Ulysses and PipeFusion at two (each stage bakes only its own blocks)."""
+    name = "kontext"
+    quant, _ = fp8_twins(tmp_path, name, FP8_DTYPES[0], scaled)
+    patches, deltas = stacked(lora_stack(name, 1, 0.8, "a"), lora_stack(name, 2, -0.5, "b"))
+    baked = baked_fp8_file(quant, str(tmp_path / "baked.safetensors"), deltas)
+    one = RuntimeClient("cpu:1", threads_per_worker=1)
     try:
-        with pytest.raises(ConfigError, match="LoRA on fp8 weights is not applied on the ParaDiT workers yet"):
-            client.run(dataclasses.replace(job((name, quant)), weight_patches=patches))
+        plain = one.run(job((name, quant)))
+        reference = one.run(job((name, baked))).latent
+        got = one.run(dataclasses.replace(job((name, quant)), weight_patches=patches))
     finally:
-        client.shutdown()
+        one.shutdown()
+    assert rel_err(reference, plain.latent) > 1e-2  # the LoRAs really change the image
+    assert rel_err(got.latent, reference) <= FP8_RTOL
+    assert got.stats[0]["param_bytes"] == plain.stats[0]["param_bytes"]  # still fp8
+    for strategy in (S(ulysses_degree=2), S(pipefusion_degree=2, warmup_steps=6)):
+        result = client2.run(dataclasses.replace(job((name, quant), strategy), weight_patches=patches))
+        assert rel_err(result.latent, reference) <= EXACT_RTOL, strategy.label()
+    unpatched = client2.run(job((name, quant), S(ulysses_degree=2)))  # taking it off restores the file's fp8
+    assert rel_err(unpatched.latent, plain.latent) <= EXACT_RTOL
 
 
 def test_a_truncated_fp8_file_fails_in_one_sentence_and_the_next_job_runs(tmp_path):

@@ -168,3 +168,130 @@ def test_gguf_file_equals_its_fp32_twin_and_stays_quantized(gguf_files):
     # Tiny PixArt's width (144) is not whole 32-value blocks, so most of its linears stay F16 there (as
     # ComfyUI-GGUF's converter leaves them); the other tiny models quantize nearly every weight.
     assert held < (0.85 if name == "pixart" else 0.5) * ref.stats[0]["param_bytes"]
+
+
+@pytest.mark.parametrize("strategy", [S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2),
+                                      S(pipefusion_degree=2, warmup_steps=6)], ids=lambda s: s.label())
+def test_gguf_exact_strategies_at_two_workers_equal_one(gguf_files, client2, strategy):
+    name, quant, _ = gguf_files
+    one = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        serial = one.run(job((name, quant))).latent
+    finally:
+        one.shutdown()
+    result = client2.run(job((name, quant), strategy))
+    assert rel_err(result.latent, serial) <= EXACT_RTOL
+    if strategy.pipefusion_degree > 1:  # each stage holds its blocks' quantized rows
+        for rank, st in enumerate(result.stats):
+            assert abs(st["param_bytes"] / analytic_bytes(quant, rank, 2) - 1) <= 0.05
+
+
+def write_gguf(path, arch: str | None, tensors: dict) -> str:
+    """A GGUF file of `tensors` (name -> (numpy data, GGML type or None for a plain array))."""
+    writer = gguf.GGUFWriter(str(path), arch=arch or "flux")
+    if arch is None:  # stable-diffusion.cpp files carry no architecture
+        writer.kv_data[0].pop("general.architecture", None)
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_gguf_bad_files_fail_in_one_sentence_and_the_next_job_runs(tmp_path):
+    name = "kontext"
+    quant, meant = gguf_twins(tmp_path, name)
+    data = open(quant, "rb").read()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) // 2])
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file" * 100)
+    llm = write_gguf(tmp_path / "text-encoder.gguf", "llama", {"blk.0.attn_q.weight": (np.zeros((32, 32), np.float32), None)})
+    odd = write_gguf(tmp_path / "q8k.gguf", "flux",
+                     {"img_in.weight": (np.zeros((4, 292), np.uint8), T.Q8_K)})  # a type nobody dequantizes
+    cases = {str(truncated): "truncated.gguf is not a valid GGUF file .*re-download it",
+             str(garbage): "garbage.gguf is not a valid GGUF file",
+             llm: "text-encoder.gguf is a GGUF of a 'llama' model .*not a diffusion transformer",
+             odd: "q8k.gguf stores 'img_in.weight' as GGUF type Q8_K, which ParaDiT cannot read"}
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        for path, message in cases.items():
+            with pytest.raises(ModelFileError, match=message) as info:
+                client.run(job((name, path)))
+            assert "\n" not in str(info.value)
+        assert torch.isfinite(client.run(job((name, quant))).latent).all()
+    finally:
+        client.shutdown()
+
+
+def test_gguf_without_architecture_is_read_by_its_keys(tmp_path):
+    """stable-diffusion.cpp writes no general.architecture: the keys decide, as in ComfyUI-GGUF."""
+    name = "kontext"
+    base = load_file(write_checkpoint(str(tmp_path / "base.safetensors"), FAMILIES[name], seed=11))
+    path = write_gguf(tmp_path / "sdcpp.gguf", None, {k: (t.numpy(), None) for k, t in base.items()})
+    with open_checkpoint(path) as reader:
+        assert reader.architecture is None
+        family, match, config = read_model(reader)
+        assert config == FAMILIES[name]
+        key = "double_blocks.0.img_attn.qkv.weight"
+        assert torch.equal(reader.read(key, rows=slice(64, 128)), base[key][64:128])
+
+
+# ---- LoRA on GGUF weights: patched per call, as ComfyUI-GGUF patches them ---------------------------------------
+
+from test_weight_patches import lora_stack, stacked  # noqa: E402
+
+
+def merged_twin(twin: str, path: str, deltas: list[dict]) -> str:
+    """The fp32 twin with each delta added in order, in float32 (keys without prefix, as in the GGUF file)."""
+    sd = load_file(twin)
+    for stack in deltas:
+        for key, parts in stack.items():
+            w = sd[key].float()
+            for offset, delta in parts:
+                (w.narrow(*offset) if offset is not None else w).add_(delta)
+            sd[key] = w
+    save_file(sd, path)
+    return path
+
+
+@pytest.mark.parametrize("strategy", [S(), S(ulysses_degree=2), S(pipefusion_degree=2, warmup_steps=6)],
+                         ids=lambda s: s.label())
+def test_gguf_lora_stack_equals_the_merged_twin_and_holds_no_dense_copy(gguf_files, client2, strategy):
+    """Each GGUF layer dequantizes its blocks and adds the patches in float32 when it runs (ComfyUI-GGUF's
+    order): the same numbers as a file holding the merged weights. The rank still holds only the blocks."""
+    name, quant, twin = gguf_files
+    patches, deltas = stacked(lora_stack(name, 1, 0.8, "a"), lora_stack(name, 2, -0.5, "b"))
+    merged = merged_twin(twin, twin.replace(".safetensors", f"-merged-{strategy.label()}.safetensors"), deltas)
+    world = strategy.world_size
+    client = client2 if world == 2 else RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        reference = client.run(job((name, merged), strategy)).latent
+        plain = client.run(job((name, quant), strategy))
+        result = client.run(dataclasses.replace(job((name, quant), strategy), weight_patches=patches))
+    finally:
+        if world == 1:
+            client.shutdown()
+    assert rel_err(reference, plain.latent) > 1e-2  # the LoRAs really change the image
+    assert rel_err(result.latent, reference) <= (GGUF_RTOL if world == 1 else EXACT_RTOL)
+    assert [s["param_bytes"] for s in result.stats] == [s["param_bytes"] for s in plain.stats]
+
+
+def test_gguf_lora_swap_and_removal_repatch_without_reloading(tmp_path):
+    name = "kontext"
+    quant, twin = gguf_twins(tmp_path, name)
+    a, b = lora_stack(name, 1, 0.8, "a"), lora_stack(name, 2, -0.5, "b")
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        expected = {tag: client.run(job((name, merged_twin(twin, str(tmp_path / f"{tag}.safetensors"), deltas)))).latent
+                    for tag, deltas in (("a", [a[1]]), ("b", [b[1]]), ("none", []))}
+        loads = None
+        for tag, patches in (("a", a[0]), ("b", b[0]), ("none", None), ("a", a[0])):
+            result = client.run(dataclasses.replace(job((name, quant)), weight_patches=patches))
+            assert rel_err(result.latent, expected[tag]) <= GGUF_RTOL, tag
+            loads = loads if loads is not None else client.model_loads
+        assert client.model_loads == loads  # every swap only re-patched
+    finally:
+        client.shutdown()

@@ -182,13 +182,14 @@ class FileParameters:
     pages, where a copy per rank of a LoRA'd Flux would be 24 GB each."""
 
     def __init__(self, path: str, source_map: dict[str, Source], storage: Storage, device):
-        self.path, self.source_map, self.storage, self.device = path, source_map, storage, device
-        self._reader = None
+        self.path, self.source_map, self.device = path, source_map, device
+        self._storage, self.storage, self._reader = storage, None, None
 
     def __enter__(self) -> "FileParameters":
         from .loading import open_checkpoint
 
         self._reader = open_checkpoint(self.path)
+        self.storage = self._storage.for_file(self._reader)  # as the build saw it (a scaled-fp8 file's type)
         return self
 
     def __exit__(self, *exc) -> None:
