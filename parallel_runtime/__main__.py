@@ -1,11 +1,12 @@
-"""Commands: `python -m parallel_runtime demo | bench | soak`."""
+"""Commands: `python -m parallel_runtime demo | bench | bench-storage | soak`."""
 import sys
 
 
 def main(argv: list[str]) -> int:
-    commands = {"demo": "parallel_runtime.demo", "bench": "parallel_runtime.bench", "soak": "parallel_runtime.soak"}
+    commands = {"demo": "parallel_runtime.demo", "bench": "parallel_runtime.bench",
+                "bench-storage": "parallel_runtime.bench_storage", "soak": "parallel_runtime.soak"}
     if not argv or argv[0] not in commands:
-        print("usage: python -m parallel_runtime {demo,bench,soak} [options]  (add --help to a command)")
+        print("usage: python -m parallel_runtime {demo,bench,bench-storage,soak} [options]  (add --help to a command)")
         return 2
     import importlib
 

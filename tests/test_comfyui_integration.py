@@ -144,6 +144,46 @@ def write_fp8_models(folder: str) -> None:
     save_file(scaled, os.path.join(folder, FP8_MODELS["fp8_scaled"]))
 
 
+GGUF_MODEL, GGUF_TWIN = "flux-mini-mixed.gguf", "flux-mini-gguf-fp32.safetensors"
+
+
+def write_gguf_model(folder: str) -> None:
+    """MODEL as a GGUF file the way ComfyUI-GGUF's converter writes one (original keys without prefix, shapes
+    reversed, 1-D tensors F32), its matrices in a mix of block formats gguf quantizes (Q8_0, Q5_1, Q4_0) and one
+    in Q6_K; plus the fp32 twin holding the dequantized values, for UNETLoader."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file
+
+    prefix = "model.diffusion_model."
+    base = load_file(os.path.join(folder, MODEL))
+    writer = gguf.GGUFWriter(os.path.join(folder, GGUF_MODEL), arch="flux")
+    formats, twin = [T.Q8_0, T.Q5_1, T.Q4_0], {}
+    for i, (key, t) in enumerate(sorted(base.items())):
+        name, array = key[len(prefix):], t.numpy()
+        if key.endswith("single_blocks.0.linear2.weight"):  # gguf cannot quantize K-formats: craft the blocks
+            rng = np.random.default_rng(0)
+            raw = rng.integers(0, 256, size=(t.numel() // 256, 210), dtype=np.uint8)
+            raw[:, 208:210] = (rng.uniform(0.5, 1, (raw.shape[0], 1)) * 2e-5).astype(np.float16).view(np.uint8)
+            raw, qtype = raw.reshape(t.shape[0], -1), T.Q6_K
+        elif t.ndim == 2 and key.endswith(".weight"):
+            qtype = formats[i % len(formats)]
+            raw = quantize(array, qtype)
+        else:
+            writer.add_tensor(name, array)
+            twin[key] = t
+            continue
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+        twin[key] = torch.from_numpy(dequantize(raw, qtype).astype(np.float32).reshape(t.shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(twin, os.path.join(folder, GGUF_TWIN))
+
+
 NOT_FLUX = "not-flux-vae.safetensors"
 
 # KSampler vs Parallel Sampler: both run in fp32 on CPU (ComfyUI picks fp32 for Flux on CPU and the file
@@ -316,6 +356,7 @@ def server():
                          dtype=torch.float32)
         write_test_loras(os.path.join(root, "models", "loras"))
         write_fp8_models(models)
+        write_gguf_model(models)
         save_file({"encoder.conv_in.weight": torch.zeros(128, 3, 3, 3),  # a VAE-like file, not a DiT
                    "decoder.conv_in.weight": torch.zeros(512, 16, 3, 3)}, os.path.join(models, NOT_FLUX))
         os.symlink(REPO, os.path.join(custom, "ParaDiT"))
@@ -1237,3 +1278,68 @@ def test_parallel_sampler_refuses_a_model_sampling_patch_in_one_sentence(server)
     assert result["status"] == "error", _explain(result)
     message = result["error"]["exception_message"].strip()
     assert expected in message and message.count(". ") == 0, message
+
+
+# ---------------------------------------------------------------------------------------------------
+# (k) Quantized files: fp8 with LoRAs as ComfyUI bakes them, and GGUF as ComfyUI-GGUF runs it (that node is
+# compared against where it is installed in the host, e.g. in ComfyUI's custom_nodes; else the GGUF file is
+# compared with UNETLoader on the fp32 file of its dequantized values, which is what ComfyUI-GGUF computes).
+
+def _with_files(graph: dict, parallel: str, stock: str | None = None, gguf_node: bool = False) -> dict:
+    graph["11"]["inputs"]["unet_name"] = parallel
+    if gguf_node:
+        graph["20"] = {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": parallel}}
+    else:
+        graph["20"]["inputs"]["unet_name"] = stock or parallel
+    return graph
+
+
+def _comfyui_gguf(server) -> None:
+    if "UnetLoaderGGUF" not in server.get("/object_info/UnetLoaderGGUF"):
+        pytest.skip("ComfyUI-GGUF is not installed in this ComfyUI host (its custom_nodes)")
+
+
+@pytest.mark.parametrize("kind", list(FP8_MODELS))
+def test_lora_on_an_fp8_model_equals_unetloader(server, kind):
+    """BFL (with a bias diff) + kohya LoRAs on an fp8 file, 2 workers (Ulysses): each rank rebuilds the patched
+    tensors whole, adds the patches in float32 and bakes them back into fp8 with ComfyUI's seeded stochastic
+    rounding (a scaled file's weights divided by their scale, its fp8 biases rounded too), as ComfyUI's
+    ModelPatcher does. The same fp8 numbers: fp32 round-off (a different seed or rounding moves it ~1e-3)."""
+    loras = [(LORAS["bfl"], 0.8), (LORAS["kohya"], -0.5)]
+    graph = _with_files(_lora_graph(loras, "cpu:2", strategy(ulysses=2)), FP8_MODELS[kind])
+    assert _lora_run(server, graph, f"bfl 0.8 + kohya -0.5 on {FP8_MODELS[kind]}, ulysses2") <= KSAMPLER_RTOL
+
+
+def test_gguf_model_is_listed_and_equals_unetloader_on_its_dequantized_twin(server):
+    """Load Parallel DiT lists .gguf files of models/diffusion_models (ComfyUI lists them only through
+    ComfyUI-GGUF's loader); 2 workers keep the blocks and dequantize per layer: the same latent as UNETLoader on
+    an fp32 file holding the dequantized values."""
+    choices = server.get("/object_info/ParaDiTLoader")["ParaDiTLoader"]["input"]["required"]["unet_name"][0]
+    assert GGUF_MODEL in choices
+    err = _two_worker_ksampler(server, strategy(ulysses=2), f"{GGUF_MODEL} vs its fp32 twin, ulysses2",
+                               **{"11": {"unet_name": GGUF_MODEL}, "20": {"unet_name": GGUF_TWIN}})
+    assert err <= KSAMPLER_RTOL
+
+
+def test_gguf_model_equals_comfyui_gguf(server):
+    _comfyui_gguf(server)
+    graph = _with_files(stock_graph(devices="cpu:2", strat=strategy(pp=2, warmup=3), cfg=2.0, steps=3, seed=4,
+                                    sampler_name="dpmpp_2m", scheduler="karras"), GGUF_MODEL, gguf_node=True)
+    result = server.run(graph)
+    assert result["status"] == "success", _explain(result)
+    err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
+    print(f"\n{GGUF_MODEL}: Load Parallel DiT (pp2, warm) vs ComfyUI-GGUF's UnetLoaderGGUF rel. L2 {err:.2e}")
+    assert err <= KSAMPLER_RTOL
+
+
+@pytest.mark.parametrize("reference", ["fp32_twin", "comfyui_gguf"])
+def test_lora_on_a_gguf_model_equals_comfyui(server, reference):
+    """BFL + PEFT LoRAs (fused q/k/v at offsets) on the GGUF file, patched per layer at each call as ComfyUI-GGUF
+    patches them: against ComfyUI-GGUF where installed, and against UNETLoader + the same LoRAs on the fp32
+    twin (ComfyUI bakes them into those fp32 numbers: the same arithmetic)."""
+    if reference == "comfyui_gguf":
+        _comfyui_gguf(server)
+    loras = [(LORAS["bfl"], 0.8), (LORAS["peft"], -0.5)]
+    graph = _with_files(_lora_graph(loras, "cpu:2", strategy(ulysses=2)), GGUF_MODEL, GGUF_TWIN,
+                        gguf_node=reference == "comfyui_gguf")
+    assert _lora_run(server, graph, f"bfl 0.8 + peft -0.5 on {GGUF_MODEL} vs {reference}") <= KSAMPLER_RTOL
