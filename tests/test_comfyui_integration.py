@@ -150,12 +150,15 @@ GGUF_MODEL, GGUF_TWIN = "flux-mini-mixed.gguf", "flux-mini-gguf-fp32.safetensors
 def write_gguf_model(folder: str) -> None:
     """MODEL as a GGUF file the way ComfyUI-GGUF's converter writes one (original keys without prefix, shapes
     reversed, 1-D tensors F32), its matrices in a mix of block formats gguf quantizes (Q8_0, Q5_1, Q4_0) and one
-    in Q6_K; plus the fp32 twin holding the dequantized values, for UNETLoader."""
+    in Q6_K; plus the fp32 twin holding the values ComfyUI-GGUF dequantizes them to (fp16 block arithmetic), for
+    UNETLoader."""
     import gguf
     import numpy as np
     from gguf import GGMLQuantizationType as T
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import quantize
     from safetensors.torch import load_file
+
+    from parallel_runtime.models.gguf_file import dequantize_blocks
 
     prefix = "model.diffusion_model."
     base = load_file(os.path.join(folder, MODEL))
@@ -176,7 +179,7 @@ def write_gguf_model(folder: str) -> None:
             twin[key] = t
             continue
         writer.add_tensor(name, raw, raw_dtype=qtype)
-        twin[key] = torch.from_numpy(dequantize(raw, qtype).astype(np.float32).reshape(t.shape))
+        twin[key] = dequantize_blocks(torch.from_numpy(raw), qtype.name, tuple(t.shape))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -1301,10 +1304,11 @@ def _comfyui_gguf(server) -> None:
 
 @pytest.mark.parametrize("kind", list(FP8_MODELS))
 def test_lora_on_an_fp8_model_equals_unetloader(server, kind):
-    """BFL (with a bias diff) + kohya LoRAs on an fp8 file, 2 workers (Ulysses): each rank rebuilds the patched
-    tensors whole, adds the patches in float32 and bakes them back into fp8 with ComfyUI's seeded stochastic
-    rounding (a scaled file's weights divided by their scale, its fp8 biases rounded too), as ComfyUI's
-    ModelPatcher does. The same fp8 numbers: fp32 round-off (a different seed or rounding moves it ~1e-3)."""
+    """BFL (with a bias diff) + kohya LoRAs on an fp8 file, 2 workers (Ulysses). ComfyUI holds a scaled-fp8 model
+    in fp8: each rank rebuilds the patched tensors whole, adds the patches in float32 and bakes them back into fp8
+    with ComfyUI's seeded stochastic rounding (weights divided by their scale, the fp8 biases rounded too), as
+    ComfyUI's ModelPatcher does. A plain fp8 file ComfyUI upcasts at load on a CPU (no fp8 compute): the ranks keep
+    fp8 and add the patches per call. fp32 round-off either way (a wrong rounding or seed moves it 1e-3 to 5e-2)."""
     loras = [(LORAS["bfl"], 0.8), (LORAS["kohya"], -0.5)]
     graph = _with_files(_lora_graph(loras, "cpu:2", strategy(ulysses=2)), FP8_MODELS[kind])
     assert _lora_run(server, graph, f"bfl 0.8 + kohya -0.5 on {FP8_MODELS[kind]}, ulysses2") <= KSAMPLER_RTOL
@@ -1314,7 +1318,7 @@ def test_gguf_model_is_listed_and_equals_unetloader_on_its_dequantized_twin(serv
     """Load Parallel DiT lists .gguf files of models/diffusion_models (ComfyUI lists them only through
     ComfyUI-GGUF's loader); 2 workers keep the blocks and dequantize per layer: the same latent as UNETLoader on
     an fp32 file holding the dequantized values."""
-    choices = server.get("/object_info/ParaDiTLoader")["ParaDiTLoader"]["input"]["required"]["unet_name"][0]
+    choices = server.get("/object_info/ParaDiTLoader")["ParaDiTLoader"]["input"]["required"]["unet_name"][1]["options"]
     assert GGUF_MODEL in choices
     err = _two_worker_ksampler(server, strategy(ulysses=2), f"{GGUF_MODEL} vs its fp32 twin, ulysses2",
                                **{"11": {"unet_name": GGUF_MODEL}, "20": {"unet_name": GGUF_TWIN}})

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import rel_err
 from test_families import FAMILIES, job
-from test_weight_patches import lora_stack, stacked
+from test_weight_patches import lora_stack, merged_file, stacked
 from parallel_runtime.errors import ModelFileError
 from parallel_runtime.models.family import read_model
 from parallel_runtime.models.loading import CheckpointReader
@@ -189,18 +189,21 @@ def baked_fp8_file(quant: str, path: str, deltas: list[dict]) -> str:
 
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["e4m3fn", "e4m3fn-scaled"])
-def test_fp8_lora_is_baked_into_fp8_as_comfyui_bakes_it(tmp_path, client2, scaled):
-    """A LoRA on an fp8 model stays fp8 on the rank: each patched tensor is rebuilt whole, patched in float32 and
-    rounded back with ComfyUI's seeded stochastic rounding. Equal to a file holding those baked fp8 numbers, at
-    one worker and under Ulysses and PipeFusion at two (each stage bakes only its own blocks)."""
+def test_fp8_lora_lands_as_comfyui_lands_it(tmp_path, client2, scaled):
+    """A LoRA on an fp8 model, the rank still holding fp8. ComfyUI holds a scaled-fp8 model in fp8, so each patched
+    tensor is rebuilt whole, patched in float32 and baked back with ComfyUI's seeded stochastic rounding: equal to
+    a file holding those baked fp8 numbers. A plain fp8 file ComfyUI upcasts at load on a device without fp8
+    compute (this CPU) and patches in float32: the rank adds the patch per call to its upcast fp8 weight, equal to
+    the merged fp32 twin. At one worker and under Ulysses and PipeFusion at two (each stage patches its blocks)."""
     name = "kontext"
-    quant, _ = fp8_twins(tmp_path, name, FP8_DTYPES[0], scaled)
+    quant, twin = fp8_twins(tmp_path, name, FP8_DTYPES[0], scaled)
     patches, deltas = stacked(lora_stack(name, 1, 0.8, "a"), lora_stack(name, 2, -0.5, "b"))
-    baked = baked_fp8_file(quant, str(tmp_path / "baked.safetensors"), deltas)
+    expected = (baked_fp8_file(quant, str(tmp_path / "baked.safetensors"), deltas) if scaled else
+                merged_file(twin, str(tmp_path / "merged.safetensors"), deltas))
     one = RuntimeClient("cpu:1", threads_per_worker=1)
     try:
         plain = one.run(job((name, quant)))
-        reference = one.run(job((name, baked))).latent
+        reference = one.run(job((name, expected))).latent
         got = one.run(dataclasses.replace(job((name, quant)), weight_patches=patches))
     finally:
         one.shutdown()

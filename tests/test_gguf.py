@@ -24,13 +24,13 @@ def random_blocks(fmt: str, rng: np.random.Generator) -> np.ndarray:
     """[ROWS, bytes_per_row] of random blocks whose fp16 fields are finite, moderate numbers."""
     per_block, size = BLOCKS[fmt]
     blocks = rng.integers(0, 256, size=(ROWS * VALUES // per_block, size), dtype=np.uint8)
-    halves = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[fmt]
+    halves = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82)}[fmt]
     for start in halves:
         blocks[:, start:start + 2] = rng.uniform(-0.1, 0.1, size=(blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(ROWS, -1)
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_dequantize_equals_the_reference_bit_for_bit(fmt):
     rng = np.random.default_rng(3)
     if fmt in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
@@ -39,11 +39,15 @@ def test_gguf_dequantize_equals_the_reference_bit_for_bit(fmt):
         raw = random_blocks(fmt, rng)
     assert raw.shape == (ROWS, row_bytes(fmt, VALUES))
     want = torch.from_numpy(reference(raw, getattr(T, fmt)).copy())
-    got = dequantize(torch.from_numpy(raw), fmt, (ROWS, VALUES), torch.float32)
+    got = dequantize(torch.from_numpy(raw), fmt, (ROWS, VALUES), torch.float32, math=torch.float32)
     assert got.shape == want.shape and torch.equal(got, want)
     # a slice of rows dequantizes on its own (a rank holds only its rows of a fused tensor)
-    part = dequantize(torch.from_numpy(raw[2:5]), fmt, (3, VALUES), torch.float32)
+    part = dequantize(torch.from_numpy(raw[2:5]), fmt, (3, VALUES), torch.float32, math=torch.float32)
     assert torch.equal(part, want[2:5])
+    # The runtime's default: ComfyUI-GGUF's fp16 block arithmetic (its numbers: tests/test_comfyui_integration.py),
+    # within a few fp16 roundings (2^-11 relative each) of the reference, relative to the block's largest value.
+    fp16 = dequantize(torch.from_numpy(raw), fmt, (ROWS, VALUES), torch.float32)
+    assert 0 < (fp16 - want).abs().max() <= 4 * 2 ** -11 * want.abs().max()
 
 
 def test_gguf_row_bytes_refuse_partial_blocks():
@@ -62,19 +66,20 @@ from conftest import rel_err  # noqa: E402
 from test_families import FAMILIES, job  # noqa: E402
 from parallel_runtime.errors import ModelFileError  # noqa: E402
 from parallel_runtime.models.family import read_model  # noqa: E402
+from parallel_runtime.models.gguf_file import dequantize_blocks  # noqa: E402
 from parallel_runtime.models.loading import open_checkpoint  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 from parallel_runtime.runtime.client import RuntimeClient  # noqa: E402
 from parallel_runtime.spec import StrategySpec as S  # noqa: E402
 
-# Both sides compute in fp32 from the same numbers (the GGUF side dequantizes them per layer, bit-identical to
-# gguf's reference): equal up to BLAS blocking of equal operands, ~1e-7. A misread block is off by O(1).
+# Both sides compute in fp32 from the same numbers (the GGUF side dequantizes them per layer): equal up to BLAS
+# blocking of equal operands, ~1e-7. A misread block is off by O(1), fp32 instead of fp16 block math by ~5e-4.
 GGUF_RTOL = 1e-5
 EXACT_RTOL = 1e-4  # exact strategies at 2 workers vs 1 (tests/test_families.py)
 NAMES = ["kontext", "sd3_medium_dual", "qwen_image", "pixart", "chroma"]
 ARCH = {"kontext": "flux", "chroma": "flux", "sd3_medium_dual": "sd3", "qwen_image": "qwen_image", "pixart": "pixart"}
-# Formats cycled over the linear weights each can hold: 256-value K-quant rows (Q2_K and Q3_K through gguf's numpy
-# dequantizer, as ComfyUI-GGUF falls back to it), 32-value legacy rows, the rest BF16/F16; 1-D tensors F32.
+# Formats cycled over the linear weights each can hold: 256-value K-quant rows, 32-value legacy rows, the rest
+# BF16/F16; 1-D tensors F32.
 K_FORMATS = ["Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K"]
 LEGACY_FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16"]
 # fp16 fields of crafted K-quant blocks (byte offset: magnitude), so a weight stays ~0.01-0.1 like a real one.
@@ -93,7 +98,8 @@ def crafted_k_blocks(fmt: str, rows: int, values: int, rng: np.random.Generator)
 
 def gguf_twins(folder, name: str) -> tuple[str, str]:
     """A GGUF file of a tiny `name` model (keys without prefix, as ComfyUI-GGUF's converter writes them) and the
-    fp32 safetensors file of the values it holds (gguf's reference dequantization)."""
+    fp32 safetensors file of the values it holds as ComfyUI-GGUF dequantizes them (fp16 block arithmetic: the
+    dequantizer is checked against gguf's reference above and against ComfyUI-GGUF in the host tests)."""
     base = load_file(write_checkpoint(str(folder / f"{name}-base.safetensors"), FAMILIES[name], seed=11))
     rng = np.random.default_rng(5)
     writer = gguf.GGUFWriter(str(folder / f"{name}.gguf"), arch=ARCH[name])
@@ -113,7 +119,7 @@ def gguf_twins(folder, name: str) -> tuple[str, str]:
             meant[key] = torch.from_numpy(raw.astype(np.float32))
         else:
             writer.add_tensor(key, raw, raw_dtype=getattr(T, fmt))
-            meant[key] = torch.from_numpy(reference(raw, getattr(T, fmt)).astype(np.float32).reshape(t.shape))
+            meant[key] = dequantize_blocks(torch.from_numpy(raw), fmt, tuple(t.shape))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -31,6 +31,9 @@ class Storage:
     cast_fp8: torch.dtype | None = None
     # A scaled-fp8 file's type: ComfyUI builds every Linear of such a model in it, biases included.
     scaled_fp8: torch.dtype | None = None
+    # The device computes in fp8 (CUDA 8.9+): ComfyUI then holds a plain fp8 file in fp8; elsewhere it upcasts the
+    # file at load (comfy.model_management.unet_dtype), which decides how a LoRA lands (see bakes_fp8).
+    fp8_compute: bool = False
 
     def for_file(self, reader) -> "Storage":
         """This storage for one file: a scaled-fp8 file's marker names the fp8 type of all its linear layers
@@ -47,6 +50,12 @@ class Storage:
         if forced is not None:
             return forced
         return stored if self.keep_quantized and stored in FP8_DTYPES else None
+
+    def bakes_fp8(self) -> bool:
+        """Whether ComfyUI would hold this model's fp8 weights in fp8, so a LoRA is baked back into fp8 (with its
+        stochastic rounding); else ComfyUI holds them upcast and adds the LoRA in the compute dtype, which a rank
+        reproduces per call on its fp8 weights (weight_patches.PatchedPerCall)."""
+        return self.cast_fp8 is not None or self.scaled_fp8 is not None or self.fp8_compute
 
     def keeps_blocks(self, quant_format: str | None) -> bool:
         """Whether a linear weight stored in GGUF blocks stays in them (a forced fp8 type casts it instead)."""
@@ -71,10 +80,17 @@ class Fp8Linear(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.register_buffer("scale_weight", scale.reshape(()).float() if scale is not None else None)
+        self.patch = None  # callable(layer, dtype) -> patched weight, while a LoRA is added per call
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        weight = self.weight.to(dtype)
+        return weight * self.scale_weight.to(dtype) if self.scale_weight is not None else weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.to(x.dtype)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
+        if self.patch is not None:
+            return F.linear(x, self.patch(self, x.dtype), bias)
+        weight = self.weight.to(x.dtype)
         if self.scale_weight is None:
             return F.linear(x, weight, bias)
         scale = self.scale_weight.to(x.dtype)
@@ -89,7 +105,7 @@ class Fp8Linear(torch.nn.Module):
 class GGUFLinear(torch.nn.Module):
     """A Linear whose weight stays in GGUF blocks on the rank (uint8 [out, bytes per row], a buffer: it is not a
     float parameter); each call dequantizes it to the input's dtype, as ComfyUI-GGUF's layers do. A LoRA is
-    applied per call too (`patch`, see weight_patches.PatchedBlocks), so the patched weight is never held."""
+    applied per call too (`patch`, see weight_patches.PatchedPerCall), so the patched weight is never held."""
 
     def __init__(self, blocks: torch.Tensor, quant_format: str, shape: tuple[int, int], bias: torch.Tensor | None):
         super().__init__()

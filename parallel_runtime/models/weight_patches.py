@@ -9,10 +9,12 @@ came from, runs the same arithmetic on it, and writes the rows back. A new LoRA 
 file's weights again: the touched tensors are read again from the file (`FileParameters`), the model is not
 rebuilt.
 
-Quantized weights are patched as ComfyUI patches them. An fp8 weight is baked back into fp8 with ComfyUI's
-seeded stochastic rounding (`stochastic_round`, seeded by the tensor's name), so the same fp8 numbers result.
-Weights kept in GGUF blocks are patched per call, as ComfyUI-GGUF does (`PatchedBlocks`): the patched weight is
-never held.
+Quantized weights are patched as ComfyUI patches them. Where ComfyUI holds a model in fp8 (a scaled-fp8 file,
+weight_dtype fp8, a GPU with fp8 compute), an fp8 weight is baked back into fp8 with ComfyUI's seeded
+stochastic rounding (`stochastic_round`, seeded by the tensor's name), so the same fp8 numbers result. Where
+ComfyUI upcasts a plain fp8 file at load and patches the upcast weight, and for weights kept in GGUF blocks
+(ComfyUI-GGUF patches per layer), the rank adds the patches per call to the weight it upcasts anyway
+(`PatchedPerCall`): the same numbers, and the patched weight is never held.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 from ..errors import ConfigError
 from ..spec import PATCH_FUNCTIONS, PATCH_SLOTS, WeightPatch, WeightPatches
 from .mapping import Source, apply_transform, read_stored
-from .stored import FP8_DTYPES, Fp8Weight, GGUFLinear, Storage, linear_names
+from .stored import FP8_DTYPES, Fp8Linear, Fp8Weight, GGUFLinear, Storage, linear_names
 
 COMFY_PREFIX = "diffusion_model."  # ComfyUI's name for a DiT parameter: the seed of its stochastic rounding
 
@@ -184,6 +186,8 @@ class FileParameters:
     def __init__(self, path: str, source_map: dict[str, Source], storage: Storage, device):
         self.path, self.source_map, self.device = path, source_map, device
         self._storage, self.storage, self._reader = storage, None, None
+        with self:  # a scaled-fp8 file's marker decides; read once, from the header
+            self.storage_bakes_fp8 = self.storage.bakes_fp8()
 
     def __enter__(self) -> "FileParameters":
         from .loading import open_checkpoint
@@ -212,13 +216,14 @@ class FileParameters:
         return value.float(), self.storage.rounding(linear == "bias"), None
 
 
-class PatchedBlocks:
-    """A LoRA on weights kept in GGUF blocks, applied when the layers run, as ComfyUI-GGUF applies it: the
-    blocks dequantized to the compute dtype, patched in float32 (calculate_weight) and cast back. The layers
-    cut from one file tensor (Flux's fused qkv: to_q, to_k, to_v) share one: the first to run builds the whole
-    patched tensor, the others take their rows of it, and it is dropped once each has."""
+class PatchedPerCall:
+    """A LoRA on compact weights (GGUF blocks, fp8), added when the layers run: each weight dequantized to the
+    compute dtype, patched in float32 (calculate_weight) and cast back, as ComfyUI-GGUF's layers do and as
+    ComfyUI's patch of an upcast model computes. The layers cut from one file tensor (Flux's fused qkv: to_q,
+    to_k, to_v) share one: the first to run builds the whole patched tensor, the others take their rows of it,
+    and it is dropped once each has."""
 
-    def __init__(self, layers: list[tuple[GGUFLinear, Source]], patches: list[WeightPatch]):
+    def __init__(self, layers: list[tuple[GGUFLinear | Fp8Linear, Source]], patches: list[WeightPatch]):
         self.layers, self.patches = layers, patches
         self._full, self._dtype, self._taken = None, None, set()
 
@@ -226,7 +231,7 @@ class PatchedBlocks:
         for layer, _ in self.layers:
             layer.patch = self
 
-    def __call__(self, layer: GGUFLinear, dtype: torch.dtype) -> torch.Tensor:
+    def __call__(self, layer: GGUFLinear | Fp8Linear, dtype: torch.dtype) -> torch.Tensor:
         if self._full is None or id(layer) in self._taken or dtype != self._dtype:
             parts = [apply_transform(part.dequantized(dtype).float(), source.transform) for part, source in self.layers]
             self._full = patched_weight(torch.cat(parts) if len(parts) > 1 else parts[0], self.patches)
@@ -247,7 +252,9 @@ class RankWeightPatcher:
         tensors = dict(model.named_parameters())
         tensors.update(model.named_buffers())
         self.params = {n: t for n, t in tensors.items() if t.device.type != "meta"}
-        self.blocks = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, GGUFLinear)}
+        # Compact layers whose LoRA is added per call (GGUF always; fp8 where ComfyUI would hold it upcast).
+        per_call = (GGUFLinear,) if files.storage_bakes_fp8 else (GGUFLinear, Fp8Linear)
+        self.per_call = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, per_call)}
         self.linear_parts = {n: n.rpartition(".")[2] for n in linear_names(model)}
         self.targets, self.files = targets, files
         self.patched: set[str] = set()  # parameters that differ from the file
@@ -264,8 +271,8 @@ class RankWeightPatcher:
         wanted = {name for key in mine for name, _ in self.targets[key]}
         with self.files:
             for name in sorted(self.patched - wanted):
-                if name in self.blocks:
-                    self.blocks[name].patch = None
+                if name in self.per_call:
+                    self.per_call[name].patch = None
                 else:
                     self.params[name].copy_(self.files.read(name, self.linear_parts.get(name)))
                 self.patched.discard(name)
@@ -276,15 +283,15 @@ class RankWeightPatcher:
 
     def _held(self, key: str) -> bool:
         sources = self.targets.get(key, ())
-        held = [name in self.params or name in self.blocks for name, _ in sources]
+        held = [name in self.params or name in self.per_call for name, _ in sources]
         if any(held) and not all(held):
             raise RuntimeError(f"this rank holds only part of {key}; ParaDiT cannot patch it (a ParaDiT bug).")
         return bool(sources) and all(held)
 
     def _patch(self, key: str, patches: list[WeightPatch]) -> None:
         sources = sorted(self.targets[key], key=lambda ns: ns[1].rows.start if ns[1].rows is not None else 0)
-        if sources[0][0] in self.blocks:  # cut from one GGUF tensor: all its parts are kept in blocks
-            PatchedBlocks([(self.blocks[name], source) for name, source in sources], patches).install()
+        if sources[0][0] in self.per_call:  # cut from one compact tensor: all its parts are held alike
+            PatchedPerCall([(self.per_call[name], source) for name, source in sources], patches).install()
             self.patched.update(name for name, _ in sources)
             return
         # The whole tensor in float32 as ComfyUI's model holds it (the file's value in the rank's dtype, upcast):

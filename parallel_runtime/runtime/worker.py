@@ -144,8 +144,9 @@ def resolve_storage(name: str, device: torch.device):
     from .devices import named_dtype
 
     fp8 = name.startswith("fp8")
+    fp8_compute = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)  # as ComfyUI's test
     return Storage(resolve_dtype(name, device), keep_quantized=name == "default" or fp8,
-                   cast_fp8=named_dtype(name) if fp8 else None)
+                   cast_fp8=named_dtype(name) if fp8 else None, fp8_compute=fp8_compute)
 
 
 class Aborted(Exception):
