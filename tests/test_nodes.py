@@ -119,9 +119,28 @@ def schema_inputs(node):
 # Fakes for ComfyUI services and the runtime.
 
 @pytest.fixture
-def folder_paths(monkeypatch):
+def folder_paths(monkeypatch, tmp_path):
+    """ComfyUI's folder_paths over one models folder holding a GGUF file in a subfolder (which ComfyUI's own
+    diffusion_models list leaves out: its extensions are the PyTorch ones)."""
     mod = types.ModuleType("folder_paths")
     mod.asked = []
+    (tmp_path / "Q8").mkdir()
+    (tmp_path / "Q8" / "flux1-dev-Q8_0.gguf").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("")
+
+    def get_folder_paths(folder):
+        assert folder == "diffusion_models"
+        return [str(tmp_path), str(tmp_path / "missing")]
+
+    def recursive_search(folder, excluded_dir_names=None):
+        files = [os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs]
+        return files, {}
+
+    def filter_files_extensions(files, extensions):
+        return sorted(f for f in files if os.path.splitext(f)[1].lower() in extensions)
+
+    mod.get_folder_paths, mod.recursive_search = get_folder_paths, recursive_search
+    mod.filter_files_extensions = filter_files_extensions
 
     def get_filename_list(folder):
         assert folder == "diffusion_models"
@@ -287,7 +306,7 @@ def test_loader_schema(folder_paths):
     inputs, schema = schema_inputs(ParaDiTLoader)
     assert (schema.node_id, schema.display_name) == ("ParaDiTLoader", "Load Parallel DiT")
     assert list(inputs) == ["unet_name", "weight_dtype", "devices", "strategy"]
-    assert inputs["unet_name"][1]["options"] == ["flux1-dev.safetensors", "tiny.safetensors"]
+    assert inputs["unet_name"][1]["options"] == ["Q8/flux1-dev-Q8_0.gguf", "flux1-dev.safetensors", "tiny.safetensors"]
     assert inputs["weight_dtype"][1]["options"] == ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn", "fp8_e5m2"]
     assert inputs["devices"] == ("STRING", {**inputs["devices"][1], "default": "auto"})
     assert inputs["strategy"][0] == "PARADIT_STRATEGY" and inputs["strategy"][1]["optional"] is True

@@ -113,6 +113,14 @@ class GGUFCheckpoint:
         raw = self._raw(key, rows)
         return raw.reshape(-1, raw.shape[-1] if len(shape) > 1 else raw.numel()).to(device).clone()
 
+    def read_kept(self, key: str, rows: slice | None, transform: str | None, device):
+        """The raw blocks of a quantized weight's `rows` as a rank keeps them (stored.GGUFWeight)."""
+        from .mapping import apply_transform
+        from .stored import GGUFWeight
+
+        blocks = apply_transform(self.read_quantized(key, rows=rows, device=device), transform)
+        return GGUFWeight(blocks, self.quant_format(key), (blocks.shape[0], self.shape(key)[1]))
+
     # -- lifetime ------------------------------------------------------------------
     def close(self) -> None:
         self._file = None  # drops the memory map

@@ -29,7 +29,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-for _tag, _name in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("U16", "uint16"),
+for _tag, _name in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu"), ("U16", "uint16"),
                     ("U32", "uint32"), ("U64", "uint64")):
     if hasattr(torch, _name):
         _DTYPES[_tag] = getattr(torch, _name)
@@ -80,6 +80,7 @@ class CheckpointReader:
             ) from exc
         self._key_set = frozenset(self._keys)
         self._closed = False
+        self._quant_layers = None  # ComfyUI quantized layers (comfy_quant), read on first use
 
     # -- header-only queries -------------------------------------------------------
     def keys(self) -> list[str]:
@@ -93,9 +94,20 @@ class CheckpointReader:
         return dict(self._file.metadata() or {})
 
     def shape(self, key: str) -> tuple[int, ...]:
+        """The tensor's shape; a ComfyUI-quantized weight's logical one (nvfp4 packs two values a byte)."""
+        shape = self.stored_shape(key)
+        if self.quant_format(key) == "nvfp4":
+            shape = (shape[0], 2 * shape[1])
+        return shape
+
+    def stored_shape(self, key: str) -> tuple[int, ...]:
+        """The shape of the tensor as stored (a quantized weight's packed data)."""
         return tuple(int(d) for d in self._slice(key).get_shape())
 
     def dtype(self, key: str) -> torch.dtype:
+        """The stored dtype; float32 for a ComfyUI-quantized weight, which `read` dequantizes."""
+        if self.quant_format(key) is not None:
+            return torch.float32
         tag = self._slice(key).get_dtype()
         try:
             return _DTYPES[tag]
@@ -104,13 +116,40 @@ class CheckpointReader:
                 f"{self.path} stores {key!r} as {tag}, which this torch cannot load; re-save the model in bf16/fp16/fp32."
             ) from None
 
+    def quant_layers(self) -> dict[str, dict]:
+        """ComfyUI's quantized layers of this file (layer -> comfy_quant config); empty for a plain file."""
+        if self._quant_layers is None:
+            from . import comfy_quant
+
+            self._quant_layers = {}  # layer_formats reads through this reader
+            self._quant_layers = comfy_quant.layer_formats(self)
+        return self._quant_layers
+
     def quant_format(self, key: str) -> str | None:
-        """Block-quantized storage of `key` (GGUF files only); safetensors tensors are plain."""
-        return None
+        """The ComfyUI quantized format of a weight ("nvfp4", "int8_tensorwise", ...), None for a plain tensor."""
+        if not key.endswith(".weight"):
+            return None
+        conf = self.quant_layers().get(key[: -len(".weight")])
+        return conf["format"] if conf else None
+
+    def read_kept(self, key: str, rows: slice | None, transform: str | None, device):
+        """The rows of a quantized weight as a rank keeps them (comfy_quant.ComfyQuantWeight)."""
+        from . import comfy_quant
+
+        layer = key[: -len(".weight")]
+        return comfy_quant.read_rows(self, layer, self.quant_layers()[layer], rows, transform, device)
 
     def stored_bytes(self, key: str) -> int:
-        shape = self.shape(key)
-        return int(torch.empty(0, dtype=self.dtype(key)).element_size() * math.prod(shape))
+        """Bytes of `key` in the file (a quantized weight with its scales)."""
+        names = [key]
+        if self.quant_format(key) is not None:
+            layer = key[: -len(".weight")]
+            names += [k for k in (f"{layer}.weight_scale", f"{layer}.weight_scale_2") if k in self]
+        total = 0
+        for name in names:
+            sl = self._slice(name)
+            total += _DTYPES[sl.get_dtype()].itemsize * math.prod(sl.get_shape())
+        return total
 
     # -- data ----------------------------------------------------------------------
     def read(
@@ -120,7 +159,16 @@ class CheckpointReader:
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
     ) -> torch.Tensor:
-        """Load ``key`` (only ``rows`` of its first dimension when given), cast and move it."""
+        """Load ``key`` (only ``rows`` of its first dimension when given), cast and move it. A ComfyUI-quantized
+        weight comes back dequantized (float32 unless `dtype` says otherwise)."""
+        if self.quant_format(key) is not None:
+            kept = self.read_kept(key, rows, None, device)
+            return kept.linear(None).dequantized(dtype or torch.float32)[: kept.shape[0]].clone()
+        return self.read_raw(key, rows, dtype, device)
+
+    def read_raw(self, key: str, rows: slice | None = None, dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu") -> torch.Tensor:
+        """``key`` as stored (only ``rows`` when given), cast and moved: a quantized weight's raw data."""
         sl = self._slice(key)
         try:
             tensor = sl[rows] if rows is not None else self._file.get_tensor(key)

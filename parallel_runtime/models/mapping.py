@@ -44,13 +44,12 @@ def read_source(reader, src: Source, dtype: torch.dtype | None, device) -> torch
 
 def read_stored(reader, src: Source, storage: Storage, device, linear: str | None):
     """One parameter as a rank holds it. `linear`: "weight" or "bias" of an nn.Linear, else None. A linear weight
-    the storage keeps compact comes back as an `Fp8Weight` (fp8 values, the file's scale beside them) or a
-    `GGUFWeight` (its rows' raw blocks); anything else as a tensor in the compute dtype (a scaled tensor
+    the storage keeps compact comes back as an `Fp8Weight` (fp8 values, the file's scale beside them), a
+    `GGUFWeight` (its rows' raw blocks) or a `comfy_quant.ComfyQuantWeight` (a ComfyUI quantized layout's rows); anything else as a tensor in the compute dtype (a scaled tensor
     multiplied by its scale), rounded through fp8 first where ComfyUI stores it in fp8 (see Storage.rounding)."""
     quant_format = reader.quant_format(src.key)
     if linear == "weight" and storage.keeps_blocks(quant_format):
-        blocks = apply_transform(reader.read_quantized(src.key, rows=src.rows, device=device), src.transform)
-        return GGUFWeight(blocks, quant_format, (blocks.shape[0], reader.shape(src.key)[1]))
+        return reader.read_kept(src.key, src.rows, src.transform, device)
     key = scale_key(src.key) if src.key.endswith(".weight") else None
     scale = reader.read(key, dtype=torch.float32, device=device) if key is not None and key in reader else None
     kept = storage.linear_dtype(reader.dtype(src.key)) if linear == "weight" and quant_format is None else None

@@ -155,19 +155,22 @@ class GGUFWeight:
         return GGUFLinear(self.blocks.contiguous(), self.quant_format, self.shape, bias)
 
 
-KEPT_LINEARS = (Fp8Linear, GGUFLinear)
+def _kept_linears() -> tuple[type, ...]:
+    from .comfy_quant import ComfyQuantLinear
+
+    return Fp8Linear, GGUFLinear, ComfyQuantLinear
 
 
 def linear_names(model: torch.nn.Module) -> dict[str, str]:
     """`<module>.weight` and `<module>.bias` -> module name, for every linear layer of a model (nn.Linear, and
     the layers that keep their weight compact)."""
     return {f"{name}.{p}": name for name, m in model.named_modules()
-            if isinstance(m, (torch.nn.Linear, *KEPT_LINEARS)) for p in ("weight", "bias")}
+            if isinstance(m, (torch.nn.Linear, *_kept_linears())) for p in ("weight", "bias")}
 
 
 def install_kept_linears(model: torch.nn.Module, weights: dict) -> None:
-    """Replace each Linear named in `weights` (module name -> Fp8Weight or GGUFWeight) by the layer that keeps
-    that weight compact, with the Linear's already-loaded bias."""
+    """Replace each Linear named in `weights` (module name -> Fp8Weight, GGUFWeight or ComfyQuantWeight) by the
+    layer that keeps that weight compact, with the Linear's already-loaded bias."""
     for name, kept in weights.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -1,0 +1,169 @@
+"""Comfy-Org's quantized checkpoints (comfy_quant layers: fp8, int8 with and without ConvRot, mxfp8, nvfp4) kept
+quantized on every rank.
+
+Each file is written here with comfy-kitchen's own layout classes (quantize, then the layout's state-dict tensors
+under ComfyUI's names, a `.comfy_quant` JSON tensor per layer or the header's `_quantization_metadata`), mixed:
+some layers stay bf16. Its fp32 twin holds the values comfy-kitchen dequantizes them to, which is what ComfyUI
+computes with on a CPU (dequantize, then F.linear).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+ck_tensor = pytest.importorskip("comfy_kitchen.tensor")
+
+from conftest import rel_err  # noqa: E402
+from test_families import FAMILIES, job  # noqa: E402
+from parallel_runtime.errors import ConfigError, ModelFileError  # noqa: E402
+from parallel_runtime.models.family import read_model  # noqa: E402
+from parallel_runtime.models.loading import open_checkpoint  # noqa: E402
+from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
+from parallel_runtime.runtime.client import RuntimeClient  # noqa: E402
+from parallel_runtime.spec import WeightPatch, WeightPatches  # noqa: E402
+from parallel_runtime.spec import StrategySpec as S  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+# Both sides compute in fp32 from the same numbers (comfy-kitchen's dequantization, per layer on the rank):
+# ~1e-7. A misplaced block scale or row is off by O(1e-1).
+QUANT_RTOL = 1e-5
+EXACT_RTOL = 1e-4  # exact strategies at 2 workers vs 1 (tests/test_families.py)
+NAMES = ["kontext", "sd3_medium_dual", "qwen_image", "pixart", "chroma"]
+# comfy_quant format -> (comfy-kitchen layout, its options, rows/cols the layer must be whole multiples of)
+FORMATS = {
+    "float8_e4m3fn": ("TensorCoreFP8Layout", {}, 1),
+    "int8_tensorwise": ("TensorWiseINT8Layout", {}, 1),
+    # Groups of 16 (a power of 4, as ConvRot needs) divide every tiny width, PixArt's 144 too.
+    "int8_convrot": ("TensorWiseINT8Layout", {"per_channel": True, "convrot": True, "convrot_groupsize": 16}, 16),
+    "mxfp8": ("TensorCoreMXFP8Layout", {}, 32),
+    "nvfp4": ("TensorCoreNVFP4Layout", {}, 16),
+}
+
+
+def comfy_quant_twins(folder, name: str, fmt: str, header: bool = False) -> tuple[str, str]:
+    """A mixed ComfyUI quantized file of a tiny `name` model (every linear weight that fits the format's blocks
+    in `fmt`, except every third one, which stays bf16) and its fp32 twin. `header`: the layers are listed in
+    the safetensors header instead of `.comfy_quant` tensors."""
+    base = load_file(write_checkpoint(str(folder / f"{name}-base.safetensors"), FAMILIES[name], seed=11))
+    layout, options, multiple = FORMATS[fmt]
+    quant, meant, layers, n = {}, {}, {}, 0
+    for key, t in base.items():
+        fits = key.endswith(".weight") and t.ndim == 2 and t.shape[0] % multiple == 0 and t.shape[1] % multiple == 0
+        if not fits or n % 3 == 2:
+            n += fits
+            quant[key] = t.to(torch.bfloat16) if t.ndim == 2 else t
+            meant[key] = quant[key].float()
+            continue
+        n += 1
+        qt = ck_tensor.QuantizedTensor.from_float(t, layout, **options)
+        quant.update(qt.state_dict(key))
+        meant[key] = qt.dequantize().float()
+        conf = {"format": fmt.split("_convrot")[0] if fmt == "int8_convrot" else fmt}
+        if fmt == "int8_convrot":
+            conf = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": options["convrot_groupsize"]}
+        layers[key[: -len(".weight")]] = conf
+        if not header:
+            quant[key[: -len("weight")] + "comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+    tag = f"{name}-{fmt}{'-header' if header else ''}"
+    metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})} if header else None
+    save_file(quant, str(folder / f"{tag}.safetensors"), metadata=metadata)
+    save_file(meant, str(folder / f"{tag}-fp32.safetensors"))
+    return str(folder / f"{tag}.safetensors"), str(folder / f"{tag}-fp32.safetensors")
+
+
+def analytic_bytes(path: str, stage: int = 0, stages: int = 1) -> int:
+    """Bytes a rank of PipeFusion-`stages` holds: each quantized weight's data and scales for its rows (as
+    stored), everything else in fp32 (CPU compute)."""
+    with open_checkpoint(path) as reader:
+        family, match, config = read_model(reader)
+        model = family.meta_model(config)
+        smap = family.source_map(config, match.layout, match.prefix)
+        owned = family.stage_ownership(config, family.pipeline_stages(config, stages)[stage], first=stage == 0,
+                                       last=stage == stages - 1)
+        total = 0
+        for n, t in model.state_dict().items():
+            if not owned(n):
+                continue
+            key = smap[n].key
+            if reader.quant_format(key) is not None:
+                total += reader.stored_bytes(key) * t.shape[0] // reader.shape(key)[0]
+            else:
+                total += 4 * t.numel()
+    return total
+
+
+# Tiny PixArt (144 wide) has no layer of whole 32-row mxfp8 blocks; the released one (1152) has.
+CASES = [pytest.param(name, fmt, id=f"{name}-comfy_quant-{fmt}") for name in NAMES for fmt in FORMATS
+         if (name, fmt) != ("pixart", "mxfp8")]
+
+
+@pytest.mark.parametrize("name,fmt", CASES)
+def test_comfy_quant_file_equals_its_fp32_twin_and_stays_quantized(tmp_path, name, fmt):
+    quant, meant = comfy_quant_twins(tmp_path, name, fmt)
+    with open_checkpoint(quant) as reader:
+        assert {c["format"] for c in reader.quant_layers().values()} == {fmt.replace("_convrot", "_tensorwise")}
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        got, ref = client.run(job((name, quant))), client.run(job((name, meant)))
+    finally:
+        client.shutdown()
+    assert torch.isfinite(ref.latent).all()
+    assert rel_err(got.latent, ref.latent) <= QUANT_RTOL
+    held = got.stats[0]["param_bytes"]
+    assert abs(held / analytic_bytes(quant) - 1) <= 0.05
+    assert held < ref.stats[0]["param_bytes"]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=lambda f: f"comfy_quant-{f}")
+def test_comfy_quant_ulysses_and_pipefusion_at_two_workers_equal_one(tmp_path, client2, fmt):
+    name = "kontext"
+    quant, _ = comfy_quant_twins(tmp_path, name, fmt)
+    one = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        serial = one.run(job((name, quant))).latent
+    finally:
+        one.shutdown()
+    for strategy in (S(ulysses_degree=2), S(pipefusion_degree=2, warmup_steps=6)):
+        result = client2.run(job((name, quant), strategy))
+        assert rel_err(result.latent, serial) <= EXACT_RTOL, strategy.label()
+        if strategy.pipefusion_degree > 1:  # each stage holds its blocks' quantized rows
+            for rank, st in enumerate(result.stats):
+                assert abs(st["param_bytes"] / analytic_bytes(quant, rank, 2) - 1) <= 0.05
+
+
+def test_comfy_quant_header_spelling_equals_per_layer_spelling_nvfp4(tmp_path):
+    name = "qwen_image"
+    per_layer, _ = comfy_quant_twins(tmp_path, name, "nvfp4")
+    header, _ = comfy_quant_twins(tmp_path, name, "nvfp4", header=True)
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        a, b = client.run(job((name, per_layer))), client.run(job((name, header)))
+    finally:
+        client.shutdown()
+    assert torch.equal(a.latent, b.latent)
+    assert a.stats[0]["param_bytes"] == b.stats[0]["param_bytes"]
+
+
+def test_comfy_quant_unsupported_format_and_lora_fail_in_one_sentence(tmp_path):
+    name = "kontext"
+    quant, meant = comfy_quant_twins(tmp_path, name, "nvfp4")
+    sd = load_file(quant)
+    layer = next(k[: -len(".comfy_quant")] for k in sd if k.endswith(".comfy_quant"))
+    sd[layer + ".comfy_quant"] = torch.tensor(list(b'{"format": "awq_w4a16"}'), dtype=torch.uint8)
+    odd = str(tmp_path / "awq.safetensors")
+    save_file(sd, odd)
+    patches = WeightPatches("x", {layer + ".weight": [WeightPatch("diff", {"diff": torch.zeros(1)})]})
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        with pytest.raises(ModelFileError, match=f"awq.safetensors: layer '{layer}' is stored as 'awq_w4a16'"):
+            client.run(job((name, odd)))
+        with pytest.raises(ConfigError, match="LoRA on a ComfyUI quantized checkpoint"):
+            client.run(dataclasses.replace(job((name, quant)), weight_patches=patches))
+        assert torch.isfinite(client.run(job((name, meant))).latent).all()
+    finally:
+        client.shutdown()
