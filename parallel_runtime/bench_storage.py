@@ -2,7 +2,8 @@
 
 The bench model (or a family's) is written as the files ComfyUI users load (bf16; fp8 e4m3fn with norms and
 biases in bf16, as fp8 releases ship; GGUF Q8_0 and Q4_K with 1-D tensors in F32, as ComfyUI-GGUF's converter
-writes them) and each runs a short job through the runtime at one worker and under PipeFusion-2. The table gives
+writes them; ComfyUI's own quantized files, written with comfy-kitchen: int8 with ConvRot, mxfp8, nvfp4, the
+other tensors bf16) and each runs a short job through the runtime at one worker and under PipeFusion-2. The table gives
 the weight bytes the busiest rank holds (the workers' own count), the analytic figure (each owned tensor as the
 rank stores it), the ratio to bf16, the step time and the latent's distance from the fp32 file's (what the
 format's rounding costs). Q4_K blocks are crafted with moderate scales (gguf-py cannot write K-quants), so that
@@ -25,7 +26,12 @@ import torch
 from .bench import NAMED_MODELS, _fmt_table, make_job, rel_err, run_config
 from .spec import ModelSpec, StrategySpec
 
-KINDS = ("fp32", "bf16", "fp8_e4m3fn", "Q8_0", "Q4_K")
+KINDS = ("fp32", "bf16", "fp8_e4m3fn", "Q8_0", "Q4_K", "int8_convrot", "mxfp8", "nvfp4")
+# ComfyUI quantized kinds: comfy-kitchen layout, its options, the comfy_quant entry
+COMFY_KINDS = {"int8_convrot": ("TensorWiseINT8Layout", {"per_channel": True, "convrot": True, "convrot_groupsize": 256},
+                                {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}),
+               "mxfp8": ("TensorCoreMXFP8Layout", {}, {"format": "mxfp8"}),
+               "nvfp4": ("TensorCoreNVFP4Layout", {}, {"format": "nvfp4"})}
 
 
 def write_kinds(base_path: str, folder: str) -> dict[str, tuple[str, str]]:
@@ -58,7 +64,26 @@ def write_kinds(base_path: str, folder: str) -> dict[str, tuple[str, str]]:
         writer.write_tensors_to_file()
         writer.close()
         files[kind] = (path, "default")
+    for kind, (layout, options, conf) in COMFY_KINDS.items():
+        files[kind] = (_comfy_quant_file(base, linear, os.path.join(folder, f"{kind}.safetensors"), layout, options,
+                                         conf), "default")
     return files
+
+
+def _comfy_quant_file(base: dict, linear: set, path: str, layout: str, options: dict, conf: dict) -> str:
+    """A ComfyUI quantized file: every linear weight of whole 256-blocks in `layout`, the rest bf16."""
+    from comfy_kitchen.tensor import QuantizedTensor
+    from safetensors.torch import save_file
+
+    out = {}
+    for key, t in base.items():
+        if key in linear and t.shape[0] % 128 == 0 and t.shape[1] % 256 == 0:
+            out.update(QuantizedTensor.from_float(t, layout, **options).state_dict(key))
+            out[key[: -len("weight")] + "comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+        else:
+            out[key] = t.to(torch.bfloat16)
+    save_file(out, path)
+    return path
 
 
 def _crafted_q4_k(t: torch.Tensor, rng: np.random.Generator) -> np.ndarray:
@@ -91,7 +116,7 @@ def analytic_rank_bytes(path: str, weight_dtype: str, stage: int, stages: int) -
             if not owned(name):
                 continue
             key, kept = smap[name].key, name in linears and weight_dtype == "default"
-            if kept and reader.quant_format(key) not in (None, "BF16"):
+            if kept and reader.quant_format(key) not in (None, "BF16"):  # GGUF blocks, ComfyUI layouts
                 total += reader.stored_bytes(key) * t.shape[0] // reader.shape(key)[0]
             elif kept and reader.dtype(key) in FP8_DTYPES:
                 total += t.numel()
@@ -150,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.steps} steps, CPU workers (compute fp32; bf16 row computes in bf16)")
     print(_fmt_table(["file", "strategy", "MB/rank (busiest)", "analytic MB", "off analytic", "x bf16", "ms/step",
                       "rel. L2 vs fp32 file"], table))
-    print("  fp8 and GGUF: linear weights kept as stored (1 byte, or their blocks), norms/biases/embeddings in the "
-          "compute dtype; Q4_K values are crafted blocks (bytes and speed only)")
+    print("  fp8, GGUF and ComfyUI quantized files: linear weights kept as stored (with their scales), norms/biases/"
+          "embeddings in the compute dtype; Q4_K values are crafted blocks (bytes and speed only)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "rows": rows}, f, indent=1)

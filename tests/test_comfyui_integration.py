@@ -187,6 +187,41 @@ def write_gguf_model(folder: str) -> None:
     save_file(twin, os.path.join(folder, GGUF_TWIN))
 
 
+# ComfyUI's own quantized layouts (comfy_quant), written with comfy-kitchen; this ComfyUI snapshot (late 2025) predates
+# them, so each is compared with UNETLoader on the fp32 file of the values comfy-kitchen dequantizes them to.
+COMFY_QUANT = {"nvfp4": ("TensorCoreNVFP4Layout", {}, {"format": "nvfp4"}),
+               "int8_convrot": ("TensorWiseINT8Layout", {"per_channel": True, "convrot": True, "convrot_groupsize": 256},
+                                {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256})}
+
+
+def write_comfy_quant_models(folder: str) -> None:
+    """MODEL with every block matrix in a ComfyUI quantized layout (a .comfy_quant JSON tensor per layer; the
+    embedders and final layer stay bf16: a "mixed" file), and the fp32 twin of its values, per format."""
+    import json
+
+    from safetensors.torch import load_file
+
+    try:
+        from comfy_kitchen.tensor import QuantizedTensor
+    except ImportError:
+        return  # the tests that need these files skip
+    base = load_file(os.path.join(folder, MODEL))
+    for fmt, (layout, options, conf) in COMFY_QUANT.items():
+        quant, twin = {}, {}
+        for key, t in base.items():
+            if "blocks." in key and key.endswith(".weight") and t.ndim == 2:
+                qt = QuantizedTensor.from_float(t, layout, **options)
+                quant.update(qt.state_dict(key))
+                quant[key[: -len("weight")] + "comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()),
+                                                                            dtype=torch.uint8)
+                twin[key] = qt.dequantize().float()
+            else:
+                quant[key] = t.to(torch.bfloat16) if t.ndim == 2 else t
+                twin[key] = quant[key].float()
+        save_file(quant, os.path.join(folder, f"flux-mini-{fmt}.safetensors"))
+        save_file(twin, os.path.join(folder, f"flux-mini-{fmt}-fp32.safetensors"))
+
+
 NOT_FLUX = "not-flux-vae.safetensors"
 
 # KSampler vs Parallel Sampler: both run in fp32 on CPU (ComfyUI picks fp32 for Flux on CPU and the file
@@ -360,6 +395,7 @@ def server():
         write_test_loras(os.path.join(root, "models", "loras"))
         write_fp8_models(models)
         write_gguf_model(models)
+        write_comfy_quant_models(models)
         save_file({"encoder.conv_in.weight": torch.zeros(128, 3, 3, 3),  # a VAE-like file, not a DiT
                    "decoder.conv_in.weight": torch.zeros(512, 16, 3, 3)}, os.path.join(models, NOT_FLUX))
         os.symlink(REPO, os.path.join(custom, "ParaDiT"))
@@ -1347,3 +1383,22 @@ def test_lora_on_a_gguf_model_equals_comfyui(server, reference):
     graph = _with_files(_lora_graph(loras, "cpu:2", strategy(ulysses=2)), GGUF_MODEL, GGUF_TWIN,
                         gguf_node=reference == "comfyui_gguf")
     assert _lora_run(server, graph, f"bfl 0.8 + peft -0.5 on {GGUF_MODEL} vs {reference}") <= KSAMPLER_RTOL
+
+
+@pytest.mark.parametrize("strat", [None, strategy(ulysses=2), strategy(pp=2, warmup=3)],
+                         ids=["world1", "ulysses2", "pp2-warm"])
+@pytest.mark.parametrize("fmt", list(COMFY_QUANT), ids=lambda f: f"comfy_quant-{f}")
+def test_comfy_quant_model_equals_unetloader_on_its_dequantized_twin(server, fmt, strat):
+    """A ComfyUI quantized file through Load Parallel DiT (each rank keeps its rows in the layout and dequantizes
+    per layer with comfy-kitchen) against UNETLoader + KSampler on the fp32 file of the same values."""
+    if not os.path.exists(os.path.join(server.root, "models", "diffusion_models", f"flux-mini-{fmt}.safetensors")):
+        pytest.skip("comfy-kitchen is not installed in the test's Python")
+    devices = "cpu:1" if strat is None else "cpu:2"
+    graph = _with_files(stock_graph(devices=devices, strat=strat or strategy(), cfg=2.0, steps=3, seed=4,
+                                    sampler_name="dpmpp_2m", scheduler="karras"),
+                        f"flux-mini-{fmt}.safetensors", f"flux-mini-{fmt}-fp32.safetensors")
+    result = server.run(graph)
+    assert result["status"] == "success", _explain(result)
+    err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
+    print(f"\nflux-mini-{fmt} ({devices} {strat and strat['inputs']}): vs UNETLoader on its fp32 twin rel. L2 {err:.2e}")
+    assert err <= KSAMPLER_RTOL
