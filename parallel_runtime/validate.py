@@ -39,13 +39,6 @@ def _compact_share(path: str, mtime_ns: int, size: int) -> tuple[float, bool, fl
     return held / max(1, sum(numel.values())), fp8, plain / max(1, sum(numel.values()))
 
 
-def _has_comfy_quant_layers(path: str) -> bool:
-    from .models.loading import open_checkpoint
-
-    with open_checkpoint(path) as reader:
-        return bool(getattr(reader, "quant_layers", dict)())
-
-
 def stored_bytes_per_parameter(path: str, weight_dtype: str, plain_bytes: int) -> float:
     """Mean bytes a rank holds per parameter of this file, as the workers store it (worker.resolve_storage):
     GGUF blocks and fp8 weights kept as they are under 'default', an fp8 weight_dtype casts to 1 byte, and
@@ -200,10 +193,6 @@ def validate_job(job: Job, world_size: int) -> None:
     if job.weight_patches is not None:
         from .models.family import family_of
 
-        if _has_comfy_quant_layers(job.model.path):
-            raise ConfigError("LoRA on a ComfyUI quantized checkpoint (nvfp4/int8/mxfp8/fp8mixed layers) is not "
-                              "applied on the ParaDiT workers yet; load the bf16 or fp8_scaled release of the model "
-                              "to use the LoRA.")
         from .models.weight_patches import validate_weight_patches
 
         family = family_of(config)

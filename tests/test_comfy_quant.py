@@ -19,12 +19,13 @@ ck_tensor = pytest.importorskip("comfy_kitchen.tensor")
 
 from conftest import rel_err  # noqa: E402
 from test_families import FAMILIES, job  # noqa: E402
-from parallel_runtime.errors import ConfigError, ModelFileError  # noqa: E402
+from test_gguf import merged_twin  # noqa: E402
+from test_weight_patches import lora_stack, stacked  # noqa: E402
+from parallel_runtime.errors import ModelFileError  # noqa: E402
 from parallel_runtime.models.family import read_model  # noqa: E402
 from parallel_runtime.models.loading import open_checkpoint  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 from parallel_runtime.runtime.client import RuntimeClient  # noqa: E402
-from parallel_runtime.spec import WeightPatch, WeightPatches  # noqa: E402
 from parallel_runtime.spec import StrategySpec as S  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -149,7 +150,7 @@ def test_comfy_quant_header_spelling_equals_per_layer_spelling_nvfp4(tmp_path):
     assert a.stats[0]["param_bytes"] == b.stats[0]["param_bytes"]
 
 
-def test_comfy_quant_unsupported_format_and_lora_fail_in_one_sentence(tmp_path):
+def test_comfy_quant_unsupported_format_fails_in_one_sentence(tmp_path):
     name = "kontext"
     quant, meant = comfy_quant_twins(tmp_path, name, "nvfp4")
     sd = load_file(quant)
@@ -157,13 +158,36 @@ def test_comfy_quant_unsupported_format_and_lora_fail_in_one_sentence(tmp_path):
     sd[layer + ".comfy_quant"] = torch.tensor(list(b'{"format": "awq_w4a16"}'), dtype=torch.uint8)
     odd = str(tmp_path / "awq.safetensors")
     save_file(sd, odd)
-    patches = WeightPatches("x", {layer + ".weight": [WeightPatch("diff", {"diff": torch.zeros(1)})]})
     client = RuntimeClient("cpu:1", threads_per_worker=1)
     try:
-        with pytest.raises(ModelFileError, match=f"awq.safetensors: layer '{layer}' is stored as 'awq_w4a16'"):
+        with pytest.raises(ModelFileError, match=f"awq.safetensors: layer '{layer}' is stored as 'awq_w4a16'") as info:
             client.run(job((name, odd)))
-        with pytest.raises(ConfigError, match="LoRA on a ComfyUI quantized checkpoint"):
-            client.run(dataclasses.replace(job((name, quant)), weight_patches=patches))
+        assert "\n" not in str(info.value)
         assert torch.isfinite(client.run(job((name, meant))).latent).all()
     finally:
         client.shutdown()
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int8_convrot"], ids=lambda f: f"comfy_quant-{f}")
+def test_comfy_quant_lora_is_added_per_call_and_equals_the_merged_twin(tmp_path, client2, fmt):
+    """A LoRA stack on quantized layers: each layer dequantizes its rows, adds the patches in float32 and casts
+    back when it runs (ComfyUI's dynamic-VRAM path), so the result is the fp32 twin with the deltas merged, at one
+    worker and under Ulysses and PipeFusion at two, and the rank still holds only the quantized rows."""
+    name = "kontext"
+    quant, twin = comfy_quant_twins(tmp_path, name, fmt)
+    patches, deltas = stacked(lora_stack(name, 1, 0.8, "a"), lora_stack(name, 2, -0.5, "b"))
+    merged = merged_twin(twin, str(tmp_path / "merged.safetensors"), deltas)
+    one = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        plain = one.run(job((name, quant)))
+        reference = one.run(job((name, merged))).latent
+        got = one.run(dataclasses.replace(job((name, quant)), weight_patches=patches))
+    finally:
+        one.shutdown()
+    assert rel_err(reference, plain.latent) > 1e-2  # the LoRAs really change the image
+    assert rel_err(got.latent, reference) <= QUANT_RTOL
+    assert got.stats[0]["param_bytes"] == plain.stats[0]["param_bytes"]
+    for strategy in (S(ulysses_degree=2), S(pipefusion_degree=2, warmup_steps=6)):
+        result = client2.run(dataclasses.replace(job((name, quant), strategy), weight_patches=patches))
+        assert rel_err(result.latent, reference) <= EXACT_RTOL, strategy.label()
+    assert rel_err(client2.run(job((name, quant), S(ulysses_degree=2))).latent, plain.latent) <= EXACT_RTOL

@@ -1402,3 +1402,15 @@ def test_comfy_quant_model_equals_unetloader_on_its_dequantized_twin(server, fmt
     err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
     print(f"\nflux-mini-{fmt} ({devices} {strat and strat['inputs']}): vs UNETLoader on its fp32 twin rel. L2 {err:.2e}")
     assert err <= KSAMPLER_RTOL
+
+
+def test_lora_on_a_comfy_quant_nvfp4_model_equals_unetloader_on_its_twin(server):
+    """BFL + kohya LoRAs on the nvfp4 file, 2 workers (Ulysses): each layer adds the patches to its dequantized
+    rows when it runs (ComfyUI's dynamic-VRAM path for quantized layers), the same numbers as UNETLoader + the
+    same LoRA nodes on the fp32 twin."""
+    unet = "flux-mini-nvfp4.safetensors"
+    if not os.path.exists(os.path.join(server.root, "models", "diffusion_models", unet)):
+        pytest.skip("comfy-kitchen is not installed in the test's Python")
+    loras = [(LORAS["bfl"], 0.8), (LORAS["kohya"], -0.5)]
+    graph = _with_files(_lora_graph(loras, "cpu:2", strategy(ulysses=2)), unet, "flux-mini-nvfp4-fp32.safetensors")
+    assert _lora_run(server, graph, f"bfl 0.8 + kohya -0.5 on {unet}, ulysses2") <= KSAMPLER_RTOL

@@ -10,7 +10,8 @@ code ComfyUI itself runs) stores: `ComfyQuantLinear` rebuilds comfy-kitchen's `Q
 call and dequantizes it to the compute dtype before `F.linear`, which is what ComfyUI computes on a device
 without native kernels for the format (every CPU). nvfp4 and mxfp8 block scales are stored swizzled in 128 x 4
 tiles; a rank unswizzles, takes its rows and swizzles them again, so a fused tensor cut by rows (Flux's q/k/v)
-stays exact.
+stays exact. A LoRA is added per call to the dequantized weight (weight_patches.PatchedPerCall), as ComfyUI's
+dynamic-VRAM path patches a quantized layer; the rank keeps holding only the quantized rows.
 """
 from __future__ import annotations
 
@@ -146,6 +147,7 @@ class ComfyQuantLinear(torch.nn.Module):
         self.register_buffer("weight_scale", weight.scale)
         self.register_buffer("block_scale", weight.block_scale)
         self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.patch = None  # callable(layer, dtype) -> patched weight, while a LoRA is added per call
 
     def quantized(self, dtype: torch.dtype):
         quantized_tensor, get_layout_class, _ = kitchen()
@@ -161,7 +163,8 @@ class ComfyQuantLinear(torch.nn.Module):
         return self.quantized(dtype).dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
+        weight = self.patch(self, x.dtype) if self.patch is not None else self.dequantized(x.dtype)
+        return F.linear(x, weight, self.bias.to(x.dtype) if self.bias is not None else None)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.fmt}"

@@ -12,8 +12,8 @@ rebuilt.
 Quantized weights are patched as ComfyUI patches them. Where ComfyUI holds a model in fp8 (a scaled-fp8 file,
 weight_dtype fp8, a GPU with fp8 compute), an fp8 weight is baked back into fp8 with ComfyUI's seeded
 stochastic rounding (`stochastic_round`, seeded by the tensor's name), so the same fp8 numbers result. Where
-ComfyUI upcasts a plain fp8 file at load and patches the upcast weight, and for weights kept in GGUF blocks
-(ComfyUI-GGUF patches per layer), the rank adds the patches per call to the weight it upcasts anyway
+ComfyUI upcasts a plain fp8 file at load and patches the upcast weight, for weights kept in GGUF blocks
+(ComfyUI-GGUF patches per layer) and for ComfyUI's quantized layouts (as its dynamic-VRAM path), the rank adds the patches per call to the weight it upcasts anyway
 (`PatchedPerCall`): the same numbers, and the patched weight is never held.
 """
 from __future__ import annotations
@@ -252,8 +252,11 @@ class RankWeightPatcher:
         tensors = dict(model.named_parameters())
         tensors.update(model.named_buffers())
         self.params = {n: t for n, t in tensors.items() if t.device.type != "meta"}
-        # Compact layers whose LoRA is added per call (GGUF always; fp8 where ComfyUI would hold it upcast).
-        per_call = (GGUFLinear,) if files.storage_bakes_fp8 else (GGUFLinear, Fp8Linear)
+        # Compact layers whose LoRA is added per call (GGUF and ComfyUI layouts always; fp8 where ComfyUI would hold
+        # it upcast).
+        from .comfy_quant import ComfyQuantLinear
+
+        per_call = (GGUFLinear, ComfyQuantLinear) + (() if files.storage_bakes_fp8 else (Fp8Linear,))
         self.per_call = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, per_call)}
         self.linear_parts = {n: n.rpartition(".")[2] for n in linear_names(model)}
         self.targets, self.files = targets, files
