@@ -71,11 +71,6 @@ def layer_formats(reader) -> dict[str, dict]:
     return layers
 
 
-def auxiliary_keys(layers: dict[str, dict]) -> set[str]:
-    suffixes = (".comfy_quant", ".weight_scale", ".weight_scale_2", ".input_scale", ".pre_quant_scale")
-    return {layer + s for layer in layers for s in suffixes}
-
-
 def _params(conf: dict) -> dict:
     """The layout options a comfy_quant entry carries (ConvRot, at the top level or under "params")."""
     extra = dict(conf.get("params") or {}, **{k: v for k, v in conf.items() if k != "params"})
@@ -94,6 +89,7 @@ class ComfyQuantWeight:
     block_scale: torch.Tensor | None
     options: dict
     shape: tuple[int, int]
+    pre_scale: torch.Tensor | None = None  # AWQ-style per-input-channel factor on the input (`pre_quant_scale`)
 
     def linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
         return ComfyQuantLinear(self, bias)
@@ -132,7 +128,9 @@ def read_rows(reader, layer: str, conf: dict, rows: slice | None, transform: str
         block_scale = float_utils.to_blocked(block_scale, flatten=False)
     if fmt == "mxfp8":  # comfy-kitchen's MXFP8 layout takes its block scales as `scale`
         scale, block_scale = block_scale, None
-    return ComfyQuantWeight(fmt, data.contiguous(), scale, block_scale, _params(conf), (n, cols))
+    pre_key = f"{layer}.pre_quant_scale"
+    pre_scale = reader.read_raw(pre_key, device=device).float().flatten() if pre_key in reader else None
+    return ComfyQuantWeight(fmt, data.contiguous(), scale, block_scale, _params(conf), (n, cols), pre_scale)
 
 
 class ComfyQuantLinear(torch.nn.Module):
@@ -146,6 +144,7 @@ class ComfyQuantLinear(torch.nn.Module):
         self.register_buffer("weight_data", weight.data)
         self.register_buffer("weight_scale", weight.scale)
         self.register_buffer("block_scale", weight.block_scale)
+        self.register_buffer("pre_quant_scale", weight.pre_scale)
         self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.patch = None  # callable(layer, dtype) -> patched weight, while a LoRA is added per call
 
@@ -164,6 +163,8 @@ class ComfyQuantLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.patch(self, x.dtype) if self.patch is not None else self.dequantized(x.dtype)
+        if self.pre_quant_scale is not None:  # the weight was quantized against inputs scaled per channel
+            x = x * self.pre_quant_scale.to(x.dtype)
         return F.linear(x, weight, self.bias.to(x.dtype) if self.bias is not None else None)
 
     def extra_repr(self) -> str:
