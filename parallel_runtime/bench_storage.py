@@ -116,7 +116,7 @@ def analytic_rank_bytes(path: str, weight_dtype: str, stage: int, stages: int) -
             if not owned(name):
                 continue
             key, kept = smap[name].key, name in linears and weight_dtype == "default"
-            if kept and reader.quant_format(key) not in (None, "BF16"):  # GGUF blocks, ComfyUI layouts
+            if kept and reader.quant_format(key) is not None:  # GGUF blocks, ComfyUI layouts
                 total += reader.stored_bytes(key) * t.shape[0] // reader.shape(key)[0]
             elif kept and reader.dtype(key) in FP8_DTYPES:
                 total += t.numel()

@@ -30,7 +30,11 @@ def _compact_share(path: str, mtime_ns: int, size: int) -> tuple[float, bool, fl
     from .models.stored import FP8_DTYPES
 
     with open_checkpoint(path) as reader:
-        keys = reader.keys()
+        # A ComfyUI quantized layer's scales and description count with its weight (stored_bytes), not as plain or
+        # fp8 tensors (nvfp4 block scales are fp8).
+        aux = {layer + suffix for layer in getattr(reader, "quant_layers", dict)()
+               for suffix in (".comfy_quant", ".weight_scale", ".weight_scale_2", ".input_scale", ".pre_quant_scale")}
+        keys = [k for k in reader.keys() if k not in aux]
         numel = {k: math.prod(reader.shape(k)) for k in keys}
         quantized = [k for k in keys if reader.quant_format(k) is not None]
         fp8 = any(reader.dtype(k) in FP8_DTYPES for k in keys if k not in quantized)

@@ -26,6 +26,7 @@ from parallel_runtime.models.family import read_model  # noqa: E402
 from parallel_runtime.models.loading import open_checkpoint  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 from parallel_runtime.runtime.client import RuntimeClient  # noqa: E402
+from parallel_runtime.spec import ModelSpec  # noqa: E402
 from parallel_runtime.spec import StrategySpec as S  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -227,3 +228,19 @@ def test_comfy_quant_without_comfy_kitchen_is_one_sentence(tmp_path, monkeypatch
         key = next(iter(reader.quant_layers())) + ".weight"
         with pytest.raises(ModelFileError, match="needs the comfy-kitchen package .*pip install packaging comfy-kitchen"):
             reader.read(key)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int8_convrot"], ids=lambda f: f"comfy_quant-{f}")
+def test_comfy_quant_under_weight_dtype_fp8_casts_the_dequantized_weights(tmp_path, fmt):
+    """weight_dtype fp8_e4m3fn on a quantized file: its layers dequantize to float32 at load and are cast to fp8
+    like any full-precision file's (the same numbers as the fp32 twin under that setting), 1 byte per weight."""
+    name = "kontext"
+    quant, twin = comfy_quant_twins(tmp_path, name, fmt)
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        runs = [client.run(dataclasses.replace(job((name, path)), model=ModelSpec(path, weight_dtype="fp8_e4m3fn")))
+                for path in (quant, twin)]
+    finally:
+        client.shutdown()
+    assert rel_err(runs[0].latent, runs[1].latent) <= QUANT_RTOL
+    assert runs[0].stats[0]["param_bytes"] == runs[1].stats[0]["param_bytes"]

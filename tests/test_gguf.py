@@ -143,7 +143,7 @@ def analytic_bytes(path: str, stage: int = 0, stages: int = 1) -> int:
             if not owned(n):
                 continue
             src = smap[n]
-            if n in linears and reader.quant_format(src.key) not in (None, "BF16"):
+            if n in linears and reader.quant_format(src.key) is not None:
                 rows = t.shape[0]
                 total += reader.stored_bytes(src.key) * rows // reader.shape(src.key)[0]
             else:

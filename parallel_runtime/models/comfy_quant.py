@@ -89,7 +89,7 @@ class ComfyQuantWeight:
     block_scale: torch.Tensor | None
     options: dict
     shape: tuple[int, int]
-    pre_scale: torch.Tensor | None = None  # AWQ-style per-input-channel factor on the input (`pre_quant_scale`)
+    pre_scale: torch.Tensor | None = None  # AWQ-style per-input-channel factor (`pre_quant_scale`), folded in
 
     def linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
         return ComfyQuantLinear(self, bias)
@@ -159,12 +159,13 @@ class ComfyQuantLinear(torch.nn.Module):
         return quantized_tensor(self.weight_data, layout, params)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.quantized(dtype).dequantize()
+        weight = self.quantized(dtype).dequantize()
+        if self.pre_quant_scale is not None:  # quantized against inputs scaled per channel: the weight it means
+            weight = weight * self.pre_quant_scale.to(dtype)
+        return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.patch(self, x.dtype) if self.patch is not None else self.dequantized(x.dtype)
-        if self.pre_quant_scale is not None:  # the weight was quantized against inputs scaled per channel
-            x = x * self.pre_quant_scale.to(x.dtype)
         return F.linear(x, weight, self.bias.to(x.dtype) if self.bias is not None else None)
 
     def extra_repr(self) -> str:

@@ -74,6 +74,8 @@ class GGUFCheckpoint:
         return key in self._tensors
 
     def metadata(self) -> dict[str, str]:
+        if self._file is None:
+            raise ValueError(f"GGUFCheckpoint for {self.path} is closed")
         return {"format": "gguf", **({"architecture": self.architecture} if self.architecture else {})}
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -105,13 +107,14 @@ class GGUFCheckpoint:
         else:
             raw, part = self.read_quantized(key, rows), self._rows_shape(shape, rows)
             value = dequantize_blocks(raw, fmt, part)
-        return value.to(device=device, dtype=dtype or value.dtype).contiguous().clone()
+        return _own(value, value.to(device=device, dtype=dtype or value.dtype).contiguous())
 
     def read_quantized(self, key: str, rows: slice | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
         """The raw blocks of a quantized tensor's `rows` as uint8 [rows, bytes per row]."""
         shape = self._shapes[key]
         raw = self._raw(key, rows)
-        return raw.reshape(-1, raw.shape[-1] if len(shape) > 1 else raw.numel()).to(device).clone()
+        raw = raw.reshape(-1, raw.shape[-1] if len(shape) > 1 else raw.numel())
+        return _own(raw, raw.to(device))
 
     def read_kept(self, key: str, rows: slice | None, transform: str | None, device):
         """The raw blocks of a quantized weight's `rows` as a rank keeps them (stored.GGUFWeight)."""
@@ -123,7 +126,7 @@ class GGUFCheckpoint:
 
     # -- lifetime ------------------------------------------------------------------
     def close(self) -> None:
-        self._file = None  # drops the memory map
+        self._file, self._tensors = None, {}  # drops the memory map (the tensors' data are views of it)
 
     def __enter__(self) -> "GGUFCheckpoint":
         return self
@@ -195,6 +198,11 @@ class GGUFCheckpoint:
     def _numpy_can_dequantize(fmt: str) -> bool:
         gguf = _gguf()
         return getattr(gguf.GGMLQuantizationType, fmt, None) in getattr(gguf.quants, "_type_traits", {})
+
+
+def _own(source: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    """`moved` as a tensor of its own: a copy only where `.to` returned a view of the memory-mapped file."""
+    return moved.clone() if moved.data_ptr() == source.data_ptr() else moved
 
 
 def dequantize_blocks(raw: torch.Tensor, fmt: str, shape: tuple[int, ...],

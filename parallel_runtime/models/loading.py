@@ -121,8 +121,7 @@ class CheckpointReader:
         if self._quant_layers is None:
             from . import comfy_quant
 
-            self._quant_layers = {}  # layer_formats reads through this reader
-            self._quant_layers = comfy_quant.layer_formats(self)
+            self._quant_layers = comfy_quant.layer_formats(self)  # kept only when it succeeds
         return self._quant_layers
 
     def quant_format(self, key: str) -> str | None:
@@ -162,8 +161,7 @@ class CheckpointReader:
         """Load ``key`` (only ``rows`` of its first dimension when given), cast and move it. A ComfyUI-quantized
         weight comes back dequantized (float32 unless `dtype` says otherwise)."""
         if self.quant_format(key) is not None:
-            kept = self.read_kept(key, rows, None, device)
-            return kept.linear(None).dequantized(dtype or torch.float32)[: kept.shape[0]].clone()
+            return self.read_kept(key, rows, None, device).linear(None).dequantized(dtype or torch.float32)
         return self.read_raw(key, rows, dtype, device)
 
     def read_raw(self, key: str, rows: slice | None = None, dtype: torch.dtype | None = None,

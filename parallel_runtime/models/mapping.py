@@ -38,8 +38,10 @@ def apply_transform(tensor: torch.Tensor, transform: str | None) -> torch.Tensor
 
 
 def read_source(reader, src: Source, dtype: torch.dtype | None, device) -> torch.Tensor:
-    """One parameter's value from the file in `dtype` (None: as stored)."""
-    return apply_transform(reader.read(src.key, rows=src.rows, dtype=dtype, device=device), src.transform)
+    """One parameter's value from the file in `dtype` (None: as read: a quantized weight dequantized to float32,
+    then cast, since the dequantizers compute in float dtypes only)."""
+    tensor = reader.read(src.key, rows=src.rows, device=device)
+    return apply_transform(tensor.to(dtype) if dtype is not None else tensor, src.transform)
 
 
 def read_stored(reader, src: Source, storage: Storage, device, linear: str | None):
@@ -52,7 +54,8 @@ def read_stored(reader, src: Source, storage: Storage, device, linear: str | Non
         return reader.read_kept(src.key, src.rows, src.transform, device)
     key = scale_key(src.key) if src.key.endswith(".weight") else None
     scale = reader.read(key, dtype=torch.float32, device=device) if key is not None and key in reader else None
-    kept = storage.linear_dtype(reader.dtype(src.key)) if linear == "weight" and quant_format is None else None
+    # A quantized weight not kept in its layout (weight_dtype fp8 casts it) reads as float32, like any other file's.
+    kept = storage.linear_dtype(reader.dtype(src.key)) if linear == "weight" else None
     if kept is not None:
         return Fp8Weight(read_source(reader, src, kept, device), scale)
     tensor = read_source(reader, src, storage.rounding(linear == "bias"), device).to(storage.compute)

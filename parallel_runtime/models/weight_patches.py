@@ -18,6 +18,7 @@ ComfyUI upcasts a plain fp8 file at load and patches the upcast weight, for weig
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from typing import Iterable
@@ -216,32 +217,54 @@ class FileParameters:
         return value.float(), self.storage.rounding(linear == "bias"), None
 
 
+def whole_patched(parts: list[torch.Tensor], sources: list[Source], patches: list[WeightPatch]) -> torch.Tensor:
+    """The file tensor the parts were cut from (each part back through its transform, in row order) with the
+    patches added (calculate_weight's arithmetic, in the parts' dtype)."""
+    parts = [apply_transform(part, source.transform) for part, source in zip(parts, sources)]
+    return patched_weight(torch.cat(parts) if len(parts) > 1 else parts[0], patches)
+
+
+def rows_of(weight: torch.Tensor, source: Source) -> torch.Tensor:
+    """One part's rows of a whole tensor, in the part's own layout (its transform applied)."""
+    return apply_transform(weight[source.rows] if source.rows is not None else weight, source.transform)
+
+
 class PatchedPerCall:
-    """A LoRA on compact weights (GGUF blocks, fp8), added when the layers run: each weight dequantized to the
-    compute dtype, patched in float32 (calculate_weight) and cast back, as ComfyUI-GGUF's layers do and as
-    ComfyUI's patch of an upcast model computes. The layers cut from one file tensor (Flux's fused qkv: to_q,
-    to_k, to_v) share one: the first to run builds the whole patched tensor, the others take their rows of it,
-    and it is dropped once each has."""
+    """A LoRA on compact weights (GGUF blocks, ComfyUI layouts, fp8), added when the layers run: each weight
+    dequantized to the compute dtype and patched as its reference patches it: GGUF and ComfyUI layouts in the
+    compute dtype (ComfyUI-GGUF's calculate_weight on the dequantized weight), fp8 in float32 (ComfyUI's patch of an
+    upcast model), then cast back. The layers cut from one file tensor (Flux's fused qkv: to_q, to_k, to_v) share
+    one: the first to run builds the whole patched tensor, the others take their rows of it, and it is dropped
+    once each has (or at the job's end: `drop`)."""
 
     def __init__(self, layers: list[tuple[GGUFLinear | Fp8Linear, Source]], patches: list[WeightPatch]):
-        self.layers, self.patches = layers, patches
+        first = layers[0][0]
+        device = next(t for t in [*first.parameters(), *first.buffers()] if t is not None).device
+        # The LoRA factors live beside the layer, in float32, once: not copied from the CPU at every call.
+        self.patches = [dataclasses.replace(p, tensors={k: v.to(device, torch.float32) for k, v in p.tensors.items()})
+                        for p in patches]
+        self.layers = layers
+        self.fp32 = isinstance(layers[0][0], Fp8Linear)
+        self.drop()
+
+    def drop(self) -> None:
         self._full, self._dtype, self._taken = None, None, set()
 
     def install(self) -> None:
         for layer, _ in self.layers:
             layer.patch = self
 
-    def __call__(self, layer: GGUFLinear | Fp8Linear, dtype: torch.dtype) -> torch.Tensor:
+    def __call__(self, layer, dtype: torch.dtype) -> torch.Tensor:
         if self._full is None or id(layer) in self._taken or dtype != self._dtype:
-            parts = [apply_transform(part.dequantized(dtype).float(), source.transform) for part, source in self.layers]
-            self._full = patched_weight(torch.cat(parts) if len(parts) > 1 else parts[0], self.patches)
+            math = torch.float32 if self.fp32 else dtype
+            parts = [part.dequantized(dtype).to(math) for part, _ in self.layers]
+            self._full = whole_patched(parts, [source for _, source in self.layers], self.patches)
             self._dtype, self._taken = dtype, set()
         source = next(source for part, source in self.layers if part is layer)
-        rows = self._full[source.rows] if source.rows is not None else self._full
-        weight = apply_transform(rows, source.transform).to(dtype)
+        weight = rows_of(self._full, source).to(dtype)
         self._taken.add(id(layer))
         if len(self._taken) == len(self.layers):
-            self._full = None
+            self.drop()
         return weight
 
 
@@ -261,6 +284,7 @@ class RankWeightPatcher:
         self.linear_parts = {n: n.rpartition(".")[2] for n in linear_names(model)}
         self.targets, self.files = targets, files
         self.patched: set[str] = set()  # parameters that differ from the file
+        self.transients: list[PatchedPerCall] = []  # the per-call LoRAs in place
         self.applied: str | None = None  # the id of the patches in place
 
     def apply(self, patches: WeightPatches | None) -> int:
@@ -273,6 +297,7 @@ class RankWeightPatcher:
         self.applied = None  # half-applied until the end: a failure here makes the next job start over
         wanted = {name for key in mine for name, _ in self.targets[key]}
         with self.files:
+            self.transients = []
             for name in sorted(self.patched - wanted):
                 if name in self.per_call:
                     self.per_call[name].patch = None
@@ -294,22 +319,28 @@ class RankWeightPatcher:
     def _patch(self, key: str, patches: list[WeightPatch]) -> None:
         sources = sorted(self.targets[key], key=lambda ns: ns[1].rows.start if ns[1].rows is not None else 0)
         if sources[0][0] in self.per_call:  # cut from one compact tensor: all its parts are held alike
-            PatchedPerCall([(self.per_call[name], source) for name, source in sources], patches).install()
+            per_call = PatchedPerCall([(self.per_call[name], source) for name, source in sources], patches)
+            per_call.install()
+            self.transients.append(per_call)
             self.patched.update(name for name, _ in sources)
             return
         # The whole tensor in float32 as ComfyUI's model holds it (the file's value in the rank's dtype, upcast):
         # the transforms undo themselves.
         values = [self.files.comfy_value(name, self.linear_parts.get(name)) for name, _ in sources]
-        parts = [apply_transform(v, source.transform) for (v, _, _), (_, source) in zip(values, sources)]
-        weight = patched_weight(torch.cat(parts) if len(parts) > 1 else parts[0], patches)
+        weight = whole_patched([v for v, _, _ in values], [source for _, source in sources], patches)
         _, fp8, scale = values[0]
         if fp8 is not None:  # back into fp8 as ComfyUI bakes it (a scaled weight divided by its scale first)
             weight = stochastic_round(weight / scale if scale is not None else weight, fp8,
                                       seed=string_to_seed(COMFY_PREFIX + key))
         for name, source in sources:
-            rows = weight[source.rows] if source.rows is not None else weight
-            self.params[name].copy_(apply_transform(rows, source.transform))  # copy_ casts as ComfyUI's .to
+            self.params[name].copy_(rows_of(weight, source))  # copy_ casts as ComfyUI's .to
             self.patched.add(name)
+
+    def drop_transients(self) -> None:
+        """Free any whole patched tensor a per-call LoRA still caches (a job stopped between a fused tensor's
+        parts); the next call rebuilds it."""
+        for per_call in self.transients:
+            per_call.drop()
 
 
 def validate_weight_patches(patches: WeightPatches, targets: dict, what: str) -> None:

@@ -100,6 +100,8 @@ class WorkerState:
         (until a job of another kind, a failure or a release)."""
         from ..strategies.attention import LocalAttention
 
+        if self.patcher is not None:
+            self.patcher.drop_transients()
         if self.context is not None:
             self.context.attention = self.context.image_attention = LocalAttention()
             if not keep_stale_kv:
@@ -144,7 +146,9 @@ def resolve_storage(name: str, device: torch.device):
     from .devices import named_dtype
 
     fp8 = name.startswith("fp8")
-    fp8_compute = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)  # as ComfyUI's test
+    # As ComfyUI's supports_fp8_compute: NVIDIA (not ROCm) with compute capability 8.9 or newer.
+    fp8_compute = (device.type == "cuda" and torch.version.hip is None
+                   and torch.cuda.get_device_capability(device) >= (8, 9))
     return Storage(resolve_dtype(name, device), keep_quantized=name == "default" or fp8,
                    cast_fp8=named_dtype(name) if fp8 else None, fp8_compute=fp8_compute)
 
