@@ -96,14 +96,17 @@ def _crafted_q4_k(t: torch.Tensor, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(t.shape[0], -1)
 
 
-def analytic_rank_bytes(path: str, weight_dtype: str, stage: int, stages: int) -> int:
-    """Bytes a CPU rank of PipeFusion-`stages` holds: kept linear weights as stored (fp8: 1 byte, GGUF: their
-    blocks), every other tensor in the compute dtype (fp32 on CPU, bf16 under weight_dtype bf16)."""
+def analytic_rank_bytes(path: str, weight_dtype: str, stage: int = 0, stages: int = 1) -> int:
+    """Bytes a CPU rank of PipeFusion-`stages` holds, from the file's header and the family's meta model: linear
+    weights kept compact as stored (GGUF blocks and ComfyUI layouts with their scales, for the rank's rows; fp8
+    at 1 byte plus a scaled file's 4-byte scale), cast to fp8 under an fp8 weight_dtype, every other tensor in the
+    compute dtype (fp32 on CPU, bf16 under weight_dtype bf16)."""
     from .models.family import read_model
     from .models.loading import open_checkpoint
-    from .models.stored import FP8_DTYPES
+    from .models.stored import FP8_DTYPES, scale_key
 
     compute = 2 if weight_dtype == "bf16" else 4
+    cast_fp8, keep = weight_dtype.startswith("fp8"), weight_dtype == "default"
     with open_checkpoint(path) as reader:
         family, match, config = read_model(reader)
         model = family.meta_model(config)
@@ -115,11 +118,13 @@ def analytic_rank_bytes(path: str, weight_dtype: str, stage: int, stages: int) -
         for name, t in model.state_dict().items():
             if not owned(name):
                 continue
-            key, kept = smap[name].key, name in linears and weight_dtype == "default"
-            if kept and reader.quant_format(key) is not None:  # GGUF blocks, ComfyUI layouts
-                total += reader.stored_bytes(key) * t.shape[0] // reader.shape(key)[0]
-            elif kept and reader.dtype(key) in FP8_DTYPES:
+            key = smap[name].key
+            if name in linears and cast_fp8:
                 total += t.numel()
+            elif name in linears and keep and reader.quant_format(key) is not None:
+                total += reader.stored_bytes(key) * t.shape[0] // reader.shape(key)[0]
+            elif name in linears and keep and reader.dtype(key) in FP8_DTYPES:
+                total += t.numel() + (4 if scale_key(key) in reader else 0)
             else:
                 total += compute * t.numel()
     return total

@@ -18,11 +18,11 @@ from safetensors.torch import load_file, save_file
 ck_tensor = pytest.importorskip("comfy_kitchen.tensor")
 
 from conftest import rel_err  # noqa: E402
-from test_families import FAMILIES, job  # noqa: E402
+from test_families import FAMILIES, assert_two_workers_equal_one, job  # noqa: E402
 from test_gguf import merged_twin  # noqa: E402
-from test_weight_patches import lora_stack, stacked  # noqa: E402
+from test_weight_patches import assert_lora_on_file, lora_stack, stacked  # noqa: E402
 from parallel_runtime.errors import ModelFileError  # noqa: E402
-from parallel_runtime.models.family import read_model  # noqa: E402
+from parallel_runtime.bench_storage import analytic_rank_bytes  # noqa: E402
 from parallel_runtime.models.loading import open_checkpoint  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 from parallel_runtime.runtime.client import RuntimeClient  # noqa: E402
@@ -81,22 +81,7 @@ def comfy_quant_twins(folder, name: str, fmt: str, header: bool = False) -> tupl
 def analytic_bytes(path: str, stage: int = 0, stages: int = 1) -> int:
     """Bytes a rank of PipeFusion-`stages` holds: each quantized weight's data and scales for its rows (as
     stored), everything else in fp32 (CPU compute)."""
-    with open_checkpoint(path) as reader:
-        family, match, config = read_model(reader)
-        model = family.meta_model(config)
-        smap = family.source_map(config, match.layout, match.prefix)
-        owned = family.stage_ownership(config, family.pipeline_stages(config, stages)[stage], first=stage == 0,
-                                       last=stage == stages - 1)
-        total = 0
-        for n, t in model.state_dict().items():
-            if not owned(n):
-                continue
-            key = smap[n].key
-            if reader.quant_format(key) is not None:
-                total += reader.stored_bytes(key) * t.shape[0] // reader.shape(key)[0]
-            else:
-                total += 4 * t.numel()
-    return total
+    return analytic_rank_bytes(path, "default", stage, stages)
 
 
 # Tiny PixArt (144 wide) has no layer of whole 32-row mxfp8 blocks; the released one (1152) has.
@@ -125,17 +110,8 @@ def test_comfy_quant_file_equals_its_fp32_twin_and_stays_quantized(tmp_path, nam
 def test_comfy_quant_ulysses_and_pipefusion_at_two_workers_equal_one(tmp_path, client2, fmt):
     name = "kontext"
     quant, _ = comfy_quant_twins(tmp_path, name, fmt)
-    one = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        serial = one.run(job((name, quant))).latent
-    finally:
-        one.shutdown()
     for strategy in (S(ulysses_degree=2), S(pipefusion_degree=2, warmup_steps=6)):
-        result = client2.run(job((name, quant), strategy))
-        assert rel_err(result.latent, serial) <= EXACT_RTOL, strategy.label()
-        if strategy.pipefusion_degree > 1:  # each stage holds its blocks' quantized rows
-            for rank, st in enumerate(result.stats):
-                assert abs(st["param_bytes"] / analytic_bytes(quant, rank, 2) - 1) <= 0.05
+        assert_two_workers_equal_one(client2, name, quant, strategy, analytic_bytes)
 
 
 def test_comfy_quant_header_spelling_equals_per_layer_spelling_nvfp4(tmp_path):
@@ -178,56 +154,7 @@ def test_comfy_quant_lora_is_added_per_call_and_equals_the_merged_twin(tmp_path,
     quant, twin = comfy_quant_twins(tmp_path, name, fmt)
     patches, deltas = stacked(lora_stack(name, 1, 0.8, "a"), lora_stack(name, 2, -0.5, "b"))
     merged = merged_twin(twin, str(tmp_path / "merged.safetensors"), deltas)
-    one = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        plain = one.run(job((name, quant)))
-        reference = one.run(job((name, merged))).latent
-        got = one.run(dataclasses.replace(job((name, quant)), weight_patches=patches))
-    finally:
-        one.shutdown()
-    assert rel_err(reference, plain.latent) > 1e-2  # the LoRAs really change the image
-    assert rel_err(got.latent, reference) <= QUANT_RTOL
-    assert got.stats[0]["param_bytes"] == plain.stats[0]["param_bytes"]
-    for strategy in (S(ulysses_degree=2), S(pipefusion_degree=2, warmup_steps=6)):
-        result = client2.run(dataclasses.replace(job((name, quant), strategy), weight_patches=patches))
-        assert rel_err(result.latent, reference) <= EXACT_RTOL, strategy.label()
-    assert rel_err(client2.run(job((name, quant), S(ulysses_degree=2))).latent, plain.latent) <= EXACT_RTOL
-
-
-def test_comfy_quant_pre_quant_scale_multiplies_the_input_nvfp4(tmp_path):
-    """An AWQ-style layer (`pre_quant_scale` per input channel): the weight was quantized as W / s, the input is
-    multiplied by s, so the layer means dequant(W / s) * s; the fp32 twin holds that product."""
-    name = "kontext"
-    quant, twin = comfy_quant_twins(tmp_path, name, "nvfp4")
-    sd, meant = load_file(quant), load_file(twin)
-    key = next(k[: -len("comfy_quant")] + "weight" for k in sd if k.endswith(".comfy_quant"))
-    w = load_file(str(tmp_path / f"{name}-base.safetensors"))[key]
-    s = torch.linspace(0.5, 2.0, w.shape[1])
-    qt = ck_tensor.QuantizedTensor.from_float(w / s, "TensorCoreNVFP4Layout")
-    sd.update(qt.state_dict(key))
-    sd[key[: -len("weight")] + "pre_quant_scale"] = s.to(torch.bfloat16)
-    meant[key] = qt.dequantize().float() * s.to(torch.bfloat16).float()
-    save_file(sd, str(tmp_path / "awq-style.safetensors"))
-    save_file(meant, str(tmp_path / "awq-style-fp32.safetensors"))
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        got = client.run(job((name, str(tmp_path / "awq-style.safetensors")))).latent
-        ref = client.run(job((name, str(tmp_path / "awq-style-fp32.safetensors")))).latent
-    finally:
-        client.shutdown()
-    assert rel_err(got, ref) <= QUANT_RTOL
-
-
-def test_comfy_quant_without_comfy_kitchen_is_one_sentence(tmp_path, monkeypatch):
-    import sys
-
-    quant, _ = comfy_quant_twins(tmp_path, "kontext", "nvfp4")
-    monkeypatch.setitem(sys.modules, "comfy_kitchen", None)  # as if no wheel installed for this platform
-    monkeypatch.setitem(sys.modules, "comfy_kitchen.tensor", None)
-    with open_checkpoint(quant) as reader:
-        key = next(iter(reader.quant_layers())) + ".weight"
-        with pytest.raises(ModelFileError, match="needs the comfy-kitchen package .*pip install packaging comfy-kitchen"):
-            reader.read(key)
+    assert_lora_on_file(client2, name, quant, merged, patches, QUANT_RTOL)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "int8_convrot"], ids=lambda f: f"comfy_quant-{f}")

@@ -100,6 +100,21 @@ def job(family, strategy=None, steps: int = 6, cfg: float = 2.0, **sampling) -> 
                positive, negative)
 
 
+def assert_two_workers_equal_one(client2, name: str, path: str, strategy, stage_bytes) -> None:
+    """`path` under `strategy` on 2 workers equals 1 worker within EXACT_RTOL; under PipeFusion each stage holds
+    its blocks: within 5% of `stage_bytes(path, stage, stages)`."""
+    one = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        serial = one.run(job((name, path))).latent
+    finally:
+        one.shutdown()
+    result = client2.run(job((name, path), strategy))
+    assert rel_err(result.latent, serial) <= EXACT_RTOL
+    if strategy.pipefusion_degree > 1:
+        for rank, st in enumerate(result.stats):
+            assert abs(st["param_bytes"] / stage_bytes(path, rank, 2) - 1) <= 0.05
+
+
 @pytest.fixture(scope="module")
 def serial(family):
     client = RuntimeClient("cpu:1", threads_per_worker=1)

@@ -14,11 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import rel_err
-from test_families import FAMILIES, job
-from test_weight_patches import lora_stack, merged_file, stacked
+from test_families import FAMILIES, assert_two_workers_equal_one, job
+from test_weight_patches import assert_lora_on_file, lora_stack, merged_file, stacked
 from parallel_runtime.errors import ModelFileError
-from parallel_runtime.models.family import read_model
-from parallel_runtime.models.loading import CheckpointReader
+from parallel_runtime.bench_storage import analytic_rank_bytes
 from parallel_runtime.models.stored import FP8_DTYPES
 from parallel_runtime.models.weight_patches import stochastic_round, string_to_seed
 from parallel_runtime.models.tiny import write_checkpoint
@@ -69,19 +68,10 @@ def fp8_twins(folder, name: str, fp8: torch.dtype, scaled: bool) -> tuple[str, s
     return str(folder / f"{tag}.safetensors"), str(folder / f"{tag}-fp32.safetensors")
 
 
-def analytic_bytes(path: str, fp8_linears: bool, stage: int = 0, stages: int = 1) -> int:
+def analytic_bytes(path: str, weight_dtype: str = "default", stage: int = 0, stages: int = 1) -> int:
     """Bytes a rank of PipeFusion-`stages` holds: its parameters, linear weights at 1 byte if kept in fp8 (and
     a 4-byte scale beside each in a scaled-fp8 file), the rest at 4 (fp32 compute on CPU)."""
-    with CheckpointReader(path) as reader:
-        scales = 4 if any(k.endswith(".scale_weight") for k in reader.keys()) else 0
-    with CheckpointReader(path) as reader:
-        family, match, config = read_model(reader)
-    model = family.meta_model(config)
-    owned = family.stage_ownership(config, family.pipeline_stages(config, stages)[stage], first=stage == 0,
-                                   last=stage == stages - 1)
-    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    return sum(t.numel() + scales if fp8_linears and n in linears else 4 * t.numel()
-               for n, t in model.state_dict().items() if owned(n))
+    return analytic_rank_bytes(path, weight_dtype, stage, stages)
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -101,7 +91,7 @@ def test_fp8_file_equals_its_fp32_twin_and_stays_fp8(family_files, fp8, scaled):
         client.shutdown()
     assert rel_err(got.latent, ref.latent) <= FP8_RTOL
     held = got.stats[0]["param_bytes"]
-    assert held == analytic_bytes(quant, True)  # every linear weight 1 byte, exactly
+    assert held == analytic_bytes(quant)  # every linear weight 1 byte, exactly
     assert held < 0.4 * ref.stats[0]["param_bytes"]
 
 
@@ -110,16 +100,7 @@ def test_fp8_file_equals_its_fp32_twin_and_stays_fp8(family_files, fp8, scaled):
 def test_fp8_exact_strategies_at_two_workers_equal_one(family_files, client2, strategy):
     name, folder = family_files
     quant, _ = fp8_twins(folder, name, FP8_DTYPES[0], True)
-    one = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        serial = one.run(job((name, quant))).latent
-    finally:
-        one.shutdown()
-    result = client2.run(job((name, quant), strategy))
-    assert rel_err(result.latent, serial) <= EXACT_RTOL
-    if strategy.pipefusion_degree > 1:  # each stage holds its blocks, in fp8
-        for rank, st in enumerate(result.stats):
-            assert abs(st["param_bytes"] / analytic_bytes(quant, True, rank, 2) - 1) <= 0.05
+    assert_two_workers_equal_one(client2, name, quant, strategy, lambda p, r, n: analytic_bytes(p, "default", r, n))
 
 
 def test_fp8_weight_dtype_casts_a_full_precision_file_at_load(tmp_path):
@@ -139,7 +120,7 @@ def test_fp8_weight_dtype_casts_a_full_precision_file_at_load(tmp_path):
         client.shutdown()
     assert rel_err(cast.latent, ref.latent) <= FP8_RTOL
     assert rel_err(cast.latent, plain.latent) > 1e-3  # the cast really happened
-    assert cast.stats[0]["param_bytes"] == analytic_bytes(base_path, True)
+    assert cast.stats[0]["param_bytes"] == analytic_bytes(base_path, "fp8_e4m3fn")
 
 
 def test_fp8_stochastic_round_lands_on_a_neighbour_unbiased_and_seeded():
@@ -200,21 +181,7 @@ def test_fp8_lora_lands_as_comfyui_lands_it(tmp_path, client2, scaled):
     patches, deltas = stacked(lora_stack(name, 1, 0.8, "a"), lora_stack(name, 2, -0.5, "b"))
     expected = (baked_fp8_file(quant, str(tmp_path / "baked.safetensors"), deltas) if scaled else
                 merged_file(twin, str(tmp_path / "merged.safetensors"), deltas))
-    one = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        plain = one.run(job((name, quant)))
-        reference = one.run(job((name, expected))).latent
-        got = one.run(dataclasses.replace(job((name, quant)), weight_patches=patches))
-    finally:
-        one.shutdown()
-    assert rel_err(reference, plain.latent) > 1e-2  # the LoRAs really change the image
-    assert rel_err(got.latent, reference) <= FP8_RTOL
-    assert got.stats[0]["param_bytes"] == plain.stats[0]["param_bytes"]  # still fp8
-    for strategy in (S(ulysses_degree=2), S(pipefusion_degree=2, warmup_steps=6)):
-        result = client2.run(dataclasses.replace(job((name, quant), strategy), weight_patches=patches))
-        assert rel_err(result.latent, reference) <= EXACT_RTOL, strategy.label()
-    unpatched = client2.run(job((name, quant), S(ulysses_degree=2)))  # taking it off restores the file's fp8
-    assert rel_err(unpatched.latent, plain.latent) <= EXACT_RTOL
+    assert_lora_on_file(client2, name, quant, expected, patches, FP8_RTOL)
 
 
 def test_a_truncated_fp8_file_fails_in_one_sentence_and_the_next_job_runs(tmp_path):

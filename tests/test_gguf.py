@@ -63,10 +63,11 @@ import dataclasses  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
-from test_families import FAMILIES, job  # noqa: E402
+from test_families import FAMILIES, assert_two_workers_equal_one, job  # noqa: E402
 from parallel_runtime.errors import ModelFileError  # noqa: E402
 from parallel_runtime.models.family import read_model  # noqa: E402
 from parallel_runtime.models.gguf_file import dequantize_blocks  # noqa: E402
+from parallel_runtime.bench_storage import analytic_rank_bytes  # noqa: E402
 from parallel_runtime.models.loading import open_checkpoint  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 from parallel_runtime.runtime.client import RuntimeClient  # noqa: E402
@@ -129,26 +130,9 @@ def gguf_twins(folder, name: str) -> tuple[str, str]:
 
 
 def analytic_bytes(path: str, stage: int = 0, stages: int = 1) -> int:
-    """Bytes a rank of PipeFusion-`stages` holds: each linear weight's blocks as stored (BF16 ones upcast to
-    fp32: only block formats stay compact), everything else at 4 bytes (fp32 compute on CPU)."""
-    with open_checkpoint(path) as reader:
-        family, match, config = read_model(reader)
-        model = family.meta_model(config)
-        smap = family.source_map(config, match.layout, match.prefix)
-        owned = family.stage_ownership(config, family.pipeline_stages(config, stages)[stage], first=stage == 0,
-                                       last=stage == stages - 1)
-        linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        total = 0
-        for n, t in model.state_dict().items():
-            if not owned(n):
-                continue
-            src = smap[n]
-            if n in linears and reader.quant_format(src.key) is not None:
-                rows = t.shape[0]
-                total += reader.stored_bytes(src.key) * rows // reader.shape(src.key)[0]
-            else:
-                total += 4 * t.numel()
-    return total
+    """Bytes a rank of PipeFusion-`stages` holds: each linear weight's blocks as stored (BF16/F16 ones upcast:
+    only block formats stay compact), everything else at 4 bytes (fp32 compute on CPU)."""
+    return analytic_rank_bytes(path, "default", stage, stages)
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -180,16 +164,7 @@ def test_gguf_file_equals_its_fp32_twin_and_stays_quantized(gguf_files):
                                       S(pipefusion_degree=2, warmup_steps=6)], ids=lambda s: s.label())
 def test_gguf_exact_strategies_at_two_workers_equal_one(gguf_files, client2, strategy):
     name, quant, _ = gguf_files
-    one = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        serial = one.run(job((name, quant))).latent
-    finally:
-        one.shutdown()
-    result = client2.run(job((name, quant), strategy))
-    assert rel_err(result.latent, serial) <= EXACT_RTOL
-    if strategy.pipefusion_degree > 1:  # each stage holds its blocks' quantized rows
-        for rank, st in enumerate(result.stats):
-            assert abs(st["param_bytes"] / analytic_bytes(quant, rank, 2) - 1) <= 0.05
+    assert_two_workers_equal_one(client2, name, quant, strategy, analytic_bytes)
 
 
 def write_gguf(path, arch: str | None, tensors: dict) -> str:

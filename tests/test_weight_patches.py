@@ -151,6 +151,26 @@ def patched(request, tmp_path_factory):
     return name, base, patches, reference
 
 
+def assert_lora_on_file(client2, name: str, path: str, reference_path: str, patches, rtol: float) -> None:
+    """A LoRA stack on the file at `path` equals the plain run of `reference_path` (the LoRA's effect written into
+    a file) within `rtol` at one worker, with the same bytes per rank as without it, and within EXACT_RTOL under
+    Ulysses-2 and PipeFusion-2 (each stage patches its blocks); taking it off restores the file's result."""
+    one = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        plain = one.run(job((name, path)))
+        reference = one.run(job((name, reference_path))).latent
+        got = one.run(with_patches(job((name, path)), patches))
+    finally:
+        one.shutdown()
+    assert rel_err(reference, plain.latent) > 1e-2  # the LoRAs really change the image
+    assert rel_err(got.latent, reference) <= rtol
+    assert got.stats[0]["param_bytes"] == plain.stats[0]["param_bytes"]  # no dense copy held
+    for strategy in (S(ulysses_degree=2), S(pipefusion_degree=2, warmup_steps=6)):
+        result = client2.run(with_patches(job((name, path), strategy), patches))
+        assert rel_err(result.latent, reference) <= EXACT_RTOL, strategy.label()
+    assert rel_err(client2.run(job((name, path), S(ulysses_degree=2))).latent, plain.latent) <= EXACT_RTOL
+
+
 def with_patches(family_job, patches):
     return dataclasses.replace(family_job, weight_patches=patches)
 
