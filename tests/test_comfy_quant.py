@@ -157,6 +157,42 @@ def test_comfy_quant_lora_is_added_per_call_and_equals_the_merged_twin(tmp_path,
     assert_lora_on_file(client2, name, quant, merged, patches, QUANT_RTOL)
 
 
+def test_comfy_quant_pre_quant_scale_multiplies_the_input_nvfp4(tmp_path):
+    """An AWQ-style layer (`pre_quant_scale` per input channel): the weight was quantized as W / s, the input is
+    multiplied by s, so the layer means dequant(W / s) * s; the fp32 twin holds that product."""
+    name = "kontext"
+    quant, twin = comfy_quant_twins(tmp_path, name, "nvfp4")
+    sd, meant = load_file(quant), load_file(twin)
+    key = next(k[: -len("comfy_quant")] + "weight" for k in sd if k.endswith(".comfy_quant"))
+    w = load_file(str(tmp_path / f"{name}-base.safetensors"))[key]
+    s = torch.linspace(0.5, 2.0, w.shape[1])
+    qt = ck_tensor.QuantizedTensor.from_float(w / s, "TensorCoreNVFP4Layout")
+    sd.update(qt.state_dict(key))
+    sd[key[: -len("weight")] + "pre_quant_scale"] = s.to(torch.bfloat16)
+    meant[key] = qt.dequantize().float() * s.to(torch.bfloat16).float()
+    save_file(sd, str(tmp_path / "awq-style.safetensors"))
+    save_file(meant, str(tmp_path / "awq-style-fp32.safetensors"))
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        got = client.run(job((name, str(tmp_path / "awq-style.safetensors")))).latent
+        ref = client.run(job((name, str(tmp_path / "awq-style-fp32.safetensors")))).latent
+    finally:
+        client.shutdown()
+    assert rel_err(got, ref) <= QUANT_RTOL
+
+
+def test_comfy_quant_without_comfy_kitchen_is_one_sentence(tmp_path, monkeypatch):
+    import sys
+
+    quant, _ = comfy_quant_twins(tmp_path, "kontext", "nvfp4")
+    monkeypatch.setitem(sys.modules, "comfy_kitchen", None)  # as if no wheel installed for this platform
+    monkeypatch.setitem(sys.modules, "comfy_kitchen.tensor", None)
+    with open_checkpoint(quant) as reader:
+        key = next(iter(reader.quant_layers())) + ".weight"
+        with pytest.raises(ModelFileError, match="needs the comfy-kitchen package .*pip install packaging comfy-kitchen"):
+            reader.read(key)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "int8_convrot"], ids=lambda f: f"comfy_quant-{f}")
 def test_comfy_quant_under_weight_dtype_fp8_casts_the_dequantized_weights(tmp_path, fmt):
     """weight_dtype fp8_e4m3fn on a quantized file: its layers dequantize to float32 at load and are cast to fp8
