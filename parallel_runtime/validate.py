@@ -26,14 +26,14 @@ def _model_config(path: str, mtime_ns: int, size: int):
 def _compact_share(path: str, mtime_ns: int, size: int) -> tuple[float, bool, float]:
     """(bytes of the file's block-quantized tensors per parameter of the file, whether it stores tensors in fp8,
     the share of its parameters stored as plain floats)."""
+    from .models.comfy_quant import auxiliary_keys
     from .models.loading import open_checkpoint
     from .models.stored import FP8_DTYPES
 
     with open_checkpoint(path) as reader:
         # A ComfyUI quantized layer's scales and description count with its weight (stored_bytes), not as plain or
         # fp8 tensors (nvfp4 block scales are fp8).
-        aux = {layer + suffix for layer in getattr(reader, "quant_layers", dict)()
-               for suffix in (".comfy_quant", ".weight_scale", ".weight_scale_2", ".input_scale", ".pre_quant_scale")}
+        aux = auxiliary_keys(reader.quant_layers())
         keys = [k for k in reader.keys() if k not in aux]
         numel = {k: math.prod(reader.shape(k)) for k in keys}
         quantized = [k for k in keys if reader.quant_format(k) is not None]
@@ -196,7 +196,6 @@ def validate_job(job: Job, world_size: int) -> None:
     validate_branches(job)
     if job.weight_patches is not None:
         from .models.family import family_of
-
         from .models.weight_patches import validate_weight_patches
 
         family = family_of(config)

@@ -23,11 +23,13 @@ import torch.nn.functional as F
 
 from ..errors import ModelFileError
 
-# comfy_quant format -> (comfy-kitchen layout, rows and columns the stored data is padded to)
-LAYOUTS = {"float8_e4m3fn": ("TensorCoreFP8Layout", 1, 1), "float8_e5m2": ("TensorCoreFP8Layout", 1, 1),
-           "int8_tensorwise": ("TensorWiseINT8Layout", 1, 1), "mxfp8": ("TensorCoreMXFP8Layout", 32, 32),
-           "nvfp4": ("TensorCoreNVFP4Layout", 16, 16)}
-BLOCK = {"mxfp8": 32, "nvfp4": 16}  # values per block scale, along the input dimension
+# comfy_quant format -> (comfy-kitchen layout, the multiple of rows its stored data is padded to)
+LAYOUTS = {"float8_e4m3fn": ("TensorCoreFP8Layout", 1), "float8_e5m2": ("TensorCoreFP8Layout", 1),
+           "int8_tensorwise": ("TensorWiseINT8Layout", 1), "mxfp8": ("TensorCoreMXFP8Layout", 32),
+           "nvfp4": ("TensorCoreNVFP4Layout", 16)}
+BLOCK = {"mxfp8": 32, "nvfp4": 16}
+SCALES = (".weight_scale", ".weight_scale_2")  # held with the data (stored_bytes)
+AUXILIARY = (*SCALES, ".comfy_quant", ".input_scale", ".pre_quant_scale")  # a layer's tensors beside `.weight`  # values per block scale, along the input dimension
 HEADER_KEY = "_quantization_metadata"
 
 
@@ -69,6 +71,11 @@ def layer_formats(reader) -> dict[str, dict]:
             raise ModelFileError(f"{name}: layer {layer!r} is stored as {fmt!r}, a ComfyUI quantized format ParaDiT "
                                  f"does not run (it runs {', '.join(LAYOUTS)}); use another release of the model.")
     return layers
+
+
+def auxiliary_keys(layers: dict[str, dict]) -> set[str]:
+    """The tensors quantized `layers` carry beside their `.weight` (scales, descriptions)."""
+    return {layer + suffix for layer in layers for suffix in AUXILIARY}
 
 
 def _params(conf: dict) -> dict:

@@ -86,6 +86,10 @@ class GGUFCheckpoint:
         """The dtype `read` returns by default: the stored one for F32/F16/BF16, float32 for quantized data."""
         return _PLAIN.get(self._format(key), torch.float32)
 
+    def quant_layers(self) -> dict[str, dict]:
+        """ComfyUI's quantized layers (comfy_quant): a safetensors-only layout, none in a GGUF file."""
+        return {}
+
     def quant_format(self, key: str) -> str | None:
         """The block format of a quantized tensor ("Q4_K"), None for one stored as plain floats."""
         fmt = self._format(key)

@@ -142,8 +142,9 @@ class CheckpointReader:
         """Bytes of `key` in the file (a quantized weight with its scales)."""
         names = [key]
         if self.quant_format(key) is not None:
-            layer = key[: -len(".weight")]
-            names += [k for k in (f"{layer}.weight_scale", f"{layer}.weight_scale_2") if k in self]
+            from .comfy_quant import SCALES
+
+            names += [k for k in (key[: -len(".weight")] + s for s in SCALES) if k in self]
         total = 0
         for name in names:
             sl = self._slice(name)

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..errors import ModelFileError
-from .stored import Fp8Weight, GGUFWeight, Storage, install_kept_linears, linear_names, scale_key
+from .stored import Fp8Weight, Storage, install_kept_linears, linear_names, scale_key
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,9 @@ def read_source(reader, src: Source, dtype: torch.dtype | None, device) -> torch
 def read_stored(reader, src: Source, storage: Storage, device, linear: str | None):
     """One parameter as a rank holds it. `linear`: "weight" or "bias" of an nn.Linear, else None. A linear weight
     the storage keeps compact comes back as an `Fp8Weight` (fp8 values, the file's scale beside them), a
-    `GGUFWeight` (its rows' raw blocks) or a `comfy_quant.ComfyQuantWeight` (a ComfyUI quantized layout's rows); anything else as a tensor in the compute dtype (a scaled tensor
-    multiplied by its scale), rounded through fp8 first where ComfyUI stores it in fp8 (see Storage.rounding)."""
+    `GGUFWeight` (its rows' raw blocks) or a `comfy_quant.ComfyQuantWeight` (a ComfyUI quantized layout's rows);
+    anything else as a tensor in the compute dtype (a scaled tensor multiplied by its scale), rounded through fp8
+    first where ComfyUI stores it in fp8 (see Storage.rounding)."""
     quant_format = reader.quant_format(src.key)
     if linear == "weight" and storage.keeps_blocks(quant_format):
         return reader.read_kept(src.key, src.rows, src.transform, device)
@@ -87,8 +88,8 @@ def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, bloc
     """Fill a meta-device `model` with the parameters `owned` selects, read through `smap` from `reader`.
 
     `what` names the model in errors ("Flux.1 DiT"); `dtype`: the compute dtype, or a `stored.Storage` (fp8
-    linear weights kept fp8, GGUF ones in their blocks). Blocks owning nothing become Identity; other parameters not owned stay on
-    meta, so touching them fails loudly instead of computing garbage.
+    linear weights kept fp8, GGUF and ComfyUI-quantized ones in their layouts). Blocks owning nothing become
+    Identity; other parameters not owned stay on meta, so touching them fails loudly instead of computing garbage.
     """
     storage = dtype if isinstance(dtype, Storage) else Storage(dtype)
     storage = storage.for_file(reader)
@@ -110,7 +111,7 @@ def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, bloc
 
     state: dict[str, torch.Tensor] = {}
     linears = linear_names(model)
-    kept_linears: dict[str, Fp8Weight | GGUFWeight] = {}
+    kept_linears: dict = {}  # module name -> the weight its compact layer keeps (stored.install_kept_linears)
     for n in wanted:
         src = smap[n]
         part = n.rpartition(".")[2] if n in linears else None  # "weight" or "bias" of a Linear

@@ -22,9 +22,10 @@ SCALED_FP8_MARKER = "scaled_fp8"  # ComfyUI's key for "this file's fp8 weights c
 
 @dataclass(frozen=True)
 class Storage:
-    """`compute`: the dtype layers run in. `keep_quantized`: linear weights stored in fp8 or GGUF blocks in the
-    file stay so (else they are upcast at load). `cast_fp8`: cast every linear weight to this fp8 dtype at load, as UNETLoader's
-    weight_dtype fp8 options do (the other tensors are rounded through it too, as ComfyUI stores them)."""
+    """`compute`: the dtype layers run in. `keep_quantized`: linear weights stored in fp8, GGUF blocks or a ComfyUI
+    quantized layout stay so (else they are upcast at load). `cast_fp8`: cast every linear weight to this fp8 dtype
+    at load, as UNETLoader's weight_dtype fp8 options do (the other tensors are rounded through it too, as ComfyUI
+    stores them)."""
 
     compute: torch.dtype
     keep_quantized: bool = True
@@ -58,7 +59,8 @@ class Storage:
         return self.cast_fp8 is not None or self.scaled_fp8 is not None or self.fp8_compute
 
     def keeps_blocks(self, quant_format: str | None) -> bool:
-        """Whether a linear weight stored in GGUF blocks stays in them (a forced fp8 type casts it instead)."""
+        """Whether a linear weight stored in GGUF blocks or a ComfyUI layout stays so (a forced fp8 type casts it
+        instead)."""
         return quant_format is not None and self.keep_quantized and self.cast_fp8 is None
 
     def rounding(self, linear_bias: bool) -> torch.dtype | None:

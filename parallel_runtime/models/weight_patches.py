@@ -13,8 +13,9 @@ Quantized weights are patched as ComfyUI patches them. Where ComfyUI holds a mod
 weight_dtype fp8, a GPU with fp8 compute), an fp8 weight is baked back into fp8 with ComfyUI's seeded
 stochastic rounding (`stochastic_round`, seeded by the tensor's name), so the same fp8 numbers result. Where
 ComfyUI upcasts a plain fp8 file at load and patches the upcast weight, for weights kept in GGUF blocks
-(ComfyUI-GGUF patches per layer) and for ComfyUI's quantized layouts (as its dynamic-VRAM path), the rank adds the patches per call to the weight it upcasts anyway
-(`PatchedPerCall`): the same numbers, and the patched weight is never held.
+(ComfyUI-GGUF patches per layer) and for ComfyUI's quantized layouts (as its dynamic-VRAM path), the rank adds
+the patches per call to the weight it upcasts anyway (`PatchedPerCall`): the same numbers, and the patched
+weight is never held.
 """
 from __future__ import annotations
 
@@ -185,16 +186,14 @@ class FileParameters:
     pages, where a copy per rank of a LoRA'd Flux would be 24 GB each."""
 
     def __init__(self, path: str, source_map: dict[str, Source], storage: Storage, device):
-        self.path, self.source_map, self.device = path, source_map, device
-        self._storage, self.storage, self._reader = storage, None, None
-        with self:  # a scaled-fp8 file's marker decides; read once, from the header
-            self.storage_bakes_fp8 = self.storage.bakes_fp8()
+        """`storage`: the build's, for this file (Storage.for_file: a scaled-fp8 file's type)."""
+        self.path, self.source_map, self.storage, self.device = path, source_map, storage, device
+        self._reader = None
 
     def __enter__(self) -> "FileParameters":
         from .loading import open_checkpoint
 
         self._reader = open_checkpoint(self.path)
-        self.storage = self._storage.for_file(self._reader)  # as the build saw it (a scaled-fp8 file's type)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -232,8 +231,8 @@ def rows_of(weight: torch.Tensor, source: Source) -> torch.Tensor:
 class PatchedPerCall:
     """A LoRA on compact weights (GGUF blocks, ComfyUI layouts, fp8), added when the layers run: each weight
     dequantized to the compute dtype and patched as its reference patches it: GGUF and ComfyUI layouts in the
-    compute dtype (ComfyUI-GGUF's calculate_weight on the dequantized weight), fp8 in float32 (ComfyUI's patch of an
-    upcast model), then cast back. The layers cut from one file tensor (Flux's fused qkv: to_q, to_k, to_v) share
+    compute dtype (ComfyUI-GGUF's calculate_weight on the dequantized weight), fp8 in float32 (ComfyUI's patch of
+    an upcast model), then cast back. The layers cut from one file tensor (Flux's fused qkv: to_q, to_k, to_v) share
     one: the first to run builds the whole patched tensor, the others take their rows of it, and it is dropped
     once each has (or at the job's end: `drop`)."""
 
@@ -256,8 +255,8 @@ class PatchedPerCall:
 
     def __call__(self, layer, dtype: torch.dtype) -> torch.Tensor:
         if self._full is None or id(layer) in self._taken or dtype != self._dtype:
-            math = torch.float32 if self.fp32 else dtype
-            parts = [part.dequantized(dtype).to(math) for part, _ in self.layers]
+            patch_dtype = torch.float32 if self.fp32 else dtype
+            parts = [part.dequantized(dtype).to(patch_dtype) for part, _ in self.layers]
             self._full = whole_patched(parts, [source for _, source in self.layers], self.patches)
             self._dtype, self._taken = dtype, set()
         source = next(source for part, source in self.layers if part is layer)
@@ -279,7 +278,7 @@ class RankWeightPatcher:
         # it upcast).
         from .comfy_quant import ComfyQuantLinear
 
-        per_call = (GGUFLinear, ComfyQuantLinear) + (() if files.storage_bakes_fp8 else (Fp8Linear,))
+        per_call = (GGUFLinear, ComfyQuantLinear) + (() if files.storage.bakes_fp8() else (Fp8Linear,))
         self.per_call = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, per_call)}
         self.linear_parts = {n: n.rpartition(".")[2] for n in linear_names(model)}
         self.targets, self.files = targets, files

@@ -70,7 +70,7 @@ class WorkerState:
             family, match, config = read_model(reader, os.path.basename(path))
             chunks = family.pipeline_stages(config, stages)[stage]
             owned = family.stage_ownership(config, chunks, first=stage == 0, last=stage == stages - 1)
-            storage = resolve_storage(model_spec["weight_dtype"], self.device)
+            storage = resolve_storage(model_spec["weight_dtype"], self.device).for_file(reader)
             model = family.build(config, reader, match, owned=owned, dtype=storage, device=self.device)
         self.context = AttentionContext()
         self.adapter = family.adapter(config, model, chunks, self.context)
