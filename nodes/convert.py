@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from parallel_runtime.errors import ConfigError
+from parallel_runtime.models.comfy_quant import QUANTIZED_MATMUL
 from parallel_runtime.runtime.devices import WEIGHT_DTYPES  # one list for the node and the workers
 from parallel_runtime.spec import Conditioning, ModelSpec, StrategySpec
 
@@ -89,6 +90,13 @@ def loader_inputs(unet_names: list[str]) -> tuple[InputSpec, ...]:
                                         "tooltip": "auto: every visible GPU; 0,1,2,3: those GPUs; cpu:N: N CPU workers."}),
         InputSpec("strategy", STRATEGY_TYPE, {"tooltip": "From Strategy Selector; auto when left unconnected."},
                   optional=True),
+        InputSpec("quantized_matmul", "combo", {
+            "options": list(QUANTIZED_MATMUL), "default": "auto",
+            "tooltip": "ComfyUI-quantized files (int8_convrot, fp8mixed, nvfp4, mxfp8): auto multiplies in the "
+                       "quantized layout with comfy-kitchen's kernels where ComfyUI does (fp8 on RTX 40/H100 and "
+                       "newer, int8 on CUDA GPUs, nvfp4/mxfp8 on Blackwell); dequantize always dequantizes each "
+                       "layer first (exact across strategies); kernel uses comfy-kitchen's matmul wherever it "
+                       "has one."}, optional=True),
     )
 
 
@@ -217,12 +225,16 @@ def normalize_devices(devices: str) -> str:
 
 
 def model_handle(path: str, weight_dtype: str, devices: str, strategy: StrategyChoice | None,
-                 name: str = "") -> ParaDiTModel:
+                 name: str = "", quantized_matmul: str = "auto") -> ParaDiTModel:
     if weight_dtype not in WEIGHT_DTYPES:
         raise ConfigError(f"Unknown weight_dtype {weight_dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}.")
+    if quantized_matmul not in QUANTIZED_MATMUL:
+        raise ConfigError(f"Unknown quantized_matmul {quantized_matmul!r}; choose one of "
+                          f"{', '.join(QUANTIZED_MATMUL)}.")
     if strategy is not None and not isinstance(strategy, StrategyChoice):
         raise ConfigError("The strategy input must come from a Strategy Selector node.")
-    return ParaDiTModel(model=ModelSpec(path=path, weight_dtype=weight_dtype), devices=normalize_devices(devices),
+    return ParaDiTModel(model=ModelSpec(path=path, weight_dtype=weight_dtype, quantized_matmul=quantized_matmul),
+                        devices=normalize_devices(devices),
                         strategy=strategy or AUTO, name=name)
 
 

@@ -37,11 +37,12 @@ class ParaDiTLoader(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, unet_name, weight_dtype, devices, strategy=None) -> io.NodeOutput:
+    def execute(cls, unet_name, weight_dtype, devices, strategy=None, quantized_matmul="auto") -> io.NodeOutput:
         import folder_paths
         from parallel_runtime.runtime.devices import parse_devices
 
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        handle = convert.model_handle(path, weight_dtype, devices, strategy, name=unet_name)
+        handle = convert.model_handle(path, weight_dtype, devices, strategy, name=unet_name,
+                                      quantized_matmul=quantized_matmul)
         device_list = parse_devices(handle.devices)  # raises ConfigError with the fix
         return io.NodeOutput(remote_model.parallel_model(handle), ui=ui.PreviewText(handle.describe(device_list)))

@@ -51,6 +51,8 @@ class ModelSpec:
 
     path: str
     weight_dtype: str = "default"  # default | bf16 | fp16 | fp32
+    # ComfyUI-quantized layers: "auto" (comfy-kitchen's kernels where ComfyUI uses them), "dequantize", "kernel"
+    quantized_matmul: str = "auto"
 
     def to_json(self) -> dict:
         return asdict(self)

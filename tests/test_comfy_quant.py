@@ -207,3 +207,158 @@ def test_comfy_quant_under_weight_dtype_fp8_casts_the_dequantized_weights(tmp_pa
         client.shutdown()
     assert rel_err(runs[0].latent, runs[1].latent) <= QUANT_RTOL
     assert runs[0].stats[0]["param_bytes"] == runs[1].stats[0]["param_bytes"]
+
+
+# -- comfy-kitchen's quantized matmul (ComfyUI's path on GPUs with the kernels) ---------------------------------
+
+def _one_layer_file(folder, fmt: str, w: torch.Tensor, b: torch.Tensor, **extra) -> tuple[str, object]:
+    """A file holding one quantized linear layer `l` (and its bias); returns it and the whole QuantizedTensor."""
+    layout, options, _ = FORMATS[fmt]
+    qt = ck_tensor.QuantizedTensor.from_float(w, layout, **options)
+    conf = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 16} if fmt == "int8_convrot" \
+        else {"format": fmt}
+    conf.update(extra.pop("conf", {}))
+    sd = dict(qt.state_dict("l.weight"), **{"l.bias": b}, **{f"l.{k}": v for k, v in extra.items()})
+    sd["l.comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+    path = str(folder / f"layer-{fmt}.safetensors")
+    save_file(sd, path)
+    return path, qt
+
+
+KERNEL_FORMATS = ["float8_e4m3fn", "int8_tensorwise", "int8_convrot", "nvfp4"]  # comfy-kitchen has no CPU mxfp8 mm
+
+
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS, ids=lambda f: f"comfy_quant-{f}")
+def test_comfy_quant_kernel_layer_rows_equal_comfy_kitchens_linear(tmp_path, fmt):
+    """On the kernel path a rank's rows of a layer give exactly those columns of what ComfyUI computes with the
+    whole layer (F.linear on comfy-kitchen's QuantizedTensor: the input quantized to the weight's layout for
+    fp8/nvfp4, int8's per-row kernel), including rows that do not fill an nvfp4 block. Same arithmetic on a subset
+    of rows: equal to fp32 round-off (1e-6; BLAS may block a different row count differently)."""
+    from parallel_runtime.models.stored import Storage
+
+    torch.manual_seed(0)
+    w, b, x = torch.randn(200, 256), torch.randn(200), torch.randn(2, 7, 256)
+    path, qt = _one_layer_file(tmp_path, fmt, w, b)
+    layout = FORMATS[fmt][0]
+    if fmt in ("float8_e4m3fn", "nvfp4"):
+        whole = torch.nn.functional.linear(ck_tensor.QuantizedTensor.from_float(x.reshape(-1, 256), layout), qt, b)
+        whole = whole.reshape(2, 7, 200)
+    else:
+        whole = torch.nn.functional.linear(x, qt, b)
+    storage = Storage(torch.float32, kernel_formats=frozenset({fmt.replace("_convrot", "_tensorwise")}))
+    with open_checkpoint(path) as reader:
+        for rows in (slice(0, 200), slice(48, 112), slice(100, 200)):
+            layer = reader.read_kept("l.weight", rows, None, "cpu").linear(b[rows], storage)
+            assert layer.kernel
+            assert rel_err(layer(x), whole[..., rows]) <= 1e-6
+        # The dequantize path of the same rows: the weight-only arithmetic, off by the input's quantization.
+        plain = reader.read_kept("l.weight", slice(0, 200), None, "cpu").linear(b, Storage(torch.float32))
+        assert not plain.kernel
+        assert rel_err(plain(x), torch.nn.functional.linear(x, qt.dequantize(), b)) <= 1e-6
+        assert rel_err(plain(x), whole) > 1e-4
+
+
+def test_comfy_quant_kernel_uses_the_files_input_scale_and_full_precision_flag(tmp_path):
+    """A stored `input_scale` quantizes the input statically (as ComfyUI passes it to from_float); a layer marked
+    `full_precision_matrix_mult` never takes the kernel."""
+    from parallel_runtime.models.stored import Storage
+
+    torch.manual_seed(1)
+    w, b, x = torch.randn(64, 128), torch.randn(64), torch.randn(9, 128)
+    scale = torch.tensor(0.02)
+    path, qt = _one_layer_file(tmp_path, "float8_e4m3fn", w, b, input_scale=scale)
+    static = torch.nn.functional.linear(
+        ck_tensor.QuantizedTensor.from_float(x, "TensorCoreFP8Layout", scale=scale), qt, b)
+    dynamic = torch.nn.functional.linear(ck_tensor.QuantizedTensor.from_float(x, "TensorCoreFP8Layout"), qt, b)
+    storage = Storage(torch.float32, kernel_formats=frozenset({"float8_e4m3fn"}))
+    with open_checkpoint(path) as reader:
+        got = reader.read_kept("l.weight", None, None, "cpu").linear(b, storage)(x)
+    assert rel_err(got, static) <= 1e-6 < rel_err(got, dynamic)
+    flagged, _ = _one_layer_file(tmp_path, "nvfp4", w, b, conf={"full_precision_matrix_mult": True})
+    with open_checkpoint(flagged) as reader:
+        layer = reader.read_kept("l.weight", None, None, "cpu").linear(b, Storage(torch.float32,
+                                                                                  kernel_formats=frozenset({"nvfp4"})))
+        assert not layer.kernel
+        assert rel_err(layer(x), torch.nn.functional.linear(x, layer.dequantized(torch.float32), b)) <= 1e-6
+
+
+def test_comfy_quant_pre_quant_scale_and_lora_as_comfyui_nvfp4(tmp_path):
+    """ComfyUI multiplies the input by `pre_quant_scale` and patches the stored weight: (x * s) @ (W + dW)^T + b."""
+    from parallel_runtime.models.stored import Storage
+
+    torch.manual_seed(2)
+    w, b, x, s = torch.randn(32, 64), torch.randn(32), torch.randn(5, 64), torch.linspace(0.5, 2.0, 64)
+    delta = 0.01 * torch.randn(32, 64)
+    path, qt = _one_layer_file(tmp_path, "nvfp4", w / s, b, pre_quant_scale=s)
+    with open_checkpoint(path) as reader:
+        layer = reader.read_kept("l.weight", None, None, "cpu").linear(b, Storage(torch.float32))
+        assert rel_err(reader.read("l.weight"), qt.dequantize() * s) <= 1e-6  # a full-precision load folds it
+    layer.patch = lambda lay, dtype: lay.dequantized(dtype) + delta
+    want = torch.nn.functional.linear(x * s, qt.dequantize() + delta, b)
+    assert rel_err(layer(x), want) <= 1e-6
+
+
+def test_comfy_quant_kernel_formats_follow_comfyuis_device_rule(monkeypatch):
+    from parallel_runtime.errors import ConfigError
+    from parallel_runtime.models.comfy_quant import LAYOUTS, kernel_formats
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert kernel_formats(cpu) == frozenset()  # ComfyUI disables every quantized matmul on a CPU
+    assert kernel_formats(cpu, "kernel") == frozenset(LAYOUTS) - {"mxfp8"}
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.version, "hip", None)
+    fp8 = {"float8_e4m3fn", "float8_e5m2"}
+    for capability, want in [((8, 0), {"int8_tensorwise"}),  # A100: int8 only
+                             ((8, 9), {"int8_tensorwise", *fp8}),  # RTX 40 / L40S
+                             ((9, 0), {"int8_tensorwise", *fp8}),  # H100: nvfp4/mxfp8 need Blackwell
+                             ((10, 0), set(LAYOUTS))]:  # B200 (torch 2.13 >= 2.10 for mxfp8)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert kernel_formats(cuda) == want, capability
+        assert kernel_formats(cuda, "dequantize") == frozenset()
+    with pytest.raises(ConfigError, match="quantized_matmul 'fast' is unknown; choose one of auto, dequantize"):
+        kernel_formats(cpu, "fast")
+
+
+def _matmul_job(name: str, path: str, mode: str, strategy=None):
+    return dataclasses.replace(job((name, path), strategy), model=ModelSpec(path, quantized_matmul=mode))
+
+
+def test_comfy_quant_kernel_path_runs_on_every_rank_int8_convrot(tmp_path, client2):
+    """quantized_matmul "kernel" on int8_convrot (comfy-kitchen's eager int8 linear: W8A8, inputs quantized per
+    row). It differs from dequantize-then-matmul by the input's quantization (measured 6.5e-3 after 6 steps),
+    so it runs; under PipeFusion (synchronous steps here) it equals one worker exactly. Ulysses and CFG parallel
+    change fp32 round-off, which flips some int8 roundings of the inputs: they agree with one worker to that
+    noise (measured 7.2e-3 / 6.7e-3), not to round-off; "dequantize" keeps them exact (the tests above)."""
+    name = "kontext"
+    quant, _ = comfy_quant_twins(tmp_path, name, "int8_convrot")
+    one = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        kernel = one.run(_matmul_job(name, quant, "kernel")).latent
+        plain = one.run(_matmul_job(name, quant, "dequantize")).latent
+        auto = one.run(_matmul_job(name, quant, "auto")).latent
+    finally:
+        one.shutdown()
+    assert torch.equal(auto, plain)  # a CPU has no int8 kernel in ComfyUI's rule
+    # Bounds: 3x the measured activation-quantization noise; a broken kernel call is off by O(1).
+    assert 1e-4 < rel_err(kernel, plain) <= 2e-2
+    pipe = client2.run(_matmul_job(name, quant, "kernel", S(pipefusion_degree=2, warmup_steps=6))).latent
+    assert rel_err(pipe, kernel) <= EXACT_RTOL
+    for strategy in (S(ulysses_degree=2), S(cfg_degree=2)):
+        assert rel_err(client2.run(_matmul_job(name, quant, "kernel", strategy)).latent, kernel) <= 2e-2
+
+
+def test_comfy_quant_kernel_path_nvfp4_quantizes_inputs_like_comfyui(tmp_path, client2):
+    """nvfp4 on the kernel path quantizes every input to 4 bits (per 16 values, with a per-call global scale), as
+    ComfyUI does on Blackwell: the result moves from dequantize-then-matmul by that quantization (measured 0.11
+    on this tiny random model after 6 steps) and a Ulysses-2 run agrees with one worker to the same noise (0.11)."""
+    name = "kontext"
+    quant, _ = comfy_quant_twins(tmp_path, name, "nvfp4")
+    one = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        kernel = one.run(_matmul_job(name, quant, "kernel")).latent
+        plain = one.run(_matmul_job(name, quant, "dequantize")).latent
+    finally:
+        one.shutdown()
+    assert torch.isfinite(kernel).all()
+    assert 1e-2 < rel_err(kernel, plain) <= 0.3  # ~3x the measured 4-bit input noise; garbage is O(1)
+    assert rel_err(client2.run(_matmul_job(name, quant, "kernel", S(ulysses_degree=2))).latent, kernel) <= 0.3

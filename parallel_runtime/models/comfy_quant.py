@@ -7,11 +7,15 @@ files list the same layers in the header's `_quantization_metadata`. Layers not 
 
 A rank keeps only its rows of each quantized layer, in the layout comfy-kitchen (Comfy-Org's kernel library, the
 code ComfyUI itself runs) stores: `ComfyQuantLinear` rebuilds comfy-kitchen's `QuantizedTensor` from them per
-call and dequantizes it to the compute dtype before `F.linear`, which is what ComfyUI computes on a device
-without native kernels for the format (every CPU). nvfp4 and mxfp8 block scales are stored swizzled in 128 x 4
-tiles; a rank unswizzles, takes its rows and swizzles them again, so a fused tensor cut by rows (Flux's q/k/v)
-stays exact. A LoRA is added per call to the dequantized weight (weight_patches.PatchedPerCall), as ComfyUI's
-dynamic-VRAM path patches a quantized layer; the rank keeps holding only the quantized rows.
+call. Where the device has comfy-kitchen's matmul kernel for the format (ComfyUI's rule, `kernel_formats`: fp8
+on NVIDIA compute capability 8.9+, int8 on CUDA GPUs, nvfp4 and mxfp8 on 10.0+) the layer multiplies in the
+layout as ComfyUI does: fp8/nvfp4/mxfp8 quantize the input to the weight's layout first, int8's kernel quantizes
+it per row itself. Elsewhere (every CPU), or under the `dequantize` switch, it dequantizes the weight to the
+compute dtype and runs `F.linear`, as ComfyUI does on devices without the kernel. nvfp4 and mxfp8 block scales
+are stored swizzled in 128 x 4 tiles; a rank unswizzles, takes its rows and swizzles them again, so a fused
+tensor cut by rows (Flux's q/k/v) stays exact. A LoRA is added per call to the dequantized weight
+(weight_patches.PatchedPerCall), as ComfyUI's dynamic-VRAM path patches a quantized layer; the rank keeps holding
+only the quantized rows.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import ModelFileError
+from ..errors import ConfigError, ModelFileError
 
 # comfy_quant format -> (comfy-kitchen layout, the multiple of rows its stored data is padded to)
 LAYOUTS = {"float8_e4m3fn": ("TensorCoreFP8Layout", 1), "float8_e5m2": ("TensorCoreFP8Layout", 1),
@@ -29,8 +33,11 @@ LAYOUTS = {"float8_e4m3fn": ("TensorCoreFP8Layout", 1), "float8_e5m2": ("TensorC
            "nvfp4": ("TensorCoreNVFP4Layout", 16)}
 BLOCK = {"mxfp8": 32, "nvfp4": 16}
 SCALES = (".weight_scale", ".weight_scale_2")  # held with the data (stored_bytes)
-AUXILIARY = (*SCALES, ".comfy_quant", ".input_scale", ".pre_quant_scale")  # a layer's tensors beside `.weight`  # values per block scale, along the input dimension
+AUXILIARY = (*SCALES, ".comfy_quant", ".input_scale", ".pre_quant_scale")  # a layer's tensors beside `.weight`
 HEADER_KEY = "_quantization_metadata"
+# ComfyUI's QUANT_ALGOS "quantize_input": these kernels take the input in the weight's layout; int8's takes it as is
+QUANTIZES_INPUT = {"float8_e4m3fn", "float8_e5m2", "mxfp8", "nvfp4"}
+QUANTIZED_MATMUL = ("auto", "dequantize", "kernel")  # the loader's switch, see kernel_formats
 
 
 def kitchen():
@@ -43,6 +50,31 @@ def kitchen():
                              f"({exc}); pip install packaging comfy-kitchen==0.2.40 into ComfyUI's Python (its "
                              f"py3-none-any wheel runs on any platform).") from None
     return QuantizedTensor, get_layout_class, float_utils
+
+
+def kernel_formats(device: torch.device, mode: str = "auto") -> frozenset[str]:
+    """The formats whose layers multiply in their layout on `device` with comfy-kitchen's kernels.
+
+    "auto" is ComfyUI's rule (comfy.ops.get_disabled_quant_formats): fp8 on NVIDIA compute capability 8.9+, int8 on
+    any CUDA/ROCm GPU, nvfp4 on 10.0+, mxfp8 on 10.0+ with torch 2.10+; none on a CPU. "dequantize" forces
+    dequantize-then-matmul everywhere. "kernel" takes comfy-kitchen's matmul wherever it has one, its eager CPU
+    versions included (no mxfp8 on a CPU): ComfyUI's GPU arithmetic, checkable on any machine."""
+    if mode not in QUANTIZED_MATMUL:
+        raise ConfigError(f"quantized_matmul {mode!r} is unknown; choose one of {', '.join(QUANTIZED_MATMUL)}.")
+    fp8 = {"float8_e4m3fn", "float8_e5m2"}
+    if mode == "dequantize":
+        return frozenset()
+    if mode == "kernel":
+        return frozenset(LAYOUTS) - (set() if device.type == "cuda" else {"mxfp8"})
+    if device.type != "cuda":
+        return frozenset()
+    formats = {"int8_tensorwise"}
+    if torch.version.cuda is not None and torch.version.hip is None:
+        major, minor = torch.cuda.get_device_capability(device)
+        formats |= fp8 if (major, minor) >= (8, 9) else set()
+        formats |= {"nvfp4"} if major >= 10 else set()
+        formats |= {"mxfp8"} if major >= 10 and tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 10) else set()
+    return frozenset(formats)
 
 
 def layer_formats(reader) -> dict[str, dict]:
@@ -96,10 +128,13 @@ class ComfyQuantWeight:
     block_scale: torch.Tensor | None
     options: dict
     shape: tuple[int, int]
-    pre_scale: torch.Tensor | None = None  # AWQ-style per-input-channel factor (`pre_quant_scale`), folded in
+    pre_scale: torch.Tensor | None = None  # AWQ-style per-input-channel factor (`pre_quant_scale`) on the input
+    input_scale: torch.Tensor | None = None  # the file's static scale for the input's layout (kernel path)
+    full_precision: bool = False  # the layer's `full_precision_matrix_mult`: never the quantized matmul
 
-    def linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
-        return ComfyQuantLinear(self, bias)
+    def linear(self, bias: torch.Tensor | None, storage=None) -> torch.nn.Module:
+        kernel = storage is not None and self.fmt in storage.kernel_formats and not self.full_precision
+        return ComfyQuantLinear(self, bias, kernel=kernel)
 
 
 def read_rows(reader, layer: str, conf: dict, rows: slice | None, transform: str | None,
@@ -135,23 +170,28 @@ def read_rows(reader, layer: str, conf: dict, rows: slice | None, transform: str
         block_scale = float_utils.to_blocked(block_scale, flatten=False)
     if fmt == "mxfp8":  # comfy-kitchen's MXFP8 layout takes its block scales as `scale`
         scale, block_scale = block_scale, None
-    pre_key = f"{layer}.pre_quant_scale"
+    pre_key, input_key = f"{layer}.pre_quant_scale", f"{layer}.input_scale"
     pre_scale = reader.read_raw(pre_key, device=device).float().flatten() if pre_key in reader else None
-    return ComfyQuantWeight(fmt, data.contiguous(), scale, block_scale, _params(conf), (n, cols), pre_scale)
+    input_scale = reader.read_raw(input_key, device=device).float().reshape(()) if input_key in reader else None
+    return ComfyQuantWeight(fmt, data.contiguous(), scale, block_scale, _params(conf), (n, cols), pre_scale,
+                            input_scale, bool(conf.get("full_precision_matrix_mult", False)))
 
 
 class ComfyQuantLinear(torch.nn.Module):
-    """A Linear whose weight stays in a ComfyUI quantized layout on the rank; each call rebuilds comfy-kitchen's
-    QuantizedTensor and dequantizes it to the input's dtype (ComfyUI's path where no native kernel runs)."""
+    """A Linear whose weight stays in a ComfyUI quantized layout on the rank. Each call rebuilds comfy-kitchen's
+    QuantizedTensor from the rows it holds and, as ComfyUI's mixed-precision Linear: multiplies in the layout
+    (`kernel`: the device has comfy-kitchen's kernel for the format and the switch allows it), or dequantizes to
+    the input's dtype and runs F.linear. A `pre_quant_scale` multiplies the input first, on both paths."""
 
-    def __init__(self, weight: ComfyQuantWeight, bias: torch.Tensor | None):
+    def __init__(self, weight: ComfyQuantWeight, bias: torch.Tensor | None, kernel: bool = False):
         super().__init__()
-        self.fmt, self.options = weight.fmt, weight.options
+        self.fmt, self.options, self.kernel = weight.fmt, weight.options, kernel
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight_data", weight.data)
         self.register_buffer("weight_scale", weight.scale)
         self.register_buffer("block_scale", weight.block_scale)
         self.register_buffer("pre_quant_scale", weight.pre_scale)
+        self.register_buffer("input_scale", weight.input_scale)
         self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.patch = None  # callable(layer, dtype) -> patched weight, while a LoRA is added per call
 
@@ -166,14 +206,29 @@ class ComfyQuantLinear(torch.nn.Module):
         return quantized_tensor(self.weight_data, layout, params)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        weight = self.quantized(dtype).dequantize()
-        if self.pre_quant_scale is not None:  # quantized against inputs scaled per channel: the weight it means
-            weight = weight * self.pre_quant_scale.to(dtype)
-        return weight
+        """The stored weight in `dtype` (what a LoRA patches; `pre_quant_scale` stays on the input side)."""
+        return self.quantized(dtype).dequantize()
+
+    def effective_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight the layer means, `pre_quant_scale` folded in: what a full-precision load holds."""
+        weight = self.dequantized(dtype)
+        return weight * self.pre_quant_scale.to(dtype) if self.pre_quant_scale is not None else weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.patch(self, x.dtype) if self.patch is not None else self.dequantized(x.dtype)
-        return F.linear(x, weight, self.bias.to(x.dtype) if self.bias is not None else None)
+        if self.pre_quant_scale is not None:
+            x = x * self.pre_quant_scale.to(x.dtype)
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        if self.patch is not None:
+            return F.linear(x, self.patch(self, x.dtype), bias)
+        if not self.kernel:
+            return F.linear(x, self.dequantized(x.dtype), bias)
+        weight = self.quantized(x.dtype)
+        if self.fmt not in QUANTIZES_INPUT:  # comfy-kitchen's int8 linear quantizes the input per row itself
+            return F.linear(x, weight, bias)
+        quantized_tensor = kitchen()[0]
+        rows = quantized_tensor.from_float(x.reshape(-1, x.shape[-1]), LAYOUTS[self.fmt][0], scale=self.input_scale)
+        return F.linear(rows, weight, bias).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.fmt}"
+        path = "kernel" if self.kernel else "dequantize"
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.fmt}, {path}"

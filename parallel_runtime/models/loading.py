@@ -162,7 +162,7 @@ class CheckpointReader:
         """Load ``key`` (only ``rows`` of its first dimension when given), cast and move it. A ComfyUI-quantized
         weight comes back dequantized (float32 unless `dtype` says otherwise)."""
         if self.quant_format(key) is not None:
-            return self.read_kept(key, rows, None, device).linear(None).dequantized(dtype or torch.float32)
+            return self.read_kept(key, rows, None, device).linear(None).effective_weight(dtype or torch.float32)
         return self.read_raw(key, rows, dtype, device)
 
     def read_raw(self, key: str, rows: slice | None = None, dtype: torch.dtype | None = None,

@@ -58,11 +58,21 @@ def read_stored(reader, src: Source, storage: Storage, device, linear: str | Non
     # A quantized weight not kept in its layout (weight_dtype fp8 casts it) reads as float32, like any other file's.
     kept = storage.linear_dtype(reader.dtype(src.key)) if linear == "weight" else None
     if kept is not None:
-        return Fp8Weight(read_source(reader, src, kept, device), scale)
+        return Fp8Weight(read_source(reader, src, kept, device), scale, _input_scale(reader, src.key, device))
     tensor = read_source(reader, src, storage.rounding(linear == "bias"), device).to(storage.compute)
     if scale is not None:
         tensor = tensor * scale.to(storage.compute)
     return tensor
+
+
+def _input_scale(reader, weight_key: str, device) -> torch.Tensor | None:
+    """A scaled-fp8 layer's `scale_input`; none when it is 1 (ComfyUI drops those, so its kernel scales inputs
+    dynamically)."""
+    key = weight_key[: -len("weight")] + "scale_input"
+    if key not in reader:
+        return None
+    value = reader.read(key, dtype=torch.float32, device=device).reshape(())
+    return None if value.item() == 1.0 else value
 
 
 def linear(out: dict, dst: str, src: str, rows: slice | None = None, transform: str | None = None) -> None:
@@ -129,7 +139,7 @@ def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, bloc
     result = model.load_state_dict(state, strict=False, assign=True)
     if result.unexpected_keys:
         raise RuntimeError(f"unexpected keys while loading {what}: {result.unexpected_keys[:3]}")
-    install_kept_linears(model, kept_linears)
+    install_kept_linears(model, kept_linears, storage)
     model.eval()
     model.requires_grad_(False)
     return model

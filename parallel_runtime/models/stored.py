@@ -11,6 +11,7 @@ small and is read in the compute dtype.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,11 @@ class Storage:
     # The device computes in fp8 (CUDA 8.9+): ComfyUI then holds a plain fp8 file in fp8; elsewhere it upcasts the
     # file at load (comfy.model_management.unet_dtype), which decides how a LoRA lands (see bakes_fp8).
     fp8_compute: bool = False
+    # ComfyUI quantized formats whose layers multiply in their layout with comfy-kitchen's kernels on this device
+    # (comfy_quant.kernel_formats); the others dequantize per call.
+    kernel_formats: frozenset = frozenset()
+    # A scaled-fp8 file whose marker asks for full-precision matmuls (ComfyUI: a 2-element `scaled_fp8` tensor).
+    scaled_full_precision: bool = False
 
     def for_file(self, reader) -> "Storage":
         """This storage for one file: a scaled-fp8 file's marker names the fp8 type of all its linear layers
@@ -43,7 +49,8 @@ class Storage:
         if key is None or not self.keep_quantized:
             return self
         marker = reader.dtype(key)
-        return dataclasses.replace(self, scaled_fp8=marker if marker in FP8_DTYPES else FP8_DTYPES[0])
+        return dataclasses.replace(self, scaled_fp8=marker if marker in FP8_DTYPES else FP8_DTYPES[0],
+                                   scaled_full_precision=math.prod(reader.shape(key)) == 2)
 
     def linear_dtype(self, stored: torch.dtype) -> torch.dtype | None:
         """The dtype a linear weight stored as `stored` is kept in on the rank; None: the compute dtype."""
@@ -57,6 +64,12 @@ class Storage:
         stochastic rounding); else ComfyUI holds them upcast and adds the LoRA in the compute dtype, which a rank
         reproduces per call on its fp8 weights (weight_patches.PatchedPerCall)."""
         return self.cast_fp8 is not None or self.scaled_fp8 is not None or self.fp8_compute
+
+    def fp8_kernel(self, stored: torch.dtype) -> bool:
+        """Whether a kept fp8 weight multiplies in fp8 (torch._scaled_mm through comfy-kitchen): ComfyUI reads a
+        scaled-fp8 file as float8_e4m3fn quantized layers, which take the kernel where the device has it."""
+        return (self.scaled_fp8 is not None and stored == torch.float8_e4m3fn and not self.scaled_full_precision
+                and "float8_e4m3fn" in self.kernel_formats)
 
     def keeps_blocks(self, quant_format: str | None) -> bool:
         """Whether a linear weight stored in GGUF blocks or a ComfyUI layout stays so (a forced fp8 type casts it
@@ -74,14 +87,18 @@ def scale_key(weight_key: str) -> str:
 
 class Fp8Linear(torch.nn.Module):
     """A Linear whose weight stays in fp8 on the rank; each call upcasts it to the input's dtype (and applies
-    the file's per-tensor scale on the side ComfyUI applies it: the smaller of weight and input)."""
+    the file's per-tensor scale on the side ComfyUI applies it: the smaller of weight and input), or, on the
+    `kernel` path, quantizes the input to fp8 and multiplies in fp8 as ComfyUI's float8_e4m3fn layers do."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
+                 input_scale: torch.Tensor | None = None, kernel: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.register_buffer("scale_weight", scale.reshape(()).float() if scale is not None else None)
+        self.register_buffer("scale_input", input_scale.reshape(()).float() if input_scale is not None else None)
+        self.kernel = kernel
         self.patch = None  # callable(layer, dtype) -> patched weight, while a LoRA is added per call
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -92,6 +109,8 @@ class Fp8Linear(torch.nn.Module):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         if self.patch is not None:
             return F.linear(x, self.patch(self, x.dtype), bias)
+        if self.kernel:
+            return self._fp8_matmul(x, bias)
         weight = self.weight.to(x.dtype)
         if self.scale_weight is None:
             return F.linear(x, weight, bias)
@@ -100,8 +119,20 @@ class Fp8Linear(torch.nn.Module):
             return F.linear(x, weight * scale, bias)
         return F.linear(x * scale, weight, bias)
 
+    def _fp8_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from .comfy_quant import kitchen
+
+        quantized_tensor, get_layout_class, _ = kitchen()
+        scale = self.scale_weight if self.scale_weight is not None else torch.ones((), device=self.weight.device)
+        params = get_layout_class("TensorCoreFP8Layout").Params(scale=scale, orig_dtype=x.dtype,
+                                                                orig_shape=(self.out_features, self.in_features))
+        weight = quantized_tensor(self.weight, "TensorCoreFP8Layout", params)
+        rows = quantized_tensor.from_float(x.reshape(-1, x.shape[-1]), "TensorCoreFP8Layout", scale=self.scale_input)
+        return F.linear(rows, weight, bias).reshape(*x.shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight.dtype}"
+        path = ", kernel" if self.kernel else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight.dtype}{path}"
 
 
 class GGUFLinear(torch.nn.Module):
@@ -136,13 +167,15 @@ class Fp8Weight:
 
     weight: torch.Tensor
     scale: torch.Tensor | None
+    input_scale: torch.Tensor | None = None  # a scaled file's `scale_input` (its fp8 kernel's static input scale)
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.weight.shape)
 
-    def linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
-        return Fp8Linear(self.weight.contiguous(), bias, self.scale)
+    def linear(self, bias: torch.Tensor | None, storage: "Storage | None" = None) -> torch.nn.Module:
+        kernel = storage is not None and storage.fp8_kernel(self.weight.dtype)
+        return Fp8Linear(self.weight.contiguous(), bias, self.scale, self.input_scale, kernel)
 
 
 @dataclass
@@ -153,7 +186,7 @@ class GGUFWeight:
     quant_format: str
     shape: tuple[int, int]
 
-    def linear(self, bias: torch.Tensor | None) -> torch.nn.Module:
+    def linear(self, bias: torch.Tensor | None, storage: "Storage | None" = None) -> torch.nn.Module:
         return GGUFLinear(self.blocks.contiguous(), self.quant_format, self.shape, bias)
 
 
@@ -170,15 +203,15 @@ def linear_names(model: torch.nn.Module) -> dict[str, str]:
             if isinstance(m, (torch.nn.Linear, *_kept_linears())) for p in ("weight", "bias")}
 
 
-def install_kept_linears(model: torch.nn.Module, weights: dict) -> None:
+def install_kept_linears(model: torch.nn.Module, weights: dict, storage: Storage | None = None) -> None:
     """Replace each Linear named in `weights` (module name -> Fp8Weight, GGUFWeight or ComfyQuantWeight) by the
-    layer that keeps that weight compact, with the Linear's already-loaded bias."""
+    layer that keeps that weight compact, with the Linear's already-loaded bias (computing as `storage` says)."""
     for name, kept in weights.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, child)
         bias = old.bias if old.bias is not None and old.bias.device.type != "meta" else None
-        setattr(parent, child, kept.linear(bias))
+        setattr(parent, child, kept.linear(bias, storage))
 
 
 def compute_placement(module: torch.nn.Module) -> tuple[torch.dtype, torch.device]:

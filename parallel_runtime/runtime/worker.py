@@ -61,7 +61,8 @@ class WorkerState:
         path = model_spec["path"]
         stat = os.stat(path)
         stage, stages = topology.coords(self.rank)["pipefusion"], topology.pipefusion
-        key = (path, stat.st_mtime_ns, stat.st_size, model_spec["weight_dtype"], stage, stages)
+        matmul = model_spec.get("quantized_matmul", "auto")
+        key = (path, stat.st_mtime_ns, stat.st_size, model_spec["weight_dtype"], matmul, stage, stages)
         if key == self.loaded_key:
             return False
         self.adapter = self.loaded_key = self.patcher = None  # free the old weights before reading new ones
@@ -70,7 +71,7 @@ class WorkerState:
             family, match, config = read_model(reader, os.path.basename(path))
             chunks = family.pipeline_stages(config, stages)[stage]
             owned = family.stage_ownership(config, chunks, first=stage == 0, last=stage == stages - 1)
-            storage = resolve_storage(model_spec["weight_dtype"], self.device).for_file(reader)
+            storage = resolve_storage(model_spec["weight_dtype"], self.device, matmul).for_file(reader)
             model = family.build(config, reader, match, owned=owned, dtype=storage, device=self.device)
         self.context = AttentionContext()
         self.adapter = family.adapter(config, model, chunks, self.context)
@@ -138,10 +139,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return named_dtype(name)
 
 
-def resolve_storage(name: str, device: torch.device):
+def resolve_storage(name: str, device: torch.device, quantized_matmul: str = "auto"):
     """How the rank stores the weights: a file's fp8 linear weights stay fp8 and its GGUF blocks stay blocks under
     'default' (as ComfyUI and ComfyUI-GGUF keep them), an fp8 weight_dtype casts every linear weight to fp8;
-    bf16/fp16/fp32 store everything in that."""
+    bf16/fp16/fp32 store everything in that. `quantized_matmul` picks how ComfyUI-quantized layers multiply."""
+    from ..models.comfy_quant import kernel_formats
     from ..models.stored import Storage
     from .devices import named_dtype
 
@@ -150,7 +152,8 @@ def resolve_storage(name: str, device: torch.device):
     fp8_compute = (device.type == "cuda" and torch.version.hip is None
                    and torch.cuda.get_device_capability(device) >= (8, 9))
     return Storage(resolve_dtype(name, device), keep_quantized=name == "default" or fp8,
-                   cast_fp8=named_dtype(name) if fp8 else None, fp8_compute=fp8_compute)
+                   cast_fp8=named_dtype(name) if fp8 else None, fp8_compute=fp8_compute,
+                   kernel_formats=kernel_formats(device, quantized_matmul))
 
 
 class Aborted(Exception):
