@@ -2,8 +2,8 @@
 
 The bench model (or a family's) is written as the files ComfyUI users load (bf16; fp8 e4m3fn with norms and
 biases in bf16, as fp8 releases ship; GGUF Q8_0 and Q4_K with 1-D tensors in F32, as ComfyUI-GGUF's converter
-writes them; ComfyUI's own quantized files, written with comfy-kitchen: int8 with ConvRot, mxfp8, nvfp4, the
-other tensors bf16) and each runs a short job through the runtime at one worker and under PipeFusion-2. The table gives
+writes them; ComfyUI's own quantized files, written with comfy-kitchen: fp8 per-tensor (fp8mixed), int8 per-tensor
+and with ConvRot, mxfp8, nvfp4, the other tensors bf16) and each runs a short job through the runtime at one worker and under PipeFusion-2. The table gives
 the weight bytes the busiest rank holds (the workers' own count), the analytic figure (each owned tensor as the
 rank stores it), the ratio to bf16, the step time and the latent's distance from the fp32 file's (what the
 format's rounding costs). Q4_K blocks are crafted with moderate scales (gguf-py cannot write K-quants), so that
@@ -24,11 +24,14 @@ import numpy as np
 import torch
 
 from .bench import NAMED_MODELS, _fmt_table, make_job, rel_err, run_config
+from .models.comfy_quant import QUANTIZED_MATMUL
 from .spec import ModelSpec, StrategySpec
 
-KINDS = ("fp32", "bf16", "fp8_e4m3fn", "Q8_0", "Q4_K", "int8_convrot", "mxfp8", "nvfp4")
+KINDS = ("fp32", "bf16", "fp8_e4m3fn", "Q8_0", "Q4_K", "fp8mixed", "int8_tensorwise", "int8_convrot", "mxfp8", "nvfp4")
 # ComfyUI quantized kinds: comfy-kitchen layout, its options, the comfy_quant entry
-COMFY_KINDS = {"int8_convrot": ("TensorWiseINT8Layout", {"per_channel": True, "convrot": True, "convrot_groupsize": 256},
+COMFY_KINDS = {"fp8mixed": ("TensorCoreFP8Layout", {}, {"format": "float8_e4m3fn"}),
+               "int8_tensorwise": ("TensorWiseINT8Layout", {}, {"format": "int8_tensorwise"}),
+               "int8_convrot": ("TensorWiseINT8Layout", {"per_channel": True, "convrot": True, "convrot_groupsize": 256},
                                 {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}),
                "mxfp8": ("TensorCoreMXFP8Layout", {}, {"format": "mxfp8"}),
                "nvfp4": ("TensorCoreNVFP4Layout", {}, {"format": "nvfp4"})}
@@ -137,6 +140,9 @@ def parse_args(argv):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--devices", default="cpu:2", help="at least 2 workers for the PipeFusion-2 rows")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--quantized-matmul", default="auto", choices=QUANTIZED_MATMUL,
+                    help="how ComfyUI-quantized layers multiply (default auto: comfy-kitchen's kernels where "
+                         "ComfyUI uses them; on a GPU, compare with dequantize)")
     return ap.parse_args(argv)
 
 
@@ -157,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             for kind in KINDS:
                 path, weight_dtype = files[kind]
                 job = make_job(path, config, strategy, latent_shape, 64, 1.0, args.steps)
-                job = dataclasses.replace(job, model=ModelSpec(path, weight_dtype=weight_dtype))
+                job = dataclasses.replace(job, model=ModelSpec(path, weight_dtype=weight_dtype,
+                                                               quantized_matmul=args.quantized_matmul))
                 devices = "cpu:1" if world == 1 else args.devices
                 res = run_config(devices, job, threads=1)
                 held = [st["param_bytes"] for st in res["stats"]]
@@ -177,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"Weight bytes per rank — {args.model} model ({config.hidden_size} wide), {args.resolution} px, "
-          f"{args.steps} steps, CPU workers (compute fp32; bf16 row computes in bf16)")
+          f"{args.steps} steps, {args.devices} workers (compute fp32 on CPUs; bf16 row computes in bf16), "
+          f"quantized_matmul {args.quantized_matmul}")
     print(_fmt_table(["file", "strategy", "MB/rank (busiest)", "analytic MB", "off analytic", "x bf16", "ms/step",
                       "rel. L2 vs fp32 file"], table))
     print("  fp8, GGUF and ComfyUI quantized files: linear weights kept as stored (with their scales), norms/biases/"
