@@ -189,9 +189,14 @@ def write_gguf_model(folder: str) -> None:
 
 # ComfyUI's own quantized layouts (comfy_quant), written with comfy-kitchen; this ComfyUI snapshot (late 2025) predates
 # them, so each is compared with UNETLoader on the fp32 file of the values comfy-kitchen dequantizes them to.
+# "-header" files list their layers in the safetensors header's _quantization_metadata instead.
 COMFY_QUANT = {"nvfp4": ("TensorCoreNVFP4Layout", {}, {"format": "nvfp4"}),
+               "nvfp4-header": ("TensorCoreNVFP4Layout", {}, {"format": "nvfp4"}),
                "int8_convrot": ("TensorWiseINT8Layout", {"per_channel": True, "convrot": True, "convrot_groupsize": 256},
-                                {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256})}
+                                {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}),
+               "int8_tensorwise": ("TensorWiseINT8Layout", {}, {"format": "int8_tensorwise"}),
+               "fp8mixed": ("TensorCoreFP8Layout", {}, {"format": "float8_e4m3fn"}),
+               "mxfp8": ("TensorCoreMXFP8Layout", {}, {"format": "mxfp8"})}
 
 
 def write_comfy_quant_models(folder: str) -> None:
@@ -207,18 +212,22 @@ def write_comfy_quant_models(folder: str) -> None:
         return  # the tests that need these files skip
     base = load_file(os.path.join(folder, MODEL))
     for fmt, (layout, options, conf) in COMFY_QUANT.items():
-        quant, twin = {}, {}
+        quant, twin, layers = {}, {}, {}
         for key, t in base.items():
             if "blocks." in key and key.endswith(".weight") and t.ndim == 2:
                 qt = QuantizedTensor.from_float(t, layout, **options)
                 quant.update(qt.state_dict(key))
-                quant[key[: -len("weight")] + "comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()),
-                                                                            dtype=torch.uint8)
+                layers[key[: -len(".weight")]] = conf
+                if not fmt.endswith("-header"):
+                    quant[key[: -len("weight")] + "comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()),
+                                                                                dtype=torch.uint8)
                 twin[key] = qt.dequantize().float()
             else:
                 quant[key] = t.to(torch.bfloat16) if t.ndim == 2 else t
                 twin[key] = quant[key].float()
-        save_file(quant, os.path.join(folder, f"flux-mini-{fmt}.safetensors"))
+        header = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+        save_file(quant, os.path.join(folder, f"flux-mini-{fmt}.safetensors"),
+                  metadata=header if fmt.endswith("-header") else None)
         save_file(twin, os.path.join(folder, f"flux-mini-{fmt}-fp32.safetensors"))
 
 
