@@ -362,3 +362,16 @@ def test_comfy_quant_kernel_path_nvfp4_quantizes_inputs_like_comfyui(tmp_path, c
     assert torch.isfinite(kernel).all()
     assert 1e-2 < rel_err(kernel, plain) <= 0.3  # ~3x the measured 4-bit input noise; garbage is O(1)
     assert rel_err(client2.run(_matmul_job(name, quant, "kernel", S(ulysses_degree=2))).latent, kernel) <= 0.3
+
+
+def test_comfy_quant_unknown_quantized_matmul_is_refused_before_work(tmp_path):
+    from parallel_runtime.errors import ConfigError
+
+    quant, meant = comfy_quant_twins(tmp_path, "kontext", "nvfp4")
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        with pytest.raises(ConfigError, match="quantized_matmul 'fast' is unknown; choose one of auto, dequantize"):
+            client.run(_matmul_job("kontext", quant, "fast"))
+        assert torch.isfinite(client.run(job(("kontext", meant))).latent).all()  # the runtime still serves
+    finally:
+        client.shutdown()

@@ -305,13 +305,25 @@ def test_strategy_schema():
 def test_loader_schema(folder_paths):
     inputs, schema = schema_inputs(ParaDiTLoader)
     assert (schema.node_id, schema.display_name) == ("ParaDiTLoader", "Load Parallel DiT")
-    assert list(inputs) == ["unet_name", "weight_dtype", "devices", "strategy"]
+    # quantized_matmul comes last: saved workflows' widget values keep their positions and it takes its default
+    assert list(inputs) == ["unet_name", "weight_dtype", "devices", "strategy", "quantized_matmul"]
     assert inputs["unet_name"][1]["options"] == ["Q8/flux1-dev-Q8_0.gguf", "flux1-dev.safetensors", "tiny.safetensors"]
     assert inputs["weight_dtype"][1]["options"] == ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn", "fp8_e5m2"]
     assert inputs["devices"] == ("STRING", {**inputs["devices"][1], "default": "auto"})
     assert inputs["strategy"][0] == "PARADIT_STRATEGY" and inputs["strategy"][1]["optional"] is True
+    assert inputs["quantized_matmul"][1]["options"] == ["auto", "dequantize", "kernel"]
+    assert inputs["quantized_matmul"][1]["default"] == "auto" and inputs["quantized_matmul"][1]["optional"] is True
     assert all(not inputs[k][1].get("optional") for k in ("unet_name", "weight_dtype", "devices"))
     assert [o.io_type for o in schema.outputs] == ["MODEL"]  # ComfyUI's own: KSampler takes it
+
+
+def test_loader_hands_quantized_matmul_to_the_workers_and_refuses_an_unknown_one():
+    path = "/models/diffusion_models/tiny.safetensors"
+    assert convert.model_handle(path, "default", "cpu:2", None).model.quantized_matmul == "auto"
+    chosen = convert.model_handle(path, "default", "cpu:2", None, quantized_matmul="dequantize")
+    assert chosen.model.quantized_matmul == "dequantize"
+    with pytest.raises(ConfigError, match="Unknown quantized_matmul 'fast'; choose one of auto, dequantize, kernel"):
+        convert.model_handle(path, "default", "cpu:2", None, quantized_matmul="fast")
 
 
 def test_sampler_schema_matches_ksampler():
