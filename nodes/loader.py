@@ -8,6 +8,28 @@ from comfy_api.latest import io, ui
 from . import convert, remote_model
 
 
+# folder -> ({directory: mtime} as walked, its .gguf files): a walk is redone only when a directory changed, as
+# ComfyUI revalidates its own file lists (large network drives make a walk per schema request slow).
+_GGUF_LISTS: dict[str, tuple[dict[str, float], list[str]]] = {}
+
+
+def _unchanged(dirs: dict[str, float]) -> bool:
+    try:
+        return all(os.path.getmtime(d) == t for d, t in dirs.items())
+    except OSError:  # a directory went away
+        return False
+
+
+def _gguf_files(folder: str) -> list[str]:
+    import folder_paths
+
+    cached = _GGUF_LISTS.get(folder)
+    if cached is None or not _unchanged(cached[0]):
+        files, dirs = folder_paths.recursive_search(folder, excluded_dir_names=[".git"])
+        cached = _GGUF_LISTS[folder] = (dirs, folder_paths.filter_files_extensions(files, {".gguf"}))
+    return cached[1]
+
+
 def model_files() -> list[str]:
     """The loader's choices: ComfyUI's diffusion_models list (models/diffusion_models and models/unet) plus the
     `.gguf` files in the same folders, which ComfyUI lists only through ComfyUI-GGUF's own loader."""
@@ -16,8 +38,7 @@ def model_files() -> list[str]:
     names = set(folder_paths.get_filename_list("diffusion_models"))
     for folder in folder_paths.get_folder_paths("diffusion_models"):
         if os.path.isdir(folder):
-            files, _ = folder_paths.recursive_search(folder, excluded_dir_names=[".git"])
-            names.update(folder_paths.filter_files_extensions(files, {".gguf"}))
+            names.update(_gguf_files(folder))
     return sorted(names)
 
 

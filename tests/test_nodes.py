@@ -132,14 +132,16 @@ def folder_paths(monkeypatch, tmp_path):
         assert folder == "diffusion_models"
         return [str(tmp_path), str(tmp_path / "missing")]
 
-    def recursive_search(folder, excluded_dir_names=None):
-        files = [os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs]
-        return files, {}
+    def recursive_search(folder, excluded_dir_names=None):  # as ComfyUI's: files and {directory: mtime}
+        mod.walks.append(folder)
+        walked = list(os.walk(folder))
+        files = [os.path.relpath(os.path.join(d, f), folder) for d, _, fs in walked for f in fs]
+        return files, {d: os.path.getmtime(d) for d, _, _ in walked}
 
     def filter_files_extensions(files, extensions):
         return sorted(f for f in files if os.path.splitext(f)[1].lower() in extensions)
 
-    mod.get_folder_paths, mod.recursive_search = get_folder_paths, recursive_search
+    mod.get_folder_paths, mod.recursive_search, mod.walks = get_folder_paths, recursive_search, []
     mod.filter_files_extensions = filter_files_extensions
 
     def get_filename_list(folder):
@@ -315,6 +317,17 @@ def test_loader_schema(folder_paths):
     assert inputs["quantized_matmul"][1]["default"] == "auto" and inputs["quantized_matmul"][1]["optional"] is True
     assert all(not inputs[k][1].get("optional") for k in ("unet_name", "weight_dtype", "devices"))
     assert [o.io_type for o in schema.outputs] == ["MODEL"]  # ComfyUI's own: KSampler takes it
+
+
+def test_loader_lists_gguf_files_walking_a_folder_only_when_it_changed(folder_paths, tmp_path):
+    from nodes.loader import model_files
+
+    first = model_files()
+    walks = len(folder_paths.walks)
+    assert model_files() == first and len(folder_paths.walks) == walks  # nothing changed: no walk
+    (tmp_path / "Q8" / "flux1-dev-Q4_K_S.gguf").write_bytes(b"")
+    os.utime(tmp_path / "Q8", (1, 1))  # a new file moves its directory's mtime (set apart from the first walk's)
+    assert "Q8/flux1-dev-Q4_K_S.gguf" in model_files() and len(folder_paths.walks) == walks + 1
 
 
 def test_loader_hands_quantized_matmul_to_the_workers_and_refuses_an_unknown_one():

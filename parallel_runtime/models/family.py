@@ -52,8 +52,9 @@ class ModelFamily(Protocol):
         """The family's config from tensor names and shapes (no tensor data is read)."""
 
     def build(self, config, reader, match: Match, owned: Callable[[str], bool], dtype: torch.dtype,
-              device: torch.device) -> torch.nn.Module:
-        """The module tree with only the parameters `owned` selects (others stay on the meta device)."""
+              device: torch.device, smap: dict | None = None) -> torch.nn.Module:
+        """The module tree with only the parameters `owned` selects (others stay on the meta device); `smap`: the
+        file's source map when the caller already has it."""
 
     def pipeline_stages(self, config, stages: int) -> list[list[range]]:
         """Per PipeFusion stage, the block ranges it runs (balanced by block cost)."""
@@ -140,10 +141,11 @@ class DiTFamily:
     comfy_layout: str  # the key layout whose names are ComfyUI's parameter names (what LoRA patches name)
     after_build: Callable[[torch.nn.Module], None] | None = None  # settings the key map cannot carry (eps, ...)
 
-    def build(self, config, reader, match: Match, owned, dtype, device) -> torch.nn.Module:
+    def build(self, config, reader, match: Match, owned, dtype, device, smap: dict | None = None) -> torch.nn.Module:
         from .mapping import build_from_map
 
-        model = build_from_map(self.meta_model(config), self.source_map(config, match.layout, match.prefix), reader,
+        smap = smap if smap is not None else self.source_map(config, match.layout, match.prefix)
+        model = build_from_map(self.meta_model(config), smap, reader,
                                self.block_lists, f"{getattr(config, 'title', self.title)} DiT", owned=owned,
                                dtype=dtype, device=device)
         if self.after_build is not None:

@@ -72,10 +72,11 @@ class WorkerState:
             chunks = family.pipeline_stages(config, stages)[stage]
             owned = family.stage_ownership(config, chunks, first=stage == 0, last=stage == stages - 1)
             storage = resolve_storage(model_spec["weight_dtype"], self.device, matmul).for_file(reader)
-            model = family.build(config, reader, match, owned=owned, dtype=storage, device=self.device)
+            smap = family.source_map(config, match.layout, match.prefix)  # the build's and the LoRA re-reader's
+            model = family.build(config, reader, match, owned=owned, dtype=storage, device=self.device, smap=smap)
         self.context = AttentionContext()
         self.adapter = family.adapter(config, model, chunks, self.context)
-        files = FileParameters(path, family.source_map(config, match.layout, match.prefix), storage, self.device)
+        files = FileParameters(path, smap, storage, self.device)
         self.patcher = RankWeightPatcher(model, family.weight_patch_targets(config), files)
         self.loaded_key = key
         self.last_load_seconds = time.perf_counter() - t0
