@@ -232,8 +232,9 @@ KERNEL_FORMATS = ["float8_e4m3fn", "int8_tensorwise", "int8_convrot", "nvfp4"]  
 def test_comfy_quant_kernel_layer_rows_equal_comfy_kitchens_linear(tmp_path, fmt):
     """On the kernel path a rank's rows of a layer give exactly those columns of what ComfyUI computes with the
     whole layer (F.linear on comfy-kitchen's QuantizedTensor: the input quantized to the weight's layout for
-    fp8/nvfp4, int8's per-row kernel), including rows that do not fill an nvfp4 block. Same arithmetic on a subset
-    of rows: equal to fp32 round-off (1e-6; BLAS may block a different row count differently)."""
+    fp8 (at scale 1, ComfyUI's fp8 layout without an input_scale) and nvfp4, int8's per-row kernel), including
+    rows that do not fill an nvfp4 block. Same arithmetic on a subset of rows: equal to fp32 round-off (1e-6;
+    BLAS may block a different row count differently)."""
     from parallel_runtime.models.stored import Storage
 
     torch.manual_seed(0)
@@ -241,7 +242,9 @@ def test_comfy_quant_kernel_layer_rows_equal_comfy_kitchens_linear(tmp_path, fmt
     path, qt = _one_layer_file(tmp_path, fmt, w, b)
     layout = FORMATS[fmt][0]
     if fmt in ("float8_e4m3fn", "nvfp4"):
-        whole = torch.nn.functional.linear(ck_tensor.QuantizedTensor.from_float(x.reshape(-1, 256), layout), qt, b)
+        scale = torch.ones(()) if fmt == "float8_e4m3fn" else None
+        rows = ck_tensor.QuantizedTensor.from_float(x.reshape(-1, 256), layout, scale=scale)
+        whole = torch.nn.functional.linear(rows, qt, b)
         whole = whole.reshape(2, 7, 200)
     else:
         whole = torch.nn.functional.linear(x, qt, b)
@@ -259,8 +262,8 @@ def test_comfy_quant_kernel_layer_rows_equal_comfy_kitchens_linear(tmp_path, fmt
 
 
 def test_comfy_quant_kernel_uses_the_files_input_scale_and_full_precision_flag(tmp_path):
-    """A stored `input_scale` quantizes the input statically (as ComfyUI passes it to from_float); a layer marked
-    `full_precision_matrix_mult` never takes the kernel."""
+    """A stored `input_scale` quantizes the input (as ComfyUI passes it to from_float), else scale 1 (ComfyUI's
+    fp8 layout); a layer marked `full_precision_matrix_mult` never takes the kernel."""
     from parallel_runtime.models.stored import Storage
 
     torch.manual_seed(1)
@@ -269,11 +272,15 @@ def test_comfy_quant_kernel_uses_the_files_input_scale_and_full_precision_flag(t
     path, qt = _one_layer_file(tmp_path, "float8_e4m3fn", w, b, input_scale=scale)
     static = torch.nn.functional.linear(
         ck_tensor.QuantizedTensor.from_float(x, "TensorCoreFP8Layout", scale=scale), qt, b)
-    dynamic = torch.nn.functional.linear(ck_tensor.QuantizedTensor.from_float(x, "TensorCoreFP8Layout"), qt, b)
+    unit = torch.nn.functional.linear(
+        ck_tensor.QuantizedTensor.from_float(x, "TensorCoreFP8Layout", scale=torch.ones(())), qt, b)
     storage = Storage(torch.float32, kernel_formats=frozenset({"float8_e4m3fn"}))
     with open_checkpoint(path) as reader:
         got = reader.read_kept("l.weight", None, None, "cpu").linear(b, storage)(x)
-    assert rel_err(got, static) <= 1e-6 < rel_err(got, dynamic)
+    assert rel_err(got, static) <= 1e-6 < rel_err(got, unit)
+    plain, _ = _one_layer_file(tmp_path, "float8_e4m3fn", w, b)
+    with open_checkpoint(plain) as reader:
+        assert rel_err(reader.read_kept("l.weight", None, None, "cpu").linear(b, storage)(x), unit) <= 1e-6
     flagged, _ = _one_layer_file(tmp_path, "nvfp4", w, b, conf={"full_precision_matrix_mult": True})
     with open_checkpoint(flagged) as reader:
         layer = reader.read_kept("l.weight", None, None, "cpu").linear(b, Storage(torch.float32,
@@ -304,16 +311,17 @@ def test_comfy_quant_kernel_formats_follow_comfyuis_device_rule(monkeypatch):
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert kernel_formats(cpu) == frozenset()  # ComfyUI disables every quantized matmul on a CPU
-    assert kernel_formats(cpu, "kernel") == frozenset(LAYOUTS) - {"mxfp8"}
+    # comfy-kitchen's eager CPU matmuls; none for mxfp8, and e5m2 inputs never reach _scaled_mm in ComfyUI
+    assert kernel_formats(cpu, "kernel") == frozenset(LAYOUTS) - {"mxfp8", "float8_e5m2"}
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch.version, "hip", None)
-    fp8 = {"float8_e4m3fn", "float8_e5m2"}
+    fp8 = {"float8_e4m3fn"}
     for capability, want in [((8, 0), {"int8_tensorwise"}),  # A100: int8 only
                              ((8, 9), {"int8_tensorwise", *fp8}),  # RTX 40 / L40S
                              ((9, 0), {"int8_tensorwise", *fp8}),  # H100: nvfp4/mxfp8 need Blackwell
-                             ((10, 0), set(LAYOUTS))]:  # B200 (torch 2.13 >= 2.10 for mxfp8)
+                             ((10, 0), set(LAYOUTS) - {"float8_e5m2"})]:  # B200 (torch 2.13 >= 2.10: mxfp8)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert kernel_formats(cuda) == want, capability
+        assert kernel_formats(cuda) == want == kernel_formats(cuda, "kernel"), capability  # a GPU: kernel = auto
         assert kernel_formats(cuda, "dequantize") == frozenset()
     with pytest.raises(ConfigError, match="quantized_matmul 'fast' is unknown; choose one of auto, dequantize"):
         kernel_formats(cpu, "fast")

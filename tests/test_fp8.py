@@ -201,9 +201,10 @@ def test_a_truncated_fp8_file_fails_in_one_sentence_and_the_next_job_runs(tmp_pa
 
 def test_fp8_scaled_file_multiplies_in_fp8_where_comfyui_does(tmp_path):
     """ComfyUI reads a scaled-fp8 file as float8_e4m3fn quantized layers, so where the device has the fp8 kernel
-    (or under quantized_matmul "kernel") a layer quantizes its input (the file's `scale_input`, or per call when
-    it is 1) and multiplies in fp8: exactly comfy-kitchen's F.linear on the same tensors (same arithmetic, 1e-6).
-    A plain fp8 file and a full-precision marker (2 elements) keep dequantize-then-matmul, as in ComfyUI."""
+    (or under quantized_matmul "kernel") a layer with a `scale_weight` quantizes its input (at the file's
+    `scale_input`, else 1, as ComfyUI's fp8 layout) and multiplies in fp8: exactly comfy-kitchen's F.linear on
+    the same tensors (same arithmetic, 1e-6). A layer without `scale_weight`, a plain fp8 file and a
+    full-precision marker (2 elements) keep dequantize-then-matmul, as in ComfyUI."""
     ck_tensor = pytest.importorskip("comfy_kitchen.tensor")
     from parallel_runtime.models.loading import open_checkpoint
     from parallel_runtime.models.mapping import Source, read_stored
@@ -216,8 +217,8 @@ def test_fp8_scaled_file_multiplies_in_fp8_where_comfyui_does(tmp_path):
         scale=scale, orig_dtype=torch.float32, orig_shape=(48, 64)))
     storage = Storage(torch.float32, kernel_formats=frozenset({"float8_e4m3fn"}))
 
-    def layer(marker, **extra):
-        sd = {"l.weight": q, "l.bias": b, "l.scale_weight": scale, **extra}
+    def layer(marker, unscaled=False, **extra):
+        sd = {"l.weight": q, "l.bias": b, **({} if unscaled else {"l.scale_weight": scale}), **extra}
         if marker is not None:
             sd["scaled_fp8"] = marker
         path = str(tmp_path / f"f{len(list(tmp_path.iterdir()))}.safetensors")
@@ -233,12 +234,13 @@ def test_fp8_scaled_file_multiplies_in_fp8_where_comfyui_does(tmp_path):
     marker = torch.empty(0, dtype=torch.float8_e4m3fn)
     static = layer(marker, **{"l.scale_input": torch.tensor(0.05)})
     assert static.kernel and rel_err(static(x), comfy(torch.tensor(0.05))) <= 1e-6
-    dynamic = layer(marker, **{"l.scale_input": torch.tensor(1.0)})
-    assert dynamic.kernel and rel_err(dynamic(x), comfy(None)) <= 1e-6
-    assert rel_err(dynamic(x), comfy(torch.tensor(0.05))) > 1e-4  # the two input scales really differ
+    unit = layer(marker, **{"l.scale_input": torch.tensor(1.0)})
+    assert unit.kernel and rel_err(unit(x), comfy(torch.ones(()))) <= 1e-6
+    assert rel_err(unit(x), comfy(torch.tensor(0.05))) > 1e-4  # the two input scales really differ
     for plain in (layer(None), layer(torch.zeros(2, dtype=torch.float8_e4m3fn))):
         assert not plain.kernel
         assert rel_err(plain(x), torch.nn.functional.linear(x, q.float() * scale, b)) <= 1e-6
+    assert not layer(marker, unscaled=True).kernel
 
 
 def test_fp8_scaled_file_kernel_path_at_two_workers(tmp_path, client2):

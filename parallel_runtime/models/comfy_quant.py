@@ -40,15 +40,26 @@ QUANTIZES_INPUT = {"float8_e4m3fn", "float8_e5m2", "mxfp8", "nvfp4"}
 QUANTIZED_MATMUL = ("auto", "dequantize", "kernel")  # the loader's switch, see kernel_formats
 
 
+_BACKENDS_SET = False
+
+
 def kitchen():
-    """comfy-kitchen, or one sentence saying how to get it."""
+    """comfy-kitchen, or one sentence saying how to get it; its backends set as ComfyUI's quant_ops sets them."""
+    global _BACKENDS_SET
     try:
+        import comfy_kitchen
         from comfy_kitchen import float_utils
         from comfy_kitchen.tensor import QuantizedTensor, get_layout_class
     except ImportError as exc:
         raise ModelFileError(f"this file is a ComfyUI quantized checkpoint, which needs the comfy-kitchen package "
                              f"({exc}); pip install packaging comfy-kitchen==0.2.40 into ComfyUI's Python (its "
                              f"py3-none-any wheel runs on any platform).") from None
+    if not _BACKENDS_SET:  # ComfyUI runs comfy-kitchen's CUDA kernels only with a CUDA 13 torch, never Triton's
+        cuda = torch.version.cuda
+        if cuda is None or tuple(int(p) for p in str(cuda).split(".")[:1]) < (13,):
+            comfy_kitchen.registry.disable("cuda")
+        comfy_kitchen.registry.disable("triton")
+        _BACKENDS_SET = True
     return QuantizedTensor, get_layout_class, float_utils
 
 
@@ -57,21 +68,19 @@ def kernel_formats(device: torch.device, mode: str = "auto") -> frozenset[str]:
 
     "auto" is ComfyUI's rule (comfy.ops.get_disabled_quant_formats): fp8 on NVIDIA compute capability 8.9+, int8 on
     any CUDA/ROCm GPU, nvfp4 on 10.0+, mxfp8 on 10.0+ with torch 2.10+; none on a CPU. "dequantize" forces
-    dequantize-then-matmul everywhere. "kernel" takes comfy-kitchen's matmul wherever it has one, its eager CPU
-    versions included (no mxfp8 on a CPU): ComfyUI's GPU arithmetic, checkable on any machine."""
+    dequantize-then-matmul everywhere. "kernel" also takes comfy-kitchen's eager CPU versions on a CPU (no mxfp8
+    there): ComfyUI's GPU arithmetic, checkable on any machine; on a GPU it is "auto". float8_e5m2 layers never
+    do: ComfyUI quantizes their input to e5m2, which torch._scaled_mm refuses, and falls back to dequantizing."""
     if mode not in QUANTIZED_MATMUL:
         raise ConfigError(f"quantized_matmul {mode!r} is unknown; choose one of {', '.join(QUANTIZED_MATMUL)}.")
-    fp8 = {"float8_e4m3fn", "float8_e5m2"}
     if mode == "dequantize":
         return frozenset()
-    if mode == "kernel":
-        return frozenset(LAYOUTS) - (set() if device.type == "cuda" else {"mxfp8"})
     if device.type != "cuda":
-        return frozenset()
+        return frozenset(LAYOUTS) - {"mxfp8", "float8_e5m2"} if mode == "kernel" else frozenset()
     formats = {"int8_tensorwise"}
     if torch.version.cuda is not None and torch.version.hip is None:
         major, minor = torch.cuda.get_device_capability(device)
-        formats |= fp8 if (major, minor) >= (8, 9) else set()
+        formats |= {"float8_e4m3fn"} if (major, minor) >= (8, 9) else set()
         formats |= {"nvfp4"} if major >= 10 else set()
         formats |= {"mxfp8"} if major >= 10 and tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 10) else set()
     return frozenset(formats)
@@ -171,7 +180,9 @@ def read_rows(reader, layer: str, conf: dict, rows: slice | None, transform: str
     if fmt == "mxfp8":  # comfy-kitchen's MXFP8 layout takes its block scales as `scale`
         scale, block_scale = block_scale, None
     pre_key, input_key = f"{layer}.pre_quant_scale", f"{layer}.input_scale"
-    pre_scale = reader.read_raw(pre_key, device=device).float().flatten() if pre_key in reader else None
+    # ComfyUI loads a pre_quant_scale for nvfp4 layers only (QUANT_ALGOS' parameters); others ignore it.
+    pre_scale = reader.read_raw(pre_key, device=device).float().flatten() \
+        if fmt == "nvfp4" and pre_key in reader else None
     input_scale = reader.read_raw(input_key, device=device).float().reshape(()) if input_key in reader else None
     return ComfyQuantWeight(fmt, data.contiguous(), scale, block_scale, _params(conf), (n, cols), pre_scale,
                             input_scale, bool(conf.get("full_precision_matrix_mult", False)))
@@ -226,8 +237,14 @@ class ComfyQuantLinear(torch.nn.Module):
         if self.fmt not in QUANTIZES_INPUT:  # comfy-kitchen's int8 linear quantizes the input per row itself
             return F.linear(x, weight, bias)
         quantized_tensor = kitchen()[0]
-        rows = quantized_tensor.from_float(x.reshape(-1, x.shape[-1]), LAYOUTS[self.fmt][0], scale=self.input_scale)
-        return F.linear(rows, weight, bias).reshape(*x.shape[:-1], self.out_features)
+        scale = self.input_scale
+        if scale is None and self.fmt == "float8_e4m3fn":  # ComfyUI's fp8 layout: no input_scale means 1
+            scale = torch.ones((), device=x.device, dtype=torch.float32)
+        rows = quantized_tensor.from_float(x.reshape(-1, x.shape[-1]), LAYOUTS[self.fmt][0], scale=scale)
+        padded = self.weight_data.shape[0] - self.out_features  # whole row blocks: the kernel's output is wider
+        if bias is not None and padded:
+            bias = F.pad(bias, (0, padded))
+        return F.linear(rows, weight, bias)[..., : self.out_features].reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         path = "kernel" if self.kernel else "dequantize"

@@ -66,8 +66,8 @@ def read_stored(reader, src: Source, storage: Storage, device, linear: str | Non
 
 
 def _input_scale(reader, weight_key: str, device) -> torch.Tensor | None:
-    """A scaled-fp8 layer's `scale_input`; none when it is 1 (ComfyUI drops those, so its kernel scales inputs
-    dynamically)."""
+    """A scaled-fp8 layer's `scale_input`; none when it is 1 (ComfyUI drops those; its fp8 kernel then quantizes
+    the input at scale 1 all the same)."""
     key = weight_key[: -len("weight")] + "scale_input"
     if key not in reader:
         return None

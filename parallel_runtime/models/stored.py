@@ -127,7 +127,9 @@ class Fp8Linear(torch.nn.Module):
         params = get_layout_class("TensorCoreFP8Layout").Params(scale=scale, orig_dtype=x.dtype,
                                                                 orig_shape=(self.out_features, self.in_features))
         weight = quantized_tensor(self.weight, "TensorCoreFP8Layout", params)
-        rows = quantized_tensor.from_float(x.reshape(-1, x.shape[-1]), "TensorCoreFP8Layout", scale=self.scale_input)
+        # ComfyUI's fp8 layout quantizes an input without a stored scale at scale 1 (clamped to the fp8 range)
+        input_scale = self.scale_input if self.scale_input is not None else torch.ones((), device=x.device)
+        rows = quantized_tensor.from_float(x.reshape(-1, x.shape[-1]), "TensorCoreFP8Layout", scale=input_scale)
         return F.linear(rows, weight, bias).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -174,7 +176,8 @@ class Fp8Weight:
         return tuple(self.weight.shape)
 
     def linear(self, bias: torch.Tensor | None, storage: "Storage | None" = None) -> torch.nn.Module:
-        kernel = storage is not None and storage.fp8_kernel(self.weight.dtype)
+        # ComfyUI makes only the layers with a `scale_weight` float8_e4m3fn quantized layers
+        kernel = storage is not None and self.scale is not None and storage.fp8_kernel(self.weight.dtype)
         return Fp8Linear(self.weight.contiguous(), bias, self.scale, self.input_scale, kernel)
 
 

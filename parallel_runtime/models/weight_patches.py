@@ -275,11 +275,12 @@ class RankWeightPatcher:
         tensors.update(model.named_buffers())
         self.params = {n: t for n, t in tensors.items() if t.device.type != "meta"}
         # Compact layers whose LoRA is added per call (GGUF and ComfyUI layouts always; fp8 where ComfyUI would hold
-        # it upcast).
+        # it upcast, or where it multiplies in fp8: then it is one of ComfyUI's quantized layers).
         from .comfy_quant import ComfyQuantLinear
 
         per_call = (GGUFLinear, ComfyQuantLinear) + (() if files.storage.bakes_fp8() else (Fp8Linear,))
-        self.per_call = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, per_call)}
+        self.per_call = {f"{n}.weight": m for n, m in model.named_modules()
+                         if isinstance(m, per_call) or (isinstance(m, Fp8Linear) and m.kernel)}
         self.linear_parts = {n: n.rpartition(".")[2] for n in linear_names(model)}
         self.targets, self.files = targets, files
         self.patched: set[str] = set()  # parameters that differ from the file

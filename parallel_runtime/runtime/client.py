@@ -250,8 +250,8 @@ class RuntimeClient:
                     tensors.update(job.weight_patches.tensors())
             self.last_strategy = job.strategy.label()
             # What a step costs depends on the model and its dtype too (and on whether cfg adds a branch).
-            key = (job.model.path, job.model.weight_dtype, job.strategy, tuple(job.latent.shape), job.sampling.steps,
-                   job.negative is not None)
+            key = (job.model.path, job.model.weight_dtype, job.model.quantized_matmul, job.strategy,
+                   tuple(job.latent.shape), job.sampling.steps, job.negative is not None)
             watch = JobWatch(self.watchdog, self.devices, self._step_estimates.get(key))
             t0 = time.perf_counter()
             self._send_all(encode("job", meta, tensors))
