@@ -245,8 +245,8 @@ def test_fp8_scaled_file_multiplies_in_fp8_where_comfyui_does(tmp_path):
 
 def test_fp8_scaled_file_kernel_path_at_two_workers(tmp_path, client2):
     """quantized_matmul "kernel" on a scaled-fp8 model: the fp8 input quantization moves the result from
-    dequantize-then-matmul (measured 3.2e-2 after 6 steps on this tiny random model), and Ulysses-2 agrees with
-    one worker to that noise (3.4e-2: round-off flips fp8 roundings of the inputs), not to round-off."""
+    dequantize-then-matmul (measured 3.9e-2 after 6 steps on this tiny random model), and Ulysses-2 agrees with
+    one worker to that noise (2.5e-2: round-off flips fp8 roundings of the inputs), not to round-off."""
     pytest.importorskip("comfy_kitchen.tensor")
     name = "kontext"
     quant, _ = fp8_twins(tmp_path, name, torch.float8_e4m3fn, scaled=True)

@@ -241,10 +241,9 @@ class ComfyQuantLinear(torch.nn.Module):
         if scale is None and self.fmt == "float8_e4m3fn":  # ComfyUI's fp8 layout: no input_scale means 1
             scale = torch.ones((), device=x.device, dtype=torch.float32)
         rows = quantized_tensor.from_float(x.reshape(-1, x.shape[-1]), LAYOUTS[self.fmt][0], scale=scale)
-        padded = self.weight_data.shape[0] - self.out_features  # whole row blocks: the kernel's output is wider
-        if bias is not None and padded:
-            bias = F.pad(bias, (0, padded))
-        return F.linear(rows, weight, bias)[..., : self.out_features].reshape(*x.shape[:-1], self.out_features)
+        # The layout's orig_shape gives the output its true width: a rank's rows padded to whole blocks (a fused
+        # tensor cut inside a block) are sliced off by comfy-kitchen, so the bias has out_features values.
+        return F.linear(rows, weight, bias).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         path = "kernel" if self.kernel else "dequantize"
