@@ -209,9 +209,8 @@ def parallel_model(handle: convert.ParaDiTModel):
     if config is None:
         raise convert.ConfigError(f"ComfyUI does not recognise {handle.name or handle.model.path} as a diffusion "
                                   f"model it can sample; choose a DiT file ParaDiT runs.")
-    dtype = _host_dtype(handle, sd, config, mm)
-    config.set_inference_dtype(dtype, mm.unet_manual_cast(dtype, mm.get_torch_device(),
-                                                          config.supported_inference_dtypes))
+    dtype, manual_cast = _host_dtypes(handle, sd, config, mm)
+    config.set_inference_dtype(dtype, manual_cast)
     config.unet_config["disable_unet_model_creation"] = True  # the DiT lives on the workers
     base = config.get_model(sd, "")
     base.diffusion_model = RemoteDiT(handle, dtype, base, {name: (tuple(t.shape), t.dtype) for name, t in sd.items()})
@@ -261,16 +260,20 @@ def _meta_state_dict(path: str) -> dict:
         return {k: torch.empty(reader.shape(k), dtype=reader.dtype(k), device="meta") for k in reader.keys()}
 
 
-def _host_dtype(handle, sd: dict, config, mm) -> torch.dtype:
-    """The dtype UNETLoader would pick for this file (or the loader's weight_dtype): the host casts the model's
-    input to it before each call, as for a model it holds."""
+def _host_dtypes(handle, sd: dict, config, mm) -> tuple[torch.dtype, torch.dtype | None]:
+    """(dtype, manual cast dtype) UNETLoader would pick for this file (or the loader's weight_dtype): the host casts
+    the model's input to it before each call, as for a model it holds. A ComfyUI-quantized file's stored dtypes
+    say nothing of its compute dtype: ComfyUI's loader then passes no weight dtype, and casts from none."""
+    import comfy.utils
+    from parallel_runtime.models.loading import open_checkpoint
     from parallel_runtime.runtime.devices import named_dtype
 
-    named = named_dtype(handle.model.weight_dtype)
-    if named is not None:
-        return named
-    import comfy.utils
-
-    return mm.unet_dtype(model_params=comfy.utils.calculate_parameters(sd),
-                         supported_dtypes=list(config.supported_inference_dtypes),
-                         weight_dtype=comfy.utils.weight_dtype(sd))
+    with open_checkpoint(handle.model.path) as reader:
+        quantized = bool(reader.quant_layers())
+    dtype = named_dtype(handle.model.weight_dtype)
+    if dtype is None:
+        dtype = mm.unet_dtype(model_params=comfy.utils.calculate_parameters(sd),
+                              supported_dtypes=list(config.supported_inference_dtypes),
+                              weight_dtype=None if quantized else comfy.utils.weight_dtype(sd))
+    return dtype, mm.unet_manual_cast(None if quantized else dtype, mm.get_torch_device(),
+                                      config.supported_inference_dtypes)

@@ -700,3 +700,36 @@ def test_patches_the_workers_cannot_apply_are_refused_by_name(value, what):
     patcher = FakePatcher({"diffusion_model.a.weight": [(1.0, value, 1.0, None, None)]})
     with pytest.raises(ConfigError, match=f"is a {what} patch, which the ParaDiT workers do not apply"):
         weight_patches_of(patcher, {"a.weight": (6, 4)})
+
+
+def test_host_dtypes_of_a_comfyui_quantized_file_ignore_its_stored_dtypes(tmp_path, monkeypatch):
+    """As ComfyUI's loader: a file with quantized layers passes no weight dtype to unet_dtype and casts from none
+    (its stored dtypes are int8/fp8/packed data, not the compute dtype); a plain file passes its own."""
+    ck_tensor = pytest.importorskip("comfy_kitchen.tensor")
+    from safetensors.torch import save_file
+
+    from nodes import remote_model
+
+    plain = {"a.weight": torch.randn(32, 32, dtype=torch.bfloat16)}
+    quant = dict(ck_tensor.QuantizedTensor.from_float(torch.randn(32, 32), "TensorWiseINT8Layout").state_dict("a.weight"))
+    quant["a.comfy_quant"] = torch.tensor(list(b'{"format": "int8_tensorwise"}'), dtype=torch.uint8)
+    calls = []
+    utils = types.ModuleType("comfy.utils")
+    utils.calculate_parameters = lambda sd: 1024
+    utils.weight_dtype = lambda sd: torch.bfloat16
+    comfy = types.ModuleType("comfy")
+    comfy.utils = utils
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    monkeypatch.setitem(sys.modules, "comfy.utils", utils)
+    mm = types.SimpleNamespace(
+        unet_dtype=lambda model_params, supported_dtypes, weight_dtype: calls.append(("unet", weight_dtype)) or torch.float16,
+        unet_manual_cast=lambda dtype, device, supported: calls.append(("cast", dtype)) or None,
+        get_torch_device=lambda: "cpu")
+    config = types.SimpleNamespace(supported_inference_dtypes=[torch.bfloat16, torch.float32])
+    for name, sd, want in (("plain", plain, torch.bfloat16), ("quant", quant, None)):
+        path = str(tmp_path / f"{name}.safetensors")
+        save_file(sd, path)
+        calls.clear()
+        handle = convert.model_handle(path, "default", "cpu:2", None)
+        assert remote_model._host_dtypes(handle, {}, config, mm) == (torch.float16, None)
+        assert calls == [("unet", want), ("cast", torch.float16 if want is not None else None)]
