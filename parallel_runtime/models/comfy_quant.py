@@ -188,6 +188,21 @@ def read_rows(reader, layer: str, conf: dict, rows: slice | None, transform: str
                             input_scale, bool(conf.get("full_precision_matrix_mult", False)))
 
 
+def kernel_linear(x: torch.Tensor, weight, fmt: str, input_scale: torch.Tensor | None,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """ComfyUI's quantized matmul of `x` by a comfy-kitchen QuantizedTensor `weight` of format `fmt`: fp8, nvfp4
+    and mxfp8 quantize the input to the weight's layout first (at `input_scale`; an fp8 input without one at 1,
+    as ComfyUI's fp8 layout does), int8's kernel quantizes it per row itself. The weight's orig_shape gives the
+    output its width (rows padded to whole blocks are sliced off), so `bias` has that many values."""
+    if fmt not in QUANTIZES_INPUT:
+        return F.linear(x, weight, bias)
+    if input_scale is None and fmt == "float8_e4m3fn":
+        input_scale = torch.ones((), device=x.device, dtype=torch.float32)
+    rows = kitchen()[0].from_float(x.reshape(-1, x.shape[-1]), LAYOUTS[fmt][0], scale=input_scale)
+    out = F.linear(rows, weight, bias)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 class ComfyQuantLinear(torch.nn.Module):
     """A Linear whose weight stays in a ComfyUI quantized layout on the rank. Each call rebuilds comfy-kitchen's
     QuantizedTensor from the rows it holds and, as ComfyUI's mixed-precision Linear: multiplies in the layout
@@ -233,17 +248,7 @@ class ComfyQuantLinear(torch.nn.Module):
             return F.linear(x, self.patch(self, x.dtype), bias)
         if not self.kernel:
             return F.linear(x, self.dequantized(x.dtype), bias)
-        weight = self.quantized(x.dtype)
-        if self.fmt not in QUANTIZES_INPUT:  # comfy-kitchen's int8 linear quantizes the input per row itself
-            return F.linear(x, weight, bias)
-        quantized_tensor = kitchen()[0]
-        scale = self.input_scale
-        if scale is None and self.fmt == "float8_e4m3fn":  # ComfyUI's fp8 layout: no input_scale means 1
-            scale = torch.ones((), device=x.device, dtype=torch.float32)
-        rows = quantized_tensor.from_float(x.reshape(-1, x.shape[-1]), LAYOUTS[self.fmt][0], scale=scale)
-        # The layout's orig_shape gives the output its true width: a rank's rows padded to whole blocks (a fused
-        # tensor cut inside a block) are sliced off by comfy-kitchen, so the bias has out_features values.
-        return F.linear(rows, weight, bias).reshape(*x.shape[:-1], self.out_features)
+        return kernel_linear(x, self.quantized(x.dtype), self.fmt, self.input_scale, bias)
 
     def extra_repr(self) -> str:
         path = "kernel" if self.kernel else "dequantize"

@@ -120,17 +120,13 @@ class Fp8Linear(torch.nn.Module):
         return F.linear(x * scale, weight, bias)
 
     def _fp8_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        from .comfy_quant import kitchen
+        from .comfy_quant import kernel_linear, kitchen
 
         quantized_tensor, get_layout_class, _ = kitchen()
-        scale = self.scale_weight if self.scale_weight is not None else torch.ones((), device=self.weight.device)
-        params = get_layout_class("TensorCoreFP8Layout").Params(scale=scale, orig_dtype=x.dtype,
+        params = get_layout_class("TensorCoreFP8Layout").Params(scale=self.scale_weight, orig_dtype=x.dtype,
                                                                 orig_shape=(self.out_features, self.in_features))
         weight = quantized_tensor(self.weight, "TensorCoreFP8Layout", params)
-        # ComfyUI's fp8 layout quantizes an input without a stored scale at scale 1 (clamped to the fp8 range)
-        input_scale = self.scale_input if self.scale_input is not None else torch.ones((), device=x.device)
-        rows = quantized_tensor.from_float(x.reshape(-1, x.shape[-1]), "TensorCoreFP8Layout", scale=input_scale)
-        return F.linear(rows, weight, bias).reshape(*x.shape[:-1], self.out_features)
+        return kernel_linear(x, weight, "float8_e4m3fn", self.scale_input, bias)
 
     def extra_repr(self) -> str:
         path = ", kernel" if self.kernel else ""
