@@ -331,6 +331,15 @@ def _matmul_job(name: str, path: str, mode: str, strategy=None):
     return dataclasses.replace(job((name, path), strategy), model=ModelSpec(path, quantized_matmul=mode))
 
 
+def _one_worker_latents(name: str, path: str, modes: tuple[str, ...]) -> list[torch.Tensor]:
+    """The latent of `path` at one worker under each quantized_matmul mode."""
+    one = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        return [one.run(_matmul_job(name, path, mode)).latent for mode in modes]
+    finally:
+        one.shutdown()
+
+
 def test_comfy_quant_kernel_path_runs_on_every_rank_int8_convrot(tmp_path, client2):
     """quantized_matmul "kernel" on int8_convrot (comfy-kitchen's eager int8 linear: W8A8, inputs quantized per
     row). It differs from dequantize-then-matmul by the input's quantization (measured 6.5e-3 after 6 steps),
@@ -339,13 +348,7 @@ def test_comfy_quant_kernel_path_runs_on_every_rank_int8_convrot(tmp_path, clien
     noise (measured 7.2e-3 / 6.7e-3), not to round-off; "dequantize" keeps them exact (the tests above)."""
     name = "kontext"
     quant, _ = comfy_quant_twins(tmp_path, name, "int8_convrot")
-    one = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        kernel = one.run(_matmul_job(name, quant, "kernel")).latent
-        plain = one.run(_matmul_job(name, quant, "dequantize")).latent
-        auto = one.run(_matmul_job(name, quant, "auto")).latent
-    finally:
-        one.shutdown()
+    kernel, plain, auto = _one_worker_latents(name, quant, ("kernel", "dequantize", "auto"))
     assert torch.equal(auto, plain)  # a CPU has no int8 kernel in ComfyUI's rule
     # Bounds: 3x the measured activation-quantization noise; a broken kernel call is off by O(1).
     assert 1e-4 < rel_err(kernel, plain) <= 2e-2
@@ -361,12 +364,7 @@ def test_comfy_quant_kernel_path_nvfp4_quantizes_inputs_like_comfyui(tmp_path, c
     on this tiny random model after 6 steps) and a Ulysses-2 run agrees with one worker to the same noise (0.11)."""
     name = "kontext"
     quant, _ = comfy_quant_twins(tmp_path, name, "nvfp4")
-    one = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        kernel = one.run(_matmul_job(name, quant, "kernel")).latent
-        plain = one.run(_matmul_job(name, quant, "dequantize")).latent
-    finally:
-        one.shutdown()
+    kernel, plain = _one_worker_latents(name, quant, ("kernel", "dequantize"))
     assert torch.isfinite(kernel).all()
     assert 1e-2 < rel_err(kernel, plain) <= 0.3  # ~3x the measured 4-bit input noise; garbage is O(1)
     assert rel_err(client2.run(_matmul_job(name, quant, "kernel", S(ulysses_degree=2))).latent, kernel) <= 0.3
