@@ -197,7 +197,7 @@ def parallel_model(handle: convert.ParaDiTModel):
     from parallel_runtime.validate import model_config
 
     model_config(handle.model.path)  # a file no family claims fails here, in one sentence naming what it is
-    sd = _meta_state_dict(handle.model.path)
+    sd, quantized = _meta_state_dict(handle.model.path)
     prefix = detection.unet_prefix_from_state_dict(sd)
     sd = comfy.utils.state_dict_prefix_replace(sd, {prefix: ""}, filter_keys=True) or sd
     config = detection.model_config_from_unet(sd, "")
@@ -209,7 +209,7 @@ def parallel_model(handle: convert.ParaDiTModel):
     if config is None:
         raise convert.ConfigError(f"ComfyUI does not recognise {handle.name or handle.model.path} as a diffusion "
                                   f"model it can sample; choose a DiT file ParaDiT runs.")
-    dtype, manual_cast = _host_dtypes(handle, sd, config, mm)
+    dtype, manual_cast = _host_dtypes(handle, sd, quantized, config, mm)
     config.set_inference_dtype(dtype, manual_cast)
     config.unet_config["disable_unet_model_creation"] = True  # the DiT lives on the workers
     base = config.get_model(sd, "")
@@ -251,25 +251,24 @@ def parameter_shapes(model) -> dict:
     return inner.parameter_shapes() if inner is not None else {}
 
 
-def _meta_state_dict(path: str) -> dict:
-    """The checkpoint's tensors as meta tensors of the stored shape and dtype: ComfyUI's detection reads only
-    names, shapes and dtypes, and nothing of the file's data is read here."""
+def _meta_state_dict(path: str) -> tuple[dict, bool]:
+    """The checkpoint's tensors as meta tensors of the stored shape and dtype (ComfyUI's detection reads only
+    names, shapes and dtypes, and nothing of the file's data is read here), and whether it has ComfyUI-quantized
+    layers."""
     from parallel_runtime.models.loading import open_checkpoint
 
     with open_checkpoint(path) as reader:
-        return {k: torch.empty(reader.shape(k), dtype=reader.dtype(k), device="meta") for k in reader.keys()}
+        sd = {k: torch.empty(reader.shape(k), dtype=reader.dtype(k), device="meta") for k in reader.keys()}
+        return sd, bool(reader.quant_layers())
 
 
-def _host_dtypes(handle, sd: dict, config, mm) -> tuple[torch.dtype, torch.dtype | None]:
+def _host_dtypes(handle, sd: dict, quantized: bool, config, mm) -> tuple[torch.dtype, torch.dtype | None]:
     """(dtype, manual cast dtype) UNETLoader would pick for this file (or the loader's weight_dtype): the host casts
     the model's input to it before each call, as for a model it holds. A ComfyUI-quantized file's stored dtypes
     say nothing of its compute dtype: ComfyUI's loader then passes no weight dtype, and casts from none."""
     import comfy.utils
-    from parallel_runtime.models.loading import open_checkpoint
     from parallel_runtime.runtime.devices import named_dtype
 
-    with open_checkpoint(handle.model.path) as reader:
-        quantized = bool(reader.quant_layers())
     dtype = named_dtype(handle.model.weight_dtype)
     if dtype is None:
         dtype = mm.unet_dtype(model_params=comfy.utils.calculate_parameters(sd),

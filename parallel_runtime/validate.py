@@ -148,13 +148,11 @@ def validate_references(name: str, c, config) -> None:
 
 
 def validate_job(job: Job, world_size: int) -> None:
-    from .models.comfy_quant import QUANTIZED_MATMUL
+    from .models.comfy_quant import check_quantized_matmul
 
     sp = job.sampling
     validate_numbers(job)
-    if job.model.quantized_matmul not in QUANTIZED_MATMUL:
-        raise ConfigError(f"quantized_matmul {job.model.quantized_matmul!r} is unknown; choose one of "
-                          f"{', '.join(QUANTIZED_MATMUL)}.")
+    check_quantized_matmul(job.model.quantized_matmul)
     if sp.sampler_name not in SAMPLERS:
         raise ConfigError(f"sampler {sp.sampler_name!r} is not supported by the parallel sampler; "
                           f"choose one of {', '.join(SAMPLERS)}.")

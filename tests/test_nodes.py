@@ -731,5 +731,7 @@ def test_host_dtypes_of_a_comfyui_quantized_file_ignore_its_stored_dtypes(tmp_pa
         save_file(sd, path)
         calls.clear()
         handle = convert.model_handle(path, "default", "cpu:2", None)
-        assert remote_model._host_dtypes(handle, {}, config, mm) == (torch.float16, None)
+        quantized = remote_model._meta_state_dict(path)[1]
+        assert quantized == (name == "quant")
+        assert remote_model._host_dtypes(handle, {}, quantized, config, mm) == (torch.float16, None)
         assert calls == [("unet", want), ("cast", torch.float16 if want is not None else None)]

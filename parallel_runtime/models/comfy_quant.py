@@ -56,11 +56,17 @@ def kitchen():
                              f"py3-none-any wheel runs on any platform).") from None
     if not _BACKENDS_SET:  # ComfyUI runs comfy-kitchen's CUDA kernels only with a CUDA 13 torch, never Triton's
         cuda = torch.version.cuda
-        if cuda is None or tuple(int(p) for p in str(cuda).split(".")[:1]) < (13,):
+        if cuda is None or int(str(cuda).split(".")[0]) < 13:
             comfy_kitchen.registry.disable("cuda")
         comfy_kitchen.registry.disable("triton")
         _BACKENDS_SET = True
     return QuantizedTensor, get_layout_class, float_utils
+
+
+def check_quantized_matmul(mode: str) -> None:
+    """One sentence for a quantized_matmul value that is none of the switch's."""
+    if mode not in QUANTIZED_MATMUL:
+        raise ConfigError(f"quantized_matmul {mode!r} is unknown; choose one of {', '.join(QUANTIZED_MATMUL)}.")
 
 
 def kernel_formats(device: torch.device, mode: str = "auto") -> frozenset[str]:
@@ -71,8 +77,7 @@ def kernel_formats(device: torch.device, mode: str = "auto") -> frozenset[str]:
     dequantize-then-matmul everywhere. "kernel" also takes comfy-kitchen's eager CPU versions on a CPU (no mxfp8
     there): ComfyUI's GPU arithmetic, checkable on any machine; on a GPU it is "auto". float8_e5m2 layers never
     do: ComfyUI quantizes their input to e5m2, which torch._scaled_mm refuses, and falls back to dequantizing."""
-    if mode not in QUANTIZED_MATMUL:
-        raise ConfigError(f"quantized_matmul {mode!r} is unknown; choose one of {', '.join(QUANTIZED_MATMUL)}.")
+    check_quantized_matmul(mode)
     if mode == "dequantize":
         return frozenset()
     if device.type != "cuda":

@@ -65,11 +65,12 @@ class Storage:
         reproduces per call on its fp8 weights (weight_patches.PatchedPerCall)."""
         return self.cast_fp8 is not None or self.scaled_fp8 is not None or self.fp8_compute
 
-    def fp8_kernel(self, stored: torch.dtype) -> bool:
-        """Whether a kept fp8 weight multiplies in fp8 (torch._scaled_mm through comfy-kitchen): ComfyUI reads a
-        scaled-fp8 file as float8_e4m3fn quantized layers, which take the kernel where the device has it."""
-        return (self.scaled_fp8 is not None and stored == torch.float8_e4m3fn and not self.scaled_full_precision
-                and "float8_e4m3fn" in self.kernel_formats)
+    def fp8_kernel(self, stored: torch.dtype, scaled: bool) -> bool:
+        """Whether a kept fp8 weight (`scaled`: with its own `scale_weight`) multiplies in fp8 (torch._scaled_mm
+        through comfy-kitchen): ComfyUI reads a scaled-fp8 file's layers that have a scale as float8_e4m3fn
+        quantized layers, which take the kernel where the device has it."""
+        return (scaled and self.scaled_fp8 is not None and stored == torch.float8_e4m3fn
+                and not self.scaled_full_precision and "float8_e4m3fn" in self.kernel_formats)
 
     def keeps_blocks(self, quant_format: str | None) -> bool:
         """Whether a linear weight stored in GGUF blocks or a ComfyUI layout stays so (a forced fp8 type casts it
@@ -172,8 +173,7 @@ class Fp8Weight:
         return tuple(self.weight.shape)
 
     def linear(self, bias: torch.Tensor | None, storage: "Storage | None" = None) -> torch.nn.Module:
-        # ComfyUI makes only the layers with a `scale_weight` float8_e4m3fn quantized layers
-        kernel = storage is not None and self.scale is not None and storage.fp8_kernel(self.weight.dtype)
+        kernel = storage is not None and storage.fp8_kernel(self.weight.dtype, self.scale is not None)
         return Fp8Linear(self.weight.contiguous(), bias, self.scale, self.input_scale, kernel)
 
 
