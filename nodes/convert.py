@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from parallel_runtime.errors import ConfigError
-from parallel_runtime.models.comfy_quant import QUANTIZED_MATMUL
+from parallel_runtime.weights.comfy_quant import QUANTIZED_MATMUL
 from parallel_runtime.runtime.devices import WEIGHT_DTYPES  # one list for the node and the workers
 from parallel_runtime.spec import Conditioning, ModelSpec, StrategySpec
 

@@ -255,7 +255,7 @@ def _meta_state_dict(path: str) -> tuple[dict, bool]:
     """The checkpoint's tensors as meta tensors of the stored shape and dtype (ComfyUI's detection reads only
     names, shapes and dtypes, and nothing of the file's data is read here), and whether it has ComfyUI-quantized
     layers."""
-    from parallel_runtime.models.loading import open_checkpoint
+    from parallel_runtime.weights.checkpoint import open_checkpoint
 
     with open_checkpoint(path) as reader:
         sd = {k: torch.empty(reader.shape(k), dtype=reader.dtype(k), device="meta") for k in reader.keys()}

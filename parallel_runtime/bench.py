@@ -31,11 +31,11 @@ import time
 
 import torch
 
-from .models.chroma import ChromaConfig
-from .models.flux import FluxConfig
-from .models.pixart import PixArtConfig
-from .models.qwen_image import QwenImageConfig
-from .models.sd3 import SD3Config
+from .models.families.chroma import ChromaConfig
+from .models.families.flux import FluxConfig
+from .models.families.pixart import PixArtConfig
+from .models.families.qwen_image import QwenImageConfig
+from .models.families.sd3 import SD3Config
 from .models.tiny import TINY
 from .planning import costmodel
 from .planning.traffic import compare, job_traffic, shapes_of
@@ -546,8 +546,8 @@ def run_in_process(path: str, latent_shape, text_tokens: int, cfg: float, steps:
 
 
 def _in_process_reference(spec: dict) -> None:
-    from .models.family import read_model
-    from .models.loading import open_checkpoint
+    from .models.registry import read_model
+    from .weights.checkpoint import open_checkpoint
     from .runtime.comm import Comm
     from .runtime.topology import Topology
     from .strategies.attention.processor import AttentionContext
@@ -606,8 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     def say(text: str = "") -> None:
         print(text, file=out_stream, flush=True)
 
-    from .models.family import family_of
-    from .models.flux import load_flux  # noqa: F401 - fail early if diffusers is missing
+    from .models.registry import family_of
+    from .models.families.flux import load_flux  # noqa: F401 - fail early if diffusers is missing
     from .models.tiny import write_checkpoint
     from .runtime.devices import parse_devices
     from .validate import model_config
@@ -652,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bench(args, say, path, config, model_name, latent_shape, image_tokens, devices, max_world, t_start,
            conditioning=None) -> int:
-    from .models.family import family_of
+    from .models.registry import family_of
     from .planning import auto
 
     num_blocks = config.num_blocks

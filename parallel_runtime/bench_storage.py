@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .bench import NAMED_MODELS, _fmt_table, make_job, rel_err, run_config
-from .models.comfy_quant import QUANTIZED_MATMUL
+from .weights.comfy_quant import QUANTIZED_MATMUL
 from .spec import ModelSpec, StrategySpec
 
 KINDS = ("fp32", "bf16", "fp8_e4m3fn", "Q8_0", "Q4_K", "fp8mixed", "int8_tensorwise", "int8_convrot", "mxfp8", "nvfp4")
@@ -104,9 +104,9 @@ def analytic_rank_bytes(path: str, weight_dtype: str, stage: int = 0, stages: in
     weights kept compact as stored (GGUF blocks and ComfyUI layouts with their scales, for the rank's rows; fp8
     at 1 byte plus a scaled file's 4-byte scale), cast to fp8 under an fp8 weight_dtype, every other tensor in the
     compute dtype (fp32 on CPU, bf16 under weight_dtype bf16)."""
-    from .models.family import read_model
-    from .models.loading import open_checkpoint
-    from .models.stored import FP8_DTYPES, scale_key
+    from .models.registry import read_model
+    from .weights.checkpoint import open_checkpoint
+    from .weights.storage import FP8_DTYPES, scale_key
 
     compute = 2 if weight_dtype == "bf16" else 4
     cast_fp8, keep = weight_dtype.startswith("fp8"), weight_dtype == "default"

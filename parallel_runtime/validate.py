@@ -15,8 +15,8 @@ from .spec import REFERENCE_METHODS, Job
 
 @lru_cache(maxsize=16)
 def _model_config(path: str, mtime_ns: int, size: int):
-    from .models.family import read_model
-    from .models.loading import open_checkpoint
+    from .models.registry import read_model
+    from .weights.checkpoint import open_checkpoint
 
     with open_checkpoint(path) as reader:
         return read_model(reader, os.path.basename(path))[2]
@@ -26,9 +26,9 @@ def _model_config(path: str, mtime_ns: int, size: int):
 def _compact_share(path: str, mtime_ns: int, size: int) -> tuple[float, bool, float]:
     """(bytes of the file's block-quantized tensors per parameter of the file, whether it stores tensors in fp8,
     the share of its parameters stored as plain floats)."""
-    from .models.comfy_quant import auxiliary_keys
-    from .models.loading import open_checkpoint
-    from .models.stored import FP8_DTYPES
+    from .weights.comfy_quant import auxiliary_keys
+    from .weights.checkpoint import open_checkpoint
+    from .weights.storage import FP8_DTYPES
 
     with open_checkpoint(path) as reader:
         # A ComfyUI quantized layer's scales and description count with its weight (stored_bytes), not as plain or
@@ -148,7 +148,7 @@ def validate_references(name: str, c, config) -> None:
 
 
 def validate_job(job: Job, world_size: int) -> None:
-    from .models.comfy_quant import check_quantized_matmul
+    from .weights.comfy_quant import check_quantized_matmul
 
     sp = job.sampling
     validate_numbers(job)
@@ -198,8 +198,8 @@ def validate_job(job: Job, world_size: int) -> None:
                           f"positions below an average side of {mean_side * 8} px; generate a larger image.")
     validate_branches(job)
     if job.weight_patches is not None:
-        from .models.family import family_of
-        from .models.weight_patches import validate_weight_patches
+        from .models.registry import family_of
+        from .weights.patches import validate_weight_patches
 
         family = family_of(config)
         validate_weight_patches(job.weight_patches, family.weight_patch_targets(config),

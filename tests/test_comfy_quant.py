@@ -23,7 +23,7 @@ from test_gguf import merged_twin  # noqa: E402
 from test_weight_patches import assert_lora_on_file, lora_stack, stacked  # noqa: E402
 from parallel_runtime.errors import ModelFileError  # noqa: E402
 from parallel_runtime.bench_storage import analytic_rank_bytes  # noqa: E402
-from parallel_runtime.models.loading import open_checkpoint  # noqa: E402
+from parallel_runtime.weights.checkpoint import open_checkpoint  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 from parallel_runtime.runtime.client import RuntimeClient  # noqa: E402
 from parallel_runtime.spec import ModelSpec  # noqa: E402
@@ -235,7 +235,7 @@ def test_comfy_quant_kernel_layer_rows_equal_comfy_kitchens_linear(tmp_path, fmt
     fp8 (at scale 1, ComfyUI's fp8 layout without an input_scale) and nvfp4, int8's per-row kernel), including
     rows that do not fill an nvfp4 block. Same arithmetic on a subset of rows: equal to fp32 round-off (1e-6;
     BLAS may block a different row count differently)."""
-    from parallel_runtime.models.stored import Storage
+    from parallel_runtime.weights.storage import Storage
 
     torch.manual_seed(0)
     w, b, x = torch.randn(200, 256), torch.randn(200), torch.randn(2, 7, 256)
@@ -264,7 +264,7 @@ def test_comfy_quant_kernel_layer_rows_equal_comfy_kitchens_linear(tmp_path, fmt
 def test_comfy_quant_kernel_uses_the_files_input_scale_and_full_precision_flag(tmp_path):
     """A stored `input_scale` quantizes the input (as ComfyUI passes it to from_float), else scale 1 (ComfyUI's
     fp8 layout); a layer marked `full_precision_matrix_mult` never takes the kernel."""
-    from parallel_runtime.models.stored import Storage
+    from parallel_runtime.weights.storage import Storage
 
     torch.manual_seed(1)
     w, b, x = torch.randn(64, 128), torch.randn(64), torch.randn(9, 128)
@@ -291,7 +291,7 @@ def test_comfy_quant_kernel_uses_the_files_input_scale_and_full_precision_flag(t
 
 def test_comfy_quant_pre_quant_scale_and_lora_as_comfyui_nvfp4(tmp_path):
     """ComfyUI multiplies the input by `pre_quant_scale` and patches the stored weight: (x * s) @ (W + dW)^T + b."""
-    from parallel_runtime.models.stored import Storage
+    from parallel_runtime.weights.storage import Storage
 
     torch.manual_seed(2)
     w, b, x, s = torch.randn(32, 64), torch.randn(32), torch.randn(5, 64), torch.linspace(0.5, 2.0, 64)
@@ -307,7 +307,7 @@ def test_comfy_quant_pre_quant_scale_and_lora_as_comfyui_nvfp4(tmp_path):
 
 def test_comfy_quant_kernel_formats_follow_comfyuis_device_rule(monkeypatch):
     from parallel_runtime.errors import ConfigError
-    from parallel_runtime.models.comfy_quant import LAYOUTS, kernel_formats
+    from parallel_runtime.weights.comfy_quant import LAYOUTS, kernel_formats
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert kernel_formats(cpu) == frozenset()  # ComfyUI disables every quantized matmul on a CPU

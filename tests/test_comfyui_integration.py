@@ -47,11 +47,11 @@ import torch  # noqa: E402
 from safetensors.torch import load as load_safetensors  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from parallel_runtime.models.chroma import ChromaConfig  # noqa: E402
-from parallel_runtime.models.flux import FluxConfig  # noqa: E402
-from parallel_runtime.models.pixart import PixArtConfig  # noqa: E402
-from parallel_runtime.models.qwen_image import QwenImageConfig  # noqa: E402
-from parallel_runtime.models.sd3 import SD3Config  # noqa: E402
+from parallel_runtime.models.families.chroma import ChromaConfig  # noqa: E402
+from parallel_runtime.models.families.flux import FluxConfig  # noqa: E402
+from parallel_runtime.models.families.pixart import PixArtConfig  # noqa: E402
+from parallel_runtime.models.families.qwen_image import QwenImageConfig  # noqa: E402
+from parallel_runtime.models.families.sd3 import SD3Config  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,7 +158,7 @@ def write_gguf_model(folder: str) -> None:
     from gguf.quants import quantize
     from safetensors.torch import load_file
 
-    from parallel_runtime.models.gguf_file import dequantize_blocks
+    from parallel_runtime.weights.gguf_file import dequantize_blocks
 
     prefix = "model.diffusion_model."
     base = load_file(os.path.join(folder, MODEL))

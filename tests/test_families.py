@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from conftest import rel_err
-from parallel_runtime.models.chroma import ChromaConfig
-from parallel_runtime.models.family import read_model
-from parallel_runtime.models.flux import FluxConfig
-from parallel_runtime.models.loading import CheckpointReader
-from parallel_runtime.models.pixart import PixArtConfig
-from parallel_runtime.models.qwen_image import QwenImageConfig
-from parallel_runtime.models.sd3 import SD3Config
+from parallel_runtime.models.families.chroma import ChromaConfig
+from parallel_runtime.models.registry import read_model
+from parallel_runtime.models.families.flux import FluxConfig
+from parallel_runtime.weights.checkpoint import CheckpointReader
+from parallel_runtime.models.families.pixart import PixArtConfig
+from parallel_runtime.models.families.qwen_image import QwenImageConfig
+from parallel_runtime.models.families.sd3 import SD3Config
 from parallel_runtime.models.tiny import write_checkpoint
 from parallel_runtime.planning.traffic import job_traffic, shapes_of
 from parallel_runtime.runtime.client import RuntimeClient

@@ -11,10 +11,11 @@ from safetensors.torch import load_file, save_file
 
 from parallel_runtime.planning import costmodel
 from parallel_runtime.errors import ModelFileError
-from parallel_runtime.models.loading import CheckpointReader
-from parallel_runtime.models.family import Match, detect_family, family_of, families, read_model
-from parallel_runtime.models.flux_adapter import FLUX
-from parallel_runtime.models.flux_adapter import parameter_counts, pipeline_stages
+from parallel_runtime.weights.checkpoint import CheckpointReader
+from parallel_runtime.models.family import Match
+from parallel_runtime.models.registry import detect_family, family_of, families, read_model
+from parallel_runtime.models.families.flux_adapter import FLUX
+from parallel_runtime.models.families.flux_adapter import parameter_counts, pipeline_stages
 from parallel_runtime.models.tiny import TINY, write_checkpoint
 from parallel_runtime.validate import model_config
 

@@ -18,8 +18,8 @@ from test_families import FAMILIES, assert_two_workers_equal_one, job
 from test_weight_patches import assert_lora_on_file, lora_stack, merged_file, stacked
 from parallel_runtime.errors import ModelFileError
 from parallel_runtime.bench_storage import analytic_rank_bytes
-from parallel_runtime.models.stored import FP8_DTYPES
-from parallel_runtime.models.weight_patches import stochastic_round, string_to_seed
+from parallel_runtime.weights.storage import FP8_DTYPES
+from parallel_runtime.weights.patches import stochastic_round, string_to_seed
 from parallel_runtime.models.tiny import write_checkpoint
 from parallel_runtime.runtime.client import RuntimeClient
 from parallel_runtime.spec import ModelSpec
@@ -206,9 +206,10 @@ def test_fp8_scaled_file_multiplies_in_fp8_where_comfyui_does(tmp_path):
     the same tensors (same arithmetic, 1e-6). A layer without `scale_weight`, a plain fp8 file and a
     full-precision marker (2 elements) keep dequantize-then-matmul, as in ComfyUI."""
     ck_tensor = pytest.importorskip("comfy_kitchen.tensor")
-    from parallel_runtime.models.loading import open_checkpoint
-    from parallel_runtime.models.mapping import Source, read_stored
-    from parallel_runtime.models.stored import Storage
+    from parallel_runtime.weights.checkpoint import open_checkpoint
+    from parallel_runtime.weights.keymap import Source
+    from parallel_runtime.weights.mapping import read_stored
+    from parallel_runtime.weights.storage import Storage
 
     torch.manual_seed(5)
     w, b, x = torch.randn(48, 64), torch.randn(48), torch.randn(3, 5, 64)

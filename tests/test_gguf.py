@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize as reference  # noqa: E402
 from gguf.quants import quantize  # noqa: E402
 
-from parallel_runtime.models.gguf_quants import BLOCKS, dequantize, row_bytes  # noqa: E402
+from parallel_runtime.weights.gguf_quants import BLOCKS, dequantize, row_bytes  # noqa: E402
 
 ROWS, VALUES = 6, 512  # two K super-blocks, sixteen 32-blocks per row
 
@@ -65,10 +65,10 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from conftest import rel_err  # noqa: E402
 from test_families import FAMILIES, assert_two_workers_equal_one, job  # noqa: E402
 from parallel_runtime.errors import ModelFileError  # noqa: E402
-from parallel_runtime.models.family import read_model  # noqa: E402
-from parallel_runtime.models.gguf_file import dequantize_blocks  # noqa: E402
+from parallel_runtime.models.registry import read_model  # noqa: E402
+from parallel_runtime.weights.gguf_file import dequantize_blocks  # noqa: E402
 from parallel_runtime.bench_storage import analytic_rank_bytes  # noqa: E402
-from parallel_runtime.models.loading import open_checkpoint  # noqa: E402
+from parallel_runtime.weights.checkpoint import open_checkpoint  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 from parallel_runtime.runtime.client import RuntimeClient  # noqa: E402
 from parallel_runtime.spec import StrategySpec as S  # noqa: E402

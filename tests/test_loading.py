@@ -8,18 +8,10 @@ import torch
 from safetensors.torch import save_file
 
 from parallel_runtime.errors import ModelFileError
-from parallel_runtime.models.loading import CheckpointReader, parameter_bytes
-from parallel_runtime.models.flux import (
-    FluxConfig,
-    Source,
-    detect_layout,
-    diffusers_param_names,
-    infer_config,
-    load_flux,
-    source_map,
-)
+from parallel_runtime.weights.checkpoint import CheckpointReader, parameter_bytes
+from parallel_runtime.models.families.flux import FluxConfig, Source, detect_layout, diffusers_param_names, infer_config, load_flux, source_map
 from parallel_runtime.models.family import Match
-from parallel_runtime.models.flux_adapter import FLUX
+from parallel_runtime.models.families.flux_adapter import FLUX
 from parallel_runtime.models.tiny import BENCH, TINY, write_checkpoint
 
 
@@ -190,7 +182,7 @@ def test_full_width_bf16_checkpoint(tmp_path):
         from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
     except ImportError:  # internal diffusers API; the rest of the suite covers the map
         return
-    from parallel_runtime.models.flux import apply_transform
+    from parallel_runtime.weights.keymap import apply_transform
 
     with CheckpointReader(path) as r:
         theirs = convert_flux_transformer_checkpoint_to_diffusers({k: r.read(k) for k in r.keys()})

@@ -13,8 +13,8 @@ import torch
 
 from conftest import rel_err
 from test_families import FAMILIES, LATENT_SIZE, conditioning
-from parallel_runtime.models.family import read_model
-from parallel_runtime.models.loading import CheckpointReader
+from parallel_runtime.models.registry import read_model
+from parallel_runtime.weights.checkpoint import CheckpointReader
 from parallel_runtime.models.tiny import write_checkpoint
 from parallel_runtime.runtime.client import RuntimeClient
 from parallel_runtime.sampling import cfg_combine, final_latent, ksampler_sigmas, prepare_noise, start_latent

@@ -14,7 +14,7 @@ import torch
 from conftest import make_job, rel_err
 from parallel_runtime.runtime.client import RuntimeClient
 from parallel_runtime.errors import Cancelled, WorkerError
-from parallel_runtime.models.flux import FluxConfig
+from parallel_runtime.models.families.flux import FluxConfig
 from parallel_runtime.models.tiny import TINY, write_checkpoint
 from parallel_runtime.spec import StrategySpec as S
 
@@ -153,8 +153,8 @@ def test_pipefusion_ranks_hold_a_quarter_of_the_blocks(client4, tmp_path):
     config = FluxConfig(hidden_size=128, num_heads=4, head_dim=32, num_layers=4, num_single_layers=0,
                         context_dim=64, pooled_dim=32)
     path = write_checkpoint(str(tmp_path / "equal-blocks.safetensors"), config, seed=1)
-    from parallel_runtime.models.loading import parameter_bytes
-    from parallel_runtime.models.flux import load_flux
+    from parallel_runtime.weights.checkpoint import parameter_bytes
+    from parallel_runtime.models.families.flux import load_flux
 
     _, full = load_flux(path)
     block_bytes = parameter_bytes(full.transformer_blocks)

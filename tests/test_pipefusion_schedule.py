@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from parallel_runtime.models.flux_adapter import FluxAdapter
+from parallel_runtime.models.families.flux_adapter import FluxAdapter
 from parallel_runtime.sampling import FLUX_LATENT, model_sampling_for
 
 from parallel_runtime.strategies.attention.processor import AttentionContext

@@ -115,7 +115,7 @@ def test_protocol_carries_tensors_without_pickle():
 
 
 def test_pipeline_stages_balance_work_within_the_memory_cap():
-    from parallel_runtime.strategies.pipefusion import split_stages
+    from parallel_runtime.planning.stages import split_stages
 
     # Real Flux-dev: 19 double blocks (36 h^2 of weights) then 38 single (15 h^2); equal work per block.
     memory = [36] * 19 + [15] * 38
@@ -132,8 +132,8 @@ def test_pipeline_stages_balance_work_within_the_memory_cap():
 
 
 def test_flux_pipeline_ranks_hold_two_interleaved_chunks_when_that_balances_work_and_weights():
-    from parallel_runtime.models.flux import FluxConfig
-    from parallel_runtime.models.flux_adapter import block_costs, pipeline_stages
+    from parallel_runtime.models.families.flux import FluxConfig
+    from parallel_runtime.models.families.flux_adapter import block_costs, pipeline_stages
 
     dev = FluxConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=19, num_single_layers=38)
     weights = block_costs(dev)
@@ -252,7 +252,7 @@ def test_devices_auto_without_a_gpu_says_so_in_one_sentence_before_loading():
 
 def test_sd35_medium_pipeline_ranks_fit_the_memory_cap_with_the_position_table_counted():
     from parallel_runtime.bench import BENCH_FAMILIES, RELEASE_SHAPES
-    from parallel_runtime.models.family import family_of
+    from parallel_runtime.models.registry import family_of
 
     for config in (BENCH_FAMILIES["sd35_medium"], RELEASE_SHAPES["sd35_medium"][0]):
         family = family_of(config)

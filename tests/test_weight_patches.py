@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 from conftest import rel_err
 from test_families import FAMILIES, job
 from parallel_runtime.errors import ConfigError
-from parallel_runtime.models.family import family_of
+from parallel_runtime.models.registry import family_of
 from parallel_runtime.models.tiny import write_checkpoint
-from parallel_runtime.models.weight_patches import patched_weight
+from parallel_runtime.weights.patches import patched_weight
 from parallel_runtime.runtime.client import RuntimeClient
 from parallel_runtime.spec import WeightPatch, WeightPatches
 from parallel_runtime.spec import StrategySpec as S

@@ -4,15 +4,15 @@ A family reads a checkpoint's keys (does this file belong to me, in which key la
 from tensor shapes alone, builds the blocks one rank owns, and wraps the built model in an adapter: the
 object strategies call (token layout, positions, embeddings, the ordered block list, the head). Planning
 (PipeFusion stages, the cost model, memory) asks the family for block costs and parameter counts.
-Strategies never import a family module; adding a family is a module plus an entry in FAMILIES.
+Strategies never import a family module; the families (`families/`) import this seam, and `registry` lists
+them, so adding a family is a module there plus one line in `registry`.
 """
 from __future__ import annotations
 
 import functools
-import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -69,7 +69,7 @@ class ModelFamily(Protocol):
         """(per block, always owned, first stage only, last stage only) parameter counts."""
 
     def source_map(self, config, layout: str, prefix: str = "") -> dict:
-        """Every diffusers parameter name -> its `mapping.Source` in a checkpoint of `layout`."""
+        """Every diffusers parameter name -> its `keymap.Source` in a checkpoint of `layout`."""
 
     def checkpoint_shapes(self, config) -> dict[str, tuple[tuple[int, ...], str]]:
         """{original-layout key: (shape, kind)} of a complete file, for writing random test checkpoints."""
@@ -131,7 +131,7 @@ class DiTFamily:
     match: Callable[[list[str]], Match | None]
     infer_config: Callable  # (reader, match, name) -> config
     meta_model: Callable[[object], torch.nn.Module]  # config -> the diffusers model on the meta device
-    source_map: Callable  # (config, layout, prefix) -> {parameter: mapping.Source}
+    source_map: Callable  # (config, layout, prefix) -> {parameter: keymap.Source}
     checkpoint_shapes: Callable  # config -> {original key: (shape, kind)}
     adapter_class: type
     block_lists: tuple[str, ...]  # the model's ModuleLists of blocks, in pipeline order
@@ -142,7 +142,7 @@ class DiTFamily:
     after_build: Callable[[torch.nn.Module], None] | None = None  # settings the key map cannot carry (eps, ...)
 
     def build(self, config, reader, match: Match, owned, dtype, device, smap: dict | None = None) -> torch.nn.Module:
-        from .mapping import build_from_map
+        from ..weights.mapping import build_from_map
 
         smap = smap if smap is not None else self.source_map(config, match.layout, match.prefix)
         model = build_from_map(self.meta_model(config), smap, reader,
@@ -156,12 +156,12 @@ class DiTFamily:
         return _parameter_counts(self, config)
 
     def pipeline_stages(self, config, stages: int) -> list[list[range]]:
-        from .flux_adapter import balanced_stages
+        from ..planning.stages import balanced_stages
 
         return balanced_stages(self.parameter_counts(config), stages)
 
     def stage_ownership(self, config, chunks: list[range], first: bool, last: bool) -> Callable[[str], bool]:
-        from .flux_adapter import prefix_ownership
+        from ..planning.stages import prefix_ownership
 
         return prefix_ownership(self.block_lists, _block_list_sizes(self, config), chunks, self.always_owned,
                                 self.first_stage if first else (), self.last_stage if last else ())
@@ -176,7 +176,7 @@ class DiTFamily:
 
 @functools.lru_cache(maxsize=32)
 def _parameter_counts(family: DiTFamily, config) -> tuple[tuple[int, ...], int, int, int]:
-    from .mapping import parameter_counts
+    from ..weights.mapping import parameter_counts
 
     model = family.meta_model(config)
     blocks = [block for attr in family.block_lists for block in getattr(model, attr)]
@@ -185,7 +185,7 @@ def _parameter_counts(family: DiTFamily, config) -> tuple[tuple[int, ...], int, 
 
 @functools.lru_cache(maxsize=8)
 def _weight_patch_targets(family: DiTFamily, config) -> dict:
-    from .weight_patches import patch_targets
+    from ..weights.patches import patch_targets
 
     return patch_targets(family.source_map(config, family.comfy_layout))
 
@@ -194,44 +194,6 @@ def _weight_patch_targets(family: DiTFamily, config) -> dict:
 def _block_list_sizes(family: DiTFamily, config) -> tuple[int, ...]:
     model = family.meta_model(config)
     return tuple(len(getattr(model, attr)) for attr in family.block_lists)
-
-
-def families() -> list[ModelFamily]:
-    """Every family the runtime runs, in detection order (imported lazily: diffusers is heavy)."""
-    from .chroma import CHROMA
-    from .flux_adapter import FLUX
-    from .pixart import PIXART
-    from .qwen_image import QWEN_IMAGE
-    from .sd3 import SD3
-
-    return [FLUX, CHROMA, SD3, QWEN_IMAGE, PIXART]
-
-
-def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:
-    """The family and key layout of a checkpoint, or one sentence naming what the file looks like."""
-    keys = list(keys)
-    for family in families():
-        match = family.match(keys)
-        if match is not None:
-            return family, match
-    supported = ", ".join(f.title for f in families())
-    raise ModelFileError(f"{name} is not a DiT checkpoint ParaDiT runs ({describe_keys(keys)}); ParaDiT runs "
-                         f"{supported}: choose one of those from models/diffusion_models.")
-
-
-def family_of(config) -> ModelFamily:
-    """The family a config belongs to (each config class names its family)."""
-    for family in families():
-        if family.name == config.family:
-            return family
-    raise ValueError(f"no model family named {config.family!r}")
-
-
-def read_model(reader, name: str | None = None):
-    """(family, match, config) of an open checkpoint, from its header only."""
-    name = name or os.path.basename(getattr(reader, "path", "checkpoint"))
-    family, match = detect_family(reader.keys(), name)
-    return family, match, family.infer_config(reader, match, name)
 
 
 def describe_keys(keys: list[str]) -> str:

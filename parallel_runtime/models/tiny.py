@@ -1,4 +1,4 @@
-"""Small Flux configs and a writer of deterministic random Flux checkpoints (for tests/benchmarks)."""
+"""Small Flux configs and a writer of deterministic random checkpoints of any family (for tests/benchmarks)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from .flux import TIME_FEATURES, FluxConfig
-from .mapping import apply_transform
+from ..weights.keymap import apply_transform
+from .families.flux import FluxConfig
 
 TINY = FluxConfig(
     hidden_size=128,
@@ -33,52 +33,9 @@ _BIAS_STD = 0.02
 _NORM_STD = 0.05  # RMSNorm scales ~ 1 +- 0.05
 
 
-def bfl_tensor_shapes(config: FluxConfig, prefix: str = "") -> dict[str, tuple[tuple[int, ...], str]]:
-    """``{bfl_key: (shape, kind)}`` in a fixed order; kind is "weight", "mod", "bias" or "norm"."""
-    H, M, hd = config.hidden_size, config.mlp_hidden, config.head_dim
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
-
-    def linear(name: str, n_out: int, n_in: int, kind: str = "weight") -> None:
-        out[f"{prefix}{name}.weight"] = ((n_out, n_in), kind)
-        out[f"{prefix}{name}.bias"] = ((n_out,), "bias")
-
-    def norm(name: str) -> None:
-        out[f"{prefix}{name}.scale"] = ((hd,), "norm")
-
-    linear("img_in", H, config.in_channels)
-    linear("time_in.in_layer", H, TIME_FEATURES)
-    linear("time_in.out_layer", H, H)
-    linear("vector_in.in_layer", H, config.pooled_dim)
-    linear("vector_in.out_layer", H, H)
-    if config.guidance_embeds:
-        linear("guidance_in.in_layer", H, TIME_FEATURES)
-        linear("guidance_in.out_layer", H, H)
-    linear("txt_in", H, config.context_dim)
-    for i in range(config.num_layers):
-        b = f"double_blocks.{i}"
-        for stream in ("img", "txt"):
-            linear(f"{b}.{stream}_mod.lin", 6 * H, H, "mod")
-            linear(f"{b}.{stream}_attn.qkv", 3 * H, H)
-            norm(f"{b}.{stream}_attn.norm.query_norm")
-            norm(f"{b}.{stream}_attn.norm.key_norm")
-            linear(f"{b}.{stream}_attn.proj", H, H)
-            linear(f"{b}.{stream}_mlp.0", M, H)
-            linear(f"{b}.{stream}_mlp.2", H, M)
-    for i in range(config.num_single_layers):
-        b = f"single_blocks.{i}"
-        linear(f"{b}.linear1", 3 * H + M, H)
-        linear(f"{b}.linear2", H, H + M)
-        norm(f"{b}.norm.query_norm")
-        norm(f"{b}.norm.key_norm")
-        linear(f"{b}.modulation.lin", 3 * H, H, "mod")
-    linear("final_layer.linear", config.out_channels, H)
-    linear("final_layer.adaLN_modulation.1", 2 * H, H, "mod")
-    return out
-
-
 def _random_original(config, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Random tensors for every key of the family's original (ComfyUI) layout, in a fixed order."""
-    from .family import family_of
+    from .registry import family_of
 
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     tensors: dict[str, torch.Tensor] = {}
@@ -112,7 +69,7 @@ def write_checkpoint(
     The numbers depend only on ``config`` and ``seed``: an original file and its "diffusers"
     twin hold exactly the same values (the latter via our own key map).
     """
-    from .family import family_of
+    from .registry import family_of
 
     path = os.fspath(path)
     bfl = _random_original(config, seed, dtype)

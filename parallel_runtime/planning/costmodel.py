@@ -481,7 +481,7 @@ class Projection:
 @functools.lru_cache(maxsize=64)
 def _stages(config, stages: int) -> tuple[tuple[range, ...], ...]:
     """Per PipeFusion rank, the block ranges (chunks) it runs, as the workers split them."""
-    from ..models.family import family_of
+    from ..models.registry import family_of
 
     return tuple(tuple(chunks) for chunks in family_of(config).pipeline_stages(config, stages))
 
@@ -610,7 +610,7 @@ class ParamLayout:
 
 
 def param_layout(config) -> ParamLayout:
-    from ..models.family import family_of
+    from ..models.registry import family_of
 
     blocks, always, first, last = family_of(config).parameter_counts(config)
     return ParamLayout(list(blocks), always, first, last)

@@ -73,7 +73,7 @@ class Shapes:
 def shapes_of(config, *, image_tokens: int, text_tokens: int, pipefusion: int = 1, batch: int = 1,
               act_bytes: int = 4) -> Shapes:
     """The byte counts' inputs for a family's config, PipeFusion stages split as the workers split them."""
-    from ..models.family import family_of
+    from ..models.registry import family_of
 
     stages = (tuple(tuple(chunks) for chunks in family_of(config).pipeline_stages(config, pipefusion))
               if pipefusion > 1 else ())

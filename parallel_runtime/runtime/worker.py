@@ -46,16 +46,16 @@ class WorkerState:
         self.groups = None  # comm.GroupPool: process groups kept across jobs and topologies
         self.cancel = threading.Event()
         self.last_load_seconds = 0.0
-        self.patcher = None  # models.weight_patches.RankWeightPatcher of the loaded model
+        self.patcher = None  # weights.patches.RankWeightPatcher of the loaded model
         self.weight_patches = None  # the last WeightPatches the client sent (kept for a reload)
 
     # -- model ---------------------------------------------------------------------------------------
 
     def ensure_model(self, model_spec: dict, topology) -> bool:
         """Load the blocks this rank's pipeline stage owns; returns True if it had to (re)load."""
-        from ..models.family import read_model
-        from ..models.loading import open_checkpoint
-        from ..models.weight_patches import FileParameters, RankWeightPatcher
+        from ..models.registry import read_model
+        from ..weights.checkpoint import open_checkpoint
+        from ..weights.patches import FileParameters, RankWeightPatcher
         from ..strategies.attention.processor import AttentionContext
 
         path = model_spec["path"]
@@ -144,8 +144,8 @@ def resolve_storage(name: str, device: torch.device, quantized_matmul: str = "au
     """How the rank stores the weights: a file's fp8 linear weights stay fp8 and its GGUF blocks stay blocks under
     'default' (as ComfyUI and ComfyUI-GGUF keep them), an fp8 weight_dtype casts every linear weight to fp8;
     bf16/fp16/fp32 store everything in that. `quantized_matmul` picks how ComfyUI-quantized layers multiply."""
-    from ..models.comfy_quant import kernel_formats
-    from ..models.stored import Storage
+    from ..weights.comfy_quant import kernel_formats
+    from ..weights.storage import Storage
     from .devices import named_dtype
 
     fp8 = name.startswith("fp8")
@@ -178,7 +178,7 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
 
     Nothing before the go touches a process group, so a rank that fails to load leaves its peers idle and
     the group intact; the client aborts the others and keeps every worker."""
-    from ..models.loading import parameter_bytes
+    from ..weights.checkpoint import parameter_bytes
     from .topology import Topology
 
     job = _job_from_message(meta, tensors)
@@ -201,7 +201,7 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
 
 
 def _denoise(state: WorkerState, chan: Channel, job, topology, pulse) -> tuple[dict, torch.Tensor | None]:
-    from ..models.loading import parameter_bytes
+    from ..weights.checkpoint import parameter_bytes
     from ..strategies.denoise import Denoiser
     from ..strategies.model_call import ModelCallForward
 
@@ -284,7 +284,7 @@ def _error_meta(exc: BaseException, state: WorkerState, phase: str) -> dict:
 
 
 def serve(state: WorkerState, chan: Channel, heartbeat_s: float) -> None:
-    from ..models.loading import parameter_bytes
+    from ..weights.checkpoint import parameter_bytes
     from .memory import worker_report
     from .watchdog import Heartbeat
 

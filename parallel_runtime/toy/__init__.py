@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from ..models.flux import FluxConfig
+from ..models.families.flux import FluxConfig
 
 WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 MODEL_FILE = "toy-flux.safetensors"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from safetensors.torch import save_file
 
-from ..models.flux import FluxConfig, apply_transform, source_map
-from ..models.tiny import bfl_tensor_shapes
+from ..models.families.flux import FluxConfig, bfl_tensor_shapes, source_map
+from ..weights.keymap import apply_transform
 
 
 def bfl_state_dict(config: FluxConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from ..models.flux import FluxConfig
-from ..models.flux_adapter import FluxAdapter
+from ..models.families.flux import FluxConfig
+from ..models.families.flux_adapter import FluxAdapter
 from ..sampling.flow import flux_time_shift, model_sampling_for
 from ..strategies.attention.processor import AttentionContext
 from . import CODEC_FILE, MODEL_FILE, TOY_FLUX, WEIGHTS_DIR, scenes
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_round_trip(path: str, model) -> None:
     """The written file, read back through the runtime's loader, holds the trained weights (to fp16)."""
-    from ..models.flux import load_flux
+    from ..models.families.flux import load_flux
 
     config, loaded = load_flux(path)
     if config != TOY_FLUX:

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import rel_err
-from parallel_runtime.models.comfy_quant import kernel_formats
-from parallel_runtime.models.loading import open_checkpoint
-from parallel_runtime.models.stored import Storage
+from parallel_runtime.weights.comfy_quant import kernel_formats
+from parallel_runtime.weights.checkpoint import open_checkpoint
+from parallel_runtime.weights.storage import Storage
 
 ck_tensor = pytest.importorskip("comfy_kitchen.tensor")
 pytestmark = pytest.mark.timeout(600)

@@ -10,9 +10,9 @@ import torch
 
 from conftest import make_conditioning
 from parallel_runtime.runtime.client import RuntimeClient
-from parallel_runtime.models.loading import CheckpointReader
-from parallel_runtime.models.flux import FluxConfig, load_flux, match
-from parallel_runtime.models.flux_adapter import FLUX, FluxAdapter, parameter_counts, pipeline_stages, stage_ownership
+from parallel_runtime.weights.checkpoint import CheckpointReader
+from parallel_runtime.models.families.flux import FluxConfig, load_flux, match
+from parallel_runtime.models.families.flux_adapter import FLUX, FluxAdapter, parameter_counts, pipeline_stages, stage_ownership
 from parallel_runtime.models.tiny import write_checkpoint
 from parallel_runtime.sampling import ksampler_sigmas, model_sampling_for
 from parallel_runtime.spec import Job, ModelSpec, SamplingSpec, StrategySpec

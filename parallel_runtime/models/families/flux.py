@@ -24,10 +24,10 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..errors import ModelFileError
-from .family import JointAttentionConfig
-from .loading import open_checkpoint
-from .mapping import Source, apply_transform, block_count, linear, same_names  # noqa: F401 (apply_transform re-exported)
+from ...errors import ModelFileError
+from ...weights.checkpoint import open_checkpoint
+from ...weights.keymap import Source, block_count, linear, same_names
+from ..family import JointAttentionConfig
 
 LAYOUTS = ("bfl", "diffusers")
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
@@ -173,7 +173,7 @@ def match_layout(keys: Iterable[str]) -> tuple[str, str] | None:
 
 def detect_layout(keys: Iterable[str], name: str = "checkpoint") -> tuple[str, str]:
     """Return ``(layout, prefix)`` for a Flux DiT checkpoint's keys, else raise ModelFileError."""
-    from .family import describe_keys
+    from ..family import describe_keys
 
     keys = list(keys)
     found = match_layout(keys)
@@ -332,6 +332,49 @@ def source_map(config: FluxConfig, layout: str, prefix: str = "") -> dict[str, S
     return out
 
 
+def bfl_tensor_shapes(config: FluxConfig, prefix: str = "") -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{bfl_key: (shape, kind)}`` in a fixed order; kind is "weight", "mod", "bias" or "norm"."""
+    H, M, hd = config.hidden_size, config.mlp_hidden, config.head_dim
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+
+    def linear(name: str, n_out: int, n_in: int, kind: str = "weight") -> None:
+        out[f"{prefix}{name}.weight"] = ((n_out, n_in), kind)
+        out[f"{prefix}{name}.bias"] = ((n_out,), "bias")
+
+    def norm(name: str) -> None:
+        out[f"{prefix}{name}.scale"] = ((hd,), "norm")
+
+    linear("img_in", H, config.in_channels)
+    linear("time_in.in_layer", H, TIME_FEATURES)
+    linear("time_in.out_layer", H, H)
+    linear("vector_in.in_layer", H, config.pooled_dim)
+    linear("vector_in.out_layer", H, H)
+    if config.guidance_embeds:
+        linear("guidance_in.in_layer", H, TIME_FEATURES)
+        linear("guidance_in.out_layer", H, H)
+    linear("txt_in", H, config.context_dim)
+    for i in range(config.num_layers):
+        b = f"double_blocks.{i}"
+        for stream in ("img", "txt"):
+            linear(f"{b}.{stream}_mod.lin", 6 * H, H, "mod")
+            linear(f"{b}.{stream}_attn.qkv", 3 * H, H)
+            norm(f"{b}.{stream}_attn.norm.query_norm")
+            norm(f"{b}.{stream}_attn.norm.key_norm")
+            linear(f"{b}.{stream}_attn.proj", H, H)
+            linear(f"{b}.{stream}_mlp.0", M, H)
+            linear(f"{b}.{stream}_mlp.2", H, M)
+    for i in range(config.num_single_layers):
+        b = f"single_blocks.{i}"
+        linear(f"{b}.linear1", 3 * H + M, H)
+        linear(f"{b}.linear2", H, H + M)
+        norm(f"{b}.norm.query_norm")
+        norm(f"{b}.norm.key_norm")
+        linear(f"{b}.modulation.lin", 3 * H, H, "mod")
+    linear("final_layer.linear", config.out_channels, H)
+    linear("final_layer.adaLN_modulation.1", 2 * H, H, "mod")
+    return out
+
+
 # ----------------------------------------------------------------------------------
 # Building (the family object, FLUX, lives beside the adapter in flux_adapter.py)
 # ----------------------------------------------------------------------------------
@@ -344,7 +387,7 @@ def meta_model(config: FluxConfig) -> torch.nn.Module:
 
 
 def match(keys: list[str]):
-    from .family import Match
+    from ..family import Match
 
     found = match_layout(keys)
     return None if found is None else Match(*found)

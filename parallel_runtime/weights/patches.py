@@ -3,7 +3,7 @@ the checkpoint.
 
 ComfyUI patches a weight by name (its own parameter names, which are the checkpoint keys of the family's
 ComfyUI layout): it upcasts the weight to float32, adds each patch of its list in order (comfy/lora.py's
-calculate_weight) and casts back. A rank holds diffusers parameters cut from those tensors (`mapping.Source`:
+calculate_weight) and casts back. A rank holds diffusers parameters cut from those tensors (`keymap.Source`:
 rows, a transform), so `RankWeightPatcher` rebuilds each patched tensor from the original parameters it
 came from, runs the same arithmetic on it, and writes the rows back. A new LoRA stack, or none, starts from the
 file's weights again: the touched tensors are read again from the file (`FileParameters`), the model is not
@@ -28,8 +28,11 @@ import torch
 
 from ..errors import ConfigError
 from ..spec import PATCH_FUNCTIONS, PATCH_SLOTS, WeightPatch, WeightPatches
-from .mapping import Source, apply_transform, read_stored
-from .stored import FP8_DTYPES, Fp8Linear, Fp8Weight, GGUFLinear, Storage, linear_names
+from .fp8 import Fp8Linear, Fp8Weight
+from .gguf_file import GGUFLinear
+from .keymap import Source, apply_transform
+from .mapping import read_stored
+from .storage import FP8_DTYPES, Storage, linear_names
 
 COMFY_PREFIX = "diffusion_model."  # ComfyUI's name for a DiT parameter: the seed of its stochastic rounding
 
@@ -191,7 +194,7 @@ class FileParameters:
         self._reader = None
 
     def __enter__(self) -> "FileParameters":
-        from .loading import open_checkpoint
+        from .checkpoint import open_checkpoint
 
         self._reader = open_checkpoint(self.path)
         return self

@@ -1,9 +1,9 @@
 """Lazy, per-rank reading of GGUF diffusion-model files (ComfyUI-GGUF's `.gguf` DiTs).
 
 The `gguf` package parses the file (memory-mapped; nothing is unpickled) and this class gives it the same
-interface as `loading.CheckpointReader`: header-only `keys`/`shape`/`dtype`, and `read` of one tensor (or a
+interface as `checkpoint.CheckpointReader`: header-only `keys`/`shape`/`dtype`, and `read` of one tensor (or a
 range of its rows), dequantized. A quantized linear weight is instead taken as its raw blocks
-(`read_quantized`), which the rank keeps and dequantizes per layer when it runs (`stored.GGUFLinear`).
+(`read_quantized`), which the rank keeps and dequantizes per layer when it runs (`GGUFLinear`).
 
 Tensor names are the original checkpoint's (ComfyUI-GGUF's converter keeps them), so the model families
 detect a GGUF file by its keys exactly as they detect a safetensors one; `general.architecture` only turns
@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import ModelFileError
 from . import gguf_quants
+from .keymap import apply_transform
+from .storage import KeptLinear
 
 # `general.architecture` values of the image models ComfyUI-GGUF converts (its IMG_ARCH_LIST) and the names
 # users know them by; any other value is a text encoder, an LLM or a vision tower.
@@ -121,10 +125,7 @@ class GGUFCheckpoint:
         return _own(raw, raw.to(device))
 
     def read_kept(self, key: str, rows: slice | None, transform: str | None, device):
-        """The raw blocks of a quantized weight's `rows` as a rank keeps them (stored.GGUFWeight)."""
-        from .mapping import apply_transform
-        from .stored import GGUFWeight
-
+        """The raw blocks of a quantized weight's `rows` as a rank keeps them (GGUFWeight)."""
         blocks = apply_transform(self.read_quantized(key, rows=rows, device=device), transform)
         return GGUFWeight(blocks, self.quant_format(key), (blocks.shape[0], self.shape(key)[1]))
 
@@ -218,3 +219,39 @@ def dequantize_blocks(raw: torch.Tensor, fmt: str, shape: tuple[int, ...],
     gguf = _gguf()
     values = gguf.quants.dequantize(raw.cpu().numpy(), getattr(gguf.GGMLQuantizationType, fmt))
     return torch.from_numpy(values).reshape(shape).to(device=raw.device, dtype=dtype)
+
+
+class GGUFLinear(KeptLinear):
+    """A Linear whose weight stays in GGUF blocks on the rank (uint8 [out, bytes per row], a buffer: it is not a
+    float parameter); each call dequantizes it to the input's dtype, as ComfyUI-GGUF's layers do. A LoRA is
+    applied per call too (`patch`, see patches.PatchedPerCall), so the patched weight is never held."""
+
+    def __init__(self, blocks: torch.Tensor, quant_format: str, shape: tuple[int, int], bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = shape
+        self.quant_format = quant_format
+        self.register_buffer("weight_blocks", blocks)
+        self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.patch = None  # callable(layer, dtype) -> patched weight, set while a LoRA is applied
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_blocks(self.weight_blocks, self.quant_format, (self.out_features, self.in_features), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.patch(self, x.dtype) if self.patch is not None else self.dequantized(x.dtype)
+        return F.linear(x, weight, self.bias.to(x.dtype) if self.bias is not None else None)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.quant_format}"
+
+
+@dataclass
+class GGUFWeight:
+    """A linear weight a rank keeps in GGUF blocks: its rows' raw bytes and the block format."""
+
+    blocks: torch.Tensor
+    quant_format: str
+    shape: tuple[int, int]
+
+    def linear(self, bias: torch.Tensor | None, storage=None) -> torch.nn.Module:
+        return GGUFLinear(self.blocks.contiguous(), self.quant_format, self.shape, bias)

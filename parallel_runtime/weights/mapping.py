@@ -1,40 +1,22 @@
-"""From checkpoint tensors to a diffusers module tree: the key map's vocabulary and the one builder.
+"""From checkpoint tensors to a diffusers module tree: the one per-rank builder.
 
-A family's key map says, for every parameter of its diffusers model, which checkpoint tensor (and which
-rows of it) it comes from (`Source`). `build_from_map` then builds the model on the meta device and reads
-only the parameters a rank owns, so every family loads lazily and per rank the same way.
+A family's key map (`keymap.Source` per parameter of its diffusers model) says which checkpoint tensor, and
+which rows of it, each parameter comes from. `build_from_map` builds the model on the meta device and reads
+only the parameters a rank owns, each as its storage kind keeps it, so every family loads lazily and per rank
+the same way.
 """
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ..errors import ModelFileError
-from .stored import Fp8Weight, Storage, install_kept_linears, linear_names, scale_key
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where a diffusers parameter comes from: ``transform(file[key][rows])``."""
-
-    key: str
-    rows: slice | None = None
-    transform: str | None = None  # None or "swap_halves"
-
-
-def apply_transform(tensor: torch.Tensor, transform: str | None) -> torch.Tensor:
-    if transform is None:
-        return tensor
-    if transform == "swap_halves":
-        # The original final/pre-only modulations are (shift, scale); diffusers' AdaLayerNormContinuous
-        # chunks (scale, shift).
-        first, second = tensor.chunk(2, dim=0)
-        return torch.cat([second, first], dim=0)
-    raise ValueError(f"unknown transform {transform!r}")
+from .fp8 import Fp8Weight
+from .keymap import Source, apply_transform
+from .storage import Storage, install_kept_linears, linear_names, scale_key
 
 
 def read_source(reader, src: Source, dtype: torch.dtype | None, device) -> torch.Tensor:
@@ -75,12 +57,6 @@ def _input_scale(reader, weight_key: str, device) -> torch.Tensor | None:
     return None if value.item() == 1.0 else value
 
 
-def linear(out: dict, dst: str, src: str, rows: slice | None = None, transform: str | None = None) -> None:
-    """Map a Linear's weight and bias (the same rows of both)."""
-    out[f"{dst}.weight"] = Source(f"{src}.weight", rows, transform)
-    out[f"{dst}.bias"] = Source(f"{src}.bias", rows, transform)
-
-
 def drop_unowned_blocks(model: torch.nn.Module, block_lists: tuple[str, ...], wanted: list[str]) -> None:
     """Replace every block that owns no wanted parameter by Identity, so it holds no (meta) tensors."""
     pattern = re.compile(r"(" + "|".join(map(re.escape, block_lists)) + r")\.(\d+)\.")
@@ -97,7 +73,7 @@ def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, bloc
                    dtype: torch.dtype | Storage = torch.float32, device: str | torch.device = "cpu") -> torch.nn.Module:
     """Fill a meta-device `model` with the parameters `owned` selects, read through `smap` from `reader`.
 
-    `what` names the model in errors ("Flux.1 DiT"); `dtype`: the compute dtype, or a `stored.Storage` (fp8
+    `what` names the model in errors ("Flux.1 DiT"); `dtype`: the compute dtype, or a `storage.Storage` (fp8
     linear weights kept fp8, GGUF and ComfyUI-quantized ones in their layouts). Blocks owning nothing become
     Identity; other parameters not owned stay on meta, so touching them fails loudly instead of computing garbage.
     """
@@ -121,7 +97,7 @@ def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, bloc
 
     state: dict[str, torch.Tensor] = {}
     linears = linear_names(model)
-    kept_linears: dict = {}  # module name -> the weight its compact layer keeps (stored.install_kept_linears)
+    kept_linears: dict = {}  # module name -> the weight its compact layer keeps (storage.install_kept_linears)
     for n in wanted:
         src = smap[n]
         part = n.rpartition(".")[2] if n in linears else None  # "weight" or "bias" of a Linear
@@ -145,11 +121,6 @@ def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, bloc
     return model
 
 
-def same_names(names, prefix: str = "") -> dict[str, Source]:
-    """The key map of a diffusers-layout file: every parameter under its own name (after `prefix`)."""
-    return {n: Source(prefix + n) for n in names}
-
-
 def parameter_counts(model: torch.nn.Module, blocks: list[torch.nn.Module], always: tuple[str, ...],
                      first: tuple[str, ...], last: tuple[str, ...]) -> tuple[tuple[int, ...], int, int, int]:
     """(per block, every stage's, the first stage's, the last stage's) element counts of what a meta-device
@@ -158,23 +129,3 @@ def parameter_counts(model: torch.nn.Module, blocks: list[torch.nn.Module], alwa
     state = model.state_dict()
     shared = [sum(t.numel() for n, t in state.items() if n.startswith(prefixes)) for prefixes in (always, first, last)]
     return (tuple(sum(t.numel() for t in b.state_dict().values()) for b in blocks), *shared)
-
-
-def block_count(keys: list[str], prefix: str, block: str, name: str) -> int:
-    """How many `{prefix}{block}.N.` blocks a checkpoint has; a gap in the numbering means a damaged file."""
-    pat = re.compile(re.escape(prefix + block) + r"\.(\d+)\.")
-    idx = {int(m.group(1)) for k in keys if (m := pat.match(k))}
-    if not idx:
-        return 0
-    n = max(idx) + 1
-    missing = sorted(set(range(n)) - idx)
-    if missing:
-        raise ModelFileError(
-            f"{name} has no tensors for {prefix}{block}.{missing[0]} although it has {block} up to {n - 1}; "
-            f"the file is incomplete, so re-download it.")
-    return n
-
-
-def has_block(keys: list[str], prefix: str, block: str) -> bool:
-    pat = re.compile(re.escape(prefix + block) + r"\.\d+\.")
-    return any(pat.match(k) for k in keys)

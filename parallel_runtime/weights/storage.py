@@ -1,5 +1,8 @@
-"""How a rank stores a checkpoint's weights and computes with them: fp8 kept fp8, GGUF blocks kept as blocks,
-computed as ComfyUI (and ComfyUI-GGUF) do.
+"""How a rank stores a checkpoint's weights: the one rule (`Storage`) and the base of every compact layer.
+
+The storage kinds themselves live beside it: `fp8` (fp8 and scaled-fp8 weights), `gguf_file` (GGUF blocks) and
+`comfy_quant` (ComfyUI's quantized layouts through comfy-kitchen); each layer subclasses `KeptLinear`, so this
+module imports none of them.
 
 ComfyUI keeps an fp8 file's linear weights in fp8 and upcasts each one to the compute dtype when its layer
 runs ("manual cast"); a scaled-fp8 file (ComfyUI's `scaled_fp8` marker and a `scale_weight` per layer)
@@ -15,7 +18,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 SCALED_FP8_MARKER = "scaled_fp8"  # ComfyUI's key for "this file's fp8 weights carry per-layer scales"
@@ -62,7 +64,7 @@ class Storage:
     def bakes_fp8(self) -> bool:
         """Whether ComfyUI would hold this model's fp8 weights in fp8, so a LoRA is baked back into fp8 (with its
         stochastic rounding); else ComfyUI holds them upcast and adds the LoRA in the compute dtype, which a rank
-        reproduces per call on its fp8 weights (weight_patches.PatchedPerCall)."""
+        reproduces per call on its fp8 weights (patches.PatchedPerCall)."""
         return self.cast_fp8 is not None or self.scaled_fp8 is not None or self.fp8_compute
 
     def fp8_kernel(self, stored: torch.dtype, scaled: bool) -> bool:
@@ -86,120 +88,25 @@ def scale_key(weight_key: str) -> str:
     return weight_key[: -len("weight")] + "scale_weight"
 
 
-class Fp8Linear(torch.nn.Module):
-    """A Linear whose weight stays in fp8 on the rank; each call upcasts it to the input's dtype (and applies
-    the file's per-tensor scale on the side ComfyUI applies it: the smaller of weight and input), or, on the
-    `kernel` path, quantizes the input to fp8 and multiplies in fp8 as ComfyUI's float8_e4m3fn layers do."""
+class KeptLinear(torch.nn.Module):
+    """A Linear whose weight a rank keeps compact (fp8, GGUF blocks, a ComfyUI layout): each storage kind
+    subclasses it, so the builder and the LoRA patcher find every such layer without importing the kinds.
+    `patch` is set while a LoRA is added per call (patches.PatchedPerCall)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
-                 input_scale: torch.Tensor | None = None, kernel: bool = False):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.register_buffer("scale_weight", scale.reshape(()).float() if scale is not None else None)
-        self.register_buffer("scale_input", input_scale.reshape(()).float() if input_scale is not None else None)
-        self.kernel = kernel
-        self.patch = None  # callable(layer, dtype) -> patched weight, while a LoRA is added per call
+    out_features: int
+    in_features: int
+    patch = None  # callable(layer, dtype) -> patched weight
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        weight = self.weight.to(dtype)
-        return weight * self.scale_weight.to(dtype) if self.scale_weight is not None else weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias.to(x.dtype) if self.bias is not None else None
-        if self.patch is not None:
-            return F.linear(x, self.patch(self, x.dtype), bias)
-        if self.kernel:
-            return self._fp8_matmul(x, bias)
-        weight = self.weight.to(x.dtype)
-        if self.scale_weight is None:
-            return F.linear(x, weight, bias)
-        scale = self.scale_weight.to(x.dtype)
-        if weight.numel() < x.numel():
-            return F.linear(x, weight * scale, bias)
-        return F.linear(x * scale, weight, bias)
-
-    def _fp8_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        from .comfy_quant import kernel_linear, kitchen
-
-        quantized_tensor, get_layout_class, _ = kitchen()
-        params = get_layout_class("TensorCoreFP8Layout").Params(scale=self.scale_weight, orig_dtype=x.dtype,
-                                                                orig_shape=(self.out_features, self.in_features))
-        weight = quantized_tensor(self.weight, "TensorCoreFP8Layout", params)
-        return kernel_linear(x, weight, "float8_e4m3fn", self.scale_input, bias)
-
-    def extra_repr(self) -> str:
-        path = ", kernel" if self.kernel else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight.dtype}{path}"
-
-
-class GGUFLinear(torch.nn.Module):
-    """A Linear whose weight stays in GGUF blocks on the rank (uint8 [out, bytes per row], a buffer: it is not a
-    float parameter); each call dequantizes it to the input's dtype, as ComfyUI-GGUF's layers do. A LoRA is
-    applied per call too (`patch`, see weight_patches.PatchedPerCall), so the patched weight is never held."""
-
-    def __init__(self, blocks: torch.Tensor, quant_format: str, shape: tuple[int, int], bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = shape
-        self.quant_format = quant_format
-        self.register_buffer("weight_blocks", blocks)
-        self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.patch = None  # callable(layer, dtype) -> patched weight, set while a LoRA is applied
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        from .gguf_file import dequantize_blocks
-
-        return dequantize_blocks(self.weight_blocks, self.quant_format, (self.out_features, self.in_features), dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.patch(self, x.dtype) if self.patch is not None else self.dequantized(x.dtype)
-        return F.linear(x, weight, self.bias.to(x.dtype) if self.bias is not None else None)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.quant_format}"
-
-
-@dataclass
-class Fp8Weight:
-    """A linear weight a rank keeps in fp8 (with the file's per-tensor scale, if any)."""
-
-    weight: torch.Tensor
-    scale: torch.Tensor | None
-    input_scale: torch.Tensor | None = None  # a scaled file's `scale_input` (its fp8 kernel's static input scale)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.weight.shape)
-
-    def linear(self, bias: torch.Tensor | None, storage: "Storage | None" = None) -> torch.nn.Module:
-        kernel = storage is not None and storage.fp8_kernel(self.weight.dtype, self.scale is not None)
-        return Fp8Linear(self.weight.contiguous(), bias, self.scale, self.input_scale, kernel)
-
-
-@dataclass
-class GGUFWeight:
-    """A linear weight a rank keeps in GGUF blocks: its rows' raw bytes and the block format."""
-
-    blocks: torch.Tensor
-    quant_format: str
-    shape: tuple[int, int]
-
-    def linear(self, bias: torch.Tensor | None, storage: "Storage | None" = None) -> torch.nn.Module:
-        return GGUFLinear(self.blocks.contiguous(), self.quant_format, self.shape, bias)
-
-
-def _kept_linears() -> tuple[type, ...]:
-    from .comfy_quant import ComfyQuantLinear
-
-    return Fp8Linear, GGUFLinear, ComfyQuantLinear
+        """The whole weight in `dtype`."""
+        raise NotImplementedError
 
 
 def linear_names(model: torch.nn.Module) -> dict[str, str]:
     """`<module>.weight` and `<module>.bias` -> module name, for every linear layer of a model (nn.Linear, and
     the layers that keep their weight compact)."""
     return {f"{name}.{p}": name for name, m in model.named_modules()
-            if isinstance(m, (torch.nn.Linear, *_kept_linears())) for p in ("weight", "bias")}
+            if isinstance(m, (torch.nn.Linear, KeptLinear)) for p in ("weight", "bias")}
 
 
 def install_kept_linears(model: torch.nn.Module, weights: dict, storage: Storage | None = None) -> None:

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ModelFileError
-from ..sampling import SD3_LATENT, FluxModelSampling
-from .family import DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
+from ...errors import ModelFileError
+from ...sampling import SD3_LATENT, FluxModelSampling
+from ...weights.keymap import Source, block_count, has_block, linear, same_names
+from ...weights.storage import compute_placement
+from ..family import DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 from .flux_adapter import FluxAdapter, channels_first, patch_conv
-from .mapping import Source, block_count, has_block, linear, same_names
-from .stored import compute_placement
 
 HEAD_DIM = 64  # every SD3 release; ComfyUI's MMDiT derives heads = hidden / 64
 ALWAYS_OWNED = ("time_text_embed.",)

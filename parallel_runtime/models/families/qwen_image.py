@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ModelFileError
-from ..sampling import WAN21_LATENT, model_sampling_for
-from ..strategies.attention.processor import ParallelFluxAttnProcessor
-from .family import DiTFamily, Match, OneBlockListConfig
+from ...errors import ModelFileError
+from ...sampling import WAN21_LATENT, model_sampling_for
+from ...strategies.attention.processor import ParallelFluxAttnProcessor
+from ...weights.keymap import Source, block_count, has_block
+from ...weights.storage import compute_placement
+from ..family import DiTFamily, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, default_axes_dims_rope
 from .flux_adapter import FluxAdapter, grid_ids, reference_placements
-from .mapping import Source, block_count, has_block
-from .stored import compute_placement
 
 ALWAYS_OWNED = ("time_text_embed.",)
 FIRST_STAGE = ("img_in.", "txt_norm.", "txt_in.")

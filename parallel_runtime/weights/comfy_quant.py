@@ -14,7 +14,7 @@ it per row itself. Elsewhere (every CPU), or under the `dequantize` switch, it d
 compute dtype and runs `F.linear`, as ComfyUI does on devices without the kernel. nvfp4 and mxfp8 block scales
 are stored swizzled in 128 x 4 tiles; a rank unswizzles, takes its rows and swizzles them again, so a fused
 tensor cut by rows (Flux's q/k/v) stays exact. A LoRA is added per call to the dequantized weight
-(weight_patches.PatchedPerCall), as ComfyUI's dynamic-VRAM path patches a quantized layer; the rank keeps holding
+(patches.PatchedPerCall), as ComfyUI's dynamic-VRAM path patches a quantized layer; the rank keeps holding
 only the quantized rows.
 """
 from __future__ import annotations
@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, ModelFileError
+from .keymap import apply_transform
+from .storage import KeptLinear
 
 # comfy_quant format -> (comfy-kitchen layout, the multiple of rows its stored data is padded to)
 LAYOUTS = {"float8_e4m3fn": ("TensorCoreFP8Layout", 1), "float8_e5m2": ("TensorCoreFP8Layout", 1),
@@ -154,8 +156,6 @@ class ComfyQuantWeight:
 def read_rows(reader, layer: str, conf: dict, rows: slice | None, transform: str | None,
               device) -> ComfyQuantWeight:
     """The rows `rows` (None: all) of quantized `layer` (swap_halves applied to whole rows), ready for a rank."""
-    from .mapping import apply_transform
-
     float_utils = kitchen()[2]
     fmt = conf["format"]
     stored_rows, stored_cols = reader.stored_shape(f"{layer}.weight")
@@ -208,7 +208,7 @@ def kernel_linear(x: torch.Tensor, weight, fmt: str, input_scale: torch.Tensor |
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-class ComfyQuantLinear(torch.nn.Module):
+class ComfyQuantLinear(KeptLinear):
     """A Linear whose weight stays in a ComfyUI quantized layout on the rank. Each call rebuilds comfy-kitchen's
     QuantizedTensor from the rows it holds and, as ComfyUI's mixed-precision Linear: multiplies in the layout
     (`kernel`: the device has comfy-kitchen's kernel for the format and the switch allows it), or dequantizes to

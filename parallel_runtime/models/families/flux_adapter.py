@@ -7,18 +7,16 @@ pipeline stage owns. Strategies only ever call these methods; the checkpoint map
 from __future__ import annotations
 
 import functools
-import itertools
-import math
 from typing import Callable
 
 import torch
 
-from ..sampling import FLUX_LATENT, model_sampling_for
-from ..strategies.attention.processor import AttentionContext, ParallelFluxAttnProcessor
+from ...sampling import FLUX_LATENT, model_sampling_for
+from ...strategies.attention.processor import AttentionContext, ParallelFluxAttnProcessor
+from ...weights.storage import compute_placement
+from ..family import DiTFamily
 from . import flux
-from .family import DiTFamily
 from .flux import FluxConfig
-from .stored import compute_placement
 
 ALWAYS_OWNED = ("time_text_embed.",)  # every stage modulates its blocks with the timestep embedding
 FIRST_STAGE = ("x_embedder.", "context_embedder.")
@@ -42,63 +40,6 @@ def block_costs(config: FluxConfig) -> list[int]:
 
 def pipeline_stages(config: FluxConfig, stages: int) -> list[list[range]]:
     return FLUX.pipeline_stages(config, stages)
-
-
-PIPELINE_MEMORY_SLACK = 1.15  # no PipeFusion rank holds more than this x its fair share of the weights
-
-
-def balanced_stages(counts: tuple, stages: int) -> list[list[range]]:
-    """The blocks of each PipeFusion rank, as the chunks it runs in pipeline order.
-
-    `counts` is a family's `parameter_counts`: (per block, every stage's, the first's, the last's). Every
-    block does about the same work per token, but blocks differ in weights (a Flux double block holds 2.4x
-    a single one; SD3.5 Medium's first blocks carry a second attention; the first stage holds SD3's position
-    table). One contiguous chunk per rank cannot balance both for such mixes, so ranks may hold two chunks
-    (interleaved virtual stages: rank r runs chunks r and r + stages, and a patch passes every rank twice).
-    Layouts whose busiest rank holds at most PIPELINE_MEMORY_SLACK x the fair share of the weights come
-    first, then the least work on the busiest rank, then fewer hops; if none fits, the fewest bytes.
-    """
-    per_block, always, first, last = counts
-    # The first and last stage's own modules ride with the first and last block, wherever those land.
-    memory = list(per_block)
-    memory[0] += first
-    memory[-1] += last
-    fair = (sum(memory) + always) / stages
-
-    def score(ranks: list[list[range]]) -> tuple:
-        work = max(sum(len(chunk) for chunk in rank) for rank in ranks)
-        held = max(always + sum(memory[i] for chunk in rank for i in chunk) for rank in ranks) / fair
-        fits = held <= PIPELINE_MEMORY_SLACK + 1e-9
-        return (not fits, work if fits else held, len(ranks[0]))
-
-    layouts = [layout for chunks in (1, 2) for layout in _stage_layouts(memory, stages, chunks)]
-    return min(layouts, key=score)
-
-
-def _stage_layouts(memory: list[int], stages: int, chunks: int, exhaustive: int = 20000) -> list[list[list[range]]]:
-    """Candidate layouts with `chunks` interleaved chunks per rank: the work-balancing DP's split under the
-    memory cap, plus every split when there are few enough (the DP balances virtual stages, not the pairs
-    of them a rank holds, so on a handful of blocks it can miss the split that fits)."""
-    from ..strategies.pipefusion import split_stages
-
-    n, virtual = len(memory), chunks * stages
-    if virtual > n:
-        return []
-    splits = [split_stages([1.0] * n, virtual, memory=memory)]
-    if chunks > 1 and math.comb(n - 1, virtual - 1) <= exhaustive:
-        for cuts in itertools.combinations(range(1, n), virtual - 1):
-            bounds = (0, *cuts, n)
-            splits.append([range(bounds[k], bounds[k + 1]) for k in range(virtual)])
-    return [[[split[c * stages + r] for c in range(chunks)] for r in range(stages)] for split in splits]
-
-
-def prefix_ownership(block_lists: tuple[str, ...], counts: tuple[int, ...], chunks: list[range],
-                     *prefix_groups: tuple[str, ...]) -> Callable[[str], bool]:
-    """Predicate over diffusers parameter names: the blocks in `chunks` (indices into the concatenation of
-    `block_lists`, of lengths `counts`) plus every name starting with one of `prefix_groups`' prefixes."""
-    names = [f"{attr}.{i}" for attr, n in zip(block_lists, counts) for i in range(n)]
-    prefixes = tuple(f"{names[i]}." for chunk in chunks for i in chunk) + tuple(p for g in prefix_groups for p in g)
-    return lambda name: name.startswith(prefixes)
 
 
 def stage_ownership(config: FluxConfig, chunks: list[range], first: bool, last: bool) -> Callable[[str], bool]:
@@ -251,15 +192,9 @@ class FluxAdapter:
         return self.model.proj_out(self.model.norm_out(image, temb)).float()
 
 
-def _checkpoint_shapes(config: FluxConfig) -> dict:
-    from .tiny import bfl_tensor_shapes
-
-    return bfl_tensor_shapes(config)
-
-
 FLUX = DiTFamily(
     name="flux", title="Flux.1 (dev/schnell)", match=flux.match,
     infer_config=lambda reader, match, name: flux.infer_config(reader, match.layout, match.prefix),
-    meta_model=flux.meta_model, source_map=flux.source_map, checkpoint_shapes=_checkpoint_shapes,
+    meta_model=flux.meta_model, source_map=flux.source_map, checkpoint_shapes=flux.bfl_tensor_shapes,
     adapter_class=FluxAdapter, block_lists=("transformer_blocks", "single_transformer_blocks"),
     always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE, comfy_layout="bfl")

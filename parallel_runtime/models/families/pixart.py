@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import ModelFileError
-from ..sampling import DiscreteEPSSampling, LatentFormat
-from .family import DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
+from ...errors import ModelFileError
+from ...sampling import DiscreteEPSSampling, LatentFormat
+from ...weights.keymap import Source, block_count, has_block, linear, same_names
+from ...weights.storage import compute_placement
+from ..family import DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 from .flux_adapter import FluxAdapter, channels_first, patch_conv
-from .mapping import Source, block_count, has_block, linear, same_names
-from .stored import compute_placement
 
 HEAD_DIM = 72  # ComfyUI hard-codes 16 heads of 72 (1152 wide) for every PixArt
 ALWAYS_OWNED = ("adaln_single.",)

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ModelFileError
-from ..sampling import model_sampling_for
-from .family import DiTFamily, JointAttentionConfig, Match
+from ...errors import ModelFileError
+from ...sampling import model_sampling_for
+from ...weights.keymap import Source, block_count, has_block, linear, same_names
+from ..family import DiTFamily, JointAttentionConfig, Match
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES, default_axes_dims_rope, map_double_block, map_single_block
 from .flux_adapter import FluxAdapter
-from .mapping import Source, block_count, has_block, linear, same_names
 
 MOD_INDEX_ROWS = 344  # comfy/ldm/chroma/model.py: mod_index_length, fixed whatever the block counts
 APPROXIMATOR_IN = 64  # 16 (timestep) + 16 (guidance) + 32 (modulation index) sinusoid features

@@ -1,0 +1,48 @@
+"""Every family the runtime runs, and how a checkpoint finds its own: the only module that imports the
+families. A new family is one module under `families/` plus one line in `families()`; nothing imports this
+module back from the families or the seam, so there is no circle."""
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+from ..errors import ModelFileError
+from .family import Match, ModelFamily, describe_keys
+
+
+def families() -> list[ModelFamily]:
+    """Every family the runtime runs, in detection order (imported lazily: diffusers is heavy)."""
+    from .families.chroma import CHROMA
+    from .families.flux_adapter import FLUX
+    from .families.pixart import PIXART
+    from .families.qwen_image import QWEN_IMAGE
+    from .families.sd3 import SD3
+
+    return [FLUX, CHROMA, SD3, QWEN_IMAGE, PIXART]
+
+
+def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:
+    """The family and key layout of a checkpoint, or one sentence naming what the file looks like."""
+    keys = list(keys)
+    for family in families():
+        match = family.match(keys)
+        if match is not None:
+            return family, match
+    supported = ", ".join(f.title for f in families())
+    raise ModelFileError(f"{name} is not a DiT checkpoint ParaDiT runs ({describe_keys(keys)}); ParaDiT runs "
+                         f"{supported}: choose one of those from models/diffusion_models.")
+
+
+def family_of(config) -> ModelFamily:
+    """The family a config belongs to (each config class names its family)."""
+    for family in families():
+        if family.name == config.family:
+            return family
+    raise ValueError(f"no model family named {config.family!r}")
+
+
+def read_model(reader, name: str | None = None):
+    """(family, match, config) of an open checkpoint, from its header only."""
+    name = name or os.path.basename(getattr(reader, "path", "checkpoint"))
+    family, match = detect_family(reader.keys(), name)
+    return family, match, family.infer_config(reader, match, name)

@@ -1,0 +1,113 @@
+"""PipeFusion's stage planning, for every family: which blocks each pipeline rank runs and which parameters it
+loads. Pure arithmetic on a family's per-block parameter counts; it imports nothing of the project's, so the
+model seam, the cost model and the strategies all plan from here."""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Callable
+
+PIPELINE_MEMORY_SLACK = 1.15  # no PipeFusion rank holds more than this x its fair share of the weights
+
+
+def balanced_stages(counts: tuple, stages: int) -> list[list[range]]:
+    """The blocks of each PipeFusion rank, as the chunks it runs in pipeline order.
+
+    `counts` is a family's `parameter_counts`: (per block, every stage's, the first's, the last's). Every
+    block does about the same work per token, but blocks differ in weights (a Flux double block holds 2.4x
+    a single one; SD3.5 Medium's first blocks carry a second attention; the first stage holds SD3's position
+    table). One contiguous chunk per rank cannot balance both for such mixes, so ranks may hold two chunks
+    (interleaved virtual stages: rank r runs chunks r and r + stages, and a patch passes every rank twice).
+    Layouts whose busiest rank holds at most PIPELINE_MEMORY_SLACK x the fair share of the weights come
+    first, then the least work on the busiest rank, then fewer hops; if none fits, the fewest bytes.
+    """
+    per_block, always, first, last = counts
+    # The first and last stage's own modules ride with the first and last block, wherever those land.
+    memory = list(per_block)
+    memory[0] += first
+    memory[-1] += last
+    fair = (sum(memory) + always) / stages
+
+    def score(ranks: list[list[range]]) -> tuple:
+        work = max(sum(len(chunk) for chunk in rank) for rank in ranks)
+        held = max(always + sum(memory[i] for chunk in rank for i in chunk) for rank in ranks) / fair
+        fits = held <= PIPELINE_MEMORY_SLACK + 1e-9
+        return (not fits, work if fits else held, len(ranks[0]))
+
+    layouts = [layout for chunks in (1, 2) for layout in _stage_layouts(memory, stages, chunks)]
+    return min(layouts, key=score)
+
+
+def _stage_layouts(memory: list[int], stages: int, chunks: int, exhaustive: int = 20000) -> list[list[list[range]]]:
+    """Candidate layouts with `chunks` interleaved chunks per rank: the work-balancing DP's split under the
+    memory cap, plus every split when there are few enough (the DP balances virtual stages, not the pairs
+    of them a rank holds, so on a handful of blocks it can miss the split that fits)."""
+    n, virtual = len(memory), chunks * stages
+    if virtual > n:
+        return []
+    splits = [split_stages([1.0] * n, virtual, memory=memory)]
+    if chunks > 1 and math.comb(n - 1, virtual - 1) <= exhaustive:
+        for cuts in itertools.combinations(range(1, n), virtual - 1):
+            bounds = (0, *cuts, n)
+            splits.append([range(bounds[k], bounds[k + 1]) for k in range(virtual)])
+    return [[[split[c * stages + r] for c in range(chunks)] for r in range(stages)] for split in splits]
+
+
+def prefix_ownership(block_lists: tuple[str, ...], counts: tuple[int, ...], chunks: list[range],
+                     *prefix_groups: tuple[str, ...]) -> Callable[[str], bool]:
+    """Predicate over diffusers parameter names: the blocks in `chunks` (indices into the concatenation of
+    `block_lists`, of lengths `counts`) plus every name starting with one of `prefix_groups`' prefixes."""
+    names = [f"{attr}.{i}" for attr, n in zip(block_lists, counts) for i in range(n)]
+    prefixes = tuple(f"{names[i]}." for chunk in chunks for i in chunk) + tuple(p for g in prefix_groups for p in g)
+    return lambda name: name.startswith(prefixes)
+
+
+def split_stages(compute: list[float], stages: int, memory: list[int] | None = None,
+                 memory_slack: float = PIPELINE_MEMORY_SLACK) -> list[range]:
+    """Contiguous block ranges, one per stage: the slowest stage as fast as possible, while no stage holds
+    more than `memory_slack` x its fair share of parameter bytes.
+
+    Compute and memory disagree for Flux: a double-stream block carries 2.4x a single-stream block's
+    parameters (two weight sets) but does the same work per token. Balancing bytes alone leaves the
+    single-block stages ~1.8x slower; balancing work alone puts ~1.3x the fair share of weights on one
+    device. If no split meets the memory cap, the cap becomes the smallest achievable one.
+    """
+    n = len(compute)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot split {n} blocks into {stages} stages")
+    memory = list(memory) if memory is not None else [1] * n
+
+    def best(cost: list[float], cap_on: list[int] | None, cap: float) -> tuple[float, list[int]] | None:
+        """Min over contiguous splits of the max segment `cost`, segments' `cap_on` sums <= cap (DP)."""
+        prefix_c, prefix_m = [0.0], [0]
+        for c, m in zip(cost, cap_on or [0] * n):
+            prefix_c.append(prefix_c[-1] + c)
+            prefix_m.append(prefix_m[-1] + m)
+        inf = float("inf")
+        # value[k][i]: best max-cost of splitting the first i blocks into k stages; cut[k][i]: last cut.
+        value = [[inf] * (n + 1) for _ in range(stages + 1)]
+        cut = [[0] * (n + 1) for _ in range(stages + 1)]
+        value[0][0] = 0.0
+        for k in range(1, stages + 1):
+            for i in range(k, n + 1):
+                for j in range(k - 1, i):
+                    if value[k - 1][j] == inf or prefix_m[i] - prefix_m[j] > cap:
+                        continue
+                    v = max(value[k - 1][j], prefix_c[i] - prefix_c[j])
+                    if v < value[k][i]:
+                        value[k][i], cut[k][i] = v, j
+        if value[stages][n] == inf:
+            return None
+        cuts, i = [], n
+        for k in range(stages, 0, -1):
+            cuts.append(i)
+            i = cut[k][i]
+        return value[stages][n], [0] + cuts[::-1]
+
+    cap = memory_slack * sum(memory) / stages
+    found = best(compute, memory, cap)
+    if found is None:
+        smallest, _ = best([float(m) for m in memory], None, float("inf"))
+        found = best(compute, memory, smallest)
+    bounds = found[1]
+    return [range(bounds[k], bounds[k + 1]) for k in range(stages)]

@@ -1,0 +1,63 @@
+"""The key map's vocabulary: what a family module writes to say where each parameter of its diffusers model
+comes from in a checkpoint (`Source`: a key, a row range, a transform), and the header-only helpers that read a
+checkpoint's block structure. It imports nothing of the project's but errors, so families and every storage
+kind can use it without a circle."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ModelFileError
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a diffusers parameter comes from: ``transform(file[key][rows])``."""
+
+    key: str
+    rows: slice | None = None
+    transform: str | None = None  # None or "swap_halves"
+
+
+def apply_transform(tensor: torch.Tensor, transform: str | None) -> torch.Tensor:
+    if transform is None:
+        return tensor
+    if transform == "swap_halves":
+        # The original final/pre-only modulations are (shift, scale); diffusers' AdaLayerNormContinuous
+        # chunks (scale, shift).
+        first, second = tensor.chunk(2, dim=0)
+        return torch.cat([second, first], dim=0)
+    raise ValueError(f"unknown transform {transform!r}")
+
+
+def linear(out: dict, dst: str, src: str, rows: slice | None = None, transform: str | None = None) -> None:
+    """Map a Linear's weight and bias (the same rows of both)."""
+    out[f"{dst}.weight"] = Source(f"{src}.weight", rows, transform)
+    out[f"{dst}.bias"] = Source(f"{src}.bias", rows, transform)
+
+
+def same_names(names, prefix: str = "") -> dict[str, Source]:
+    """The key map of a diffusers-layout file: every parameter under its own name (after `prefix`)."""
+    return {n: Source(prefix + n) for n in names}
+
+
+def block_count(keys: list[str], prefix: str, block: str, name: str) -> int:
+    """How many `{prefix}{block}.N.` blocks a checkpoint has; a gap in the numbering means a damaged file."""
+    pat = re.compile(re.escape(prefix + block) + r"\.(\d+)\.")
+    idx = {int(m.group(1)) for k in keys if (m := pat.match(k))}
+    if not idx:
+        return 0
+    n = max(idx) + 1
+    missing = sorted(set(range(n)) - idx)
+    if missing:
+        raise ModelFileError(
+            f"{name} has no tensors for {prefix}{block}.{missing[0]} although it has {block} up to {n - 1}; "
+            f"the file is incomplete, so re-download it.")
+    return n
+
+
+def has_block(keys: list[str], prefix: str, block: str) -> bool:
+    pat = re.compile(re.escape(prefix + block) + r"\.\d+\.")
+    return any(pat.match(k) for k in keys)
