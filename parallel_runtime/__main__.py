@@ -3,8 +3,8 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    commands = {"demo": "parallel_runtime.demo", "bench": "parallel_runtime.bench",
-                "bench-storage": "parallel_runtime.bench_storage", "soak": "parallel_runtime.soak"}
+    commands = {"demo": "parallel_runtime.demo", "bench": "parallel_runtime.bench.cli",
+                "bench-storage": "parallel_runtime.bench.storage", "soak": "parallel_runtime.soak"}
     if not argv or argv[0] not in commands:
         print("usage: python -m parallel_runtime {demo,bench,bench-storage,soak} [options]  (add --help to a command)")
         return 2

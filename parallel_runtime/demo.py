@@ -16,17 +16,17 @@ import time
 
 import torch
 
-from .bench import cpu_capacity, grid, rel_err, skip_steps, step_seconds
+from .bench.grid import grid
+from .bench.measure import cpu_capacity, rel_err, skip_steps, step_seconds
 from .runtime.client import RuntimeClient
 from .runtime.devices import parse_devices
 from .spec import Job, ModelSpec, SamplingSpec, StrategySpec
-from .toy import MODEL_PATH, TOY_FLUX, load_companions
+from .toy import DEFAULT_PROMPT, MODEL_PATH, TOY_FLUX, load_companions
 
 # 512x512 = 1024 image tokens: enough work per step on a width-256 model that 2 workers beat 1 by 1.6x or
 # more; at 256x256 (256 tokens) per-op and per-message costs, which do not split, eat most of the gain.
 DEFAULT_SIZE = 512
 DEFAULT_STEPS = 12
-DEFAULT_PROMPT = "a large yellow circle at the top right on sky"
 CFG = 4.0  # > 1: CFG parallel has an uncond branch (the empty prompt) to put on the other worker
 
 

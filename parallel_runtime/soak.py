@@ -23,7 +23,7 @@ TARGET_MIB_PER_1000_JOBS = 20.0  # per worker
 
 def soak_strategies(world: int, size: int, cfg: float):
     """Every strategy of the bench grid that uses exactly `world` ranks at this latent size."""
-    from .bench import grid
+    from .bench.grid import grid
     from .models.tiny import TINY
 
     rows = grid(world, cfg=cfg, heads=TINY.num_heads, num_blocks=TINY.num_blocks,
@@ -42,7 +42,7 @@ def run_soak(devices: str = "cpu:2", jobs: int = 1000, size: int = 8, steps: int
     """Run the soak on a fresh runtime (shut down at the end); returns the record (RSS in bytes)."""
     import psutil
 
-    from .bench import make_job
+    from .bench.runs import make_job
     from .models.tiny import TINY, write_checkpoint
     from .runtime.client import RuntimeClient
     from .sampling import SAMPLERS

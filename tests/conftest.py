@@ -8,7 +8,7 @@ import psutil
 import pytest
 import torch
 
-from parallel_runtime.bench import rel_err  # noqa: F401 - the tests' parity metric
+from parallel_runtime.bench.measure import rel_err  # noqa: F401 - the tests' parity metric
 from parallel_runtime.models.tiny import TINY, write_checkpoint
 from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
 

@@ -22,7 +22,7 @@ from test_families import FAMILIES, assert_two_workers_equal_one, job  # noqa: E
 from test_gguf import merged_twin  # noqa: E402
 from test_weight_patches import assert_lora_on_file, lora_stack, stacked  # noqa: E402
 from parallel_runtime.errors import ModelFileError  # noqa: E402
-from parallel_runtime.bench_storage import analytic_rank_bytes  # noqa: E402
+from parallel_runtime.bench.storage import analytic_rank_bytes  # noqa: E402
 from parallel_runtime.weights.checkpoint import open_checkpoint  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 from parallel_runtime.runtime.client import RuntimeClient  # noqa: E402

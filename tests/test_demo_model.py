@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from parallel_runtime.bench import rel_err
+from parallel_runtime.bench.measure import rel_err
 from parallel_runtime.runtime.client import RuntimeClient
 from parallel_runtime.spec import Job, ModelSpec, SamplingSpec, StrategySpec
 from parallel_runtime.toy import MODEL_PATH, TOY_FLUX, load_companions

@@ -17,7 +17,7 @@ from conftest import rel_err
 from test_families import FAMILIES, assert_two_workers_equal_one, job
 from test_weight_patches import assert_lora_on_file, lora_stack, merged_file, stacked
 from parallel_runtime.errors import ModelFileError
-from parallel_runtime.bench_storage import analytic_rank_bytes
+from parallel_runtime.bench.storage import analytic_rank_bytes
 from parallel_runtime.weights.storage import FP8_DTYPES
 from parallel_runtime.weights.patches import stochastic_round, string_to_seed
 from parallel_runtime.models.tiny import write_checkpoint

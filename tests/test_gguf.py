@@ -67,7 +67,7 @@ from test_families import FAMILIES, assert_two_workers_equal_one, job  # noqa: E
 from parallel_runtime.errors import ModelFileError  # noqa: E402
 from parallel_runtime.models.registry import read_model  # noqa: E402
 from parallel_runtime.weights.gguf_file import dequantize_blocks  # noqa: E402
-from parallel_runtime.bench_storage import analytic_rank_bytes  # noqa: E402
+from parallel_runtime.bench.storage import analytic_rank_bytes  # noqa: E402
 from parallel_runtime.weights.checkpoint import open_checkpoint  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 from parallel_runtime.runtime.client import RuntimeClient  # noqa: E402

@@ -251,7 +251,7 @@ def test_devices_auto_without_a_gpu_says_so_in_one_sentence_before_loading():
 
 
 def test_sd35_medium_pipeline_ranks_fit_the_memory_cap_with_the_position_table_counted():
-    from parallel_runtime.bench import BENCH_FAMILIES, RELEASE_SHAPES
+    from parallel_runtime.bench.models import BENCH_FAMILIES, RELEASE_SHAPES
     from parallel_runtime.models.registry import family_of
 
     for config in (BENCH_FAMILIES["sd35_medium"], RELEASE_SHAPES["sd35_medium"][0]):

@@ -16,6 +16,7 @@ MODEL_FILE = "toy-flux.safetensors"
 CODEC_FILE = "toy-text.safetensors"  # the word embeddings
 MODEL_PATH = os.path.join(WEIGHTS_DIR, MODEL_FILE)
 CODEC_PATH = os.path.join(WEIGHTS_DIR, CODEC_FILE)
+DEFAULT_PROMPT = "a large yellow circle at the top right on sky"  # what the demo and `bench --model toy` draw
 
 # Width 256 (4 heads of 64) is what makes 2 CPU workers pay at 512x512 (1024 image tokens): narrower
 # models spend their step in per-op and per-message overhead, which does not split. Four blocks (one double,

@@ -23,9 +23,12 @@ import tempfile
 import numpy as np
 import torch
 
-from .bench import NAMED_MODELS, _fmt_table, make_job, rel_err, run_config
-from .weights.comfy_quant import QUANTIZED_MATMUL
-from .spec import ModelSpec, StrategySpec
+from ..spec import ModelSpec, StrategySpec
+from ..weights.comfy_quant import QUANTIZED_MATMUL
+from .measure import rel_err
+from .models import NAMED_MODELS
+from .report import fmt_table
+from .runs import make_job, run_config
 
 KINDS = ("fp32", "bf16", "fp8_e4m3fn", "Q8_0", "Q4_K", "fp8mixed", "int8_tensorwise", "int8_convrot", "mxfp8", "nvfp4")
 # ComfyUI quantized kinds: comfy-kitchen layout, its options, the comfy_quant entry
@@ -104,9 +107,9 @@ def analytic_rank_bytes(path: str, weight_dtype: str, stage: int = 0, stages: in
     weights kept compact as stored (GGUF blocks and ComfyUI layouts with their scales, for the rank's rows; fp8
     at 1 byte plus a scaled file's 4-byte scale), cast to fp8 under an fp8 weight_dtype, every other tensor in the
     compute dtype (fp32 on CPU, bf16 under weight_dtype bf16)."""
-    from .models.registry import read_model
-    from .weights.checkpoint import open_checkpoint
-    from .weights.storage import FP8_DTYPES, scale_key
+    from ..models.registry import read_model
+    from ..weights.checkpoint import open_checkpoint
+    from ..weights.storage import FP8_DTYPES, scale_key
 
     compute = 2 if weight_dtype == "bf16" else 4
     cast_fp8, keep = weight_dtype.startswith("fp8"), weight_dtype == "default"
@@ -147,7 +150,7 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .models.tiny import write_checkpoint
+    from ..models.tiny import write_checkpoint
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     config = NAMED_MODELS[args.model]
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Weight bytes per rank — {args.model} model ({config.hidden_size} wide), {args.resolution} px, "
           f"{args.steps} steps, {args.devices} workers (compute fp32 on CPUs; bf16 row computes in bf16), "
           f"quantized_matmul {args.quantized_matmul}")
-    print(_fmt_table(["file", "strategy", "MB/rank (busiest)", "analytic MB", "off analytic", "x bf16", "ms/step",
+    print(fmt_table(["file", "strategy", "MB/rank (busiest)", "analytic MB", "off analytic", "x bf16", "ms/step",
                       "rel. L2 vs fp32 file"], table))
     print("  fp8, GGUF and ComfyUI quantized files: linear weights kept as stored (with their scales), norms/biases/"
           "embeddings in the compute dtype; Q4_K values are crafted blocks (bytes and speed only)")

@@ -1,0 +1,406 @@
+"""`python -m parallel_runtime bench`: measure every strategy on this machine and check the targets.
+
+For each configuration of the grid (serial; CFG-2; Ulysses-2/4; Ring-2/4; PipeFusion-2/4 with M = N and
+M = 2N patches; hybrids that fit the device count; naive patch) it runs real jobs through the runtime
+(fresh workers per configuration, so peak memory is that configuration's) and reports:
+
+* DiT seconds per step: median over the steps after warm-up (step 0, and PipeFusion's synchronous
+  warm-up steps and pipeline fill), the slowest rank's median, best of `--repeats` jobs; no VAE runs
+  anywhere. The whole job's time (as the workers measured it, model load excluded) sits beside it.
+* speed-up against the serial run of the same invocation (at the same cfg);
+* bytes sent and received per rank per step from the runtime's own counters, next to `traffic.py`'s
+  analytic figure (they must agree within 10%);
+* per-rank parameters, PipeFusion KV buffers and peak process RSS (sampled with psutil);
+* relative error of the final latent against serial.
+
+Then the targets (PASS/FAIL), auto's pick next to the best measured configuration, and the cost model's
+projection to 2/4/8 GPUs on NVLink and PCIe with the measured inputs it used.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from ..planning import costmodel
+from ..planning.traffic import compare, job_traffic, shapes_of
+from ..runtime.devices import default_dtype
+from ..toy.text import TEXT_TOKENS
+from .grid import CFG_PARALLEL_SCALE, grid, row_label, subset_devices
+from .measure import cpu_capacity
+from .models import BENCH_FAMILIES, FLUX_DEV, NAMED_MODELS, RELEASE_SHAPES, TOY
+from .projection import gpu_projection
+from .report import fmt_table, result_rows
+from .runs import in_process_reference, make_job, pipefusion_per_call, run_calls, run_config, run_in_process
+from .targets import TARGET_OVERHEAD, TARGET_TRAFFIC, auto_target, measured_targets
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m parallel_runtime bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="'bench' (Flux-shaped: width 256, 2 double + 4 single blocks), 'tiny', 'toy' (the trained "
+                         "demo model with the demo's prompt; default 512x512), or a Flux .safetensors path "
+                         "(default: bench)")
+    ap.add_argument("--family", default=None, choices=sorted(BENCH_FAMILIES),
+                    help="run the grid on a random model with this family's block shapes (flux = --model bench)")
+    ap.add_argument("--blocks", default=None, metavar="D,S",
+                    help="double,single block counts for a named model (e.g. 0,6 or 4,8)")
+    ap.add_argument("--resolution", default=None, metavar="WxH",
+                    help="image size in pixels; latent = size/8, image tokens = (size/16)^2 (default 1024x1024 "
+                         "-> 4096 tokens)")
+    ap.add_argument("--text-tokens", type=int, default=None, help="T5 prompt tokens (default 128)")
+    ap.add_argument("--steps", type=int, default=None, help="sampling steps per job (default 5)")
+    ap.add_argument("--repeats", type=int, default=None, help="rounds over the grid, round robin; each configuration keeps its fastest run (default 2)")
+    ap.add_argument("--devices", default=None, help="cpu:N or GPU indices like 0,1,2,3 (default cpu:2)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per CPU worker (default 1)")
+    ap.add_argument("--cfg", type=float, default=1.0,
+                    help=f"cfg of the grid (default 1); at cfg 1 the CFG-parallel rows run at cfg "
+                         f"{CFG_PARALLEL_SCALE} against their own serial run")
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated labels to run (e.g. serial,ulysses2,pp2xM2w1); default: the whole grid")
+    ap.add_argument("--auto", action="store_true",
+                    help="only serial and auto's pick (plus the cost model's projections)")
+    ap.add_argument("--no-auto", action="store_true", help="skip auto's pick and the projections")
+    ap.add_argument("--no-overhead", action="store_true", help="skip the in-process serial reference")
+    ap.add_argument("--recalibrate", action="store_true", help="re-measure the cached link timing too")
+    ap.add_argument("--gpu-tflops", type=float, default=costmodel.GPU_TFLOPS,
+                    help=f"effective GPU TFLOP/s assumed by the GPU projection (default {costmodel.GPU_TFLOPS:.0f})")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke preset (< 1 min): tiny model, 256x256 (256 tokens), 32 text tokens, cpu:2, 3 steps, "
+                         "1 repeat; options given explicitly still apply")
+    ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                    help="write a machine-readable record to PATH, or to stdout with no PATH (the table then "
+                         "goes to stderr)")
+    ap.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
+    args = ap.parse_args(argv)
+    if args.family:
+        if args.model is not None:
+            ap.error("give --family or --model, not both")
+        args.model = "bench" if args.family == "flux" else args.family
+    for name, value in (QUICK if args.quick else TOY_DEFAULTS if args.model == TOY else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.steps < 2 or args.repeats < 1:
+        raise SystemExit("--steps must be at least 2 (the first step is left out) and --repeats at least 1")
+    return args
+
+
+DEFAULTS = dict(model="bench", resolution="1024x1024", text_tokens=128, devices="cpu:2", threads=1, steps=5, repeats=2)
+# The demo model was trained up to 512x512; its prompts are TEXT_TOKENS long.
+TOY_DEFAULTS = dict(DEFAULTS, resolution="512x512", text_tokens=TEXT_TOKENS)
+QUICK = dict(model="tiny", resolution="256x256", text_tokens=32, devices="cpu:2", threads=1, steps=3, repeats=1)
+
+
+def parse_resolution(text: str) -> tuple[int, int]:
+    parts = text.lower().replace(" ", "").split("x")
+    try:
+        w, h = (int(parts[0]), int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
+    except ValueError:
+        raise SystemExit(f"--resolution {text!r}: use WIDTHxHEIGHT in pixels, e.g. 1024x1024") from None
+    if w % 16 or h % 16 or w <= 0 or h <= 0:
+        raise SystemExit(f"--resolution {text!r}: width and height must be positive multiples of 16 pixels")
+    return w, h
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--in-process-reference"]:  # internal: see runs.run_in_process
+        in_process_reference(json.loads(argv[1]))
+        return 0
+    args = parse_args(argv)
+    out_stream = sys.stderr if args.json == "-" else sys.stdout
+
+    def say(text: str = "") -> None:
+        print(text, file=out_stream, flush=True)
+
+    from ..models.families.flux import load_flux  # noqa: F401 - fail early if diffusers is missing
+    from ..runtime.devices import parse_devices
+
+    t_start = time.perf_counter()
+    width, height = parse_resolution(args.resolution)
+    devices = parse_devices(args.devices)
+    tmp = tempfile.mkdtemp(prefix="paradit-bench-") if args.model in NAMED_MODELS else None
+    try:
+        path, config, model_name, conditioning = _model(args, tmp, height, width)
+        run = BenchRun(args, say, path, config, model_name, (1, config.latent_channels, height // 8, width // 8),
+                       (height // 16) * (width // 16), devices, conditioning, t_start)
+        return run.main()
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _model(args, tmp: str | None, height: int, width: int):
+    """(checkpoint path, config, the name the report gives it, the demo prompt's conditioning or None)."""
+    from ..models.registry import family_of
+    from ..models.tiny import write_checkpoint
+    from ..validate import model_config
+
+    if args.model in NAMED_MODELS:
+        config = NAMED_MODELS[args.model]
+        if args.blocks:
+            d, s = (int(x) for x in args.blocks.split(","))
+            config = dataclasses.replace(config, num_layers=d, num_single_layers=s)
+        path = write_checkpoint(os.path.join(tmp, f"{args.model}.safetensors"), config, seed=0)
+        return path, config, (f"{args.model} ({family_of(config).title}-shaped, random weights: width "
+                              f"{config.hidden_size}, {config.num_heads} heads x {config.head_dim}, "
+                              f"{config.num_layers} double/joint + {config.num_single_layers} single blocks)"), None
+    path, conditioning, prompt = os.path.abspath(args.model), None, ""
+    if args.model == TOY:
+        from ..toy import DEFAULT_PROMPT, MODEL_PATH, load_companions
+
+        path, text_encoder = MODEL_PATH, load_companions()[1]
+        conditioning = (text_encoder.encode(DEFAULT_PROMPT, height, width), text_encoder.encode("", height, width))
+        prompt = f', prompt "{DEFAULT_PROMPT}"'
+    config = model_config(path)
+    return path, config, (f"{os.path.basename(path)} (width {config.hidden_size}, {config.num_layers} double + "
+                          f"{config.num_single_layers} single blocks){prompt}"), conditioning
+
+
+@dataclasses.dataclass
+class BenchRun:
+    """One invocation of the bench: calibrate, choose the rows, run them, report, judge the targets."""
+
+    args: argparse.Namespace
+    say: object
+    path: str
+    config: object
+    model_name: str
+    latent_shape: tuple
+    image_tokens: int
+    devices: list
+    conditioning: tuple | None
+    t_start: float
+
+    def __post_init__(self):
+        self.text = self.args.text_tokens
+        self.max_world = len(self.devices)
+        self.kind = "cpu" if self.devices[0] == "cpu" else "cuda"
+        self.act_bytes = 4 if self.kind == "cpu" else 2
+        self.cores = costmodel.available_cores()
+        self.calib = None
+        self.targets: list[dict] = []
+
+    def main(self) -> int:
+        from ..models.registry import family_of
+
+        args, say = self.args, self.say
+        self._header()
+        family = family_of(self.config).name
+        record: dict = {"model": self.model_name, "family": family,
+                        "model_path": self.path if args.model not in NAMED_MODELS else args.model,
+                        "config": dataclasses.asdict(self.config),
+                        "resolution": [self.latent_shape[3] * 8, self.latent_shape[2] * 8],
+                        "image_tokens": self.image_tokens, "text_tokens": self.text, "steps": args.steps,
+                        "devices": args.devices, "threads": args.threads, "repeats": args.repeats,
+                        "cores": self.cores, "rows": []}
+        if not args.no_auto:
+            record["calibration"] = self._calibrate()
+        rows, auto_pick, auto_reason = self._rows()
+        best, inproc_runs, call_runs = self._run_grid(rows)
+        results, serial, total_params = self._results(rows, best)
+
+        headers, table, json_rows = result_rows(results, serial, args.steps, self.kind)
+        record["rows"].extend(dict(row, family=family) for row in json_rows)
+        say("")
+        say(f"Results — {self.model_name}, {self.image_tokens} image + {self.text} text tokens, {args.devices} x "
+            f"{args.threads} thread(s)")
+        say(fmt_table(headers, table))
+        say("  cores: how many cores the workers' count of concurrent FP-bound probes got just before that run "
+            "(shared VMs vary); proj: cost model; MB/rank/step: busiest rank, runtime counters, result gather "
+            "amortised; analytic: traffic.py; act: cost-model estimate of live activations")
+
+        if not args.no_overhead and self.max_world > 1:
+            say("")
+            record["pipefusion_per_call"] = pipefusion_per_call(say, args, self.path, self.config, self.latent_shape,
+                                                                self.text, results, self.calib, self.devices)
+        record["in_process_step_s"], record["model_call_s"] = inproc_runs, call_runs
+        inproc = min(inproc_runs) if inproc_runs else None
+        measured_targets(args, results, serial, inproc, total_params, self.target)
+        self._model_call_target(call_runs, inproc)
+        record["auto"] = auto_target(args, results, auto_pick, auto_reason, self.max_world, self.target)
+        self._report_targets()
+        record["targets"] = self.targets
+        if self.calib is not None:
+            record["projection"] = self._report_auto(auto_pick, auto_reason, record["auto"])
+        return self._finish(record)
+
+    def target(self, name: str, ok: bool | None, detail: str) -> None:
+        self.targets.append({"target": name, "status": "n/a" if ok is None else ("PASS" if ok else "FAIL"),
+                             "detail": detail})
+
+    def _header(self) -> None:
+        args, say, shape = self.args, self.say, self.latent_shape
+        say(f"ParaDiT bench — model {self.model_name}")
+        say(f"  {shape[3] * 8}x{shape[2] * 8} px -> latent {shape[2]}x{shape[3]} -> {self.image_tokens} image tokens + "
+            f"{self.text} text tokens; {args.steps} steps (euler/simple), seconds per step = median after warm-up, "
+            f"slowest rank, best of {args.repeats}; no VAE")
+        say(f"  devices {args.devices} ({self.max_world} worker(s)), {args.threads} thread(s) per worker, "
+            f"{self.cores} core(s) here")
+        say("")
+
+    def _calibrate(self) -> dict:
+        """The cost model's measured inputs: this model's blocks at this token count, the link between workers."""
+        args, devices = self.args, self.devices
+        self.say("calibrating the cost model ...")
+        dtype = default_dtype(self.kind, torch.cuda.get_device_capability(devices[0]) if self.kind == "cuda" else None)
+        blocks = costmodel.block_timing(self.config, self.text, self.image_tokens, device=devices[0], dtype=dtype,
+                                        threads=args.threads, refresh=True)
+        link = costmodel.link_timing(devices, refresh=args.recalibrate) if self.max_world > 1 else None
+        self.calib = costmodel.Calibration(blocks, link, self.kind, threads=args.threads, cores=self.cores,
+                                           overlap=self.kind == "cuda",
+                                           fixed_rows=costmodel.GPU_FIXED_ROWS if self.kind == "cuda" else 0.0)
+        self.say(f"  {self.calib.describe()}")
+        return self.calib.to_json()
+
+    def _rows(self):
+        """The grid's (strategy, cfg) rows, narrowed by --configs / --auto, with auto's pick among them."""
+        from ..planning import auto
+
+        args, shape = self.args, self.latent_shape
+        rows = grid(self.max_world, cfg=args.cfg, heads=self.config.num_heads, num_blocks=self.config.num_blocks,
+                    latent_hw=(shape[2], shape[3]))
+        auto_pick, auto_reason = None, None
+        if self.calib is not None and self.max_world > 1:
+            auto_pick, auto_reason = auto.choose_strategy(self.path, shape, args.cfg, args.devices, text_len=self.text,
+                                                          threads=args.threads, calibration=self.calib)
+            self.say(f"  auto picks {auto_pick.label()}: {auto_reason}")
+            if args.auto:
+                rows = [r for r in rows if r[0].world_size == 1 and abs(r[1] - args.cfg) < 1e-9] + [(auto_pick, args.cfg)]
+            elif not any(s == auto_pick and abs(c - args.cfg) < 1e-9 for s, c in rows):
+                rows.append((auto_pick, args.cfg))
+        if args.configs:
+            wanted = set(args.configs.split(","))
+            chosen = [r for r in rows if r[0].world_size > 1 and (r[0].label() in wanted or row_label(*r) in wanted)]
+            cfgs = {round(args.cfg, 6)} | {round(c, 6) for _, c in chosen}
+            rows = [r for r in rows if r[0].world_size == 1 and round(r[1], 6) in cfgs] + chosen
+        self.say("")
+        return rows, auto_pick, auto_reason
+
+    def _run_grid(self, rows):
+        """Every row `--repeats` times, round robin (a burst of contention on a shared machine hits one run of a
+        configuration, not all), keeping each row's fastest run; the in-process and per-call serial references."""
+        args, say = self.args, self.say
+        best: dict[int, dict] = {}
+        inproc_runs, call_runs = [], []
+        want_inproc = not args.no_overhead and self.kind == "cpu"
+        for rep in range(args.repeats):
+            for idx, (s, cfg) in enumerate(rows):
+                if want_inproc and idx == 0:
+                    self._serial_references(rep, cfg, inproc_runs, call_runs)
+                where = subset_devices(self.devices, args.devices, s.world_size)
+                cap = cpu_capacity(s.world_size) if self.kind == "cpu" and s.world_size > 1 else None
+                job = make_job(self.path, self.config, s, self.latent_shape, self.text, cfg, args.steps,
+                               self.conditioning)
+                res = run_config(where, job, args.threads)
+                res["capacity"] = cap
+                runs = best.get(idx, {}).get("runs", []) + [{"step_s": res["step_s"], "job_s": res["job_s"],
+                                                              "capacity": cap}]
+                if idx not in best or res["step_s"] < best[idx]["step_s"]:
+                    best[idx] = res
+                best[idx]["runs"] = runs
+                say(f"[{rep + 1}/{args.repeats}] {row_label(s, cfg)} on {where}: {res['step_s'] * 1e3:.0f} ms/step, "
+                    f"job {res['job_s']:.1f} s" + (f", cores available to {s.world_size} workers: {cap:.2f}" if cap else ""))
+        return best, inproc_runs, call_runs
+
+    def _serial_references(self, rep: int, cfg: float, inproc_runs: list, call_runs: list) -> None:
+        """Run right before the 1-worker run they are compared with: the same denoise in-process (no runtime), and
+        one runtime job per model call (a stock KSampler's way in)."""
+        args = self.args
+        t = run_in_process(self.path, self.latent_shape, self.text, cfg, args.steps, args.threads)
+        inproc_runs.append(t)
+        self.say(f"[{rep + 1}/{args.repeats}] serial in-process (no runtime): {t * 1e3:.0f} ms/step")
+        calls = run_calls(self.path, self.config, self.latent_shape, self.text, cfg, args.steps, args.threads)
+        call_runs.append(statistics.median(calls))
+        self.say(f"[{rep + 1}/{args.repeats}] serial, one runtime job per model call (stock KSampler's way in): "
+                 f"{call_runs[-1] * 1e3:.0f} ms/call")
+
+    def _results(self, rows, best):
+        """Each row's best run with its analytic traffic, projection and activation estimate; the serial runs by cfg."""
+        args, config, shape = self.args, self.config, self.latent_shape
+        results, serial, total_params = [], {}, None
+        for idx, (s, cfg) in enumerate(rows):
+            res = best[idx]
+            res.update(strategy=s, cfg=cfg, label=row_label(s, cfg))
+            if s.world_size == 1:
+                serial[round(cfg, 6)] = res
+                total_params = res["stats"][0]["param_bytes"]
+            shapes = shapes_of(config, image_tokens=self.image_tokens, text_tokens=self.text,
+                               pipefusion=s.pipefusion_degree, batch=shape[0], act_bytes=self.act_bytes)
+            analytic = job_traffic(s, shapes, steps=args.steps, cfg=cfg)
+            ok, worst = compare([st["traffic"] for st in res["stats"]], analytic, TARGET_TRAFFIC)
+            res.update(analytic=analytic, traffic_ok=ok, traffic_diff=worst)
+            if self.calib is not None:
+                res["projected_step_s"] = costmodel.project(s, config, self.calib, cfg=cfg, steps=args.steps,
+                                                            batch=shape[0], act_bytes=self.act_bytes).step_s
+            res["act_est"] = costmodel.rank_memory(s, config, text_tokens=self.text, image_tokens=self.image_tokens,
+                                                   batch=shape[0], cfg=cfg, weight_bytes=self.act_bytes,
+                                                   act_bytes=self.act_bytes)["activations"]
+            results.append(res)
+        return results, serial, total_params
+
+    def _model_call_target(self, call_runs: list, inproc: float | None) -> None:
+        name = "model call through the runtime at 1 worker <= 5% over in-process"
+        if call_runs and inproc is not None:
+            over = min(call_runs) / inproc - 1
+            self.target(name, over <= TARGET_OVERHEAD,
+                        f"call {min(call_runs) * 1e3:.0f} ms vs in-process step {inproc * 1e3:.0f} ms: {over:+.1%}")
+        else:
+            self.target(name, None, "not measured")
+
+    def _report_targets(self) -> None:
+        args, conditions = self.args, []
+        if self.image_tokens != 4096:
+            conditions.append(f"{self.image_tokens} image tokens, not 4096")
+        if self.kind != "cpu" or args.threads != 1:
+            conditions.append("not CPU workers with 1 thread")
+        if args.model not in ("bench", *BENCH_FAMILIES) or args.blocks:
+            blocks = " with --blocks " + args.blocks if args.blocks else ""
+            conditions.append(f"model {self.model_name.split(' (')[0]}{blocks}, not a family's bench model")
+        self.say("")
+        self.say("Targets" + (f" (conditions differ from the stated ones: {'; '.join(conditions)})" if conditions else
+                              " (2-core CPU, 1 thread per worker, the family's bench model, 4096 image tokens)") + ":")
+        for t in self.targets:
+            self.say(f"  [{t['status']:4}] {t['target']}: {t['detail']}")
+
+    def _report_auto(self, auto_pick, auto_reason, auto_record) -> list[dict]:
+        """Auto's pick against the best measured, then the GPU projection (the released model's shapes after a
+        bench model ran)."""
+        args, say = self.args, self.say
+        say("")
+        if auto_pick is not None:
+            say(f"Auto: {auto_pick.label()} — {auto_reason}")
+            if "pick_step_s" in auto_record:
+                say(f"  auto's pick measured {auto_record['pick_step_s'] * 1e3:.0f} ms/step "
+                    f"({auto_record['pick_speedup']:.2f}x serial)"
+                    + (f"; best measured at cfg {args.cfg:g} on {self.max_world} workers: {auto_record['best_label']} "
+                       f"({auto_record['best_step_s'] * 1e3:.0f} ms/step)" if "best_label" in auto_record else ""))
+        say(f"Cost model inputs measured here: {self.calib.describe()}")
+        proj_config, proj_name = RELEASE_SHAPES.get(args.model, (FLUX_DEV, "FLUX.1-dev shapes (width 3072, 19 + 38 blocks)"))
+        if args.model not in NAMED_MODELS:
+            proj_config, proj_name = self.config, "this model"
+        return gpu_projection(say, proj_config, proj_name, self.latent_shape, self.text, self.image_tokens, args.cfg,
+                              args.gpu_tflops)
+
+    def _finish(self, record: dict) -> int:
+        record["seconds"] = time.perf_counter() - self.t_start
+        self.say("")
+        self.say(f"bench finished in {record['seconds']:.0f} s")
+        if self.args.json:
+            text_out = json.dumps(record, indent=1, default=str)
+            if self.args.json == "-":
+                print(text_out, flush=True)
+            else:
+                with open(self.args.json, "w") as f:
+                    f.write(text_out)
+        failed = any(t["status"] == "FAIL" for t in self.targets)
+        return 1 if (self.args.strict and failed) else 0

@@ -1,0 +1,51 @@
+"""The configurations the bench (and the demo and soak) run: serial, every pure strategy at 2/4/8 ranks, the
+hybrids and naive patch that fit the model and the devices."""
+from __future__ import annotations
+
+from ..errors import ConfigError
+from ..runtime.topology import validate_strategy
+from ..spec import StrategySpec
+
+CFG_PARALLEL_SCALE = 3.5  # cfg used for the CFG-parallel rows when the grid itself runs at cfg 1
+
+
+def grid(max_world: int, *, cfg: float, heads: int, num_blocks: int, latent_hw: tuple[int, int]) -> list[tuple[StrategySpec, float]]:
+    """(strategy, cfg) pairs: serial, pure strategies at 2/4/8 ranks, hybrids and naive patch that fit."""
+    cfg_rows = cfg if abs(cfg - 1.0) > 1e-9 else CFG_PARALLEL_SCALE
+    rows: list[tuple[StrategySpec, float]] = [(StrategySpec(), cfg)]
+    if abs(cfg - 1.0) <= 1e-9 and max_world >= 2:
+        rows.append((StrategySpec(), cfg_rows))  # serial reference of the CFG-parallel rows
+    S = StrategySpec
+    for w in (2, 4, 8):
+        if w > max_world:
+            break
+        h = w // 2
+        cands = [(S(ulysses_degree=w), cfg), (S(ring_degree=w), cfg),
+                 (S(pipefusion_degree=w, num_pipeline_patch=w), cfg),
+                 (S(pipefusion_degree=w, num_pipeline_patch=2 * w), cfg)]
+        if w == 2:
+            cands.insert(0, (S(cfg_degree=2), cfg_rows))
+        else:
+            cands += [(S(cfg_degree=2, ulysses_degree=h), cfg_rows), (S(cfg_degree=2, ring_degree=h), cfg_rows),
+                      (S(cfg_degree=2, pipefusion_degree=h, num_pipeline_patch=h), cfg_rows),
+                      (S(ulysses_degree=h, ring_degree=2), cfg),
+                      (S(pipefusion_degree=2, ulysses_degree=h, num_pipeline_patch=2), cfg)]
+        cands.append((S(naive_patch_degree=w), cfg))
+        for s, c in cands:
+            try:
+                validate_strategy(s, world_size=s.world_size, heads=heads, num_blocks=num_blocks, latent_hw=latent_hw,
+                                  cfg_scale=c)
+            except ConfigError:
+                continue
+            rows.append((s, c))
+    return rows
+
+
+def row_label(s: StrategySpec, cfg: float) -> str:
+    return s.label() + (f"@cfg{cfg:g}" if abs(cfg - 1.0) > 1e-9 else "")
+
+
+def subset_devices(devices: list[str], spec: str, world: int) -> str:
+    if devices[0] == "cpu":
+        return f"cpu:{world}"
+    return ",".join(d.split(":")[1] for d in devices[:world])

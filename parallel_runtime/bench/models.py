@@ -1,0 +1,49 @@
+"""The models the bench runs: random models with each family's block structure at a width a 2-core CPU runs in
+seconds per step, and the released models' shapes the GPU projection uses."""
+from __future__ import annotations
+
+from ..models.families.chroma import ChromaConfig
+from ..models.families.flux import FluxConfig
+from ..models.families.pixart import PixArtConfig
+from ..models.families.qwen_image import QwenImageConfig
+from ..models.families.sd3 import SD3Config
+from ..models.tiny import TINY
+
+# Flux-shaped bench model: Flux.1's block mix (1 double-stream block per 2 single-stream ones, as 19/38)
+# at a width a 2-core CPU runs in seconds per step. Attention is ~2/3 of a block here (4096 tokens at
+# width 256), against ~1/4 for Flux.1-dev at width 3072.
+BENCH_FLUX = FluxConfig(hidden_size=256, num_heads=4, head_dim=64, num_layers=2, num_single_layers=4,
+                        in_channels=64, context_dim=64, pooled_dim=32, guidance_embeds=True, mlp_ratio=4.0)
+# FLUX.1-dev shapes, for the GPU projection when the bench ran a small model.
+FLUX_DEV = FluxConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=19, num_single_layers=38,
+                      in_channels=64, context_dim=4096, pooled_dim=768, guidance_embeds=True, mlp_ratio=4.0)
+# Random models with each family's block structure, at the bench's width (256: 4 heads of 64).
+BENCH_FAMILIES = {
+    "flux": BENCH_FLUX,
+    # Chroma: Flux's 1:2 block mix, the modulation table from a small approximator instead of per-block layers.
+    "chroma": ChromaConfig(hidden_size=256, num_heads=4, head_dim=64, num_layers=2, num_single_layers=4,
+                           context_dim=64, approximator_hidden=64, approximator_layers=2),
+    # SD3.5 Large's block (q/k norms, joint attention, last block text pre-only); a 64-patch table covers 1024 px.
+    "sd35": SD3Config(hidden_size=256, num_layers=6, pos_embed_max_size=64, context_dim=64, pooled_dim=32),
+    # SD3.5 Medium: the image-only second attention in the first half of the blocks.
+    "sd35_medium": SD3Config(hidden_size=256, num_layers=6, pos_embed_max_size=64, context_dim=64, pooled_dim=32,
+                             dual_attention_layers=(0, 1, 2)),
+    # Qwen-Image: joint double-stream blocks only (60 in the release), its own RoPE; 4 heads of 64 here.
+    "qwen_image": QwenImageConfig(hidden_size=256, num_heads=4, head_dim=64, num_layers=6, context_dim=64),
+    # PixArt-Σ: image-only self-attention plus cross-attention to the prompt; PixArt's 72-wide heads, 4 of them.
+    "pixart": PixArtConfig(hidden_size=288, num_layers=6, micro_condition=False, caption_channels=64),
+}
+# The released models' shapes, for the GPU projection after a bench model ran.
+RELEASE_SHAPES = {
+    "chroma": (ChromaConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=19, num_single_layers=38),
+               "Chroma1-HD shapes (width 3072, 19 + 38 blocks)"),
+    "sd35": (SD3Config(hidden_size=2432, num_layers=38, pos_embed_max_size=192), "SD3.5 Large shapes (width 2432, 38 blocks)"),
+    "sd35_medium": (SD3Config(hidden_size=1536, num_layers=24, pos_embed_max_size=384,
+                              dual_attention_layers=tuple(range(13))), "SD3.5 Medium shapes (width 1536, 24 blocks)"),
+    "qwen_image": (QwenImageConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=60),
+                   "Qwen-Image shapes (width 3072, 60 blocks)"),
+    "pixart": (PixArtConfig(hidden_size=1152, num_layers=28, micro_condition=False),
+               "PixArt-Σ shapes (width 1152, 28 blocks)"),
+}
+NAMED_MODELS = {"bench": BENCH_FLUX, "tiny": TINY, **{k: v for k, v in BENCH_FAMILIES.items() if k != "flux"}}
+TOY = "toy"  # the trained demo model (parallel_runtime/toy): its shipped file, the demo's prompt, 512x512
