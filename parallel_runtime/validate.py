@@ -23,39 +23,38 @@ def _model_config(path: str, mtime_ns: int, size: int):
 
 
 @lru_cache(maxsize=16)
-def _compact_share(path: str, mtime_ns: int, size: int) -> tuple[float, bool, float]:
-    """(bytes of the file's block-quantized tensors per parameter of the file, whether it stores tensors in fp8,
-    the share of its parameters stored as plain floats)."""
-    from .weights.comfy_quant import auxiliary_keys
+def _parameter_kinds(path: str, mtime_ns: int, size: int) -> tuple[tuple[int, int], dict]:
+    """((parameters, bytes) of the file's block-quantized tensors, {stored dtype: parameters} of the others)."""
     from .weights.checkpoint import open_checkpoint
-    from .weights.storage import FP8_DTYPES
+    from .weights.comfy_quant import auxiliary_keys
 
     with open_checkpoint(path) as reader:
         # A ComfyUI quantized layer's scales and description count with its weight (stored_bytes), not as plain or
         # fp8 tensors (nvfp4 block scales are fp8).
         aux = auxiliary_keys(reader.quant_layers())
-        keys = [k for k in reader.keys() if k not in aux]
-        numel = {k: math.prod(reader.shape(k)) for k in keys}
-        quantized = [k for k in keys if reader.quant_format(k) is not None]
-        fp8 = any(reader.dtype(k) in FP8_DTYPES for k in keys if k not in quantized)
-        held = sum(reader.stored_bytes(k) for k in quantized)
-        plain = sum(numel[k] for k in keys if k not in quantized)
-    return held / max(1, sum(numel.values())), fp8, plain / max(1, sum(numel.values()))
+        quantized, by_dtype = [0, 0], {}
+        for key in (k for k in reader.keys() if k not in aux):
+            numel = math.prod(reader.shape(key))
+            if reader.quant_format(key) is not None:
+                quantized[0] += numel
+                quantized[1] += reader.stored_bytes(key)
+            else:
+                by_dtype[reader.dtype(key)] = by_dtype.get(reader.dtype(key), 0) + numel
+    return tuple(quantized), by_dtype
 
 
 def stored_bytes_per_parameter(path: str, weight_dtype: str, plain_bytes: int) -> float:
-    """Mean bytes a rank holds per parameter of this file, as the workers store it (worker.resolve_storage):
-    GGUF blocks and fp8 weights kept as they are under 'default', an fp8 weight_dtype casts to 1 byte, and
-    everything else at `plain_bytes` (the compute dtype's)."""
-    if weight_dtype.startswith("fp8"):
-        return 1.0
-    if weight_dtype != "default":
-        return float(plain_bytes)
+    """Mean bytes a rank holds per parameter of this file, by the workers' own storage rule
+    (`Storage.for_weight_dtype`), every tensor counted as a linear weight (they are nearly all of a DiT's);
+    `plain_bytes`: the compute dtype's size."""
+    from .weights.storage import Storage
+
+    storage = Storage.for_weight_dtype(weight_dtype, torch.float32)
     st = os.stat(path)
-    quantized, fp8, plain_share = _compact_share(path, st.st_mtime_ns, st.st_size)
-    if fp8:  # fp8 linear weights are nearly all of a DiT's parameters
-        return 1.0
-    return quantized + plain_share * plain_bytes
+    (quantized, quantized_bytes), by_dtype = _parameter_kinds(path, st.st_mtime_ns, st.st_size)
+    held = storage.held_bytes(None, quantized_bytes / max(1, quantized), plain_bytes) * quantized
+    held += sum(storage.held_bytes(dtype, 0, plain_bytes) * n for dtype, n in by_dtype.items())
+    return held / max(1, quantized + sum(by_dtype.values()))
 
 
 def model_config(path: str):

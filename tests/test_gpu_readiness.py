@@ -26,7 +26,7 @@ from parallel_runtime.runtime.comm import Group
 from parallel_runtime.strategies.denoise import Denoiser
 from parallel_runtime.runtime.devices import default_dtype
 from parallel_runtime.errors import ConfigError
-from parallel_runtime.models.families.flux import load_flux
+from parallel_runtime.models.families.flux_adapter import load_flux
 from parallel_runtime.models.families.flux_adapter import FluxAdapter, pipeline_stages
 from parallel_runtime.models.tiny import TINY
 from parallel_runtime.sampling import SAMPLERS, calculate_sigmas, make_sampler, model_sampling_for

@@ -9,7 +9,8 @@ from safetensors.torch import save_file
 
 from parallel_runtime.errors import ModelFileError
 from parallel_runtime.weights.checkpoint import CheckpointReader, parameter_bytes
-from parallel_runtime.models.families.flux import FluxConfig, Source, detect_layout, diffusers_param_names, infer_config, load_flux, source_map
+from parallel_runtime.models.families.flux import FluxConfig, Source, detect_layout, diffusers_param_names, infer_config, source_map
+from parallel_runtime.models.families.flux_adapter import load_flux
 from parallel_runtime.models.family import Match
 from parallel_runtime.models.families.flux_adapter import FLUX
 from parallel_runtime.models.tiny import BENCH, TINY, write_checkpoint

@@ -154,7 +154,7 @@ def test_pipefusion_ranks_hold_a_quarter_of_the_blocks(client4, tmp_path):
                         context_dim=64, pooled_dim=32)
     path = write_checkpoint(str(tmp_path / "equal-blocks.safetensors"), config, seed=1)
     from parallel_runtime.weights.checkpoint import parameter_bytes
-    from parallel_runtime.models.families.flux import load_flux
+    from parallel_runtime.models.families.flux_adapter import load_flux
 
     _, full = load_flux(path)
     block_bytes = parameter_bytes(full.transformer_blocks)

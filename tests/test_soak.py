@@ -91,7 +91,7 @@ def test_a_finished_denoiser_is_freed_without_the_cycle_collector(tiny_path):
     from parallel_runtime.strategies.attention.processor import AttentionContext
     from parallel_runtime.bench.runs import make_job
     from parallel_runtime.strategies.denoise import Denoiser
-    from parallel_runtime.models.families.flux import load_flux
+    from parallel_runtime.models.families.flux_adapter import load_flux
     from parallel_runtime.models.families.flux_adapter import FluxAdapter
     from parallel_runtime.spec import StrategySpec
 

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     def say(text: str = "") -> None:
         print(text, file=out_stream, flush=True)
 
-    from ..models.families.flux import load_flux  # noqa: F401 - fail early if diffusers is missing
+    import diffusers  # noqa: F401 - fail early if diffusers is missing
     from ..runtime.devices import parse_devices
 
     t_start = time.perf_counter()

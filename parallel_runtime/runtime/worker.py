@@ -141,20 +141,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_storage(name: str, device: torch.device, quantized_matmul: str = "auto"):
-    """How the rank stores the weights: a file's fp8 linear weights stay fp8 and its GGUF blocks stay blocks under
-    'default' (as ComfyUI and ComfyUI-GGUF keep them), an fp8 weight_dtype casts every linear weight to fp8;
-    bf16/fp16/fp32 store everything in that. `quantized_matmul` picks how ComfyUI-quantized layers multiply."""
+    """How the rank stores the weights (`Storage.for_weight_dtype`, the rule the memory estimate shares) on this
+    device: whether it computes in fp8, and which ComfyUI-quantized formats multiply in their layout."""
     from ..weights.comfy_quant import kernel_formats
     from ..weights.storage import Storage
-    from .devices import named_dtype
 
-    fp8 = name.startswith("fp8")
     # As ComfyUI's supports_fp8_compute: NVIDIA (not ROCm) with compute capability 8.9 or newer.
     fp8_compute = (device.type == "cuda" and torch.version.hip is None
                    and torch.cuda.get_device_capability(device) >= (8, 9))
-    return Storage(resolve_dtype(name, device), keep_quantized=name == "default" or fp8,
-                   cast_fp8=named_dtype(name) if fp8 else None, fp8_compute=fp8_compute,
-                   kernel_formats=kernel_formats(device, quantized_matmul))
+    return Storage.for_weight_dtype(name, resolve_dtype(name, device), fp8_compute=fp8_compute,
+                                    kernel_formats=kernel_formats(device, quantized_matmul))
 
 
 class Aborted(Exception):

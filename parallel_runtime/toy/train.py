@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_round_trip(path: str, model) -> None:
     """The written file, read back through the runtime's loader, holds the trained weights (to fp16)."""
-    from ..models.families.flux import load_flux
+    from ..models.families.flux_adapter import load_flux
 
     config, loaded = load_flux(path)
     if config != TOY_FLUX:

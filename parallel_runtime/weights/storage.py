@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+FP8_WEIGHT_DTYPES = {n: getattr(torch, n[4:]) for n in ("fp8_e4m3fn", "fp8_e5m2") if hasattr(torch, n[4:])}
 SCALED_FP8_MARKER = "scaled_fp8"  # ComfyUI's key for "this file's fp8 weights carry per-layer scales"
 
 
@@ -43,6 +44,23 @@ class Storage:
     kernel_formats: frozenset = frozenset()
     # A scaled-fp8 file whose marker asks for full-precision matmuls (ComfyUI: a 2-element `scaled_fp8` tensor).
     scaled_full_precision: bool = False
+
+    @classmethod
+    def for_weight_dtype(cls, name: str, compute: torch.dtype, **device_facts) -> "Storage":
+        """Load Parallel DiT's `weight_dtype` as every rank stores it (the one rule; the memory estimate asks it
+        too): 'default' keeps a file's fp8 weights, GGUF blocks and ComfyUI layouts as they are (as ComfyUI and
+        ComfyUI-GGUF keep them), an fp8 name casts every linear weight to that type (UNETLoader's options of those
+        names), bf16/fp16/fp32 upcast everything to `compute`. `device_facts`: fp8_compute, kernel_formats."""
+        cast = FP8_WEIGHT_DTYPES.get(name)
+        return cls(compute, keep_quantized=name == "default" or cast is not None, cast_fp8=cast, **device_facts)
+
+    def held_bytes(self, stored: torch.dtype | None, quantized_bytes: float, compute_bytes: float) -> float:
+        """Bytes a rank holds per weight stored as `stored` (None: in GGUF blocks or a ComfyUI layout, which hold
+        `quantized_bytes`), counting it as a linear weight; `compute_bytes`: the compute dtype's size."""
+        if stored is None and self.keeps_blocks("quantized"):
+            return quantized_bytes
+        kept = self.linear_dtype(stored if stored is not None else torch.float32)
+        return kept.itemsize if kept is not None else compute_bytes
 
     def for_file(self, reader) -> "Storage":
         """This storage for one file: a scaled-fp8 file's marker names the fp8 type of all its linear layers

@@ -11,7 +11,8 @@ import torch
 from conftest import make_conditioning
 from parallel_runtime.runtime.client import RuntimeClient
 from parallel_runtime.weights.checkpoint import CheckpointReader
-from parallel_runtime.models.families.flux import FluxConfig, load_flux, match
+from parallel_runtime.models.families.flux import FluxConfig, match
+from parallel_runtime.models.families.flux_adapter import load_flux
 from parallel_runtime.models.families.flux_adapter import FLUX, FluxAdapter, parameter_counts, pipeline_stages, stage_ownership
 from parallel_runtime.models.tiny import write_checkpoint
 from parallel_runtime.sampling import ksampler_sigmas, model_sampling_for

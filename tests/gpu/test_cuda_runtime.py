@@ -20,7 +20,7 @@ from parallel_runtime.runtime.comm import Comm
 from parallel_runtime.strategies.denoise import Denoiser
 from parallel_runtime.runtime.devices import default_dtype, parse_devices
 from parallel_runtime.errors import ConfigError, OutOfMemory
-from parallel_runtime.models.families.flux import load_flux
+from parallel_runtime.models.families.flux_adapter import load_flux
 from parallel_runtime.models.families.flux_adapter import FluxAdapter
 from parallel_runtime.sampling import SAMPLERS
 from parallel_runtime.runtime.topology import Topology

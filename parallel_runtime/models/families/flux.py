@@ -20,12 +20,11 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
 from ...errors import ModelFileError
-from ...weights.checkpoint import open_checkpoint
 from ...weights.keymap import Source, block_count, linear, same_names
 from ..family import JointAttentionConfig
 
@@ -376,7 +375,7 @@ def bfl_tensor_shapes(config: FluxConfig, prefix: str = "") -> dict[str, tuple[t
 
 
 # ----------------------------------------------------------------------------------
-# Building (the family object, FLUX, lives beside the adapter in flux_adapter.py)
+# Building (the family object, FLUX, and load_flux live beside the adapter in flux_adapter.py)
 # ----------------------------------------------------------------------------------
 def meta_model(config: FluxConfig) -> torch.nn.Module:
     """diffusers' FluxTransformer2DModel for `config` on the meta device (no memory)."""
@@ -391,21 +390,3 @@ def match(keys: list[str]):
 
     found = match_layout(keys)
     return None if found is None else Match(*found)
-
-
-def load_flux(
-    path: str | os.PathLike,
-    dtype: torch.dtype = torch.float32,
-    owned: Callable[[str], bool] = lambda name: True,
-    device: str | torch.device = "cpu",
-):
-    """Open ``path``, detect its layout, infer its config and build the owned part of the model."""
-    from .flux_adapter import FLUX
-
-    with open_checkpoint(path) as reader:
-        found = match(reader.keys())
-        if found is None:
-            detect_layout(reader.keys(), os.path.basename(reader.path))  # raises the one-sentence error
-        config = infer_config(reader, found.layout, found.prefix)
-        model = FLUX.build(config, reader, found, owned=owned, dtype=dtype, device=device)
-    return config, model

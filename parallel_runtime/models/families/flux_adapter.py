@@ -7,12 +7,14 @@ pipeline stage owns. Strategies only ever call these methods; the checkpoint map
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
 
 import torch
 
 from ...sampling import FLUX_LATENT, model_sampling_for
 from ...strategies.attention.processor import AttentionContext, ParallelFluxAttnProcessor
+from ...weights.checkpoint import open_checkpoint
 from ...weights.storage import compute_placement
 from ..family import DiTFamily
 from . import flux
@@ -198,3 +200,19 @@ FLUX = DiTFamily(
     meta_model=flux.meta_model, source_map=flux.source_map, checkpoint_shapes=flux.bfl_tensor_shapes,
     adapter_class=FluxAdapter, block_lists=("transformer_blocks", "single_transformer_blocks"),
     always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE, comfy_layout="bfl")
+
+
+def load_flux(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    owned: Callable[[str], bool] = lambda name: True,
+    device: str | torch.device = "cpu",
+):
+    """Open ``path``, detect its layout, infer its config and build the owned part of the model."""
+    with open_checkpoint(path) as reader:
+        found = flux.match(reader.keys())
+        if found is None:
+            flux.detect_layout(reader.keys(), os.path.basename(reader.path))  # raises the one-sentence error
+        config = flux.infer_config(reader, found.layout, found.prefix)
+        model = FLUX.build(config, reader, found, owned=owned, dtype=dtype, device=device)
+    return config, model
