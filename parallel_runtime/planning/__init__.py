@@ -1,1 +1,2 @@
-"""Planning: the cost model, auto mode's choice of strategy, and the analytic traffic per rank."""
+"""Planning: PipeFusion's stage split (`stages`), the cost model (`costmodel`), auto mode's choice of strategy
+(`auto`) and the analytic traffic per rank (`traffic`)."""
