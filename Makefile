@@ -10,7 +10,7 @@ $(VENV)/.ready: requirements.txt constraints.txt
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(VPY) -m pip install -q -c constraints.txt -r requirements.txt pytest pytest-timeout
+	$(VPY) -m pip install -q -c constraints.txt -r requirements.txt pytest pytest-timeout comfyui-workflow-templates-json
 	touch $@
 
 venv: $(VENV)/.ready

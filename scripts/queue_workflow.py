@@ -1,21 +1,33 @@
 #!/usr/bin/env python3
-"""Queue an API-format ComfyUI workflow, follow it over the websocket, fetch what it made.
+"""Queue a ComfyUI workflow, follow it over the websocket, fetch what it made.
 
-Standard library only (a minimal websocket client is included), so it runs with any Python 3.10+,
-on the ComfyUI machine or beside it. Typical use, with ComfyUI running on port 8188:
+Standard library only (a minimal websocket client is included; scripts/ui_workflow.py and
+scripts/paradit_swap.py beside it), so it runs with any Python 3.10+, on the ComfyUI machine or beside it.
+Typical use, with ComfyUI running on port 8188:
 
     python scripts/queue_workflow.py --workflow workflows/api/flux_dev_ulysses.json \\
         --set ParaDiTLoader.devices=0,1 --set ParaDiTStrategy.ulysses_degree=2 \\
         --set 4.text="a lighthouse at dusk" --set ParaDiTSampler.seed=7 --out ./outputs
 
+    # one of ComfyUI's own templates (UI format), its model loader swapped for Load Parallel DiT
+    python scripts/queue_workflow.py --workflow flux_dev_full_text_to_image.json \\
+        --parallel ulysses=2 --devices 0,1 --set KSampler.steps=20 --out ./outputs
+
 What it does:
-  1. reads the workflow (API format: ComfyUI's "Export (API)" menu item, or workflows/api/);
-  2. applies each ``--set NODE.INPUT=VALUE``: NODE is a node id ("8"), a class type ("ParaDiTSampler")
-     or a node title ("Parallel Sampler") naming exactly one node; VALUE is read as JSON when it parses
-     (42, 3.5, true, ["4", 0]) and as a plain string otherwise (cpu:2, a prompt text);
-  3. opens ws://SERVER/ws, POSTs the graph to /prompt, prints the nodes as they run, the sampler's
-     progress and ParaDiT's status lines;
-  4. reads /history and downloads every output file (images from Save Image, latents from Save Latent)
+  1. reads the workflow: API format (ComfyUI's "Export (API)" menu item, or workflows/api/) as it is; UI format
+     (what the editor saves, ComfyUI's templates, workflows/) is converted to the API format the editor would
+     queue, with the server's node classes from GET /object_info (see ui_workflow.py: subgraphs inlined as
+     ids "outer:inner", reroutes, primitive nodes, muted and bypassed nodes handled as the editor does);
+  2. with ``--parallel STRATEGY`` (auto, ulysses=2, cfg=2,ulysses=2, pipefusion=2, ...) puts Load Parallel
+     DiT with that strategy in place of every UNETLoader (and of a CheckpointLoaderSimple's MODEL), on
+     ``--devices`` (default auto), see paradit_swap.py;
+  3. applies each ``--set NODE.INPUT=VALUE``: NODE is a node id ("8", "194:50" inside a subgraph), a class
+     type ("ParaDiTSampler") or a node title ("Parallel Sampler") naming exactly one node; VALUE is read as
+     JSON when it parses (42, 3.5, true, ["4", 0]) and as a plain string otherwise (cpu:2, a prompt text);
+  4. opens ws://SERVER/ws, POSTs the graph to /prompt, prints the nodes as they run, the sampler's
+     progress and ParaDiT's status lines (``--dry-run`` stops before this and prints the graph instead;
+     ``--save-api FILE`` keeps a copy of it);
+  5. reads /history and downloads every output file (images from Save Image, latents from Save Latent)
      through /view into --out.
 
 Ctrl-C asks the server to interrupt the prompt. Exit status: 0 done, 1 execution error, 2 the server
@@ -38,6 +50,10 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import paradit_swap  # noqa: E402 - beside this script
+import ui_workflow  # noqa: E402
 
 EXIT_OK, EXIT_ERROR, EXIT_REJECTED, EXIT_TIMEOUT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -190,19 +206,37 @@ class WebSocket:
 # ---------------------------------------------------------------------------------------------------
 # The workflow and its overrides.
 
-def load_workflow(path: str) -> dict:
+def read_json(path: str):
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            return json.load(f)
     except OSError as e:
         raise WorkflowError(f"cannot read {path}: {e.strerror}.") from None
     except json.JSONDecodeError as e:
         raise WorkflowError(f"{path} is not JSON ({e}).") from None
+
+
+def load_workflow(path: str, object_info: dict | None = None, notes: list | None = None) -> dict:
+    """The API-format graph in `path`; a UI-format file is converted with the server's /object_info."""
+    return workflow_graph(read_json(path), path, object_info, notes)
+
+
+def workflow_graph(data, path: str, object_info: dict | None = None, notes: list | None = None) -> dict:
     if isinstance(data, dict) and isinstance(data.get("prompt"), dict):
         data = data["prompt"]  # a saved POST /prompt body
-    if isinstance(data, dict) and "nodes" in data and "links" in data:
-        raise WorkflowError(f"{path} is a UI-format workflow (for drag-and-drop); this script needs the API "
-                            f"format: use the twin in workflows/api/ or ComfyUI's Export (API).")
+    if ui_workflow.is_ui_workflow(data):
+        if object_info is None:
+            raise WorkflowError(f"{path} is a UI-format workflow; converting it to the API format needs the "
+                                f"server's node classes (GET /object_info): give --server, or --object-info FILE.")
+        try:
+            graph, left_out = ui_workflow.convert(data, object_info)
+        except ui_workflow.ConversionError as e:
+            raise WorkflowError(f"{path}: {e}") from None
+        if notes is not None:
+            notes.append(f"{path} is a UI-format workflow: converted to the {len(graph)} API nodes the editor "
+                         f"would queue")
+            notes.extend(left_out)
+        return graph
     if not isinstance(data, dict) or not data or not all(
             isinstance(n, dict) and "class_type" in n for n in data.values()):
         raise WorkflowError(f"{path} is not an API-format workflow (a JSON object of node id -> "
@@ -435,24 +469,73 @@ def format_rejection(error: dict) -> str:
     return "; ".join(p for p in parts if p)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(
-        description="Queue an API-format ComfyUI workflow, follow its progress, download its outputs.",
-        epilog="Example: %(prog)s --workflow workflows/api/flux_dev_ulysses.json "
+        description="Queue a ComfyUI workflow (API or UI format), follow its progress, download its outputs.",
+        epilog="Examples: %(prog)s --workflow workflows/api/flux_dev_ulysses.json "
                "--set ParaDiTLoader.devices=0,1 --set ParaDiTStrategy.ulysses_degree=2 "
-               "--set ParaDiTSampler.seed=7 --out outputs")
+               "--set ParaDiTSampler.seed=7 --out outputs; "
+               "%(prog)s --workflow flux_dev_full_text_to_image.json --parallel ulysses=2 --devices 0,1 --out outputs")
     parser.add_argument("--server", default="127.0.0.1:8188", help="ComfyUI address (default 127.0.0.1:8188)")
-    parser.add_argument("--workflow", required=True, help="API-format workflow JSON")
+    parser.add_argument("--workflow", required=True,
+                        help="workflow JSON: API format, or UI format (saved by the editor, ComfyUI's templates)")
+    parser.add_argument("--parallel", metavar="STRATEGY",
+                        help="put Load Parallel DiT with this strategy in place of the workflow's UNETLoader / "
+                             "CheckpointLoaderSimple model: auto, ulysses=2, cfg=2,ulysses=2, pipefusion=2, ring=2 "
+                             "(plus patches=N, warmup=N)")
+    parser.add_argument("--devices", help="with --parallel: Load Parallel DiT's devices (auto, 0,1, cpu:2; default auto)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NODE.INPUT=VALUE",
                         help="override an input; NODE is an id, class type or title; repeatable")
+    parser.add_argument("--object-info", metavar="FILE",
+                        help="node classes (a saved GET /object_info) for a UI-format workflow, instead of the server's")
+    parser.add_argument("--save-api", metavar="FILE", help="write the API-format graph that is queued to FILE")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="stop before queueing; print the API-format graph (unless --save-api)")
     parser.add_argument("--out", help="download the output files (images, latents) into this folder")
     parser.add_argument("--include-temp", action="store_true", help="also download previews (type temp)")
     parser.add_argument("--timeout", type=float, default=0, help="give up after this many seconds (0: never)")
     parser.add_argument("--quiet", action="store_true", help="print only errors and saved files")
     parser.add_argument("--json", action="store_true", help="print the result (status, prompt_id, outputs, files) as JSON")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def prepare_graph(args, notes: list) -> dict:
+    """The API-format graph to queue: read (converted when UI format), swapped (--parallel), overridden (--set)."""
+    data = read_json(args.workflow)
+    if args.devices is not None and not args.parallel:
+        raise WorkflowError("--devices goes with --parallel; to change the devices of a Load Parallel DiT already "
+                            "in the workflow use --set ParaDiTLoader.devices=...")
+    object_info = None
+    if args.object_info:
+        object_info = read_json(args.object_info)
+    elif args.parallel or ui_workflow.is_ui_workflow(data):
+        object_info = http_json(f"{base_url(args.server)}/object_info", timeout=120)
+    graph = workflow_graph(data, args.workflow, object_info, notes)
+    if args.parallel:
+        try:
+            strategy = paradit_swap.parse_strategy(args.parallel)
+            graph, swapped = paradit_swap.swap_loaders(graph, strategy, args.devices or "auto", object_info)
+        except paradit_swap.SwapError as e:
+            raise WorkflowError(str(e)) from None
+        notes.extend(swapped)
+    return apply_overrides(graph, args.overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    notes: list[str] = []
     try:
-        graph = apply_overrides(load_workflow(args.workflow), args.overrides)
+        graph = prepare_graph(args, notes)
+        if not args.quiet:
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr)
+        if args.save_api:
+            with open(args.save_api, "w", encoding="utf-8") as f:
+                json.dump(graph, f, indent=2)
+        if args.dry_run:
+            if not args.save_api:
+                print(json.dumps(graph, indent=2))
+            return EXIT_OK
         result = run(args.server, graph, out_dir=args.out, timeout=args.timeout or None, verbose=not args.quiet,
                      include_temp=args.include_temp)
     except WorkflowError as e:
