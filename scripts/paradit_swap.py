@@ -6,6 +6,7 @@ weight_dtype mapped), fed by one `ParaDiTStrategy` node added to the graph; so `
 MODEL are rewired to a new ParaDiTLoader for the same file name, which must be listed among the server's
 diffusion models (Load Parallel DiT reads models/diffusion_models, not models/checkpoints): otherwise one
 sentence says so. The host still runs the checkpoint loader, so it also holds that file's own copy of the model.
+A loader of a model that is not a DiT (an SD UNet feeding a depth estimator, say) can be kept with --keep-loader.
 
 Strategy text: `auto`, or degrees joined by commas: `ulysses=2`, `cfg=2,ulysses=2`, `pipefusion=2`, `ring=2`,
 optionally with `patches=N` (PipeFusion patches) and `warmup=N` (warm-up steps), which also go with `auto`.
@@ -143,14 +144,15 @@ def _swap_checkpoint(graph: dict, node_id: str, devices: str, strategy_id: str, 
                  f"{loader_id}; node {node_id} still loads the file for its CLIP and VAE")
 
 
-def swap_loaders(graph: dict, strategy: dict, devices: str = "auto",
-                 object_info: dict | None = None) -> tuple[dict, list[str]]:
-    """(a copy of `graph` with Load Parallel DiT in place of its diffusion-model loaders, notes)."""
+def swap_loaders(graph: dict, strategy: dict, devices: str = "auto", object_info: dict | None = None,
+                 keep: tuple = ()) -> tuple[dict, list[str]]:
+    """(a copy of `graph` with Load Parallel DiT in place of its diffusion-model loaders, except the node ids in
+    `keep`, notes)."""
     check_devices(strategy, devices)
-    loaders = [nid for nid, node in graph.items() if node.get("class_type") in LOADERS]
+    loaders = [nid for nid, node in graph.items() if node.get("class_type") in LOADERS and nid not in keep]
     if not loaders:
         raise SwapError("--parallel: the workflow has no UNETLoader or CheckpointLoaderSimple to put Load Parallel "
-                        "DiT in place of.")
+                        "DiT in place of" + (" (other than those --keep-loader names)." if keep else "."))
     known = _diffusion_models(object_info)
     graph, notes = copy.deepcopy(graph), []
     strategy_id = _new_id(graph)

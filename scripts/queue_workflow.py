@@ -252,7 +252,7 @@ def parse_value(text: str):
         return text
 
 
-def find_node(graph: dict, ref: str) -> str:
+def find_node(graph: dict, ref: str, option: str = "--set") -> str:
     if ref in graph:
         return ref
     matches = [nid for nid, node in graph.items()
@@ -260,9 +260,9 @@ def find_node(graph: dict, ref: str) -> str:
     if len(matches) == 1:
         return matches[0]
     if not matches:
-        raise WorkflowError(f"--set names node {ref!r}, but the workflow has no node with that id, class type "
+        raise WorkflowError(f"{option} names node {ref!r}, but the workflow has no node with that id, class type "
                             f"or title; ids are {', '.join(sorted(graph, key=_id_key))}.")
-    raise WorkflowError(f"--set names node {ref!r}, which matches nodes {', '.join(sorted(matches, key=_id_key))}; "
+    raise WorkflowError(f"{option} names node {ref!r}, which matches nodes {', '.join(sorted(matches, key=_id_key))}; "
                         f"use one of those ids instead.")
 
 
@@ -484,6 +484,8 @@ def parse_args(argv: list[str] | None):
                              "CheckpointLoaderSimple model: auto, ulysses=2, cfg=2,ulysses=2, pipefusion=2, ring=2 "
                              "(plus patches=N, warmup=N)")
     parser.add_argument("--devices", help="with --parallel: Load Parallel DiT's devices (auto, 0,1, cpu:2; default auto)")
+    parser.add_argument("--keep-loader", action="append", default=[], metavar="NODE",
+                        help="with --parallel: leave this loader (id, class type or title) as it is; repeatable")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NODE.INPUT=VALUE",
                         help="override an input; NODE is an id, class type or title; repeatable")
     parser.add_argument("--object-info", metavar="FILE",
@@ -502,9 +504,9 @@ def parse_args(argv: list[str] | None):
 def prepare_graph(args, notes: list) -> dict:
     """The API-format graph to queue: read (converted when UI format), swapped (--parallel), overridden (--set)."""
     data = read_json(args.workflow)
-    if args.devices is not None and not args.parallel:
-        raise WorkflowError("--devices goes with --parallel; to change the devices of a Load Parallel DiT already "
-                            "in the workflow use --set ParaDiTLoader.devices=...")
+    if (args.devices is not None or args.keep_loader) and not args.parallel:
+        raise WorkflowError("--devices and --keep-loader go with --parallel; to change the devices of a Load Parallel "
+                            "DiT already in the workflow use --set ParaDiTLoader.devices=...")
     object_info = None
     if args.object_info:
         object_info = read_json(args.object_info)
@@ -514,7 +516,8 @@ def prepare_graph(args, notes: list) -> dict:
     if args.parallel:
         try:
             strategy = paradit_swap.parse_strategy(args.parallel)
-            graph, swapped = paradit_swap.swap_loaders(graph, strategy, args.devices or "auto", object_info)
+            keep = tuple(find_node(graph, ref, "--keep-loader") for ref in args.keep_loader)
+            graph, swapped = paradit_swap.swap_loaders(graph, strategy, args.devices or "auto", object_info, keep)
         except paradit_swap.SwapError as e:
             raise WorkflowError(str(e)) from None
         notes.extend(swapped)

@@ -480,14 +480,17 @@ class Converter:
         return ("link", inst.id, slot)
 
     def _from_subgraph_input(self, host: Instance, index: int, seen: set):
-        """Input `index` of subgraph instance `host`: what is connected to it outside, else its widget value."""
+        """Input `index` of subgraph instance `host`: what is connected to it outside, else its widget value (also
+        when what is connected is a PrimitiveNode, whose value is then the widget's)."""
         if index >= len(host.subgraph.inputs):
             raise ConversionError(f"a link inside {host.describe()} uses input {index} of subgraph "
                                   f"{host.subgraph.name!r}, which has {len(host.subgraph.inputs)}.")
         name = host.subgraph.inputs[index].get("name")
         entry = next((e for e in host.entries() if e.get("name") == name), None)
         if entry is not None and entry.get("link") is not None:
-            return self.resolve_input(host, entry, None, seen)
+            got = self.resolve_input(host, entry, None, seen)
+            if got is not None:
+                return got
         values = self.promoted(host)
         return ("value", values[name]) if name in values else None
 

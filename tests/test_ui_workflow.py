@@ -199,6 +199,360 @@ def test_a_node_class_the_server_lacks_is_one_sentence(object_info):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Per feature, on the templates that have it.
+
+def ui_node_of(workflow: dict, node_id: int, scope: dict | None = None) -> dict:
+    return next(n for n in (scope or workflow)["nodes"] if n["id"] == node_id)
+
+
+def test_reroute_and_primitive_nodes(object_info):
+    """hidream_e1_1: a Reroute (48) carries CFGNorm's MODEL to two nodes; PrimitiveNodes "CFG" (56) and "Image CFG"
+    (57) feed DualCFGGuider's two cfg widgets."""
+    graph = convert("hidream_e1_1", object_info)
+    assert not {"48", "56", "57"} & set(graph)
+    assert graph["49"]["inputs"]["model"] == ["55", 0] and graph["53"]["inputs"]["model"] == ["55", 0]
+    assert graph["53"]["inputs"]["cfg_conds"] == 3 and graph["53"]["inputs"]["cfg_cond2_negative"] == 1.5
+    workflow = template("hidream_e1_1")
+    ui_node_of(workflow, 56)["widgets_values"][0] = 4.5  # the primitive's value beats the one saved on the node
+    assert convert(workflow, object_info)["53"]["inputs"]["cfg_conds"] == 4.5
+
+
+def test_a_primitive_feeding_two_nodes(object_info):
+    """flux_redux_model_example: PrimitiveNodes "width" (34) and "height" (35) each feed EmptySD3LatentImage 27 and
+    ModelSamplingFlux 30."""
+    workflow = template("flux_redux_model_example")
+    ui_node_of(workflow, 34)["widgets_values"][0] = 768
+    graph = convert(workflow, object_info)
+    assert [graph[n]["inputs"][w] for n in ("27", "30") for w in ("width", "height")] == [768, 1024, 768, 1024]
+    assert ui_node_of(workflow, 27)["widgets_values"][:2] == [1024, 1024]  # its own saved values lost
+    assert "34" not in graph and "35" not in graph
+
+
+def test_bypassed_node_passes_its_input_through(object_info):
+    """image_qwen_image_controlnet_patch: LoraLoaderModelOnly 80 is bypassed; ModelSamplingAuraFlow 66 gets the
+    UNETLoader's MODEL instead."""
+    graph = convert("image_qwen_image_controlnet_patch", object_info)
+    assert "80" not in graph
+    assert graph["66"]["inputs"]["model"] == ["37", 0] and graph["37"]["class_type"] == "UNETLoader"
+
+
+def test_bypassed_node_without_a_matching_input(object_info):
+    """flux_kontext_dev_basic: the second LoadImage (191) is bypassed and has no input, so ImageStitch's optional
+    image2 (inside subgraph 192, via its input "image2") is left unconnected."""
+    graph = convert("flux_kontext_dev_basic", object_info)
+    stitch = graph["192:146"]["inputs"]
+    assert "191" not in graph and stitch["image1"] == ["190", 0] and "image2" not in stitch
+    assert graph["192:6"]["inputs"]["text"].startswith("Using this elegant style, create a portrait of a swan")
+    assert graph["136"]["inputs"]["images"] == ["192:8", 0]
+
+
+def test_nested_subgraphs(object_info):
+    """flux_depth_lora_example: subgraph 150 holds subgraph 41 (Lotus depth), whose nodes get ids "150:41:N"; its
+    pixels input comes through 150's ImageScaleToTotalPixels from the outer LoadImage; PreviewImage 43 in 150 is
+    bypassed."""
+    graph = convert("flux_depth_lora_example", object_info)
+    assert graph["150:41:87"]["class_type"] == "UNETLoader"
+    assert graph["150:41:97"]["inputs"]["pixels"] == ["150:107", 0]
+    assert graph["150:107"]["inputs"]["image"] == ["17", 0]
+    assert graph["150:35"]["inputs"]["pixels"] == ["150:41:99", 0]
+    assert graph["9"]["inputs"]["images"] == ["150:8", 0]
+    assert "150:43" not in graph and "150" not in graph and "150:41" not in graph
+
+
+def test_muted_node_and_bypassed_subgraph_instance_are_left_out(object_info):
+    """hunyuan_video_text_to_video: VAEDecode 8 is muted. flux1_dev_uso_reference_image_gen: subgraph instance 113
+    and SaveImage 73 are bypassed, so nothing inside 113 is sent."""
+    graph = convert("hunyuan_video_text_to_video", object_info)
+    assert "8" not in graph
+    assert all(v[0] != "8" for n in graph.values() for v in n["inputs"].values() if isinstance(v, list))
+    graph = convert("flux1_dev_uso_reference_image_gen", object_info)
+    assert "73" not in graph and not [k for k in graph if k.startswith("113:")]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The editor's rules one at a time, on small hand-made graphs.
+
+TOY = {
+    "Load": {"input": {"required": {"name": [["a.bin", "b.bin"]]}}, "output": ["MODEL"], "display_name": "Load"},
+    "Latent": {"input": {"required": {"width": ["INT", {"default": 512}]}}, "output": ["LATENT"],
+               "display_name": "Latent"},
+    "Patch": {"input": {"required": {"latent": ["LATENT"], "model": ["MODEL"], "strength": ["FLOAT"]}},
+              "output": ["MODEL"], "display_name": "Patch"},
+    "Pair": {"input": {"required": {"a": ["MODEL"], "b": ["MODEL"]}}, "output": ["MODEL", "MODEL"],
+             "display_name": "Pair"},
+    "Sample": {"input": {"required": {"model": ["MODEL"], "seed": ["INT", {"control_after_generate": True}],
+                                      "sampler": [["euler", "heun"]], "latent": ["LATENT"]},
+                         "optional": {"steps": ["INT", {"default": 7}]}},
+               "input_order": {"required": ["model", "seed", "sampler", "latent"], "optional": ["steps"]},
+               "output": ["LATENT"], "display_name": "Sample"},
+    "Save": {"input": {"required": {"latent": ["LATENT"], "prefix": ["STRING", {"default": "x"}]}}, "output": [],
+             "display_name": "Save"},
+}
+
+
+def ui(node_id, type_, inputs=(), outputs=(), widgets=None, mode=0, **extra) -> dict:
+    node = {"id": node_id, "type": type_, "mode": mode, "inputs": list(inputs), "outputs": list(outputs), **extra}
+    if widgets is not None:
+        node["widgets_values"] = widgets
+    return node
+
+
+def socket(name, type_, link=None, widget=False) -> dict:
+    return {"name": name, "type": type_, "link": link, **({"widget": {"name": name}} if widget else {})}
+
+
+def out(type_, *links) -> dict:
+    return {"name": type_, "type": type_, "links": list(links)}
+
+
+def test_bypass_picks_the_matching_input_and_muted_sources_are_dropped():
+    """Patch (bypassed) has inputs LATENT, MODEL: its MODEL output passes the MODEL input on. Pair (bypassed) has two
+    MODEL inputs: output 1 passes input 1 (the same slot), not the first MODEL. Latent 5 is muted: Sample's latent is
+    left out. Sample's saved seed is followed by the editor's "fixed" (not sent); its optional steps takes its
+    default."""
+    workflow = {"nodes": [
+        ui(1, "Load", outputs=[out("MODEL", 1, 6)], widgets=["b.bin"]),
+        ui(7, "Load", outputs=[out("MODEL", 7)], widgets=["a.bin"]),
+        ui(2, "Latent", outputs=[out("LATENT", 2)], widgets=[640]),
+        ui(3, "Patch", [socket("latent", "LATENT", 2), socket("model", "MODEL", 1)], [out("MODEL", 3)], [0.5], mode=4),
+        ui(8, "Pair", [socket("a", "MODEL", 6), socket("b", "MODEL", 7)], [out("MODEL"), out("MODEL", 8)], mode=4),
+        ui(5, "Latent", outputs=[out("LATENT", 4)], widgets=[320], mode=2),
+        ui(4, "Sample", [socket("model", "MODEL", 3), socket("latent", "LATENT", 4)], [out("LATENT", 5)],
+           [5, "fixed", "heun"]),
+        ui(9, "Sample", [socket("model", "MODEL", 8), socket("latent", "LATENT", 9)], [out("LATENT")],
+           [6, "fixed", "euler", 3]),
+        ui(6, "Save", [socket("latent", "LATENT", 5)], widgets={"prefix": ["p", "q"]}),
+    ], "links": [[1, 1, 0, 3, 1, "MODEL"], [2, 2, 0, 3, 0, "LATENT"], [3, 3, 0, 4, 0, "MODEL"], [4, 5, 0, 4, 1, "LATENT"],
+                 [5, 4, 0, 6, 0, "LATENT"], [6, 1, 0, 8, 0, "MODEL"], [7, 7, 0, 8, 1, "MODEL"], [8, 8, 1, 9, 0, "MODEL"],
+                 [9, 2, 0, 9, 1, "LATENT"]]}
+    graph, notes = uw.convert(workflow, TOY)
+    assert graph == {
+        "1": node("Load", "Load", name="b.bin"),
+        "7": node("Load", "Load", name="a.bin"),
+        "2": node("Latent", "Latent", width=640),
+        "4": node("Sample", "Sample", seed=5, sampler="heun", steps=7, model=["1", 0]),
+        "9": node("Sample", "Sample", seed=6, sampler="euler", steps=3, model=["7", 0], latent=["2", 0]),
+        "6": node("Save", "Save", prefix={"__value__": ["p", "q"]}, latent=["4", 0]),
+    }
+    assert notes == []
+
+
+SUB_ID = "5a3f2c44-0000-4000-8000-000000000001"
+
+
+def toy_subgraph() -> dict:
+    """Inputs model (MODEL), seed and sampler (promoted widgets of Sample 10); Latent 11 inside; output LATENT."""
+    return {
+        "id": SUB_ID, "name": "Toy sampling",
+        "inputs": [{"name": "model", "type": "MODEL", "linkIds": [101]}, {"name": "seed", "type": "INT", "linkIds": [102]},
+                   {"name": "sampler", "type": "COMBO", "linkIds": [103]}],
+        "outputs": [{"name": "LATENT", "type": "LATENT", "linkIds": [105]}],
+        "nodes": [ui(10, "Sample", [socket("model", "MODEL", 101), socket("latent", "LATENT", 104),
+                                    socket("seed", "INT", 102, True), socket("sampler", "COMBO", 103, True)],
+                     [out("LATENT", 105)], [9, "fixed", "heun", 2]),
+                  ui(11, "Latent", outputs=[out("LATENT", 104)], widgets=[640])],
+        "links": [{"id": 101, "origin_id": -10, "origin_slot": 0, "target_id": 10, "target_slot": 0, "type": "MODEL"},
+                  {"id": 102, "origin_id": -10, "origin_slot": 1, "target_id": 10, "target_slot": 2, "type": "INT"},
+                  {"id": 103, "origin_id": -10, "origin_slot": 2, "target_id": 10, "target_slot": 3, "type": "COMBO"},
+                  {"id": 104, "origin_id": 11, "origin_slot": 0, "target_id": 10, "target_slot": 1, "type": "LATENT"},
+                  {"id": 105, "origin_id": 10, "origin_slot": 0, "target_id": -20, "target_slot": 0, "type": "LATENT"}],
+    }
+
+
+def toy_with_instance(widgets, properties=None, nest: bool = False) -> dict:
+    instance = ui(20, SUB_ID, [socket("model", "MODEL", 1)], [out("LATENT", 2)], widgets,
+                  properties=properties or {})
+    nodes = [ui(1, "Load", outputs=[out("MODEL", 1)], widgets=["a.bin"]), instance,
+             ui(30, "Save", [socket("latent", "LATENT", 2)], widgets=["out"])]
+    links = [[1, 1, 0, 20, 0, "MODEL"], [2, 20, 0, 30, 0, "LATENT"]]
+    if not nest:
+        return {"nodes": nodes, "links": links, "definitions": {"subgraphs": [toy_subgraph()]}}
+    outer = {"id": "outer-0000", "name": "Outer", "inputs": [], "outputs": [], "nodes": nodes,
+             "links": [{"id": i, "origin_id": o, "origin_slot": os_, "target_id": t, "target_slot": ts, "type": ty}
+                       for i, o, os_, t, ts, ty in links]}
+    return {"nodes": [ui(40, "outer-0000")], "links": [], "definitions": {"subgraphs": [outer, toy_subgraph()]}}
+
+
+@pytest.mark.parametrize("widgets, properties, seed, sampler, width", [
+    ([42, "euler"], None, 42, "euler", 640),  # one value per promoted input (the current editor)
+    ([42, "randomize", "euler"], None, 42, "euler", 640),  # older files: the seed's control value too
+    ([], None, 9, "heun", 640),  # no values of its own: the inner widgets'
+    ([77, 800], {"proxyWidgets": [["10", "seed"], ["11", "width"]]}, 77, "heun", 800),  # legacy proxy widgets
+    ({"seed": 5, "sampler": "euler"}, None, 5, "euler", 640),  # values by name
+])
+def test_subgraph_instance_widget_values(widgets, properties, seed, sampler, width):
+    graph, _ = uw.convert(toy_with_instance(widgets, properties), TOY)
+    assert graph == {
+        "1": node("Load", "Load", name="a.bin"),
+        "20:10": node("Sample", "Sample", seed=seed, sampler=sampler, steps=2, model=["1", 0], latent=["20:11", 0]),
+        "20:11": node("Latent", "Latent", width=width),
+        "30": node("Save", "Save", prefix="out", latent=["20:10", 0]),
+    }
+
+
+def test_nested_subgraph_ids_and_a_primitive_through_a_reroute():
+    workflow = toy_with_instance([42, "euler"], nest=True)
+    graph, _ = uw.convert(workflow, TOY)
+    assert sorted(graph) == ["40:1", "40:20:10", "40:20:11", "40:30"]
+    assert graph["40:20:10"]["inputs"]["model"] == ["40:1", 0] and graph["40:30"]["inputs"]["latent"] == ["40:20:10", 0]
+    # A PrimitiveNode -> Reroute -> the instance's seed input: the primitive's value reaches Sample 10.
+    workflow = toy_with_instance([42, "euler"])
+    workflow["nodes"][1]["inputs"].append(socket("seed", "INT", 3, True))
+    workflow["nodes"] += [ui(50, "PrimitiveNode", outputs=[out("INT", 4)], widgets=[123, "fixed"]),
+                          ui(51, "Reroute", [socket("", "*", 4)], [out("INT", 3)])]
+    workflow["links"] += [[3, 51, 0, 20, 1, "INT"], [4, 50, 0, 51, 0, "*"]]
+    graph, _ = uw.convert(workflow, TOY)
+    assert graph["20:10"]["inputs"]["seed"] == 123 and not {"50", "51"} & set(graph)
+
+
+def test_two_instances_of_one_subgraph_keep_their_own_values():
+    workflow = toy_with_instance([42, "euler"])
+    second = copy.deepcopy(workflow["nodes"][1])
+    second.update(id=21, widgets_values=[43, "heun"], inputs=[socket("model", "MODEL", 1)],
+                  outputs=[out("LATENT")])
+    workflow["nodes"].append(second)
+    graph, _ = uw.convert(workflow, TOY)
+    assert (graph["20:10"]["inputs"]["seed"], graph["21:10"]["inputs"]["seed"]) == (42, 43)
+    assert (graph["20:10"]["inputs"]["sampler"], graph["21:10"]["inputs"]["sampler"]) == ("euler", "heun")
+
+
+def test_nodes_the_server_lacks_and_other_refusals():
+    base = toy_with_instance([42, "euler"])
+    lonely = copy.deepcopy(base)
+    lonely["nodes"].append(ui(60, "Label (rgthree)", widgets=["a note"]))
+    graph, notes = uw.convert(lonely, TOY)
+    assert "60" not in graph and len(notes) == 1 and "node 60 (Label (rgthree))" in notes[0]
+    linked = copy.deepcopy(base)
+    linked["nodes"][2]["type"] = "SaveFancy"
+    with pytest.raises(uw.ConversionError, match=r"node 30 \(SaveFancy\) is not a node class this ComfyUI server "
+                                                 r"knows \(it is not in /object_info\): install"):
+        uw.convert(linked, TOY)
+    group = copy.deepcopy(base)
+    group["nodes"].append(ui(61, "workflow>my group"))
+    with pytest.raises(uw.ConversionError, match="group node.*Convert to Subgraph"):
+        uw.convert(group, TOY)
+    loop = {"nodes": [ui(1, "Reroute", [socket("", "*", 2)], [out("MODEL", 1)]),
+                      ui(2, "Reroute", [socket("", "*", 1)], [out("MODEL", 2, 3)]),
+                      ui(3, "Sample", [socket("model", "MODEL", 3)], widgets=[1, "fixed", "euler"])],
+            "links": [[1, 1, 0, 2, 0, "MODEL"], [2, 2, 0, 1, 0, "MODEL"], [3, 2, 0, 3, 0, "MODEL"]]}
+    with pytest.raises(uw.ConversionError, match="circle"):
+        uw.convert(loop, TOY)
+    with pytest.raises(uw.ConversionError, match="not a UI-format"):
+        uw.convert({"1": {"class_type": "Load", "inputs": {}}}, TOY)
+
+
+# ---------------------------------------------------------------------------------------------------
+# --parallel
+
+STRATEGY = {"mode": "manual", "cfg_degree": 1, "pipefusion_degree": 1, "ulysses_degree": 1, "ring_degree": 1,
+            "num_pipeline_patch": 0, "warmup_steps": 1}
+
+
+@pytest.mark.parametrize("text, changes", [
+    ("ulysses=2", dict(ulysses_degree=2)),
+    ("cfg=2, ulysses=2", dict(cfg_degree=2, ulysses_degree=2)),
+    ("pipefusion=2,patches=4,warmup=2", dict(pipefusion_degree=2, num_pipeline_patch=4, warmup_steps=2)),
+    ("ring_degree=4", dict(ring_degree=4)),
+    ("auto", dict(mode="auto")),
+    ("auto,warmup=3", dict(mode="auto", warmup_steps=3)),
+])
+def test_parse_strategy(text, changes):
+    assert paradit_swap.parse_strategy(text) == {**STRATEGY, **changes}
+
+
+@pytest.mark.parametrize("text, words", [("", "needs a strategy"), ("ulysses", "NAME=N"), ("tp=2", "NAME=N"),
+                                         ("ulysses=two", "whole number"), ("cfg=3", "1 or 2"),
+                                         ("ulysses=0", "at least 1"), ("auto,ulysses=2", "not both")])
+def test_parse_strategy_refusals(text, words):
+    with pytest.raises(paradit_swap.SwapError, match=words):
+        paradit_swap.parse_strategy(text)
+
+
+def test_parallel_swaps_the_unet_loader(object_info):
+    graph = convert("flux_dev_full_text_to_image", object_info)
+    swapped, notes = paradit_swap.swap_loaders(graph, paradit_swap.parse_strategy("cfg=2,ulysses=2"), "cpu:4",
+                                               object_info)
+    assert set(swapped) == set(graph) | {"195"}
+    assert swapped["195"] == node("ParaDiTStrategy", "Strategy Selector", **{**STRATEGY, "cfg_degree": 2,
+                                                                              "ulysses_degree": 2})
+    assert swapped["194:46"] == node("ParaDiTLoader", "Load Parallel DiT", unet_name="flux1-dev.safetensors",
+                                     weight_dtype="default", devices="cpu:4", strategy=["195", 0])
+    assert swapped["194:50"] == graph["194:50"] and swapped["194:50"]["inputs"]["model"] == ["194:46", 0]
+    assert graph["194:46"]["class_type"] == "UNETLoader", "the graph given is left as it was"
+    assert notes == ["UNETLoader 194:46 (flux1-dev.safetensors) is now Load Parallel DiT 194:46"]
+    check_structure(swapped, object_info)
+    # hidream_e1_1 loads in fp8_e4m3fn_fast, which Load Parallel DiT calls fp8_e4m3fn.
+    swapped, _ = paradit_swap.swap_loaders(convert("hidream_e1_1", object_info), paradit_swap.parse_strategy("auto"))
+    assert swapped["41"]["inputs"]["weight_dtype"] == "fp8_e4m3fn" and swapped["41"]["inputs"]["devices"] == "auto"
+    with pytest.raises(paradit_swap.SwapError, match="asks for 2 worker.*names 4.*--devices cpu:2"):
+        paradit_swap.swap_loaders(graph, paradit_swap.parse_strategy("ulysses=2"), "0,1,2,3")
+    bad = copy.deepcopy(graph)
+    bad["194:46"]["inputs"]["weight_dtype"] = "int4"
+    with pytest.raises(paradit_swap.SwapError, match="194:46 has weight_dtype 'int4'"):
+        paradit_swap.swap_loaders(bad, paradit_swap.parse_strategy("auto"))
+
+
+def test_parallel_with_a_checkpoint_loader(object_info):
+    """sd3.5_simple_example loads sd3.5_large_fp8_scaled.safetensors with CheckpointLoaderSimple 4. Its MODEL goes to
+    a new Load Parallel DiT only where the server lists that file among its diffusion models; CLIP and VAE stay."""
+    graph = convert("sd3.5_simple_example", object_info)
+    ckpt = graph["4"]["inputs"]["ckpt_name"]
+    with pytest.raises(paradit_swap.SwapError, match=f"loads '{ckpt}' from models/checkpoints.*models/diffusion_models"):
+        paradit_swap.swap_loaders(graph, paradit_swap.parse_strategy("ulysses=2"), "auto", object_info)
+    listed = copy.deepcopy(object_info)
+    listed["ParaDiTLoader"]["input"]["required"]["unet_name"][1]["options"] = [ckpt]
+    swapped, notes = paradit_swap.swap_loaders(graph, paradit_swap.parse_strategy("ulysses=2"), "auto", listed)
+    strategy_id, loader_id = "54", "55"  # after the template's highest id, 53
+    assert swapped[loader_id] == node("ParaDiTLoader", "Load Parallel DiT", unet_name=ckpt, weight_dtype="default",
+                                      devices="auto", strategy=[strategy_id, 0])
+    sampler = next(n for n in swapped.values() if n["class_type"] == "KSampler")
+    assert sampler["inputs"]["model"] == [loader_id, 0]
+    assert swapped["4"] == graph["4"]
+    assert sorted(v for n in swapped.values() for v in n["inputs"].values() if isinstance(v, list) and v[0] == "4") == [
+        ["4", 1], ["4", 1], ["4", 2]]  # two CLIPTextEncodes and VAEDecode
+    assert "still loads the file for its CLIP and VAE" in notes[0]
+    no_model = {k: v for k, v in graph.items() if v["class_type"] not in ("KSampler", "VAEDecode", "SaveImage")}
+    with pytest.raises(paradit_swap.SwapError, match="nothing to run in parallel"):
+        paradit_swap.swap_loaders(no_model, paradit_swap.parse_strategy("auto"), "auto", listed)
+    with pytest.raises(paradit_swap.SwapError, match="no Load Parallel DiT node"):
+        paradit_swap.swap_loaders(graph, paradit_swap.parse_strategy("auto"), "auto", {"KSampler": {}})
+
+
+def test_keep_loader(object_info, capsys):
+    """flux_depth_lora_example also loads Lotus (an SD UNet estimating depth) with UNETLoader 150:41:87; kept, only
+    the Flux loader 150:31 is swapped."""
+    path = os.path.join(templates_dir(), "flux_depth_lora_example.json")
+    args = ["--workflow", path, "--object-info", FIXTURE, "--parallel", "auto", "--dry-run"]
+    assert qw.main(args + ["--keep-loader", "150:41:87"]) == qw.EXIT_OK
+    graph = json.loads(capsys.readouterr().out)
+    assert graph["150:41:87"]["class_type"] == "UNETLoader" and graph["150:31"]["class_type"] == "ParaDiTLoader"
+    assert qw.main(args + ["--keep-loader", "UNETLoader"]) == qw.EXIT_REJECTED
+    assert "--keep-loader names node 'UNETLoader', which matches nodes 150:31, 150:41:87" in capsys.readouterr().err
+    assert qw.main(args) == qw.EXIT_OK
+    assert {n["class_type"] for k, n in json.loads(capsys.readouterr().out).items()
+            if k in ("150:31", "150:41:87")} == {"ParaDiTLoader"}
+
+
+def test_script_dry_run_converts_swaps_and_overrides(tmp_path, capsys):
+    path = os.path.join(templates_dir(), "flux_dev_full_text_to_image.json")
+    saved = tmp_path / "api.json"
+    code = qw.main(["--workflow", path, "--object-info", FIXTURE, "--parallel", "ulysses=2", "--devices", "cpu:2",
+                    "--set", "KSampler.steps=4", "--set", "194:49.text=a lighthouse", "--set",
+                    "ParaDiTStrategy.warmup_steps=2", "--save-api", str(saved), "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == qw.EXIT_OK, err
+    graph = json.loads(saved.read_text())
+    assert graph["194:50"]["inputs"]["steps"] == 4 and graph["194:49"]["inputs"]["text"] == "a lighthouse"
+    assert graph["194:46"]["class_type"] == "ParaDiTLoader" and graph["195"]["inputs"]["warmup_steps"] == 2
+    assert "UI-format workflow: converted to the 9 API nodes" in err and "is now Load Parallel DiT" in err
+    assert qw.main(["--workflow", path, "--object-info", FIXTURE, "--devices", "cpu:2", "--dry-run"]) == qw.EXIT_REJECTED
+    assert "--devices and --keep-loader go with --parallel" in capsys.readouterr().err
+    qwen = os.path.join(templates_dir(), "image_qwen_image.json")
+    assert qw.main(["--workflow", qwen, "--object-info", FIXTURE, "--dry-run"]) == qw.EXIT_REJECTED
+    assert "ComfySwitchNode" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
 # Writing the fixture (python tests/test_ui_workflow.py --write-fixture HOST:PORT).
 
 def classes_used(workflow: dict) -> set[str]:
