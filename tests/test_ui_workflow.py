@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -550,6 +551,108 @@ def test_script_dry_run_converts_swaps_and_overrides(tmp_path, capsys):
     qwen = os.path.join(templates_dir(), "image_qwen_image.json")
     assert qw.main(["--workflow", qwen, "--object-info", FIXTURE, "--dry-run"]) == qw.EXIT_REJECTED
     assert "ComfySwitchNode" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# A real ComfyUI (COMFYUI_DIR): its live /object_info, and /prompt's validation of a converted, swapped template.
+
+@pytest.fixture(scope="module")
+def live_server():
+    """ComfyUI with ParaDiT and no model files, on a free loopback port; started the way
+    tests/test_comfyui_integration.py starts its server (whose helpers stop it), and stopped with its workers."""
+    if not os.environ.get("COMFYUI_DIR"):
+        pytest.skip("COMFYUI_DIR is not set: no ComfyUI host to test against")
+    import test_comfyui_integration as host
+
+    root = tempfile.mkdtemp(prefix="paradit-ui-workflow-")
+    proc = None
+    try:
+        for d in ("custom_nodes", "output", "input", "temp", "user"):
+            os.makedirs(os.path.join(root, d))
+        os.symlink(REPO, os.path.join(root, "custom_nodes", "ParaDiT"))
+        yaml = os.path.join(root, "extra_model_paths.yaml")
+        with open(yaml, "w") as f:
+            f.write(f"paradit_ui:\n    base_path: {root}\n    custom_nodes: custom_nodes\n")
+        port = host._free_port()
+        cmd = [host.COMFYUI_PYTHON, os.path.join(host.COMFYUI_DIR, "main.py"), "--cpu", "--listen", "127.0.0.1",
+               "--port", str(port), "--extra-model-paths-config", yaml, "--preview-method", "none",
+               *(a for d in ("output", "input", "temp", "user") for a in (f"--{d}-directory", os.path.join(root, d)))]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (host.CPU_SHIM, os.environ.get("PYTHONPATH")) if p))
+        env.pop("COMFYUI_DIR", None)
+        log = os.path.join(root, "server.log")
+        with open(log, "wb") as out_file:
+            proc = subprocess.Popen(cmd, cwd=root, stdout=out_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+        server = host.Server(root, port, proc, log)
+        deadline = time.monotonic() + host.STARTUP_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, f"ComfyUI exited while starting:\n{server.log_tail()}"
+            try:
+                server.get("/system_stats")
+                break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                assert time.monotonic() < deadline, f"ComfyUI did not answer:\n{server.log_tail()}"
+                time.sleep(0.5)
+        yield server
+    finally:
+        if proc is not None:
+            host._stop_group(proc)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+FILE_WIDGETS = {"unet_name", "ckpt_name", "vae_name", "clip_name", "clip_name1", "clip_name2", "clip_name3",
+                "clip_name4", "lora_name", "style_model_name", "control_net_name", "name", "image"}
+
+
+def validation_errors(server, graph: dict) -> set:
+    """POST /prompt: {(error type, input name)} of the server's refusal (these graphs all need files it lacks)."""
+    try:
+        qw.http_json(f"{server.url}/prompt", {"prompt": graph})
+    except urllib.error.HTTPError as e:
+        body = json.loads(e.read())
+        return {(err["type"], err["extra_info"].get("input_name")) for n in body["node_errors"].values()
+                for err in n["errors"]}
+    pytest.fail("the server queued a graph that needs model files it does not have")
+
+
+@pytest.mark.timeout(400)
+def test_live_object_info_converts_the_templates(live_server, object_info):
+    """Each template converts with the live /object_info, and /prompt refuses it only for the model and image
+    files this server does not have (no missing input, no link of a wrong type, no unknown widget value)."""
+    live = live_server.get("/object_info")
+    for name in TEMPLATES:
+        graph = convert(name, live)
+        check_structure(graph, live)
+        errors = validation_errors(live_server, graph)
+        assert errors and {t for t, _ in errors} <= {"value_not_in_list", "custom_validation_failed"}, (name, errors)
+        assert {i for _, i in errors} <= FILE_WIDGETS, (name, errors)
+    for name, missing in NEEDS_NEWER_HOST.items():
+        if missing in live:
+            check_structure(convert(name, live), live)
+        else:
+            with pytest.raises(uw.ConversionError, match=missing):
+                convert(name, live)
+    # The fixture is this server's: same widgets by position and outputs for every class in it.
+    assert {c: (uw.widget_slots(object_info[c]), object_info[c]["output"]) for c in object_info} == {
+        c: (uw.widget_slots(live[c]), live[c]["output"]) for c in object_info}
+
+
+@pytest.mark.timeout(400)
+def test_live_prompt_accepts_a_converted_swapped_template(live_server):
+    """The server validates the converted graph with Load Parallel DiT 194:46 and the added Strategy Selector 195 and
+    misses only the model files (it has none)."""
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "queue_workflow.py"), "--server", live_server.address,
+           "--workflow", os.path.join(templates_dir(), "flux_dev_full_text_to_image.json"), "--parallel",
+           "ulysses=2", "--devices", "cpu:2", "--set", "KSampler.steps=4", "--quiet", "--json", "--timeout", "60"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == qw.EXIT_REJECTED, proc.stdout + proc.stderr
+    errors = json.loads(proc.stdout)["error"]["node_errors"]
+    seen = {(nid, e["class_type"], err["type"], err["extra_info"]["input_name"])
+            for nid, e in errors.items() for err in e["errors"]}
+    # (This ComfyUI checks the choices of list-typed combos only, not those of V3 nodes like Load Parallel DiT.)
+    assert seen == {("194:47", "DualCLIPLoader", "value_not_in_list", "clip_name1"),
+                    ("194:47", "DualCLIPLoader", "value_not_in_list", "clip_name2"),
+                    ("194:45", "VAELoader", "value_not_in_list", "vae_name")}, proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------------
