@@ -233,8 +233,8 @@ def workflow_graph(data, path: str, object_info: dict | None = None, notes: list
         except ui_workflow.ConversionError as e:
             raise WorkflowError(f"{path}: {e}") from None
         if notes is not None:
-            notes.append(f"{path} is a UI-format workflow: converted to the {len(graph)} API nodes the editor "
-                         f"would queue")
+            notes.append(f"{os.path.basename(path)} is a UI-format workflow: converted to the {len(graph)} API nodes "
+                         f"the editor would queue")
             notes.extend(left_out)
         return graph
     if not isinstance(data, dict) or not data or not all(
