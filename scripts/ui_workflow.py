@@ -12,8 +12,9 @@ order) and follows the editor's own graphToPrompt:
   control_after_generate menu after a seed/noise_seed INT (or any INT or COMBO flagged control_after_generate; a
   COMBO gets a filter field too) and the upload button of LoadImage-like nodes. The positional list wins, as in
   the editor's default setting; a `widgets_values` dict, or the `widgets_values_named` map newer editors save
-  beside the list, is read by name only when there is no list. Widgets without a saved value take their default,
-  as in the editor. List values are sent as {"__value__": [...]}.
+  beside the list, is read by name only when there is no list, or when the class has dynamic combos (V3 choices
+  whose options bring widgets of their own, sent as "choice.widget"). Widgets without a saved value take their
+  default, as in the editor. List values are sent as {"__value__": [...]}.
 - Subgraphs are inlined: a node inside subgraph instance 12 gets the id "12:5" (nested: "12:7:5"). A subgraph
   input left unconnected takes the instance's widget value (or, when it has none, the value of the first inner
   widget it feeds); legacy `proxyWidgets` values override the inner widgets they name.
@@ -36,6 +37,7 @@ FRONTEND_ONLY = frozenset({"Reroute", "PrimitiveNode", "Note", "MarkdownNote"})
 WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"})
 SEED_NAMES = ("seed", "noise_seed")  # INT widgets the editor gives a control_after_generate menu by name
 UPLOAD_FLAGS = ("image_upload", "video_upload", "animated_image_upload")
+DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"  # a choice whose options bring widgets of their own ("choice.widget")
 MAX_DEPTH = 32
 _UNSET = object()
 
@@ -84,7 +86,7 @@ def is_combo(kind) -> bool:
 
 
 def is_widget(d: InputDef) -> bool:
-    return (is_combo(d.kind) or d.kind in WIDGET_TYPES) and not d.options.get("forceInput")
+    return (is_combo(d.kind) or d.kind in WIDGET_TYPES or d.kind == DYNAMIC_COMBO) and not d.options.get("forceInput")
 
 
 def control_slots(d: InputDef) -> int:
@@ -111,26 +113,37 @@ def widget_slots(spec: dict) -> list[str | None]:
 def default_value(d: InputDef):
     if "default" in d.options:
         return d.options["default"]
-    if is_combo(d.kind):
+    if is_combo(d.kind) or d.kind == DYNAMIC_COMBO:
         choices = d.kind if isinstance(d.kind, list) else d.options.get("options") or []
-        return choices[0] if choices else _UNSET
+        choice = choices[0] if choices else _UNSET
+        return choice.get("key", _UNSET) if isinstance(choice, dict) else choice
     return {"INT": 0, "FLOAT": 0, "STRING": "", "BOOLEAN": False}.get(d.kind, _UNSET)
 
 
 def saved_widget_values(node: dict, spec: dict) -> dict:
-    """A node's widget values by name: its saved values (by name when it has them so), else the defaults."""
+    """A node's widget values by name: its saved values (by position; by name when the file has no list, or when
+    the class has dynamic combos, whose option widgets are sent as "combo.widget"), else the defaults."""
+    defs = ordered_inputs(spec)
     raw = node.get("widgets_values")
-    if isinstance(raw, list):
+    named = raw if isinstance(raw, dict) else node.get("widgets_values_named")
+    dynamic = {d.name for d in defs if d.kind == DYNAMIC_COMBO and is_widget(d)}
+    if isinstance(raw, list) and not dynamic:
         values = {name: v for name, v in zip(widget_slots(spec), raw) if name is not None}
+    elif isinstance(named, dict):
+        values = dict(named)
+    elif dynamic and raw:
+        raise ConversionError(f"its class {spec.get('name') or node.get('type')!r} has dynamic widgets ("
+                              f"{', '.join(sorted(dynamic))}), which this converter reads only by name, and the file "
+                              f"has no widgets_values_named: open and save the workflow in a current ComfyUI editor.")
     else:
-        named = raw if isinstance(raw, dict) else node.get("widgets_values_named")
-        values = dict(named) if isinstance(named, dict) else {}
+        values = {}
     out = {}
-    for d in ordered_inputs(spec):
+    for d in defs:
         if is_widget(d):
-            value = values.get(d.name, _UNSET) if d.name in values else default_value(d)
+            value = values[d.name] if d.name in values else default_value(d)
             if value is not _UNSET:
                 out[d.name] = value
+    out.update((k, v) for k, v in values.items() if "." in k and k.split(".")[0] in dynamic)
     return out
 
 
@@ -349,8 +362,11 @@ class Converter:
         """A node's widget values by name: saved ones, then proxy-widget and primitive overrides."""
         if inst.id not in self._own:
             spec = self.object_info.get(inst.type)
-            self._own[inst.id] = saved_widget_values(inst.node, spec) if spec else dict(
-                inst.node.get("widgets_values_named") or {})
+            try:
+                self._own[inst.id] = saved_widget_values(inst.node, spec) if spec else dict(
+                    inst.node.get("widgets_values_named") or {})
+            except ConversionError as e:
+                raise ConversionError(f"{inst.describe()}: {e}") from None
         values = dict(self._own[inst.id])
         for name, value in self.overrides.get(inst.id, {}).items():
             if name in values or inst.type not in self.object_info:
