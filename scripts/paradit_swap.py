@@ -151,8 +151,11 @@ def swap_loaders(graph: dict, strategy: dict, devices: str = "auto", object_info
     check_devices(strategy, devices)
     loaders = [nid for nid, node in graph.items() if node.get("class_type") in LOADERS and nid not in keep]
     if not loaders:
+        ours = any(node.get("class_type") == "ParaDiTLoader" for node in graph.values())
         raise SwapError("--parallel: the workflow has no UNETLoader or CheckpointLoaderSimple to put Load Parallel "
-                        "DiT in place of" + (" (other than those --keep-loader names)." if keep else "."))
+                        "DiT in place of" + (" (other than those --keep-loader names)" if keep else "") +
+                        ("; it already uses Load Parallel DiT: change its strategy with --set ParaDiTStrategy.NAME=N "
+                         "instead." if ours else "."))
     known = _diffusion_models(object_info)
     graph, notes = copy.deepcopy(graph), []
     strategy_id = _new_id(graph)

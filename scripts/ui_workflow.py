@@ -101,12 +101,16 @@ def control_slots(d: InputDef) -> int:
 def widget_slots(spec: dict) -> list[str | None]:
     """The names of `widgets_values` by position; None where the editor keeps a value of its own."""
     defs = ordered_inputs(spec)
-    slots = []
+    slots, upload_at = [], None
     for d in defs:
         if is_widget(d):
             slots += [d.name] + [None] * control_slots(d)
+        if not d.optional:
+            upload_at = len(slots)
     if any(not d.optional and is_combo(d.kind) and any(d.options.get(f) is True for f in UPLOAD_FLAGS) for d in defs):
-        slots.append(None)  # the upload button, added after the class's inputs
+        # the upload button: an input the editor adds after the required ones, placed after all of them when the
+        # class lists its `input_order` (which does not name it)
+        slots.insert(len(slots) if spec.get("input_order") else upload_at, None)
     return slots
 
 

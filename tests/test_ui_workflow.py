@@ -420,6 +420,18 @@ def test_two_instances_of_one_subgraph_keep_their_own_values():
     assert (graph["20:10"]["inputs"]["sampler"], graph["21:10"]["inputs"]["sampler"]) == ("euler", "heun")
 
 
+def test_upload_button_value_without_input_order():
+    """An image_upload combo gets the editor's upload button after the required inputs: after all inputs when the
+    class lists an input_order (the button is not in it), before the optional ones when it does not."""
+    spec = {"input": {"required": {"image": [["a.png"], {"image_upload": True}]},
+                      "optional": {"strength": ["FLOAT", {"default": 1.0}]}}, "output": ["IMAGE"]}
+    assert uw.widget_slots(spec) == ["image", None, "strength"]
+    assert uw.saved_widget_values({"widgets_values": ["a.png", "image", 0.5]}, spec) == {"image": "a.png",
+                                                                                        "strength": 0.5}
+    spec["input_order"] = {"required": ["image"], "optional": ["strength"]}
+    assert uw.widget_slots(spec) == ["image", "strength", None]
+
+
 def test_dynamic_combo_values_are_read_by_name():
     """A V3 dynamic combo's chosen option brings widgets sent as "choice.widget"; they are read from the name map the
     editor saves (here SaveVideo's from api_clarity_ai_crystal_video_upscale), never guessed by position."""
@@ -536,6 +548,9 @@ def test_parallel_with_a_checkpoint_loader(object_info):
     no_model = {k: v for k, v in graph.items() if v["class_type"] not in ("KSampler", "VAEDecode", "SaveImage")}
     with pytest.raises(paradit_swap.SwapError, match="nothing to run in parallel"):
         paradit_swap.swap_loaders(no_model, paradit_swap.parse_strategy("auto"), "auto", listed)
+    ours = _load(os.path.join(REPO, "workflows", "api", "flux_dev_ulysses.json"))
+    with pytest.raises(paradit_swap.SwapError, match="already uses Load Parallel DiT: change its strategy with --set"):
+        paradit_swap.swap_loaders(ours, paradit_swap.parse_strategy("auto"))
     with pytest.raises(paradit_swap.SwapError, match="no Load Parallel DiT node"):
         paradit_swap.swap_loaders(graph, paradit_swap.parse_strategy("auto"), "auto", {"KSampler": {}})
 
