@@ -24,7 +24,7 @@ order) and follows the editor's own graphToPrompt:
   out and their consumers are wired to the bypassed node's input of the matching type (the same slot index if
   its type fits, else the first input of exactly that type, else the first compatible one), as the editor does.
   A muted or bypassed subgraph instance leaves out everything inside it.
-- Note, MarkdownNote and any other node that the server does not know and that connects to nothing are left out
+- Note and MarkdownNote are left out, and so is any other node the server does not know that connects to nothing
   (listed in `notes`); any other node the server does not know stops the conversion with one sentence.
 """
 from __future__ import annotations
