@@ -1,6 +1,7 @@
 """Parallel Sampler: KSampler's inputs, run by the ParaDiT workers."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from comfy_api.latest import io, ui
@@ -42,29 +43,10 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     """The node's work, apart from ComfyUI's io: returns (LATENT, one-line summary)."""
     from parallel_runtime.runtime.client import get_client
     from parallel_runtime.runtime.devices import parse_devices
-    from parallel_runtime.errors import Cancelled, ConfigError, ParaDiTError
-    from parallel_runtime.sampling import cfg_uses_uncond
-    from parallel_runtime.spec import Job, SamplingSpec, StrategySpec
-    from parallel_runtime.validate import validate_numbers
 
     host = host or HOST
-    remote_model.refuse_model_patches(model)
-    handle = remote_model.handle_of(model)
-    if handle is None:
-        raise ConfigError("Parallel Sampler needs the MODEL of a Load Parallel DiT node, not an ordinary one (e.g. "
-                          "from UNETLoader); load the file with Load Parallel DiT, or sample this model with KSampler.")
-    lora = weight_patches_of(model, remote_model.parameter_shapes(model))
-    model = handle
-
-    samples, extra = convert.latent_samples(latent_image)
-    pos = convert.conditioning(positive, "positive")
-    # ComfyUI skips the negative branch at cfg 1.0; so does the runtime (and so it isn't validated).
-    neg = convert.conditioning(negative, "negative") if cfg_uses_uncond(float(cfg)) else None
-    sampling = SamplingSpec(seed=int(seed), steps=int(steps), cfg=float(cfg), sampler_name=sampler_name,
-                            scheduler=scheduler, denoise=float(denoise))
-    # NaN/Inf settings are refused before anything is freed, started or planned with them.
-    validate_numbers(Job(model=model.model, strategy=StrategySpec(), sampling=sampling, latent=samples, positive=pos,
-                         negative=neg, extra=extra))
+    model, lora = _parallel_model(model)
+    job = _validated_job(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise)
     worker_devices = parse_devices(model.devices)
     # ComfyUI's models leave the workers' GPUs first, so the workers' memory report (auto's budget) sees it free.
     host.free_memory_for(worker_devices)
@@ -72,64 +54,116 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     if client.notice:
         host.send_text(client.notice, node_id)
 
+    choice = model.strategy
+    strategy, reason = _plan(choice, model, job, cfg, client, host)
+    status = _JobStatus(host, client, dict(node_id=node_id, strategy=strategy, reason=reason, mode=choice.mode,
+                                           strategy_node=choice.node_id, devices=model.devices))
+    status.start(int(steps), node_id)
+    job = dataclasses.replace(job, strategy=strategy, weight_patches=lora)
+    out = _run_job(client, job, status, host)
+    elapsed = time.monotonic() - status.started
+    result = convert.latent_output(latent_image, out)
+    status.send("done", step=int(steps), total=int(steps))
+    summary = f"{strategy.label()} on {strategy.world_size} worker(s): {int(steps)} steps in {elapsed:.1f} s"
+    if client.notice:
+        summary += f" — note: {client.notice}"
+    return result, summary
+
+
+def _parallel_model(model):
+    """(the Load Parallel DiT handle behind a MODEL, its LoRA-style weight patches); refuses any other MODEL."""
+    from parallel_runtime.errors import ConfigError
+
+    remote_model.refuse_model_patches(model)
+    handle = remote_model.handle_of(model)
+    if handle is None:
+        raise ConfigError("Parallel Sampler needs the MODEL of a Load Parallel DiT node, not an ordinary one (e.g. "
+                          "from UNETLoader); load the file with Load Parallel DiT, or sample this model with KSampler.")
+    return handle, weight_patches_of(model, remote_model.parameter_shapes(model))
+
+
+def _validated_job(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise):
+    """The node's inputs as a Job (strategy not yet chosen), its numbers checked."""
+    from parallel_runtime.sampling import cfg_uses_uncond
+    from parallel_runtime.spec import Job, SamplingSpec, StrategySpec
+    from parallel_runtime.validate import validate_numbers
+
+    samples, extra = convert.latent_samples(latent_image)
+    pos = convert.conditioning(positive, "positive")
+    # ComfyUI skips the negative branch at cfg 1.0; so does the runtime (and so it isn't validated).
+    neg = convert.conditioning(negative, "negative") if cfg_uses_uncond(float(cfg)) else None
+    sampling = SamplingSpec(seed=int(seed), steps=int(steps), cfg=float(cfg), sampler_name=sampler_name,
+                            scheduler=scheduler, denoise=float(denoise))
+    job = Job(model=model.model, strategy=StrategySpec(), sampling=sampling, latent=samples, positive=pos,
+              negative=neg, extra=extra)
+    # NaN/Inf settings are refused before anything is freed, started or planned with them.
+    validate_numbers(job)
+    return job
+
+
+def _plan(choice, model, job, cfg, client, host):
+    """(StrategySpec, reason): the Strategy Selector's choice resolved (auto plans it), shown on that node."""
     # T5-only encoders (Chroma) do not pad, and a Kontext negative often lacks the reference latent: auto
     # then skips what cannot batch two token layouts.
-    unequal = neg is not None and neg.signature() != pos.signature()
+    unequal = job.negative is not None and job.negative.signature() != job.positive.signature()
 
     def choose_strategy(*args):  # imported only in auto mode
         from parallel_runtime.planning.auto import choose_strategy
 
         return choose_strategy(*args, memory_budget_bytes=client.memory_budget(), unequal_prompts=unequal)
 
-    choice = model.strategy
-    strategy, reason = convert.resolve_strategy(choice, choose_strategy, model.model.path, tuple(samples.shape),
+    strategy, reason = convert.resolve_strategy(choice, choose_strategy, model.model.path, tuple(job.latent.shape),
                                                 cfg, model.devices)
-    text = convert.strategy_text(strategy, reason, choice.mode)
-    host.send_text(text, choice.node_id)
+    host.send_text(convert.strategy_text(strategy, reason, choice.mode), choice.node_id)
+    return strategy, reason
 
-    common = dict(node_id=node_id, strategy=strategy, reason=reason, mode=choice.mode,
-                  strategy_node=choice.node_id, devices=model.devices)
 
-    def send(state, *, status=None, **kw):
+class _JobStatus:
+    """The node's "paradit.status" events and progress bar while one job runs."""
+
+    def __init__(self, host, client, common: dict):
+        self.host, self.client, self.common = host, client, common
+        self.pbar = None
+        self.started = self.last_sent = 0.0
+
+    def send(self, state, *, status=None, **kw):
         if status is None:
             try:
-                status = client.status()
+                status = self.client.status()
             except Exception as e:  # status is decoration: never let it fail a job
                 status = {"error": str(e)}
-        host.send(convert.status_payload(state=state, status=status, **common, **kw))
+        self.host.send(convert.status_payload(state=state, status=status, **self.common, **kw))
 
-    send("starting", step=0, total=int(steps))
-    pbar = host.progress_bar(int(steps), node_id)
-    started = time.monotonic()
-    last_sent = [started]
+    def start(self, steps: int, node_id) -> None:
+        """The "starting" event, then the progress bar; the job's clock starts."""
+        self.send("starting", step=0, total=steps)
+        self.pbar = self.host.progress_bar(steps, node_id)
+        self.started = self.last_sent = time.monotonic()
 
-    def progress(step: int, total: int, info: dict | None = None) -> None:
+    def progress(self, step: int, total: int, info: dict | None = None) -> None:
         # On Cancel, ComfyUI's progress hook raises its InterruptProcessingException here; the client then
         # cancels the workers and re-raises it once they have stopped.
-        pbar.update_absolute(step, total)
+        self.pbar.update_absolute(step, total)
         now = time.monotonic()
-        if now - last_sent[0] >= STATUS_INTERVAL_S or step >= total:
-            last_sent[0] = now
-            send("running", step=step, total=total, info=info)
+        if now - self.last_sent >= STATUS_INTERVAL_S or step >= total:
+            self.last_sent = now
+            self.send("running", step=step, total=total, info=info)
 
-    job = Job(model=model.model, strategy=strategy, sampling=sampling, latent=samples, positive=pos,
-              negative=neg, extra=extra, weight_patches=lora)
+
+def _run_job(client, job, status: _JobStatus, host):
+    """The workers' result for `job`; a failure or Cancel is reported as a status event and raised to ComfyUI
+    (a Cancel as the host's own interrupt)."""
+    from parallel_runtime.errors import Cancelled, ParaDiTError
+
     try:
-        out = client.sample(job, progress=progress, interrupted=host.interrupted)
+        return client.sample(job, progress=status.progress, interrupted=host.interrupted)
     except Cancelled:
-        send("cancelled", message="Cancelled.")
+        status.send("cancelled", message="Cancelled.")
         raise host.interrupt() from None
     except ParaDiTError as e:
-        send("error", message=str(e))
+        status.send("error", message=str(e))
         raise
     except BaseException as e:
         cancelled = host.is_interrupt(e)
-        send("cancelled" if cancelled else "error", message="Cancelled." if cancelled else str(e))
+        status.send("cancelled" if cancelled else "error", message="Cancelled." if cancelled else str(e))
         raise
-    elapsed = time.monotonic() - started
-    result = convert.latent_output(latent_image, out)
-    send("done", step=int(steps), total=int(steps))
-    summary = f"{strategy.label()} on {strategy.world_size} worker(s): {int(steps)} steps in {elapsed:.1f} s"
-    if client.notice:
-        summary += f" — note: {client.notice}"
-    return result, summary

@@ -58,6 +58,34 @@ class JobResult:
     seconds: float = 0.0
 
 
+class _JobReplies:
+    """What the workers have answered so far in one job (RuntimeClient._collect)."""
+
+    def __init__(self, world: int, interrupted: Callable[[], bool] | None):
+        self.interrupted = interrupted
+        self.pending = set(range(world))  # ranks still in the job
+        self.latent, self.stats, self.failures, self.cancelled = None, [None] * world, {}, False
+        self.loaded: set[int] = set()
+        self.load_failures: dict[int, dict] = {}
+        self.gate_open = False
+        self.held: list[BaseException] = []  # an exception from a callback, re-raised once the workers stopped
+        self.cancel_sent = False
+
+    def cancel_requested(self) -> bool:
+        if self.held:
+            return True
+        try:
+            return self.interrupted is not None and bool(self.interrupted())
+        except BaseException as exc:  # noqa: BLE001
+            self.held.append(exc)
+            return True
+
+    @property
+    def peers_may_be_stuck(self) -> bool:
+        """A rank failed with something other than a ConfigError: its peers may be stuck in a collective."""
+        return any(m["type"] != "ConfigError" for m in self.failures.values())
+
+
 class RuntimeClient:
     def __init__(self, devices: str = "auto", threads_per_worker: int | None = None,
                  watchdog: WatchdogConfig | None = None):
@@ -311,101 +339,102 @@ class RuntimeClient:
 
     def _collect(self, watch: JobWatch, progress, interrupted):
         """Serve one job's messages until every rank has finished, failing on the watchdog's deadlines."""
-        world = self.world
-        pending = set(range(world))
-        latent, stats, failures, cancelled = None, [None] * world, {}, False
-        loaded: set[int] = set()
-        load_failures: dict[int, dict] = {}
-        gate_open = False
-        held: list[BaseException] = []  # an exception from a callback, re-raised once the workers stopped
-        cancel_sent = False
+        replies = _JobReplies(self.world, interrupted)
         by_fd = {chan.conn: rank for rank, chan in enumerate(self.chans)}
-
-        def cancel_requested() -> bool:
-            if held:
-                return True
-            try:
-                return interrupted is not None and bool(interrupted())
-            except BaseException as exc:  # noqa: BLE001
-                held.append(exc)
-                return True
-
         try:
-            while pending:
-                if not cancel_sent and cancel_requested():
+            while replies.pending:
+                if not replies.cancel_sent and replies.cancel_requested():
                     watch.cancel_requested()
                     self._send_all(encode("cancel"))
-                    cancel_sent = True
-                ready = wait(list(by_fd), timeout=0.1)
-                while ready:
-                    for conn in ready:
-                        rank = by_fd[conn]
-                        kind, meta, tensors = self._recv_or_die(rank)
-                        watch.heard(rank, kind, meta)
-                        if kind == "loaded":
-                            loaded.add(rank)
-                        elif kind == "progress":
-                            self.device_bytes[rank] = meta.get("device_bytes")
-                            if meta.get("report"):
-                                self.last_sec_per_step = meta.get("sec_per_step")
-                                if progress is not None and not held:
-                                    try:
-                                        progress(meta["step"], meta["total"], meta)
-                                    except BaseException as exc:  # noqa: BLE001 - e.g. the host's own interrupt
-                                        held.append(exc)
-                        elif kind == "done":
-                            stats[rank] = meta
-                            latent = tensors.get("latent", latent)
-                            pending.discard(rank)
-                        elif kind in ("cancelled", "aborted"):
-                            cancelled = cancelled or kind == "cancelled" or cancel_sent
-                            pending.discard(rank)
-                        elif kind == "error":
-                            (load_failures if meta.get("phase") == "load" else failures)[rank] = meta
-                            pending.discard(rank)
-                    if held or failures or not pending:
-                        break
-                    # Read all that is waiting before the deadlines are judged: a client that was stalled itself
-                    # (a slow progress callback, a long GC) must not blame workers for messages it has not read.
-                    ready = wait(list(by_fd), timeout=0)
-                if not gate_open and len(loaded) + len(load_failures) == world:
-                    # Every rank has its weights (or failed to get them) and none has entered a collective yet.
-                    gate_open = True
-                    if load_failures or cancel_sent:
-                        self._send_all(encode("abort"), ranks=sorted(loaded))
-                    else:
-                        self._send_all(encode("go"))
-                        watch.started_sampling()
-                if any(m["type"] != "ConfigError" for m in failures.values()):
+                    replies.cancel_sent = True
+                self._read_replies(replies, watch, progress, by_fd)
+                if not replies.gate_open and len(replies.loaded) + len(replies.load_failures) == self.world:
+                    self._open_gate(replies, watch)
+                if replies.peers_may_be_stuck:
                     break  # peers may be stuck in a collective: don't wait for them
                 self._check_procs(during_job=True)
-                problem = watch.check(pending)
+                problem = watch.check(replies.pending)
                 if problem is not None:
                     self.kill()
                     raise problem
         except BaseException:
-            if pending:
+            if replies.pending:
                 # Raised inside the loop itself (a bug, an interrupt) while workers are still in the job: their
                 # next messages would be read as the next job's, so only fresh workers are safe.
                 self.kill()
             raise
+        return self._job_outcome(replies)
+
+    def _read_replies(self, replies: _JobReplies, watch: JobWatch, progress, by_fd: dict) -> None:
+        """Handle the messages that arrive within 0.1 s, then every one already waiting."""
+        ready = wait(list(by_fd), timeout=0.1)
+        while ready:
+            for conn in ready:
+                rank = by_fd[conn]
+                kind, meta, tensors = self._recv_or_die(rank)
+                watch.heard(rank, kind, meta)
+                self._handle_reply(replies, rank, kind, meta, tensors, progress)
+            if replies.held or replies.failures or not replies.pending:
+                break
+            # Read all that is waiting before the deadlines are judged: a client that was stalled itself
+            # (a slow progress callback, a long GC) must not blame workers for messages it has not read.
+            ready = wait(list(by_fd), timeout=0)
+
+    def _handle_reply(self, replies: _JobReplies, rank: int, kind: str, meta: dict, tensors: dict, progress) -> None:
+        """Record one worker message; a progress report also goes to the `progress` callback."""
+        if kind == "loaded":
+            replies.loaded.add(rank)
+        elif kind == "progress":
+            self.device_bytes[rank] = meta.get("device_bytes")
+            if meta.get("report"):
+                self.last_sec_per_step = meta.get("sec_per_step")
+                if progress is not None and not replies.held:
+                    try:
+                        progress(meta["step"], meta["total"], meta)
+                    except BaseException as exc:  # noqa: BLE001 - e.g. the host's own interrupt
+                        replies.held.append(exc)
+        elif kind == "done":
+            replies.stats[rank] = meta
+            replies.latent = tensors.get("latent", replies.latent)
+            replies.pending.discard(rank)
+        elif kind in ("cancelled", "aborted"):
+            replies.cancelled = replies.cancelled or kind == "cancelled" or replies.cancel_sent
+            replies.pending.discard(rank)
+        elif kind == "error":
+            (replies.load_failures if meta.get("phase") == "load" else replies.failures)[rank] = meta
+            replies.pending.discard(rank)
+
+    def _open_gate(self, replies: _JobReplies, watch: JobWatch) -> None:
+        """Every rank has its weights (or failed to get them) and none has entered a collective yet: go, or
+        abort the loaded ones if a load failed or a Cancel came first."""
+        replies.gate_open = True
+        if replies.load_failures or replies.cancel_sent:
+            self._send_all(encode("abort"), ranks=sorted(replies.loaded))
+        else:
+            self._send_all(encode("go"))
+            watch.started_sampling()
+
+    def _job_outcome(self, replies: _JobReplies):
+        """(latent, stats) of a job the workers finished; else the error that ends it: a run failure, then a
+        load failure, then a callback's exception, then the Cancel."""
+        failures = replies.failures
         if failures:
-            if any(m["type"] != "ConfigError" for m in failures.values()):
+            if replies.peers_may_be_stuck:
                 self._blame_an_exit(exclude=failures)
-            rank, meta = min(failures.items())
-            if pending or any(m["type"] != "ConfigError" for m in failures.values()):
+            _, meta = min(failures.items())
+            if replies.pending or replies.peers_may_be_stuck:
                 # The process group may be mid-collective: only fresh workers are safe.
                 self.kill()
                 meta = dict(meta, message=meta["message"] + _RESTARTED)
             raise _worker_exception(meta)
-        if load_failures:
+        if replies.load_failures:
             # Nobody entered a collective: the process group is intact and every worker is kept.
-            raise _worker_exception(min(load_failures.items())[1])
-        if held:
-            raise held[0]
-        if cancelled:
+            raise _worker_exception(min(replies.load_failures.items())[1])
+        if replies.held:
+            raise replies.held[0]
+        if replies.cancelled:
             raise errors.Cancelled("the job was cancelled; the workers are ready for the next one.")
-        return latent, stats
+        return replies.latent, replies.stats
 
     def _recv_or_die(self, rank: int):
         try:

@@ -434,142 +434,10 @@ class Denoiser:
 
         A stock sampler's call (model_call.py) passes the stale buffers its previous call left (`caches`) and
         `model_output`, where the last chunk then writes each patch's model output instead of sampling."""
-        layout, me = self.layout, self.shard
-        pp, uly = self.comm.group("pipefusion"), self.comm.group("ulysses")
-        stage, stages = pp.index, pp.size
-        chunks = len(self.adapter.chunks)
-        after = pp.ranks[(stage + 1) % stages]  # where this rank's chunk outputs go (rank 0 after the last rank)
-        before = pp.ranks[(stage - 1) % stages]
-        m = layout.patches
-        all_patches = list(range(m))
-
-        def is_first(chunk):  # the very first virtual stage embeds
-            return stage == 0 and chunk == 0
-
-        def is_last(chunk):  # the very last one predicts, samples and returns x
-            return stage == stages - 1 and chunk == chunks - 1
-
         # Joint [text, image] attention and image-only attention (SD3.5 Medium's second attention, PixArt's
         # self-attention) each keep their own stale buffers, over their own rows.
-        self.cache, self.image_cache = caches or stale_caches(layout)
-        stale = StaleKVAttention(self.cache, LocalAttention())
-        stale_image = StaleKVAttention(self.image_cache, LocalAttention())
-        attention = stale if uly.size == 1 else UlyssesAttention(self.comm, uly, [], stale)
-        image_attention = stale_image if uly.size == 1 else UlyssesAttention(self.comm, uly, [], stale_image)
-        self.context.attention, self.context.image_attention = attention, image_attention
-
-        rope_full = self._rope_full(self.branches)
-        token_sets: dict = {}  # built once per token set, on x's device: no host-device traffic in the pipeline
-
-        def token_set(patches: list[int]):
-            key = tuple(patches)
-            if key not in token_sets:
-                token_sets[key] = (
-                    torch.cat([layout.positions(u, patches, x.device) for u in range(uly.size)]),
-                    [layout.seq_len(u, patches) for u in range(uly.size)],
-                    layout.image_index(me, patches, x.device),
-                    self._rope(rope_full, layout.positions(me, patches, x.device)),
-                    torch.cat([layout.image_positions(u, patches, x.device) for u in range(uly.size)]),
-                    [layout.stream_len(u, patches) for u in range(uly.size)],
-                    self._references(self.branches, layout, patches) if stage == 0 else None)
-            return token_sets[key]
-
-        def configure(patches: list[int]):
-            """Point the attention at the token set of one forward: whole image (warmup) or one patch."""
-            stale.positions, lengths, idx, rope, stale_image.positions, stream_lengths, refs = token_set(patches)
-            if uly.size > 1:
-                attention.seq_lengths = lengths
-                image_attention.seq_lengths = stream_lengths
-            return idx, rope, refs
-
-        text_rows = self._text_rows(layout, self.branches)
-        text = self._text(text_rows) if stage == 0 else None
-        joint = getattr(self.adapter, "joint_text", True)
-        if not joint:  # a cross-attended prompt never changes: every stage gets it once, not with every patch
-            text = self._share_prompt(text, len(text_rows), pp)
-        n_text = len(text_rows) if joint else 0  # prompt rows in each message between chunks
-        width = self.adapter.config.hidden_size
-        batch = self.branches.cond.shape[0]
-        sends: list = []
-
-        def hidden_buffer(patches) -> torch.Tensor:
-            n_stream = layout.stream_len(me, patches)
-            return torch.empty((batch, n_text + n_stream, width), dtype=self.adapter.dtype, device=self.adapter.device)
-
-        def send(tensor: torch.Tensor, dst: int, op: str) -> None:
-            sends.append((self.comm.isend(tensor, dst, op=op), tensor))
-
-        def chunk_forward(i, chunk, patches, temb, incoming):
-            """Run one chunk of blocks on one token set; the last chunk also samples and sends x back."""
-            idx, rope, refs = configure(patches)
-            if is_first(chunk):
-                image, txt = self._image_stream(i, x[:, idx], idx, refs), text
-            elif joint:
-                txt, image = incoming[:, :n_text], incoming[:, n_text:]
-            else:
-                txt, image = text, incoming
-            image, txt = self.adapter.run_blocks(image, txt, temb, rope, chunk=chunk)
-            if not is_last(chunk):
-                send((torch.cat([txt, image], dim=1) if joint else image).contiguous(), after, "pipefusion")
-                return
-            if model_output is not None:  # a stock sampler's call: the host samples
-                model_output[:, idx] = self.adapter.head(image[:, :len(idx)], temb)
-                return
-            x_rows = x[:, idx]
-            den = self._denoised(i, x_rows, image[:, :len(idx)], temb)
-            # The sampler works on contiguous slices; a rank's rows are one slice per patch.
-            offset = 0
-            for sl in (layout.image_slice(me, p) for p in patches):
-                n = sl.stop - sl.start
-                x[:, sl] = self.sampler.step(i, x_rows[:, offset:offset + n], den[:, offset:offset + n], region=sl)
-                offset += n
-            if i + 1 < n_steps:
-                send(x[:, idx].contiguous(), pp.ranks[0], "pipefusion_x")
-
-        def receive_x(patches):
-            idx = token_set(patches)[2]
-            x[:, idx] = self._recv(x.new_empty((x.shape[0], len(idx), x.shape[2])), pp.ranks[-1], "pipefusion_x")
-
-        # The token sets of step i, in order: the whole image while warming up, then patch by patch. The
-        # last chunk sends x back in the same pieces.
-        def schedule_of(i):
-            return [all_patches] if i < warmup else [[p] for p in all_patches]
-
-        i = 0
-        try:
-            for i in range(n_steps):
-                t0 = time.perf_counter()
-                self._check_cancel()
-                temb = self._temb(i)
-                items = [(c, patches) for c in range(chunks) for patches in schedule_of(i)]
-                if stage == 0 and i > 0 and i - 1 < warmup:
-                    receive_x(all_patches)  # the update of the last synchronous step
-                pending = None
-                for k, (chunk, patches) in enumerate(items):
-                    if is_first(chunk) and i > 0 and i - 1 >= warmup:
-                        receive_x(patches)  # this patch's update from the previous step, fresh off the last chunk
-                    incoming = None
-                    if not is_first(chunk):
-                        incoming = pending.result() if pending else self._recv(hidden_buffer(patches), before,
-                                                                              "pipefusion")
-                        pending = None
-                    # Post the next item's receive before computing this one: transfer overlaps compute.
-                    if k + 1 < len(items) and not is_first(items[k + 1][0]):
-                        pending = _Pending(self.comm, hidden_buffer(items[k + 1][1]), before)
-                    chunk_forward(i, chunk, patches, temb, incoming)
-                    sends[:] = [s for s in sends if not s[0].is_completed()]
-                self._step_done(i, t0)
-        except Cancelled:
-            # Rank 0 drains what the last chunk already sent back after step i-1, so no message is left in
-            # flight to pair with the next job's receives.
-            if stage == 0 and i > 0:
-                for patches in schedule_of(i - 1):
-                    receive_x(patches)
-            raise
-        finally:
-            for work, _ in sends:
-                work.wait()
-        return x
+        self.cache, self.image_cache = caches or stale_caches(self.layout)
+        return _PipeFusionStage(self, x, warmup, n_steps, model_output).run()
 
     def _share_prompt(self, text: torch.Tensor | None, rows: int, pp) -> torch.Tensor:
         """Stage 0's embedded prompt, broadcast once per job to every other stage of its pipeline."""
@@ -581,6 +449,177 @@ class Denoiser:
     def _recv(self, buf: torch.Tensor, src: int, op: str) -> torch.Tensor:
         self.comm.irecv(buf, src, op=op).wait()
         return buf
+
+
+class _PipeFusionStage:
+    """This rank's stage of one PipeFusion run (Denoiser._run_pipefusion), updating the sampler state x in
+    place: its attention over the stale K/V buffers, its token sets, and the step loop that passes hidden rows
+    from chunk to chunk."""
+
+    def __init__(self, denoiser: Denoiser, x: torch.Tensor, warmup: int, n_steps: int,
+                 model_output: torch.Tensor | None):
+        self.denoiser, self.x, self.warmup, self.n_steps = denoiser, x, warmup, n_steps
+        self.model_output = model_output
+        self.adapter, self.comm = denoiser.adapter, denoiser.comm
+        self.layout, self.me = denoiser.layout, denoiser.shard
+        self.pp, self.uly = self.comm.group("pipefusion"), self.comm.group("ulysses")
+        self.stage, self.stages = self.pp.index, self.pp.size
+        self.chunks = len(self.adapter.chunks)
+        # Where this rank's chunk outputs go (rank 0 after the last rank), and where its inputs come from.
+        self.after = self.pp.ranks[(self.stage + 1) % self.stages]
+        self.before = self.pp.ranks[(self.stage - 1) % self.stages]
+        self.all_patches = list(range(self.layout.patches))
+        self._attach_attention()
+        self.rope_full = denoiser._rope_full(denoiser.branches)
+        self.token_sets: dict = {}  # built once per token set, on x's device: no host-device traffic in the pipeline
+        self._embed_prompt()
+        self.sends: list = []
+
+    def _attach_attention(self) -> None:
+        """The model's joint and image-only attention over the denoiser's stale buffers (through Ulysses where
+        the stage is sharded)."""
+        uly = self.uly
+        self.stale = StaleKVAttention(self.denoiser.cache, LocalAttention())
+        self.stale_image = StaleKVAttention(self.denoiser.image_cache, LocalAttention())
+        self.attention = self.stale if uly.size == 1 else UlyssesAttention(self.comm, uly, [], self.stale)
+        self.image_attention = (self.stale_image if uly.size == 1
+                                else UlyssesAttention(self.comm, uly, [], self.stale_image))
+        self.denoiser.context.attention, self.denoiser.context.image_attention = self.attention, self.image_attention
+
+    def _embed_prompt(self) -> None:
+        """Stage 0's embedded prompt rows (every stage's, where the prompt is cross-attended)."""
+        d = self.denoiser
+        text_rows = d._text_rows(self.layout, d.branches)
+        self.text = d._text(text_rows) if self.stage == 0 else None
+        self.joint = getattr(self.adapter, "joint_text", True)
+        if not self.joint:  # a cross-attended prompt never changes: every stage gets it once, not with every patch
+            self.text = d._share_prompt(self.text, len(text_rows), self.pp)
+        self.n_text = len(text_rows) if self.joint else 0  # prompt rows in each message between chunks
+
+    def _is_first(self, chunk: int) -> bool:  # the very first virtual stage embeds
+        return self.stage == 0 and chunk == 0
+
+    def _is_last(self, chunk: int) -> bool:  # the very last one predicts, samples and returns x
+        return self.stage == self.stages - 1 and chunk == self.chunks - 1
+
+    def _token_set(self, patches: list[int]):
+        key = tuple(patches)
+        if key not in self.token_sets:
+            layout, uly, device = self.layout, self.uly, self.x.device
+            self.token_sets[key] = (
+                torch.cat([layout.positions(u, patches, device) for u in range(uly.size)]),
+                [layout.seq_len(u, patches) for u in range(uly.size)],
+                layout.image_index(self.me, patches, device),
+                self.denoiser._rope(self.rope_full, layout.positions(self.me, patches, device)),
+                torch.cat([layout.image_positions(u, patches, device) for u in range(uly.size)]),
+                [layout.stream_len(u, patches) for u in range(uly.size)],
+                self.denoiser._references(self.denoiser.branches, layout, patches) if self.stage == 0 else None)
+        return self.token_sets[key]
+
+    def _configure(self, patches: list[int]):
+        """Point the attention at the token set of one forward: whole image (warmup) or one patch."""
+        self.stale.positions, lengths, idx, rope, self.stale_image.positions, stream_lengths, refs = (
+            self._token_set(patches))
+        if self.uly.size > 1:
+            self.attention.seq_lengths = lengths
+            self.image_attention.seq_lengths = stream_lengths
+        return idx, rope, refs
+
+    def _hidden_buffer(self, patches) -> torch.Tensor:
+        n_stream = self.layout.stream_len(self.me, patches)
+        batch, width = self.denoiser.branches.cond.shape[0], self.adapter.config.hidden_size
+        return torch.empty((batch, self.n_text + n_stream, width), dtype=self.adapter.dtype, device=self.adapter.device)
+
+    def _send(self, tensor: torch.Tensor, dst: int, op: str) -> None:
+        self.sends.append((self.comm.isend(tensor, dst, op=op), tensor))
+
+    def _chunk_forward(self, i, chunk, patches, temb, incoming):
+        """Run one chunk of blocks on one token set; the last chunk also samples and sends x back."""
+        idx, rope, refs = self._configure(patches)
+        if self._is_first(chunk):
+            image, txt = self.denoiser._image_stream(i, self.x[:, idx], idx, refs), self.text
+        elif self.joint:
+            txt, image = incoming[:, :self.n_text], incoming[:, self.n_text:]
+        else:
+            txt, image = self.text, incoming
+        image, txt = self.adapter.run_blocks(image, txt, temb, rope, chunk=chunk)
+        if not self._is_last(chunk):
+            self._send((torch.cat([txt, image], dim=1) if self.joint else image).contiguous(), self.after,
+                       "pipefusion")
+            return
+        if self.model_output is not None:  # a stock sampler's call: the host samples
+            self.model_output[:, idx] = self.adapter.head(image[:, :len(idx)], temb)
+            return
+        self._sample_patches(i, patches, idx, image, temb)
+
+    def _sample_patches(self, i, patches, idx, image, temb) -> None:
+        """The last chunk's sampler step on this rank's rows of `patches`, sent back to rank 0 for step i + 1."""
+        x = self.x
+        x_rows = x[:, idx]
+        den = self.denoiser._denoised(i, x_rows, image[:, :len(idx)], temb)
+        # The sampler works on contiguous slices; a rank's rows are one slice per patch.
+        offset = 0
+        for sl in (self.layout.image_slice(self.me, p) for p in patches):
+            n = sl.stop - sl.start
+            x[:, sl] = self.denoiser.sampler.step(i, x_rows[:, offset:offset + n], den[:, offset:offset + n],
+                                                  region=sl)
+            offset += n
+        if i + 1 < self.n_steps:
+            self._send(x[:, idx].contiguous(), self.pp.ranks[0], "pipefusion_x")
+
+    def _receive_x(self, patches):
+        x = self.x
+        idx = self._token_set(patches)[2]
+        x[:, idx] = self.denoiser._recv(x.new_empty((x.shape[0], len(idx), x.shape[2])), self.pp.ranks[-1],
+                                        "pipefusion_x")
+
+    def _schedule(self, i):
+        """The token sets of step i, in order: the whole image while warming up, then patch by patch. The
+        last chunk sends x back in the same pieces."""
+        return [self.all_patches] if i < self.warmup else [[p] for p in self.all_patches]
+
+    def run(self) -> torch.Tensor:
+        i = 0
+        try:
+            for i in range(self.n_steps):
+                self._step(i)
+        except Cancelled:
+            # Rank 0 drains what the last chunk already sent back after step i-1, so no message is left in
+            # flight to pair with the next job's receives.
+            if self.stage == 0 and i > 0:
+                for patches in self._schedule(i - 1):
+                    self._receive_x(patches)
+            raise
+        finally:
+            for work, _ in self.sends:
+                work.wait()
+        return self.x
+
+    def _step(self, i: int) -> None:
+        """Step i: this rank's chunks over the step's token sets, each chunk's input received while the chunk
+        before it computes."""
+        d = self.denoiser
+        t0 = time.perf_counter()
+        d._check_cancel()
+        temb = d._temb(i)
+        items = [(c, patches) for c in range(self.chunks) for patches in self._schedule(i)]
+        if self.stage == 0 and i > 0 and i - 1 < self.warmup:
+            self._receive_x(self.all_patches)  # the update of the last synchronous step
+        pending = None
+        for k, (chunk, patches) in enumerate(items):
+            if self._is_first(chunk) and i > 0 and i - 1 >= self.warmup:
+                self._receive_x(patches)  # this patch's update from the previous step, fresh off the last chunk
+            incoming = None
+            if not self._is_first(chunk):
+                incoming = pending.result() if pending else d._recv(self._hidden_buffer(patches), self.before,
+                                                                    "pipefusion")
+                pending = None
+            # Post the next item's receive before computing this one: transfer overlaps compute.
+            if k + 1 < len(items) and not self._is_first(items[k + 1][0]):
+                pending = _Pending(self.comm, self._hidden_buffer(items[k + 1][1]), self.before)
+            self._chunk_forward(i, chunk, patches, temb, incoming)
+            self.sends[:] = [s for s in self.sends if not s[0].is_completed()]
+        d._step_done(i, t0)
 
 
 class _Pending:
