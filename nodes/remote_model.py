@@ -26,6 +26,7 @@ class RemoteDiT(torch.nn.Module):
         self.dtype = dtype  # ComfyUI's BaseModel.get_dtype reads it
         self.patch_size = 2  # and its extra_conds this
         self.latent_format = base.latent_format  # to hand reference latents back raw, as Conditioning carries them
+        self.latent_channels = base.latent_format.latent_channels  # x's channels past these are c_concat
         self._base = weakref.ref(base)  # not a submodule: read for its current patcher
         self._keys = keys
         self._strategies: dict = {}  # (latent shape, chunks) -> resolved StrategySpec, once per sampling setup
@@ -52,6 +53,11 @@ class RemoteDiT(torch.nn.Module):
         video = x.ndim == 5
         if video:  # a video VAE's latent (Qwen-Image's Wan 2.1) with one frame: the workers take [B, C, H, W]
             x = x.squeeze(2)
+        # ComfyUI concatenated the model's c_concat (Fill's masked image and mask, Canny/Depth's control image) to
+        # the input-scaled latent; it travels as the chunk's conditioning, so each strategy splits it with the
+        # latent's own tokens and each CFG rank gets its branch's.
+        x, concat = x[:, :self.latent_channels], (x[:, self.latent_channels:] if x.shape[1] > self.latent_channels
+                                                   else None)
         labels = list(options.get("cond_or_uncond") or [0])
         rows = x.shape[0]
         if rows % len(labels):
@@ -69,7 +75,8 @@ class RemoteDiT(torch.nn.Module):
         for slot, start in enumerate(range(0, len(labels), 2)):
             ks = list(range(start, min(start + 2, len(labels))))
             sl = slice(ks[0] * batch, (ks[-1] + 1) * batch)
-            chunks = [_chunk_conditioning(k, batch, context, y, guidance, kwargs, self.latent_format) for k in ks]
+            chunks = [_chunk_conditioning(k, batch, context, y, guidance, kwargs, self.latent_format, concat)
+                      for k in ks]
             job = Job(self.handle.model, strategy, SamplingSpec(steps=1), x[sl].detach().float().cpu(), chunks[0],
                       chunks[1] if len(chunks) > 1 else None, timestep=timesteps[sl].detach().float().cpu(),
                       weight_patches=patches, call_step=step, call_slot=slot, call_last=last)
@@ -127,7 +134,7 @@ def _run(client, job):
         raise HOST.interrupt() from None
 
 
-def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent_format=None):
+def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent_format=None, concat=None):
     """Chunk k's rows of the call's conditioning inputs as a runtime Conditioning."""
     from parallel_runtime.spec import Conditioning
 
@@ -147,7 +154,8 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
         size = (float(height), float(width), aspect)
     return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size,
                         references=_chunk_references(kwargs.get("ref_latents"), k, batch, latent_format),
-                        reference_method=kwargs.get("ref_latents_method"))
+                        reference_method=kwargs.get("ref_latents_method"),
+                        concat=concat[sl].detach().float().cpu() if concat is not None else None)
 
 
 def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:

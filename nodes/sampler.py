@@ -45,8 +45,10 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     from parallel_runtime.runtime.devices import parse_devices
 
     host = host or HOST
+    base = getattr(model, "model", None)  # ComfyUI's BaseModel behind a parallel MODEL (None for a bare handle)
     model, lora = _parallel_model(model)
     job = _validated_job(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise)
+    job = _with_concat(base, job, positive, negative)
     worker_devices = parse_devices(model.devices)
     # ComfyUI's models leave the workers' GPUs first, so the workers' memory report (auto's budget) sees it free.
     host.free_memory_for(worker_devices)
@@ -80,6 +82,26 @@ def _parallel_model(model):
         raise ConfigError("Parallel Sampler needs the MODEL of a Load Parallel DiT node, not an ordinary one (e.g. "
                           "from UNETLoader); load the file with Load Parallel DiT, or sample this model with KSampler.")
     return handle, weight_patches_of(model, remote_model.parameter_shapes(model))
+
+
+def _with_concat(base, job, positive, negative):
+    """Each branch's c_concat (Fill's masked image and mask, Canny/Depth's control image) as KSampler builds it:
+    the MODEL's own BaseModel.concat_cond on the conditioning's concat_latent_image / concat_mask (zeros where a
+    concat model's branch has none, as in ComfyUI; None for a model that reads no extra channels)."""
+    if base is None or not hasattr(base, "concat_cond"):
+        return job
+    import torch
+
+    def concat(value):
+        extra = value[0][1] or {}
+        made = base.concat_cond(noise=job.latent, device=torch.device("cpu"),
+                                concat_latent_image=extra.get("concat_latent_image"),
+                                concat_mask=extra.get("concat_mask"))
+        return None if made is None else made.detach().float().cpu()
+
+    pos = dataclasses.replace(job.positive, concat=concat(positive))
+    neg = dataclasses.replace(job.negative, concat=concat(negative)) if job.negative is not None else None
+    return dataclasses.replace(job, positive=pos, negative=neg)
 
 
 def _validated_job(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise):

@@ -89,10 +89,15 @@ class Conditioning:
     # (height, width, aspect ratio) in pixels that a text encode node attached (PixArt-α's size conditioning);
     # None: the latent's own size.
     image_size: tuple[float, float, float] | None = None
+    # ComfyUI's c_concat [1 or B, Cc, H, W]: channels the model reads beside the latent, at its size and in the
+    # model's latent space (Flux Fill's masked image and packed mask, Canny/Depth's control image; later Wan's
+    # image-to-video frames). Packed and split with the latent's own tokens.
+    concat: torch.Tensor | None = None
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         refs = {f"{prefix}.reference.{i}": r for i, r in enumerate(self.references)}
-        return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled, **refs}
+        concat = {f"{prefix}.concat": self.concat} if self.concat is not None else {}
+        return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled, **refs, **concat}
 
     def meta(self, prefix: str) -> dict:
         return {f"{prefix}_guidance": self.guidance, f"{prefix}_reference_method": self.reference_method,
@@ -104,11 +109,14 @@ class Conditioning:
         refs = tuple(tensors[f"{prefix}.reference.{i}"] for i in range(count))
         size = meta.get(f"{prefix}_image_size")
         return cls(tensors[f"{prefix}.cond"], tensors[f"{prefix}.pooled"], meta.get(f"{prefix}_guidance"),
-                   refs, meta.get(f"{prefix}_reference_method"), tuple(size) if size else None)
+                   refs, meta.get(f"{prefix}_reference_method"), tuple(size) if size else None,
+                   tensors.get(f"{prefix}.concat"))
 
     def signature(self) -> tuple:
         """What must be equal for two branches to share one forward pass (ComfyUI batches them then)."""
-        return (self.cond.shape[1], tuple(tuple(r.shape[-2:]) for r in self.references), self.reference_method)
+        concat = None if self.concat is None else self.concat.shape[1]
+        return (self.cond.shape[1], tuple(tuple(r.shape[-2:]) for r in self.references), self.reference_method,
+                concat)
 
 
 @dataclass

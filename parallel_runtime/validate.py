@@ -146,6 +146,28 @@ def validate_references(name: str, c, config) -> None:
                        "re-encode the reference image with VAE Encode")
 
 
+def validate_concat(name: str, c, config, latent: torch.Tensor, batch: int) -> None:
+    """c_concat (Fill, Canny/Depth): exactly as many channels as the model reads beside the latent, at the
+    latent's size; a model that reads such channels refuses a branch without them (ComfyUI always builds them)."""
+    wanted = getattr(config, "concat_channels", 0)
+    if c.concat is None:
+        if wanted:
+            raise ConfigError(f"this {config.title} model reads {wanted} image channels beside the latent, and the "
+                              f"{name} conditioning carries none; feed it through InpaintModelConditioning (Fill) or "
+                              f"InstructPixToPixConditioning (Canny/Depth).")
+        return
+    if not wanted:
+        raise ConfigError(f"the {name} conditioning carries {c.concat.shape[1]} concat channels (an inpaint or "
+                          f"control image), which this {config.title} model does not read; load a Fill, Canny or "
+                          f"Depth model or remove the node that adds them.")
+    shape = (wanted, *latent.shape[2:])
+    if c.concat.ndim != 4 or tuple(c.concat.shape[1:]) != shape or c.concat.shape[0] not in (1, batch):
+        raise ConfigError(f"the {name} conditioning's concat image has shape {tuple(c.concat.shape)} but this model "
+                          f"needs [batch, {wanted}, {latent.shape[2]}, {latent.shape[3]}]; encode the image with this "
+                          f"model's VAE at the latent's size.")
+    _finite_tensor(f"{name} conditioning's concat image", c.concat, "re-encode the image with VAE Encode")
+
+
 def validate_job(job: Job, world_size: int) -> None:
     from .weights.comfy_quant import check_quantized_matmul
 
@@ -179,6 +201,7 @@ def validate_job(job: Job, world_size: int) -> None:
             raise ConfigError(f"the {name} conditioning has batch {c.cond.shape[0]} but the latent has batch "
                               f"{job.batch}; use one prompt or match the batch sizes.")
         validate_references(name, c, config)
+        validate_concat(name, c, config, lat, job.batch)
         if c.image_size is not None and (len(c.image_size) != 3 or
                                          not all(math.isfinite(v) and v > 0 for v in c.image_size)):
             raise ConfigError(f"the {name} conditioning's image size {tuple(c.image_size)} is not (height, width, "

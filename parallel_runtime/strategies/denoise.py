@@ -151,6 +151,14 @@ class Branches:
         # Per branch, the image size its text encode node attached (None: the latent's); families that embed it
         # (PixArt-α) read it through timestep_embedding's `sizes`.
         self.image_sizes = tuple(c.image_size for c in conds)
+        # c_concat as packed tokens beside the latent's own [branches x batch, N, Cc*p*p]: a strategy embeds the
+        # same token rows of both, so every split of the latent splits it alike (packed once per job).
+        self.concat = (torch.cat([repeat_to_batch(adapter.pack(c.concat.float()), batch) for c in conds]).to(device)
+                       if first.concat is not None else None)
+
+    def with_concat(self, x_rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The model's input tokens for these rows: the latent's, then the c_concat channels of the same rows."""
+        return x_rows if self.concat is None else torch.cat([x_rows, self.concat[:, index]], dim=-1)
 
     @property
     def text_len(self) -> int:
@@ -276,7 +284,8 @@ class Denoiser:
         """Embedded image tokens of step i's forward pass (the model's input scaling applied, e.g. EPS's
         x / sqrt(sigma^2 + 1)), followed by this rank's reference tokens."""
         x_in = self.adapter.model_sampling.calculate_input(self.sigmas_on_device[i], x_rows)
-        image = self.adapter.embed_image(self._repeat(x_in, branches), index, self.hw)
+        x_in = (branches or self.branches).with_concat(self._repeat(x_in, branches), index)
+        image = self.adapter.embed_image(x_in, index, self.hw)
         return image if refs is None else torch.cat([image, refs], dim=1)
 
     def _text(self, rows: range, branches: Branches | None = None) -> torch.Tensor:

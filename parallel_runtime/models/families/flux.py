@@ -99,11 +99,18 @@ class FluxConfig(JointAttentionConfig):
 
     @property
     def title(self) -> str:
-        return f"Flux.1 {self.variant}"
+        kind = {80: " Fill", 16: " Canny/Depth"}.get(self.concat_channels, "")  # the input's extra channels
+        return f"Flux.1{kind} {self.variant}"
 
     @property
     def latent_channels(self) -> int:
         return self.out_channels // 4  # tokens pack 2x2 patches (Fill/Depth widen only the input)
+
+    @property
+    def concat_channels(self) -> int:
+        """Channels the model reads beside the latent (c_concat): Fill 80 (masked image 16 + mask 64), Canny and
+        Depth 16 (the control image's latent); 0 for text-to-image files."""
+        return self.in_channels // 4 - self.latent_channels
 
     @property
     def num_blocks(self) -> int:
