@@ -32,6 +32,14 @@ class RemoteDiT(torch.nn.Module):
         self._strategies: dict = {}  # (latent shape, chunks) -> resolved StrategySpec, once per sampling setup
         self._patches = None  # (patches_uuid, WeightPatches) of the last LoRA stack seen
 
+    def __deepcopy__(self, memo):
+        """ComfyUI deep-copies a diffusion model only to put a clone on another device (its MultiGPU CFG Split,
+        MultiGPU_WorkUnits): this one's devices are the workers', which already split cond and uncond when asked."""
+        raise convert.ConfigError(
+            "MultiGPU CFG Split (MultiGPU_WorkUnits) copies the model onto other GPUs, but Load Parallel DiT's "
+            "model runs on the ParaDiT workers, which own their devices; remove that node and set cfg_degree 2 in "
+            "the Strategy Selector, which splits cond and uncond the same way on the workers.")
+
     def parameter_shapes(self) -> dict:
         """ComfyUI's parameter name (no prefix) -> the file's shape."""
         return {name: shape for name, (shape, _) in self._keys.items()}
@@ -49,6 +57,7 @@ class RemoteDiT(torch.nn.Module):
 
         options = transformer_options or {}
         _refuse_what_the_workers_cannot_do(control, options, kwargs)
+        skip_blocks = skipped_blocks(options.get("patches_replace"))
         patches = self._weight_patches(getattr(self._base(), "current_patcher", None))
         video = x.ndim == 5
         if video:  # a video VAE's latent (Qwen-Image's Wan 2.1) with one frame: the workers take [B, C, H, W]
@@ -79,7 +88,7 @@ class RemoteDiT(torch.nn.Module):
                       for k in ks]
             job = Job(self.handle.model, strategy, SamplingSpec(steps=1), x[sl].detach().float().cpu(), chunks[0],
                       chunks[1] if len(chunks) > 1 else None, timestep=timesteps[sl].detach().float().cpu(),
-                      weight_patches=patches, call_step=step, call_slot=slot, call_last=last)
+                      weight_patches=patches, call_step=step, call_slot=slot, call_last=last, skip_blocks=skip_blocks)
             outputs.append(_run(client, job))
         out = torch.cat(outputs).to(x.device)
         return out.unsqueeze(2) if video else out
@@ -181,12 +190,8 @@ def _refuse_what_the_workers_cannot_do(control, options: dict, kwargs: dict) -> 
     if control is not None:
         raise convert.ConfigError("ControlNet does not run on the ParaDiT workers yet; remove the ControlNet "
                                   "node or load the model with UNETLoader.")
-    for name in ("patches", "patches_replace"):
-        if options.get(name):
-            kinds = ", ".join(sorted(options[name]))
-            raise convert.ConfigError(f"a model patch ({name}: {kinds}) changes the diffusion model's blocks, "
-                                      f"which run on the ParaDiT workers; remove that patch node or load the "
-                                      f"model with UNETLoader.")
+    if options.get("patches"):
+        _refuse_code_patch("patches", ", ".join(sorted(map(str, options["patches"]))))
     if kwargs.get("attention_mask") is not None:
         raise convert.ConfigError("attention masks do not run on the ParaDiT workers yet; remove the node that "
                                   "sets one or load the model with UNETLoader.")
@@ -194,6 +199,51 @@ def _refuse_what_the_workers_cannot_do(control, options: dict, kwargs: dict) -> 
     if unknown:
         raise convert.ConfigError(f"the model call carries inputs ParaDiT does not run ({', '.join(unknown)}); "
                                   f"remove the node that adds them or load the model with UNETLoader.")
+
+
+def _refuse_code_patch(kind: str, where: str):
+    raise convert.ConfigError(
+        f"a model patch ({kind}: {where}) runs its own code inside the diffusion model's blocks, which the ParaDiT "
+        f"workers cannot run: no ParaDiT strategy supports it (ComfyUI runs it only with the whole model on one "
+        f"device); remove that patch node or load the model with UNETLoader.")
+
+
+def skipped_blocks(patches_replace: dict | None) -> tuple[tuple[str, int], ...]:
+    """ComfyUI's block replacements as data the workers re-create: the ("double_block" | "single_block", index)
+    keys of `patches_replace["dit"]` whose patch skips its block (SkipLayerGuidanceDiT, SkipLayerGuidanceSD3:
+    `skip(args, extra) -> args`). Each patch is called once on marker arguments to tell what it does; a patch
+    that only calls the original block is a no-op; any other patch is code, refused in one sentence."""
+    skipped = []
+    for group, patches in (patches_replace or {}).items():
+        for key, patch in (patches or {}).items():
+            valid_key = isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], int)
+            verdict = _probe_block_patch(patch) if group == "dit" and valid_key else None
+            if verdict is None:
+                _refuse_code_patch(f"patches_replace[{group!r}]", repr(key))
+            if verdict == "skip":
+                skipped.append((str(key[0]), int(key[1])))
+    return tuple(sorted(skipped))
+
+
+def _probe_block_patch(patch) -> str | None:
+    """"skip" (returns its arguments untouched, never calling the block), "block" (returns what the original
+    block returned, called once on its arguments), or None (anything else: code)."""
+    args = {"img": object(), "txt": object(), "vec": object(), "pe": object(), "transformer_options": {}}
+    seen, result = [], {"img": object(), "txt": object()}
+
+    def original_block(block_args):
+        seen.append(block_args)
+        return result
+
+    try:
+        out = patch(args, {"original_block": original_block})
+    except Exception:  # noqa: BLE001 - code that needs real tensors is code, not data
+        return None
+    if out is args and not seen:
+        return "skip"
+    if out is result and len(seen) == 1 and seen[0] is args:
+        return "block"
+    return None
 
 
 def parallel_model(handle: convert.ParaDiTModel):
@@ -229,15 +279,23 @@ def parallel_model(handle: convert.ParaDiTModel):
 
 def refuse_model_patches(model) -> None:
     """Parallel Sampler runs the file with its own sampling: a patch on the MODEL's sampling (a ModelSampling
-    shift, a model function wrapper) would be silently lost there, so it is refused instead. Weight patches
-    (LoRA) are not: they travel with the job (`weight_patches_of`)."""
-    patched = sorted(getattr(model, "object_patches", None) or {})
-    wrapper = (getattr(model, "model_options", None) or {}).get("model_function_wrapper")
-    if patched or wrapper is not None:
-        what = ", ".join(patched) if patched else "model_function_wrapper"
+    shift, a model function wrapper, a guidance hook such as SkipLayerGuidanceDiT's, a block patch) would be
+    silently lost there, so it is refused instead. Weight patches (LoRA) are not: they travel with the job
+    (`weight_patches_of`)."""
+    options = getattr(model, "model_options", None) or {}
+    hooks = sorted(getattr(model, "object_patches", None) or {})
+    hooks += [k for k in SAMPLER_HOOKS if options.get(k)]
+    hooks += [k for k in ("patches", "patches_replace") if (options.get("transformer_options") or {}).get(k)]
+    if hooks:
         raise convert.ConfigError(f"Parallel Sampler samples with the model's own settings, and this MODEL is patched "
-                                  f"({what}, as ModelSampling nodes set); sample it with KSampler, which applies "
-                                  f"the patch, or remove the patch node.")
+                                  f"({', '.join(hooks)}, as ModelSampling and guidance nodes such as "
+                                  f"SkipLayerGuidanceDiT set); sample it with KSampler, which applies the patch, or "
+                                  f"remove the patch node.")
+
+
+# ComfyUI's model_options entries that change how a sampler calls or combines the model.
+SAMPLER_HOOKS = ("model_function_wrapper", "sampler_cfg_function", "sampler_pre_cfg_function",
+                 "sampler_post_cfg_function", "sampler_calc_cond_batch_function")
 
 
 def _remote_dit(model) -> RemoteDiT | None:

@@ -142,6 +142,9 @@ class Job:
     call_last: bool = False
     # LoRA-style patches each rank applies to the weights it holds (None: the file's own weights).
     weight_patches: "WeightPatches | None" = None
+    # ComfyUI's patches_replace "dit" keys ((kind, index), e.g. ("double_block", 7)) whose patch skips its block
+    # for this job (SkipLayerGuidanceDiT / SD3's guidance pass): the block's output is its input.
+    skip_blocks: tuple[tuple[str, int], ...] = ()
 
     @property
     def batch(self) -> int:

@@ -735,3 +735,68 @@ def test_host_dtypes_of_a_comfyui_quantized_file_ignore_its_stored_dtypes(tmp_pa
         assert quantized == (name == "quant")
         assert remote_model._host_dtypes(handle, {}, quantized, config, mm) == (torch.float16, None)
         assert calls == [("unet", want), ("cast", torch.float16 if want is not None else None)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Block patches under a stock sampler: SkipLayerGuidance's skips are data, other patches code.
+
+def _comfy_skip(args, extra_args):  # what SkipLayerGuidanceDiT / SkipLayerGuidanceSD3 install per block
+    return args
+
+
+def test_skip_layer_patches_become_block_keys_and_passthroughs_are_dropped():
+    from nodes import remote_model
+
+    def passthrough(args, extra):
+        return extra["original_block"](args)
+
+    replace = {"dit": {("single_block", 2): _comfy_skip, ("double_block", 7): _comfy_skip,
+                       ("double_block", 1): passthrough}}
+    assert remote_model.skipped_blocks(replace) == (("double_block", 7), ("single_block", 2))
+    assert remote_model.skipped_blocks(None) == () and remote_model.skipped_blocks({"dit": {}}) == ()
+
+
+@pytest.mark.parametrize("replace", [
+    {"dit": {("double_block", 0): lambda args, extra: {"img": args["img"] * 2, "txt": args["txt"]}}},  # needs tensors
+    {"dit": {("double_block", 0): lambda args, extra: dict(extra["original_block"](args))}},  # alters the output
+    {"attn1": {("input", 1): _comfy_skip}},  # a UNet-style attention replacement
+    {"dit": {"double_block": _comfy_skip}},  # not a (kind, index) key
+])
+def test_code_block_patches_are_refused_in_one_sentence(replace):
+    from nodes import remote_model
+
+    with pytest.raises(ConfigError, match=r"^a model patch \(patches_replace\['\w+'\]: .+\) runs its own code inside "
+                                          r"the diffusion model's blocks, which the ParaDiT workers cannot run: no "
+                                          r"ParaDiT strategy supports it .*load the model with UNETLoader\.$"):
+        remote_model.skipped_blocks(replace)
+
+
+@pytest.mark.parametrize("hook", ["sampler_post_cfg_function", "sampler_calc_cond_batch_function",
+                                  "sampler_cfg_function"])
+def test_parallel_sampler_refuses_a_guidance_hook(hook):
+    from nodes import remote_model
+
+    model = types.SimpleNamespace(object_patches={}, model_options={hook: [lambda args: args["denoised"]]})
+    with pytest.raises(ConfigError, match=rf"this MODEL is patched \({hook}, as ModelSampling and guidance nodes "
+                                          rf"such as SkipLayerGuidanceDiT set\); sample it with KSampler"):
+        remote_model.refuse_model_patches(model)
+    remote_model.refuse_model_patches(types.SimpleNamespace(object_patches={}, model_options={hook: []}))
+
+
+def test_comfyuis_multigpu_cfg_split_is_refused_in_one_sentence():
+    """ComfyUI's MultiGPU_WorkUnits (2026; this host snapshot predates it) deep-copies the BaseModel per extra GPU
+    (ModelPatcher.deepclone_multigpu); a fake of that copy must meet the sentence, not clone a remote model whose
+    devices the workers own."""
+    import copy
+
+    from nodes import remote_model
+
+    class Base:  # ComfyUI's BaseModel, as far as RemoteDiT reads it
+        latent_format = types.SimpleNamespace(latent_channels=16)
+
+    base = Base()
+    dit = remote_model.RemoteDiT(handle(convert.strategy_choice("auto")), torch.float32, base, {})
+    patcher_model = types.SimpleNamespace(diffusion_model=dit)
+    with pytest.raises(ConfigError, match=r"^MultiGPU CFG Split \(MultiGPU_WorkUnits\) copies the model onto other "
+                                          r"GPUs, .* set cfg_degree 2 in the Strategy Selector"):
+        copy.deepcopy(patcher_model)

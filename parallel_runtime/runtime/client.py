@@ -270,6 +270,8 @@ class RuntimeClient:
             if job.timestep is not None:
                 tensors["timestep"] = job.timestep
                 meta.update(call_step=job.call_step, call_slot=job.call_slot, call_last=job.call_last)
+            if job.skip_blocks:
+                meta["skip_blocks"] = [[kind, int(index)] for kind, index in job.skip_blocks]
             if job.weight_patches is not None:
                 # Tensors only when new to the workers; else they keep the ones they have under that id.
                 sent = job.weight_patches.id != self._patches_on_workers

@@ -41,6 +41,7 @@ class WorkerState:
         self.rank, self.world, self.device = rank, world, device
         self.loaded_key = None
         self.adapter = None
+        self.family = None  # the loaded model's family (models.registry): the seam for per-job settings
         self.context = None
         self.comms: dict = {}
         self.groups = None  # comm.GroupPool: process groups kept across jobs and topologies
@@ -76,6 +77,7 @@ class WorkerState:
             model = family.build(config, reader, match, owned=owned, dtype=storage, device=self.device, smap=smap)
         self.context = AttentionContext()
         self.adapter = family.adapter(config, model, chunks, self.context)
+        self.family = family
         files = FileParameters(path, smap, storage, self.device)
         self.patcher = RankWeightPatcher(model, family.weight_patch_targets(config), files)
         self.loaded_key = key
@@ -166,7 +168,8 @@ def _job_from_message(meta: dict, tensors: dict):
     return Job(ModelSpec(**meta["model"]), StrategySpec(**meta["strategy"]), SamplingSpec(**meta["sampling"]),
                tensors["latent"], branch("positive"), branch("negative") if "negative.cond" in tensors else None,
                extra=meta.get("extra", {}), timestep=tensors.get("timestep"), call_step=meta.get("call_step"),
-               call_slot=meta.get("call_slot", 0), call_last=meta.get("call_last", False))
+               call_slot=meta.get("call_slot", 0), call_last=meta.get("call_last", False),
+               skip_blocks=tuple((str(kind), int(index)) for kind, index in meta.get("skip_blocks", ())))
 
 
 def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse, gate: queue.Queue) -> None:
@@ -207,6 +210,8 @@ def _denoise(state: WorkerState, chan: Channel, job, topology, pulse) -> tuple[d
     if state.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(state.device)
     runner = Denoiser if job.timestep is None else ModelCallForward  # a whole denoise, or one stock-sampler call
+    # Set for every job, so a skip of one job never leaks into the next.
+    state.adapter.skip = state.family.replaced_blocks(state.adapter.config, job.skip_blocks)
     denoiser = runner(state.adapter, topology, comm, state.context)
 
     def progress(step: int, total: int) -> None:
