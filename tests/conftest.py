@@ -37,6 +37,38 @@ def make_job(path: str, strategy: StrategySpec | None = None, *, steps: int = 8,
 
 
 
+def diffusers_flux_call(path: str, job: Job, skip: tuple[tuple[str, int], ...] = ()) -> torch.Tensor:
+    """One stock-sampler call of a Flux file, computed by diffusers' own FluxTransformer2DModel as ComfyUI feeds
+    its model: each chunk's c_concat joined to its input-scaled latent before 2x2 patches, and blocks named in
+    `skip` (ComfyUI's patches_replace keys) replaced by their input. The independent reference for the runtime."""
+    from parallel_runtime.models.families.flux_adapter import FluxAdapter, load_flux
+
+    class Skipped(torch.nn.Module):
+        def forward(self, hidden_states, encoder_hidden_states, **kwargs):
+            return encoder_hidden_states, hidden_states
+
+    _, model = load_flux(path)
+    for kind, i in skip:
+        blocks = model.transformer_blocks if kind == "double_block" else model.single_transformer_blocks
+        if i < len(blocks):
+            blocks[i] = Skipped()
+    h, w = job.latent.shape[-2:]
+    ids = torch.zeros(h // 2, w // 2, 3)
+    ids[..., 1] = torch.arange(h // 2)[:, None]
+    ids[..., 2] = torch.arange(w // 2)[None, :]
+    rows = []
+    for k, branch in enumerate(b for b in (job.positive, job.negative) if b is not None):
+        x = job.latent[k:k + 1]
+        x = torch.cat([x, branch.concat], dim=1) if branch.concat is not None else x
+        with torch.no_grad():
+            out = model(hidden_states=FluxAdapter.pack(x), encoder_hidden_states=branch.cond,
+                        pooled_projections=branch.pooled, timestep=job.timestep[k:k + 1],
+                        img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(branch.cond.shape[1], 3),
+                        guidance=torch.tensor([branch.guidance])).sample
+        rows.append(FluxAdapter.unpack(out, h, w))
+    return torch.cat(rows)
+
+
 def _cpu_client(n: int):
     from parallel_runtime.runtime.client import RuntimeClient
 

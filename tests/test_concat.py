@@ -12,9 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import make_conditioning, rel_err
+from conftest import diffusers_flux_call, make_conditioning, rel_err
 from parallel_runtime.errors import ConfigError
-from parallel_runtime.models.families.flux_adapter import FluxAdapter, load_flux
 from parallel_runtime.models.registry import read_model
 from parallel_runtime.models.tiny import TINY, write_checkpoint
 from parallel_runtime.runtime.client import RuntimeClient
@@ -66,24 +65,6 @@ def call_job(path: str, extra: int, strategy: S) -> Job:
     return Job(ModelSpec(path), strategy, SamplingSpec(steps=1), x, pos, neg, timestep=torch.full((2,), 0.7))
 
 
-def diffusers_reference(path: str, job: Job) -> torch.Tensor:
-    """diffusers' Flux on ComfyUI's input: cat([x, c_concat], channels), then 2x2 patches."""
-    _, model = load_flux(path)
-    rows = []
-    for k, branch in enumerate((job.positive, job.negative)):
-        x = torch.cat([job.latent[k:k + 1], branch.concat], dim=1)
-        ids = torch.zeros(H // 2, W // 2, 3)
-        ids[..., 1] = torch.arange(H // 2)[:, None]
-        ids[..., 2] = torch.arange(W // 2)[None, :]
-        with torch.no_grad():
-            out = model(hidden_states=FluxAdapter.pack(x), encoder_hidden_states=branch.cond,
-                        pooled_projections=branch.pooled, timestep=job.timestep[k:k + 1],
-                        img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(branch.cond.shape[1], 3),
-                        guidance=torch.tensor([branch.guidance])).sample
-        rows.append(FluxAdapter.unpack(out, H, W))
-    return torch.cat(rows)
-
-
 def test_config_reads_the_concat_channels(variant):
     name, extra, path = variant
     with open_checkpoint(path) as reader:
@@ -98,7 +79,7 @@ def test_one_worker_equals_diffusers_on_comfyuis_concatenated_input(variant, cli
     out = clients[0].run(job).latent
     assert out.shape == (2, 16, H, W)  # the output keeps the latent's 16 channels
     # One float32 forward in another op order (our attention processor vs diffusers'): ~1e-6.
-    assert rel_err(out, diffusers_reference(path, job)) < 1e-5
+    assert rel_err(out, diffusers_flux_call(path, job)) < 1e-5
 
 
 @pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),

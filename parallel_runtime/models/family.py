@@ -140,6 +140,9 @@ class DiTFamily:
     last_stage: tuple[str, ...]
     comfy_layout: str  # the key layout whose names are ComfyUI's parameter names (what LoRA patches name)
     after_build: Callable[[torch.nn.Module], None] | None = None  # settings the key map cannot carry (eps, ...)
+    # Per block list, the key ComfyUI's model of this family gives its blocks in patches_replace["dit"]
+    # (SkipLayerGuidance); () where ComfyUI's model reads no block replacements (PixArt).
+    replace_keys: tuple[str, ...] = ("double_block", "single_block")
 
     def build(self, config, reader, match: Match, owned, dtype, device, smap: dict | None = None) -> torch.nn.Module:
         from ..weights.mapping import build_from_map
@@ -168,6 +171,16 @@ class DiTFamily:
 
     def adapter(self, config, model: torch.nn.Module, chunks: list[range], context) -> DiTAdapter:
         return self.adapter_class(config, model, chunks, context)
+
+    def replaced_blocks(self, config, keys) -> frozenset[int]:
+        """Indices into the ordered block list of ComfyUI's patches_replace "dit" keys ((kind, i)); a key this
+        family's ComfyUI model never looks up (a kind it lacks, an index past its list) changes nothing there,
+        so nothing here either."""
+        offsets, start = {}, 0
+        for kind, size in zip(self.replace_keys, _block_list_sizes(self, config)):
+            offsets[kind] = (start, size)
+            start += size
+        return frozenset(offsets[kind][0] + i for kind, i in keys if kind in offsets and 0 <= i < offsets[kind][1])
 
     def weight_patch_targets(self, config) -> dict:
         """ComfyUI parameter name -> [(diffusers parameter, Source)]: where a LoRA patch of that name lands."""

@@ -260,7 +260,7 @@ class ChromaAdapter(FluxAdapter):
 
     def run_blocks(self, image, text, temb, rope, chunk: int = 0) -> tuple:
         c = self.config
-        for i in self.chunks[chunk]:
+        for i in (i for i in self.chunks[chunk] if i not in self.skip):
             block = self._blocks[i]
             if i < c.num_layers:  # rows (get_modulations): singles, then double img, then double txt
                 img_row, txt_row = 3 * c.num_single_layers + 6 * i, 3 * c.num_single_layers + 6 * c.num_layers + 6 * i

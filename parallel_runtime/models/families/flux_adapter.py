@@ -103,6 +103,7 @@ class FluxAdapter:
     latent_channels = 16
     patch = 2
     embedding_module = "time_text_embed"  # a module every stage owns: its parameters give dtype and device
+    skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
 
     def __init__(self, config: FluxConfig, model, chunks: list[range], context: AttentionContext):
         """`chunks`: the block ranges this rank runs (all blocks in one range when not pipelined)."""
@@ -185,7 +186,7 @@ class FluxAdapter:
     # -- blocks and head -----------------------------------------------------------------------------
 
     def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope, chunk: int = 0) -> tuple:
-        for block in (self._blocks[i] for i in self.chunks[chunk]):
+        for block in (self._blocks[i] for i in self.chunks[chunk] if i not in self.skip):
             text, image = block(hidden_states=image, encoder_hidden_states=text, temb=temb, image_rotary_emb=rope)
         return image, text
 

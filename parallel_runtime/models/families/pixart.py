@@ -345,4 +345,4 @@ PIXART = DiTFamily(
     name="pixart", title="PixArt-α / PixArt-Σ", match=match_layout, infer_config=infer_config,
     meta_model=_diffusers_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes,
     adapter_class=PixArtAdapter, block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE,
-    last_stage=LAST_STAGE, comfy_layout="original")
+    last_stage=LAST_STAGE, comfy_layout="original", replace_keys=())

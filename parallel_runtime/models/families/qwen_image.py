@@ -200,7 +200,7 @@ class QwenImageAdapter:
         return self.model.time_text_embed(t, torch.empty(0, dtype=self.dtype, device=self.device))
 
     def run_blocks(self, image, text, temb, rope, chunk: int = 0) -> tuple:
-        for i in self.chunks[chunk]:
+        for i in (i for i in self.chunks[chunk] if i not in self.skip):
             text, image = self.model.transformer_blocks[i](hidden_states=image, encoder_hidden_states=text,
                                                            encoder_hidden_states_mask=None, temb=temb,
                                                            image_rotary_emb=rope)

@@ -318,7 +318,7 @@ class SD3Adapter:
         return self.model.time_text_embed(t, pooled.to(self.device, self.dtype))
 
     def run_blocks(self, image, text, temb, rope, chunk: int = 0) -> tuple:
-        for i in self.chunks[chunk]:
+        for i in (i for i in self.chunks[chunk] if i not in self.skip):
             text, image = self.model.transformer_blocks[i](hidden_states=image, encoder_hidden_states=text, temb=temb)
         return image, text
 
