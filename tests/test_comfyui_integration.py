@@ -22,31 +22,24 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import zlib
 
 import pytest
 
-from conftest import load_queue_script, rel_err
+from comfy_host import COMFYUI_DIR
 
-COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 if not COMFYUI_DIR:
     pytest.skip("COMFYUI_DIR is not set: no ComfyUI host to test against", allow_module_level=True)
 
 import torch  # noqa: E402
-from safetensors.torch import load as load_safetensors  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from comfy_host import PROMPT_TIMEOUT_S, REPO, explain, qw, serve  # noqa: E402
+from conftest import rel_err  # noqa: E402
 from parallel_runtime.models.families.chroma import ChromaConfig  # noqa: E402
 from parallel_runtime.models.families.flux import FluxConfig  # noqa: E402
 from parallel_runtime.models.families.pixart import PixArtConfig  # noqa: E402
@@ -54,11 +47,6 @@ from parallel_runtime.models.families.qwen_image import QwenImageConfig  # noqa:
 from parallel_runtime.models.families.sd3 import SD3Config  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMFYUI_PYTHON = os.environ.get("COMFYUI_PYTHON") or sys.executable
-CPU_SHIM = os.environ.get("COMFYUI_CPU_SHIM") or os.path.join(os.path.dirname(REPO), "shared", "comfyui-cpu")
-STARTUP_TIMEOUT_S = 240
-PROMPT_TIMEOUT_S = 300
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -250,233 +238,24 @@ KSAMPLER_BF16_RTOL = 2e-2
 # Exact strategies on 2 workers vs 1 worker: the runtime's own fp32 parity bound (tests/test_parallel.py).
 EXACT_RTOL = 1e-4
 
-HELPER_NODES = '''"""Test-only nodes for ParaDiT's ComfyUI integration tests (written by the test; never shipped)."""
-import torch
-
-
-class ParaDiTTestConditioning:
-    """Deterministic Flux-shaped CONDITIONING from a seed, in place of DualCLIPLoader + CLIPTextEncode."""
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31 - 1}),
-                             "tokens": ("INT", {"default": 8, "min": 1, "max": 512}),
-                             "guidance": ("FLOAT", {"default": 3.5, "min": -1.0, "max": 100.0, "step": 0.1})},
-                "optional": {"width": ("INT", {"default": 4096, "min": 1, "max": 8192}),
-                             "pooled": ("INT", {"default": 768, "min": 0, "max": 8192}),
-                             "image_width": ("INT", {"default": 0, "min": 0, "max": 8192}),
-                             "image_height": ("INT", {"default": 0, "min": 0, "max": 8192})}}
-
-    RETURN_TYPES = ("CONDITIONING",)
-    FUNCTION = "make"
-    CATEGORY = "testing"
-
-    def make(self, seed, tokens, guidance, width=4096, pooled=768, image_width=0, image_height=0):
-        """guidance < 0 sets none (the family's default applies); pooled 0 gives none (T5-only encoders);
-        image_width/height > 0 attach the size as CLIPTextEncodePixArtAlpha does (its add_dict)."""
-        g = torch.Generator().manual_seed(seed)
-        cond = torch.randn(1, tokens, width, generator=g)
-        extra = {"pooled_output": torch.randn(1, pooled, generator=g) if pooled else None}
-        if guidance >= 0:
-            extra["guidance"] = guidance
-        if image_width and image_height:
-            extra.update(width=image_width, height=image_height)
-        return ([[cond, extra]],)
-
-
-class ParaDiTTestLatentToImage:
-    """A fixed 16 -> 3 channel projection, upscaled 8x: an IMAGE for Save Image without VAE weights."""
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"samples": ("LATENT",)}}
-
-    RETURN_TYPES = ("IMAGE",)
-    FUNCTION = "convert"
-    CATEGORY = "testing"
-
-    def convert(self, samples):
-        x = samples["samples"].float()
-        proj = torch.randn(3, x.shape[1], generator=torch.Generator().manual_seed(0)) / x.shape[1] ** 0.5
-        rgb = torch.einsum("cl,blhw->bhwc", proj, x)
-        rgb = rgb.repeat_interleave(8, dim=1).repeat_interleave(8, dim=2)
-        return ((torch.tanh(rgb) * 0.5 + 0.5).clamp(0, 1),)
-
-
-class ParaDiTTestLatent:
-    """A seeded random LATENT (in place of VAE Encode of a reference image: no VAE weights needed)."""
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31 - 1}),
-                             "width": ("INT", {"default": 64, "min": 8, "max": 4096}),
-                             "height": ("INT", {"default": 64, "min": 8, "max": 4096})},
-                "optional": {"video": ("BOOLEAN", {"default": False})}}
-
-    RETURN_TYPES = ("LATENT",)
-    FUNCTION = "make"
-    CATEGORY = "testing"
-
-    def make(self, seed, width, height, video=False):
-        """video: a one-frame [1, 16, 1, h, w] latent, as a Wan VAE (Qwen-Image's) encodes an image."""
-        g = torch.Generator().manual_seed(seed)
-        samples = torch.randn(1, 16, height // 8, width // 8, generator=g)
-        return ({"samples": samples.unsqueeze(2) if video else samples},)
-
-
-NODE_CLASS_MAPPINGS = {"ParaDiTTestConditioning": ParaDiTTestConditioning,
-                       "ParaDiTTestLatentToImage": ParaDiTTestLatentToImage,
-                       "ParaDiTTestLatent": ParaDiTTestLatent}
-'''
-
-
-qw = load_queue_script()
-
-
-# ---------------------------------------------------------------------------------------------------
-# The server.
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class Server:
-    def __init__(self, root: str, port: int, proc: subprocess.Popen, log: str):
-        self.root, self.port, self.proc, self.log = root, port, proc, log
-        self.address = f"127.0.0.1:{port}"
-        self.url = f"http://{self.address}"
-
-    def get(self, path: str):
-        return qw.http_json(self.url + path)
-
-    def get_bytes(self, path: str) -> bytes:
-        return qw.http_bytes(self.url + path)
-
-    def log_tail(self, n: int = 60) -> str:
-        try:
-            with open(self.log, errors="replace") as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
-
-    def run(self, graph: dict, **kw) -> dict:
-        """Queue a graph over the websocket and wait for its end (see scripts/queue_workflow.py)."""
-        kw.setdefault("timeout", PROMPT_TIMEOUT_S)
-        result = qw.run(self.address, graph, verbose=False, **kw)
-        assert result["status"] != "timeout", f"prompt did not finish in {kw['timeout']} s\n{self.log_tail()}"
-        return result
-
-    def latent(self, result: dict, node: str) -> torch.Tensor:
-        assert result["status"] == "success", _explain(result)
-        entry = result["outputs"][node]["latents"][0]
-        query = urllib.parse.urlencode({k: entry[k] for k in ("filename", "subfolder", "type")})
-        return load_safetensors(self.get_bytes(f"/view?{query}"))["latent_tensor"]
-
-
-def _explain(result: dict) -> str:
-    err = result.get("error") or {}
-    return f"{result['status']}: {err.get('exception_message') or qw.format_rejection(err) if err else ''}"
 
 
 @pytest.fixture(scope="module")
 def server():
-    root = tempfile.mkdtemp(prefix="paradit-comfyui-")
-    proc = None
-    try:
-        models = os.path.join(root, "models", "diffusion_models")
-        custom = os.path.join(root, "custom_nodes")
-        for d in (models, custom, *(os.path.join(root, n) for n in ("output", "input", "temp", "user"))):
-            os.makedirs(d, exist_ok=True)
-        write_checkpoint(os.path.join(models, MODEL), FLUX_SHAPE, seed=0, prefix="model.diffusion_model.",
-                         dtype=torch.float32)
-        write_test_loras(os.path.join(root, "models", "loras"))
-        write_fp8_models(models)
-        write_gguf_model(models)
-        write_comfy_quant_models(models)
-        save_file({"encoder.conv_in.weight": torch.zeros(128, 3, 3, 3),  # a VAE-like file, not a DiT
-                   "decoder.conv_in.weight": torch.zeros(512, 16, 3, 3)}, os.path.join(models, NOT_FLUX))
-        os.symlink(REPO, os.path.join(custom, "ParaDiT"))
-        os.makedirs(os.path.join(custom, "paradit_test_helper"))
-        with open(os.path.join(custom, "paradit_test_helper", "__init__.py"), "w") as f:
-            f.write(HELPER_NODES)
-        yaml = os.path.join(root, "extra_model_paths.yaml")
-        with open(yaml, "w") as f:
-            f.write(f"paradit_test:\n    base_path: {root}\n    custom_nodes: custom_nodes\n"
-                    f"    diffusion_models: models/diffusion_models\n"
-                    f"    loras: models/loras\n")
-        port = _free_port()
-        cmd = [COMFYUI_PYTHON, os.path.join(COMFYUI_DIR, "main.py"), "--cpu", "--listen", "127.0.0.1",
-               "--port", str(port), "--extra-model-paths-config", yaml,
-               "--output-directory", os.path.join(root, "output"), "--input-directory", os.path.join(root, "input"),
-               "--temp-directory", os.path.join(root, "temp"), "--user-directory", os.path.join(root, "user"),
-               "--preview-method", "none"]
-        with open(os.path.join(COMFYUI_DIR, "comfy", "cli_args.py")) as f:
-            if "--database-url" in f.read():  # keep ComfyUI's own tree untouched
-                cmd += ["--database-url", f"sqlite:///{os.path.join(root, 'user', 'comfyui.db')}"]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (CPU_SHIM, env.get("PYTHONPATH")) if p)
-        env.pop("COMFYUI_DIR", None)
-        log = os.path.join(root, "server.log")
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
-        srv = Server(root, port, proc, log)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"ComfyUI exited with code {proc.returncode} while starting:\n{srv.log_tail()}")
-            try:
-                srv.get("/system_stats")
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"ComfyUI did not answer within {STARTUP_TIMEOUT_S} s:\n{srv.log_tail()}")
-                time.sleep(0.5)
-        yield srv
-        assert proc.poll() is None, f"ComfyUI died during the tests:\n{srv.log_tail()}"
-    finally:
-        if proc is not None:
-            _stop_group(proc)
-        shutil.rmtree(root, ignore_errors=True)
+    yield from serve("paradit-comfyui-", write_models)
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
-    """Ctrl-C the server (so its atexit hooks shut the ParaDiT workers down cleanly), then SIGTERM and
-    SIGKILL its whole process group (server + workers) for whatever is left."""
-    pgid = proc.pid  # start_new_session: the server leads its own group
-    for sig, grace in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            if sig == signal.SIGINT:
-                proc.send_signal(sig)
-            else:
-                os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not _group_alive(pgid):
-                break
-            time.sleep(0.1)
-        else:
-            continue
-        break
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        pass
-    assert not _group_alive(pgid), f"processes of group {pgid} survived SIGKILL"
+def write_models(root: str) -> None:
+    """MODEL and its twins in every file kind, LoRAs, and a VAE-like file that is not a DiT."""
+    models = os.path.join(root, "models", "diffusion_models")
+    write_checkpoint(os.path.join(models, MODEL), FLUX_SHAPE, seed=0, prefix="model.diffusion_model.",
+                     dtype=torch.float32)
+    write_test_loras(os.path.join(root, "models", "loras"))
+    write_fp8_models(models)
+    write_gguf_model(models)
+    write_comfy_quant_models(models)
+    save_file({"encoder.conv_in.weight": torch.zeros(128, 3, 3, 3),  # a VAE-like file, not a DiT
+               "decoder.conv_in.weight": torch.zeros(512, 16, 3, 3)}, os.path.join(models, NOT_FLUX))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -679,7 +458,7 @@ def test_auto_strategy_runs_and_shows_its_choice(server):
     result = server.run(parallel_graph(devices="cpu:2", strat=strategy(mode="auto"), tag="auto", seed=31),
                         on_message=on_message)
     elapsed = time.monotonic() - t0
-    assert result["status"] == "success", _explain(result)
+    assert result["status"] == "success", explain(result)
     chosen = [t for t in texts if t.startswith("auto: ")]
     assert chosen, texts
     print(f"\nauto on cpu:2 ({elapsed:.1f} s): {chosen[-1]!r}")
@@ -705,7 +484,7 @@ def test_interrupt_stops_the_job_and_the_next_prompt_runs(server):
     result = server.run(long_graph, on_message=on_message)
     ended = time.monotonic()
     assert "interrupt" in marks, "no progress message arrived before the prompt ended"
-    assert result["status"] == "interrupted", _explain(result)
+    assert result["status"] == "interrupted", explain(result)
     print(f"\ninterrupt at step {marks['step']}/500 -> prompt ended {ended - marks['interrupt']:.2f} s later")
     assert ended - marks["interrupt"] < 10.0
     assert marks["step"] < 50
@@ -714,7 +493,7 @@ def test_interrupt_stops_the_job_and_the_next_prompt_runs(server):
     # The same server and workers take the next prompt; its result is the one a fresh run gives.
     t0 = time.monotonic()
     after = server.run(parallel_graph(devices="cpu:2", strat=strategy(ulysses=2), tag="after", steps=3, seed=78))
-    assert after["status"] == "success", _explain(after)
+    assert after["status"] == "success", explain(after)
     assert time.monotonic() - t0 < 60
     again = server.run(parallel_graph(devices="cpu:2", strat=strategy(ring=2), tag="again", steps=3, seed=78))
     assert rel_err(server.latent(after, "13"), server.latent(again, "13")) <= EXACT_RTOL
@@ -738,7 +517,7 @@ def test_bad_inputs_fail_with_one_sentence(server, graph_kw, expect_type, expect
     t0 = time.monotonic()
     result = server.run(parallel_graph(tag="bad", **graph_kw), timeout=120)
     elapsed = time.monotonic() - t0
-    assert result["status"] == "error", _explain(result)
+    assert result["status"] == "error", explain(result)
     err = result["error"]
     message = err["exception_message"].strip()
     assert err["exception_type"].endswith(expect_type), err["exception_type"]
@@ -980,7 +759,7 @@ def test_kontext_under_stock_ksampler_equals_unetloader(server, method, devices,
                           scheduler="karras", steps=4, seed=12)
     graph["12"]["class_type"] = "KSampler"  # same inputs as Parallel Sampler, on the parallel MODEL
     result = server.run(graph)
-    assert result["status"] == "success", _explain(result)
+    assert result["status"] == "success", explain(result)
     err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
     print(f"\nkontext ({method or 'offset'}) under KSampler on {devices}: rel. L2 {err:.2e}")
     assert err <= KSAMPLER_RTOL
@@ -992,7 +771,7 @@ def test_qwen_image_edit_under_stock_ksampler_equals_unetloader(server, family_f
     graph["12"]["class_type"] = "KSampler"
     graph["10"], graph["11"]["inputs"]["devices"] = strategy(ulysses=2), "cpu:2"
     result = server.run(graph)
-    assert result["status"] == "success", _explain(result)
+    assert result["status"] == "success", explain(result)
     err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
     print(f"\nqwen_image edit under KSampler, ulysses2: rel. L2 {err:.2e}")
     assert err <= KSAMPLER_RTOL
@@ -1014,7 +793,7 @@ STOCK_PAIRS = [("euler", "simple"), ("dpmpp_2m_sde", "karras"), ("uni_pc", "expo
 def test_ksampler_on_the_parallel_model_equals_unetloader(server, sampler_name, scheduler):
     t0 = time.monotonic()
     result = server.run(stock_graph(cfg=2.0, steps=4, seed=11, sampler_name=sampler_name, scheduler=scheduler))
-    assert result["status"] == "success", _explain(result)
+    assert result["status"] == "success", explain(result)
     ks, par = server.latent(result, "22"), server.latent(result, "13")
     err = rel_err(par, ks)
     print(f"\nKSampler {sampler_name}/{scheduler} cfg 2: Load Parallel DiT vs UNETLoader rel. L2 {err:.2e} "
@@ -1030,7 +809,7 @@ def _two_worker_ksampler(server, strat, what: str, steps=3, sampler_name="dpmpp_
     for node, inputs in graph.items():
         g[node]["inputs"].update(inputs)
     result = server.run(g)
-    assert result["status"] == "success", _explain(result)
+    assert result["status"] == "success", explain(result)
     err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
     print(f"\nKSampler {sampler_name} on cpu:2, {what}: rel. L2 {err:.2e} vs UNETLoader")
     return err
@@ -1095,7 +874,7 @@ def _both_models(graph: dict, build) -> dict:
 
 def _stock_run(server, graph) -> float:
     result = server.run(graph)
-    assert result["status"] == "success", _explain(result)
+    assert result["status"] == "success", explain(result)
     par, ref = server.latent(result, "13"), server.latent(result, "22")
     assert par.shape == ref.shape
     return rel_err(par, ref)
@@ -1188,7 +967,7 @@ def test_family_ksampler_on_the_parallel_model_equals_unetloader(server, family_
             graph["4"] = {"class_type": "EmptyLatentImage", "inputs": {"width": 320, "height": 256, "batch_size": 2}}
         graph["12"] = {"class_type": "KSampler", "inputs": dict(graph["21"]["inputs"], model=["11", 0])}
         result = server.run(graph)
-        assert result["status"] == "success", _explain(result)
+        assert result["status"] == "success", explain(result)
         ks, par = server.latent(result, "22"), server.latent(result, "13")
         err = rel_err(par, ks)
         degrees = {k: v for k, v in strat["inputs"].items() if k.endswith("_degree") and v > 1}
@@ -1213,12 +992,12 @@ def test_interrupt_under_ksampler_on_the_parallel_model_stops_and_the_next_promp
     result = server.run(graph, on_message=on_message)
     ended = time.monotonic()
     assert "interrupt" in marks, "KSampler's progress bar never advanced"
-    assert result["status"] == "interrupted", _explain(result)
+    assert result["status"] == "interrupted", explain(result)
     print(f"\nKSampler interrupt at step {marks['step']}/{marks['max']} -> prompt ended "
           f"{ended - marks['interrupt']:.2f} s later")
     assert marks["max"] == 500 and marks["step"] < 50 and ended - marks["interrupt"] < 10.0
     after = server.run(stock_graph(devices="cpu:2", strat=strategy(ulysses=2), cfg=2.0, steps=3, seed=79))
-    assert after["status"] == "success", _explain(after)
+    assert after["status"] == "success", explain(after)
     assert rel_err(server.latent(after, "13"), server.latent(after, "22")) <= KSAMPLER_RTOL
 
 
@@ -1257,7 +1036,7 @@ def _lora_graph(loras, devices="cpu:1", strat=None, parallel_sampler=False) -> d
 
 def _lora_run(server, graph, what: str) -> float:
     result = server.run(graph)
-    assert result["status"] == "success", _explain(result)
+    assert result["status"] == "success", explain(result)
     par, ref, plain = (server.latent(result, n) for n in ("13", "22", "32"))
     err, change = rel_err(par, ref), rel_err(ref, plain)
     print(f"\n{what}: Load Parallel DiT vs UNETLoader rel. L2 {err:.2e} (the LoRAs change the latent by {change:.2e})")
@@ -1304,7 +1083,7 @@ def test_swapping_loras_between_prompts_repatches_without_reloading(server):
         for node in [n for n, v in graph.items() if v["class_type"] == "KSampler"]:
             graph[node]["inputs"]["seed"] = 40 + i  # a new seed per prompt: ComfyUI would reuse cached results
         result = server.run(graph)
-        assert result["status"] == "success", _explain(result)
+        assert result["status"] == "success", explain(result)
         err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
         print(f"\nprompt {i} with {[n for n, _ in loras] or 'no LoRA'}: rel. L2 {err:.2e}, "
               f"model loads so far {_model_loads(server)}")
@@ -1323,7 +1102,7 @@ def test_parallel_sampler_refuses_a_model_sampling_patch_in_one_sentence(server)
     expected = "sample it with KSampler, which applies the patch"
     graph["12"]["inputs"]["model"] = ["30", 0]
     result = server.run(graph)
-    assert result["status"] == "error", _explain(result)
+    assert result["status"] == "error", explain(result)
     message = result["error"]["exception_message"].strip()
     assert expected in message and message.count(". ") == 0, message
 
@@ -1375,7 +1154,7 @@ def test_gguf_model_equals_comfyui_gguf(server):
     graph = _with_files(stock_graph(devices="cpu:2", strat=strategy(pp=2, warmup=3), cfg=2.0, steps=3, seed=4,
                                     sampler_name="dpmpp_2m", scheduler="karras"), GGUF_MODEL, gguf_node=True)
     result = server.run(graph)
-    assert result["status"] == "success", _explain(result)
+    assert result["status"] == "success", explain(result)
     err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
     print(f"\n{GGUF_MODEL}: Load Parallel DiT (pp2, warm) vs ComfyUI-GGUF's UnetLoaderGGUF rel. L2 {err:.2e}")
     assert err <= KSAMPLER_RTOL
@@ -1407,7 +1186,7 @@ def test_comfy_quant_model_equals_unetloader_on_its_dequantized_twin(server, fmt
                                     sampler_name="dpmpp_2m", scheduler="karras"),
                         f"flux-mini-{fmt}.safetensors", f"flux-mini-{fmt}-fp32.safetensors")
     result = server.run(graph)
-    assert result["status"] == "success", _explain(result)
+    assert result["status"] == "success", explain(result)
     err = rel_err(server.latent(result, "13"), server.latent(result, "22"))
     print(f"\nflux-mini-{fmt} ({devices} {strat and strat['inputs']}): vs UNETLoader on its fp32 twin rel. L2 {err:.2e}")
     assert err <= KSAMPLER_RTOL

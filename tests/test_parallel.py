@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import threading
 import time
 
 import psutil

@@ -26,11 +26,8 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-import time
 import urllib.error
 
 import pytest
@@ -594,46 +591,12 @@ def test_script_dry_run_converts_swaps_and_overrides(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def live_server():
-    """ComfyUI with ParaDiT and no model files, on a free loopback port; started the way
-    tests/test_comfyui_integration.py starts its server (whose helpers stop it), and stopped with its workers."""
+    """ComfyUI with ParaDiT and no model files (tests/comfy_host.py), stopped with its workers."""
     if not os.environ.get("COMFYUI_DIR"):
         pytest.skip("COMFYUI_DIR is not set: no ComfyUI host to test against")
-    import test_comfyui_integration as host
+    from comfy_host import serve
 
-    root = tempfile.mkdtemp(prefix="paradit-ui-workflow-")
-    proc = None
-    try:
-        for d in ("custom_nodes", "output", "input", "temp", "user"):
-            os.makedirs(os.path.join(root, d))
-        os.symlink(REPO, os.path.join(root, "custom_nodes", "ParaDiT"))
-        yaml = os.path.join(root, "extra_model_paths.yaml")
-        with open(yaml, "w") as f:
-            f.write(f"paradit_ui:\n    base_path: {root}\n    custom_nodes: custom_nodes\n")
-        port = host._free_port()
-        cmd = [host.COMFYUI_PYTHON, os.path.join(host.COMFYUI_DIR, "main.py"), "--cpu", "--listen", "127.0.0.1",
-               "--port", str(port), "--extra-model-paths-config", yaml, "--preview-method", "none",
-               *(a for d in ("output", "input", "temp", "user") for a in (f"--{d}-directory", os.path.join(root, d)))]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (host.CPU_SHIM, os.environ.get("PYTHONPATH")) if p))
-        env.pop("COMFYUI_DIR", None)
-        log = os.path.join(root, "server.log")
-        with open(log, "wb") as out_file:
-            proc = subprocess.Popen(cmd, cwd=root, stdout=out_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
-        server = host.Server(root, port, proc, log)
-        deadline = time.monotonic() + host.STARTUP_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"ComfyUI exited while starting:\n{server.log_tail()}"
-            try:
-                server.get("/system_stats")
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                assert time.monotonic() < deadline, f"ComfyUI did not answer:\n{server.log_tail()}"
-                time.sleep(0.5)
-        yield server
-    finally:
-        if proc is not None:
-            host._stop_group(proc)
-        shutil.rmtree(root, ignore_errors=True)
+    yield from serve("paradit-ui-workflow-")
 
 
 FILE_WIDGETS = {"unet_name", "ckpt_name", "vae_name", "clip_name", "clip_name1", "clip_name2", "clip_name3",

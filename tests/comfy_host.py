@@ -1,0 +1,331 @@
+"""A real ComfyUI host for the integration tests: one server per test module (`serve`), on a free loopback port,
+with --cpu, its own model, output, input, temp and user folders, ParaDiT and a test-only node module installed;
+its whole process group (ParaDiT's workers included) is killed at the end.
+
+COMFYUI_DIR names the ComfyUI checkout (modules that need one skip without it), COMFYUI_PYTHON the interpreter
+that runs it (default: this one); on a CPU-only machine COMFYUI_CPU_SHIM (or ../shared/comfyui-cpu) goes on the
+server's PYTHONPATH: it lets a CUDA-built torchvision import on CPU torch. There are no text encoder or VAE
+weights: the test-only nodes make deterministic CONDITIONING from a seed and turn a latent into a small image.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+from typing import Callable, Iterator
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+from conftest import load_queue_script
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
+COMFYUI_PYTHON = os.environ.get("COMFYUI_PYTHON") or sys.executable
+CPU_SHIM = os.environ.get("COMFYUI_CPU_SHIM") or os.path.join(os.path.dirname(REPO), "shared", "comfyui-cpu")
+STARTUP_TIMEOUT_S = 240
+PROMPT_TIMEOUT_S = 300
+MODEL_FOLDERS = ("diffusion_models", "loras", "vae", "controlnet")
+
+HELPER_NODES = '''"""Test-only nodes for ParaDiT's ComfyUI integration tests (written by the test; never shipped)."""
+import torch
+
+
+class ParaDiTTestConditioning:
+    """Deterministic Flux-shaped CONDITIONING from a seed, in place of DualCLIPLoader + CLIPTextEncode."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31 - 1}),
+                             "tokens": ("INT", {"default": 8, "min": 1, "max": 512}),
+                             "guidance": ("FLOAT", {"default": 3.5, "min": -1.0, "max": 100.0, "step": 0.1})},
+                "optional": {"width": ("INT", {"default": 4096, "min": 1, "max": 8192}),
+                             "pooled": ("INT", {"default": 768, "min": 0, "max": 8192}),
+                             "image_width": ("INT", {"default": 0, "min": 0, "max": 8192}),
+                             "image_height": ("INT", {"default": 0, "min": 0, "max": 8192})}}
+
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, seed, tokens, guidance, width=4096, pooled=768, image_width=0, image_height=0):
+        """guidance < 0 sets none (the family's default applies); pooled 0 gives none (T5-only encoders);
+        image_width/height > 0 attach the size as CLIPTextEncodePixArtAlpha does (its add_dict)."""
+        g = torch.Generator().manual_seed(seed)
+        cond = torch.randn(1, tokens, width, generator=g)
+        extra = {"pooled_output": torch.randn(1, pooled, generator=g) if pooled else None}
+        if guidance >= 0:
+            extra["guidance"] = guidance
+        if image_width and image_height:
+            extra.update(width=image_width, height=image_height)
+        return ([[cond, extra]],)
+
+
+class ParaDiTTestLatentToImage:
+    """A fixed 16 -> 3 channel projection, upscaled 8x: an IMAGE for Save Image without VAE weights."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",)}}
+
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "convert"
+    CATEGORY = "testing"
+
+    def convert(self, samples):
+        x = samples["samples"].float()
+        proj = torch.randn(3, x.shape[1], generator=torch.Generator().manual_seed(0)) / x.shape[1] ** 0.5
+        rgb = torch.einsum("cl,blhw->bhwc", proj, x)
+        rgb = rgb.repeat_interleave(8, dim=1).repeat_interleave(8, dim=2)
+        return ((torch.tanh(rgb) * 0.5 + 0.5).clamp(0, 1),)
+
+
+class ParaDiTTestLatent:
+    """A seeded random LATENT (in place of VAE Encode of a reference image: no VAE weights needed)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31 - 1}),
+                             "width": ("INT", {"default": 64, "min": 8, "max": 4096}),
+                             "height": ("INT", {"default": 64, "min": 8, "max": 4096})},
+                "optional": {"video": ("BOOLEAN", {"default": False})}}
+
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, seed, width, height, video=False):
+        """video: a one-frame [1, 16, 1, h, w] latent, as a Wan VAE (Qwen-Image's) encodes an image."""
+        g = torch.Generator().manual_seed(seed)
+        samples = torch.randn(1, 16, height // 8, width // 8, generator=g)
+        return ({"samples": samples.unsqueeze(2) if video else samples},)
+
+
+class ParaDiTTestConcat:
+    """What InpaintModelConditioning / InstructPixToPixConditioning put on a conditioning (concat_latent_image,
+    and concat_mask for inpainting), from a seeded latent and mask instead of VAE-encoded pixels (no VAE weights
+    here); ComfyUI's own model code builds c_concat from them."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"conditioning": ("CONDITIONING",), "seed": ("INT", {"default": 0, "min": 0}),
+                             "width": ("INT", {"default": 128, "min": 8}), "height": ("INT", {"default": 128, "min": 8}),
+                             "mask": ("BOOLEAN", {"default": False})}}
+
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, conditioning, seed, width, height, mask):
+        g = torch.Generator().manual_seed(seed)
+        values = {"concat_latent_image": torch.randn(1, 16, height // 8, width // 8, generator=g)}
+        if mask:
+            values["concat_mask"] = (torch.rand(1, height, width, generator=g) > 0.5).float()
+        return ([[c, dict(extra, **values)] for c, extra in conditioning],)
+
+
+class ParaDiTTestDeepClone:
+    """The copy ComfyUI's MultiGPU CFG Split (MultiGPU_WorkUnits, 2026; newer than this host) makes per extra GPU:
+    ModelPatcher.deepclone_multigpu deep-copies the BaseModel."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "clone"
+    CATEGORY = "testing"
+
+    def clone(self, model):
+        import copy
+
+        copy.deepcopy(model.model)
+        return (model,)
+
+
+class ParaDiTTestCodePatch:
+    """A block replacement that is code (it scales the block's image output), as PuLID-style nodes install."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "testing"
+
+    def patch(self, model):
+        def scaled(args, extra):
+            out = extra["original_block"](args)
+            return {"img": out["img"] * 0.5, "txt": out["txt"]}
+
+        m = model.clone()
+        m.set_model_patch_replace(scaled, "dit", "double_block", 0)
+        return (m,)
+
+
+NODE_CLASS_MAPPINGS = {"ParaDiTTestConcat": ParaDiTTestConcat, "ParaDiTTestDeepClone": ParaDiTTestDeepClone,
+                       "ParaDiTTestCodePatch": ParaDiTTestCodePatch,
+                       "ParaDiTTestConditioning": ParaDiTTestConditioning,
+                       "ParaDiTTestLatentToImage": ParaDiTTestLatentToImage,
+                       "ParaDiTTestLatent": ParaDiTTestLatent}
+'''
+
+
+qw = load_queue_script()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The server.
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Server:
+    def __init__(self, root: str, port: int, proc: subprocess.Popen, log: str):
+        self.root, self.port, self.proc, self.log = root, port, proc, log
+        self.address = f"127.0.0.1:{port}"
+        self.url = f"http://{self.address}"
+
+    def get(self, path: str):
+        return qw.http_json(self.url + path)
+
+    def get_bytes(self, path: str) -> bytes:
+        return qw.http_bytes(self.url + path)
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            with open(self.log, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def run(self, graph: dict, **kw) -> dict:
+        """Queue a graph over the websocket and wait for its end (see scripts/queue_workflow.py)."""
+        kw.setdefault("timeout", PROMPT_TIMEOUT_S)
+        result = qw.run(self.address, graph, verbose=False, **kw)
+        assert result["status"] != "timeout", f"prompt did not finish in {kw['timeout']} s\n{self.log_tail()}"
+        return result
+
+    def latent(self, result: dict, node: str) -> torch.Tensor:
+        assert result["status"] == "success", explain(result)
+        entry = result["outputs"][node]["latents"][0]
+        query = urllib.parse.urlencode({k: entry[k] for k in ("filename", "subfolder", "type")})
+        return load_safetensors(self.get_bytes(f"/view?{query}"))["latent_tensor"]
+
+
+def explain(result: dict) -> str:
+    err = result.get("error") or {}
+    return f"{result['status']}: {err.get('exception_message') or qw.format_rejection(err) if err else ''}"
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Ctrl-C the server (so its atexit hooks shut the ParaDiT workers down cleanly), then SIGTERM and
+    SIGKILL its whole process group (server + workers) for whatever is left."""
+    pgid = proc.pid  # start_new_session: the server leads its own group
+    for sig, grace in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            if sig == signal.SIGINT:
+                proc.send_signal(sig)
+            else:
+                os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _group_alive(pgid):
+                break
+            time.sleep(0.1)
+        else:
+            continue
+        break
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+    assert not _group_alive(pgid), f"processes of group {pgid} survived SIGKILL"
+
+
+def serve(prefix: str, prepare: Callable[[str], None] | None = None) -> Iterator[Server]:
+    """A ComfyUI server for one test module: a temporary root with its own models (`prepare(root)` writes them
+    before the start: ComfyUI lists model folders once), custom_nodes (ParaDiT and the test-only nodes), output,
+    input, temp and user folders; yields when it answers, stops its whole process group after."""
+    root = tempfile.mkdtemp(prefix=prefix)
+    proc = None
+    try:
+        for d in (*(os.path.join("models", m) for m in MODEL_FOLDERS), "custom_nodes", "output", "input", "temp",
+                  "user"):
+            os.makedirs(os.path.join(root, d), exist_ok=True)
+        if prepare is not None:
+            prepare(root)
+        custom = os.path.join(root, "custom_nodes")
+        os.symlink(REPO, os.path.join(custom, "ParaDiT"))
+        os.makedirs(os.path.join(custom, "paradit_test_helper"))
+        with open(os.path.join(custom, "paradit_test_helper", "__init__.py"), "w") as f:
+            f.write(HELPER_NODES)
+        yaml = os.path.join(root, "extra_model_paths.yaml")
+        with open(yaml, "w") as f:
+            f.write(f"paradit_test:\n    base_path: {root}\n    custom_nodes: custom_nodes\n"
+                    + "".join(f"    {m}: models/{m}\n" for m in MODEL_FOLDERS))
+        proc, srv = _start(root, yaml)
+        yield srv
+        assert proc.poll() is None, f"ComfyUI died during the tests:\n{srv.log_tail()}"
+    finally:
+        if proc is not None:
+            stop_group(proc)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _start(root: str, yaml: str) -> tuple[subprocess.Popen, Server]:
+    """ComfyUI with --cpu on a free loopback port, its folders under `root`; returns once it answers."""
+    port = _free_port()
+    cmd = [COMFYUI_PYTHON, os.path.join(COMFYUI_DIR, "main.py"), "--cpu", "--listen", "127.0.0.1",
+           "--port", str(port), "--extra-model-paths-config", yaml,
+           "--output-directory", os.path.join(root, "output"), "--input-directory", os.path.join(root, "input"),
+           "--temp-directory", os.path.join(root, "temp"), "--user-directory", os.path.join(root, "user"),
+           "--preview-method", "none"]
+    with open(os.path.join(COMFYUI_DIR, "comfy", "cli_args.py")) as f:
+        if "--database-url" in f.read():  # keep ComfyUI's own tree untouched
+            cmd += ["--database-url", f"sqlite:///{os.path.join(root, 'user', 'comfyui.db')}"]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (CPU_SHIM, env.get("PYTHONPATH")) if p)
+    env.pop("COMFYUI_DIR", None)
+    log = os.path.join(root, "server.log")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+    srv = Server(root, port, proc, log)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            stop_group(proc)
+            pytest.fail(f"ComfyUI exited with code {proc.returncode} while starting:\n{srv.log_tail()}")
+        try:
+            srv.get("/system_stats")
+            return proc, srv
+        except (urllib.error.URLError, ConnectionError, OSError):
+            if time.monotonic() > deadline:
+                stop_group(proc)
+                pytest.fail(f"ComfyUI did not answer within {STARTUP_TIMEOUT_S} s:\n{srv.log_tail()}")
+            time.sleep(0.5)

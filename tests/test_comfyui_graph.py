@@ -1,0 +1,148 @@
+"""The rest of a real graph on the parallel MODEL, in a real ComfyUI host (skipped without COMFYUI_DIR): Flux Fill
+and Canny/Depth-shaped files with their concat conditioning, SkipLayerGuidance, and the patches and nodes the
+workers refuse, each against UNETLoader + the same stock nodes on the same file.
+
+The files are random Flux models with ComfyUI's detection shape (3072 wide, one double and one single block,
+fp32), their input widened as Fill's (96 channels: latent, masked image, 64-channel mask) and Canny/Depth's (32).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from comfy_host import COMFYUI_DIR
+
+if not COMFYUI_DIR:
+    pytest.skip("COMFYUI_DIR is not set: no ComfyUI host to test against", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from comfy_host import explain, serve  # noqa: E402
+from conftest import rel_err  # noqa: E402
+from parallel_runtime.models.families.flux import FluxConfig  # noqa: E402
+from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+BASE = FluxConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=1, num_single_layers=1,
+                  context_dim=4096, pooled_dim=768, guidance_embeds=True)
+FILES = {"fill": ("flux-mini-fill.safetensors", 80, True), "canny": ("flux-mini-canny.safetensors", 16, False)}
+# fp32 on CPU: UNETLoader's model and the workers' run the same float32 maths in another op order (~1e-7 per op
+# over 2 blocks and 3 steps); exact strategies on 2 workers add their own reordering.
+ONE_WORKER_RTOL = 1e-5
+EXACT_RTOL = 1e-4
+
+
+def write_models(root: str) -> None:
+    folder = os.path.join(root, "models", "diffusion_models")
+    for name, (filename, extra, _) in FILES.items():
+        config = dataclasses.replace(BASE, in_channels=4 * (16 + extra), out_channels=64)
+        write_checkpoint(os.path.join(folder, filename), config, seed=1, prefix="model.diffusion_model.",
+                         dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from serve("paradit-comfyui-graph-", write_models)
+
+
+def strategy(cfg=1, pp=1, ulysses=1, ring=1) -> dict:
+    return {"class_type": "ParaDiTStrategy",
+            "inputs": {"mode": "manual", "cfg_degree": cfg, "pipefusion_degree": pp, "ulysses_degree": ulysses,
+                       "ring_degree": ring, "num_pipeline_patch": 0, "warmup_steps": 3}}
+
+
+def graph(kind: str, devices: str = "cpu:1", strat: dict | None = None, patch: dict | None = None,
+          parallel_sampler: bool = False, steps: int = 3) -> dict:
+    """Seeded prompts with the file kind's concat conditioning (1, 2 -> 5, 6), a 160x128 latent (4), and the same
+    sampling chain on Load Parallel DiT (11 -> 12 -> 13) and on UNETLoader (20 -> 21 -> 22); `patch` (a node
+    taking "model") goes between each loader and its sampler."""
+    filename, _, mask = FILES[kind]
+    g = {"1": {"class_type": "ParaDiTTestConditioning", "inputs": {"seed": 1, "tokens": 8, "guidance": 3.5}},
+         "2": {"class_type": "ParaDiTTestConditioning", "inputs": {"seed": 2, "tokens": 8, "guidance": 3.5}},
+         "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 160, "height": 128, "batch_size": 1}},
+         "10": strat or strategy(),
+         "11": {"class_type": "ParaDiTLoader", "inputs": {"unet_name": filename, "weight_dtype": "default",
+                                                          "devices": devices, "strategy": ["10", 0]}},
+         "20": {"class_type": "UNETLoader", "inputs": {"unet_name": filename, "weight_dtype": "default"}}}
+    for node, src, seed in (("5", "1", 7), ("6", "2", 8)):  # each branch its own concat image
+        g[node] = {"class_type": "ParaDiTTestConcat", "inputs": {"conditioning": [src, 0], "seed": seed,
+                                                                  "width": 160, "height": 128, "mask": mask}}
+    sampling = {"seed": 5, "steps": steps, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
+                "denoise": 1.0, "positive": ["5", 0], "negative": ["6", 0], "latent_image": ["4", 0]}
+    for loader, sampler, save, patched in (("11", "12", "13", "14"), ("20", "21", "22", "23")):
+        model = [loader, 0]
+        if patch is not None:
+            g[patched] = {"class_type": patch["class_type"], "inputs": dict(patch["inputs"], model=model)}
+            model = [patched, 0]
+        cls = "ParaDiTSampler" if parallel_sampler and loader == "11" else "KSampler"
+        g[sampler] = {"class_type": cls, "inputs": dict(sampling, model=model)}
+        g[save] = {"class_type": "SaveLatent", "inputs": {"samples": [sampler, 0], "filename_prefix": f"g/{save}"}}
+    return g
+
+
+def parity(server, g: dict, what: str) -> float:
+    result = server.run(g)
+    assert result["status"] == "success", explain(result)
+    par, ref = server.latent(result, "13"), server.latent(result, "22")
+    assert par.shape == ref.shape == (1, 16, 16, 20)
+    err = rel_err(par, ref)
+    print(f"\n{what}: rel. L2 {err:.2e} vs UNETLoader")
+    return err
+
+
+@pytest.mark.parametrize("kind", sorted(FILES))
+def test_concat_model_under_ksampler_equals_unetloader(server, kind):
+    assert parity(server, graph(kind), f"{kind}, KSampler, 1 worker") <= ONE_WORKER_RTOL
+
+
+@pytest.mark.parametrize("kind", sorted(FILES))
+def test_concat_model_under_parallel_sampler_equals_ksampler(server, kind):
+    assert parity(server, graph(kind, parallel_sampler=True), f"{kind}, Parallel Sampler") <= ONE_WORKER_RTOL
+
+
+@pytest.mark.parametrize("strat", [strategy(cfg=2), strategy(ulysses=2), strategy(ring=2), strategy(pp=2)],
+                         ids=["cfg2", "ulysses2", "ring2", "pp2_warm"])
+def test_fill_on_two_workers_equals_unetloader(server, strat):
+    """PipeFusion with warmup_steps = steps: the whole image every step (exact)."""
+    assert parity(server, graph("fill", "cpu:2", strat), f"fill, KSampler, {strat['inputs']}") <= EXACT_RTOL
+
+
+SLG = {"class_type": "SkipLayerGuidanceDiT", "inputs": {"double_layers": "0", "single_layers": "0", "scale": 3.0,
+                                                        "start_percent": 0.0, "end_percent": 1.0,
+                                                        "rescaling_scale": 0.0}}
+SLG_SIMPLE = {"class_type": "SkipLayerGuidanceDiTSimple", "inputs": {"double_layers": "0", "single_layers": "",
+                                                                     "start_percent": 0.0, "end_percent": 1.0}}
+
+
+@pytest.mark.parametrize("devices, strat", [("cpu:1", None), ("cpu:2", strategy(ulysses=2)),
+                                            ("cpu:2", strategy(cfg=2))], ids=["1", "ulysses2", "cfg2"])
+@pytest.mark.parametrize("patch", [SLG, SLG_SIMPLE], ids=["slg", "slg_simple"])
+def test_skip_layer_guidance_equals_unetloader(server, patch, devices, strat):
+    bound = ONE_WORKER_RTOL if devices == "cpu:1" else EXACT_RTOL
+    assert parity(server, graph("canny", devices, strat, patch=patch), f"{patch['class_type']} {devices}") <= bound
+
+
+def failure(server, g: dict) -> str:
+    """The prompt's error, with only Load Parallel DiT's chain in the graph."""
+    result = server.run({k: v for k, v in g.items() if k not in ("20", "21", "22", "23")})
+    assert result["status"] == "error", explain(result)
+    return result["error"]["exception_message"]
+
+
+def test_a_code_block_patch_is_refused_in_one_sentence(server):
+    message = failure(server, graph("canny", patch={"class_type": "ParaDiTTestCodePatch", "inputs": {}}))
+    assert "patches_replace['dit']: ('double_block', 0)) runs its own code" in message
+    assert "load the model with UNETLoader" in message
+
+
+def test_skip_layer_guidance_under_parallel_sampler_is_refused_in_one_sentence(server):
+    message = failure(server, graph("canny", patch=SLG, parallel_sampler=True))
+    assert "sampler_post_cfg_function" in message and "sample it with KSampler" in message
+
+
+def test_multigpu_cfg_split_copy_is_refused_in_one_sentence(server):
+    message = failure(server, graph("canny", patch={"class_type": "ParaDiTTestDeepClone", "inputs": {}}))
+    assert message.startswith("MultiGPU CFG Split (MultiGPU_WorkUnits) copies the model onto other GPUs")
