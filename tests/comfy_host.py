@@ -128,7 +128,8 @@ class ParaDiTTestConcat:
         g = torch.Generator().manual_seed(seed)
         values = {"concat_latent_image": torch.randn(1, 16, height // 8, width // 8, generator=g)}
         if mask:
-            values["concat_mask"] = (torch.rand(1, height, width, generator=g) > 0.5).float()
+            # [B, 1, H, W], as InpaintModelConditioning gives it
+            values["concat_mask"] = (torch.rand(1, 1, height, width, generator=g) > 0.5).float()
         return ([[c, dict(extra, **values)] for c, extra in conditioning],)
 
 

@@ -146,3 +146,68 @@ def test_skip_layer_guidance_under_parallel_sampler_is_refused_in_one_sentence(s
 def test_multigpu_cfg_split_copy_is_refused_in_one_sentence(server):
     message = failure(server, graph("canny", patch={"class_type": "ParaDiTTestDeepClone", "inputs": {}}))
     assert message.startswith("MultiGPU CFG Split (MultiGPU_WorkUnits) copies the model onto other GPUs")
+
+
+# Regional conditioning and inpainting: ComfyUI crops the latent (and the concat image) per area cond and
+# combines the predictions itself; each crop is one model call on the workers.
+
+def mask(g: dict, node: str, x: int, y: int, size: int) -> list:
+    """A 160x128 MASK with a size x size square of ones at (x, y)."""
+    g[f"{node}a"] = {"class_type": "SolidMask", "inputs": {"value": 0.0, "width": 160, "height": 128}}
+    g[f"{node}b"] = {"class_type": "SolidMask", "inputs": {"value": 1.0, "width": size, "height": size}}
+    g[node] = {"class_type": "MaskComposite", "inputs": {"destination": [f"{node}a", 0], "source": [f"{node}b", 0],
+                                                         "x": x, "y": y, "operation": "add"}}
+    return [node, 0]
+
+
+def regional(g: dict, bounds: str) -> dict:
+    """positive = combine(prompt 5, area of prompt 30 (64x64 at 64,32), mask of prompt 31, prompt 32 from half way)."""
+    g["30"] = {"class_type": "ParaDiTTestConditioning", "inputs": {"seed": 30, "tokens": 8, "guidance": 3.5}}
+    g["31"] = {"class_type": "ParaDiTTestConditioning", "inputs": {"seed": 31, "tokens": 8, "guidance": 3.5}}
+    g["32"] = {"class_type": "ParaDiTTestConditioning", "inputs": {"seed": 32, "tokens": 8, "guidance": 3.5}}
+    for n in ("30", "31", "32"):
+        g[f"{n}c"] = {"class_type": "ParaDiTTestConcat", "inputs": {"conditioning": [n, 0], "seed": 7, "width": 160,
+                                                                    "height": 128, "mask": False}}
+    g["33"] = {"class_type": "ConditioningSetArea", "inputs": {"conditioning": ["30c", 0], "width": 64, "height": 64,
+                                                               "x": 64, "y": 32, "strength": 0.8}}
+    g["34"] = {"class_type": "ConditioningSetMask", "inputs": {"conditioning": ["31c", 0], "mask": mask(g, "35", 16, 48, 64),
+                                                               "strength": 1.0, "set_cond_area": bounds}}
+    g["36"] = {"class_type": "ConditioningSetTimestepRange", "inputs": {"conditioning": ["32c", 0], "start": 0.5,
+                                                                        "end": 1.0}}
+    g["37"] = {"class_type": "ConditioningCombine", "inputs": {"conditioning_1": ["5", 0], "conditioning_2": ["33", 0]}}
+    g["38"] = {"class_type": "ConditioningCombine", "inputs": {"conditioning_1": ["37", 0], "conditioning_2": ["34", 0]}}
+    g["39"] = {"class_type": "ConditioningCombine", "inputs": {"conditioning_1": ["38", 0], "conditioning_2": ["36", 0]}}
+    for sampler in ("12", "21"):
+        g[sampler]["inputs"]["positive"] = ["39", 0]
+    return g
+
+
+@pytest.mark.parametrize("devices, strat", [("cpu:1", None), ("cpu:2", strategy(ulysses=2)),
+                                            ("cpu:2", strategy(cfg=2)), ("cpu:2", strategy(ring=2))],
+                         ids=["1", "ulysses2", "cfg2", "ring2"])
+@pytest.mark.parametrize("bounds", ["default", "mask bounds"])
+def test_regional_conditioning_equals_unetloader(server, bounds, devices, strat):
+    """Several latent shapes within one step (the full latent, a 64x64 area, a mask's bounds)."""
+    bound = ONE_WORKER_RTOL if devices == "cpu:1" else EXACT_RTOL
+    assert parity(server, regional(graph("canny", devices, strat), bounds), f"regional {bounds} {devices}") <= bound
+
+
+def inpainting(g: dict, differential: bool, denoise: float) -> dict:
+    """SetLatentNoiseMask on the latent (KSampler's inpainting on the host), DifferentialDiffusion, denoise."""
+    g["40"] = {"class_type": "SetLatentNoiseMask", "inputs": {"samples": ["4", 0], "mask": mask(g, "41", 32, 32, 64)}}
+    for sampler in ("12", "21"):
+        g[sampler]["inputs"].update(latent_image=["40", 0], denoise=denoise)
+    if differential:
+        for loader, sampler, node in (("11", "12", "42"), ("20", "21", "43")):
+            g[node] = {"class_type": "DifferentialDiffusion", "inputs": {"model": [loader, 0]}}
+            g[sampler]["inputs"]["model"] = [node, 0]
+    return g
+
+
+@pytest.mark.parametrize("devices, strat", [("cpu:1", None), ("cpu:2", strategy(ulysses=2)),
+                                            ("cpu:2", strategy(pp=2))], ids=["1", "ulysses2", "pp2_warm"])
+@pytest.mark.parametrize("differential, denoise", [(False, 1.0), (True, 0.7)], ids=["noise_mask", "differential"])
+def test_inpainting_equals_unetloader(server, differential, denoise, devices, strat):
+    bound = ONE_WORKER_RTOL if devices == "cpu:1" else EXACT_RTOL
+    g = inpainting(graph("fill", devices, strat), differential, denoise)
+    assert parity(server, g, f"inpainting differential={differential} {devices}") <= bound
