@@ -78,6 +78,11 @@ def _cpu_client(n: int):
 
 
 @pytest.fixture(scope="module")
+def client1():
+    yield from _cpu_client(1)
+
+
+@pytest.fixture(scope="module")
 def client2():
     yield from _cpu_client(2)
 

@@ -16,7 +16,6 @@ from conftest import diffusers_flux_call, make_conditioning, rel_err
 from parallel_runtime.errors import ConfigError
 from parallel_runtime.models.registry import read_model
 from parallel_runtime.models.tiny import TINY, write_checkpoint
-from parallel_runtime.runtime.client import RuntimeClient
 from parallel_runtime.spec import Job, ModelSpec, SamplingSpec
 from parallel_runtime.spec import StrategySpec as S
 from parallel_runtime.weights.checkpoint import open_checkpoint
@@ -39,14 +38,6 @@ def variant(request, tmp_path_factory):
     path = write_checkpoint(str(tmp_path_factory.mktemp(request.param) / f"flux-{request.param}.safetensors"),
                             config_of(extra), seed=4)
     return request.param, extra, path
-
-
-@pytest.fixture(scope="module")
-def clients():
-    one, two = RuntimeClient("cpu:1", threads_per_worker=1), RuntimeClient("cpu:2", threads_per_worker=1)
-    yield one, two
-    one.shutdown()
-    two.shutdown()
 
 
 def branches(extra: int):
@@ -73,10 +64,10 @@ def test_config_reads_the_concat_channels(variant):
     assert config.title == {"fill": "Flux.1 Fill dev", "canny": "Flux.1 Canny/Depth dev"}[name]
 
 
-def test_one_worker_equals_diffusers_on_comfyuis_concatenated_input(variant, clients):
+def test_one_worker_equals_diffusers_on_comfyuis_concatenated_input(variant, client1):
     _, extra, path = variant
     job = call_job(path, extra, S())
-    out = clients[0].run(job).latent
+    out = client1.run(job).latent
     assert out.shape == (2, 16, H, W)  # the output keeps the latent's 16 channels
     # One float32 forward in another op order (our attention processor vs diffusers'): ~1e-6.
     assert rel_err(out, diffusers_flux_call(path, job)) < 1e-5
@@ -85,11 +76,11 @@ def test_one_worker_equals_diffusers_on_comfyuis_concatenated_input(variant, cli
 @pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
                                       S(pipefusion_degree=2, num_pipeline_patch=2)],
                          ids=["cfg2", "ulysses2", "ring2", "pp2_warmup"])
-def test_model_call_exact_strategies_equal_one_worker(variant, clients, strategy):
+def test_model_call_exact_strategies_equal_one_worker(variant, client1, client2, strategy):
     """A call without a schedule step is PipeFusion's warm-up (the whole image, exact)."""
     _, extra, path = variant
-    serial = clients[0].run(call_job(path, extra, S())).latent
-    assert rel_err(clients[1].run(call_job(path, extra, strategy)).latent, serial) < EXACT_RTOL
+    serial = client1.run(call_job(path, extra, S())).latent
+    assert rel_err(client2.run(call_job(path, extra, strategy)).latent, serial) < EXACT_RTOL
 
 
 def denoise_job(path: str, extra: int, strategy: S) -> Job:
@@ -101,32 +92,32 @@ def denoise_job(path: str, extra: int, strategy: S) -> Job:
 @pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
                                       S(pipefusion_degree=2, num_pipeline_patch=2, warmup_steps=4)],
                          ids=["cfg2", "ulysses2", "ring2", "pp2_all_warmup"])
-def test_parallel_sampler_exact_strategies_equal_one_worker(variant, clients, strategy):
+def test_parallel_sampler_exact_strategies_equal_one_worker(variant, client1, client2, strategy):
     _, extra, path = variant
-    serial = clients[0].run(denoise_job(path, extra, S())).latent
-    assert rel_err(clients[1].run(denoise_job(path, extra, strategy)).latent, serial) < EXACT_RTOL
+    serial = client1.run(denoise_job(path, extra, S())).latent
+    assert rel_err(client2.run(denoise_job(path, extra, strategy)).latent, serial) < EXACT_RTOL
 
 
-def test_concat_changes_the_result(variant, clients):
+def test_concat_changes_the_result(variant, client1):
     """The concat image is read at all: another image gives another prediction."""
     _, extra, path = variant
     job = call_job(path, extra, S())
     other = dataclasses.replace(job, positive=dataclasses.replace(job.positive, concat=job.positive.concat * 0))
-    first, second = clients[0].run(job).latent, clients[0].run(other).latent
+    first, second = client1.run(job).latent, client1.run(other).latent
     assert rel_err(second[:1], first[:1]) > 1e-2 and rel_err(second[1:], first[1:]) < 1e-6
 
 
-def test_bad_concat_is_one_sentence_before_work(variant, tiny_path, clients):
+def test_bad_concat_is_one_sentence_before_work(variant, tiny_path, client1):
     _, extra, path = variant
     job = call_job(path, extra, S())
     with pytest.raises(ConfigError, match=r"reads \d+ image channels beside the latent, and the positive "
                                           r"conditioning carries none; feed it through InpaintModelConditioning"):
-        clients[0].run(dataclasses.replace(job, positive=dataclasses.replace(job.positive, concat=None)))
+        client1.run(dataclasses.replace(job, positive=dataclasses.replace(job.positive, concat=None)))
     wrong = dataclasses.replace(job.negative, concat=job.negative.concat[:, :-1])
     with pytest.raises(ConfigError, match=rf"negative conditioning's concat image has shape \(1, {extra - 1}, {H}, "
                                           rf"{W}\) but this model needs \[batch, {extra}, {H}, {W}\]"):
-        clients[0].run(dataclasses.replace(job, negative=wrong))
+        client1.run(dataclasses.replace(job, negative=wrong))
     plain = dataclasses.replace(job, model=ModelSpec(tiny_path))
     with pytest.raises(ConfigError, match=r"carries \d+ concat channels \(an inpaint or control image\), which this "
                                           r"Flux.1 dev model does not read"):
-        clients[0].run(plain)
+        client1.run(plain)
