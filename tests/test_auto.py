@@ -20,8 +20,9 @@ BIG = 1 << 40
 
 def calib(*, attention_share=0.5, block_s=0.1, latency=1e-4, bandwidth=2e9, cores=64, device="cpu"):
     """A synthetic calibration: no measurement, so the tests are fast and deterministic."""
-    blocks = costmodel.BlockTiming(double_s=block_s, single_s=block_s, attention_s=block_s * attention_share,
-                                   text_tokens=TEXT, image_tokens=256, source="synthetic")
+    kind = costmodel.KindTiming(block_s, (block_s * attention_share,))
+    blocks = costmodel.BlockTiming({"double": kind, "single": kind}, text_tokens=TEXT, image_tokens=256,
+                                   source="synthetic")
     link = costmodel.LinkTiming(latency, bandwidth, latency, bandwidth, source="synthetic")
     return costmodel.Calibration(blocks, link, device, threads=1, cores=cores, overlap=device == "cuda")
 
@@ -125,7 +126,7 @@ def test_projection_scales_and_counts_contention():
     # PipeFusion: the stage with more blocks sets the pace.
     kinds = costmodel.stage_block_kinds(TINY, 2)
     proj = costmodel.project(S(pipefusion_degree=2), TINY, c, cfg=1.0, steps=10)
-    assert proj.compute_s >= max(d + s for d, s in kinds) * 0.1 * 0.5
+    assert proj.compute_s >= max(sum(k.values()) for k in kinds) * 0.1 * 0.5
 
 
 def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
@@ -133,7 +134,8 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
     config = dataclasses.replace(TINY, num_layers=1, num_single_layers=1)
     path = write_checkpoint(str(tmp_path / "m.safetensors"), config)
     first = costmodel.calibrate(config, 8, 64, ["cpu", "cpu"], threads=1)
-    assert first.blocks.double_s > 0 and first.blocks.single_s > 0 and first.blocks.source == "measured"
+    assert set(first.blocks.kinds) == {"double", "single"} and first.blocks.source == "measured"
+    assert all(k.block_s > 0 and len(k.attention_s) == 1 for k in first.blocks.kinds.values())
     assert first.link is not None and first.link.bandwidth > 0 and first.link.latency_s > 0
     assert (tmp_path / "costmodel.json").exists()
 

@@ -74,15 +74,45 @@ class ModelFamily(Protocol):
     def checkpoint_shapes(self, config) -> dict[str, tuple[tuple[int, ...], str]]:
         """{original-layout key: (shape, kind)} of a complete file, for writing random test checkpoints."""
 
+    def probe_block(self, config, index: int, context, text_tokens: int, image_tokens: int, dtype: torch.dtype,
+                    device: str | torch.device) -> Callable[[], object]:
+        """Block `index` alone with random weights, run as the runtime runs it, on random inputs of one job's
+        shapes (what the cost model times and counts FLOPs of)."""
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    """One kind of block a family has, as the cost model times it: a name, and per attention layer whose rows
+    attend to whose: "joint" ([prompt, image] over [prompt, image]), "image" (image over image), "prompt"
+    (image rows over the whole prompt: cross-attention, which every rank holds)."""
+
+    name: str
+    attention: tuple[str, ...]
+
+    @property
+    def prompt_rows(self) -> bool:
+        """Whether the prompt's rows run through the block's linear layers (they do where it attends jointly)."""
+        return "joint" in self.attention
+
+
+JOINT_BLOCK = BlockKind("joint", ("joint",))
+
 
 class JointAttentionConfig:
     """Configs of families whose blocks each run one joint [prompt, image] self-attention (all but PixArt;
-    SD3.5 Medium adds image-only layers)."""
+    SD3.5 Medium adds image-only layers); a family with other blocks says so in `block_kinds`."""
+
+    @property
+    def block_kinds(self) -> tuple[BlockKind, ...]:
+        """Per block, in pipeline order, its kind (the cost model times one block of each)."""
+        return (JOINT_BLOCK,) * self.num_blocks
 
     @property
     def attention_layers(self) -> tuple[tuple[bool, ...], ...]:
-        """Per block, its self-attention layers: True where the prompt rows join (see traffic.Shapes)."""
-        return ((True,),) * self.num_blocks
+        """Per block, its self-attention layers: True where the prompt rows join (see traffic.Shapes);
+        cross-attention moves nothing, so it is not listed."""
+        return tuple(tuple(layer == "joint" for layer in kind.attention if layer != "prompt")
+                     for kind in self.block_kinds)
 
 
 class FixedHeadSizeConfig:
@@ -139,6 +169,9 @@ class DiTFamily:
     first_stage: tuple[str, ...]
     last_stage: tuple[str, ...]
     comfy_layout: str  # the key layout whose names are ComfyUI's parameter names (what LoRA patches name)
+    # (config, text rows, image rows, generator) -> random (image, text, temb, rope) of one run_blocks call, on
+    # the CPU: hidden states and temb in float32, rope as the adapter makes it (None where positions are added)
+    block_inputs: Callable
     after_build: Callable[[torch.nn.Module], None] | None = None  # settings the key map cannot carry (eps, ...)
     # Per block list, the key ComfyUI's model of this family gives its blocks in patches_replace["dit"]
     # (SkipLayerGuidance); () where ComfyUI's model reads no block replacements (PixArt).
@@ -172,6 +205,24 @@ class DiTFamily:
     def adapter(self, config, model: torch.nn.Module, chunks: list[range], context) -> DiTAdapter:
         return self.adapter_class(config, model, chunks, context)
 
+    def probe_block(self, config, index: int, context, text_tokens: int, image_tokens: int, dtype: torch.dtype,
+                    device: str | torch.device) -> Callable[[], object]:
+        """Block `index` alone with random weights, its processors set and called by the family's own adapter
+        (`run_blocks` over that one block) on random inputs of one job's shapes; the rest of the model stays
+        on the meta device. On device "meta" it runs nothing, which is how the cost model counts FLOPs."""
+        model = self.meta_model(config)
+        block = [b for attr in self.block_lists for b in getattr(model, attr)][index]
+        generator = torch.Generator().manual_seed(index)
+        if torch.device(device).type != "meta":
+            block.to_empty(device="cpu")  # drawn on the CPU, so the same weights on every device
+            _randomize(block, generator)
+        block.to(device, dtype).eval()
+        adapter = self.adapter(config, model, [range(index, index + 1)], context)
+        image, text, temb, rope = self.block_inputs(config, text_tokens, image_tokens, generator)
+        image, text, temb = _to(image, device, dtype), _to(text, device, dtype), _to(temb, device, dtype)
+        rope = _to(rope, device, None)  # the adapters keep RoPE tables in float32
+        return lambda: adapter.run_blocks(image, text, temb, rope)
+
     def replaced_blocks(self, config, keys) -> frozenset[int]:
         """Indices into the ordered block list of ComfyUI's patches_replace "dit" keys ((kind, i)); a key this
         family's ComfyUI model never looks up (a kind it lacks, an index past its list) changes nothing there,
@@ -185,6 +236,26 @@ class DiTFamily:
     def weight_patch_targets(self, config) -> dict:
         """ComfyUI parameter name -> [(diffusers parameter, Source)]: where a LoRA patch of that name lands."""
         return _weight_patch_targets(self, config)
+
+
+@torch.no_grad()
+def _randomize(module: torch.nn.Module, generator: torch.Generator) -> None:
+    """Weights of a trained model's scale (outputs O(1) for O(1) inputs): matrices ~ 1/sqrt(fan-in), norm
+    scales ~ 1, small biases; a block of these runs at the speed of the real one (no NaNs or denormals)."""
+    for name, p in module.named_parameters():
+        if p.dim() >= 2:
+            p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
+        elif name.endswith("bias"):
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+        else:
+            p.fill_(1.0)
+
+
+def _to(x, device, dtype):
+    """A tensor, or a tuple of them (PixArt's temb, RoPE's cos/sin), moved to `device` (and `dtype` if given)."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to(t, device, dtype) for t in x)
+    return x if x is None else x.to(device, dtype) if dtype is not None else x.to(device)
 
 
 @functools.lru_cache(maxsize=32)

@@ -2,25 +2,28 @@
 
 Inputs, all measured here unless stated:
 
-* per-block compute: one Flux double-stream and one single-stream block (the real diffusers modules with
-  ParaDiT's attention processor, random weights of the model's shapes) timed at the job's token count
-  on the first device of the set, plus the attention kernel alone at the same size, which splits a
-  block's time into a part linear in its query rows and an attention part (query rows x key rows);
+* per-block compute: one block of each kind the model's family has (`config.block_kinds`: Flux's double
+  and single blocks, SD3.5 Medium's blocks with and without the image-only attn2, PixArt's self- plus
+  cross-attention block; the family's own diffusers module with random weights, run by its adapter with
+  ParaDiT's attention processors) timed at the job's token count on the first device of the set, plus
+  each of its attention layers' kernel alone at that size (joint: prompt + image rows; image-only;
+  cross-attention: image rows over the prompt's), which splits a block's time into a part linear in its
+  rows and attention parts (query rows x key rows);
 * the link between two workers: latency and bandwidth of all_to_all_single between two processes on the
   first two devices of the set (gloo on CPU, NCCL on GPUs), fitted over a few message sizes.
 
 Both are cached on disk (``$PARADIT_CACHE`` or ``~/.cache/paradit``, file ``costmodel.json``), the link
-per device set and the blocks per (model shape, tokens, device, dtype, threads).
+per device set and the blocks per (family, block structure, model shape, tokens, device, dtype, threads).
 
 `project` turns a strategy into a per-step and per-job time from these inputs and the exact byte counts
-of `traffic.py`; `gpu_calibration` builds the same inputs for NVLink/PCIe GPUs from FLOP counts and
-nominal link figures (stated as assumptions) so the bench can project to machines it does not have.
+of `traffic.py`, summing each rank's blocks by kind (PipeFusion stages hold different mixes);
+`gpu_calibration` builds the same inputs for NVLink/PCIe GPUs from each block kind's FLOPs (counted on the
+meta device) and nominal link figures (stated as assumptions) so the bench can project to machines it does not have.
 """
 from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import platform
 import statistics
@@ -28,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -36,7 +40,7 @@ from ..runtime.topology import Topology
 from ..spec import StrategySpec
 from .traffic import Shapes, branches_per_forward, job_traffic, shapes_of
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4  # 4: block timings per family block kind
 
 # Projection assumptions for GPUs we do not have (printed next to every projection).
 GPU_TFLOPS = 400.0  # effective bf16 TFLOP/s of an H100-class GPU on Flux's GEMMs and attention (~40% of peak)
@@ -115,19 +119,39 @@ def available_cores() -> int:
 
 
 @dataclass
-class BlockTiming:
-    """Seconds for one block forward at `text_tokens + image_tokens` rows, batch 1."""
+class KindTiming:
+    """One block of one kind at the calibration's token count: the whole block, and each of its attention
+    layers' kernel alone (in `BlockKind.attention`'s order), which splits the block into a part linear in its
+    rows and attention parts (query rows x key rows)."""
 
-    double_s: float
-    single_s: float
-    attention_s: float  # the attention kernel alone (all heads, full sequence)
+    block_s: float
+    attention_s: tuple[float, ...]
+
+    @property
+    def linear_s(self) -> float:
+        return max(self.block_s - sum(self.attention_s), 0.0)
+
+
+@dataclass
+class BlockTiming:
+    """Seconds for one block forward of each of a model's block kinds (`config.block_kinds`' names) at
+    `text_tokens + image_tokens` rows, batch 1."""
+
+    kinds: dict[str, KindTiming]
     text_tokens: int
     image_tokens: int
     source: str = "measured"
 
-    @property
-    def tokens(self) -> int:
-        return self.text_tokens + self.image_tokens
+    @classmethod
+    def from_json(cls, data: dict) -> BlockTiming:
+        kinds = {name: KindTiming(k["block_s"], tuple(k["attention_s"])) for name, k in data["kinds"].items()}
+        return cls(kinds, data["text_tokens"], data["image_tokens"], data.get("source", "measured"))
+
+    def of(self, name: str) -> KindTiming:
+        if name not in self.kinds:
+            raise ValueError(f"the cost model's calibration has no {name!r} block (it timed {sorted(self.kinds)}): "
+                             f"it was calibrated for another model; calibrate for this one")
+        return self.kinds[name]
 
 
 @dataclass
@@ -159,9 +183,9 @@ class Calibration:
 
     def describe(self) -> str:
         b = self.blocks
-        att = b.attention_s / max(b.double_s, 1e-12)
-        text = (f"{b.source} at {b.image_tokens}+{b.text_tokens} tokens: double block {b.double_s * 1e3:.1f} ms, "
-                f"single block {b.single_s * 1e3:.1f} ms (attention {att:.0%})")
+        kinds = ", ".join(f"{name} block {k.block_s * 1e3:.1f} ms (attention "
+                          f"{sum(k.attention_s) / max(k.block_s, 1e-12):.0%})" for name, k in b.kinds.items())
+        text = f"{b.source} at {b.image_tokens}+{b.text_tokens} tokens: {kinds}"
         if self.link is not None:
             link = self.link
             text += (f"; link {link.source}: all_to_all {link.latency_s * 1e6:.0f} us + "
@@ -178,19 +202,19 @@ class Calibration:
 # Block compute
 
 
-def _block_inputs(config, text: int, image: int, dtype, device):
-    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+def distinct_kinds(config) -> dict:
+    """{name: (BlockKind, the first block index of that kind)} of `config`'s blocks, in pipeline order."""
+    out = {}
+    for index, kind in enumerate(config.block_kinds):
+        out.setdefault(kind.name, (kind, index))
+    return out
 
-    g = torch.Generator(device="cpu").manual_seed(0)
-    h = config.hidden_size
-    img = torch.randn(1, image, h, generator=g).to(device, dtype)
-    txt = torch.randn(1, text, h, generator=g).to(device, dtype)
-    temb = torch.randn(1, h, generator=g).to(device, dtype)
-    ids = torch.zeros(text + image, 3)
-    ids[text:, 1] = torch.arange(image) // max(1, int(math.isqrt(image)))
-    ids[text:, 2] = torch.arange(image) % max(1, int(math.isqrt(image)))
-    rope = FluxPosEmbed(theta=10000, axes_dim=list(config.axes_dims_rope))(ids.to(device))
-    return img, txt, temb, rope
+
+def attention_shapes(kind, text_tokens: int, image_tokens: int) -> list[tuple[int, int]]:
+    """(query rows, key rows) of each attention layer of `kind` over one whole forward."""
+    joint = text_tokens + image_tokens
+    rows = {"joint": (joint, joint), "image": (image_tokens, image_tokens), "prompt": (image_tokens, text_tokens)}
+    return [rows[layer] for layer in kind.attention]
 
 
 def _timed(fn, device: str, repeats: int) -> float:
@@ -212,45 +236,45 @@ def _timed(fn, device: str, repeats: int) -> float:
 
 def measure_blocks(config, text_tokens: int, image_tokens: int, *, device: str = "cpu",
                    dtype: torch.dtype = torch.float32, threads: int | None = None, repeats: int = 3) -> BlockTiming:
-    """Time one double and one single Flux block (and the attention kernel) at this token count."""
-    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
-
+    """Time one block of each of the model's kinds (the family's own diffusers block with ParaDiT's processors,
+    run by its adapter) and each of its attention layers' kernel alone, at this token count."""
+    from ..models.registry import family_of
     from ..strategies.attention.local import attention
-    from ..strategies.attention.processor import AttentionContext, ParallelFluxAttnProcessor
+    from ..strategies.attention.processor import AttentionContext
 
+    family, heads, head_dim = family_of(config), config.num_heads, config.head_dim
     old_threads = torch.get_num_threads()
     if threads and device == "cpu":
         torch.set_num_threads(threads)
+    kinds = {}
     try:
         with torch.inference_mode():
-            h, heads, hd = config.hidden_size, config.num_heads, config.head_dim
-            ctx = AttentionContext()
-            double = FluxTransformerBlock(h, heads, hd).to(device, dtype).eval()
-            single = FluxSingleTransformerBlock(h, heads, hd).to(device, dtype).eval()
-            double.attn.set_processor(ParallelFluxAttnProcessor(0, ctx))
-            single.attn.set_processor(ParallelFluxAttnProcessor(1, ctx))
-            img, txt, temb, rope = _block_inputs(config, text_tokens, image_tokens, dtype, device)
-            q = torch.randn(1, text_tokens + image_tokens, heads, hd, device=device, dtype=dtype)
-            t_double = _timed(lambda: double(hidden_states=img, encoder_hidden_states=txt, temb=temb,
-                                             image_rotary_emb=rope), device, repeats)
-            t_single = _timed(lambda: single(hidden_states=img, encoder_hidden_states=txt, temb=temb,
-                                             image_rotary_emb=rope), device, repeats)
-            t_attn = _timed(lambda: attention(q, q, q), device, repeats)
-            del double, single
+            for name, (kind, index) in distinct_kinds(config).items():
+                run = family.probe_block(config, index, AttentionContext(), text_tokens, image_tokens, dtype, device)
+                block_s = _timed(run, device, repeats)
+                del run  # one block's weights at a time
+                attention_s = []
+                for q_rows, kv_rows in attention_shapes(kind, text_tokens, image_tokens):
+                    q = torch.randn(1, q_rows, heads, head_dim, device=device, dtype=dtype)
+                    kv = torch.randn(1, kv_rows, heads, head_dim, device=device, dtype=dtype)
+                    attention_s.append(_timed(functools.partial(attention, q, kv, kv), device, repeats))
+                kinds[name] = KindTiming(block_s, tuple(attention_s))
     finally:
         torch.set_num_threads(old_threads)
-    return BlockTiming(t_double, t_single, t_attn, text_tokens, image_tokens)
+    return BlockTiming(kinds, text_tokens, image_tokens)
 
 
 def block_timing(config, text_tokens: int, image_tokens: int, *, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, threads: int = 1, refresh: bool = False) -> BlockTiming:
-    """`measure_blocks`, cached on disk per model shape, token count, device, dtype and threads."""
-    key = (f"{_host_id()}|{_device_id(device)}|{str(dtype)}|threads {threads}|H{config.hidden_size} "
-           f"heads {config.num_heads} mlp {config.mlp_hidden}|text {text_tokens}|image {image_tokens}")
+    """`measure_blocks`, cached on disk per family, block structure, model shape, token count, device, dtype
+    and threads."""
+    structure = ",".join(f"{name}:{'+'.join(kind.attention)}" for name, (kind, _) in distinct_kinds(config).items())
+    key = (f"{_host_id()}|{_device_id(device)}|{str(dtype)}|threads {threads}|{config.family} blocks {structure}|"
+           f"{config!r}|text {text_tokens}|image {image_tokens}")
     if not refresh:
         hit = _cached("blocks", key)
         if hit:
-            return BlockTiming(**hit)
+            return BlockTiming.from_json(hit)
     timing = measure_blocks(config, text_tokens, image_tokens, device=device, dtype=dtype, threads=threads)
     _store("blocks", key, asdict(timing))
     return timing
@@ -271,7 +295,8 @@ def _probe(rank: int, world: int, store_dir: str, device: str) -> None:
     ping-pong never shows (here ~1 ms against ~0.1 ms idle). "a2a" is a blocking all_to_all_single after a
     compute chunk (Ulysses, CFG); "p2p" is a send/recv exchange posted before the chunk and waited for
     after it (Ring hops, PipeFusion), so only what the chunk does not hide counts. On GPUs (NCCL on its own
-    stream) both are timed alone.
+    stream) both are timed alone. Long because it is one child process's whole measurement: its closures
+    share the process group, the compute chunk and the message buffers.
     """
     from datetime import timedelta
 
@@ -438,24 +463,43 @@ def calibrate(config, text_tokens: int, image_tokens: int, devices: list[str], *
 # FLOP-based inputs for GPUs we do not have
 
 
+@functools.lru_cache(maxsize=64)
+def kind_flops(config, text_tokens: int, image_tokens: int) -> dict[str, tuple[float, tuple[float, ...]]]:
+    """Per block kind, (linear FLOPs, FLOPs of each attention layer) of one block forward, batch 1: the
+    family's own block run on the meta device under torch's FLOP counter (every matmul it makes, attn2 and
+    cross-attention included); attention is 4 q k H per layer (two matmuls of q x k rows x H)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..models.registry import family_of
+    from ..strategies.attention.processor import AttentionContext
+
+    family, width = family_of(config), config.num_heads * config.head_dim
+    out = {}
+    for name, (kind, index) in distinct_kinds(config).items():
+        run = family.probe_block(config, index, AttentionContext(), text_tokens, image_tokens, torch.float32, "meta")
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            run()
+        attention = tuple(4.0 * q * kv * width for q, kv in attention_shapes(kind, text_tokens, image_tokens))
+        out[name] = (max(counter.get_total_flops() - sum(attention), 0.0), attention)
+    return out
+
+
 def block_flops(config, text_tokens: int, image_tokens: int) -> tuple[float, float]:
-    """(linear FLOPs, attention FLOPs) of one block forward, batch 1. Double and single blocks both do
-    12 H^2 multiply-adds per token (qkv 3, out 1, MLP 8; single: 7 in, 5 out) and 2 S^2 H for attention."""
-    s, h = text_tokens + image_tokens, config.hidden_size
-    mlp = config.mlp_hidden
-    linear = 2.0 * s * (4 * h * h + 2 * h * mlp)
-    attn = 4.0 * s * s * h
-    return linear, attn
+    """(linear FLOPs, attention FLOPs) of the model's average block (its kinds weighted by their counts)."""
+    flops, kinds = kind_flops(config, text_tokens, image_tokens), config.block_kinds
+    linear = sum(flops[kind.name][0] for kind in kinds) / len(kinds)
+    attention = sum(sum(flops[kind.name][1]) for kind in kinds) / len(kinds)
+    return linear, attention
 
 
 def gpu_calibration(config, text_tokens: int, image_tokens: int, link: str, *, tflops: float = GPU_TFLOPS) -> Calibration:
-    linear, attn = block_flops(config, text_tokens, image_tokens)
+    """Inputs for `project` on GPUs we do not have: each block kind's FLOPs at `tflops`, nominal links."""
     rate = tflops * 1e12
-    t_attn = attn / rate
-    t_block = (linear + attn) / rate + GPU_BLOCK_OVERHEAD_S
+    kinds = {name: KindTiming((linear + sum(attention)) / rate + GPU_BLOCK_OVERHEAD_S,
+                              tuple(a / rate for a in attention))
+             for name, (linear, attention) in kind_flops(config, text_tokens, image_tokens).items()}
+    blocks = BlockTiming(kinds, text_tokens, image_tokens, source=f"assumed {tflops:.0f} TFLOP/s")
     bw, lat = LINKS[link]
-    src = f"assumed {tflops:.0f} TFLOP/s"
-    blocks = BlockTiming(t_block, t_block, t_attn, text_tokens, image_tokens, source=src)
     return Calibration(blocks, LinkTiming(lat, bw, source=f"assumed {link}"), "cuda", threads=1, cores=1,
                        overlap=True, fixed_rows=GPU_FIXED_ROWS)
 
@@ -486,22 +530,55 @@ def _stages(config, stages: int) -> tuple[tuple[range, ...], ...]:
     return tuple(tuple(chunks) for chunks in family_of(config).pipeline_stages(config, stages))
 
 
-def stage_block_kinds(config, stages: int) -> list[tuple[int, int]]:
-    """(double, single) block counts per PipeFusion rank (all its chunks), as the workers split them."""
-    ranks = _stages(config, stages)
-    return [(sum(1 for r in chunks for i in r if i < config.num_layers),
-             sum(1 for r in chunks for i in r if i >= config.num_layers)) for chunks in ranks]
+def stage_block_kinds(config, stages: int) -> list[dict[str, int]]:
+    """{block kind: count} per PipeFusion rank (all its chunks), as the workers split them."""
+    kinds = config.block_kinds
+    return [dict(Counter(kinds[i].name for r in chunks for i in r)) for chunks in _stages(config, stages)]
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Token rows of one forward on one rank: `text` and `image` rows through its linear layers, and its
+    self-attention's query rows (`q_text`, `q_image`) over key rows (`kv_text`, `kv_image`) on `heads` of the
+    heads (cross-attention: its own image rows over the whole prompt, every head)."""
+
+    text: float
+    image: float
+    q_text: float
+    q_image: float
+    kv_text: float
+    kv_image: float
+    heads: float = 1.0
+
+
+def kind_seconds(kind, timing: KindTiming, rows: Rows, text_tokens: int, image_tokens: int,
+                 fixed_rows: float = 0.0) -> float:
+    """One block of `kind` on `rows`, scaled from its calibration at `text_tokens + image_tokens`: the linear
+    part by the rows it sees (the prompt's only where it attends jointly), each attention layer by its query x
+    key rows; work on r rows costs like r + `fixed_rows`."""
+    k, joint = fixed_rows, text_tokens + image_tokens
+    mine, full = (rows.text + rows.image, joint) if kind.prompt_rows else (rows.image, image_tokens)
+    seconds = timing.linear_s * (mine + k) / (full + k)
+    for layer, attention_s in zip(kind.attention, timing.attention_s):
+        if layer == "joint":
+            q, kv, q_full, kv_full, heads = (rows.q_text + rows.q_image, rows.kv_text + rows.kv_image, joint, joint,
+                                             rows.heads)
+        elif layer == "image":
+            q, kv, q_full, kv_full, heads = rows.q_image, rows.kv_image, image_tokens, image_tokens, rows.heads
+        else:  # "prompt": cross-attention needs no communication, so it runs on the rank's own rows
+            q, kv, q_full, kv_full, heads = rows.image, text_tokens, image_tokens, text_tokens, 1.0
+        seconds += attention_s * heads * (q + k) * kv / ((q_full + k) * kv_full)
+    return seconds
 
 
 def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, steps: int, batch: int = 1,
-            act_bytes: int | None = None, stage_kinds: list[tuple[int, int]] | None = None,
+            act_bytes: int | None = None, stage_kinds: list[dict[str, int]] | None = None,
             per_call: bool = False) -> Projection:
     """Seconds per step and per job of `strategy` under `calib`. `per_call`: a stock sampler calls the model
     once per step, so PipeFusion's pipeline fills and drains within every step."""
     topo = Topology.from_strategy(strategy)
     bt = calib.blocks
     t_len, n_len = bt.text_tokens, bt.image_tokens
-    s_len = t_len + n_len
     if act_bytes is None:
         act_bytes = 2 if calib.device == "cuda" else 4
     b_mult = batch * branches_per_forward(strategy, cfg)
@@ -509,61 +586,70 @@ def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, s
     slow = 1.0
     if calib.device == "cpu":
         slow = max(1.0, world * calib.threads / calib.cores) / max(1.0, calib.threads / calib.cores)
-    lin = {"double": max(bt.double_s - bt.attention_s, 0.0), "single": max(bt.single_s - bt.attention_s, 0.0)}
+    kinds = {kind.name: kind for kind in config.block_kinds}
 
-    def blocks(counts: tuple[int, int], rows: float, q_rows: float, kv_rows: float, heads_frac: float) -> float:
-        """`rows` token rows through the linear layers; attention of `q_rows` queries over `kv_rows` keys on
-        `heads_frac` of the heads."""
-        k = calib.fixed_rows
-        att = bt.attention_s * heads_frac * (q_rows + k) * kv_rows / ((s_len + k) * s_len)
-        share = (rows + k) / (s_len + k)
-        return b_mult * slow * (counts[0] * (lin["double"] * share + att) + counts[1] * (lin["single"] * share + att))
+    def blocks(counts: dict[str, int], rows: Rows) -> float:
+        """The blocks `counts` (per kind) of one forward on `rows`, all branches, on a shared CPU."""
+        return b_mult * slow * sum(n * kind_seconds(kinds[name], bt.of(name), rows, t_len, n_len, calib.fixed_rows)
+                                   for name, n in counts.items())
 
-    all_blocks = (config.num_layers, config.num_single_layers)
+    all_blocks = dict(Counter(kind.name for kind in config.block_kinds))
     if stage_kinds is None and topo.pipefusion > 1:
         stage_kinds = stage_block_kinds(config, topo.pipefusion)
     shapes = shapes_of(config, image_tokens=n_len, text_tokens=t_len, pipefusion=topo.pipefusion, batch=batch,
                        act_bytes=act_bytes)
-    comm_by_op, comm_job_extra, comm_rank = _comm_times(strategy, shapes, calib, steps, cfg)
+    comm = _comm_times(strategy, shapes, calib, steps, cfg)
+    comm_by_op, comm_job_extra, comm_rank = comm
 
     if topo.pipefusion > 1:
         m, u = strategy.patches, topo.ulysses
-        steady_stage, warm_stage = [], []
-        for counts in stage_kinds:
-            # M patch forwards: queries (T + N/M) of which this rank computes 1/U, keys over the whole sequence.
-            patch = t_len + n_len / m
-            steady_stage.append(m * blocks(counts, patch / u, patch, s_len, 1.0 / u))
-            warm_stage.append(blocks(counts, s_len / u, s_len, s_len, 1.0 / u))
-        comm_stage = [comm_rank[topo.rank_of(pipefusion=k)] for k in range(topo.pipefusion)]
-        p2p = [sum(t for op, t in c.items() if op in ("pipefusion", "pipefusion_x")) for c in comm_stage]
-        other = [sum(t for op, t in c.items() if op not in ("pipefusion", "pipefusion_x")) for c in comm_stage]
-        if calib.overlap:
-            stage_time = [max(c, p) + o for c, p, o in zip(steady_stage, p2p, other)]
-        else:
-            stage_time = [c + p + o for c, p, o in zip(steady_stage, p2p, other)]
-        step = max(max(stage_time), sum(steady_stage) / m)
-        compute = max(steady_stage)
-        warm = sum(warm_stage) + sum(other) + sum(p2p)
-        fill = sum(steady_stage[:-1]) / m
-        if per_call:  # every patch goes through every stage before the call returns: the bubble, each step
-            step, fill = sum(stage_time) / m + (m - 1) * max(stage_time) / m, 0.0
-        w = min(strategy.warmup_steps, steps)
-        job = w * warm + (steps - w) * step + (fill if steps > w else 0.0) + comm_job_extra
-        return Projection(strategy, step, job, compute, max(step - compute, 0.0), comm_by_op)
+        # M patch forwards: queries (T + N/M) of which this rank computes 1/U, keys over the whole sequence.
+        patch = Rows(t_len / u, n_len / (m * u), t_len, n_len / m, t_len, n_len, 1.0 / u)
+        whole = Rows(t_len / u, n_len / u, t_len, n_len, t_len, n_len, 1.0 / u)
+        steady_stage = [m * blocks(counts, patch) for counts in stage_kinds]
+        warm_stage = [blocks(counts, whole) for counts in stage_kinds]
+        return _pipeline_projection(strategy, calib, steps, steady_stage, warm_stage, comm, per_call)
 
     if topo.naive_patch > 1:
-        rows = t_len + n_len / topo.naive_patch
-        compute = blocks(all_blocks, rows, rows, rows, 1.0)
+        p = topo.naive_patch
+        compute = blocks(all_blocks, Rows(t_len, n_len / p, t_len, n_len / p, t_len, n_len / p))
     else:
-        sp = topo.ulysses * topo.ring
-        compute = blocks(all_blocks, s_len / sp, s_len / topo.ring, s_len, 1.0 / topo.ulysses)
-    comm = max(sum(c.values()) for c in comm_rank) if comm_rank else 0.0
+        sp, r, u = topo.ulysses * topo.ring, topo.ring, topo.ulysses
+        compute = blocks(all_blocks, Rows(t_len / sp, n_len / sp, t_len / r, n_len / r, t_len, n_len, 1.0 / u))
+    comm_s = max(sum(c.values()) for c in comm_rank) if comm_rank else 0.0
     if calib.overlap and topo.ring > 1:
+        # Ring hops hide behind the self-attention that runs between them (cross-attention is not ringed).
         ring = max(c.get("ring", 0.0) for c in comm_rank)
-        attn_share = sum(all_blocks) * b_mult * bt.attention_s / (topo.ulysses * topo.ring) * (topo.ring - 1)
-        comm = comm - ring + max(ring - attn_share, 0.0)
-    step = compute + comm
-    return Projection(strategy, step, steps * step + comm_job_extra, compute, comm, comm_by_op)
+        self_attention = sum(n * sum(t for layer, t in zip(kinds[name].attention, bt.of(name).attention_s)
+                                     if layer != "prompt") for name, n in all_blocks.items())
+        attn_share = b_mult * self_attention / (topo.ulysses * topo.ring) * (topo.ring - 1)
+        comm_s = comm_s - ring + max(ring - attn_share, 0.0)
+    step = compute + comm_s
+    return Projection(strategy, step, steps * step + comm_job_extra, compute, comm_s, comm_by_op)
+
+
+def _pipeline_projection(strategy: StrategySpec, calib: Calibration, steps: int, steady_stage: list[float],
+                         warm_stage: list[float], comm: tuple, per_call: bool) -> Projection:
+    """PipeFusion's step and job time from each stage's compute per step (steady: M patch forwards; warm-up:
+    one whole forward) and its communication (`_comm_times`)."""
+    comm_by_op, comm_job_extra, comm_rank = comm
+    topo, m = Topology.from_strategy(strategy), strategy.patches
+    comm_stage = [comm_rank[topo.rank_of(pipefusion=k)] for k in range(topo.pipefusion)]
+    p2p = [sum(t for op, t in c.items() if op in ("pipefusion", "pipefusion_x")) for c in comm_stage]
+    other = [sum(t for op, t in c.items() if op not in ("pipefusion", "pipefusion_x")) for c in comm_stage]
+    if calib.overlap:
+        stage_time = [max(c, p) + o for c, p, o in zip(steady_stage, p2p, other)]
+    else:
+        stage_time = [c + p + o for c, p, o in zip(steady_stage, p2p, other)]
+    step = max(max(stage_time), sum(steady_stage) / m)
+    compute = max(steady_stage)
+    warm = sum(warm_stage) + sum(other) + sum(p2p)
+    fill = sum(steady_stage[:-1]) / m
+    if per_call:  # every patch goes through every stage before the call returns: the bubble, each step
+        step, fill = sum(stage_time) / m + (m - 1) * max(stage_time) / m, 0.0
+    w = min(strategy.warmup_steps, steps)
+    job = w * warm + (steps - w) * step + (fill if steps > w else 0.0) + comm_job_extra
+    return Projection(strategy, step, job, compute, max(step - compute, 0.0), comm_by_op)
 
 
 def _comm_times(strategy: StrategySpec, shapes: Shapes, calib: Calibration, steps: int, cfg: float):

@@ -30,9 +30,10 @@ import torch
 from ...errors import ModelFileError
 from ...sampling import model_sampling_for
 from ...weights.keymap import Source, block_count, has_block, linear, same_names
-from ..family import DiTFamily, JointAttentionConfig, Match
-from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES, default_axes_dims_rope, map_double_block, map_single_block
-from .flux_adapter import FluxAdapter
+from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
+from .flux import (BFL_PREFIXES, DIFFUSERS_PREFIXES, DOUBLE_BLOCK, SINGLE_BLOCK, default_axes_dims_rope,
+                   map_double_block, map_single_block)
+from .flux_adapter import FluxAdapter, block_inputs as flux_block_inputs
 
 MOD_INDEX_ROWS = 344  # comfy/ldm/chroma/model.py: mod_index_length, fixed whatever the block counts
 APPROXIMATOR_IN = 64  # 16 (timestep) + 16 (guidance) + 32 (modulation index) sinusoid features
@@ -76,6 +77,10 @@ class ChromaConfig(JointAttentionConfig):
     @property
     def num_blocks(self) -> int:
         return self.num_layers + self.num_single_layers
+
+    @property
+    def block_kinds(self) -> tuple[BlockKind, ...]:
+        return (DOUBLE_BLOCK,) * self.num_layers + (SINGLE_BLOCK,) * self.num_single_layers
 
     @property
     def mlp_hidden(self) -> int:
@@ -235,6 +240,12 @@ def sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
     return embedding.to(t) if t.is_floating_point() else embedding
 
 
+def block_inputs(config: ChromaConfig, text: int, image: int, generator: torch.Generator) -> tuple:
+    """Flux's random block inputs with Chroma's temb: the whole modulation table, which run_blocks slices."""
+    image_rows, text_rows, _, rope = flux_block_inputs(config, text, image, generator)
+    return image_rows, text_rows, torch.randn(1, MOD_INDEX_ROWS, config.hidden_size, generator=generator), rope
+
+
 class ChromaAdapter(FluxAdapter):
     embedding_module = "distilled_guidance_layer"
     default_guidance = 0.0  # model_base.Chroma.extra_conds: guidance 0 unless a FluxGuidance node sets it
@@ -283,4 +294,4 @@ CHROMA = DiTFamily(
     name="chroma", title="Chroma", match=match_layout, infer_config=infer_config, meta_model=_diffusers_model,
     source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=ChromaAdapter, block_lists=BLOCK_LISTS,
     always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE, comfy_layout="bfl",
-    after_build=_comfy_norm_eps)
+    block_inputs=block_inputs, after_build=_comfy_norm_eps)

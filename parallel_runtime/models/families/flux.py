@@ -26,7 +26,7 @@ import torch
 
 from ...errors import ModelFileError
 from ...weights.keymap import Source, block_count, linear, same_names
-from ..family import JointAttentionConfig
+from ..family import BlockKind, JointAttentionConfig
 
 LAYOUTS = ("bfl", "diffusers")
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
@@ -34,6 +34,9 @@ DIFFUSERS_PREFIXES = ("transformer.", "")
 
 # Width of the sinusoidal timestep / guidance features fed to time_in / guidance_in.
 TIME_FEATURES = 256
+# Flux's (and Chroma's) two block kinds: both attend jointly; a double block keeps two streams' weights.
+DOUBLE_BLOCK = BlockKind("double", ("joint",))
+SINGLE_BLOCK = BlockKind("single", ("joint",))
 
 
 # ----------------------------------------------------------------------------------
@@ -116,6 +119,10 @@ class FluxConfig(JointAttentionConfig):
     def num_blocks(self) -> int:
         """Length of the ordered block list strategies and planning see (double-stream, then single-stream)."""
         return self.num_layers + self.num_single_layers
+
+    @property
+    def block_kinds(self) -> tuple[BlockKind, ...]:
+        return (DOUBLE_BLOCK,) * self.num_layers + (SINGLE_BLOCK,) * self.num_single_layers
 
     @property
     def mlp_hidden(self) -> int:

@@ -7,6 +7,7 @@ pipeline stage owns. Strategies only ever call these methods; the checkpoint map
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Callable
 
@@ -97,6 +98,18 @@ def reference_placements(hw: tuple[int, int], references: tuple[tuple[int, int],
             h, w = max(h, ref_h + off_h), max(w, ref_w + off_w)
         placed.append((tokens(ref_h), tokens(ref_w), index, tokens(off_h), tokens(off_w)))
     return placed
+
+
+def block_inputs(config, text: int, image: int, generator: torch.Generator) -> tuple:
+    """Random (image, text, temb, RoPE) of one block call (what `DiTFamily.probe_block` runs): RoPE of a
+    near-square image grid after the prompt, as `FluxAdapter.rope` builds it."""
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    h, cols = config.hidden_size, max(1, math.isqrt(image))
+    ids = torch.cat([torch.zeros(text, 3), grid_ids(-(-image // cols), cols)[:image]])
+    rope = FluxPosEmbed(theta=10000, axes_dim=list(config.axes_dims_rope))(ids)
+    return (torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator),
+            torch.randn(1, h, generator=generator), rope)
 
 
 class FluxAdapter:
@@ -200,7 +213,8 @@ FLUX = DiTFamily(
     infer_config=lambda reader, match, name: flux.infer_config(reader, match.layout, match.prefix),
     meta_model=flux.meta_model, source_map=flux.source_map, checkpoint_shapes=flux.bfl_tensor_shapes,
     adapter_class=FluxAdapter, block_lists=("transformer_blocks", "single_transformer_blocks"),
-    always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE, comfy_layout="bfl")
+    always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE, comfy_layout="bfl",
+    block_inputs=block_inputs)
 
 
 def load_flux(

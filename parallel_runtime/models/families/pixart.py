@@ -25,7 +25,7 @@ from ...errors import ModelFileError
 from ...sampling import DiscreteEPSSampling, LatentFormat
 from ...weights.keymap import Source, block_count, has_block, linear, same_names
 from ...weights.storage import compute_placement
-from ..family import DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
+from ..family import BlockKind, DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 from .flux_adapter import FluxAdapter, channels_first, patch_conv
 
@@ -34,6 +34,7 @@ ALWAYS_OWNED = ("adaln_single.",)
 FIRST_STAGE = ("pos_embed.", "caption_projection.")
 LAST_STAGE = ("norm_out.", "proj_out.", "scale_shift_table")
 BLOCK_LISTS = ("transformer_blocks",)
+PIXART_BLOCK = BlockKind("self+cross", ("image", "prompt"))
 SD15_LATENT = LatentFormat("sd15", 0.18215, 0.0)
 SDXL_LATENT = LatentFormat("sdxl", 0.13025, 0.0)
 
@@ -75,14 +76,9 @@ class PixArtConfig(FixedHeadSizeConfig, OneBlockListConfig):
     min_mean_latent_side = 33
 
     @property
-    def attention_layers(self) -> tuple[tuple[bool, ...], ...]:
-        """Image-only self-attention: the prompt is cross-attended, whole on every rank."""
-        return ((False,),) * self.num_layers
-
-    @property
-    def axes_dims_rope(self) -> tuple[int, int, int]:
-        """Only for the cost model, which times Flux-shaped blocks of the same width (PixArt has no RoPE)."""
-        return (8, 32, 32)
+    def block_kinds(self) -> tuple[BlockKind, ...]:
+        """Image-only self-attention, then cross-attention to the prompt, which every rank holds whole."""
+        return (PIXART_BLOCK,) * self.num_layers
 
     def diffusers_kwargs(self) -> dict:
         return dict(num_attention_heads=self.num_heads, attention_head_dim=HEAD_DIM, in_channels=self.in_channels,
@@ -243,6 +239,13 @@ class CrossAttnProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
+def block_inputs(config: PixArtConfig, text: int, image: int, generator: torch.Generator) -> tuple:
+    """Random (image, projected prompt, (six modulation rows, embedded timestep), no RoPE) of one block call."""
+    h = config.hidden_size
+    temb = (torch.randn(1, 6 * h, generator=generator), torch.randn(1, h, generator=generator))
+    return torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator), temb, None
+
+
 class PixArtAdapter:
     patch = 2
     default_guidance = 0.0  # no guidance input
@@ -345,4 +348,4 @@ PIXART = DiTFamily(
     name="pixart", title="PixArt-α / PixArt-Σ", match=match_layout, infer_config=infer_config,
     meta_model=_diffusers_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes,
     adapter_class=PixArtAdapter, block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE,
-    last_stage=LAST_STAGE, comfy_layout="original", replace_keys=())
+    last_stage=LAST_STAGE, comfy_layout="original", replace_keys=(), block_inputs=block_inputs)

@@ -26,7 +26,7 @@ from ...weights.keymap import Source, block_count, has_block
 from ...weights.storage import compute_placement
 from ..family import DiTFamily, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, default_axes_dims_rope
-from .flux_adapter import FluxAdapter, grid_ids, reference_placements
+from .flux_adapter import FluxAdapter, block_inputs, grid_ids, reference_placements
 
 ALWAYS_OWNED = ("time_text_embed.",)
 FIRST_STAGE = ("img_in.", "txt_norm.", "txt_in.")
@@ -152,6 +152,7 @@ def checkpoint_shapes(config: QwenImageConfig) -> dict[str, tuple[tuple[int, ...
 
 class QwenImageAdapter:
     latent_channels = 16
+    skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
     patch = 2
     latent_format = WAN21_LATENT
     default_guidance = 0.0  # no guidance input
@@ -215,4 +216,4 @@ QWEN_IMAGE = DiTFamily(
     name="qwen_image", title="Qwen-Image (and Edit)", match=match_layout, infer_config=infer_config,
     meta_model=_diffusers_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes,
     adapter_class=QwenImageAdapter, block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE,
-    last_stage=LAST_STAGE, comfy_layout="diffusers")
+    last_stage=LAST_STAGE, comfy_layout="diffusers", block_inputs=block_inputs)

@@ -26,7 +26,7 @@ from ...errors import ModelFileError
 from ...sampling import SD3_LATENT, FluxModelSampling
 from ...weights.keymap import Source, block_count, has_block, linear, same_names
 from ...weights.storage import compute_placement
-from ..family import DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
+from ..family import JOINT_BLOCK, BlockKind, DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 from .flux_adapter import FluxAdapter, channels_first, patch_conv
 
@@ -35,6 +35,7 @@ ALWAYS_OWNED = ("time_text_embed.",)
 FIRST_STAGE = ("pos_embed.", "context_embedder.")
 LAST_STAGE = ("norm_out.", "proj_out.")
 BLOCK_LISTS = ("transformer_blocks",)
+DUAL_BLOCK = BlockKind("attn2", ("joint", "image"))  # SD3.5 Medium's first blocks: joint, then image-only attention
 
 
 @dataclass(frozen=True)
@@ -60,19 +61,14 @@ class SD3Config(FixedHeadSizeConfig, OneBlockListConfig):
         object.__setattr__(self, "dual_attention_layers", tuple(self.dual_attention_layers))
 
     @property
-    def attention_layers(self) -> tuple[tuple[bool, ...], ...]:
+    def block_kinds(self) -> tuple[BlockKind, ...]:
         """Joint attention in every block, then SD3.5 Medium's image-only attn2 in its dual blocks."""
-        return tuple((True, False) if i in self.dual_attention_layers else (True,) for i in range(self.num_layers))
+        return tuple(DUAL_BLOCK if i in self.dual_attention_layers else JOINT_BLOCK for i in range(self.num_layers))
 
     @property
     def max_latent_size(self) -> int:
         """The largest latent side the stored position table covers (validate.py refuses larger)."""
         return self.pos_embed_max_size * self.patch_size
-
-    @property
-    def axes_dims_rope(self) -> tuple[int, int, int]:
-        """Only for the cost model, which times Flux-shaped blocks of the same width (SD3 has no RoPE)."""
-        return (HEAD_DIM // 8, 7 * HEAD_DIM // 16, 7 * HEAD_DIM // 16)
 
     @property
     def title(self) -> str:
@@ -264,8 +260,16 @@ class ParallelJointAttnProcessor:
         return image, text
 
 
+def block_inputs(config: SD3Config, text: int, image: int, generator: torch.Generator) -> tuple:
+    """Random (image, text, temb, no RoPE) of one block call (what `DiTFamily.probe_block` runs)."""
+    h = config.hidden_size
+    return (torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator),
+            torch.randn(1, h, generator=generator), None)
+
+
 class SD3Adapter:
     latent_channels = 16
+    skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
     patch = 2
     latent_format = SD3_LATENT
     default_guidance = 0.0  # SD3 has no guidance input
@@ -332,4 +336,4 @@ SD3 = DiTFamily(
     name="sd3", title="SD3 / SD3.5 (Medium, Large)", match=match_layout, infer_config=infer_config,
     meta_model=_diffusers_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=SD3Adapter,
     block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE,
-    comfy_layout="original")
+    comfy_layout="original", block_inputs=block_inputs)
