@@ -324,7 +324,8 @@ def stock_graph(devices="cpu:1", strat=None, size=128, sampler="KSampler", batch
 EXPECTED_INPUTS = {
     "ParaDiTStrategy": {"required": ["mode", "cfg_degree", "pipefusion_degree", "ulysses_degree", "ring_degree",
                                      "num_pipeline_patch", "warmup_steps"]},
-    "ParaDiTLoader": {"required": ["unet_name", "weight_dtype", "devices"], "optional": ["strategy"]},
+    "ParaDiTLoader": {"required": ["unet_name", "weight_dtype", "devices"],
+                      "optional": ["strategy", "quantized_matmul"]},
     "ParaDiTSampler": {"required": ["model", "seed", "steps", "cfg", "sampler_name", "scheduler", "positive",
                                     "negative", "latent_image", "denoise"]},
 }
@@ -570,11 +571,12 @@ def test_queue_workflow_script_runs_an_example_workflow(server, tmp_path):
     # A bad override is refused before anything is queued, with the fix.
     bad = subprocess.run(cmd[:-2] + ["--set", "ParaDiTSampler.sed=1"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "has no input 'sed'" in bad.stderr
-    # A UI-format file is recognised and pointed at its API twin.
+    # A UI-format file is converted with the server's /object_info and queued; this server rejects it only for
+    # the model files it lacks (the conversion itself is tests/test_ui_workflow.py's).
     ui = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "queue_workflow.py"), "--server",
                          server.address, "--workflow", os.path.join(REPO, "workflows", "flux_dev_ulysses.json")],
                         capture_output=True, text=True, timeout=60)
-    assert ui.returncode == 2 and "UI-format" in ui.stderr
+    assert ui.returncode == 2 and "UI-format" in ui.stderr and "flux1-dev" in ui.stdout + ui.stderr
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -263,3 +263,20 @@ def test_fp8_scaled_file_kernel_path_at_two_workers(tmp_path, client2):
         one.shutdown()
     assert 1e-4 < rel_err(kernel, plain) <= 0.1  # ~3x the fp8 input noise; a broken fp8 matmul is off by O(1)
     assert rel_err(run(client2, "kernel", S(ulysses_degree=2)), kernel) <= 0.1
+
+
+def test_one_storage_rule_serves_the_workers_and_the_memory_estimate(tiny_path):
+    """Storage.for_weight_dtype is the rule the workers store by; the memory estimate asks it per tensor kind, so
+    the two cannot drift apart (an fp8 weight_dtype: 1 byte per weight; bf16/fp32: the compute size)."""
+    from parallel_runtime.validate import stored_bytes_per_parameter
+    from parallel_runtime.weights.storage import Storage
+
+    cast = Storage.for_weight_dtype("fp8_e4m3fn", torch.float32)
+    assert cast.cast_fp8 == torch.float8_e4m3fn and cast.keep_quantized
+    assert Storage.for_weight_dtype("fp8_e5m2", torch.float32).cast_fp8 == torch.float8_e5m2
+    default, upcast = Storage.for_weight_dtype("default", torch.float32), Storage.for_weight_dtype("bf16", torch.bfloat16)
+    assert default.keep_quantized and default.cast_fp8 is None and not upcast.keep_quantized
+    assert default.linear_dtype(torch.float8_e4m3fn) == torch.float8_e4m3fn and upcast.linear_dtype(torch.float8_e4m3fn) is None
+    assert stored_bytes_per_parameter(tiny_path, "fp8_e4m3fn", 4) == 1.0  # the fp32 tiny file, cast at load
+    assert stored_bytes_per_parameter(tiny_path, "default", 4) == 4.0
+    assert stored_bytes_per_parameter(tiny_path, "bf16", 2) == 2.0

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
-FP8_WEIGHT_DTYPES = {n: getattr(torch, n[4:]) for n in ("fp8_e4m3fn", "fp8_e5m2") if hasattr(torch, n[4:])}
+FP8_WEIGHT_DTYPES = {n: getattr(torch, "float8_" + n[4:]) for n in ("fp8_e4m3fn", "fp8_e5m2") if hasattr(torch, "float8_" + n[4:])}
 SCALED_FP8_MARKER = "scaled_fp8"  # ComfyUI's key for "this file's fp8 weights carry per-layer scales"
 
 
