@@ -39,7 +39,8 @@ def _parameter_kinds(path: str, mtime_ns: int, size: int) -> tuple[tuple[int, in
                 quantized[0] += numel
                 quantized[1] += reader.stored_bytes(key)
             else:
-                by_dtype[reader.dtype(key)] = by_dtype.get(reader.dtype(key), 0) + numel
+                dtype = reader.dtype(key)
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + numel
     return tuple(quantized), by_dtype
 
 
@@ -149,7 +150,7 @@ def validate_references(name: str, c, config) -> None:
 def validate_concat(name: str, c, config, latent: torch.Tensor, batch: int) -> None:
     """c_concat (Fill, Canny/Depth): exactly as many channels as the model reads beside the latent, at the
     latent's size; a model that reads such channels refuses a branch without them (ComfyUI always builds them)."""
-    wanted = getattr(config, "concat_channels", 0)
+    wanted = config.concat_channels
     if c.concat is None:
         if wanted:
             raise ConfigError(f"this {config.title} model reads {wanted} image channels beside the latent, and the "

@@ -102,6 +102,8 @@ class JointAttentionConfig:
     """Configs of families whose blocks each run one joint [prompt, image] self-attention (all but PixArt;
     SD3.5 Medium adds image-only layers); a family with other blocks says so in `block_kinds`."""
 
+    concat_channels = 0  # channels read beside the latent (ComfyUI's c_concat); Flux Fill/Canny/Depth have some
+
     @property
     def block_kinds(self) -> tuple[BlockKind, ...]:
         """Per block, in pipeline order, its kind (the cost model times one block of each)."""

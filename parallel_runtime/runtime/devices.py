@@ -52,8 +52,9 @@ def named_dtype(name: str):
     else None. The fp8 names store linear weights in fp8 (UNETLoader's options of the same names)."""
     import torch
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-            "fp8_e4m3fn": getattr(torch, "float8_e4m3fn", None), "fp8_e5m2": getattr(torch, "float8_e5m2", None)}.get(name)
+    from ..weights.storage import FP8_WEIGHT_DTYPES  # the storage rule's own table of the fp8 names
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, **FP8_WEIGHT_DTYPES}.get(name)
 
 
 def default_dtype(device_type: str, capability: tuple[int, int] | None = None):

@@ -224,7 +224,6 @@ class ComfyQuantLinear(KeptLinear):
         self.register_buffer("pre_quant_scale", weight.pre_scale)
         self.register_buffer("input_scale", weight.input_scale)
         self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.patch = None  # callable(layer, dtype) -> patched weight, while a LoRA is added per call
 
     def quantized(self, dtype: torch.dtype):
         quantized_tensor, get_layout_class, _ = kitchen()

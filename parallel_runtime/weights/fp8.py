@@ -24,7 +24,6 @@ class Fp8Linear(KeptLinear):
         self.register_buffer("scale_weight", scale.reshape(()).float() if scale is not None else None)
         self.register_buffer("scale_input", input_scale.reshape(()).float() if input_scale is not None else None)
         self.kernel = kernel
-        self.patch = None  # callable(layer, dtype) -> patched weight, while a LoRA is added per call
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         weight = self.weight.to(dtype)

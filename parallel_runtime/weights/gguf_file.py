@@ -232,7 +232,6 @@ class GGUFLinear(KeptLinear):
         self.quant_format = quant_format
         self.register_buffer("weight_blocks", blocks)
         self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.patch = None  # callable(layer, dtype) -> patched weight, set while a LoRA is applied
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_blocks(self.weight_blocks, self.quant_format, (self.out_features, self.in_features), dtype)

@@ -113,7 +113,7 @@ class KeptLinear(torch.nn.Module):
 
     out_features: int
     in_features: int
-    patch = None  # callable(layer, dtype) -> patched weight
+    patch = None  # callable(layer, dtype) -> patched weight, set while a LoRA is added per call
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight in `dtype`."""
