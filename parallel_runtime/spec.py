@@ -73,6 +73,24 @@ class SamplingSpec:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class ControlInput:
+    """One ControlNet of a branch's chain, active for this call: ComfyUI's ControlNet after ControlNetApply.
+
+    `path`: the ControlNet's weights as a safetensors file the workers load (the host exports the one
+    ControlNetLoader built); `hint`: its cond_hint as ComfyUI's ControlNet.get_control prepares it for the
+    latent's size (an image in [0, 1], or a latent already encoded), carried only when new to the workers
+    and otherwise named by `hint_key`; `strength`: ControlNetApply's strength."""
+
+    path: str
+    hint_key: str
+    strength: float = 1.0
+    hint: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    def signature(self) -> tuple:
+        return (self.path, self.hint_key, self.strength)
+
+
 REFERENCE_METHODS = ("offset", "index", "uxo")  # ComfyUI's FluxKontextMultiReferenceLatentMethod choices
 
 
@@ -93,30 +111,41 @@ class Conditioning:
     # model's latent space (Flux Fill's masked image and packed mask, Canny/Depth's control image; later Wan's
     # image-to-video frames). Packed and split with the latent's own tokens.
     concat: torch.Tensor | None = None
+    # The ControlNets whose residuals this branch's DiT blocks add, in ComfyUI's chain order (first applied
+    # first); a model call carries only the ones active at its timestep.
+    control: tuple[ControlInput, ...] = ()
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         refs = {f"{prefix}.reference.{i}": r for i, r in enumerate(self.references)}
         concat = {f"{prefix}.concat": self.concat} if self.concat is not None else {}
         return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled, **refs, **concat}
 
+    def hints(self) -> dict[str, torch.Tensor]:
+        """The ControlNet hints this branch carries, by key (the client sends each to the workers once)."""
+        return {c.hint_key: c.hint for c in self.control if c.hint is not None}
+
     def meta(self, prefix: str) -> dict:
         return {f"{prefix}_guidance": self.guidance, f"{prefix}_reference_method": self.reference_method,
-                f"{prefix}_image_size": list(self.image_size) if self.image_size else None}
+                f"{prefix}_image_size": list(self.image_size) if self.image_size else None,
+                f"{prefix}_control": [[c.path, c.hint_key, c.strength] for c in self.control]}
 
     @classmethod
     def from_message(cls, prefix: str, meta: dict, tensors: dict[str, torch.Tensor]) -> "Conditioning":
         count = sum(name.startswith(f"{prefix}.reference.") for name in tensors)
         refs = tuple(tensors[f"{prefix}.reference.{i}"] for i in range(count))
         size = meta.get(f"{prefix}_image_size")
+        control = tuple(ControlInput(str(path), str(key), float(strength))
+                        for path, key, strength in meta.get(f"{prefix}_control") or ())
         return cls(tensors[f"{prefix}.cond"], tensors[f"{prefix}.pooled"], meta.get(f"{prefix}_guidance"),
                    refs, meta.get(f"{prefix}_reference_method"), tuple(size) if size else None,
-                   tensors.get(f"{prefix}.concat"))
+                   tensors.get(f"{prefix}.concat"), control)
 
     def signature(self) -> tuple:
-        """What must be equal for two branches to share one forward pass (ComfyUI batches them then)."""
+        """What must be equal for two branches to share one forward pass (ComfyUI batches them then, and only
+        with the same ControlNet chain)."""
         concat = None if self.concat is None else self.concat.shape[1]
         return (self.cond.shape[1], tuple(tuple(r.shape[-2:]) for r in self.references), self.reference_method,
-                concat)
+                concat, tuple(c.signature() for c in self.control))
 
 
 @dataclass

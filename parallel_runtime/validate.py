@@ -169,6 +169,40 @@ def validate_concat(name: str, c, config, latent: torch.Tensor, batch: int) -> N
     _finite_tensor(f"{name} conditioning's concat image", c.concat, "re-encode the image with VAE Encode")
 
 
+def validate_control(name: str, c, config, job: Job) -> None:
+    """A branch's ControlNet chain: a family whose blocks take residuals, a stock sampler's call (Parallel
+    Sampler's node refuses ControlNet before this), a ControlNet file of the model's family and width."""
+    if not c.control:
+        return
+    from .models.registry import family_of
+    from .weights.checkpoint import open_checkpoint
+
+    family = family_of(config)
+    title = getattr(config, "title", family.title)
+    if family.load_controlnet is None:
+        raise ConfigError(f"ControlNets for {title} do not run on the ParaDiT workers yet (Flux.1 ControlNets do); "
+                          f"remove the ControlNet node or load the model with UNETLoader.")
+    if job.timestep is None:
+        raise ConfigError("ControlNet runs under KSampler (or SamplerCustomAdvanced) with the parallel MODEL; "
+                          "sample with KSampler instead of Parallel Sampler.")
+    if c.references:
+        raise ConfigError(f"the {name} conditioning has both a ControlNet and reference latents (Kontext), which "
+                          f"ParaDiT does not run together yet; remove ReferenceLatent or the ControlNet.")
+    for control in c.control:
+        if not math.isfinite(control.strength):
+            raise ConfigError(f"a ControlNet of the {name} conditioning has strength {control.strength}; set a "
+                              f"finite strength on its apply node.")
+        try:
+            with open_checkpoint(control.path) as reader:
+                net = family.controlnet_config(reader)
+        except (OSError, ValueError) as exc:
+            raise ModelFileError(f"the ControlNet file {control.path} cannot be read ({exc}); load the ControlNet "
+                                 f"again.") from None
+        if net.hidden_size != config.hidden_size or net.axes_dims_rope != config.axes_dims_rope:
+            raise ConfigError(f"the ControlNet is {net.hidden_size} wide but this {title} model is "
+                              f"{config.hidden_size}; load a ControlNet made for this model.")
+
+
 def validate_job(job: Job, world_size: int) -> None:
     from .weights.comfy_quant import check_quantized_matmul
 
@@ -203,6 +237,7 @@ def validate_job(job: Job, world_size: int) -> None:
                               f"{job.batch}; use one prompt or match the batch sizes.")
         validate_references(name, c, config)
         validate_concat(name, c, config, lat, job.batch)
+        validate_control(name, c, config, job)
         if c.image_size is not None and (len(c.image_size) != 3 or
                                          not all(math.isfinite(v) and v > 0 for v in c.image_size)):
             raise ConfigError(f"the {name} conditioning's image size {tuple(c.image_size)} is not (height, width, "

@@ -178,6 +178,11 @@ class DiTFamily:
     # Per block list, the key ComfyUI's model of this family gives its blocks in patches_replace["dit"]
     # (SkipLayerGuidance); () where ComfyUI's model reads no block replacements (PixArt).
     replace_keys: tuple[str, ...] = ("double_block", "single_block")
+    # The family's ControlNets, None where they do not run on the workers: reader -> its config (how many
+    # residuals, `residual_index` over the DiT's blocks); (reader, dtype, device, attention context) -> the
+    # adapter strategies run (hint_tokens, embed_control_image, residuals, use_layers).
+    controlnet_config: Callable | None = None
+    load_controlnet: Callable | None = None
 
     def build(self, config, reader, match: Match, owned, dtype, device, smap: dict | None = None) -> torch.nn.Module:
         from ..weights.mapping import build_from_map

@@ -86,3 +86,46 @@ def write_checkpoint(
     metadata = {"format": "pt", "paradit_layout": layout, "paradit_seed": str(seed)}
     save_file(tensors, path, metadata=metadata)
     return path
+
+
+# Hint encoders of ComfyUI's Flux ControlNets: conv (in, out, kernel) per entry, at even Sequential indices.
+_XLABS_HINT = [(3, 16, 3)] + [(16, 16, 3)] * 7
+_MISTOLINE_HINT = [(3, 16, 3), (16, 16, 1)] + [(16, 16, 3)] * 7 + [(16, 16, 1), (16, 16, 3)]
+
+
+def write_controlnet(path: str | os.PathLike, config: FluxConfig, kind: str = "xlabs", double: int = 2,
+                     single: int = 0, union_modes: int = 0, seed: int = 0, dtype: torch.dtype = torch.float32) -> str:
+    """Deterministic random weights of a Flux ControlNet for the DiT `config`, in ComfyUI's ControlNetFlux
+    layout (what ComfyUI's loaders build from XLabs, Mistoline and InstantX files, and what the host hands
+    the workers): `kind` "xlabs" (hint image through a conv stack), "mistoline" (its conv stack and Linear+SiLU
+    projections) or "instantx" (a latent hint). Residual projections get a sizeable scale, so a residual
+    added to the wrong block or rows shows."""
+    channels = 4 * config.latent_channels  # a ControlNet reads the latent alone (no Fill/Canny concat)
+    net = dataclasses.replace(config, num_layers=double, num_single_layers=single, in_channels=channels,
+                              out_channels=channels)
+    tensors = {k: v for k, v in _random_original(net, seed, dtype).items() if not k.startswith("final_layer.")}
+    gen = torch.Generator().manual_seed(int(seed) + 1)
+    h = config.hidden_size
+
+    def linear(name: str, n_out: int, n_in: int, gain: float = 1.0) -> None:
+        tensors[f"{name}.weight"] = (torch.randn(n_out, n_in, generator=gen) * gain / n_in ** 0.5).to(dtype)
+        tensors[f"{name}.bias"] = (torch.randn(n_out, generator=gen) * _BIAS_STD).to(dtype)
+
+    projection = "{}.{}.linear" if kind == "mistoline" else "{}.{}"
+    for name, count in (("controlnet_blocks", double), ("controlnet_single_blocks", single)):
+        for i in range(count):
+            linear(projection.format(name, i), h, h, gain=0.5)
+    linear("pos_embed_input", h, 64)
+    hint = {"xlabs": ("input_hint_block", _XLABS_HINT), "mistoline": ("input_cond_block.encoder", _MISTOLINE_HINT)}
+    if kind in hint:
+        prefix, convs = hint[kind]
+        for n, (c_in, c_out, k) in enumerate(convs):
+            tensors[f"{prefix}.{2 * n}.weight"] = (torch.randn(c_out, c_in, k, k, generator=gen)
+                                                   / (c_in * k * k) ** 0.5).to(dtype)
+            tensors[f"{prefix}.{2 * n}.bias"] = (torch.randn(c_out, generator=gen) * _BIAS_STD).to(dtype)
+    elif kind != "instantx":
+        raise ValueError(f"unknown ControlNet kind {kind!r}")
+    if union_modes:
+        tensors["controlnet_mode_embedder.weight"] = torch.randn(union_modes, h, generator=gen).to(dtype)
+    save_file(tensors, os.fspath(path), metadata={"format": "pt", "paradit_controlnet": kind})
+    return os.fspath(path)

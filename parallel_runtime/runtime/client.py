@@ -39,7 +39,7 @@ from .. import errors
 from ..spec import Job
 from .devices import auto_notice, parse_devices
 from .memory import check_job_memory
-from .protocol import Channel, encode
+from .protocol import Channel, encode, keep_hints
 from .watchdog import JobWatch, WatchdogConfig
 
 STARTUP_TIMEOUT_S = 120.0
@@ -110,6 +110,7 @@ class RuntimeClient:
         self._step_estimates: dict[tuple, float] = {}  # job shape (see run) -> slowest step seen
         self.model_loads = 0  # jobs for which some worker read weights from a file (status, tests)
         self._patches_on_workers: str | None = None  # id of the WeightPatches every worker holds
+        self._hints_on_workers: collections.OrderedDict = collections.OrderedDict()  # ControlNet hint keys held
         # Runs when the client is collected and at interpreter exit; it takes no lock, so exit never waits
         # for a running job.
         self._finalizer = weakref.finalize(self, _kill_all, self.procs, self.chans)
@@ -128,6 +129,7 @@ class RuntimeClient:
             if self.notice:
                 log.warning("ParaDiT: %s", self.notice)
             self._patches_on_workers = None  # fresh workers hold no patches
+            self._hints_on_workers.clear()  # nor hints
             self._dir = tempfile.mkdtemp(prefix="paradit-")  # mkdtemp makes it 0700: only we can connect
             address = os.path.join(self._dir, "control.sock")
             key = secrets.token_bytes(32)
@@ -278,6 +280,7 @@ class RuntimeClient:
                 meta["weight_patches"] = dict(job.weight_patches.meta(), sent=sent)
                 if sent:
                     tensors.update(job.weight_patches.tensors())
+            new_hints = self._hints_message(job, meta, tensors)
             self.last_strategy = job.strategy.label()
             # What a step costs depends on the model and its dtype too (and on whether cfg adds a branch).
             key = (job.model.path, job.model.weight_dtype, job.model.quantized_matmul, job.strategy,
@@ -286,11 +289,29 @@ class RuntimeClient:
             t0 = time.perf_counter()
             self._send_all(encode("job", meta, tensors))
             self._patches_on_workers = job.weight_patches.id if job.weight_patches is not None else None
+            keep_hints(self._hints_on_workers, meta.get("hints", []), new_hints)
             latent, stats = self._collect(watch, progress, interrupted)
             self.model_loads += any(s.get("loaded") for s in stats)
             if watch.step_seconds:
                 self._step_estimates[key] = max(watch.step_seconds)
             return JobResult(latent, stats, time.perf_counter() - t0)
+
+    def _hints_message(self, job: Job, meta: dict, tensors: dict) -> dict:
+        """Name the job's ControlNet hints in `meta` and add those new to the workers to `tensors` (a sampling
+        run's calls share one hint: it crosses the channel once). Returns the new keys, to remember once sent."""
+        branches = [b for b in (job.positive, job.negative) if b is not None]
+        named = list(dict.fromkeys(c.hint_key for b in branches for c in b.control))
+        if not named:
+            return {}
+        hints = {k: t for b in branches for k, t in b.hints().items()}
+        new = {k: hints[k] for k in named if k not in self._hints_on_workers and k in hints}
+        missing = [k for k in named if k not in self._hints_on_workers and k not in hints]
+        if missing:
+            raise errors.ConfigError("a ControlNet of this job has no hint image (a ParaDiT bug); run the prompt "
+                                     "again.")
+        meta["hints"] = named
+        tensors.update({f"hint/{k}": t.detach().float().cpu().contiguous() for k, t in new.items()})
+        return dict.fromkeys(new)
 
     def ping(self) -> list[dict]:
         """Check that every idle worker answers (and read its memory); a frozen one is replaced first."""

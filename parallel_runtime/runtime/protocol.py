@@ -72,3 +72,21 @@ class Channel:
             self.conn.close()
         except OSError:
             pass
+
+
+HINTS_KEPT = 8  # ControlNet hints the workers keep between jobs (and hint token tables each ControlNet keeps)
+
+
+def keep_hints(kept: "OrderedDict", named: list[str], new: dict) -> None:
+    """The ControlNet hints a client and its workers hold, updated in lockstep after each job: the job's new
+    hints join, the ones it names move to the back, and the least recently named others leave past
+    HINTS_KEPT. The client keeps only the keys (values None), so it sends each hint once."""
+    for key, value in new.items():
+        kept[key] = value
+    for key in named:
+        kept.move_to_end(key)
+    for key in list(kept):
+        if len(kept) <= HINTS_KEPT:
+            break
+        if key not in named:
+            del kept[key]

@@ -9,6 +9,7 @@ dead host never leaves orphans.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import queue
 import sys
@@ -49,6 +50,9 @@ class WorkerState:
         self.last_load_seconds = 0.0
         self.patcher = None  # weights.patches.RankWeightPatcher of the loaded model
         self.weight_patches = None  # the last WeightPatches the client sent (kept for a reload)
+        self.hints = collections.OrderedDict()  # ControlNet hints by key, kept in lockstep with the client's
+        self.controlnets: dict = {}  # (path, mtime, size) -> loaded ControlNet adapter, for the loaded model
+        self.control_configs: dict = {}  # path -> ControlNet config (every rank reads the header)
 
     # -- model ---------------------------------------------------------------------------------------
 
@@ -67,6 +71,7 @@ class WorkerState:
         if key == self.loaded_key:
             return False
         self.adapter = self.loaded_key = self.patcher = None  # free the old weights before reading new ones
+        self.controlnets, self.control_configs = {}, {}  # built for the old model's dtype and attention context
         t0 = time.perf_counter()
         with open_checkpoint(path) as reader:
             family, match, config = read_model(reader, os.path.basename(path))
@@ -125,7 +130,63 @@ class WorkerState:
             raise ConfigError("the job names LoRA patches this worker was never sent (a ParaDiT bug); run the "
                               "prompt again.")
 
+    def take_hints(self, job, named: list[str], tensors: dict):
+        """The job with its ControlNet hints in place: sent with it when new to this worker, else kept."""
+        import dataclasses
+
+        from .protocol import keep_hints
+
+        new = {k: tensors[f"hint/{k}"] for k in named if f"hint/{k}" in tensors}
+        if any(k not in new and k not in self.hints for k in named):
+            raise ConfigError("the job names a ControlNet hint this worker was never sent (a ParaDiT bug); run the "
+                              "prompt again.")
+        keep_hints(self.hints, named, new)
+
+        def resolved(branch):
+            if branch is None or not branch.control:
+                return branch
+            return dataclasses.replace(branch, control=tuple(dataclasses.replace(c, hint=self.hints[c.hint_key])
+                                                             for c in branch.control))
+
+        return dataclasses.replace(job, positive=resolved(job.positive), negative=resolved(job.negative))
+
+    def ensure_controlnets(self, job, topology):
+        """The job's ControlNets: every rank reads their configs (PipeFusion's later stages add residuals by
+        them); the ranks that run them (all, or PipeFusion's first stage) hold their weights, loaded once
+        and kept, at most CONTROLNETS_KEPT, for the next calls."""
+        from ..strategies.control import ControlNets
+        from ..weights.checkpoint import open_checkpoint
+
+        paths = list(dict.fromkeys(c.path for b in (job.positive, job.negative) if b is not None for c in b.control))
+        runs = topology.coords(self.rank)["pipefusion"] == 0
+        nets = {}
+        for path in paths:
+            stat = os.stat(path)
+            key = (path, stat.st_mtime_ns, stat.st_size)
+            if runs and key not in self.controlnets:
+                with open_checkpoint(path) as reader:
+                    self.controlnets[key] = self.family.load_controlnet(reader, self.adapter.dtype, self.device,
+                                                                        self.context)
+            if path not in self.control_configs:
+                with open_checkpoint(path) as reader:
+                    self.control_configs[path] = self.family.controlnet_config(reader)
+            if runs:
+                nets[path] = self.controlnets.pop(key)
+                self.controlnets[key] = nets[path]  # most recently used last
+        while len(self.controlnets) > CONTROLNETS_KEPT:
+            self.controlnets.pop(next(iter(self.controlnets)))
+        return ControlNets(nets, {p: self.control_configs[p] for p in paths})
+
+    def held_bytes(self) -> int:
+        """Bytes of the weights this worker holds: the model's and its ControlNets'."""
+        from ..weights.checkpoint import parameter_bytes
+
+        if self.adapter is None:
+            return 0
+        return parameter_bytes(self.adapter.model) + sum(parameter_bytes(n.net) for n in self.controlnets.values())
+
     def release(self) -> None:
+        self.controlnets, self.control_configs = {}, {}
         self.adapter = self.loaded_key = self.context = self.patcher = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -155,6 +216,9 @@ def resolve_storage(name: str, device: torch.device, quantized_matmul: str = "au
                                     kernel_formats=kernel_formats(device, quantized_matmul))
 
 
+CONTROLNETS_KEPT = 2  # ControlNets a worker keeps loaded beside its model (a chain of two, or two in turn)
+
+
 class Aborted(Exception):
     """The client called a job off after loading (another rank failed to load, or Cancel)."""
 
@@ -177,21 +241,21 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
 
     Nothing before the go touches a process group, so a rank that fails to load leaves its peers idle and
     the group intact; the client aborts the others and keeps every worker."""
-    from ..weights.checkpoint import parameter_bytes
     from .topology import Topology
 
     job = _job_from_message(meta, tensors)
     topology = Topology.from_strategy(job.strategy)
-    state.take_weight_patches(meta.get("weight_patches"), tensors)  # first: the client counts on it being kept
+    state.take_weight_patches(meta.get("weight_patches"), tensors)  # first: the client counts on them being kept
+    job = state.take_hints(job, meta.get("hints", []), tensors)
     FAULTS.maybe("oom_load", state.rank)
     loaded = state.ensure_model(meta["model"], topology)
+    controlnets = state.ensure_controlnets(job, topology)
     patched = state.patcher.apply(state.weight_patches)
-    chan.send("loaded", {"rank": state.rank, "param_bytes": parameter_bytes(state.adapter.model),
-                         "patched_tensors": patched})
+    chan.send("loaded", {"rank": state.rank, "param_bytes": state.held_bytes(), "patched_tensors": patched})
     if gate.get() != "go":
         raise Aborted()
     pulse.phase = "sampling"
-    stats, latent = _denoise(state, chan, job, topology, pulse)
+    stats, latent = _denoise(state, chan, job, topology, pulse, controlnets)
     # On a failure serve() ends the job, after telling the client (and drops any stale K/V).
     state.end_job(keep_stale_kv=job.timestep is not None and job.strategy.pipefusion_degree > 1 and not job.call_last)
     stats.update(loaded=loaded, load_seconds=state.last_load_seconds, patched_tensors=patched)
@@ -199,8 +263,7 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
     chan.send("done", stats, {"latent": latent} if latent is not None else None)
 
 
-def _denoise(state: WorkerState, chan: Channel, job, topology, pulse) -> tuple[dict, torch.Tensor | None]:
-    from ..weights.checkpoint import parameter_bytes
+def _denoise(state: WorkerState, chan: Channel, job, topology, pulse, controlnets) -> tuple[dict, torch.Tensor | None]:
     from ..strategies.denoise import Denoiser
     from ..strategies.model_call import ModelCallForward
 
@@ -212,7 +275,7 @@ def _denoise(state: WorkerState, chan: Channel, job, topology, pulse) -> tuple[d
     runner = Denoiser if job.timestep is None else ModelCallForward  # a whole denoise, or one stock-sampler call
     # Set for every job, so a skip of one job never leaks into the next.
     state.adapter.skip = state.family.replaced_blocks(state.adapter.config, job.skip_blocks)
-    denoiser = runner(state.adapter, topology, comm, state.context)
+    denoiser = runner(state.adapter, topology, comm, state.context, controlnets)
 
     def progress(step: int, total: int) -> None:
         # Every rank reports each step with its memory (live status); the result rank's drives the bar.
@@ -227,7 +290,7 @@ def _denoise(state: WorkerState, chan: Channel, job, topology, pulse) -> tuple[d
     latent = denoiser.run(job, progress=progress, cancel_requested=state.cancel.is_set)
     stats = {
         "rank": state.rank, "job_seconds": time.perf_counter() - t0, "step_times": denoiser.step_times,
-        "traffic": comm.traffic.snapshot(), "param_bytes": parameter_bytes(state.adapter.model),
+        "traffic": comm.traffic.snapshot(), "param_bytes": state.held_bytes(),
         "kv_cache_bytes": denoiser.cache.nbytes() if hasattr(denoiser, "cache") else 0,
         "peak_rss_bytes": _peak_rss(),
         "peak_device_bytes": torch.cuda.max_memory_allocated(state.device) if state.device.type == "cuda" else 0,
@@ -285,7 +348,6 @@ def _error_meta(exc: BaseException, state: WorkerState, phase: str) -> dict:
 
 
 def serve(state: WorkerState, chan: Channel, heartbeat_s: float) -> None:
-    from ..weights.checkpoint import parameter_bytes
     from .memory import worker_report
     from .watchdog import Heartbeat
 
@@ -315,8 +377,7 @@ def serve(state: WorkerState, chan: Channel, heartbeat_s: float) -> None:
                 gate.put(kind)
             elif kind == "ping":  # answered here, so a busy main thread still proves the process alive
                 FAULTS.maybe("ping_fails", state.rank)
-                held = parameter_bytes(state.adapter.model) if state.adapter is not None else 0
-                chan.send("pong", {"rank": state.rank, **worker_report(state.device, held)})
+                chan.send("pong", {"rank": state.rank, **worker_report(state.device, state.held_bytes())})
             else:
                 if kind == "job":
                     # Cleared here, in message order, so a cancel right behind its job is never lost.

@@ -23,6 +23,7 @@ from ..models.family import DiTAdapter
 from ..runtime.comm import Comm
 from .attention import LocalAttention, RingAttention, UlyssesAttention
 from .attention.processor import AttentionContext
+from .control import ControlNets, ControlPass, Residuals
 from .pipefusion import StaleKVAttention, StaleKVCache
 from ..sampling import (cfg_combine, cfg_uses_uncond, final_latent, ksampler_sigmas, make_sampler, prepare_noise,
                        start_latent)
@@ -155,6 +156,7 @@ class Branches:
         # same token rows of both, so every split of the latent splits it alike (packed once per job).
         self.concat = (torch.cat([repeat_to_batch(adapter.pack(c.concat.float()), batch) for c in conds]).to(device)
                        if first.concat is not None else None)
+        self.control = first.control  # the ControlNet chain, the same for every branch batched here (signature)
 
     def with_concat(self, x_rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The model's input tokens for these rows: the latent's, then the c_concat channels of the same rows."""
@@ -176,8 +178,11 @@ def stale_caches(layout: TokenLayout) -> tuple[StaleKVCache, StaleKVCache]:
 
 
 class Denoiser:
-    def __init__(self, adapter: DiTAdapter, topology: Topology, comm: Comm, context: AttentionContext):
+    def __init__(self, adapter: DiTAdapter, topology: Topology, comm: Comm, context: AttentionContext,
+                 controlnets: ControlNets | None = None):
         self.adapter, self.topology, self.comm, self.context = adapter, topology, comm, context
+        self.controlnets = controlnets or ControlNets()
+        self.control: ControlPass | None = None  # the current group's ControlNet chain (model calls only)
         self.rank = comm.rank
         self.coords = topology.coords(self.rank)
         self._vote = None
@@ -483,6 +488,10 @@ class _PipeFusionStage:
         self.token_sets: dict = {}  # built once per token set, on x's device: no host-device traffic in the pipeline
         self._embed_prompt()
         self.sends: list = []
+        # A model call's ControlNet chain: the first stage runs it on each token set, and its distinct residuals
+        # (n_res tensors of the set's image rows) ride behind the hidden rows to the stages that add them.
+        self.control = denoiser.control
+        self.n_res = self.control.plan.count if self.control is not None else 0
 
     def _attach_attention(self) -> None:
         """The model's joint and image-only attention over the denoiser's stale buffers (through Ulysses where
@@ -535,7 +544,7 @@ class _PipeFusionStage:
         return idx, rope, refs
 
     def _hidden_buffer(self, patches) -> torch.Tensor:
-        n_stream = self.layout.stream_len(self.me, patches)
+        n_stream = self.layout.stream_len(self.me, patches) + self.n_res * len(self._token_set(patches)[2])
         batch, width = self.denoiser.branches.cond.shape[0], self.adapter.config.hidden_size
         return torch.empty((batch, self.n_text + n_stream, width), dtype=self.adapter.dtype, device=self.adapter.device)
 
@@ -545,15 +554,20 @@ class _PipeFusionStage:
     def _chunk_forward(self, i, chunk, patches, temb, incoming):
         """Run one chunk of blocks on one token set; the last chunk also samples and sends x back."""
         idx, rope, refs = self._configure(patches)
+        res = []
         if self._is_first(chunk):
             image, txt = self.denoiser._image_stream(i, self.x[:, idx], idx, refs), self.text
-        elif self.joint:
-            txt, image = incoming[:, :self.n_text], incoming[:, self.n_text:]
+            if self.control is not None:
+                res = self.control.outputs(self.x[:, idx], idx, rope)
         else:
-            txt, image = self.text, incoming
-        image, txt = self.adapter.run_blocks(image, txt, temb, rope, chunk=chunk)
+            if self.n_res:
+                incoming, res = incoming[:, :-self.n_res * len(idx)], list(incoming[:, -self.n_res * len(idx):]
+                                                                             .split(len(idx), dim=1))
+            txt, image = (incoming[:, :self.n_text], incoming[:, self.n_text:]) if self.joint else (self.text, incoming)
+        extra = {"residuals": Residuals(res, self.control.plan)} if self.control is not None else {}
+        image, txt = self.adapter.run_blocks(image, txt, temb, rope, chunk=chunk, **extra)
         if not self._is_last(chunk):
-            self._send((torch.cat([txt, image], dim=1) if self.joint else image).contiguous(), self.after,
+            self._send(torch.cat(([txt] if self.joint else []) + [image] + res, dim=1).contiguous(), self.after,
                        "pipefusion")
             return
         if self.model_output is not None:  # a stock sampler's call: the host samples

@@ -19,6 +19,7 @@ import torch
 
 from ..runtime.topology import validate_strategy
 from ..spec import Job
+from .control import ControlPass
 from .denoise import Branches, Denoiser, stale_caches
 
 
@@ -73,7 +74,9 @@ class ModelCallForward(Denoiser):
         index = torch.arange(rows.start, rows.stop, device=x.device)
         temb = self._embed_time(t, branches)
         image = self._image_stream(0, x[:, rows], index, refs)
-        image, _ = self.adapter.run_blocks(image, text, temb, rope)
+        control = self._control_pass(branches, t)
+        extra = {"residuals": control.residuals(x[:, rows], index, rope)} if control is not None else {}
+        image, _ = self.adapter.run_blocks(image, text, temb, rope, **extra)
         out = torch.zeros_like(x)
         out[:, rows] = self.adapter.head(image[:, :len(index)], temb)
         return out
@@ -86,23 +89,33 @@ class ModelCallForward(Denoiser):
         without buffers of its layout, run the whole image at once: exact, and they fill the buffers.
 
         `key`: (the job's slot in the host's call, its chunks), so the jobs of one call never share buffers; a
-        slot's buffers are replaced when its token layout changes (another prompt length, reference or size)."""
+        slot's buffers are replaced when its token layout changes (another prompt length, reference or size) or
+        its ControlNet chain does."""
         s = job.strategy
         self.branches, self.call_t = branches, t
         self._set_layout(branches, x.shape[1], patches=s.patches)
+        self.control = self._control_pass(branches, t)
         store = self.context.stale_kv
         held = store.get(key)
-        fresh = held is None or held[0] != self.layout
+        # A ControlNet that starts (or stops) mid-run has no stale K/V of its own layers yet: warm up again.
+        shape = (self.layout, tuple(c.signature() for c in branches.control))
+        fresh = held is None or held[0] != shape
         if self._anyone((job.call_step or 0) < s.warmup_steps or fresh):
             store.pop(key, None)
             held = None  # the old buffers go before their successors fill
-            store[key] = held = (self.layout, stale_caches(self.layout))
+            store[key] = held = (shape, stale_caches(self.layout))
             warmup = 1
         else:
             warmup = 0
         model_output = torch.zeros_like(x)
         self._run_pipefusion(x, warmup=warmup, n_steps=1, caches=held[1], model_output=model_output)
         return model_output
+
+    def _control_pass(self, branches: Branches, t: torch.Tensor) -> ControlPass | None:
+        """The group's ControlNet chain for this call (its prompt rows: this rank's, as the DiT's), or None."""
+        if not branches.control:
+            return None
+        return ControlPass(self.controlnets, self.adapter.config, branches, t, self._text_rows(self.layout, branches))
 
     def _anyone(self, flag: bool) -> bool:
         """True on every rank if it is True on any: all stages must run the same schedule."""

@@ -18,7 +18,7 @@ from ...strategies.attention.processor import AttentionContext, ParallelFluxAttn
 from ...weights.checkpoint import open_checkpoint
 from ...weights.storage import compute_placement
 from ..family import DiTFamily
-from . import flux
+from . import flux, flux_controlnet
 from .flux import FluxConfig
 
 ALWAYS_OWNED = ("time_text_embed.",)  # every stage modulates its blocks with the timestep embedding
@@ -198,14 +198,71 @@ class FluxAdapter:
 
     # -- blocks and head -----------------------------------------------------------------------------
 
-    def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope, chunk: int = 0) -> tuple:
-        for block in (self._blocks[i] for i in self.chunks[chunk] if i not in self.skip):
-            text, image = block(hidden_states=image, encoder_hidden_states=text, temb=temb, image_rotary_emb=rope)
+    def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope, chunk: int = 0,
+                   residuals=None) -> tuple:
+        """The chunk's blocks; `residuals` (strategies.control.Residuals): ControlNet residuals added to the image
+        rows after each block, as ComfyUI's Flux adds `control` (also after a skipped block)."""
+        for i in self.chunks[chunk]:
+            if i not in self.skip:
+                text, image = self._blocks[i](hidden_states=image, encoder_hidden_states=text, temb=temb,
+                                              image_rotary_emb=rope)
+            add = residuals.get(i) if residuals is not None else None
+            if add is not None:
+                image = image.clone() if i in self.skip else image  # a skipped block's output is its input
+                image[:, :add.shape[1]] += add
         return image, text
 
     def head(self, image: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         """Velocity prediction in float32."""
         return self.model.proj_out(self.model.norm_out(image, temb)).float()
+
+
+class FluxControlNetAdapter(FluxAdapter):
+    """What the strategies call on a loaded ControlNet: the hint's tokens (once per hint), its image, text and
+    time embeddings, and one pass over its blocks that returns a residual per block for this rank's image rows."""
+
+    def __init__(self, net: flux_controlnet.FluxControlNet, context):
+        self.net, self.control = net, net.config
+        blocks = range(net.config.flux.num_blocks)
+        # One chunk per block, so `residuals` can project each block's output.
+        super().__init__(net.config.flux, net.transformer, [range(i, i + 1) for i in blocks], context)
+
+    def use_layers(self, position: int) -> None:
+        """Attention layer ids for the ControlNet at `position` of a chain: past the DiT's, and apart for each
+        use, so PipeFusion's stale K/V of one use (the same file may be chained twice) is never another's."""
+        base = flux_controlnet.LAYER_BASE * (position + 1)
+        for i, block in enumerate(self._blocks):
+            block.attn.processor.layer = base + i
+
+    def hint_tokens(self, hint: torch.Tensor) -> torch.Tensor:
+        """The hint as packed, embedded tokens [B, N, hidden] of the latent's grid (ComfyUI's ControlNetFlux:
+        an image in [0, 1] goes through the conv stack at 2x-1; a latent is padded to whole 2x2 patches)."""
+        hint = hint.to(self.device, self.dtype)
+        if self.net.hint_encoder is not None:
+            hint = self.net.hint_encoder(hint * 2.0 - 1.0)
+        else:
+            hint = torch.nn.functional.pad(hint, (0, (-hint.shape[-1]) % 2, 0, (-hint.shape[-2]) % 2),
+                                           mode="circular")
+        return self.net.hint_embedder(self.pack(hint))
+
+    def embed_control_image(self, x_tokens: torch.Tensor, hint_rows: torch.Tensor) -> torch.Tensor:
+        return self.model.x_embedder(x_tokens.to(self.device, self.dtype)) + hint_rows
+
+    def residuals(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope) -> list[torch.Tensor]:
+        """One residual per ControlNet block, for the image rows of `image` (double blocks, then single)."""
+        out = []
+        for k in range(len(self.chunks)):
+            image, text = self.run_blocks(image, text, temb, rope, chunk=k)
+            projections = (self.net.double_projections if k < self.control.double
+                           else self.net.single_projections)
+            out.append(projections[k if k < self.control.double else k - self.control.double](image))
+        return out
+
+
+def load_controlnet(reader, dtype: torch.dtype, device, context) -> FluxControlNetAdapter:
+    """A Flux ControlNet file (ComfyUI's layout) built on `device`, its attention on the worker's `context`."""
+    net = flux_controlnet.FluxControlNet(flux_controlnet.read_config(reader), reader, dtype, device)
+    return FluxControlNetAdapter(net, context)
 
 
 FLUX = DiTFamily(
@@ -214,7 +271,8 @@ FLUX = DiTFamily(
     meta_model=flux.meta_model, source_map=flux.source_map, checkpoint_shapes=flux.bfl_tensor_shapes,
     adapter_class=FluxAdapter, block_lists=("transformer_blocks", "single_transformer_blocks"),
     always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE, comfy_layout="bfl",
-    block_inputs=block_inputs)
+    block_inputs=block_inputs, controlnet_config=flux_controlnet.read_config,
+    load_controlnet=load_controlnet)
 
 
 def load_flux(

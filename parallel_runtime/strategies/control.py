@@ -1,0 +1,127 @@
+"""ControlNet residuals under the job's token split.
+
+ComfyUI runs a ControlNet chain before each model call and hands the DiT one residual per block, added to
+the block's image rows. Here each rank runs the chain's ControlNets on the tokens it holds, with the same
+attention strategy as the DiT (the ControlNet's blocks are the family's blocks): under Ulysses and Ring the
+ControlNet's sequence splits exactly like the DiT's, so each rank computes the residuals of its own image
+rows and nothing extra crosses the wire; under CFG parallel each rank runs its branch's chain; under
+PipeFusion the first stage runs the chain on each patch (its attention reads stale K/V like the DiT's) and
+the residuals ride with the patch's hidden rows to the stages that add them.
+
+A ControlNet's outputs are few (one per ControlNet block) and ComfyUI repeats them over the DiT's blocks;
+`ResidualPlan` keeps that mapping, so only the distinct outputs are computed, sent and kept.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from ..runtime.protocol import HINTS_KEPT
+from ..spec import ControlInput
+
+
+@dataclass
+class ControlNets:
+    """A job's ControlNets on one rank: path -> loaded adapter where this rank runs them (every rank, or
+    PipeFusion's first stage), and path -> config on every rank."""
+
+    nets: dict = field(default_factory=dict)
+    configs: dict = field(default_factory=dict)
+
+
+class ResidualPlan:
+    """Which distinct ControlNet outputs each DiT block adds: block index -> positions in the flat list of
+    every chain member's outputs (chain order), whose sum in that order is ComfyUI's merged residual."""
+
+    def __init__(self, configs: list, main_double: int, main_single: int):
+        self.sizes = [c.outputs for c in configs]
+        self.blocks: dict[int, list[int]] = {}
+        offset = 0
+        for config in configs:
+            for block, j in config.residual_index(main_double, main_single).items():
+                self.blocks.setdefault(block, []).append(offset + j)
+            offset += config.outputs
+
+    @property
+    def count(self) -> int:
+        return sum(self.sizes)
+
+
+class Residuals:
+    """The residuals one forward pass adds, summed per block when first asked (ComfyUI's control_merge adds a
+    chain's members in order: earlier ControlNets first)."""
+
+    def __init__(self, outputs: list[torch.Tensor], plan: ResidualPlan):
+        self.outputs, self.plan = outputs, plan
+
+    def get(self, block: int) -> torch.Tensor | None:
+        positions = self.plan.blocks.get(block)
+        if not positions:
+            return None
+        total = self.outputs[positions[0]]
+        for j in positions[1:]:
+            total = total + self.outputs[j]
+        return total
+
+
+class ControlPass:
+    """One group of branches' ControlNet chain on this rank, for one job (one model call).
+
+    `nets`: path -> the worker's loaded ControlNet adapter (absent on PipeFusion stages after the first, which
+    only add residuals); `configs`: path -> its config, on every rank. The prompt's embedding and the time
+    embedding are computed once per job; the hint's token table once per hint (kept by the adapter)."""
+
+    def __init__(self, controlnets: ControlNets, main_config, branches, t: torch.Tensor, text_rows: range):
+        self.inputs, self.nets, self.branches = branches.control, controlnets.nets, branches
+        self.plan = ResidualPlan([controlnets.configs[c.path] for c in self.inputs], main_config.num_layers,
+                                 main_config.num_single_layers)
+        self.t, self.text_rows = t, text_rows
+        self._embedded: dict[int, tuple] = {}
+
+    def _embeddings(self, k: int, net) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt rows, time embedding) of chain member k: fixed for the job."""
+        if k not in self._embedded:
+            b = self.branches
+            text = net.embed_text(b.cond[:, self.text_rows.start:self.text_rows.stop])
+            self._embedded[k] = (text, net.timestep_embedding(self.t, b.pooled, b.guidance))
+        return self._embedded[k]
+
+    def outputs(self, x_rows: torch.Tensor, index: torch.Tensor, rope) -> list[torch.Tensor]:
+        """Every chain member's distinct residuals for the image rows `index` (x_rows: those rows of the call's
+        input-scaled latent tokens, one row per branch and latent), each scaled by its strength."""
+        out = []
+        for k, control in enumerate(self.inputs):
+            net = self.nets[control.path]
+            net.use_layers(k)
+            hint = _batched(hint_tokens(net, control)[:, index], self.branches)
+            text, temb = self._embeddings(k, net)
+            image = net.embed_control_image(x_rows, hint)
+            for residual in net.residuals(image, text, temb, rope):
+                out.append(residual * control.strength if control.strength != 1.0 else residual)
+        return out
+
+    def residuals(self, x_rows: torch.Tensor, index: torch.Tensor, rope) -> Residuals:
+        return Residuals(self.outputs(x_rows, index, rope), self.plan)
+
+
+def hint_tokens(net, control: ControlInput) -> torch.Tensor:
+    """The embedded hint of `control` on this ControlNet, computed once per hint and kept (a sampling run's
+    calls all use the same hint)."""
+    cache = net.__dict__.setdefault("_hint_tokens", OrderedDict())
+    if control.hint_key not in cache:
+        cache[control.hint_key] = net.hint_tokens(control.hint)
+        while len(cache) > HINTS_KEPT:
+            cache.popitem(last=False)
+    cache.move_to_end(control.hint_key)
+    return cache[control.hint_key]
+
+
+def _batched(tokens: torch.Tensor, branches) -> torch.Tensor:
+    """Hint tokens of one latent batch tiled as ComfyUI's broadcast_image_to tiles them: to the batch, then
+    once per branch."""
+    from .denoise import repeat_to_batch
+
+    tokens = repeat_to_batch(tokens, branches.batch)
+    return tokens.repeat(branches.count, 1, 1) if branches.count > 1 else tokens
