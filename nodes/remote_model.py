@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from . import convert
+from . import controlnet, convert
 from .host import HOST
 
 class RemoteDiT(torch.nn.Module):
@@ -57,6 +57,7 @@ class RemoteDiT(torch.nn.Module):
 
         options = transformer_options or {}
         _refuse_what_the_workers_cannot_do(control, options, kwargs)
+        controls = control.inputs if isinstance(control, controlnet.RemoteControl) else ()
         skip_blocks = skipped_blocks(options.get("patches_replace"))
         patches = self._weight_patches(getattr(self._base(), "current_patcher", None))
         video = x.ndim == 5
@@ -84,7 +85,7 @@ class RemoteDiT(torch.nn.Module):
         for slot, start in enumerate(range(0, len(labels), 2)):
             ks = list(range(start, min(start + 2, len(labels))))
             sl = slice(ks[0] * batch, (ks[-1] + 1) * batch)
-            chunks = [_chunk_conditioning(k, batch, context, y, guidance, kwargs, self.latent_format, concat)
+            chunks = [_chunk_conditioning(k, batch, context, y, guidance, kwargs, self.latent_format, concat, controls)
                       for k in ks]
             job = Job(self.handle.model, strategy, SamplingSpec(steps=1), x[sl].detach().float().cpu(), chunks[0],
                       chunks[1] if len(chunks) > 1 else None, timestep=timesteps[sl].detach().float().cpu(),
@@ -143,7 +144,8 @@ def _run(client, job):
         raise HOST.interrupt() from None
 
 
-def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent_format=None, concat=None):
+def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent_format=None, concat=None,
+                        controls=()):
     """Chunk k's rows of the call's conditioning inputs as a runtime Conditioning."""
     from parallel_runtime.spec import Conditioning
 
@@ -164,7 +166,7 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
     return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size,
                         references=_chunk_references(kwargs.get("ref_latents"), k, batch, latent_format),
                         reference_method=kwargs.get("ref_latents_method"),
-                        concat=concat[sl].detach().float().cpu() if concat is not None else None)
+                        concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls)
 
 
 def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
@@ -187,9 +189,11 @@ _KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents
 
 def _refuse_what_the_workers_cannot_do(control, options: dict, kwargs: dict) -> None:
     """One sentence for each model input or patch the workers would otherwise silently ignore."""
-    if control is not None:
-        raise convert.ConfigError("ControlNet does not run on the ParaDiT workers yet; remove the ControlNet "
-                                  "node or load the model with UNETLoader.")
+    if control is not None and not isinstance(control, controlnet.RemoteControl):
+        # Residuals computed elsewhere (a sampler that bypasses ComfyUI's guider, a custom control object).
+        raise convert.ConfigError("this model call carries ControlNet residuals computed on the host, which "
+                                  "ParaDiT does not add; sample with KSampler or SamplerCustomAdvanced, which run "
+                                  "the ControlNet on the workers, or load the model with UNETLoader.")
     if options.get("patches"):
         _refuse_code_patch("patches", ", ".join(sorted(map(str, options["patches"]))))
     if kwargs.get("attention_mask") is not None:
@@ -273,8 +277,10 @@ def parallel_model(handle: convert.ParaDiTModel):
     base = config.get_model(sd, "")
     base.diffusion_model = RemoteDiT(handle, dtype, base, {name: (tuple(t.shape), t.dtype) for name, t in sd.items()})
     base.memory_required = lambda *args, **kwargs: 0  # nothing of the DiT's lives in the host's memory
-    return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(),
-                                            offload_device=mm.unet_offload_device(), size=1)
+    patcher = comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(),
+                                               offload_device=mm.unet_offload_device(), size=1)
+    controlnet.install(patcher)  # ControlNets in its conditionings run on the workers
+    return patcher
 
 
 def refuse_model_patches(model) -> None:

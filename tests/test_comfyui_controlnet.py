@@ -1,0 +1,145 @@
+"""ComfyUI's own ControlNet nodes on the parallel MODEL, in a real ComfyUI host (skipped without COMFYUI_DIR):
+ControlNetLoader + ControlNetApplyAdvanced (strength, start/end percent, two chained) under KSampler, each graph
+against UNETLoader + the same stock nodes on the same files, where ComfyUI runs its own ControlNetFlux.
+
+The files: a random Flux DiT with ComfyUI's detection shape (3072 wide, one double and one single block, fp32)
+and a random XLabs-layout Flux ControlNet of one double block (what ComfyUI's XLabs loader reads). The hint is
+an image from a seeded latent (no VAE weights here), at another size than the output, so ComfyUI's upscale of
+the hint is part of what is compared. An InstantX ControlNet needs a VAE to encode its hint, which this host
+has no weights for: tests/test_controlnet.py checks that layout against an independent reference instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from comfy_host import COMFYUI_DIR
+
+if not COMFYUI_DIR:
+    pytest.skip("COMFYUI_DIR is not set: no ComfyUI host to test against", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from comfy_host import explain, serve  # noqa: E402
+from conftest import rel_err  # noqa: E402
+from parallel_runtime.models.families.flux import FluxConfig  # noqa: E402
+from parallel_runtime.models.tiny import write_checkpoint, write_controlnet  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+BASE = FluxConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=1, num_single_layers=1,
+                  context_dim=4096, pooled_dim=768, guidance_embeds=True)
+DIT, CONTROLNET = "flux-mini.safetensors", "flux-controlnet-xlabs-mini.safetensors"
+# fp32 on CPU: ComfyUI's ControlNetFlux and DiT and the workers' run the same float32 maths in another op order
+# (~1e-7 per op over 3 blocks and 3 steps); exact strategies on 2 workers add their own reordering.
+ONE_WORKER_RTOL = 1e-5
+EXACT_RTOL = 1e-4
+
+
+def write_models(root: str) -> None:
+    write_checkpoint(os.path.join(root, "models", "diffusion_models", DIT), BASE, seed=1,
+                     prefix="model.diffusion_model.", dtype=torch.float32)
+    write_controlnet(os.path.join(root, "models", "controlnet", CONTROLNET), BASE, "xlabs", double=1, seed=2)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from serve("paradit-comfyui-controlnet-", write_models)
+
+
+def strategy(cfg=1, pp=1, ulysses=1, ring=1) -> dict:
+    return {"class_type": "ParaDiTStrategy",
+            "inputs": {"mode": "manual", "cfg_degree": cfg, "pipefusion_degree": pp, "ulysses_degree": ulysses,
+                       "ring_degree": ring, "num_pipeline_patch": 0, "warmup_steps": 3}}
+
+
+def apply(positive: list, negative: list, hint: str, strength: float, start: float = 0.0, end: float = 1.0) -> dict:
+    return {"class_type": "ControlNetApplyAdvanced",
+            "inputs": {"positive": positive, "negative": negative, "control_net": ["30", 0], "image": [hint, 0],
+                       "strength": strength, "start_percent": start, "end_percent": end}}
+
+
+def graph(devices: str = "cpu:1", strat: dict | None = None, chained: bool = False,
+          parallel_sampler: bool = False) -> dict:
+    """Seeded prompts (1, 2), a 160x128 latent (4), a ControlNet (30) applied with hint 33 at strength 0.8
+    (40), and when `chained` again with hint 35 at strength 1.2 for 30%..80% of the schedule (41); the same
+    sampling on Load Parallel DiT (11 -> 12 -> 13) and on UNETLoader (20 -> 21 -> 22)."""
+    g = {"1": {"class_type": "ParaDiTTestConditioning", "inputs": {"seed": 1, "tokens": 8, "guidance": 3.5}},
+         "2": {"class_type": "ParaDiTTestConditioning", "inputs": {"seed": 2, "tokens": 8, "guidance": 3.5}},
+         "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 160, "height": 128, "batch_size": 1}},
+         "10": strat or strategy(),
+         "11": {"class_type": "ParaDiTLoader", "inputs": {"unet_name": DIT, "weight_dtype": "default",
+                                                          "devices": devices, "strategy": ["10", 0]}},
+         "20": {"class_type": "UNETLoader", "inputs": {"unet_name": DIT, "weight_dtype": "default"}},
+         "30": {"class_type": "ControlNetLoader", "inputs": {"control_net_name": CONTROLNET}}}
+    for node, seed, (w, h) in (("32", 7, (96, 80)), ("34", 8, (160, 128))):  # hint latents -> images 33, 35
+        g[node] = {"class_type": "ParaDiTTestLatent", "inputs": {"seed": seed, "width": w, "height": h}}
+        g[str(int(node) + 1)] = {"class_type": "ParaDiTTestLatentToImage", "inputs": {"samples": [node, 0]}}
+    g["40"] = apply(["1", 0], ["2", 0], "33", 0.8)
+    final = "40"
+    if chained:
+        g["41"] = apply(["40", 0], ["40", 1], "35", 1.2, 0.3, 0.8)
+        final = "41"
+    sampling = {"seed": 5, "steps": 3, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
+                "positive": [final, 0], "negative": [final, 1], "latent_image": ["4", 0]}
+    for loader, sampler, save in (("11", "12", "13"), ("20", "21", "22")):
+        cls = "ParaDiTSampler" if parallel_sampler and loader == "11" else "KSampler"
+        g[sampler] = {"class_type": cls, "inputs": dict(sampling, model=[loader, 0])}
+        g[save] = {"class_type": "SaveLatent", "inputs": {"samples": [sampler, 0], "filename_prefix": f"c/{save}"}}
+    return g
+
+
+REFERENCES: dict[str, torch.Tensor] = {}  # UNETLoader's latents by graph, to show each ControlNet acts
+
+
+def parity(server, g: dict, what: str) -> float:
+    result = server.run(g)
+    assert result["status"] == "success", explain(result)
+    par, ref = server.latent(result, "13"), server.latent(result, "22")
+    assert par.shape == ref.shape == (1, 16, 16, 20)
+    REFERENCES[what] = ref
+    err = rel_err(par, ref)
+    print(f"\n{what}: rel. L2 {err:.2e} vs UNETLoader")
+    return err
+
+
+def test_one_controlnet_equals_unetloader(server):
+    assert parity(server, graph(), "one") <= ONE_WORKER_RTOL
+    g = graph()
+    g["21"]["inputs"].update(positive=["1", 0], negative=["2", 0])  # UNETLoader's chain without the ControlNet
+    result = server.run({k: v for k, v in g.items() if k not in ("11", "12", "13")})
+    assert result["status"] == "success", explain(result)
+    assert rel_err(server.latent(result, "22"), REFERENCES["one"]) > 1e-2  # the ControlNet changes the image
+
+
+def test_chained_controlnets_with_a_timestep_range_equal_unetloader(server):
+    assert parity(server, graph(chained=True), "chained") <= ONE_WORKER_RTOL
+    if "one" in REFERENCES:  # the second ControlNet acts too (in its 30%..80% of the schedule)
+        assert rel_err(REFERENCES["chained"], REFERENCES["one"]) > 1e-3
+
+
+@pytest.mark.parametrize("strat", [strategy(cfg=2), strategy(ulysses=2), strategy(ring=2), strategy(pp=2)],
+                         ids=["cfg2", "ulysses2", "ring2", "pp2_warm"])
+def test_chained_controlnets_on_two_workers_equal_unetloader(server, strat):
+    """PipeFusion with warmup_steps = steps: the whole image every step (exact)."""
+    err = parity(server, graph("cpu:2", strat, chained=True), f"2 chained ControlNets, {strat['inputs']}")
+    assert err <= EXACT_RTOL
+
+
+def test_controlnet_under_parallel_sampler_is_refused_in_one_sentence(server):
+    g = graph(parallel_sampler=True)
+    result = server.run({k: v for k, v in g.items() if k not in ("20", "21", "22")})
+    assert result["status"] == "error", explain(result)
+    assert "ControlNet, which ParaDiT does not support" in result["error"]["exception_message"]
+
+
+def test_a_union_type_is_refused_in_one_sentence(server):
+    g = graph()
+    g["31"] = {"class_type": "SetUnionControlNetType", "inputs": {"control_net": ["30", 0],
+                                                                   "type": "canny/lineart/anime_lineart/mlsd"}}
+    g["40"]["inputs"]["control_net"] = ["31", 0]
+    result = server.run({k: v for k, v in g.items() if k not in ("20", "21", "22")})
+    assert result["status"] == "error", explain(result)
+    assert "SetUnionControlNetType" in result["error"]["exception_message"]
