@@ -34,6 +34,7 @@ from ..planning import costmodel
 from ..planning.traffic import compare, job_traffic, shapes_of
 from ..runtime.devices import default_dtype
 from ..toy.text import TEXT_TOKENS
+from .controlnet import controlnet_row
 from .grid import CFG_PARALLEL_SCALE, grid, row_label, subset_devices
 from .measure import cpu_capacity
 from .models import BENCH_FAMILIES, FLUX_DEV, NAMED_MODELS, RELEASE_SHAPES, TOY
@@ -223,6 +224,8 @@ class BenchRun:
             say("")
             record["pipefusion_per_call"] = pipefusion_per_call(say, args, self.path, self.config, self.latent_shape,
                                                                 self.text, results, self.calib, self.devices)
+            record["controlnet"] = controlnet_row(say, args, self.path, self.config, self.latent_shape, self.text,
+                                                  results, self.devices, self.target)
         record["in_process_step_s"], record["model_call_s"] = inproc_runs, call_runs
         inproc = min(inproc_runs) if inproc_runs else None
         measured_targets(args, results, serial, inproc, total_params, self.target)

@@ -52,13 +52,19 @@ def run_config(devices: str, job: Job, threads: int) -> dict:
 
 
 def run_calls(path: str, config, latent_shape, text_tokens: int, cfg: float, steps: int, threads: int,
-              strategy: StrategySpec = StrategySpec(), devices: str = "cpu:1") -> list[float]:
+              strategy: StrategySpec = StrategySpec(), devices: str = "cpu:1", control: tuple = (),
+              stats: list | None = None) -> list[float]:
     """A stock sampler's way in: `steps` model calls (one per step, cond and uncond batched as ComfyUI batches
     them at cfg > 1), each a runtime job from this process. Seconds per call, leaving out the first (which loads
-    the model) and PipeFusion's warm-up calls."""
+    the model) and PipeFusion's warm-up calls. `control`: ControlInputs every branch carries; `stats`: gets each
+    timed call's per-rank stats."""
     from ..runtime.client import RuntimeClient
 
     template = make_job(path, config, strategy, latent_shape, text_tokens, cfg, steps)
+    if control:
+        template = dataclasses.replace(
+            template, positive=dataclasses.replace(template.positive, control=control),
+            negative=template.negative and dataclasses.replace(template.negative, control=control))
     chunks = 2 if template.negative is not None else 1
     x = torch.randn((chunks * latent_shape[0], *latent_shape[1:]), generator=torch.Generator().manual_seed(3))
     call = dataclasses.replace(template, sampling=SamplingSpec(steps=1), latent=x,
@@ -69,8 +75,10 @@ def run_calls(path: str, config, latent_shape, text_tokens: int, cfg: float, ste
         times = []
         for i in range(steps + skip):
             t0 = time.perf_counter()
-            client.run(dataclasses.replace(call, call_step=i, call_last=i == steps + skip - 1))
+            result = client.run(dataclasses.replace(call, call_step=i, call_last=i == steps + skip - 1))
             times.append(time.perf_counter() - t0)
+            if stats is not None and i >= skip:
+                stats.append(result.stats)
     finally:
         client.shutdown()
     return times[skip:]
