@@ -5,8 +5,9 @@
 - API graphs use only ParaDiT's nodes, with exactly the inputs nodes/convert.py declares, and the core
   nodes listed below, with links of the right types;
 - each UI workflow and its API twin agree node by node, widget by widget, link by link;
-- each workflow loads its model family's files (Flux dev/schnell, Chroma, SD3.5) with the right text
-  encoders and guidance, and its strategy fits its devices, that model and a 1024x1024 image;
+- each workflow loads its model family's files (Flux dev/schnell, Fill, Kontext, Chroma, SD3.5, Qwen-Image,
+  PixArt) and ControlNet with the right text encoders and guidance, and its strategy fits its devices, that model
+  and its image size;
 - scripts/queue_workflow.py: overrides, format detection and its websocket client (against a tiny
   in-process server on 127.0.0.1).
 """
@@ -34,7 +35,7 @@ WF_DIR = os.path.join(REPO, "workflows")
 API_DIR = os.path.join(WF_DIR, "api")
 WORKFLOWS = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pipefusion", "flux_dev_cfg_parallel",
              "flux_dev_hybrid", "flux_schnell", "chroma_ulysses", "sd35_large_cfg_parallel", "kontext_dev_ulysses",
-             "qwen_image_hybrid", "pixart_sigma_hybrid", "flux_dev_ksampler")
+             "qwen_image_hybrid", "pixart_sigma_hybrid", "flux_dev_ksampler", "flux_dev_controlnet", "flux_fill_inpaint")
 FLUX_HEADS, FLUX_BLOCKS = 24, 19 + 38  # FLUX.1 dev/schnell: 19 double + 38 single blocks
 FLUX_UNETS = ("flux1-dev.safetensors", "flux1-schnell.safetensors")
 STRATEGY_WORDS = ("auto", "ulysses", "ring", "pipefusion", "cfg_parallel", "hybrid")  # the end of a workflow's name
@@ -60,6 +61,11 @@ MODELS = {
 }
 # Flux Kontext dev edits a picture: Flux's blocks and encoders, the picture as a ReferenceLatent.
 KONTEXT = dict(unet="flux1-kontext-dev.safetensors", heads=FLUX_HEADS, blocks=FLUX_BLOCKS)
+# Flux.1 Fill dev inpaints a picture: Flux's blocks and encoders, picture and mask as extra input channels
+# (InpaintModelConditioning), guidance 30.
+FILL = dict(unet="flux1-fill-dev.safetensors", heads=FLUX_HEADS, blocks=FLUX_BLOCKS, guidance=30.0)
+# Flux ControlNets the workflows load (models/controlnet): XLabs' canny v3, which wants an edge map as its hint.
+CONTROLNETS = ("flux-canny-controlnet-v3.safetensors",)
 
 # Core ComfyUI nodes the workflows may use (as of ComfyUI a125cd8): widget inputs in order, socket inputs
 # in order, output types. UI-only nodes (notes) have no API twin.
@@ -75,6 +81,16 @@ CORE = {
     "LoadImage": (["image"], {}, ["IMAGE", "MASK"]),
     "FluxKontextImageScale": ([], {"image": "IMAGE"}, ["IMAGE"]),  # comfy_extras/nodes_flux.py
     "VAEEncode": ([], {"pixels": "IMAGE", "vae": "VAE"}, ["LATENT"]),
+    "Canny": (["low_threshold", "high_threshold"], {"image": "IMAGE"}, ["IMAGE"]),  # comfy_extras/nodes_canny.py
+    "ControlNetLoader": (["control_net_name"], {}, ["CONTROL_NET"]),
+    "ControlNetApplyAdvanced": (["strength", "start_percent", "end_percent"],
+                                {"positive": "CONDITIONING", "negative": "CONDITIONING", "control_net": "CONTROL_NET",
+                                 "image": "IMAGE", "vae": "VAE"}, ["CONDITIONING", "CONDITIONING"]),
+    "InpaintModelConditioning": (["noise_mask"], {"positive": "CONDITIONING", "negative": "CONDITIONING", "vae": "VAE",
+                                                  "pixels": "IMAGE", "mask": "MASK"},
+                                 ["CONDITIONING", "CONDITIONING", "LATENT"]),
+    # comfy_extras/nodes_differential_diffusion.py: the MODEL blends the noise mask's soft edges
+    "DifferentialDiffusion": (["strength"], {"model": "MODEL"}, ["MODEL"]),
     "ReferenceLatent": ([], {"conditioning": "CONDITIONING", "latent": "LATENT"}, ["CONDITIONING"]),  # nodes_edit_model.py
     "VAELoader": (["vae_name"], {}, ["VAE"]),
     "VAEDecode": ([], {"samples": "LATENT", "vae": "VAE"}, ["IMAGE"]),
@@ -85,7 +101,8 @@ CORE = {
                  ["LATENT"]),
 }
 UI_ONLY = {"MarkdownNote", "Note"}
-OPTIONAL_CORE = {("DualCLIPLoader", "device"), ("CLIPLoader", "device"), ("ReferenceLatent", "latent")}
+OPTIONAL_CORE = {("DualCLIPLoader", "device"), ("CLIPLoader", "device"), ("ReferenceLatent", "latent"),
+                 ("ControlNetApplyAdvanced", "vae"), ("DifferentialDiffusion", "strength")}
 # Widget values the frontend stores after a widget but the API format leaves out: LoadImage's upload button.
 UI_EXTRA_WIDGETS = {("LoadImage", "image"): 1, ("KSampler", "seed"): 1}  # and KSampler's control_after_generate
 
@@ -94,7 +111,8 @@ def _ours():
     """class -> (InputSpec rows, output types), straight from nodes/convert.py."""
     return {
         "ParaDiTStrategy": (convert.STRATEGY_INPUTS, [convert.STRATEGY_TYPE]),
-        "ParaDiTLoader": (convert.loader_inputs([*FLUX_UNETS, KONTEXT["unet"], *(m["unet"] for m in MODELS.values())]),
+        "ParaDiTLoader": (convert.loader_inputs([*FLUX_UNETS, KONTEXT["unet"], FILL["unet"],
+                                                       *(m["unet"] for m in MODELS.values())]),
                           [convert.MODEL_TYPE]),
         "ParaDiTSampler": (convert.sampler_inputs(convert.sampler_names(), convert.scheduler_names()), ["LATENT"]),
     }
@@ -138,7 +156,8 @@ def _model_of(name: str):
     return found[0] if found else None
 
 
-FLUX_API = [f for f in api_files() if f.startswith("flux_")]
+FLUX_API = [f for f in api_files() if f.startswith("flux_") and not f.startswith("flux_fill_")]
+FILL_API = [f for f in api_files() if f.startswith("flux_fill_")]
 KONTEXT_API = [f for f in api_files() if f.startswith("kontext_")]
 OTHER_API = [f for f in api_files() if not f.startswith(("flux_", "kontext_"))]
 
@@ -329,11 +348,79 @@ def test_workflow_is_flux_text_to_image_and_its_strategy_fits(name):
                               "type": "flux", "device": "default"}
     assert vae["inputs"]["vae_name"] == "ae.safetensors"
     assert ("FluxGuidance" in c) == (not schnell)
-    assert graph[sampler["inputs"]["positive"][0]]["class_type"] == ("CLIPTextEncode" if schnell else "FluxGuidance")
+    positive = graph[sampler["inputs"]["positive"][0]]
+    if "ControlNetApplyAdvanced" in c:  # the prompts pass through Apply ControlNet on their way to the sampler
+        positive = graph[_check_controlnet(graph, sampler, vae)["inputs"]["positive"][0]]
+    assert positive["class_type"] == ("CLIPTextEncode" if schnell else "FluxGuidance")
     s = sampler["inputs"]
     if schnell:
         assert (s["steps"], s["cfg"]) == (4, 1.0)
     _check_strategy(name, graph, FLUX_HEADS, FLUX_BLOCKS)
+
+
+def _check_controlnet(graph, sampler, vae):
+    """Apply ControlNet feeds both of the sampler's prompts (its positive and negative outputs), with a ControlNet this
+    project lists, the Flux VAE, a hint traced from a picture, and a strength and step range ComfyUI accepts. The
+    MODEL stays Load Parallel DiT's own: the ControlNet rides in the conditioning. Returns the Apply node."""
+    s = sampler["inputs"]
+    apply = graph[s["positive"][0]]
+    assert apply["class_type"] == "ControlNetApplyAdvanced"
+    assert s["positive"][1] == 0 and s["negative"] == [s["positive"][0], 1], "positive and negative from one Apply"
+    a = apply["inputs"]
+    loader = graph[a["control_net"][0]]
+    assert loader["class_type"] == "ControlNetLoader" and loader["inputs"]["control_net_name"] in CONTROLNETS
+    assert graph[a["vae"][0]] is vae
+    hint = graph[a["image"][0]]
+    if "canny" in loader["inputs"]["control_net_name"]:  # a canny ControlNet sees edges: Canny traces the picture
+        assert hint["class_type"] == "Canny"
+        assert 0 < hint["inputs"]["low_threshold"] < hint["inputs"]["high_threshold"] < 1
+        hint = graph[hint["inputs"]["image"][0]]
+    assert hint["class_type"] == "LoadImage" and hint["inputs"]["image"] == "example.png"  # ComfyUI's input/example.png
+    assert 0 < a["strength"] <= 10 and 0 <= a["start_percent"] < a["end_percent"] <= 1
+    assert graph[s["model"][0]]["class_type"] == "ParaDiTLoader"
+    return apply
+
+
+@pytest.mark.parametrize("name", FILL_API)
+def test_fill_workflow_inpaints_a_picture_and_its_strategy_fits(name):
+    """Flux Fill: InpaintModelConditioning encodes the picture and its mask (both from one Load Image) into the
+    conditioning and hands the sampler the picture's latent (the output keeps the picture's size); Differential
+    Diffusion on Load Parallel DiT's MODEL; guidance-distilled: FluxGuidance 30, cfg 1, full denoise."""
+    graph = _load(os.path.join(API_DIR, name))
+    c = _by_class(graph)
+    (loader,), (sampler,), (clip,), (vae,) = c["ParaDiTLoader"], c["KSampler"], c["DualCLIPLoader"], c["VAELoader"]
+    assert "ParaDiTSampler" not in c and "EmptySD3LatentImage" not in c
+    assert loader["inputs"]["unet_name"] == FILL["unet"] and vae["inputs"]["vae_name"] == "ae.safetensors"
+    assert clip["inputs"] == {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors",
+                              "type": "flux", "device": "default"}
+    s = sampler["inputs"]
+    assert (s["cfg"], s["denoise"]) == (1.0, 1.0)
+    diffusion = graph[s["model"][0]]
+    assert diffusion["class_type"] == "DifferentialDiffusion" and graph[diffusion["inputs"]["model"][0]] is loader
+    inpaint_id = s["positive"][0]
+    inpaint = graph[inpaint_id]
+    assert inpaint["class_type"] == "InpaintModelConditioning"
+    assert (s["positive"], s["negative"], s["latent_image"]) == ([inpaint_id, 0], [inpaint_id, 1], [inpaint_id, 2])
+    i = inpaint["inputs"]
+    assert i["noise_mask"] is True and graph[i["vae"][0]] is vae
+    guidance = graph[i["positive"][0]]
+    assert guidance["class_type"] == "FluxGuidance" and guidance["inputs"]["guidance"] == FILL["guidance"]
+    positive, negative = graph[guidance["inputs"]["conditioning"][0]], graph[i["negative"][0]]
+    assert positive["class_type"] == "CLIPTextEncode" and positive["inputs"]["text"].strip()
+    assert negative["class_type"] in ("CLIPTextEncode", "ConditioningZeroOut") and negative is not positive
+    for encode in (positive, negative):
+        if encode["class_type"] == "CLIPTextEncode":
+            assert graph[encode["inputs"]["clip"][0]] is clip
+    image_id = i["pixels"][0]
+    assert i["pixels"] == [image_id, 0] and i["mask"] == [image_id, 1], "picture and mask from one Load Image"
+    assert graph[image_id]["class_type"] == "LoadImage" and graph[image_id]["inputs"]["image"] == "example.png"
+    (decode,), (save,) = c["VAEDecode"], c["SaveImage"]
+    assert graph[decode["inputs"]["samples"][0]] is sampler and graph[decode["inputs"]["vae"][0]] is vae
+    assert graph[save["inputs"]["images"][0]] is decode
+    assert save["inputs"]["filename_prefix"] == f"ParaDiT/{name[:-len('.json')]}"
+    # The output has the picture's size: ComfyUI's example.png (768 px), a square megapixel, and wide/tall ones.
+    for hw in ((768, 768), (1024, 1024), (768, 1360), (1360, 768)):
+        _check_strategy(name, graph, FILL["heads"], FILL["blocks"], latent_hw=hw)
 
 
 @pytest.mark.parametrize("name", OTHER_API)
