@@ -8,12 +8,15 @@ it needs on the same object.
 """
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
 
 from . import controlnet, convert
 from .host import HOST
+
+log = logging.getLogger(__name__)
 
 class RemoteDiT(torch.nn.Module):
     """The diffusion model of a parallel MODEL: no parameters; `forward` runs on the workers."""
@@ -115,9 +118,15 @@ class RemoteDiT(torch.nn.Module):
                 return choose_strategy(*args, memory_budget_bytes=client.memory_budget(), per_call=True)
 
             cfg = 2.0 if chunks == 2 else 1.0  # a second chunk is ComfyUI's uncond: CFG parallel can take it
+            from parallel_runtime.runtime.topology import fit_to_latent
+
             per_image = (shape[0] // chunks, *shape[1:])
-            self._strategies[key] = convert.resolve_strategy(self.handle.strategy, choose, self.handle.model.path,
-                                                             per_image, cfg, self.handle.devices)[0]
+            strategy = convert.resolve_strategy(self.handle.strategy, choose, self.handle.model.path, per_image, cfg,
+                                                self.handle.devices)[0]
+            strategy, note = fit_to_latent(strategy, tuple(shape[-2:]))
+            if note:
+                log.warning("ParaDiT: %s.", note)
+            self._strategies[key] = strategy
         return self._strategies[key]
 
 

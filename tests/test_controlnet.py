@@ -232,3 +232,20 @@ def test_refusals(files, client1, tmp_path):
     whole = dataclasses.replace(call_job(files, S(), [control(files, "xlabs", 11)]), timestep=None)
     with pytest.raises(ConfigError, match="sample with KSampler"):
         client1.run(whole)
+
+
+@pytest.mark.parametrize("strategy, hw", [(S(ulysses_degree=2), (2, 2)), (S(ring_degree=2), (2, 2)),
+                                          (S(pipefusion_degree=2, num_pipeline_patch=2), (6, 4))],
+                         ids=["ulysses2_one_token", "ring2_one_token", "pp2_odd_rows"])
+def test_an_area_too_small_for_the_strategy_runs_as_whole_image_stages(files, client1, client2, strategy, hw):
+    """A ConditioningSetArea crop can be smaller than the degrees (1 token for 2 ranks) or have rows PipeFusion's
+    patches do not divide: stock KSampler raises nothing there, so the call runs as exact whole-image stages."""
+    from parallel_runtime.runtime.topology import fit_to_latent
+
+    fitted, note = fit_to_latent(strategy, hw)
+    assert fitted == S(pipefusion_degree=2, num_pipeline_patch=1) and "too small" in note
+    assert fit_to_latent(strategy, (H, W)) == (strategy, None)  # the whole latent fits: unchanged
+    job = call_job(files, fitted)
+    small = dataclasses.replace(job, latent=job.latent[..., :hw[0], :hw[1]].contiguous())
+    serial = client1.run(dataclasses.replace(small, strategy=S())).latent
+    assert rel_err(client2.run(small).latent, serial) < EXACT_RTOL

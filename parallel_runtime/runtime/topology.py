@@ -146,3 +146,22 @@ def validate_strategy(s: StrategySpec, *, world_size: int, heads: int | None = N
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def fit_to_latent(s: StrategySpec, latent_hw: tuple[int, int]) -> tuple[StrategySpec, str | None]:
+    """The strategy for one model call whose latent may be smaller than the job's (an area conditioning crops the
+    latent per cond): `s` where it fits, else the same devices as a pipeline of whole-image stages (PipeFusion
+    with one patch: exact, splits no token) beside the same CFG split, and a sentence saying so. Stock KSampler
+    raises nothing for a small area, so neither may the parallel MODEL."""
+    try:
+        validate_strategy(s, world_size=s.world_size, latent_hw=latent_hw)
+        return s, None
+    except ConfigError as exc:
+        if "multiple of Flux's 2x2 patch" in str(exc):
+            raise
+    stages = s.world_size // s.cfg_degree
+    fallback = StrategySpec(cfg_degree=s.cfg_degree, pipefusion_degree=stages, num_pipeline_patch=1,
+                            warmup_steps=max(1, s.warmup_steps))
+    h, w = latent_hw
+    return fallback, (f"a {w * 8}x{h * 8} px area is too small for {s.label()}, so its calls run as "
+                      f"{fallback.label()} (whole-image pipeline stages: exact, slower)")
