@@ -194,10 +194,11 @@ def test_regional_conditioning_equals_unetloader(server, bounds, devices, strat)
 
 @pytest.mark.parametrize("strat", [strategy(ulysses=2), strategy(pp=2)], ids=["ulysses2", "pp2"])
 def test_an_area_too_small_for_the_degrees_runs_and_equals_unetloader(server, strat):
-    """A 16x16 px area is one token: fewer than Ulysses' two ranks, and one row PipeFusion's two patches cannot
-    split. Stock KSampler raises nothing there; its calls run as whole-image stages (exact)."""
-    g = regional(graph("canny", "cpu:2", strat), "default")
-    g["33"]["inputs"].update(width=16, height=16, x=32, y=16)
+    """A 16x16 px mask with "mask bounds" crops the latent to one token: fewer than Ulysses' two ranks, and one row
+    PipeFusion's two patches cannot split. Stock KSampler raises nothing there; its calls run as whole-image
+    stages (exact). (ConditioningSetArea's own minimum, 64 px, is 16 tokens.)"""
+    g = regional(graph("canny", "cpu:2", strat), "mask bounds")
+    g["35b"]["inputs"].update(width=16, height=16)
     assert parity(server, g, f"16x16 area, {strat['inputs']}") <= EXACT_RTOL
 
 
