@@ -121,7 +121,7 @@ def hint_tokens(net, control: ControlInput) -> torch.Tensor:
 def _batched(tokens: torch.Tensor, branches) -> torch.Tensor:
     """Hint tokens of one latent batch tiled as ComfyUI's broadcast_image_to tiles them: to the batch, then
     once per branch."""
-    from .denoise import repeat_to_batch
-
-    tokens = repeat_to_batch(tokens, branches.batch)
+    batch = branches.batch
+    if tokens.shape[0] != batch:  # comfy.utils.repeat_to_batch_size: tiled, or cut, to the batch
+        tokens = tokens.repeat(-(-batch // tokens.shape[0]), 1, 1)[:batch]
     return tokens.repeat(branches.count, 1, 1) if branches.count > 1 else tokens
