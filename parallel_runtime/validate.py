@@ -169,13 +169,21 @@ def validate_concat(name: str, c, config, latent: torch.Tensor, batch: int) -> N
     _finite_tensor(f"{name} conditioning's concat image", c.concat, "re-encode the image with VAE Encode")
 
 
+@lru_cache(maxsize=16)
+def _controlnet_config(family, path: str, mtime_ns: int, size: int):
+    """A ControlNet's config from its header, once per file version (a model call names it every step)."""
+    from .weights.checkpoint import open_checkpoint
+
+    with open_checkpoint(path) as reader:
+        return family.controlnet_config(reader)
+
+
 def validate_control(name: str, c, config, job: Job) -> None:
     """A branch's ControlNet chain: a family whose blocks take residuals, a stock sampler's call (Parallel
     Sampler's node refuses ControlNet before this), a ControlNet file of the model's family and width."""
     if not c.control:
         return
     from .models.registry import family_of
-    from .weights.checkpoint import open_checkpoint
 
     family = family_of(config)
     title = getattr(config, "title", family.title)
@@ -193,8 +201,8 @@ def validate_control(name: str, c, config, job: Job) -> None:
             raise ConfigError(f"a ControlNet of the {name} conditioning has strength {control.strength}; set a "
                               f"finite strength on its apply node.")
         try:
-            with open_checkpoint(control.path) as reader:
-                net = family.controlnet_config(reader)
+            st = os.stat(control.path)
+            net = _controlnet_config(family, control.path, st.st_mtime_ns, st.st_size)
         except (OSError, ValueError) as exc:
             raise ModelFileError(f"the ControlNet file {control.path} cannot be read ({exc}); load the ControlNet "
                                  f"again.") from None

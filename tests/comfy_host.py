@@ -241,6 +241,27 @@ def explain(result: dict) -> str:
     return f"{result['status']}: {err.get('exception_message') or qw.format_rejection(err) if err else ''}"
 
 
+def strategy(mode="manual", cfg=1, pp=1, ulysses=1, ring=1, patches=0, warmup=1) -> dict:
+    """A Strategy Selector node (API format)."""
+    return {"class_type": "ParaDiTStrategy",
+            "inputs": {"mode": mode, "cfg_degree": cfg, "pipefusion_degree": pp, "ulysses_degree": ulysses,
+                       "ring_degree": ring, "num_pipeline_patch": patches, "warmup_steps": warmup}}
+
+
+def latent_parity(server: "Server", g: dict, what: str, parallel: str = "13", reference: str = "22"):
+    """Run `g` and compare the latents its SaveLatent nodes `parallel` (Load Parallel DiT's chain) and `reference`
+    (UNETLoader's) wrote: (rel. L2, parallel latent, reference latent), the figure printed."""
+    from conftest import rel_err
+
+    result = server.run(g)
+    assert result["status"] == "success", explain(result)
+    par, ref = server.latent(result, parallel), server.latent(result, reference)
+    assert par.shape == ref.shape
+    err = rel_err(par, ref)
+    print(f"\n{what}: rel. L2 {err:.2e} vs UNETLoader")
+    return err, par, ref
+
+
 def stop_group(proc: subprocess.Popen) -> None:
     """Ctrl-C the server (so its atexit hooks shut the ParaDiT workers down cleanly), then SIGTERM and
     SIGKILL its whole process group (server + workers) for whatever is left."""

@@ -10,7 +10,6 @@ has no weights for: tests/test_controlnet.py checks that layout against an indep
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -22,7 +21,8 @@ if not COMFYUI_DIR:
 
 import torch  # noqa: E402
 
-from comfy_host import explain, serve  # noqa: E402
+import comfy_host  # noqa: E402
+from comfy_host import explain, latent_parity, serve  # noqa: E402
 from conftest import rel_err  # noqa: E402
 from parallel_runtime.models.families.flux import FluxConfig  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint, write_controlnet  # noqa: E402
@@ -49,10 +49,9 @@ def server():
     yield from serve("paradit-comfyui-controlnet-", write_models)
 
 
-def strategy(cfg=1, pp=1, ulysses=1, ring=1) -> dict:
-    return {"class_type": "ParaDiTStrategy",
-            "inputs": {"mode": "manual", "cfg_degree": cfg, "pipefusion_degree": pp, "ulysses_degree": ulysses,
-                       "ring_degree": ring, "num_pipeline_patch": 0, "warmup_steps": 3}}
+def strategy(**degrees) -> dict:
+    """warmup_steps = the graphs' 3 steps: PipeFusion runs the whole image every step (exact)."""
+    return comfy_host.strategy(warmup=3, **degrees)
 
 
 def apply(positive: list, negative: list, hint: str, strength: float, start: float = 0.0, end: float = 1.0) -> dict:
@@ -95,13 +94,8 @@ REFERENCES: dict[str, torch.Tensor] = {}  # UNETLoader's latents by graph, to sh
 
 
 def parity(server, g: dict, what: str) -> float:
-    result = server.run(g)
-    assert result["status"] == "success", explain(result)
-    par, ref = server.latent(result, "13"), server.latent(result, "22")
-    assert par.shape == ref.shape == (1, 16, 16, 20)
-    REFERENCES[what] = ref
-    err = rel_err(par, ref)
-    print(f"\n{what}: rel. L2 {err:.2e} vs UNETLoader")
+    err, par, REFERENCES[what] = latent_parity(server, g, what)
+    assert par.shape == (1, 16, 16, 20)
     return err
 
 

@@ -38,7 +38,7 @@ if not COMFYUI_DIR:
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from comfy_host import PROMPT_TIMEOUT_S, REPO, explain, qw, serve  # noqa: E402
+from comfy_host import PROMPT_TIMEOUT_S, REPO, explain, qw, serve, strategy  # noqa: E402
 from conftest import rel_err  # noqa: E402
 from parallel_runtime.models.families.chroma import ChromaConfig  # noqa: E402
 from parallel_runtime.models.families.flux import FluxConfig  # noqa: E402
@@ -263,12 +263,6 @@ def write_models(root: str) -> None:
 
 def cond(seed: int, tokens: int = 8, guidance: float = 3.5) -> dict:
     return {"class_type": "ParaDiTTestConditioning", "inputs": {"seed": seed, "tokens": tokens, "guidance": guidance}}
-
-
-def strategy(mode="manual", cfg=1, pp=1, ulysses=1, ring=1, patches=0, warmup=1) -> dict:
-    return {"class_type": "ParaDiTStrategy",
-            "inputs": {"mode": mode, "cfg_degree": cfg, "pipefusion_degree": pp, "ulysses_degree": ulysses,
-                       "ring_degree": ring, "num_pipeline_patch": patches, "warmup_steps": warmup}}
 
 
 def sampling(seed=5, steps=4, cfg=1.0, sampler_name="euler", scheduler="simple", denoise=1.0) -> dict:

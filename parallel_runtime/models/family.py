@@ -180,7 +180,7 @@ class DiTFamily:
     replace_keys: tuple[str, ...] = ("double_block", "single_block")
     # The family's ControlNets, None where they do not run on the workers: reader -> its config (how many
     # residuals, `residual_index` over the DiT's blocks); (reader, dtype, device, attention context) -> the
-    # adapter strategies run (hint_tokens, embed_control_image, residuals, use_layers).
+    # adapter strategies run (hint_tokens, hint_cache, embed_control_image, residuals, use_layers).
     controlnet_config: Callable | None = None
     load_controlnet: Callable | None = None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections import OrderedDict
 
 import torch
 from safetensors.torch import load as st_load
@@ -77,7 +78,7 @@ class Channel:
 HINTS_KEPT = 8  # ControlNet hints the workers keep between jobs (and hint token tables each ControlNet keeps)
 
 
-def keep_hints(kept: "OrderedDict", named: list[str], new: dict) -> None:
+def keep_hints(kept: OrderedDict, named: list[str], new: dict) -> None:
     """The ControlNet hints a client and its workers hold, updated in lockstep after each job: the job's new
     hints join, the ones it names move to the back, and the least recently named others leave past
     HINTS_KEPT. The client keeps only the keys (values None), so it sends each hint once."""

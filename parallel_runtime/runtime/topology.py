@@ -156,12 +156,13 @@ def fit_to_latent(s: StrategySpec, latent_hw: tuple[int, int]) -> tuple[Strategy
     try:
         validate_strategy(s, world_size=s.world_size, latent_hw=latent_hw)
         return s, None
-    except ConfigError as exc:
-        if "multiple of Flux's 2x2 patch" in str(exc):
-            raise
+    except ConfigError:
+        pass
     stages = s.world_size // s.cfg_degree
     fallback = StrategySpec(cfg_degree=s.cfg_degree, pipefusion_degree=stages, num_pipeline_patch=1,
                             warmup_steps=max(1, s.warmup_steps))
+    # Splits no token, so only a latent no strategy takes fails here (an odd size), with that one's sentence.
+    validate_strategy(fallback, world_size=fallback.world_size, latent_hw=latent_hw)
     h, w = latent_hw
     return fallback, (f"a {w * 8}x{h * 8} px area is too small for {s.label()}, so its calls run as "
                       f"{fallback.label()} (whole-image pipeline stages: exact, slower)")

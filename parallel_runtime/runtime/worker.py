@@ -52,7 +52,7 @@ class WorkerState:
         self.weight_patches = None  # the last WeightPatches the client sent (kept for a reload)
         self.hints = collections.OrderedDict()  # ControlNet hints by key, kept in lockstep with the client's
         self.controlnets: dict = {}  # (path, mtime, size) -> loaded ControlNet adapter, for the loaded model
-        self.control_configs: dict = {}  # path -> ControlNet config (every rank reads the header)
+        self.control_configs: dict = {}  # (path, mtime, size) -> config, on ranks that only add residuals
 
     # -- model ---------------------------------------------------------------------------------------
 
@@ -159,23 +159,25 @@ class WorkerState:
 
         paths = list(dict.fromkeys(c.path for b in (job.positive, job.negative) if b is not None for c in b.control))
         runs = topology.coords(self.rank)["pipefusion"] == 0
-        nets = {}
+        found = ControlNets()
         for path in paths:
             stat = os.stat(path)
             key = (path, stat.st_mtime_ns, stat.st_size)
-            if runs and key not in self.controlnets:
-                with open_checkpoint(path) as reader:
-                    self.controlnets[key] = self.family.load_controlnet(reader, self.adapter.dtype, self.device,
-                                                                        self.context)
-            if path not in self.control_configs:
-                with open_checkpoint(path) as reader:
-                    self.control_configs[path] = self.family.controlnet_config(reader)
             if runs:
-                nets[path] = self.controlnets.pop(key)
-                self.controlnets[key] = nets[path]  # most recently used last
+                net = self.controlnets.pop(key, None)
+                if net is None:
+                    with open_checkpoint(path) as reader:
+                        net = self.family.load_controlnet(reader, self.adapter.dtype, self.device, self.context)
+                self.controlnets[key] = found.nets[path] = net  # most recently used last
+                found.configs[path] = net.control
+            else:
+                if key not in self.control_configs:
+                    with open_checkpoint(path) as reader:
+                        self.control_configs[key] = self.family.controlnet_config(reader)
+                found.configs[path] = self.control_configs[key]
         while len(self.controlnets) > CONTROLNETS_KEPT:
             self.controlnets.pop(next(iter(self.controlnets)))
-        return ControlNets(nets, {p: self.control_configs[p] for p in paths})
+        return found
 
     def held_bytes(self) -> int:
         """Bytes of the weights this worker holds: the model's and its ControlNets'."""

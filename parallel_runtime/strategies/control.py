@@ -13,7 +13,6 @@ A ControlNet's outputs are few (one per ControlNet block) and ComfyUI repeats th
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -107,9 +106,9 @@ class ControlPass:
 
 
 def hint_tokens(net, control: ControlInput) -> torch.Tensor:
-    """The embedded hint of `control` on this ControlNet, computed once per hint and kept (a sampling run's
-    calls all use the same hint)."""
-    cache = net.__dict__.setdefault("_hint_tokens", OrderedDict())
+    """The embedded hint of `control` on this ControlNet, computed once per hint and kept in the adapter's
+    `hint_cache` (a sampling run's calls all use the same hint)."""
+    cache = net.hint_cache
     if control.hint_key not in cache:
         cache[control.hint_key] = net.hint_tokens(control.hint)
         while len(cache) > HINTS_KEPT:

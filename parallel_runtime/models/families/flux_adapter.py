@@ -6,6 +6,7 @@ pipeline stage owns. Strategies only ever call these methods; the checkpoint map
 """
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import os
@@ -226,6 +227,8 @@ class FluxControlNetAdapter(FluxAdapter):
         blocks = range(net.config.flux.num_blocks)
         # One chunk per block, so `residuals` can project each block's output.
         super().__init__(net.config.flux, net.transformer, [range(i, i + 1) for i in blocks], context)
+        self.projections = [*net.double_projections, *net.single_projections]  # one per block, in block order
+        self.hint_cache: collections.OrderedDict = collections.OrderedDict()  # hint key -> hint_tokens, kept by strategies
 
     def use_layers(self, position: int) -> None:
         """Attention layer ids for the ControlNet at `position` of a chain: past the DiT's, and apart for each
@@ -251,11 +254,9 @@ class FluxControlNetAdapter(FluxAdapter):
     def residuals(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope) -> list[torch.Tensor]:
         """One residual per ControlNet block, for the image rows of `image` (double blocks, then single)."""
         out = []
-        for k in range(len(self.chunks)):
+        for k, projection in enumerate(self.projections):
             image, text = self.run_blocks(image, text, temb, rope, chunk=k)
-            projections = (self.net.double_projections if k < self.control.double
-                           else self.net.single_projections)
-            out.append(projections[k if k < self.control.double else k - self.control.double](image))
+            out.append(projection(image))
         return out
 
 
