@@ -248,7 +248,9 @@ _UNSUPPORTED_COND_KEYS = {
     "control": "ControlNet",
     "gligen": "GLIGEN",
     "hooks": "conditioning hooks / LoRA hooks",
+    "attention_mask": "an attention mask (StyleModelApply's attn_bias strength)",
 }
+_RUN_UNDER_KSAMPLER = {"area", "mask", "control", "attention_mask"}  # the parallel MODEL runs these on the workers
 
 
 def conditioning(value: Any, which: str = "positive") -> Conditioning:
@@ -265,8 +267,10 @@ def conditioning(value: Any, which: str = "positive") -> Conditioning:
     extra = extra or {}
     for key, what in _UNSUPPORTED_COND_KEYS.items():
         if extra.get(key) is not None:
-            raise ConfigError(f"The {which} conditioning uses {what}, which ParaDiT does not support; "
-                              f"remove that node or sample with KSampler.")
+            fix = ("sample the parallel MODEL with KSampler, which runs it on the workers, or remove that node"
+                   if key in _RUN_UNDER_KSAMPLER else "remove that node or load the model with UNETLoader")
+            raise ConfigError(f"The {which} conditioning uses {what}, which ParaDiT does not support under "
+                              f"Parallel Sampler; {fix}.")
     if float(extra.get("start_percent", 0.0)) > 0.0 or float(extra.get("end_percent", 1.0)) < 1.0:
         raise ConfigError(f"The {which} conditioning is limited to a timestep range, which ParaDiT does not "
                           f"support; remove ConditioningSetTimestepRange.")

@@ -8,6 +8,7 @@ it needs on the same object.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import weakref
 
@@ -172,10 +173,28 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
     if kwargs.get("c_size") is not None and kwargs.get("c_ar") is not None:  # PixArt-α's size conditioning
         (height, width), aspect = kwargs["c_size"][k * batch].tolist(), float(kwargs["c_ar"][k * batch].flatten()[0])
         size = (float(height), float(width), aspect)
+    mask, mask_key = _chunk_attention_mask(kwargs.get("attention_mask"), sl)
     return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size,
                         references=_chunk_references(kwargs.get("ref_latents"), k, batch, latent_format),
                         reference_method=kwargs.get("ref_latents_method"),
-                        concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls)
+                        concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls,
+                        attention_mask=mask, attention_mask_key=mask_key)
+
+
+def _chunk_attention_mask(mask, sl: slice) -> tuple[torch.Tensor | None, str | None]:
+    """Chunk rows `sl` of the call's attention_mask (an additive bias [rows, L, L] over [text, image], already in
+    the model's dtype and upscaled to the latent's tokens by the host's extra_conds), one row where all are equal
+    (ComfyUI repeats a batch-1 mask over the batch), and the key it is kept under on the workers: a hash of its
+    bytes, since extra_conds rebuilds the tensor on every call while its values stay those of the run."""
+    if mask is None:
+        return None, None
+    mask = mask[sl].detach().cpu()
+    if mask.shape[0] > 1 and bool((mask == mask[:1]).all()):
+        mask = mask[:1]
+    mask = mask.contiguous()
+    digest = hashlib.blake2b(mask.view(torch.uint8).numpy(), digest_size=16)
+    digest.update(repr((tuple(mask.shape), str(mask.dtype))).encode())
+    return mask, "mask-" + digest.hexdigest()
 
 
 def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
@@ -205,9 +224,6 @@ def _refuse_what_the_workers_cannot_do(control, options: dict, kwargs: dict) -> 
                                   "the ControlNet on the workers, or load the model with UNETLoader.")
     if options.get("patches"):
         _refuse_code_patch("patches", ", ".join(sorted(map(str, options["patches"]))))
-    if kwargs.get("attention_mask") is not None:
-        raise convert.ConfigError("attention masks do not run on the ParaDiT workers yet; remove the node that "
-                                  "sets one or load the model with UNETLoader.")
     unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN_INPUTS)
     if unknown:
         raise convert.ConfigError(f"the model call carries inputs ParaDiT does not run ({', '.join(unknown)}); "

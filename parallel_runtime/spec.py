@@ -114,20 +114,33 @@ class Conditioning:
     # The ControlNets whose residuals this branch's DiT blocks add, in ComfyUI's chain order (first applied
     # first); a model call carries only the ones active at its timestep.
     control: tuple[ControlInput, ...] = ()
+    # ComfyUI's attention_mask [1 or B, L, L]: an additive bias over the joint [text, image] sequence of this
+    # call (L = prompt tokens + image tokens), in the model's dtype, as the host's extra_conds made it. Like a
+    # ControlNet hint it crosses the channel once, named by `attention_mask_key` (a hash of its bytes).
+    attention_mask: torch.Tensor | None = field(default=None, repr=False)
+    attention_mask_key: str | None = None
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         refs = {f"{prefix}.reference.{i}": r for i, r in enumerate(self.references)}
         concat = {f"{prefix}.concat": self.concat} if self.concat is not None else {}
         return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled, **refs, **concat}
 
+    def kept_keys(self) -> list[str]:
+        """The keys of the large inputs the workers keep between calls: ControlNet hints, the attention mask."""
+        return [c.hint_key for c in self.control] + ([self.attention_mask_key] if self.attention_mask_key else [])
+
     def hints(self) -> dict[str, torch.Tensor]:
-        """The ControlNet hints this branch carries, by key (the client sends each to the workers once)."""
-        return {c.hint_key: c.hint for c in self.control if c.hint is not None}
+        """The kept inputs this branch carries, by key (the client sends each to the workers once)."""
+        out = {c.hint_key: c.hint for c in self.control if c.hint is not None}
+        if self.attention_mask_key and self.attention_mask is not None:
+            out[self.attention_mask_key] = self.attention_mask
+        return out
 
     def meta(self, prefix: str) -> dict:
         return {f"{prefix}_guidance": self.guidance, f"{prefix}_reference_method": self.reference_method,
                 f"{prefix}_image_size": list(self.image_size) if self.image_size else None,
-                f"{prefix}_control": [[c.path, c.hint_key, c.strength] for c in self.control]}
+                f"{prefix}_control": [[c.path, c.hint_key, c.strength] for c in self.control],
+                f"{prefix}_attention_mask": self.attention_mask_key}
 
     @classmethod
     def from_message(cls, prefix: str, meta: dict, tensors: dict[str, torch.Tensor]) -> "Conditioning":
@@ -138,14 +151,16 @@ class Conditioning:
                         for path, key, strength in meta.get(f"{prefix}_control") or ())
         return cls(tensors[f"{prefix}.cond"], tensors[f"{prefix}.pooled"], meta.get(f"{prefix}_guidance"),
                    refs, meta.get(f"{prefix}_reference_method"), tuple(size) if size else None,
-                   tensors.get(f"{prefix}.concat"), control)
+                   tensors.get(f"{prefix}.concat"), control, attention_mask_key=meta.get(f"{prefix}_attention_mask"))
 
     def signature(self) -> tuple:
         """What must be equal for two branches to share one forward pass (ComfyUI batches them then, and only
         with the same ControlNet chain)."""
         concat = None if self.concat is None else self.concat.shape[1]
+        # ComfyUI batches two masked branches (their masks concatenate), never a masked with an unmasked one.
+        masked = self.attention_mask is not None or self.attention_mask_key is not None
         return (self.cond.shape[1], tuple(tuple(r.shape[-2:]) for r in self.references), self.reference_method,
-                concat, tuple(c.signature() for c in self.control))
+                concat, tuple(c.signature() for c in self.control), masked)
 
 
 @dataclass

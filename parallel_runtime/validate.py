@@ -211,6 +211,38 @@ def validate_control(name: str, c, config, job: Job) -> None:
                               f"{config.hidden_size}; load a ControlNet made for this model.")
 
 
+def validate_attention_mask(name: str, c, config, job: Job) -> None:
+    """ComfyUI's attention_mask: a family whose model adds it, a bias over exactly this call's [text, image]
+    rows, no NaN (-inf is a bias: StyleModelApply's strength 0 masks those keys out)."""
+    mask = c.attention_mask
+    if mask is None:
+        return
+    from .models.registry import family_of
+
+    family = family_of(config)
+    title = getattr(config, "title", family.title)
+    if not family.attention_mask:
+        raise ConfigError(f"the {name} conditioning carries an attention mask, which ComfyUI's {title} model does "
+                          f"not read; remove the node that sets one (StyleModelApply's attn_bias, a masked text "
+                          f"encode).")
+    if c.references:
+        raise ConfigError(f"the {name} conditioning has both an attention mask and reference latents (Kontext), "
+                          f"which ComfyUI's Flux model cannot run together either; remove ReferenceLatent or set "
+                          f"StyleModelApply's strength_type to multiply.")
+    p = family.adapter_class.patch
+    length = c.cond.shape[1] + -(-job.latent.shape[2] // p) * -(-job.latent.shape[3] // p)
+    if mask.ndim != 3 or tuple(mask.shape[1:]) != (length, length) or mask.shape[0] not in (1, job.batch):
+        raise ConfigError(f"the {name} conditioning's attention mask has shape {tuple(mask.shape)} but this call "
+                          f"needs [batch, {length}, {length}] (prompt tokens + image tokens); re-create it for "
+                          f"this prompt and image size.")
+    if mask.is_floating_point() and bool(torch.isnan(mask).any()):
+        # ComfyUI samples such a mask into a NaN image; its usual source is a -inf bias (StyleModelApply's
+        # attn_bias at strength 0) that extra_conds' bilinear resize to the latent's tokens turns into NaN.
+        raise ConfigError(f"the {name} conditioning's attention mask holds NaN values (StyleModelApply's attn_bias "
+                          f"strength 0 gives -inf biases that ComfyUI's resize of the mask turns into NaN, which "
+                          f"would sample a NaN image); set that strength above 0.")
+
+
 def validate_job(job: Job, world_size: int) -> None:
     from .weights.comfy_quant import check_quantized_matmul
 
@@ -246,6 +278,7 @@ def validate_job(job: Job, world_size: int) -> None:
         validate_references(name, c, config)
         validate_concat(name, c, config, lat, job.batch)
         validate_control(name, c, config, job)
+        validate_attention_mask(name, c, config, job)
         if c.image_size is not None and (len(c.image_size) != 3 or
                                          not all(math.isfinite(v) and v > 0 for v in c.image_size)):
             raise ConfigError(f"the {name} conditioning's image size {tuple(c.image_size)} is not (height, width, "

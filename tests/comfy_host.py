@@ -173,7 +173,37 @@ class ParaDiTTestCodePatch:
         return (m,)
 
 
-NODE_CLASS_MAPPINGS = {"ParaDiTTestConcat": ParaDiTTestConcat, "ParaDiTTestDeepClone": ParaDiTTestDeepClone,
+class ParaDiTTestStyleModel:
+    """A STYLE_MODEL and CLIP_VISION_OUTPUT from a seed, for ComfyUI's own StyleModelApply (Redux): a seeded
+    linear map from `tokens` vision tokens to the prompt's width, in place of the Redux and SigCLIP weights this
+    host has none of. StyleModelApply then appends its tokens to the prompt and, with strength_type attn_bias,
+    sets the conditioning's attention_mask as it does for Redux."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0}), "tokens": ("INT", {"default": 4, "min": 1}),
+                             "width": ("INT", {"default": 4096, "min": 1})}}
+
+    RETURN_TYPES = ("STYLE_MODEL", "CLIP_VISION_OUTPUT")
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, seed, tokens, width):
+        import comfy.clip_vision
+        import comfy.sd
+
+        g = torch.Generator().manual_seed(seed)
+        proj = torch.nn.Linear(16, width)
+        with torch.no_grad():
+            proj.weight.copy_(torch.randn(width, 16, generator=g) * 0.25)
+            proj.bias.zero_()
+        output = comfy.clip_vision.Output()
+        output["last_hidden_state"] = torch.randn(1, tokens, 16, generator=g)
+        return (comfy.sd.StyleModel(proj), output)
+
+
+NODE_CLASS_MAPPINGS = {"ParaDiTTestConcat": ParaDiTTestConcat, "ParaDiTTestStyleModel": ParaDiTTestStyleModel,
+                       "ParaDiTTestDeepClone": ParaDiTTestDeepClone,
                        "ParaDiTTestCodePatch": ParaDiTTestCodePatch,
                        "ParaDiTTestConditioning": ParaDiTTestConditioning,
                        "ParaDiTTestLatentToImage": ParaDiTTestLatentToImage,

@@ -126,7 +126,7 @@ def test_controlnet_under_parallel_sampler_is_refused_in_one_sentence(server):
     g = graph(parallel_sampler=True)
     result = server.run({k: v for k, v in g.items() if k not in ("20", "21", "22")})
     assert result["status"] == "error", explain(result)
-    assert "ControlNet, which ParaDiT does not support" in result["error"]["exception_message"]
+    assert "ControlNet, which ParaDiT does not support under Parallel Sampler" in result["error"]["exception_message"]
 
 
 def test_a_union_type_is_refused_in_one_sentence(server):

@@ -144,11 +144,15 @@ def reference_call(files, job: Job) -> torch.Tensor:
         img = dit.x_embedder(FluxAdapter.pack(x))
         txt = dit.context_embedder(branch.cond)
         temb = dit.time_text_embed(t * 1000, g * 1000, branch.pooled)
+        # ComfyUI adds an attention mask to the DiT's attention only: its ControlNetFlux takes none.
+        mask = {} if branch.attention_mask is None else {"attention_mask": branch.attention_mask[:, None]}
         for i, block in enumerate(dit.transformer_blocks):
-            txt, img = block(hidden_states=img, encoder_hidden_states=txt, temb=temb, image_rotary_emb=rope)
+            txt, img = block(hidden_states=img, encoder_hidden_states=txt, temb=temb, image_rotary_emb=rope,
+                             joint_attention_kwargs=mask)
             img = img + double[i]
         for i, block in enumerate(dit.single_transformer_blocks):
-            txt, img = block(hidden_states=img, encoder_hidden_states=txt, temb=temb, image_rotary_emb=rope)
+            txt, img = block(hidden_states=img, encoder_hidden_states=txt, temb=temb, image_rotary_emb=rope,
+                             joint_attention_kwargs=mask)
             img = img + single[i]
         rows.append(FluxAdapter.unpack(dit.proj_out(dit.norm_out(img, temb)), h, w))
     return torch.cat(rows)

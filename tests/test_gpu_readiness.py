@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from conftest import make_job, rel_err
-from gpu.numerics import LSE_ATOL, OUT_RTOL, errors, inputs
+from gpu.numerics import LSE_ATOL, OUT_RTOL, attention_bias, errors, inputs
 from parallel_runtime.strategies.attention.local import lse_kernel
 from parallel_runtime.strategies.attention.processor import AttentionContext
 from parallel_runtime.runtime.comm import Group
@@ -204,11 +204,16 @@ def test_resolve_dtype():
 ])
 def test_lse_kernel_choice(device_type, dtype, capability, kernel):
     assert lse_kernel(device_type, dtype, capability) == kernel
+    # An attention mask's bias: flash takes none, so the memory-efficient kernel (which does) runs instead.
+    assert lse_kernel(device_type, dtype, capability, biased=True) == ("efficient" if kernel == "flash" else kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("kernel", ["flash_cpu", "math"])
-def test_cpu_lse_kernels_and_ring_merge_match_float64(kernel, dtype):
-    e = errors(*inputs("cpu", dtype), kernel)  # tolerances and their reasons: tests/gpu/numerics.py
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "bias"])
+def test_cpu_lse_kernels_and_ring_merge_match_float64(kernel, dtype, masked):
+    q, k, v = inputs("cpu", dtype)
+    bias = attention_bias(q, k) if masked else None
+    e = errors(q, k, v, kernel, bias=bias)  # tolerances and their reasons: tests/gpu/numerics.py
     assert e["out"] <= OUT_RTOL[dtype] and e["merged_out"] <= OUT_RTOL[dtype], e
     assert e["lse"] <= LSE_ATOL and e["merged_lse"] <= LSE_ATOL, e

@@ -183,6 +183,9 @@ class DiTFamily:
     # adapter strategies run (hint_tokens, hint_cache, embed_control_image, residuals, use_layers).
     controlnet_config: Callable | None = None
     load_controlnet: Callable | None = None
+    # Whether ComfyUI's model of this family reads the `attention_mask` extra cond (an additive bias over the
+    # joint [text, image] sequence, e.g. StyleModelApply's attn_bias): Flux's and Chroma's do.
+    attention_mask: bool = False
 
     def build(self, config, reader, match: Match, owned, dtype, device, smap: dict | None = None) -> torch.nn.Module:
         from ..weights.mapping import build_from_map

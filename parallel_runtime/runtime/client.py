@@ -297,20 +297,22 @@ class RuntimeClient:
             return JobResult(latent, stats, time.perf_counter() - t0)
 
     def _hints_message(self, job: Job, meta: dict, tensors: dict) -> dict:
-        """Name the job's ControlNet hints in `meta` and add those new to the workers to `tensors` (a sampling
-        run's calls share one hint: it crosses the channel once). Returns the new keys, to remember once sent."""
+        """Name the job's kept inputs (ControlNet hints, attention masks) in `meta` and add those new to the
+        workers to `tensors` (a sampling run's calls share them: each crosses the channel once). Returns the new
+        keys, to remember once sent."""
         branches = [b for b in (job.positive, job.negative) if b is not None]
-        named = list(dict.fromkeys(c.hint_key for b in branches for c in b.control))
+        named = list(dict.fromkeys(k for b in branches for k in b.kept_keys()))
         if not named:
             return {}
         hints = {k: t for b in branches for k, t in b.hints().items()}
         new = {k: hints[k] for k in named if k not in self._hints_on_workers and k in hints}
         missing = [k for k in named if k not in self._hints_on_workers and k not in hints]
         if missing:
-            raise errors.ConfigError("a ControlNet of this job has no hint image (a ParaDiT bug); run the prompt "
-                                     "again.")
+            raise errors.ConfigError("this job names a ControlNet hint or attention mask it does not carry (a ParaDiT "
+                                     "bug); run the prompt again.")
         meta["hints"] = named
-        tensors.update({f"hint/{k}": t.detach().float().cpu().contiguous() for k, t in new.items()})
+        # In their own dtype: an attention mask is the model's (ComfyUI cast it), a hint float32.
+        tensors.update({f"hint/{k}": t.detach().cpu().contiguous() for k, t in new.items()})
         return dict.fromkeys(new)
 
     def ping(self) -> list[dict]:

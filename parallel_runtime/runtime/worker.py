@@ -50,7 +50,8 @@ class WorkerState:
         self.last_load_seconds = 0.0
         self.patcher = None  # weights.patches.RankWeightPatcher of the loaded model
         self.weight_patches = None  # the last WeightPatches the client sent (kept for a reload)
-        self.hints = collections.OrderedDict()  # ControlNet hints by key, kept in lockstep with the client's
+        # ControlNet hints and attention masks by key (host memory), kept in lockstep with the client's.
+        self.hints = collections.OrderedDict()
         self.controlnets: dict = {}  # (path, mtime, size) -> loaded ControlNet adapter, for the loaded model
         self.control_configs: dict = {}  # (path, mtime, size) -> config, on ranks that only add residuals
 
@@ -131,22 +132,25 @@ class WorkerState:
                               "prompt again.")
 
     def take_hints(self, job, named: list[str], tensors: dict):
-        """The job with its ControlNet hints in place: sent with it when new to this worker, else kept."""
+        """The job with its kept inputs (ControlNet hints, attention masks) in place: sent with it when new to
+        this worker, else kept."""
         import dataclasses
 
         from .protocol import keep_hints
 
         new = {k: tensors[f"hint/{k}"] for k in named if f"hint/{k}" in tensors}
         if any(k not in new and k not in self.hints for k in named):
-            raise ConfigError("the job names a ControlNet hint this worker was never sent (a ParaDiT bug); run the "
-                              "prompt again.")
+            raise ConfigError("the job names a ControlNet hint or attention mask this worker was never sent (a "
+                              "ParaDiT bug); run the prompt again.")
         keep_hints(self.hints, named, new)
 
         def resolved(branch):
-            if branch is None or not branch.control:
+            if branch is None or not (branch.control or branch.attention_mask_key):
                 return branch
-            return dataclasses.replace(branch, control=tuple(dataclasses.replace(c, hint=self.hints[c.hint_key])
-                                                             for c in branch.control))
+            mask = self.hints[branch.attention_mask_key] if branch.attention_mask_key else None
+            return dataclasses.replace(branch, attention_mask=mask,
+                                       control=tuple(dataclasses.replace(c, hint=self.hints[c.hint_key])
+                                                     for c in branch.control))
 
         return dataclasses.replace(job, positive=resolved(job.positive), negative=resolved(job.negative))
 

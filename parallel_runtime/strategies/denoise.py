@@ -21,7 +21,7 @@ import torch
 from ..errors import Cancelled
 from ..models.family import DiTAdapter
 from ..runtime.comm import Comm
-from .attention import LocalAttention, RingAttention, UlyssesAttention
+from .attention import AttentionBias, LocalAttention, RingAttention, UlyssesAttention
 from .attention.processor import AttentionContext
 from .control import ControlNets, ControlPass, Residuals
 from .pipefusion import StaleKVAttention, StaleKVCache
@@ -157,6 +157,7 @@ class Branches:
         self.concat = (torch.cat([repeat_to_batch(adapter.pack(c.concat.float()), batch) for c in conds]).to(device)
                        if first.concat is not None else None)
         self.control = first.control  # the ControlNet chain, the same for every branch batched here (signature)
+        self.attention_mask = _attention_masks(conds, batch, device)
 
     def with_concat(self, x_rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The model's input tokens for these rows: the latent's, then the c_concat channels of the same rows."""
@@ -169,6 +170,18 @@ class Branches:
     @property
     def ref_len(self) -> int:
         return 0 if self.references is None else self.references.shape[1]
+
+
+def _attention_masks(conds: list[Conditioning], batch: int, device) -> torch.Tensor | None:
+    """The branches' attention masks as one bias over their rows [1 or branches x batch, L, L] (None: unmasked;
+    the signature batches masked branches only with masked ones): a single mask shared by every row stays one."""
+    if conds[0].attention_mask is None:
+        return None
+    masks = [c.attention_mask for c in conds]
+    if masks[0].shape[0] == 1 and all(c.attention_mask_key == conds[0].attention_mask_key and m.shape[0] == 1
+                                      for c, m in zip(conds, masks)) and conds[0].attention_mask_key is not None:
+        return masks[0].to(device)
+    return torch.cat([repeat_to_batch(m, batch) for m in masks]).to(device)
 
 
 def stale_caches(layout: TokenLayout) -> tuple[StaleKVCache, StaleKVCache]:
@@ -293,6 +306,10 @@ class Denoiser:
         image = self.adapter.embed_image(x_in, index, self.hw)
         return image if refs is None else torch.cat([image, refs], dim=1)
 
+    @staticmethod
+    def _bias(branches: Branches) -> AttentionBias | None:
+        return None if branches.attention_mask is None else AttentionBias(branches.attention_mask)
+
     def _text(self, rows: range, branches: Branches | None = None) -> torch.Tensor:
         return self.adapter.embed_text((branches or self.branches).cond[:, rows.start:rows.stop])
 
@@ -414,24 +431,36 @@ class Denoiser:
         this rank for one forward pass over `branches`: its prompt and reference lengths decide the shards
         and every position after them."""
         layout = dataclasses.replace(self.layout, text_len=self._sequence_text_len(branches), ref_len=branches.ref_len)
-        me = self.shard
+        me, bias = self.shard, self._bias(branches)
         if self.topology.naive_patch > 1:
-            attention = image_attention = LocalAttention()
+            mine = layout.positions(me, [0], device)
+            attention = LocalAttention(bias.block(mine, mine) if bias is not None else None)
+            image_attention = LocalAttention()
         else:
             shards = range(layout.shards)
-            attention = self._sequence_attention([layout.seq_len(j, [0]) for j in shards])
+            rows = [layout.positions(j, [0], device) for j in shards] if bias is not None else None
+            attention = self._sequence_attention([layout.seq_len(j, [0]) for j in shards], bias, rows)
             image_attention = self._sequence_attention([layout.stream_len(j, [0]) for j in shards])
         rope = self._rope(self._rope_full(branches), layout.positions(me, [0], device))
         return (attention, image_attention, rope, self._text(self._text_rows(layout, branches), branches),
                 self._references(branches, layout, [0]))
 
-    def _sequence_attention(self, seq: list[int]):
+    def _sequence_attention(self, seq: list[int], bias: AttentionBias | None = None,
+                            rows: list[torch.Tensor] | None = None):
         """Ring over Ulysses groups for tokens whose per-shard lengths are `seq` (sequence-parallel order:
-        shard r * ulysses + u). Joint [text, image] attention and image-only attention differ only in `seq`."""
+        shard r * ulysses + u). Joint [text, image] attention and image-only attention differ only in `seq`.
+
+        With an attention mask, `rows[j]` are shard j's canonical positions: a Ulysses group's attention sees
+        its members' rows in member order, as queries and as the keys of the ring block it starts with."""
         t = self.topology
         ring, uly = self.comm.group("ring"), self.comm.group("ulysses")
         kv_lengths = [sum(seq[r * t.ulysses:(r + 1) * t.ulysses]) for r in range(t.ring)]
-        attention = RingAttention(self.comm, ring, kv_lengths) if ring.size > 1 else LocalAttention()
+        blocks = None
+        if bias is not None:
+            members = [torch.cat(rows[r * t.ulysses:(r + 1) * t.ulysses]) for r in range(t.ring)]
+            blocks = [bias.block(members[self.coords["ring"]], keys) for keys in members]
+        attention = (RingAttention(self.comm, ring, kv_lengths, blocks) if ring.size > 1
+                     else LocalAttention(blocks[0] if blocks else None))
         if uly.size > 1:
             r = self.coords["ring"]
             attention = UlyssesAttention(self.comm, uly, seq[r * t.ulysses:(r + 1) * t.ulysses], attention)
@@ -483,6 +512,7 @@ class _PipeFusionStage:
         self.after = self.pp.ranks[(self.stage + 1) % self.stages]
         self.before = self.pp.ranks[(self.stage - 1) % self.stages]
         self.all_patches = list(range(self.layout.patches))
+        self.bias = denoiser._bias(denoiser.branches)
         self._attach_attention()
         self.rope_full = denoiser._rope_full(denoiser.branches)
         self.token_sets: dict = {}  # built once per token set, on x's device: no host-device traffic in the pipeline
@@ -524,20 +554,23 @@ class _PipeFusionStage:
         key = tuple(patches)
         if key not in self.token_sets:
             layout, uly, device = self.layout, self.uly, self.x.device
+            positions = torch.cat([layout.positions(u, patches, device) for u in range(uly.size)])
             self.token_sets[key] = (
-                torch.cat([layout.positions(u, patches, device) for u in range(uly.size)]),
+                positions,
                 [layout.seq_len(u, patches) for u in range(uly.size)],
                 layout.image_index(self.me, patches, device),
                 self.denoiser._rope(self.rope_full, layout.positions(self.me, patches, device)),
                 torch.cat([layout.image_positions(u, patches, device) for u in range(uly.size)]),
                 [layout.stream_len(u, patches) for u in range(uly.size)],
-                self.denoiser._references(self.denoiser.branches, layout, patches) if self.stage == 0 else None)
+                self.denoiser._references(self.denoiser.branches, layout, patches) if self.stage == 0 else None,
+                # The attention mask's rows of these queries over the whole stale buffer's keys (canonical order).
+                self.bias.block(positions) if self.bias is not None else None)
         return self.token_sets[key]
 
     def _configure(self, patches: list[int]):
         """Point the attention at the token set of one forward: whole image (warmup) or one patch."""
-        self.stale.positions, lengths, idx, rope, self.stale_image.positions, stream_lengths, refs = (
-            self._token_set(patches))
+        (self.stale.positions, lengths, idx, rope, self.stale_image.positions, stream_lengths, refs,
+         self.stale.inner.bias) = self._token_set(patches)
         if self.uly.size > 1:
             self.attention.seq_lengths = lengths
             self.image_attention.seq_lengths = stream_lengths

@@ -42,6 +42,6 @@ class StaleKVAttention:
         self.cache, self.inner = cache, inner
         self.positions: torch.Tensor | None = None  # global rows of the current call's K/V; set per patch
 
-    def __call__(self, q, k, v, layer: int):
+    def __call__(self, q, k, v, layer: int, masked: bool = True):
         k_all, v_all = self.cache.update(layer, self.positions, k, v)
-        return self.inner(q, k_all, v_all, layer)
+        return self.inner(q, k_all, v_all, layer, masked=masked)

@@ -29,25 +29,39 @@ def inputs(device, dtype, queries: int = 300, keys: int = 421, heads: int = 4, h
                  for n in (queries, keys, keys))
 
 
-def reference(q, k, v):
+def attention_bias(q, k, seed: int = 1) -> torch.Tensor:
+    """An attention mask's block [1, 1, Sq, Sk] in q's dtype: random biases, a few keys masked out (-inf) for
+    every query, and queries that see only the last block's keys (so Ring meets blocks it must ignore)."""
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.randn(1, 1, q.shape[1], k.shape[1], generator=g, dtype=torch.float64)
+    bias[..., 5:9] = float("-inf")
+    bias[..., 40:50, :-60] = float("-inf")
+    return bias.to(q.device, q.dtype)
+
+
+def reference(q, k, v, bias=None):
     """Softmax attention and its log-sum-exp in float64."""
     scores = torch.einsum("bshd,bthd->bhst", q.double(), k.double()) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        scores = scores + bias.double()
     return torch.einsum("bhst,bthd->bshd", scores.softmax(-1), v.double()), scores.logsumexp(-1)
 
 
-def errors(q, k, v, kernel: str, cuts=(100, 101)) -> dict[str, float]:
+def errors(q, k, v, kernel: str, cuts=(100, 101), bias=None) -> dict[str, float]:
     """One kernel call over all keys, and Ring's way (blocks of keys split at `cuts`, merged by LSE), each
-    against fp64: relative L2 of the output, max abs of the LSE."""
-    ref_out, ref_lse = reference(q, k, v)
+    against fp64: relative L2 of the output, max abs of the LSE. `bias`: an attention mask's block, cut with
+    the keys."""
+    ref_out, ref_lse = reference(q, k, v, bias)
 
     def err(out, lse):
         return (float((out.double() - ref_out).norm() / ref_out.norm()), float((lse.double() - ref_lse).abs().max()))
 
-    out, lse = attention_with_lse(q, k, v, kernel=kernel)
+    out, lse = attention_with_lse(q, k, v, kernel=kernel, bias=bias)
     merged = merged_lse = None
     bounds = [0, *cuts, k.shape[1]]
     for a, b in zip(bounds, bounds[1:]):
-        block_out, block_lse = attention_with_lse(q, k[:, a:b], v[:, a:b], kernel=kernel)
+        block_bias = None if bias is None else bias[..., a:b]
+        block_out, block_lse = attention_with_lse(q, k[:, a:b], v[:, a:b], kernel=kernel, bias=block_bias)
         merged, merged_lse = merge_partials(merged, merged_lse, block_out, block_lse)
     (o, l), (mo, ml) = err(out, lse), err(merged.to(q.dtype), merged_lse)
     return {"out": o, "lse": l, "merged_out": mo, "merged_lse": ml}

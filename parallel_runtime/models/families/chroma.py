@@ -294,4 +294,4 @@ CHROMA = DiTFamily(
     name="chroma", title="Chroma", match=match_layout, infer_config=infer_config, meta_model=_diffusers_model,
     source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=ChromaAdapter, block_lists=BLOCK_LISTS,
     always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE, comfy_layout="bfl",
-    block_inputs=block_inputs, after_build=_comfy_norm_eps)
+    block_inputs=block_inputs, after_build=_comfy_norm_eps, attention_mask=True)

@@ -118,6 +118,7 @@ class FluxAdapter:
     patch = 2
     embedding_module = "time_text_embed"  # a module every stage owns: its parameters give dtype and device
     skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
+    masked = True  # a call's attention_mask applies to these blocks' joint attention (ComfyUI's Flux adds it)
 
     def __init__(self, config: FluxConfig, model, chunks: list[range], context: AttentionContext):
         """`chunks`: the block ranges this rank runs (all blocks in one range when not pipelined)."""
@@ -126,7 +127,7 @@ class FluxAdapter:
         self.chunks = chunks
         all_blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
         for layer in (i for chunk in chunks for i in chunk):
-            all_blocks[layer].attn.set_processor(ParallelFluxAttnProcessor(layer, context))
+            all_blocks[layer].attn.set_processor(ParallelFluxAttnProcessor(layer, context, self.masked))
         self._blocks = all_blocks
         self.dtype, self.device = compute_placement(getattr(model, self.embedding_module))
 
@@ -222,6 +223,8 @@ class FluxControlNetAdapter(FluxAdapter):
     """What the strategies call on a loaded ControlNet: the hint's tokens (once per hint), its image, text and
     time embeddings, and one pass over its blocks that returns a residual per block for this rank's image rows."""
 
+    masked = False  # ComfyUI's ControlNetFlux takes no attention_mask: the DiT's mask never reaches its blocks
+
     def __init__(self, net: flux_controlnet.FluxControlNet, context):
         self.net, self.control = net, net.config
         blocks = range(net.config.flux.num_blocks)
@@ -273,7 +276,7 @@ FLUX = DiTFamily(
     adapter_class=FluxAdapter, block_lists=("transformer_blocks", "single_transformer_blocks"),
     always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE, comfy_layout="bfl",
     block_inputs=block_inputs, controlnet_config=flux_controlnet.read_config,
-    load_controlnet=load_controlnet)
+    load_controlnet=load_controlnet, attention_mask=True)
 
 
 def load_flux(

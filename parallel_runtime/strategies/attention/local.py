@@ -3,6 +3,9 @@
 `attention_with_lse` also returns the log-sum-exp of each query's scores, which Ring attention needs to
 merge partial results exactly. It calls the fused kernel that exposes the LSE for the inputs (`lse_kernel`)
 and falls back to plain math where none fits.
+
+Every kernel takes an optional additive `bias` [B, 1, Sq, Sk] (ComfyUI's attention_mask, cut to the rows and
+columns of the call; see bias.py), added to the scores before the softmax as ComfyUI's attention adds it.
 """
 from __future__ import annotations
 
@@ -16,17 +19,19 @@ import torch.nn.functional as F
 FLASH_CUDA_CAPABILITIES = ((8, 0), (12, 1))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    mask = None if bias is None else bias.to(q.dtype)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
     return out.transpose(1, 2)
 
 
-def lse_kernel(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None) -> str:
+def lse_kernel(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None,
+               biased: bool = False) -> str:
     """The kernel that gives attention with its log-sum-exp for these inputs.
 
-    'flash_cpu' on CPU; on CUDA 'flash' for half precision where the flash kernels exist (sm80+), else the
-    memory-efficient kernel (every dtype from sm50; bf16 only from sm80, below which there is no bf16
-    kernel and 'math' remains); 'math' on anything else.
+    'flash_cpu' on CPU; on CUDA 'flash' for half precision where the flash kernels exist (sm80+) and no bias is
+    added (they take none), else the memory-efficient kernel (every dtype from sm50; bf16 only from sm80, below
+    which there is no bf16 kernel and 'math' remains); 'math' on anything else.
     """
     if device_type == "cpu":
         return "flash_cpu"
@@ -34,7 +39,7 @@ def lse_kernel(device_type: str, dtype: torch.dtype, capability: tuple[int, int]
         return "math"
     capability = tuple(capability)
     lo, hi = FLASH_CUDA_CAPABILITIES
-    if dtype in (torch.float16, torch.bfloat16) and lo <= capability <= hi:
+    if dtype in (torch.float16, torch.bfloat16) and lo <= capability <= hi and not biased:
         return "flash"
     if dtype == torch.bfloat16 and capability < (8, 0):
         return "math"
@@ -46,30 +51,56 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out [B, S, H, D] and lse [B, H, S] (float32). `kernel` overrides `lse_kernel`'s choice."""
-    kernel = kernel or lse_kernel(q.device.type, q.dtype, _capability(q.device))
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str | None = None,
+                       bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns out [B, S, H, D] and lse [B, H, S] (float32). `kernel` overrides `lse_kernel`'s choice.
+
+    A query whose every key `bias` masks out (-inf) gets output 0 and lse -inf, so merging it with other key
+    blocks gives their result, and a query masked everywhere ends at 0, as torch's SDPA (ComfyUI's) returns."""
+    kernel = kernel or lse_kernel(q.device.type, q.dtype, _capability(q.device), biased=bias is not None)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    mask = None if bias is None else bias.to(q.dtype)
     if kernel == "flash_cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, attn_mask=mask)
     elif kernel == "flash":
+        if mask is not None:
+            raise ValueError("the flash kernel takes no attention bias; use 'efficient'")
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt)[:2]
     elif kernel == "efficient":
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True)[:2]
+        mask = None if mask is None else _efficient_bias(mask, qt, kt)
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, mask, True)[:2]
         lse = lse[..., : q.shape[1]]  # the kernel pads the LSE's sequence dimension
     elif kernel == "math":
-        return _math_attention_with_lse(q, k, v)
+        out, lse = _math_attention_with_lse(qt, kt, vt, mask)
     else:
         raise ValueError(f"unknown attention kernel {kernel!r}")
-    return out.transpose(1, 2), lse.float()
+    out, lse = out.transpose(1, 2), lse.float()
+    if bias is not None:
+        # Always applied (no .any() test): a host-side test would sync the device once per block.
+        dead = torch.isneginf(bias).all(dim=-1)  # [B, 1, Sq]: queries this block gives no key
+        lse = lse.masked_fill(dead, float("-inf"))
+        out = out.masked_fill(dead.transpose(1, 2).unsqueeze(-1), 0.0)
+    return out, lse
 
 
-def _math_attention_with_lse(q, k, v):
-    scores = torch.einsum("bshd,bthd->bhst", q.float(), k.float()) / math.sqrt(q.shape[-1])
+def _efficient_bias(mask: torch.Tensor, qt: torch.Tensor, kt: torch.Tensor) -> torch.Tensor:
+    """The bias as the memory-efficient kernel reads it (what torch's SDPA does before calling it): rows
+    aligned to 8 elements (padded, then viewed back to the key length) and expanded to [B, H, Sq, Sk]."""
+    align = 8
+    if any(stride % align for stride in mask.stride()[:-1]):
+        length = mask.shape[-1]
+        mask = F.pad(mask, (0, (-length) % align or align))[..., :length]
+    return mask.expand(qt.shape[0], qt.shape[1], qt.shape[2], kt.shape[2])
+
+
+def _math_attention_with_lse(qt, kt, vt, mask=None):
+    """Plain attention in float32 on [B, H, S, D] inputs: out in that layout, and lse."""
+    scores = torch.einsum("bhsd,bhtd->bhst", qt.float(), kt.float()) / math.sqrt(qt.shape[-1])
+    if mask is not None:
+        scores = scores + mask.float()
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("bhst,bthd->bshd", torch.softmax(scores, dim=-1), v.float())
-    return out.to(q.dtype), lse
+    out = torch.einsum("bhst,bhtd->bhsd", torch.softmax(scores, dim=-1), vt.float())
+    return out.to(qt.dtype), lse
 
 
 def merge_partials(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
@@ -79,14 +110,21 @@ def merge_partials(out: torch.Tensor | None, lse: torch.Tensor | None, block_out
     if out is None:
         return block_out, block_lse
     new_lse = torch.logaddexp(lse, block_lse)
+    # Queries no key has reached yet (an attention bias masked both blocks) keep weight 0 instead of exp(nan).
+    scale = torch.where(torch.isneginf(new_lse), 0.0, new_lse)
     # lse is [B, H, S]; outputs are [B, S, H, D].
-    w_old = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(block_lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    w_old = torch.exp(lse - scale).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(block_lse - scale).transpose(1, 2).unsqueeze(-1)
     return out * w_old + block_out * w_new, new_lse
 
 
 class LocalAttention:
-    """Attention over exactly the keys this rank holds."""
+    """Attention over exactly the keys this rank holds; `bias`: the attention mask's block for these queries
+    and keys (None: unmasked). `masked=False` (a ControlNet's layers, which ComfyUI runs without the mask)
+    leaves it out."""
 
-    def __call__(self, q, k, v, layer: int) -> torch.Tensor:
-        return attention(q, k, v)
+    def __init__(self, bias: torch.Tensor | None = None):
+        self.bias = bias
+
+    def __call__(self, q, k, v, layer: int, masked: bool = True) -> torch.Tensor:
+        return attention(q, k, v, self.bias if masked else None)

@@ -29,9 +29,12 @@ class AttentionContext:
 
 
 class ParallelFluxAttnProcessor:
-    def __init__(self, layer: int, context: AttentionContext):
+    def __init__(self, layer: int, context: AttentionContext, masked: bool = True):
+        """`masked`: whether the call's attention mask applies (False for a ControlNet's layers: ComfyUI runs its
+        ControlNets without the DiT's attention_mask)."""
         self.layer = layer
         self.context = context
+        self.masked = masked
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,
                  encoder_hidden_states_mask=None):
@@ -53,7 +56,7 @@ class ParallelFluxAttnProcessor:
             query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
             key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
 
-        out = self.context.attention(query, key, value, self.layer).flatten(2, 3).to(query.dtype)
+        out = self.context.attention(query, key, value, self.layer, masked=self.masked).flatten(2, 3).to(query.dtype)
 
         if encoder_hidden_states is None:
             return out

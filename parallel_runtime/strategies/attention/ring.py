@@ -13,11 +13,13 @@ from .local import attention_with_lse, merge_partials
 
 
 class RingAttention:
-    def __init__(self, comm: Comm, group: Group, kv_lengths: list[int]):
-        """`kv_lengths[j]` is the sequence length of the K/V block that ring member j starts with."""
-        self.comm, self.group, self.kv_lengths = comm, group, kv_lengths
+    def __init__(self, comm: Comm, group: Group, kv_lengths: list[int], biases: list[torch.Tensor] | None = None):
+        """`kv_lengths[j]` is the sequence length of the K/V block that ring member j starts with; `biases[j]`
+        the attention mask's block for this member's queries and member j's keys (None: unmasked)."""
+        self.comm, self.group, self.kv_lengths, self.biases = comm, group, kv_lengths, biases
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                 masked: bool = True) -> torch.Tensor:
         n, me = self.group.size, self.group.index
         kv = torch.stack([k, v]).contiguous()  # one message per hop instead of two
         out = lse = None
@@ -27,7 +29,8 @@ class RingAttention:
                 src = (me - step - 1) % n  # owner of the block that arrives next
                 incoming = kv.new_empty((2, kv.shape[1], self.kv_lengths[src], *kv.shape[3:]))
                 pending = self.comm.ring_exchange(kv, incoming, self.group, op="ring")
-            block_out, block_lse = attention_with_lse(q, kv[0], kv[1])
+            bias = self.biases[(me - step) % n] if self.biases is not None and masked else None
+            block_out, block_lse = attention_with_lse(q, kv[0], kv[1], bias=bias)
             out, lse = merge_partials(out, lse, block_out, block_lse)
             if pending is not None:
                 for w in pending:

@@ -17,7 +17,8 @@ class UlyssesAttention:
         """`seq_lengths[j]` is the local sequence length of Ulysses member j (this call's q/k/v)."""
         self.comm, self.group, self.seq_lengths, self.inner = comm, group, seq_lengths, inner
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                 masked: bool = True) -> torch.Tensor:
         u, me = self.group.size, self.group.index
         b, s, h, d = q.shape
         hu = h // u
@@ -28,7 +29,8 @@ class UlyssesAttention:
         self.comm.all_to_all(gathered, qkv.reshape(u * s, b, 3, hu, d), self.seq_lengths, [s] * u,
                              self.group, op="ulysses")
         gathered = gathered.permute(1, 0, 2, 3, 4)  # [B, total, 3, H/U, D]
-        out = self.inner(gathered[:, :, 0], gathered[:, :, 1], gathered[:, :, 2], layer)  # [B, total, H/U, D]
+        # [B, total, H/U, D]; the queries are the group's rows in member order, which the inner bias is cut for.
+        out = self.inner(gathered[:, :, 0], gathered[:, :, 1], gathered[:, :, 2], layer, masked=masked)
         back = out.permute(1, 0, 2, 3).contiguous()  # [total, B, H/U, D], rows of member j contiguous
         mine = back.new_empty((u * s, b, hu, d))
         self.comm.all_to_all(mine, back, [s] * u, self.seq_lengths, self.group, op="ulysses")

@@ -1,0 +1,26 @@
+"""ComfyUI's attention mask as the attention strategies read it.
+
+A Flux-family model call may carry `attention_mask`: an additive bias [B, L, L] over the joint sequence
+[text, image] (StyleModelApply's attn_bias strength sets one for Redux's image tokens; masked text
+conditioning another), which ComfyUI adds to every joint attention's scores. The strategies never see the
+whole sequence at once, so `AttentionBias` cuts the block each attention call needs: its queries' rows and
+its keys' columns, in the canonical order the TokenLayout's positions name.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class AttentionBias:
+    """One forward pass's attention mask on this rank: `full` [1 or B, L, L] on the worker's device, in the
+    model's dtype (ComfyUI casts the mask to it before the model sees it)."""
+
+    def __init__(self, full: torch.Tensor):
+        self.full = full
+
+    def block(self, rows: torch.Tensor, cols: torch.Tensor | None = None) -> torch.Tensor:
+        """The bias [B, 1, len(rows), len(cols)] (every column where `cols` is None), broadcast over heads."""
+        out = self.full.index_select(1, rows)
+        if cols is not None:
+            out = out.index_select(2, cols)
+        return out.unsqueeze(1).contiguous()
