@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import types
 import weakref
 
 import torch
@@ -31,8 +32,14 @@ class RemoteDiT(torch.nn.Module):
         self.patch_size = 2  # and its extra_conds this
         self.latent_format = base.latent_format  # to hand reference latents back raw, as Conditioning carries them
         self.latent_channels = base.latent_format.latent_channels  # x's channels past these are c_concat
+        # A video model (Wan) takes [B, C, T, H, W] as it is; an image model in a video VAE's latent format
+        # (Qwen-Image's Wan 2.1 VAE) gets one frame, which the workers take as [B, C, H, W].
+        self.video_model = bool(getattr(_config_of(handle.model.path), "video", False))
         self._base = weakref.ref(base)  # not a submodule: read for its current patcher
         self._keys = keys
+        if "patch_embedding.weight" in keys:  # Wan's concat_cond reads the input channels off this weight
+            shape, dtype = keys["patch_embedding.weight"]
+            self.patch_embedding = types.SimpleNamespace(weight=torch.empty(shape, dtype=dtype, device="meta"))
         self._strategies: dict = {}  # (latent shape, chunks) -> resolved StrategySpec, once per sampling setup
         self._patches = None  # (patches_uuid, WeightPatches) of the last LoRA stack seen
 
@@ -64,7 +71,7 @@ class RemoteDiT(torch.nn.Module):
         controls = control.inputs if isinstance(control, controlnet.RemoteControl) else ()
         skip_blocks = skipped_blocks(options.get("patches_replace"))
         patches = self._weight_patches(getattr(self._base(), "current_patcher", None))
-        video = x.ndim == 5
+        video = x.ndim == 5 and not self.video_model
         if video:  # a video VAE's latent (Qwen-Image's Wan 2.1) with one frame: the workers take [B, C, H, W]
             x = x.squeeze(2)
         # ComfyUI concatenated the model's c_concat (Fill's masked image and mask, Canny/Depth's control image) to
@@ -119,16 +126,22 @@ class RemoteDiT(torch.nn.Module):
                 return choose_strategy(*args, memory_budget_bytes=client.memory_budget(), per_call=True)
 
             cfg = 2.0 if chunks == 2 else 1.0  # a second chunk is ComfyUI's uncond: CFG parallel can take it
-            from parallel_runtime.runtime.topology import fit_to_latent
+            from parallel_runtime.runtime.topology import fit_to_latent, latent_plane
 
             per_image = (shape[0] // chunks, *shape[1:])
             strategy = convert.resolve_strategy(self.handle.strategy, choose, self.handle.model.path, per_image, cfg,
                                                 self.handle.devices)[0]
-            strategy, note = fit_to_latent(strategy, tuple(shape[-2:]))
+            strategy, note = fit_to_latent(strategy, latent_plane(shape[2:]))
             if note:
                 log.warning("ParaDiT: %s.", note)
             self._strategies[key] = strategy
         return self._strategies[key]
+
+
+def _config_of(path: str):
+    from parallel_runtime.validate import model_config
+
+    return model_config(path)
 
 
 def _schedule_step(options: dict) -> tuple[int | None, bool]:

@@ -8,7 +8,7 @@ from functools import lru_cache
 import torch
 
 from .errors import ConfigError, ModelFileError
-from .runtime.topology import validate_strategy
+from .runtime.topology import latent_plane, validate_strategy
 from .sampling import SAMPLERS, SCHEDULERS, cfg_uses_uncond
 from .spec import REFERENCE_METHODS, Job
 
@@ -162,7 +162,7 @@ def validate_concat(name: str, c, config, latent: torch.Tensor, batch: int) -> N
                           f"control image), which this {config.title} model does not read; load a Fill, Canny or "
                           f"Depth model or remove the node that adds them.")
     shape = (wanted, *latent.shape[2:])
-    if c.concat.ndim != 4 or tuple(c.concat.shape[1:]) != shape or c.concat.shape[0] not in (1, batch):
+    if c.concat.ndim != latent.ndim or tuple(c.concat.shape[1:]) != shape or c.concat.shape[0] not in (1, batch):
         raise ConfigError(f"the {name} conditioning's concat image has shape {tuple(c.concat.shape)} but this model "
                           f"needs [batch, {wanted}, {latent.shape[2]}, {latent.shape[3]}]; encode the image with this "
                           f"model's VAE at the latent's size.")
@@ -259,10 +259,18 @@ def validate_job(job: Job, world_size: int) -> None:
     config = model_config(job.model.path)
     lat = job.latent
     channels = config.latent_channels
-    if lat.ndim != 4 or lat.shape[1] != channels:
+    video = getattr(config, "video", False)
+    if lat.ndim != (5 if video else 4) or lat.shape[1] != channels:
+        if video:
+            raise ConfigError(f"the latent has shape {tuple(lat.shape)} but this {config.title} model needs a video "
+                              f"latent [batch, {channels}, frames, height/8, width/8]; use EmptyHunyuanLatentVideo "
+                              f"(Wan's empty latent) or VAE Encode with the Wan VAE.")
         empty = "EmptySD3LatentImage" if channels == 16 else "Empty Latent Image"
         raise ConfigError(f"the latent has shape {tuple(lat.shape)} but this {config.family} model needs "
                           f"[batch, {channels}, height/8, width/8]; use {empty} or VAE Encode with this model's VAE.")
+    if video and (lat.shape[-1] % 2 or lat.shape[-2] % 2):
+        raise ConfigError(f"the video latent is {lat.shape[-1] * 8}x{lat.shape[-2] * 8} px, not a multiple of the "
+                          f"model's 2x2 patch; use a width and height that are multiples of 16 pixels.")
     for name, c in (("positive", job.positive), ("negative", job.negative)):
         if c is None:
             continue
@@ -304,5 +312,5 @@ def validate_job(job: Job, world_size: int) -> None:
         validate_weight_patches(job.weight_patches, family.weight_patch_targets(config),
                                 f"this {getattr(config, 'title', family.title)} file")
     validate_strategy(job.strategy, world_size=world_size, heads=config.num_heads,
-                      num_blocks=config.num_blocks, latent_hw=tuple(lat.shape[2:]),
+                      num_blocks=config.num_blocks, latent_hw=latent_plane(lat.shape[2:]),
                       cfg_scale=sp.cfg if job.timestep is None else None, steps=sp.steps)

@@ -17,8 +17,9 @@ def families() -> list[ModelFamily]:
     from .families.pixart import PIXART
     from .families.qwen_image import QWEN_IMAGE
     from .families.sd3 import SD3
+    from .families.wan import WAN
 
-    return [FLUX, CHROMA, SD3, QWEN_IMAGE, PIXART]
+    return [FLUX, CHROMA, SD3, QWEN_IMAGE, PIXART, WAN]
 
 
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:

@@ -16,7 +16,7 @@ import torch
 from ..errors import ConfigError
 from ..runtime.devices import parse_devices
 from ..runtime.memory import CPU_USABLE, CPU_WORKER_OVERHEAD, CUDA_USABLE, weight_bytes
-from ..runtime.topology import validate_strategy
+from ..runtime.topology import latent_plane, validate_strategy
 from ..spec import StrategySpec
 from . import costmodel
 
@@ -158,9 +158,10 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
     device_list = parse_devices(devices)
     world = len(device_list)
     config = model_config(model_path)
-    if len(latent_shape) != 4:
-        raise ConfigError(f"latent shape {tuple(latent_shape)} is not [batch, 16, height/8, width/8].")
-    b, _, h, w = latent_shape
+    if len(latent_shape) not in (4, 5):
+        raise ConfigError(f"latent shape {tuple(latent_shape)} is not [batch, channels, (frames,) height/8, width/8].")
+    b, _, *spatial = latent_shape
+    h, w = latent_plane(spatial)  # a video's frames stack their token rows
     if world == 1:
         return StrategySpec(), "one device: serial"
     if threads is None:
@@ -172,7 +173,7 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
         calibration = costmodel.calibrate(config, text_len, (h // 2) * (w // 2), device_list, threads=threads,
                                           dtype=dtype, refresh=refresh)
     budget = device_memory_budget(device_list) if memory_budget_bytes is None else memory_budget_bytes
-    candidates = rank_candidates(config, tuple(latent_shape), cfg, device_list, calibration, text_len=text_len,
+    candidates = rank_candidates(config, (b, latent_shape[1], h, w), cfg, device_list, calibration, text_len=text_len,
                                  steps=steps, weight_dtype=weight_dtype, memory_budget_bytes=budget,
                                  warmup_steps=warmup_steps, unequal_prompts=unequal_prompts, per_call=per_call)
     best = pick(candidates)

@@ -52,7 +52,10 @@ def job_rank_memory(job, device: str) -> dict:
     from ..validate import model_config, stored_bytes_per_parameter
 
     config = model_config(job.model.path)
-    b, _, h, w = job.latent.shape
+    from .topology import latent_plane
+
+    b, _, *spatial = job.latent.shape
+    h, w = latent_plane(spatial)  # a video's frames stack their token rows
     dtype = job.model.weight_dtype
     act = weight_bytes("default" if dtype.startswith("fp8") else dtype, device)  # fp8 computes in the default
     per_param = stored_bytes_per_parameter(job.model.path, dtype, act)

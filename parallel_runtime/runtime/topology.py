@@ -16,6 +16,7 @@ before any worker does work.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -146,6 +147,13 @@ def validate_strategy(s: StrategySpec, *, world_size: int, heads: int | None = N
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def latent_plane(spatial) -> tuple[int, int]:
+    """A latent's spatial size (H, W) or (T, H, W) as the (rows, columns) the strategies cut: a video's frames
+    stack their rows (its tokens run frame after frame, row after row)."""
+    *rows, cols = spatial
+    return math.prod(rows), cols
 
 
 def fit_to_latent(s: StrategySpec, latent_hw: tuple[int, int]) -> tuple[StrategySpec, str | None]:

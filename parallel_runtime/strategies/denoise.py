@@ -27,7 +27,7 @@ from .control import ControlNets, ControlPass, Residuals
 from .pipefusion import StaleKVAttention, StaleKVCache
 from ..sampling import (cfg_combine, cfg_uses_uncond, final_latent, ksampler_sigmas, make_sampler, prepare_noise,
                        start_latent)
-from ..runtime.topology import Topology, validate_strategy
+from ..runtime.topology import Topology, latent_plane, validate_strategy
 from ..spec import Conditioning, Job
 from ..validate import validate_branches
 
@@ -217,10 +217,10 @@ class Denoiser:
 
     def _run(self, job: Job) -> torch.Tensor | None:
         s, sp = job.strategy, job.sampling
-        b, c, h, w = job.latent.shape
+        b, c, *spatial = job.latent.shape  # (H, W), or (T, H, W) for a video
         cfg = self.adapter.config
         validate_strategy(s, world_size=self.topology.world_size, heads=cfg.num_heads,
-                          num_blocks=cfg.num_blocks, latent_hw=(h, w),
+                          num_blocks=cfg.num_blocks, latent_hw=latent_plane(spatial),
                           cfg_scale=sp.cfg, steps=sp.steps)
         validate_branches(job)
         self.step_times = []
@@ -254,7 +254,7 @@ class Denoiser:
         self.uses_uncond = cfg_uses_uncond(sp.cfg)
 
         self._set_layout(self.branches, x.shape[1], s.patches if self.topology.pipefusion > 1 else 1)
-        self.hw = (h, w)
+        self.hw = tuple(spatial)
         try:
             if self.topology.pipefusion > 1:
                 x = self._run_pipefusion(x, s.warmup_steps, len(sigmas) - 1)
@@ -262,7 +262,7 @@ class Denoiser:
                 x = self._run_sequence_parallel(x)
         finally:
             self._finish_vote()
-        return self._gather_result(x, h, w)
+        return self._gather_result(x, spatial)
 
     # -- shared pieces ---------------------------------------------------------------------------------
 
@@ -391,18 +391,19 @@ class Denoiser:
             full[:, idx] = part[:, idx]
         return full
 
-    def _gather_result(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor | None:
+    def _gather_result(self, x: torch.Tensor, spatial) -> torch.Tensor | None:
         if self.topology.pipefusion > 1 and self.coords["pipefusion"] != self.topology.pipefusion - 1:
             return None  # only the last stage holds the sampled rows
         x = self._gather_shards(x)
         if not self._is_result_rank():
             return None
-        return self._comfy_shape(final_latent(self.adapter.unpack(x, h, w), self.sigmas[-1],
+        return self._comfy_shape(final_latent(self.adapter.unpack(x, *spatial), self.sigmas[-1],
                                               self.adapter.latent_format, self.adapter.model_sampling).cpu())
 
     def _comfy_shape(self, latent: torch.Tensor) -> torch.Tensor:
-        """The result as KSampler returns it: a video VAE's latent format (Qwen-Image's Wan 2.1) is 5D there."""
-        return latent.unsqueeze(2) if self.adapter.latent_format.dimensions == 3 else latent
+        """The result as KSampler returns it: an image in a video VAE's latent format (Qwen-Image's Wan 2.1) is 5D
+        there, with one frame; a video already is."""
+        return latent.unsqueeze(2) if self.adapter.latent_format.dimensions == 3 and latent.ndim == 4 else latent
 
     # -- sequence parallel (also serial, CFG-only and naive patch) -------------------------------------
 

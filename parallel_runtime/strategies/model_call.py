@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ..runtime.topology import validate_strategy
+from ..runtime.topology import latent_plane, validate_strategy
 from ..spec import Job
 from .control import ControlPass
 from .denoise import Branches, Denoiser, stale_caches
@@ -25,15 +25,15 @@ from .denoise import Branches, Denoiser, stale_caches
 
 class ModelCallForward(Denoiser):
     """A Denoiser whose job is one model call (`job.timestep` set): returns the model output on the result
-    rank, [rows, C, H, W] as the call's 4D input (a video latent's frame axis is the caller's), in float32 as
+    rank, shaped as the call's input ([rows, C, H, W], or [rows, C, T, H, W] for a video model), in float32 as
     ComfyUI's apply_model casts it."""
 
     def _run(self, job: Job) -> torch.Tensor | None:
-        rows, _, h, w = job.latent.shape
+        rows, _, *spatial = job.latent.shape  # (H, W), or (T, H, W) for a video
         s, cfg = job.strategy, self.adapter.config
         validate_strategy(s, world_size=self.topology.world_size, heads=cfg.num_heads, num_blocks=cfg.num_blocks,
-                          latent_hw=(h, w), steps=1)
-        self.step_times, self.hw = [], (h, w)
+                          latent_hw=latent_plane(spatial), steps=1)
+        self.step_times, self.hw = [], tuple(spatial)
         # The call's chunks in ComfyUI's order (positive = first chunk, negative = second), `batch` rows each.
         chunks = [job.positive] + ([job.negative] if job.negative is not None else [])
         batch = rows // len(chunks)
@@ -62,7 +62,7 @@ class ModelCallForward(Denoiser):
             out = torch.cat(self.comm.all_gather(mine_rows, self.comm.group("cfg"), op="cfg"))
         if not self._is_result_rank():
             return None
-        return self.adapter.unpack(out, h, w).cpu()  # [rows, C, H, W]: the caller restores a frame axis
+        return self.adapter.unpack(out, *spatial).cpu()  # the call's shape ([rows, C, H, W] or a video's 5D)
 
     def _forward(self, x: torch.Tensor, t: torch.Tensor, branches: Branches) -> torch.Tensor:
         """This rank's token rows of the model output for one group of chunks, in a tensor shaped like x."""

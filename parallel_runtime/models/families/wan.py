@@ -1,0 +1,377 @@
+"""Wan 2.1 video DiTs (text-to-video 1.3B / 14B) in ComfyUI's key layout.
+
+A Wan block runs self-attention over the video's tokens (frames x rows x columns of 1x2x2 patches, 3-D RoPE),
+then cross-attention from its rows to the umT5 prompt, which every rank holds whole (no communication), then
+the MLP; six modulation rows per block come from one timestep embedding. Like PixArt the prompt is not in the
+attention sequence, so Ulysses and Ring split the video tokens alone and PipeFusion's patches are runs of
+them (whole rows, frame after frame).
+
+The module tree keeps ComfyUI's parameter names (comfy/ldm/wan/model.py), so ComfyUI-layout files map one to one
+and a LoRA's ComfyUI keys land without translation; the forward pieces mirror ComfyUI's op for op, in its
+dtypes: the patch embedding in float32, the sinusoid in float32 then the model dtype, modulation added in the
+model dtype. Sampling is ModelSamplingDiscreteFlow (shift 8, multiplier 1000) on the Wan 2.1 latent format.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...errors import ModelFileError
+from ...sampling import WAN21_LATENT
+from ...sampling.flow import FluxModelSampling
+from ...weights.keymap import Source, block_count, has_block, same_names
+from ...weights.storage import compute_placement
+from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
+from .flux import BFL_PREFIXES
+from .flux_adapter import channels_first
+
+HEAD_DIM = 128  # every Wan: ComfyUI's detection sets num_heads = dim // 128
+EPS = 1e-6
+ALWAYS_OWNED = ("time_embedding.", "time_projection.")
+FIRST_STAGE = ("patch_embedding.", "text_embedding.")
+LAST_STAGE = ("head.",)
+BLOCK_LISTS = ("blocks",)
+WAN_BLOCK = BlockKind("self+cross", ("image", "prompt"))
+
+
+@dataclass(frozen=True)
+class WanConfig(JointAttentionConfig):
+    hidden_size: int
+    num_layers: int
+    ffn_dim: int
+    in_channels: int = 16
+    out_channels: int = 16
+    text_dim: int = 4096
+    freq_dim: int = 256
+    image_to_video: bool = False  # 2.1 I2V: CLIP-vision tokens beside the prompt (img_emb, k_img / v_img)
+
+    family = "wan"
+    pooled_dim = 0
+    text_encoders = "umT5-XXL (CLIPLoader type wan)"
+    head_dim = HEAD_DIM
+    num_single_layers = 0
+    patch_size = (1, 2, 2)
+    video = True  # latents are [B, C, T, H, W]
+
+    def __post_init__(self):
+        if self.hidden_size % HEAD_DIM:
+            raise ModelFileError(f"Wan width {self.hidden_size} is not a multiple of its head size {HEAD_DIM}; the "
+                                 f"file is damaged, so re-download it.")
+
+    @property
+    def num_heads(self) -> int:
+        return self.hidden_size // HEAD_DIM
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_layers
+
+    @property
+    def mlp_hidden(self) -> int:
+        return self.ffn_dim
+
+    @property
+    def context_dim(self) -> int:
+        return self.text_dim
+
+    @property
+    def latent_channels(self) -> int:
+        return self.out_channels
+
+    @property
+    def concat_channels(self) -> int:
+        return self.in_channels - self.out_channels
+
+    @property
+    def variant(self) -> str:
+        return "i2v" if self.image_to_video else "t2v"
+
+    @property
+    def title(self) -> str:
+        size = {1536: "1.3B", 5120: "14B"}.get(self.hidden_size, f"{self.hidden_size}-wide")
+        return f"Wan 2.1 {self.variant.upper()} {size}"
+
+    @property
+    def block_kinds(self) -> tuple[BlockKind, ...]:
+        """Self-attention over the video's tokens, then cross-attention to the prompt every rank holds."""
+        return (WAN_BLOCK,) * self.num_layers
+
+    @property
+    def rope_axes(self) -> tuple[int, int, int]:
+        """RoPE dims of (frame, row, column), as ComfyUI's WanModel splits its head dim."""
+        d = HEAD_DIM
+        return d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6)
+
+
+# -- checkpoint layout --------------------------------------------------------------------------------
+
+def match_layout(keys: list[str]) -> Match | None:
+    key_set = set(keys)
+    for prefix in BFL_PREFIXES:
+        if ({prefix + "head.modulation", prefix + "patch_embedding.weight"} <= key_set
+                and has_block(keys, prefix, "blocks")):
+            return Match("comfy", prefix)
+    return None
+
+
+# The keys comfy/model_detection.py tells these Wan variants by (and the reference-conv and FLF2V extras).
+_UNSUPPORTED = {"vace_patch_embedding.weight": "Wan VACE", "control_adapter.conv.weight": "Wan Fun Camera",
+                "casual_audio_encoder.encoder.final_linear.weight": "Wan 2.2 S2V",
+                "audio_proj.audio_proj_glob_1.layer.bias": "Wan HuMo",
+                "face_adapter.fuser_blocks.0.k_norm.weight": "Wan 2.2 Animate",
+                "ref_conv.weight": "Wan Fun reference", "img_emb.emb_pos": "Wan first-last-frame (FLF2V)",
+                "img_emb.proj.0.weight": "Wan 2.1 image-to-video (CLIP-vision)"}
+
+
+def infer_config(reader, match: Match, name: str) -> WanConfig:
+    p = match.prefix
+    name = name or os.path.basename(getattr(reader, "path", "checkpoint"))
+    for key, what in _UNSUPPORTED.items():
+        if p + key in reader:
+            raise ModelFileError(f"{name} is a {what} model, which ParaDiT does not run yet; load it with UNETLoader "
+                                 f"or choose a Wan 2.1 text-to-video file.")
+
+    def shape(key: str) -> tuple[int, ...]:
+        if p + key not in reader:
+            raise ModelFileError(f"{name} has no tensor {p + key!r}, so it is not a complete Wan DiT; re-download it.")
+        return reader.shape(p + key)
+
+    dim, in_channels = shape("patch_embedding.weight")[:2]
+    out_channels = shape("head.head.weight")[0] // 4
+    if out_channels != 16:
+        raise ModelFileError(f"{name} predicts {out_channels} latent channels (Wan 2.2 TI2V 5B's 48-channel latent), "
+                             f"which ParaDiT does not run yet; load it with UNETLoader.")
+    return WanConfig(hidden_size=dim, num_layers=block_count(reader.keys(), p, "blocks", name),
+                     ffn_dim=shape("blocks.0.ffn.0.weight")[0], in_channels=in_channels, out_channels=out_channels,
+                     text_dim=shape("text_embedding.0.weight")[1], freq_dim=shape("time_embedding.0.weight")[1],
+                     image_to_video=p + "img_emb.proj.0.weight" in reader)
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int, image_keys: bool = False):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.norm_q, self.norm_k = nn.RMSNorm(dim, eps=EPS), nn.RMSNorm(dim, eps=EPS)
+        if image_keys:  # 2.1 I2V: the CLIP-vision tokens' own keys and values
+            self.k_img, self.v_img = nn.Linear(dim, dim), nn.Linear(dim, dim)
+            self.norm_k_img = nn.RMSNorm(dim, eps=EPS)
+
+
+class _Block(nn.Module):
+    def __init__(self, config: WanConfig):
+        super().__init__()
+        dim = config.hidden_size
+        self.self_attn = _Attention(dim)
+        self.norm3 = nn.LayerNorm(dim, eps=EPS)  # cross_attn_norm: every released Wan has it
+        self.cross_attn = _Attention(dim, image_keys=config.image_to_video)
+        self.ffn = nn.Sequential(nn.Linear(dim, config.ffn_dim), nn.GELU(approximate="tanh"),
+                                 nn.Linear(config.ffn_dim, dim))
+        self.modulation = nn.Parameter(torch.empty(1, 6, dim))
+
+
+class _Head(nn.Module):
+    def __init__(self, dim: int, out: int):
+        super().__init__()
+        self.head = nn.Linear(dim, out)
+        self.modulation = nn.Parameter(torch.empty(1, 2, dim))
+
+
+class WanTransformer(nn.Module):
+    """ComfyUI's WanModel parameters under its names; the forward lives in WanAdapter."""
+
+    def __init__(self, config: WanConfig):
+        super().__init__()
+        dim = config.hidden_size
+        self.patch_embedding = nn.Conv3d(config.in_channels, dim, config.patch_size, config.patch_size)
+        self.text_embedding = nn.Sequential(nn.Linear(config.text_dim, dim), nn.GELU(approximate="tanh"),
+                                            nn.Linear(dim, dim))
+        self.time_embedding = nn.Sequential(nn.Linear(config.freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.blocks = nn.ModuleList(_Block(config) for _ in range(config.num_layers))
+        self.head = _Head(dim, config.out_channels * math.prod(config.patch_size))
+        if config.image_to_video:
+            self.img_emb = nn.Module()
+            self.img_emb.proj = nn.Sequential(nn.LayerNorm(1280), nn.Linear(1280, 1280), nn.GELU(),
+                                              nn.Linear(1280, dim), nn.LayerNorm(dim))
+
+
+def _meta_model(config: WanConfig) -> WanTransformer:
+    with torch.device("meta"):
+        return WanTransformer(config)
+
+
+def source_map(config: WanConfig, layout: str, prefix: str = "") -> dict[str, Source]:
+    """ComfyUI's names are ours: every parameter under its own name after the file's prefix."""
+    return same_names(_meta_model(config).state_dict(), prefix)
+
+
+def checkpoint_shapes(config: WanConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{ComfyUI key: (shape, kind)} of a Wan file, for writing random test checkpoints."""
+    kinds = {}
+    for name, p in _meta_model(config).state_dict().items():
+        if name.endswith("modulation"):
+            kind = "table"
+        elif "norm" in name.split(".")[-2] or ".proj.0." in name or ".proj.4." in name:
+            kind = "norm" if name.endswith("weight") else "bias"
+        elif name.endswith("bias"):
+            kind = "bias"
+        else:
+            kind = "weight"
+        kinds[name] = (tuple(p.shape), kind)
+    return kinds
+
+
+# -- the strategies' view -----------------------------------------------------------------------------
+
+def sinusoidal_embedding(dim: int, t: torch.Tensor) -> torch.Tensor:
+    """comfy/ldm/wan/model.py's sinusoidal_embedding_1d: [cos, sin] of t x 10000^(-i / half), in float32."""
+    half = dim // 2
+    t = t.float()
+    sinusoid = torch.outer(t, torch.pow(10000, -torch.arange(half, device=t.device).to(t).div(half)))
+    return torch.cat([torch.cos(sinusoid), torch.sin(sinusoid)], dim=1)
+
+
+def video_grid_ids(frames: int, rows: int, cols: int) -> torch.Tensor:
+    """RoPE ids [frame, row, column] of a frames x rows x cols token grid, in token order."""
+    ids = torch.zeros(frames, rows, cols, 3)
+    ids[..., 0] = torch.arange(frames)[:, None, None]
+    ids[..., 1] = torch.arange(rows)[None, :, None]
+    ids[..., 2] = torch.arange(cols)[None, None, :]
+    return ids.reshape(-1, 3)
+
+
+def block_inputs(config: WanConfig, text: int, image: int, generator: torch.Generator) -> tuple:
+    """Random (video tokens, embedded prompt, (e, six modulation rows), RoPE of a one-frame grid) of a block call."""
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    h, cols = config.hidden_size, max(1, math.isqrt(image))
+    rope = FluxPosEmbed(theta=10000, axes_dim=list(config.rope_axes))(
+        video_grid_ids(1, -(-image // cols), cols)[:image])
+    temb = (torch.randn(1, 1, h, generator=generator), torch.randn(1, 1, 6, h, generator=generator))
+    return torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator), temb, rope
+
+
+class WanAdapter:
+    patch = 2
+    default_guidance = 0.0  # no guidance input
+    joint_text = False  # the prompt is cross-attended, not part of the attention sequence
+    latent_format = WAN21_LATENT
+    skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
+
+    def __init__(self, config: WanConfig, model: WanTransformer, chunks: list[range], context):
+        self.config, self.model, self.chunks, self.context = config, model, chunks, context
+        self.latent_channels = config.out_channels
+        self.dtype, self.device = compute_placement(model.time_embedding)
+
+    @property
+    def variant(self) -> str:
+        return self.config.variant
+
+    @functools.cached_property
+    def model_sampling(self):
+        return FluxModelSampling(8.0, 1000.0, kind="discrete_flow")  # supported_models.WAN21_T2V: shift 8
+
+    # -- token layout ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def pack(latent: torch.Tensor) -> torch.Tensor:
+        """[B, C, T, H, W] -> [B, T (H/2)(W/2), 4C]: frame-major tokens, (c, ph, pw) inside each 1x2x2 patch (the
+        order of the patch conv's weights)."""
+        b, c, t, h, w = latent.shape
+        x = latent.reshape(b, c, t, h // 2, 2, w // 2, 2).permute(0, 2, 3, 5, 1, 4, 6)
+        return x.reshape(b, t * (h // 2) * (w // 2), c * 4)
+
+    @staticmethod
+    def unpack(tokens: torch.Tensor, t: int, h: int, w: int) -> torch.Tensor:
+        b, _, d = tokens.shape
+        c = d // 4
+        x = tokens.reshape(b, t, h // 2, w // 2, c, 2, 2).permute(0, 4, 1, 2, 5, 3, 6)
+        return x.reshape(b, c, t, h, w)
+
+    def rope(self, text_len: int, t: int, h: int, w: int, references=(), method=None):
+        """cos/sin of the video's tokens (the prompt is not in the sequence): ComfyUI's rope_encode ids."""
+        from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+        ids = video_grid_ids(t, (h + 1) // 2, (w + 1) // 2)
+        return FluxPosEmbed(theta=10000, axes_dim=list(self.config.rope_axes))(ids.to(self.device))
+
+    # -- embeddings ------------------------------------------------------------------------------------
+
+    def embed_image(self, tokens: torch.Tensor, index: torch.Tensor, thw) -> torch.Tensor:
+        """The 1x2x2 patch conv as one matmul on packed tokens, in float32 as ComfyUI runs it, then the model dtype."""
+        conv = self.model.patch_embedding
+        out = F.linear(tokens.to(self.device, torch.float32), conv.weight.float().flatten(1), conv.bias.float())
+        return out.to(self.dtype)
+
+    def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
+        return self.model.text_embedding(cond.to(self.device, self.dtype))
+
+    def timestep_embedding(self, t: torch.Tensor, pooled: torch.Tensor, guidance, thw=None):
+        """(e [N, 1, dim] for the head, e0 [N, 1, 6, dim] for the blocks) at t in the model's units (sigma x 1000)."""
+        sinusoid = sinusoidal_embedding(self.config.freq_dim, t.to(self.device).flatten()).to(self.dtype)
+        e = self.model.time_embedding(sinusoid).reshape(t.shape[0], -1, self.config.hidden_size)
+        return e, self.model.time_projection(e).unflatten(2, (6, self.config.hidden_size))
+
+    # -- blocks and head -------------------------------------------------------------------------------
+
+    def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb, rope, chunk: int = 0) -> tuple:
+        for i in self.chunks[chunk]:
+            if i not in self.skip:
+                image = self._block(i, image, text, temb[1], rope)
+        return image, text
+
+    def _block(self, i: int, x: torch.Tensor, context: torch.Tensor, e0: torch.Tensor, rope) -> torch.Tensor:
+        """WanAttentionBlock.forward: modulated self-attention, cross-attention, modulated MLP."""
+        block = self.model.blocks[i]
+        e = (block.modulation.to(x.dtype).unsqueeze(0) + e0).unbind(2)
+        dim = self.config.hidden_size
+        y = self._self_attention(i, torch.addcmul(e[0], F.layer_norm(x, (dim,), eps=EPS), 1 + e[1]), rope)
+        x = torch.addcmul(x, y, e[2])
+        x = x + self._cross_attention(block.cross_attn, block.norm3(x), context)
+        y = block.ffn(torch.addcmul(e[3], F.layer_norm(x, (dim,), eps=EPS), 1 + e[4]))
+        return torch.addcmul(x, y, e[5])
+
+    def _self_attention(self, i: int, x: torch.Tensor, rope) -> torch.Tensor:
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        attn = self.model.blocks[i].self_attn
+        heads = self.config.num_heads
+
+        def split(t):
+            return t.unflatten(-1, (heads, -1))
+
+        q = apply_rotary_emb(split(attn.norm_q(attn.q(x))), rope, sequence_dim=1)
+        k = apply_rotary_emb(split(attn.norm_k(attn.k(x))), rope, sequence_dim=1)
+        out = self.context.image_attention(q, k, split(attn.v(x)), i).flatten(2, 3).to(x.dtype)
+        return attn.o(out)
+
+    def _cross_attention(self, attn, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """This rank's rows attend to the whole prompt, which every rank holds (no communication)."""
+        heads = self.config.num_heads
+
+        def split(t):
+            return t.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+        q, k, v = split(attn.norm_q(attn.q(x))), split(attn.norm_k(attn.k(context))), split(attn.v(context))
+        return attn.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2, 3))
+
+    def head(self, image: torch.Tensor, temb) -> torch.Tensor:
+        """Velocity in float32, re-ordered from the head's (pt, ph, pw, c) to pack's (c, ph, pw)."""
+        head = self.model.head
+        shift, scale = (head.modulation.to(image.dtype).unsqueeze(0) + temb[0].unsqueeze(2)).unbind(2)
+        dim = self.config.hidden_size
+        out = head.head(torch.addcmul(shift, F.layer_norm(image, (dim,), eps=EPS), 1 + scale)).float()
+        return channels_first(out, self.patch, self.config.out_channels)
+
+
+WAN = DiTFamily(
+    name="wan", title="Wan 2.1 (text-to-video)", match=match_layout, infer_config=infer_config,
+    meta_model=_meta_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=WanAdapter,
+    block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE,
+    comfy_layout="comfy", replace_keys=("double_block",), block_inputs=block_inputs)

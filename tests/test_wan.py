@@ -1,0 +1,195 @@
+"""Wan 2.1 text-to-video on the workers: detection, the serial model against a reference written here from
+ComfyUI's WanModel (comfy/ldm/wan/model.py) on the file's raw tensors, and every strategy over video tokens.
+
+The reference takes nothing from the family module: Conv3d patch embedding, [cos, sin] sinusoid, 3-D RoPE ids
+through ComfyUI's rope formula (pairs rotated as apply_rope1 rotates them), the block's modulation, RMS-normed
+q/k, cross-attention, the head and ComfyUI's unpatchify einsum. A wrong token order, RoPE axis, patch order or
+modulation row is an O(1) error; the real-host test (tests/test_comfyui_wan.py) compares with ComfyUI itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from conftest import rel_err
+from parallel_runtime.errors import ModelFileError
+from parallel_runtime.models.families.wan import WanConfig
+from parallel_runtime.models.registry import detect_family
+from parallel_runtime.models.tiny import write_checkpoint
+from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec
+from parallel_runtime.spec import StrategySpec as S
+from parallel_runtime.validate import model_config
+
+pytestmark = pytest.mark.timeout(600)
+
+# 2 heads of 128 (every Wan's head size), 2 blocks; the prompt 64 wide (umT5's 4096 in real files).
+TINY_WAN = WanConfig(hidden_size=256, num_layers=2, ffn_dim=512, text_dim=64)
+T, H, W = 5, 6, 8  # latent frames x height x width: 5 x 3 x 4 = 60 video tokens, 15 token rows
+# One fp32 forward in another op order than the reference: ~1e-6; exact strategies reorder sums (~1e-7 per op).
+SERIAL_RTOL, EXACT_RTOL = 1e-5, 1e-4
+
+
+@pytest.fixture(scope="module")
+def wan_path(tmp_path_factory):
+    return write_checkpoint(str(tmp_path_factory.mktemp("wan") / "wan2.1_t2v_tiny.safetensors"), TINY_WAN, seed=1,
+                            prefix="model.diffusion_model.")
+
+
+def conditioning(seed: int, tokens: int = 9) -> Conditioning:
+    g = torch.Generator().manual_seed(seed)
+    return Conditioning(torch.randn(1, tokens, TINY_WAN.text_dim, generator=g), torch.zeros(1, 0))
+
+
+def call_job(path: str, strategy: S, negative: bool = True, call_step: int | None = None) -> Job:
+    g = torch.Generator().manual_seed(3)
+    rows = 2 if negative else 1
+    x = torch.randn(rows, 16, T, H, W, generator=g)
+    return Job(ModelSpec(path), strategy, SamplingSpec(steps=1), x, conditioning(1),
+               conditioning(2, tokens=11) if negative else None, timestep=torch.full((rows,), 870.0),
+               call_step=call_step)
+
+
+# -- the reference ---------------------------------------------------------------------------------------
+
+
+def _rope(ids: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+    """comfy/ldm/flux/math.py's rope per axis, concatenated: [L, D/2, 2, 2] rotation matrices."""
+    parts = []
+    for i, dim in enumerate(axes):
+        scale = torch.linspace(0, (dim - 2) / dim, steps=dim // 2, dtype=torch.float64)
+        out = torch.einsum("n,d->nd", ids[:, i].float(), 1.0 / (10000 ** scale))
+        parts.append(torch.stack([torch.cos(out), -torch.sin(out), torch.sin(out), torch.cos(out)], -1)
+                     .reshape(len(ids), -1, 2, 2))
+    return torch.cat(parts, dim=1).float()
+
+
+def _apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    x_ = x.float().reshape(*x.shape[:-1], -1, 1, 2)
+    out = freqs[None, :, None, :, :, 0] * x_[..., 0] + freqs[None, :, None, :, :, 1] * x_[..., 1]
+    return out.reshape(*x.shape).type_as(x)
+
+
+@torch.no_grad()
+def reference_call(path: str, job: Job) -> torch.Tensor:
+    sd = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(path).items()}
+    c, heads, dim = TINY_WAN, TINY_WAN.num_heads, TINY_WAN.hidden_size
+
+    def lin(x, name):
+        return F.linear(x, sd[f"{name}.weight"], sd[f"{name}.bias"])
+
+    def rms(x, name):
+        return F.rms_norm(x, (dim,), sd[f"{name}.weight"], 1e-6)
+
+    def attention(q, k, v):
+        q, k, v = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+    out = []
+    for row, branch in enumerate(b for b in (job.positive, job.negative) if b is not None):
+        x = F.conv3d(job.latent[row:row + 1], sd["patch_embedding.weight"], sd["patch_embedding.bias"], stride=(1, 2, 2))
+        grid = x.shape[2:]
+        x = x.flatten(2).transpose(1, 2)
+        ids = torch.stack(torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij"), -1).reshape(-1, 3)
+        freqs = _rope(ids, (128 - 4 * 21, 2 * 21, 2 * 21))  # WanModel: d - 4 (d // 6), 2 (d // 6), 2 (d // 6)
+        t = job.timestep[row:row + 1]
+        half = c.freq_dim // 2
+        sinusoid = torch.outer(t, torch.pow(10000, -torch.arange(half).float().div(half)))
+        e = lin(F.silu(lin(torch.cat([torch.cos(sinusoid), torch.sin(sinusoid)], 1), "time_embedding.0")),
+                "time_embedding.2")[:, None]
+        e0 = lin(F.silu(e), "time_projection.1").unflatten(2, (6, dim))
+        context = lin(F.gelu(lin(branch.cond, "text_embedding.0"), approximate="tanh"), "text_embedding.2")
+        for i in range(c.num_layers):
+            b = f"blocks.{i}"
+            m = (sd[f"{b}.modulation"].unsqueeze(0) + e0).unbind(2)
+            h = F.layer_norm(x, (dim,), eps=1e-6) * (1 + m[1]) + m[0]
+            q = _apply_rope(rms(lin(h, f"{b}.self_attn.q"), f"{b}.self_attn.norm_q").unflatten(-1, (heads, -1)), freqs)
+            k = _apply_rope(rms(lin(h, f"{b}.self_attn.k"), f"{b}.self_attn.norm_k").unflatten(-1, (heads, -1)), freqs)
+            y = lin(attention(q.flatten(2), k.flatten(2), lin(h, f"{b}.self_attn.v")), f"{b}.self_attn.o")
+            x = x + y * m[2]
+            h = F.layer_norm(x, (dim,), sd[f"{b}.norm3.weight"], sd[f"{b}.norm3.bias"], 1e-6)
+            x = x + lin(attention(rms(lin(h, f"{b}.cross_attn.q"), f"{b}.cross_attn.norm_q"),
+                                  rms(lin(context, f"{b}.cross_attn.k"), f"{b}.cross_attn.norm_k"),
+                                  lin(context, f"{b}.cross_attn.v")), f"{b}.cross_attn.o")
+            h = F.layer_norm(x, (dim,), eps=1e-6) * (1 + m[4]) + m[3]
+            x = x + lin(F.gelu(lin(h, f"{b}.ffn.0"), approximate="tanh"), f"{b}.ffn.2") * m[5]
+        shift, scale = (sd["head.modulation"].unsqueeze(0) + e.unsqueeze(2)).unbind(2)
+        x = lin(F.layer_norm(x, (dim,), eps=1e-6) * (1 + scale) + shift, "head.head")
+        u = x.view(1, *grid, 1, 2, 2, 16)
+        out.append(torch.einsum("bfhwpqrc->bcfphqwr", u).reshape(1, 16, T, H, W))
+    return torch.cat(out)
+
+
+# -- tests -----------------------------------------------------------------------------------------------
+
+
+def test_wan_files_are_detected_and_variants_refused(wan_path, tmp_path):
+    from parallel_runtime.weights.checkpoint import open_checkpoint
+
+    with open_checkpoint(wan_path) as reader:
+        family, match = detect_family(reader.keys())
+    assert (family.name, match.prefix) == ("wan", "model.diffusion_model.")
+    config = model_config(wan_path)
+    assert (config.num_heads, config.num_layers, config.ffn_dim, config.latent_channels) == (2, 2, 512, 16)
+    assert config.rope_axes == (44, 42, 42)  # ComfyUI's split of the 128-wide head
+    i2v = write_checkpoint(str(tmp_path / "wan_i2v.safetensors"),
+                           dataclasses.replace(TINY_WAN, in_channels=36, image_to_video=True))
+    with pytest.raises(ModelFileError, match="Wan 2.1 image-to-video .* which ParaDiT does not run yet"):
+        model_config(i2v)
+
+
+def test_wan_one_worker_equals_the_reference(wan_path, client1):
+    job = call_job(wan_path, S())
+    out = client1.run(job).latent
+    assert out.shape == (2, 16, T, H, W)
+    assert rel_err(out, reference_call(wan_path, job)) < SERIAL_RTOL
+
+
+@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
+                                      S(pipefusion_degree=2, num_pipeline_patch=5)],
+                         ids=["cfg2", "ulysses2", "ring2", "pp2_warmup"])
+def test_wan_exact_strategies_equal_the_reference(wan_path, client2, strategy):
+    """Prompts of different lengths (9 and 11 tokens): separate forward passes, as ComfyUI runs them. PipeFusion's
+    patches are whole frames (15 token rows / 5); its call without a schedule step is its warm-up (exact)."""
+    job = call_job(wan_path, strategy)
+    assert rel_err(client2.run(job).latent, reference_call(wan_path, job)) < EXACT_RTOL
+
+
+def test_wan_ulysses_ring_on_four_and_uneven_shards(wan_path, client4):
+    """60 tokens over 4 ranks; a 7-frame video (84 tokens, 21 rows) under Ring 4 splits unevenly."""
+    job = call_job(wan_path, S(ulysses_degree=2, ring_degree=2))
+    assert rel_err(client4.run(job).latent, reference_call(wan_path, job)) < EXACT_RTOL
+
+
+def test_wan_denoise_loop_strategies_equal_serial_and_pipefusion_beats_naive_patch(wan_path, client1, client2):
+    """A whole 6-step run at cfg 5 (Parallel Sampler's path): exact strategies equal serial; PipeFusion after one
+    warm-up step reads stale K/V and lands nearer serial than naive patch parallelism, which never sees the other
+    half of the video."""
+    g = torch.Generator().manual_seed(0)
+    job = Job(ModelSpec(wan_path), S(), SamplingSpec(steps=6, cfg=5.0, seed=1),
+              torch.zeros(1, 16, T, H, W), conditioning(1), conditioning(2))
+    serial = client1.run(job).latent
+    assert serial.shape == (1, 16, T, H, W) and torch.isfinite(serial).all()
+    del g
+    for strategy in (S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2),
+                     S(pipefusion_degree=2, num_pipeline_patch=5, warmup_steps=6)):
+        assert rel_err(client2.run(dataclasses.replace(job, strategy=strategy)).latent, serial) < EXACT_RTOL
+    pipefusion = rel_err(client2.run(dataclasses.replace(job, strategy=S(pipefusion_degree=2, num_pipeline_patch=3,
+                                                                         warmup_steps=1))).latent, serial)
+    naive = rel_err(client2.run(dataclasses.replace(job, strategy=S(naive_patch_degree=2))).latent, serial)
+    print(f"\nWan video, 6 steps: PipeFusion (1 warm-up step) {pipefusion:.2e}, naive patch {naive:.2e}")
+    assert pipefusion < naive
+
+
+def test_wan_refusals(wan_path, client1):
+    from parallel_runtime.errors import ConfigError
+
+    image = dataclasses.replace(call_job(wan_path, S()), latent=torch.randn(2, 16, H, W))
+    with pytest.raises(ConfigError, match="needs a video latent .* use EmptyHunyuanLatentVideo"):
+        client1.run(image)
+    odd = dataclasses.replace(call_job(wan_path, S()), latent=torch.randn(2, 16, T, H, W + 1))
+    with pytest.raises(ConfigError, match="not a multiple of the model's 2x2 patch"):
+        client1.run(odd)
