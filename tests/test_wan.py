@@ -158,8 +158,8 @@ def test_wan_exact_strategies_equal_the_reference(wan_path, client2, strategy):
     assert rel_err(client2.run(job).latent, reference_call(wan_path, job)) < EXACT_RTOL
 
 
-def test_wan_ulysses_ring_on_four_and_uneven_shards(wan_path, client4):
-    """60 tokens over 4 ranks; a 7-frame video (84 tokens, 21 rows) under Ring 4 splits unevenly."""
+def test_wan_ulysses_times_ring_on_four(wan_path, client4):
+    """Ulysses 2 x Ring 2: the 60 video tokens in four shards, each Ring block a Ulysses group's two."""
     job = call_job(wan_path, S(ulysses_degree=2, ring_degree=2))
     assert rel_err(client4.run(job).latent, reference_call(wan_path, job)) < EXACT_RTOL
 

@@ -1,0 +1,83 @@
+"""Wan 2.1 text-to-video on the parallel MODEL in a real ComfyUI host (skipped without COMFYUI_DIR): Load Parallel
+DiT + KSampler against UNETLoader + KSampler on the same file, where ComfyUI runs its own WanModel.
+
+The file: a random Wan with ComfyUI's detection shape (256 wide = 2 heads of 128, 2 blocks, umT5's 4096-wide
+prompt), fp32; the prompt a seeded stand-in for the umT5 encode (no text encoder weights here); the latent
+ComfyUI's own EmptyHunyuanLatentVideo, 64x48 px x 17 frames = 5 latent frames, non-square.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from comfy_host import COMFYUI_DIR
+
+if not COMFYUI_DIR:
+    pytest.skip("COMFYUI_DIR is not set: no ComfyUI host to test against", allow_module_level=True)
+
+import torch  # noqa: E402
+
+import comfy_host  # noqa: E402
+from comfy_host import latent_parity, serve  # noqa: E402
+from parallel_runtime.models.families.wan import WanConfig  # noqa: E402
+from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+WAN = WanConfig(hidden_size=256, num_layers=2, ffn_dim=512, text_dim=4096)
+DIT = "wan2.1_t2v_mini.safetensors"
+# fp32 on CPU: ComfyUI's WanModel and the workers run the same float32 maths in another op order (~1e-7 per op
+# over 2 blocks and 3 steps); exact strategies on 2 workers add their own reordering.
+ONE_WORKER_RTOL = 1e-5
+EXACT_RTOL = 1e-4
+
+
+def write_models(root: str) -> None:
+    write_checkpoint(os.path.join(root, "models", "diffusion_models", DIT), WAN, seed=1,
+                     prefix="model.diffusion_model.", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from serve("paradit-comfyui-wan-", write_models)
+
+
+def graph(devices: str = "cpu:1", strat: dict | None = None, cfg: float = 5.0) -> dict:
+    """Seeded prompts (1, 2; 12 and 9 tokens, no pooled vector), EmptyHunyuanLatentVideo (4), the same KSampler
+    on Load Parallel DiT (11 -> 12 -> 13) and on UNETLoader (20 -> 21 -> 22)."""
+    g = {"1": {"class_type": "ParaDiTTestConditioning",
+               "inputs": {"seed": 1, "tokens": 12, "guidance": -1, "width": 4096, "pooled": 0}},
+         "2": {"class_type": "ParaDiTTestConditioning",
+               "inputs": {"seed": 2, "tokens": 9, "guidance": -1, "width": 4096, "pooled": 0}},
+         "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 48, "length": 17,
+                                                                  "batch_size": 1}},
+         "10": strat or comfy_host.strategy(warmup=3),
+         "11": {"class_type": "ParaDiTLoader", "inputs": {"unet_name": DIT, "weight_dtype": "default",
+                                                          "devices": devices, "strategy": ["10", 0]}},
+         "20": {"class_type": "UNETLoader", "inputs": {"unet_name": DIT, "weight_dtype": "default"}}}
+    sampling = {"seed": 5, "steps": 3, "cfg": cfg, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
+                "positive": ["1", 0], "negative": ["2", 0], "latent_image": ["4", 0]}
+    for loader, sampler, save in (("11", "12", "13"), ("20", "21", "22")):
+        g[sampler] = {"class_type": "KSampler", "inputs": dict(sampling, model=[loader, 0])}
+        g[save] = {"class_type": "SaveLatent", "inputs": {"samples": [sampler, 0], "filename_prefix": f"w/{save}"}}
+    return g
+
+
+def parity(server, g: dict, what: str) -> float:
+    err, par, _ = latent_parity(server, g, what)
+    assert par.shape == (1, 16, 5, 6, 8)
+    return err
+
+
+@pytest.mark.parametrize("cfg", [5.0, 1.0], ids=["cfg5", "cfg1"])
+def test_wan_one_worker_equals_unetloader(server, cfg):
+    assert parity(server, graph(cfg=cfg), f"Wan T2V, 1 worker, cfg {cfg}") <= ONE_WORKER_RTOL
+
+
+@pytest.mark.parametrize("strat", [comfy_host.strategy(cfg=2, warmup=3), comfy_host.strategy(ulysses=2, warmup=3),
+                                   comfy_host.strategy(ring=2, warmup=3),
+                                   comfy_host.strategy(pp=2, patches=5, warmup=3)],
+                         ids=["cfg2", "ulysses2", "ring2", "pp2_warm"])
+def test_wan_exact_strategies_on_two_workers_equal_unetloader(server, strat):
+    assert parity(server, graph("cpu:2", strat), f"Wan T2V, {strat['inputs']}") <= EXACT_RTOL
