@@ -32,9 +32,7 @@ class RemoteDiT(torch.nn.Module):
         self.patch_size = 2  # and its extra_conds this
         self.latent_format = base.latent_format  # to hand reference latents back raw, as Conditioning carries them
         self.latent_channels = base.latent_format.latent_channels  # x's channels past these are c_concat
-        # A video model (Wan) takes [B, C, T, H, W] as it is; an image model in a video VAE's latent format
-        # (Qwen-Image's Wan 2.1 VAE) gets one frame, which the workers take as [B, C, H, W].
-        self.video_model = bool(getattr(_config_of(handle.model.path), "video", False))
+        self._video_model: bool | None = None  # read from the file's header at the first call
         self._base = weakref.ref(base)  # not a submodule: read for its current patcher
         self._keys = keys
         if "patch_embedding.weight" in keys:  # Wan's concat_cond reads the input channels off this weight
@@ -50,6 +48,15 @@ class RemoteDiT(torch.nn.Module):
             "MultiGPU CFG Split (MultiGPU_WorkUnits) copies the model onto other GPUs, but Load Parallel DiT's "
             "model runs on the ParaDiT workers, which own their devices; remove that node and set cfg_degree 2 in "
             "the Strategy Selector, which splits cond and uncond the same way on the workers.")
+
+    def video_model(self) -> bool:
+        """Whether the file is a video model (Wan), whose calls keep [B, C, T, H, W]; an image model in a video VAE's
+        latent format (Qwen-Image's Wan 2.1 VAE) gets one frame, which the workers take as [B, C, H, W]."""
+        if self._video_model is None:
+            from parallel_runtime.validate import model_config
+
+            self._video_model = bool(getattr(model_config(self.handle.model.path), "video", False))
+        return self._video_model
 
     def parameter_shapes(self) -> dict:
         """ComfyUI's parameter name (no prefix) -> the file's shape."""
@@ -71,7 +78,7 @@ class RemoteDiT(torch.nn.Module):
         controls = control.inputs if isinstance(control, controlnet.RemoteControl) else ()
         skip_blocks = skipped_blocks(options.get("patches_replace"))
         patches = self._weight_patches(getattr(self._base(), "current_patcher", None))
-        video = x.ndim == 5 and not self.video_model
+        video = x.ndim == 5 and not self.video_model()
         if video:  # a video VAE's latent (Qwen-Image's Wan 2.1) with one frame: the workers take [B, C, H, W]
             x = x.squeeze(2)
         # ComfyUI concatenated the model's c_concat (Fill's masked image and mask, Canny/Depth's control image) to
@@ -136,12 +143,6 @@ class RemoteDiT(torch.nn.Module):
                 log.warning("ParaDiT: %s.", note)
             self._strategies[key] = strategy
         return self._strategies[key]
-
-
-def _config_of(path: str):
-    from parallel_runtime.validate import model_config
-
-    return model_config(path)
 
 
 def _schedule_step(options: dict) -> tuple[int | None, bool]:

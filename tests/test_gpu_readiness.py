@@ -163,7 +163,7 @@ def test_step_loop_never_waits_for_the_device(monkeypatch, strategy):
     set made before the loop: as many for 2 steps as for 5. dpmpp_2m: the sampler with a branch and a
     history (euler_ancestral draws its noise on x's device, and 'meta' has no generator; the sampler test
     above covers its branch)."""
-    monkeypatch.setattr(Denoiser, "_gather_result", lambda self, x, h, w: None)  # the final .cpu() has no data
+    monkeypatch.setattr(Denoiser, "_gather_result", lambda self, x, spatial: None)  # the final .cpu() has no data
     short, long = (_device_traffic_per_rank(strategy, steps, "dpmpp_2m") for steps in (2, 5))
     assert all(not w.stray_indices for w in short + long), [w.stray_indices[:3] for w in short + long]
     assert [w.uploads for w in short] == [w.uploads for w in long]
