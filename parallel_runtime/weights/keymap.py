@@ -43,6 +43,17 @@ def same_names(names, prefix: str = "") -> dict[str, Source]:
     return {n: Source(prefix + n) for n in names}
 
 
+def tensor_shapes(reader, prefix: str, name: str, what: str, fix: str = "re-download it"):
+    """`shape(key)`: the shape of `prefix + key` in the checkpoint, or one sentence saying the file `name` is not
+    `what` (e.g. "a complete Wan DiT") without it, and the fix."""
+    def shape(key: str) -> tuple[int, ...]:
+        if prefix + key not in reader:
+            raise ModelFileError(f"{name} has no tensor {prefix + key!r}, so it is not {what}; {fix}.")
+        return reader.shape(prefix + key)
+
+    return shape
+
+
 def block_count(keys: list[str], prefix: str, block: str, name: str) -> int:
     """How many `{prefix}{block}.N.` blocks a checkpoint has; a gap in the numbering means a damaged file."""
     pat = re.compile(re.escape(prefix + block) + r"\.(\d+)\.")

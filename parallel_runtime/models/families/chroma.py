@@ -29,7 +29,7 @@ import torch
 
 from ...errors import ModelFileError
 from ...sampling import model_sampling_for
-from ...weights.keymap import Source, block_count, has_block, linear, same_names
+from ...weights.keymap import Source, block_count, has_block, linear, same_names, tensor_shapes
 from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
 from .flux import (BFL_PREFIXES, DIFFUSERS_PREFIXES, DOUBLE_BLOCK, SINGLE_BLOCK, default_axes_dims_rope,
                    map_double_block, map_single_block)
@@ -136,11 +136,7 @@ _SHAPE_KEYS = {
 def infer_config(reader, match: Match, name: str) -> ChromaConfig:
     keys, p, k = reader.keys(), match.prefix, _SHAPE_KEYS[match.layout]
 
-    def shape(key: str) -> tuple[int, ...]:
-        if p + key not in reader:
-            raise ModelFileError(f"{name} has no tensor {p + key!r}, so it is not a complete Chroma DiT; "
-                                 f"re-download it.")
-        return reader.shape(p + key)
+    shape = tensor_shapes(reader, p, name, "a complete Chroma DiT")
 
     n_double = block_count(keys, p, k["double"], name)
     n_single = block_count(keys, p, k["single"], name)

@@ -25,7 +25,7 @@ from typing import Iterable
 import torch
 
 from ...errors import ModelFileError
-from ...weights.keymap import Source, block_count, linear, same_names
+from ...weights.keymap import Source, block_count, linear, same_names, tensor_shapes
 from ..family import BlockKind, JointAttentionConfig
 
 LAYOUTS = ("bfl", "diffusers")
@@ -226,13 +226,8 @@ def infer_config(reader, layout: str | None = None, prefix: str | None = None) -
         layout, prefix = detect_layout(keys, name)
     p = prefix
 
-    def shape(key: str) -> tuple[int, ...]:
-        if p + key not in reader:
-            raise ModelFileError(
-                f"{name} has no tensor {p + key!r}, so it is not a complete Flux.1 (dev/schnell) DiT; "
-                f"re-download it or choose a Flux.1 model."
-            )
-        return reader.shape(p + key)
+    shape = tensor_shapes(reader, p, name, "a complete Flux.1 (dev/schnell) DiT",
+                          "re-download it or choose a Flux.1 model")
 
     if layout not in _CONFIG_KEYS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...errors import ModelFileError
 from ...sampling import DiscreteEPSSampling, LatentFormat
-from ...weights.keymap import Source, block_count, has_block, linear, same_names
+from ...weights.keymap import Source, block_count, has_block, linear, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import BlockKind, DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
@@ -116,10 +115,7 @@ def infer_config(reader, match: Match, name: str) -> PixArtConfig:
     p, k = match.prefix, _SHAPE_KEYS[match.layout]
     name = name or os.path.basename(getattr(reader, "path", "checkpoint"))
 
-    def shape(key: str) -> tuple[int, ...]:
-        if p + key not in reader:
-            raise ModelFileError(f"{name} has no tensor {p + key!r}, so it is not a complete PixArt DiT; re-download it.")
-        return reader.shape(p + key)
+    shape = tensor_shapes(reader, p, name, "a complete PixArt DiT")
 
     hidden, in_channels, patch, _ = shape(k["proj"])
     pe_interpolation = None

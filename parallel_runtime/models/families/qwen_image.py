@@ -22,7 +22,7 @@ import torch
 from ...errors import ModelFileError
 from ...sampling import WAN21_LATENT, model_sampling_for
 from ...strategies.attention.processor import ParallelFluxAttnProcessor
-from ...weights.keymap import Source, block_count, has_block
+from ...weights.keymap import Source, block_count, has_block, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import DiTFamily, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, default_axes_dims_rope
@@ -89,11 +89,7 @@ def infer_config(reader, match: Match, name: str) -> QwenImageConfig:
     p = match.prefix
     name = name or os.path.basename(getattr(reader, "path", "checkpoint"))
 
-    def shape(key: str) -> tuple[int, ...]:
-        if p + key not in reader:
-            raise ModelFileError(f"{name} has no tensor {p + key!r}, so it is not a complete Qwen-Image DiT; "
-                                 f"re-download it.")
-        return reader.shape(p + key)
+    shape = tensor_shapes(reader, p, name, "a complete Qwen-Image DiT")
 
     if p + "txt_in.text_norm.weight" in reader:
         raise ModelFileError(f"{name} is a newer Qwen-Image release (txt_in.text_norm) ParaDiT does not run yet; "

@@ -24,7 +24,7 @@ import torch
 
 from ...errors import ModelFileError
 from ...sampling import SD3_LATENT, FluxModelSampling
-from ...weights.keymap import Source, block_count, has_block, linear, same_names
+from ...weights.keymap import Source, block_count, has_block, linear, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import JOINT_BLOCK, BlockKind, DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
@@ -114,10 +114,7 @@ _SHAPE_KEYS = {
 def infer_config(reader, match: Match, name: str) -> SD3Config:
     keys, p, k = reader.keys(), match.prefix, _SHAPE_KEYS[match.layout]
 
-    def shape(key: str) -> tuple[int, ...]:
-        if p + key not in reader:
-            raise ModelFileError(f"{name} has no tensor {p + key!r}, so it is not a complete SD3 DiT; re-download it.")
-        return reader.shape(p + key)
+    shape = tensor_shapes(reader, p, name, "a complete SD3 DiT")
 
     hidden, in_ch, patch, _ = shape(k["proj"])
     table = shape(k["pos"])[1]

@@ -25,7 +25,7 @@ from torch import nn
 from ...errors import ModelFileError
 from ...sampling import WAN21_LATENT
 from ...sampling.flow import FluxModelSampling
-from ...weights.keymap import Source, block_count, has_block, same_names
+from ...weights.keymap import Source, block_count, has_block, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
 from .flux import BFL_PREFIXES
@@ -137,10 +137,7 @@ def infer_config(reader, match: Match, name: str) -> WanConfig:
             raise ModelFileError(f"{name} is a {what} model, which ParaDiT does not run yet; load it with UNETLoader "
                                  f"or choose a Wan 2.1 text-to-video file.")
 
-    def shape(key: str) -> tuple[int, ...]:
-        if p + key not in reader:
-            raise ModelFileError(f"{name} has no tensor {p + key!r}, so it is not a complete Wan DiT; re-download it.")
-        return reader.shape(p + key)
+    shape = tensor_shapes(reader, p, name, "a complete Wan DiT")
 
     dim, in_channels = shape("patch_embedding.weight")[:2]
     out_channels = shape("head.head.weight")[0] // 4
