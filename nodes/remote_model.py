@@ -55,7 +55,7 @@ class RemoteDiT(torch.nn.Module):
         if self._video_model is None:
             from parallel_runtime.validate import model_config
 
-            self._video_model = bool(getattr(model_config(self.handle.model.path), "video", False))
+            self._video_model = model_config(self.handle.model.path).video
         return self._video_model
 
     def parameter_shapes(self) -> dict:

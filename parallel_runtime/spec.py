@@ -129,7 +129,7 @@ class Conditioning:
         """The keys of the large inputs the workers keep between calls: ControlNet hints, the attention mask."""
         return [c.hint_key for c in self.control] + ([self.attention_mask_key] if self.attention_mask_key else [])
 
-    def hints(self) -> dict[str, torch.Tensor]:
+    def kept_inputs(self) -> dict[str, torch.Tensor]:
         """The kept inputs this branch carries, by key (the client sends each to the workers once)."""
         out = {c.hint_key: c.hint for c in self.control if c.hint is not None}
         if self.attention_mask_key and self.attention_mask is not None:

@@ -259,7 +259,7 @@ def validate_job(job: Job, world_size: int) -> None:
     config = model_config(job.model.path)
     lat = job.latent
     channels = config.latent_channels
-    video = getattr(config, "video", False)
+    video = config.video
     if lat.ndim != (5 if video else 4) or lat.shape[1] != channels:
         if video:
             raise ConfigError(f"the latent has shape {tuple(lat.shape)} but this {config.title} model needs a video "

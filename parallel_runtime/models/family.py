@@ -103,6 +103,7 @@ class JointAttentionConfig:
     SD3.5 Medium adds image-only layers); a family with other blocks says so in `block_kinds`."""
 
     concat_channels = 0  # channels read beside the latent (ComfyUI's c_concat); Flux Fill/Canny/Depth have some
+    video = False  # True where latents are [B, C, T, H, W] (Wan)
 
     @property
     def block_kinds(self) -> tuple[BlockKind, ...]:

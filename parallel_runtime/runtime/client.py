@@ -304,7 +304,7 @@ class RuntimeClient:
         named = list(dict.fromkeys(k for b in branches for k in b.kept_keys()))
         if not named:
             return {}
-        hints = {k: t for b in branches for k, t in b.hints().items()}
+        hints = {k: t for b in branches for k, t in b.kept_inputs().items()}
         new = {k: hints[k] for k in named if k not in self._hints_on_workers and k in hints}
         missing = [k for k in named if k not in self._hints_on_workers and k not in hints]
         if missing:

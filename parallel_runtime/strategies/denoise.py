@@ -177,11 +177,10 @@ def _attention_masks(conds: list[Conditioning], batch: int, device) -> torch.Ten
     the signature batches masked branches only with masked ones): a single mask shared by every row stays one."""
     if conds[0].attention_mask is None:
         return None
-    masks = [c.attention_mask for c in conds]
-    if masks[0].shape[0] == 1 and all(c.attention_mask_key == conds[0].attention_mask_key and m.shape[0] == 1
-                                      for c, m in zip(conds, masks)) and conds[0].attention_mask_key is not None:
-        return masks[0].to(device)
-    return torch.cat([repeat_to_batch(m, batch) for m in masks]).to(device)
+    keys = {c.attention_mask_key for c in conds}  # one key is one tensor
+    if len(keys) == 1 and None not in keys and conds[0].attention_mask.shape[0] == 1:
+        return conds[0].attention_mask.to(device)
+    return torch.cat([repeat_to_batch(c.attention_mask, batch) for c in conds]).to(device)
 
 
 def stale_caches(layout: TokenLayout) -> tuple[StaleKVCache, StaleKVCache]:
