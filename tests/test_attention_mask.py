@@ -1,7 +1,8 @@
 """ComfyUI's attention_mask on the workers: an additive bias over the joint [text, image] sequence, cut per rank.
 
-The reference is diffusers' Flux blocks with their stock attention processors, which add `attention_mask` to the
-scores as ComfyUI's Flux does (SDPA's float attn_mask, broadcast over heads), run serially on the whole sequence.
+The reference is test_controlnet's: diffusers' Flux blocks with their stock attention processors, which add
+`attention_mask` to the scores as ComfyUI's Flux does (SDPA's float attn_mask, broadcast over heads), run serially
+on the whole sequence; the mask reaches the DiT's blocks only, as ComfyUI's ControlNetFlux takes none.
 The masks are built to catch every way a rank could read the wrong block: random biases everywhere, keys masked
 out entirely (-inf columns, as StyleModelApply's strength 0 gives Redux's tokens), queries that see keys of one
 sequence shard only (so Ring meets K/V blocks it must ignore), and one query that sees no key at all (torch's SDPA
@@ -15,8 +16,8 @@ import pytest
 import torch
 
 from conftest import make_conditioning, rel_err
+from test_controlnet import reference_call
 from parallel_runtime.errors import ConfigError
-from parallel_runtime.models.families.flux_adapter import FluxAdapter, load_flux
 from parallel_runtime.models.tiny import TINY, write_checkpoint, write_controlnet
 from parallel_runtime.spec import ControlInput, Job, ModelSpec, SamplingSpec
 from parallel_runtime.spec import StrategySpec as S
@@ -65,32 +66,6 @@ def call_job(files, strategy: S, pos_mask=None, neg_mask=None, negative=True, co
     neg = masked(make_conditioning(2, TEXT), neg_mask) if negative else None
     t = torch.full((x.shape[0],), 0.7)
     return Job(ModelSpec(files["dit"]), strategy, SamplingSpec(steps=1), x, pos, neg, timestep=t)
-
-
-def _ids(h: int, w: int, text: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.zeros(h // 2, w // 2, 3)
-    ids[..., 1] = torch.arange(h // 2)[:, None]
-    ids[..., 2] = torch.arange(w // 2)[None, :]
-    return ids.reshape(-1, 3), torch.zeros(text, 3)
-
-
-@torch.no_grad()
-def reference_call(files, job: Job) -> torch.Tensor:
-    _, dit = load_flux(files["dit"])
-    h, w = job.latent.shape[-2:]
-    rows = []
-    for k, branch in enumerate(b for b in (job.positive, job.negative) if b is not None):
-        x, t, g = job.latent[k:k + 1], job.timestep[k:k + 1], torch.tensor([branch.guidance])
-        img_ids, txt_ids = _ids(h, w, branch.cond.shape[1])
-        rope = dit.pos_embed(torch.cat([txt_ids, img_ids]))
-        kwargs = {} if branch.attention_mask is None else {"attention_mask": branch.attention_mask[:, None]}
-        img, txt = dit.x_embedder(FluxAdapter.pack(x)), dit.context_embedder(branch.cond)
-        temb = dit.time_text_embed(t * 1000, g * 1000, branch.pooled)
-        for block in list(dit.transformer_blocks) + list(dit.single_transformer_blocks):
-            txt, img = block(hidden_states=img, encoder_hidden_states=txt, temb=temb, image_rotary_emb=rope,
-                             joint_attention_kwargs=kwargs)
-        rows.append(FluxAdapter.unpack(dit.proj_out(dit.norm_out(img, temb)), h, w))
-    return torch.cat(rows)
 
 
 # -- the kernels -------------------------------------------------------------------------------------------
@@ -155,16 +130,15 @@ def test_a_batch_of_masks_and_the_mask_crossing_once(files, client2):
 
 
 def test_controlnet_blocks_run_without_the_mask(files, client1, client2):
-    """ComfyUI's ControlNetFlux takes no attention_mask: the reference (test_controlnet's, from ComfyUI's
-    ControlNet code) masks the DiT's blocks only; serial and Ulysses equal it, and so differ from a masked
-    ControlNet by far more than round-off."""
-    from test_controlnet import reference_call as controlnet_reference
-
+    """ComfyUI's ControlNetFlux takes no attention_mask: the reference (from ComfyUI's ControlNet code) masks the
+    DiT's blocks only; serial and Ulysses equal it, and so differ from a masked ControlNet by far more than
+    round-off."""
     g = torch.Generator().manual_seed(9)
     control = ControlInput(files["xlabs"], "hint-9", 0.8, torch.rand(1, 3, 8 * H, 8 * W, generator=g))
     job = call_job(files, S(), make_mask(6), negative=False, control=[control])
-    ref = controlnet_reference(files, job)
-    assert rel_err(ref, reference_call(files, job)) > 1e-2  # the ControlNet acts
+    ref = reference_call(files, job)
+    without = dataclasses.replace(job, positive=dataclasses.replace(job.positive, control=()))
+    assert rel_err(ref, reference_call(files, without)) > 1e-2  # the ControlNet acts
     assert rel_err(client1.run(job).latent, ref) < SERIAL_RTOL
     assert rel_err(client2.run(dataclasses.replace(job, strategy=S(ulysses_degree=2))).latent, ref) < EXACT_RTOL
 
