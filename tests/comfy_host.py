@@ -26,6 +26,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from conftest import load_queue_script
+from parallel_runtime.models.families.flux import FluxConfig
+from parallel_runtime.models.tiny import write_checkpoint, write_controlnet
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
@@ -212,6 +214,23 @@ NODE_CLASS_MAPPINGS = {"ParaDiTTestConcat": ParaDiTTestConcat, "ParaDiTTestStyle
 
 
 qw = load_queue_script()
+
+
+# -- the smallest Flux files ComfyUI's detection takes ----------------------------------------------------
+
+# 3072 wide (ComfyUI reads Flux's head count off the width), one double and one single block.
+FLUX_MINI = FluxConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=1, num_single_layers=1,
+                       context_dim=4096, pooled_dim=768, guidance_embeds=True)
+FLUX_MINI_FILE, FLUX_CONTROLNET_FILE = "flux-mini.safetensors", "flux-controlnet-xlabs-mini.safetensors"
+
+
+def write_flux_mini_and_controlnet(root: str) -> None:
+    """The random Flux DiT (fp32) and an XLabs-layout ControlNet of one double block for it, in the server's
+    model folders (a `serve` prepare function)."""
+    write_checkpoint(os.path.join(root, "models", "diffusion_models", FLUX_MINI_FILE), FLUX_MINI, seed=1,
+                     prefix="model.diffusion_model.", dtype=torch.float32)
+    write_controlnet(os.path.join(root, "models", "controlnet", FLUX_CONTROLNET_FILE), FLUX_MINI, "xlabs",
+                     double=1, seed=2)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,8 +9,6 @@ the model code are ComfyUI's.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from comfy_host import COMFYUI_DIR
@@ -23,29 +21,19 @@ import torch  # noqa: E402
 import comfy_host  # noqa: E402
 from comfy_host import explain, latent_parity, serve  # noqa: E402
 from conftest import rel_err  # noqa: E402
-from parallel_runtime.models.families.flux import FluxConfig  # noqa: E402
-from parallel_runtime.models.tiny import write_checkpoint, write_controlnet  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
-BASE = FluxConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=1, num_single_layers=1,
-                  context_dim=4096, pooled_dim=768, guidance_embeds=True)
-DIT, CONTROLNET = "flux-mini.safetensors", "flux-controlnet-xlabs-mini.safetensors"
+DIT, CONTROLNET = comfy_host.FLUX_MINI_FILE, comfy_host.FLUX_CONTROLNET_FILE
 # fp32 on CPU: ComfyUI's Flux and the workers run the same float32 maths in another op order (~1e-7 per op over
 # 2 blocks and 3 steps); exact strategies on 2 workers add their own reordering (Ring's merged partial softmax).
 ONE_WORKER_RTOL = 1e-5
 EXACT_RTOL = 1e-4
 
 
-def write_models(root: str) -> None:
-    write_checkpoint(os.path.join(root, "models", "diffusion_models", DIT), BASE, seed=1,
-                     prefix="model.diffusion_model.", dtype=torch.float32)
-    write_controlnet(os.path.join(root, "models", "controlnet", CONTROLNET), BASE, "xlabs", double=1, seed=2)
-
-
 @pytest.fixture(scope="module")
 def server():
-    yield from serve("paradit-comfyui-mask-", write_models)
+    yield from serve("paradit-comfyui-mask-", comfy_host.write_flux_mini_and_controlnet)
 
 
 def style(conditioning: list, seed: int, strength: float, kind: str = "attn_bias") -> list:

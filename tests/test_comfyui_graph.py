@@ -21,13 +21,11 @@ import torch  # noqa: E402
 
 import comfy_host  # noqa: E402
 from comfy_host import explain, latent_parity, serve  # noqa: E402
-from parallel_runtime.models.families.flux import FluxConfig  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
-BASE = FluxConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=1, num_single_layers=1,
-                  context_dim=4096, pooled_dim=768, guidance_embeds=True)
+BASE = comfy_host.FLUX_MINI
 FILES = {"fill": ("flux-mini-fill.safetensors", 80, True), "canny": ("flux-mini-canny.safetensors", 16, False)}
 # fp32 on CPU: UNETLoader's model and the workers' run the same float32 maths in another op order (~1e-7 per op
 # over 2 blocks and 3 steps); exact strategies on 2 workers add their own reordering.
