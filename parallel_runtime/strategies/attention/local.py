@@ -52,11 +52,13 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str | None = None,
-                       bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       bias: torch.Tensor | None = None,
+                       dead: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns out [B, S, H, D] and lse [B, H, S] (float32). `kernel` overrides `lse_kernel`'s choice.
 
     A query whose every key `bias` masks out (-inf) gets output 0 and lse -inf, so merging it with other key
-    blocks gives their result, and a query masked everywhere ends at 0, as torch's SDPA (ComfyUI's) returns."""
+    blocks gives their result, and a query masked everywhere ends at 0, as torch's SDPA (ComfyUI's) returns.
+    `dead`: `dead_queries(bias)`, where the caller reuses one bias for many calls (Ring: every layer)."""
     kernel = kernel or lse_kernel(q.device.type, q.dtype, _capability(q.device), biased=bias is not None)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     mask = None if bias is None else bias.to(q.dtype)
@@ -77,10 +79,15 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel
     out, lse = out.transpose(1, 2), lse.float()
     if bias is not None:
         # Always applied (no .any() test): a host-side test would sync the device once per block.
-        dead = torch.isneginf(bias).all(dim=-1)  # [B, 1, Sq]: queries this block gives no key
+        dead = dead_queries(bias) if dead is None else dead
         lse = lse.masked_fill(dead, float("-inf"))
         out = out.masked_fill(dead.transpose(1, 2).unsqueeze(-1), 0.0)
     return out, lse
+
+
+def dead_queries(bias: torch.Tensor) -> torch.Tensor:
+    """[B, 1, Sq]: the queries an attention bias block gives no key (every column -inf)."""
+    return torch.isneginf(bias).all(dim=-1)
 
 
 def _efficient_bias(mask: torch.Tensor, qt: torch.Tensor, kt: torch.Tensor) -> torch.Tensor:

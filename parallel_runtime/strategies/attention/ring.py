@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...runtime.comm import Comm, Group
-from .local import attention_with_lse, merge_partials
+from .local import attention_with_lse, dead_queries, merge_partials
 
 
 class RingAttention:
@@ -17,6 +17,8 @@ class RingAttention:
         """`kv_lengths[j]` is the sequence length of the K/V block that ring member j starts with; `biases[j]`
         the attention mask's block for this member's queries and member j's keys (None: unmasked)."""
         self.comm, self.group, self.kv_lengths, self.biases = comm, group, kv_lengths, biases
+        # Which queries each block masks entirely: fixed for the call, so found once rather than once per layer.
+        self.dead = [dead_queries(b) for b in biases] if biases is not None else None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                  masked: bool = True) -> torch.Tensor:
@@ -29,8 +31,9 @@ class RingAttention:
                 src = (me - step - 1) % n  # owner of the block that arrives next
                 incoming = kv.new_empty((2, kv.shape[1], self.kv_lengths[src], *kv.shape[3:]))
                 pending = self.comm.ring_exchange(kv, incoming, self.group, op="ring")
-            bias = self.biases[(me - step) % n] if self.biases is not None and masked else None
-            block_out, block_lse = attention_with_lse(q, kv[0], kv[1], bias=bias)
+            owner = (me - step) % n
+            bias, dead = (self.biases[owner], self.dead[owner]) if self.biases is not None and masked else (None, None)
+            block_out, block_lse = attention_with_lse(q, kv[0], kv[1], bias=bias, dead=dead)
             out, lse = merge_partials(out, lse, block_out, block_lse)
             if pending is not None:
                 for w in pending:
