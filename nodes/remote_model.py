@@ -188,11 +188,13 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
         (height, width), aspect = kwargs["c_size"][k * batch].tolist(), float(kwargs["c_ar"][k * batch].flatten()[0])
         size = (float(height), float(width), aspect)
     mask, mask_key = _chunk_attention_mask(kwargs.get("attention_mask"), sl)
+    clip = kwargs.get("clip_fea")  # WanImageToVideo's CLIP vision output, in the model's dtype: sent as float32
+    clip = clip[sl].detach().float().cpu() if clip is not None else None
     return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size,
                         references=_chunk_references(kwargs.get("ref_latents"), k, batch, latent_format),
                         reference_method=kwargs.get("ref_latents_method"),
                         concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls,
-                        attention_mask=mask, attention_mask_key=mask_key)
+                        attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip)
 
 
 def _chunk_attention_mask(mask, sl: slice) -> tuple[torch.Tensor | None, str | None]:
@@ -226,7 +228,7 @@ def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
 
 
 # Extra model inputs (ComfyUI's extra_conds) the workers compute themselves or that a call may carry empty.
-_KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method"}
+_KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea"}
 
 
 def _refuse_what_the_workers_cannot_do(control, options: dict, kwargs: dict) -> None:

@@ -119,11 +119,15 @@ class Conditioning:
     # ControlNet hint it crosses the channel once, named by `attention_mask_key` (a hash of its bytes).
     attention_mask: torch.Tensor | None = field(default=None, repr=False)
     attention_mask_key: str | None = None
+    # ComfyUI's clip_fea [1 or B, N, 1280]: CLIP-vision penultimate hidden states of the start image
+    # (CLIPVisionEncode -> WanImageToVideo), which Wan 2.1 image-to-video cross-attends beside the prompt.
+    clip_vision: torch.Tensor | None = None
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         refs = {f"{prefix}.reference.{i}": r for i, r in enumerate(self.references)}
-        concat = {f"{prefix}.concat": self.concat} if self.concat is not None else {}
-        return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled, **refs, **concat}
+        extras = {f"{prefix}.{name}": t for name, t in (("concat", self.concat), ("clip_vision", self.clip_vision))
+                  if t is not None}
+        return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled, **refs, **extras}
 
     def kept_keys(self) -> list[str]:
         """The keys of the large inputs the workers keep between calls: ControlNet hints, the attention mask."""
@@ -151,7 +155,8 @@ class Conditioning:
                         for path, key, strength in meta.get(f"{prefix}_control") or ())
         return cls(tensors[f"{prefix}.cond"], tensors[f"{prefix}.pooled"], meta.get(f"{prefix}_guidance"),
                    refs, meta.get(f"{prefix}_reference_method"), tuple(size) if size else None,
-                   tensors.get(f"{prefix}.concat"), control, attention_mask_key=meta.get(f"{prefix}_attention_mask"))
+                   tensors.get(f"{prefix}.concat"), control, attention_mask_key=meta.get(f"{prefix}_attention_mask"),
+                   clip_vision=tensors.get(f"{prefix}.clip_vision"))
 
     def signature(self) -> tuple:
         """What must be equal for two branches to share one forward pass (ComfyUI batches them then, and only
@@ -159,8 +164,9 @@ class Conditioning:
         concat = None if self.concat is None else self.concat.shape[1]
         # ComfyUI batches two masked branches (their masks concatenate), never a masked with an unmasked one.
         masked = self.attention_mask is not None or self.attention_mask_key is not None
+        clip = None if self.clip_vision is None else tuple(self.clip_vision.shape[1:])
         return (self.cond.shape[1], tuple(tuple(r.shape[-2:]) for r in self.references), self.reference_method,
-                concat, tuple(c.signature() for c in self.control), masked)
+                concat, tuple(c.signature() for c in self.control), masked, clip)
 
 
 @dataclass

@@ -154,8 +154,7 @@ def validate_concat(name: str, c, config, latent: torch.Tensor, batch: int) -> N
     if c.concat is None:
         if wanted:
             raise ConfigError(f"this {config.title} model reads {wanted} image channels beside the latent, and the "
-                              f"{name} conditioning carries none; feed it through InpaintModelConditioning (Fill) or "
-                              f"InstructPixToPixConditioning (Canny/Depth).")
+                              f"{name} conditioning carries none; feed it through {config.concat_nodes}.")
         return
     if not wanted:
         raise ConfigError(f"the {name} conditioning carries {c.concat.shape[1]} concat channels (an inpaint or "
@@ -164,9 +163,25 @@ def validate_concat(name: str, c, config, latent: torch.Tensor, batch: int) -> N
     shape = (wanted, *latent.shape[2:])
     if c.concat.ndim != latent.ndim or tuple(c.concat.shape[1:]) != shape or c.concat.shape[0] not in (1, batch):
         raise ConfigError(f"the {name} conditioning's concat image has shape {tuple(c.concat.shape)} but this model "
-                          f"needs [batch, {wanted}, {latent.shape[2]}, {latent.shape[3]}]; encode the image with this "
-                          f"model's VAE at the latent's size.")
+                          f"needs [batch, {', '.join(map(str, shape))}]; encode the image with this model's VAE at the "
+                          f"latent's size.")
     _finite_tensor(f"{name} conditioning's concat image", c.concat, "re-encode the image with VAE Encode")
+
+
+def validate_clip_vision(name: str, c, config, batch: int) -> None:
+    """CLIP-vision tokens (clip_fea, Wan 2.1 I2V): CLIP ViT-H's width, one set per prompt or per latent row. A model
+    that reads none ignores them, as ComfyUI's does."""
+    clip = c.clip_vision
+    if clip is None:
+        return
+    width = config.clip_vision_width
+    if width is None:
+        return
+    if clip.ndim != 3 or clip.shape[-1] != width or clip.shape[0] not in (1, batch):
+        raise ConfigError(f"the {name} conditioning's CLIP vision output has shape {tuple(clip.shape)} but this "
+                          f"{config.title} model reads [batch, tokens, {width}] (CLIP ViT-H); load clip_vision_h with "
+                          f"CLIPVisionLoader for CLIPVisionEncode.")
+    _finite_tensor(f"{name} conditioning's CLIP vision output", clip, "re-run CLIPVisionEncode on a valid image")
 
 
 @lru_cache(maxsize=16)
@@ -285,6 +300,7 @@ def validate_job(job: Job, world_size: int) -> None:
                               f"{job.batch}; use one prompt or match the batch sizes.")
         validate_references(name, c, config)
         validate_concat(name, c, config, lat, job.batch)
+        validate_clip_vision(name, c, config, job.batch)
         validate_control(name, c, config, job)
         validate_attention_mask(name, c, config, job)
         if c.image_size is not None and (len(c.image_size) != 3 or

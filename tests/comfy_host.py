@@ -204,7 +204,40 @@ class ParaDiTTestStyleModel:
         return (comfy.sd.StyleModel(proj), output)
 
 
-NODE_CLASS_MAPPINGS = {"ParaDiTTestConcat": ParaDiTTestConcat, "ParaDiTTestStyleModel": ParaDiTTestStyleModel,
+class _SeededVideoEncoder:
+    """encode(pixels [F, H, W, 3]) -> a seeded [1, 16, (F - 1) // 4 + 1, H / 8, W / 8] latent: the Wan VAE's shapes."""
+
+    def __init__(self, seed):
+        self.seed = seed
+
+    def encode(self, pixels):
+        g = torch.Generator().manual_seed(self.seed)
+        frames, height, width = pixels.shape[0], pixels.shape[1], pixels.shape[2]
+        return torch.randn(1, 16, (frames - 1) // 4 + 1, height // 8, width // 8, generator=g)
+
+
+class ParaDiTTestImageToVideoInputs:
+    """A VAE whose encode gives a seeded Wan-shaped latent and a CLIP_VISION_OUTPUT of seeded CLIP ViT-H tokens
+    (penultimate_hidden_states [1, 257, 1280]), for ComfyUI's own WanImageToVideo: no Wan VAE or clip_vision_h
+    weights here, and the node's mask and concat logic is what the test exercises."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0})}}
+
+    RETURN_TYPES = ("VAE", "CLIP_VISION_OUTPUT")
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, seed):
+        import comfy.clip_vision
+
+        output = comfy.clip_vision.Output()
+        output["penultimate_hidden_states"] = torch.randn(1, 257, 1280, generator=torch.Generator().manual_seed(seed))
+        return (_SeededVideoEncoder(seed + 1), output)
+
+
+NODE_CLASS_MAPPINGS = {"ParaDiTTestConcat": ParaDiTTestConcat, "ParaDiTTestImageToVideoInputs": ParaDiTTestImageToVideoInputs, "ParaDiTTestStyleModel": ParaDiTTestStyleModel,
                        "ParaDiTTestDeepClone": ParaDiTTestDeepClone,
                        "ParaDiTTestCodePatch": ParaDiTTestCodePatch,
                        "ParaDiTTestConditioning": ParaDiTTestConditioning,

@@ -7,6 +7,7 @@ ComfyUI's own EmptyHunyuanLatentVideo, 64x48 px x 17 frames = 5 latent frames, n
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -33,9 +34,15 @@ ONE_WORKER_RTOL = 1e-5
 EXACT_RTOL = 1e-4
 
 
+# Image-to-video: 2.1 (36 input channels, CLIP vision through img_emb and k_img / v_img) and 2.2 (36, no CLIP).
+WAN21_I2V, WAN22_I2V = (dataclasses.replace(WAN, in_channels=36, image_to_video=clip) for clip in (True, False))
+DIT21_I2V, DIT22_I2V = "wan2.1_i2v_mini.safetensors", "wan2.2_i2v_mini.safetensors"
+
+
 def write_models(root: str) -> None:
-    write_checkpoint(os.path.join(root, "models", "diffusion_models", DIT), WAN, seed=1,
-                     prefix="model.diffusion_model.", dtype=torch.float32)
+    for name, config, seed in ((DIT, WAN, 1), (DIT21_I2V, WAN21_I2V, 2), (DIT22_I2V, WAN22_I2V, 3)):
+        write_checkpoint(os.path.join(root, "models", "diffusion_models", name), config, seed=seed,
+                         prefix="model.diffusion_model.", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +50,22 @@ def server():
     yield from serve("paradit-comfyui-wan-", write_models)
 
 
-def graph(devices: str = "cpu:1", strat: dict | None = None, cfg: float = 5.0) -> dict:
+def i2v_graph(dit: str, devices: str = "cpu:1", strat: dict | None = None, clip: bool = True) -> dict:
+    """graph() with ComfyUI's own WanImageToVideo (5) between the prompts and the samplers: a grey 64x48 start
+    image (EmptyImage), a seeded stand-in for its Wan VAE encode and (clip) for CLIPVisionEncode's tokens."""
+    g = graph(devices, strat, dit=dit)
+    g["30"] = {"class_type": "ParaDiTTestImageToVideoInputs", "inputs": {"seed": 11}}
+    g["31"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 48, "batch_size": 1, "color": 8421504}}
+    g["5"] = {"class_type": "WanImageToVideo",
+              "inputs": {"positive": ["1", 0], "negative": ["2", 0], "vae": ["30", 0], "width": 64, "height": 48,
+                         "length": 17, "batch_size": 1, "start_image": ["31", 0],
+                         **({"clip_vision_output": ["30", 1]} if clip else {})}}
+    for sampler in ("12", "21"):
+        g[sampler]["inputs"].update(positive=["5", 0], negative=["5", 1], latent_image=["5", 2])
+    return g
+
+
+def graph(devices: str = "cpu:1", strat: dict | None = None, cfg: float = 5.0, dit: str = DIT) -> dict:
     """Seeded prompts (1, 2; 12 and 9 tokens, no pooled vector), EmptyHunyuanLatentVideo (4), the same KSampler
     on Load Parallel DiT (11 -> 12 -> 13) and on UNETLoader (20 -> 21 -> 22)."""
     g = {"1": {"class_type": "ParaDiTTestConditioning",
@@ -53,9 +75,9 @@ def graph(devices: str = "cpu:1", strat: dict | None = None, cfg: float = 5.0) -
          "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 48, "length": 17,
                                                                   "batch_size": 1}},
          "10": strat or comfy_host.strategy(warmup=3),
-         "11": {"class_type": "ParaDiTLoader", "inputs": {"unet_name": DIT, "weight_dtype": "default",
+         "11": {"class_type": "ParaDiTLoader", "inputs": {"unet_name": dit, "weight_dtype": "default",
                                                           "devices": devices, "strategy": ["10", 0]}},
-         "20": {"class_type": "UNETLoader", "inputs": {"unet_name": DIT, "weight_dtype": "default"}}}
+         "20": {"class_type": "UNETLoader", "inputs": {"unet_name": dit, "weight_dtype": "default"}}}
     sampling = {"seed": 5, "steps": 3, "cfg": cfg, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
                 "positive": ["1", 0], "negative": ["2", 0], "latent_image": ["4", 0]}
     for loader, sampler, save in (("11", "12", "13"), ("20", "21", "22")):
@@ -81,3 +103,19 @@ def test_wan_one_worker_equals_unetloader(server, cfg):
                          ids=["cfg2", "ulysses2", "ring2", "pp2_warm"])
 def test_wan_exact_strategies_on_two_workers_equal_unetloader(server, strat):
     assert parity(server, graph("cpu:2", strat), f"Wan T2V, {strat['inputs']}") <= EXACT_RTOL
+
+
+@pytest.mark.parametrize("dit, clip", [(DIT21_I2V, True), (DIT21_I2V, False), (DIT22_I2V, False)],
+                         ids=["wan21_clip_vision", "wan21_no_clip", "wan22"])
+def test_wan_image_to_video_one_worker_equals_unetloader(server, dit, clip):
+    """WanImageToVideo's concat (mask over the first latent frame, start-frame latent) and CLIP-vision tokens,
+    built by ComfyUI's own WAN21.concat_cond / extra_conds, ride the model call to the workers."""
+    assert parity(server, i2v_graph(dit, clip=clip), f"{dit}, 1 worker, clip {clip}") <= ONE_WORKER_RTOL
+
+
+@pytest.mark.parametrize("strat", [comfy_host.strategy(cfg=2, warmup=3), comfy_host.strategy(ulysses=2, warmup=3),
+                                   comfy_host.strategy(ring=2, warmup=3),
+                                   comfy_host.strategy(pp=2, patches=5, warmup=3)],
+                         ids=["cfg2", "ulysses2", "ring2", "pp2_warm"])
+def test_wan_image_to_video_exact_strategies_on_two_workers(server, strat):
+    assert parity(server, i2v_graph(DIT21_I2V, "cpu:2", strat), f"Wan 2.1 I2V, {strat['inputs']}") <= EXACT_RTOL

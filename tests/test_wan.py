@@ -33,6 +33,34 @@ T, H, W = 5, 6, 8  # latent frames x height x width: 5 x 3 x 4 = 60 video tokens
 SERIAL_RTOL, EXACT_RTOL = 1e-5, 1e-4
 
 
+# Image-to-video: 16 latent + 4 mask + 16 start-frame channels in; 2.1 also cross-attends 257 CLIP-vision tokens.
+TINY_WAN_I2V = dataclasses.replace(TINY_WAN, in_channels=36, image_to_video=True)
+TINY_WAN22_I2V = dataclasses.replace(TINY_WAN, in_channels=36)
+
+
+@pytest.fixture(scope="module")
+def wan21_i2v_path(tmp_path_factory):
+    return write_checkpoint(str(tmp_path_factory.mktemp("wan") / "wan2.1_i2v_tiny.safetensors"), TINY_WAN_I2V, seed=4)
+
+
+@pytest.fixture(scope="module")
+def wan22_i2v_path(tmp_path_factory):
+    return write_checkpoint(str(tmp_path_factory.mktemp("wan") / "wan2.2_i2v_tiny.safetensors"), TINY_WAN22_I2V,
+                            seed=5)
+
+
+def i2v_job(path: str, strategy: S, clip: bool = True) -> Job:
+    """A call of both branches with WanImageToVideo's inputs: each branch the same concat (mask over the first
+    frame, start-frame latent) and CLIP-vision tokens, as that node sets them on positive and negative."""
+    job = call_job(path, strategy)
+    g = torch.Generator().manual_seed(7)
+    concat = torch.cat([torch.zeros(1, 4, T, H, W).index_fill_(2, torch.tensor([0]), 1.0),
+                        torch.randn(1, 16, T, H, W, generator=g)], dim=1)
+    tokens = torch.randn(1, 257, 1280, generator=g) if clip else None
+    pos, neg = (dataclasses.replace(b, concat=concat, clip_vision=tokens) for b in (job.positive, job.negative))
+    return dataclasses.replace(job, positive=pos, negative=neg)
+
+
 @pytest.fixture(scope="module")
 def wan_path(tmp_path_factory):
     return write_checkpoint(str(tmp_path_factory.mktemp("wan") / "wan2.1_t2v_tiny.safetensors"), TINY_WAN, seed=1,
@@ -74,9 +102,11 @@ def _apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reference_call(path: str, job: Job) -> torch.Tensor:
+def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor:
+    """ComfyUI's WanModel on the job's rows; an image-to-video file reads its branch's concat channels beside the
+    latent and (2.1) its CLIP-vision tokens through img_emb and the cross-attention's k_img / v_img."""
     sd = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(path).items()}
-    c, heads, dim = TINY_WAN, TINY_WAN.num_heads, TINY_WAN.hidden_size
+    heads, dim = c.num_heads, c.hidden_size
 
     def lin(x, name):
         return F.linear(x, sd[f"{name}.weight"], sd[f"{name}.bias"])
@@ -90,7 +120,10 @@ def reference_call(path: str, job: Job) -> torch.Tensor:
 
     out = []
     for row, branch in enumerate(b for b in (job.positive, job.negative) if b is not None):
-        x = F.conv3d(job.latent[row:row + 1], sd["patch_embedding.weight"], sd["patch_embedding.bias"], stride=(1, 2, 2))
+        x = job.latent[row:row + 1]
+        if branch.concat is not None:  # WanImageToVideo's mask and start-frame latent, after the latent's channels
+            x = torch.cat([x, branch.concat], dim=1)
+        x = F.conv3d(x, sd["patch_embedding.weight"], sd["patch_embedding.bias"], stride=(1, 2, 2))
         grid = x.shape[2:]
         x = x.flatten(2).transpose(1, 2)
         ids = torch.stack(torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij"), -1).reshape(-1, 3)
@@ -102,6 +135,11 @@ def reference_call(path: str, job: Job) -> torch.Tensor:
                 "time_embedding.2")[:, None]
         e0 = lin(F.silu(e), "time_projection.1").unflatten(2, (6, dim))
         context = lin(F.gelu(lin(branch.cond, "text_embedding.0"), approximate="tanh"), "text_embedding.2")
+        image_context = context  # WanI2VCrossAttention without clip_fea: context[:, :None] is the whole prompt
+        if c.image_to_video and branch.clip_vision is not None:  # MLPProj: LN, Linear, exact GELU, Linear, LN
+            h = F.layer_norm(branch.clip_vision, (1280,), sd["img_emb.proj.0.weight"], sd["img_emb.proj.0.bias"])
+            h = lin(F.gelu(lin(h, "img_emb.proj.1")), "img_emb.proj.3")
+            image_context = F.layer_norm(h, (dim,), sd["img_emb.proj.4.weight"], sd["img_emb.proj.4.bias"])
         for i in range(c.num_layers):
             b = f"blocks.{i}"
             m = (sd[f"{b}.modulation"].unsqueeze(0) + e0).unbind(2)
@@ -111,9 +149,13 @@ def reference_call(path: str, job: Job) -> torch.Tensor:
             y = lin(attention(q.flatten(2), k.flatten(2), lin(h, f"{b}.self_attn.v")), f"{b}.self_attn.o")
             x = x + y * m[2]
             h = F.layer_norm(x, (dim,), sd[f"{b}.norm3.weight"], sd[f"{b}.norm3.bias"], 1e-6)
-            x = x + lin(attention(rms(lin(h, f"{b}.cross_attn.q"), f"{b}.cross_attn.norm_q"),
-                                  rms(lin(context, f"{b}.cross_attn.k"), f"{b}.cross_attn.norm_k"),
-                                  lin(context, f"{b}.cross_attn.v")), f"{b}.cross_attn.o")
+            q = rms(lin(h, f"{b}.cross_attn.q"), f"{b}.cross_attn.norm_q")
+            y = attention(q, rms(lin(context, f"{b}.cross_attn.k"), f"{b}.cross_attn.norm_k"),
+                          lin(context, f"{b}.cross_attn.v"))
+            if c.image_to_video:
+                y = y + attention(q, rms(lin(image_context, f"{b}.cross_attn.k_img"), f"{b}.cross_attn.norm_k_img"),
+                                  lin(image_context, f"{b}.cross_attn.v_img"))
+            x = x + lin(y, f"{b}.cross_attn.o")
             h = F.layer_norm(x, (dim,), eps=1e-6) * (1 + m[4]) + m[3]
             x = x + lin(F.gelu(lin(h, f"{b}.ffn.0"), approximate="tanh"), f"{b}.ffn.2") * m[5]
         shift, scale = (sd["head.modulation"].unsqueeze(0) + e.unsqueeze(2)).unbind(2)
@@ -135,10 +177,20 @@ def test_wan_files_are_detected_and_variants_refused(wan_path, tmp_path):
     config = model_config(wan_path)
     assert (config.num_heads, config.num_layers, config.ffn_dim, config.latent_channels) == (2, 2, 512, 16)
     assert config.rope_axes == (44, 42, 42)  # ComfyUI's split of the 128-wide head
-    i2v = write_checkpoint(str(tmp_path / "wan_i2v.safetensors"),
-                           dataclasses.replace(TINY_WAN, in_channels=36, image_to_video=True))
-    with pytest.raises(ModelFileError, match="Wan 2.1 image-to-video .* which ParaDiT does not run yet"):
-        model_config(i2v)
+    assert config.title == "Wan 2.1 / 2.2 T2V 256-wide"  # 2.2 14B experts share 2.1 14B T2V's shape
+    flf = write_checkpoint(str(tmp_path / "wan_flf2v.safetensors"), TINY_WAN_I2V)
+    from safetensors.torch import save_file
+
+    save_file({**load_file(flf), "img_emb.emb_pos": torch.zeros(1, 514, 1280)}, flf)
+    with pytest.raises(ModelFileError, match="Wan first-last-frame .* which ParaDiT does not run yet"):
+        model_config(flf)
+
+
+def test_wan_image_to_video_files_are_detected(wan21_i2v_path, wan22_i2v_path):
+    """2.1 I2V (36 input channels, img_emb and k_img / v_img for CLIP vision) and 2.2 I2V (36 channels, no CLIP)."""
+    c21, c22 = model_config(wan21_i2v_path), model_config(wan22_i2v_path)
+    assert (c21.concat_channels, c21.clip_vision_width, c21.variant, c21.title) == (20, 1280, "i2v", "Wan 2.1 I2V 256-wide")
+    assert (c22.concat_channels, c22.clip_vision_width, c22.title) == (20, None, "Wan 2.2 I2V 256-wide")
 
 
 def test_wan_one_worker_equals_the_reference(wan_path, client1):
@@ -193,3 +245,37 @@ def test_wan_refusals(wan_path, client1):
     odd = dataclasses.replace(call_job(wan_path, S()), latent=torch.randn(2, 16, T, H, W + 1))
     with pytest.raises(ConfigError, match="not a multiple of the model's 2x2 patch"):
         client1.run(odd)
+
+
+def test_wan_image_to_video_one_worker_equals_the_reference(wan21_i2v_path, wan22_i2v_path, client1):
+    """2.1 I2V with CLIP vision, 2.1 I2V without (its image keys read the prompt, as ComfyUI's), 2.2 I2V."""
+    for path, config, clip in ((wan21_i2v_path, TINY_WAN_I2V, True), (wan21_i2v_path, TINY_WAN_I2V, False),
+                               (wan22_i2v_path, TINY_WAN22_I2V, False)):
+        job = i2v_job(path, S(), clip=clip)
+        assert rel_err(client1.run(job).latent, reference_call(path, job, config)) < SERIAL_RTOL, (path, clip)
+
+
+@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
+                                      S(pipefusion_degree=2, num_pipeline_patch=5)],
+                         ids=["cfg2", "ulysses2", "ring2", "pp2_warmup"])
+def test_wan_image_to_video_exact_strategies(wan21_i2v_path, client2, strategy):
+    """The concat channels split with the video tokens; the CLIP-vision tokens reach every rank and stage (PipeFusion's
+    second stage embeds them itself: img_emb is held on every stage)."""
+    job = i2v_job(wan21_i2v_path, strategy)
+    assert rel_err(client2.run(job).latent, reference_call(wan21_i2v_path, job, TINY_WAN_I2V)) < EXACT_RTOL
+
+
+def test_wan_image_to_video_refusals(wan21_i2v_path, wan_path, client1):
+    from parallel_runtime.errors import ConfigError
+
+    job = i2v_job(wan21_i2v_path, S())
+    wide = dataclasses.replace(job.positive, clip_vision=torch.randn(1, 257, 1024))
+    with pytest.raises(ConfigError, match=r"CLIP vision output has shape \(1, 257, 1024\) .* load clip_vision_h"):
+        client1.run(dataclasses.replace(job, positive=wide))
+    bare = dataclasses.replace(job.positive, concat=None)
+    with pytest.raises(ConfigError, match="reads 20 image channels .* feed it through WanImageToVideo"):
+        client1.run(dataclasses.replace(job, positive=bare))
+    # A text-to-video file ignores CLIP-vision tokens, as ComfyUI's WanModel does (no img_emb, no image keys).
+    t2v = call_job(wan_path, S())
+    with_clip = dataclasses.replace(t2v, positive=dataclasses.replace(t2v.positive, clip_vision=job.positive.clip_vision))
+    assert rel_err(client1.run(with_clip).latent, client1.run(t2v).latent) == 0.0

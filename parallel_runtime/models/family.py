@@ -104,6 +104,8 @@ class JointAttentionConfig:
 
     concat_channels = 0  # channels read beside the latent (ComfyUI's c_concat); Flux Fill/Canny/Depth have some
     video = False  # True where latents are [B, C, T, H, W] (Wan)
+    clip_vision_width = None  # width of the CLIP-vision tokens (ComfyUI's clip_fea) a model reads; None: reads none
+    concat_nodes = "InpaintModelConditioning (Fill) or InstructPixToPixConditioning (Canny/Depth)"  # c_concat's makers
 
     @property
     def block_kinds(self) -> tuple[BlockKind, ...]:

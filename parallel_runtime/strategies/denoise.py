@@ -157,6 +157,9 @@ class Branches:
         self.concat = (torch.cat([repeat_to_batch(adapter.pack(c.concat.float()), batch) for c in conds]).to(device)
                        if first.concat is not None else None)
         self.control = first.control  # the ControlNet chain, the same for every branch batched here (signature)
+        # CLIP-vision tokens of the start image (Wan 2.1 image-to-video), per row; their count is in the signature.
+        self.clip_vision = (torch.cat([rep(c.clip_vision.float()) for c in conds]).to(device)
+                            if first.clip_vision is not None else None)
         self.attention_mask = _attention_masks(conds, batch, device)
 
     def with_concat(self, x_rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -326,9 +329,12 @@ class Denoiser:
         return self._embed_time(self.timesteps_on_device[i].expand(branches.cond.shape[0]), branches)
 
     def _embed_time(self, t: torch.Tensor, branches: Branches) -> torch.Tensor:
-        """The adapter's time embedding of per-row timesteps t (PixArt-α also reads the branches' image sizes)."""
-        sizes = {"sizes": branches.image_sizes} if getattr(self.adapter, "reads_image_size", False) else {}
-        return self.adapter.timestep_embedding(t, branches.pooled, branches.guidance, self.hw, **sizes)
+        """The adapter's embedding of per-row timesteps t: the per-row conditioning every block reads. PixArt-α also
+        embeds the branches' image sizes there, Wan 2.1 image-to-video the start image's CLIP-vision tokens."""
+        extra = {"sizes": branches.image_sizes} if getattr(self.adapter, "reads_image_size", False) else {}
+        if getattr(self.adapter, "reads_clip_vision", False):
+            extra["clip_vision"] = branches.clip_vision
+        return self.adapter.timestep_embedding(t, branches.pooled, branches.guidance, self.hw, **extra)
 
     def _repeat(self, x: torch.Tensor, branches: Branches | None = None) -> torch.Tensor:
         count = (branches or self.branches).count

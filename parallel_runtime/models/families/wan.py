@@ -1,10 +1,12 @@
-"""Wan 2.1 video DiTs (text-to-video 1.3B / 14B) in ComfyUI's key layout.
+"""Wan 2.1 / 2.2 video DiTs (text-to-video 1.3B / 14B, image-to-video 14B) in ComfyUI's key layout.
 
 A Wan block runs self-attention over the video's tokens (frames x rows x columns of 1x2x2 patches, 3-D RoPE),
 then cross-attention from its rows to the umT5 prompt, which every rank holds whole (no communication), then
 the MLP; six modulation rows per block come from one timestep embedding. Like PixArt the prompt is not in the
 attention sequence, so Ulysses and Ring split the video tokens alone and PipeFusion's patches are runs of
-them (whole rows, frame after frame).
+them (whole rows, frame after frame). Image-to-video files read WanImageToVideo's start-frame latent and mask as
+c_concat channels beside the latent (split with its tokens); 2.1's also cross-attend the start image's CLIP-vision
+tokens with their own keys and values, which ride with the timestep embedding because every stage needs them.
 
 The module tree keeps ComfyUI's parameter names (comfy/ldm/wan/model.py), so ComfyUI-layout files map one to one
 and a LoRA's ComfyUI keys land without translation; the forward pieces mirror ComfyUI's op for op, in its
@@ -33,7 +35,10 @@ from .flux_adapter import channels_first
 
 HEAD_DIM = 128  # every Wan: ComfyUI's detection sets num_heads = dim // 128
 EPS = 1e-6
-ALWAYS_OWNED = ("time_embedding.", "time_projection.")
+# img_emb projects the start image's CLIP-vision tokens (2.1 I2V) with the timestep, on every stage (temb).
+ALWAYS_OWNED = ("time_embedding.", "time_projection.", "img_emb.")
+CLIP_TOKENS = 257  # clip_vision_h's penultimate hidden states: 16 x 16 patches and the class token
+CLIP_VISION_WIDTH = 1280  # CLIP ViT-H/14's hidden size: clip_vision_h, the CLIP vision file Wan 2.1 I2V reads
 FIRST_STAGE = ("patch_embedding.", "text_embedding.")
 LAST_STAGE = ("head.",)
 BLOCK_LISTS = ("blocks",)
@@ -58,6 +63,7 @@ class WanConfig(JointAttentionConfig):
     num_single_layers = 0
     patch_size = (1, 2, 2)
     video = True  # latents are [B, C, T, H, W]
+    concat_nodes = "WanImageToVideo"  # the start frame's latent and mask (c_concat) of an image-to-video model
 
     def __post_init__(self):
         if self.hidden_size % HEAD_DIM:
@@ -85,17 +91,25 @@ class WanConfig(JointAttentionConfig):
         return self.out_channels
 
     @property
+    def clip_vision_width(self) -> int | None:
+        return CLIP_VISION_WIDTH if self.image_to_video else None
+
+    @property
     def concat_channels(self) -> int:
         return self.in_channels - self.out_channels
 
     @property
     def variant(self) -> str:
-        return "i2v" if self.image_to_video else "t2v"
+        """"i2v" where the file reads start-frame channels beside the latent (WanImageToVideo's concat), else "t2v"."""
+        return "i2v" if self.concat_channels else "t2v"
 
     @property
     def title(self) -> str:
         size = {1536: "1.3B", 5120: "14B"}.get(self.hidden_size, f"{self.hidden_size}-wide")
-        return f"Wan 2.1 {self.variant.upper()} {size}"
+        # 2.1 I2V cross-attends CLIP-vision tokens; 2.2's I2V reads the start frame through the concat alone; the
+        # 14B text-to-video files of 2.1 and 2.2 (each expert) share one shape.
+        version = "2.1" if self.image_to_video or size == "1.3B" else ("2.2" if self.variant == "i2v" else "2.1 / 2.2")
+        return f"Wan {version} {self.variant.upper()} {size}"
 
     @property
     def block_kinds(self) -> tuple[BlockKind, ...]:
@@ -125,8 +139,7 @@ _UNSUPPORTED = {"vace_patch_embedding.weight": "Wan VACE", "control_adapter.conv
                 "casual_audio_encoder.encoder.final_linear.weight": "Wan 2.2 S2V",
                 "audio_proj.audio_proj_glob_1.layer.bias": "Wan HuMo",
                 "face_adapter.fuser_blocks.0.k_norm.weight": "Wan 2.2 Animate",
-                "ref_conv.weight": "Wan Fun reference", "img_emb.emb_pos": "Wan first-last-frame (FLF2V)",
-                "img_emb.proj.0.weight": "Wan 2.1 image-to-video (CLIP-vision)"}
+                "ref_conv.weight": "Wan Fun reference", "img_emb.emb_pos": "Wan first-last-frame (FLF2V)"}
 
 
 def infer_config(reader, match: Match, name: str) -> WanConfig:
@@ -135,7 +148,7 @@ def infer_config(reader, match: Match, name: str) -> WanConfig:
     for key, what in _UNSUPPORTED.items():
         if p + key in reader:
             raise ModelFileError(f"{name} is a {what} model, which ParaDiT does not run yet; load it with UNETLoader "
-                                 f"or choose a Wan 2.1 text-to-video file.")
+                                 f"or choose a Wan 2.1 / 2.2 text- or image-to-video file.")
 
     shape = tensor_shapes(reader, p, name, "a complete Wan DiT")
 
@@ -194,8 +207,9 @@ class WanTransformer(nn.Module):
         self.head = _Head(dim, config.out_channels * math.prod(config.patch_size))
         if config.image_to_video:
             self.img_emb = nn.Module()
-            self.img_emb.proj = nn.Sequential(nn.LayerNorm(1280), nn.Linear(1280, 1280), nn.GELU(),
-                                              nn.Linear(1280, dim), nn.LayerNorm(dim))
+            width = CLIP_VISION_WIDTH
+            self.img_emb.proj = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU(),
+                                              nn.Linear(width, dim), nn.LayerNorm(dim))
 
 
 def _meta_model(config: WanConfig) -> WanTransformer:
@@ -244,13 +258,15 @@ def video_grid_ids(frames: int, rows: int, cols: int) -> torch.Tensor:
 
 
 def block_inputs(config: WanConfig, text: int, image: int, generator: torch.Generator) -> tuple:
-    """Random (video tokens, embedded prompt, (e, six modulation rows), RoPE of a one-frame grid) of a block call."""
+    """Random (video tokens, embedded prompt, (e, six modulation rows, CLIP-vision tokens of an I2V model), RoPE of
+    a one-frame grid) of a block call."""
     from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
     h, cols = config.hidden_size, max(1, math.isqrt(image))
     rope = FluxPosEmbed(theta=10000, axes_dim=list(config.rope_axes))(
         video_grid_ids(1, -(-image // cols), cols)[:image])
-    temb = (torch.randn(1, 1, h, generator=generator), torch.randn(1, 1, 6, h, generator=generator))
+    clip = torch.randn(1, CLIP_TOKENS, h, generator=generator) if config.image_to_video else None
+    temb = (torch.randn(1, 1, h, generator=generator), torch.randn(1, 1, 6, h, generator=generator), clip)
     return torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator), temb, rope
 
 
@@ -259,6 +275,7 @@ class WanAdapter:
     default_guidance = 0.0  # no guidance input
     joint_text = False  # the prompt is cross-attended, not part of the attention sequence
     latent_format = WAN21_LATENT
+    reads_clip_vision = True  # the Denoiser hands timestep_embedding the branches' CLIP-vision tokens
     skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
 
     def __init__(self, config: WanConfig, model: WanTransformer, chunks: list[range], context):
@@ -309,28 +326,35 @@ class WanAdapter:
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
         return self.model.text_embedding(cond.to(self.device, self.dtype))
 
-    def timestep_embedding(self, t: torch.Tensor, pooled: torch.Tensor, guidance, thw=None):
-        """(e [N, 1, dim] for the head, e0 [N, 1, 6, dim] for the blocks) at t in the model's units (sigma x 1000)."""
+    def timestep_embedding(self, t: torch.Tensor, pooled: torch.Tensor, guidance, thw=None, clip_vision=None):
+        """What every block reads beside its rows and the prompt: (e [N, 1, dim] for the head, e0 [N, 1, 6, dim] for
+        the blocks, at t in the model's units (sigma x 1000), and the start image's CLIP-vision tokens through
+        img_emb [N, 257, dim] (2.1 I2V; else None). Those ride here, not with the prompt, because every pipeline
+        stage embeds its timestep itself (img_emb is tiny) while only the first embeds the prompt."""
         sinusoid = sinusoidal_embedding(self.config.freq_dim, t.to(self.device).flatten()).to(self.dtype)
         e = self.model.time_embedding(sinusoid).reshape(t.shape[0], -1, self.config.hidden_size)
-        return e, self.model.time_projection(e).unflatten(2, (6, self.config.hidden_size))
+        image = None
+        if clip_vision is not None and self.config.image_to_video:  # a text-to-video model ignores it, as ComfyUI's
+            image = self.model.img_emb.proj(clip_vision.to(self.device, self.dtype))
+        return e, self.model.time_projection(e).unflatten(2, (6, self.config.hidden_size)), image
 
     # -- blocks and head -------------------------------------------------------------------------------
 
     def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb, rope, chunk: int = 0) -> tuple:
         for i in self.chunks[chunk]:
             if i not in self.skip:
-                image = self._block(i, image, text, temb[1], rope)
+                image = self._block(i, image, text, temb[1], rope, temb[2])
         return image, text
 
-    def _block(self, i: int, x: torch.Tensor, context: torch.Tensor, e0: torch.Tensor, rope) -> torch.Tensor:
+    def _block(self, i: int, x: torch.Tensor, context: torch.Tensor, e0: torch.Tensor, rope,
+               clip_tokens: torch.Tensor | None) -> torch.Tensor:
         """WanAttentionBlock.forward: modulated self-attention, cross-attention, modulated MLP."""
         block = self.model.blocks[i]
         e = (block.modulation.to(x.dtype).unsqueeze(0) + e0).unbind(2)
         dim = self.config.hidden_size
         y = self._self_attention(i, torch.addcmul(e[0], F.layer_norm(x, (dim,), eps=EPS), 1 + e[1]), rope)
         x = torch.addcmul(x, y, e[2])
-        x = x + self._cross_attention(block.cross_attn, block.norm3(x), context)
+        x = x + self._cross_attention(block.cross_attn, block.norm3(x), context, clip_tokens)
         y = block.ffn(torch.addcmul(e[3], F.layer_norm(x, (dim,), eps=EPS), 1 + e[4]))
         return torch.addcmul(x, y, e[5])
 
@@ -348,15 +372,25 @@ class WanAdapter:
         out = self.context.image_attention(q, k, split(attn.v(x)), i).flatten(2, 3).to(x.dtype)
         return attn.o(out)
 
-    def _cross_attention(self, attn, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """This rank's rows attend to the whole prompt, which every rank holds (no communication)."""
+    def _cross_attention(self, attn, x: torch.Tensor, context: torch.Tensor,
+                         clip_tokens: torch.Tensor | None) -> torch.Tensor:
+        """This rank's rows attend to the whole prompt, which every rank holds (no communication). A 2.1 I2V model
+        also attends to the CLIP-vision tokens with its own keys and values and adds the two (WanI2VCrossAttention);
+        without them it reads the prompt there too, as ComfyUI does when no CLIP vision output is given."""
         heads = self.config.num_heads
 
         def split(t):
             return t.unflatten(-1, (heads, -1)).transpose(1, 2)
 
-        q, k, v = split(attn.norm_q(attn.q(x))), split(attn.norm_k(attn.k(context))), split(attn.v(context))
-        return attn.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2, 3))
+        def attend(k, v):
+            return F.scaled_dot_product_attention(q, split(k), split(v)).transpose(1, 2).flatten(2, 3)
+
+        q = split(attn.norm_q(attn.q(x)))
+        out = attend(attn.norm_k(attn.k(context)), attn.v(context))
+        if self.config.image_to_video:
+            image = context if clip_tokens is None else clip_tokens
+            out = out + attend(attn.norm_k_img(attn.k_img(image)), attn.v_img(image))
+        return attn.o(out)
 
     def head(self, image: torch.Tensor, temb) -> torch.Tensor:
         """Velocity in float32, re-ordered from the head's (pt, ph, pw, c) to pack's (c, ph, pw)."""
@@ -368,7 +402,7 @@ class WanAdapter:
 
 
 WAN = DiTFamily(
-    name="wan", title="Wan 2.1 (text-to-video)", match=match_layout, infer_config=infer_config,
+    name="wan", title="Wan 2.1 / 2.2 (text- and image-to-video)", match=match_layout, infer_config=infer_config,
     meta_model=_meta_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=WanAdapter,
     block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE,
     comfy_layout="comfy", replace_keys=("double_block",), block_inputs=block_inputs)
