@@ -9,7 +9,8 @@ descriptions left out). To write it again from a running server:
     python tests/test_ui_workflow.py --write-fixture 127.0.0.1:8188
 
 - Two templates (Flux dev text-to-image with its subgraph, Flux Canny) are compared with API graphs written here by
-  hand from the template files; our own workflows/*.json with their API twins in workflows/api/.
+  hand from the template files; our own workflows/*.json with their API twins in workflows/api/; our Wan workflows
+  with the Wan templates they are built on, their UNETLoader swapped for Load Parallel DiT.
 - Every template below: each link points at an emitted node and an output that node class has, every required
   input is there, widget values sit under the class's widget names, nothing frontend-only is left, and the
   positional widget values agree with the `widgets_values_named` map the newer editor saves beside them.
@@ -149,6 +150,36 @@ def test_our_ui_workflows_convert_to_their_api_twins(object_info, name):
     twin = _load(os.path.join(REPO, "workflows", "api", name + ".json"))
     assert {k: (n["class_type"], n["inputs"]) for k, n in graph.items()} == {
         k: (n["class_type"], n["inputs"]) for k, n in twin.items()}
+
+
+# Our Wan workflows keep the node ids, nodes, links and widget values of the ComfyUI template each is built on; the
+# template with its UNETLoader swapped for Load Parallel DiT as --parallel swaps it (our Strategy Selector and devices;
+# the selector takes the next free id) is our API twin but for what ours change on purpose: a fixed seed (runs that
+# repeat), the file prefix, the picture (ComfyUI's own input/example.png; the template's comes with the template)
+# and Load Parallel DiT's optional quantized_matmul at its default (saved by the editor). Ours add a Read me note.
+# video_wan2_2_14B_t2v (wan22_14b_t2v_two_experts) needs Switch nodes the 0.3.64 host lacks: test_workflows.py checks
+# that one against the template's values.
+WAN_TEMPLATES = {"wan21_t2v_ulysses": "text_to_video_wan", "wan21_i2v_cfg_parallel": "image_to_video_wan",
+                 "wan22_5b_ti2v": "video_wan2_2_5B_ti2v"}
+
+
+@pytest.mark.parametrize("name, template_name", sorted(WAN_TEMPLATES.items()))
+def test_wan_workflow_is_its_template_on_load_parallel_dit(object_info, name, template_name):
+    ours = _load(os.path.join(REPO, "workflows", "api", name + ".json"))
+    (strategy,) = [n for n in ours.values() if n["class_type"] == "ParaDiTStrategy"]
+    devices = {n["inputs"]["devices"] for n in ours.values() if n["class_type"] == "ParaDiTLoader"}
+    assert len(devices) == 1
+    expected, notes = paradit_swap.swap_loaders(convert(template_name, object_info), strategy["inputs"],
+                                                devices.pop(), object_info)
+    assert len(notes) == 1 and "is now Load Parallel DiT" in notes[0]
+    changed = {"KSampler": {"seed": 42}, "SaveVideo": {"filename_prefix": f"ParaDiT/{name}"},
+               "LoadImage": {"image": "example.png"}, "ParaDiTLoader": {"quantized_matmul": "auto"}}
+    for n in expected.values():
+        n["inputs"].update(changed.get(n["class_type"], {}))
+    assert {k: (n["class_type"], n["inputs"]) for k, n in ours.items()} == {
+        k: (n["class_type"], n["inputs"]) for k, n in expected.items()}
+    ui = _load(os.path.join(REPO, "workflows", name + ".json"))
+    assert {n["type"] for n in ui["nodes"] if str(n["id"]) not in ours} <= {"MarkdownNote", "LoadImage"}
 
 
 # ---------------------------------------------------------------------------------------------------

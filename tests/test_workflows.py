@@ -6,8 +6,10 @@
   nodes listed below, with links of the right types;
 - each UI workflow and its API twin agree node by node, widget by widget, link by link;
 - each workflow loads its model family's files (Flux dev/schnell, Fill, Kontext, Chroma, SD3.5, Qwen-Image,
-  PixArt) and ControlNet with the right text encoders and guidance, and its strategy fits its devices, that model
-  and its image size;
+  PixArt, Wan 2.1 / 2.2 video) and ControlNet with the right text encoders and guidance, and its strategy fits its
+  devices, that model and its image (or video) size;
+- the Wan workflows keep the shape of ComfyUI's own Wan templates (latent size and frames, sampling, shift, fps),
+  and the Wan 2.2 14B pair of experts splits one schedule between two KSamplerAdvanced;
 - scripts/queue_workflow.py: overrides, format detection and its websocket client (against a tiny
   in-process server on 127.0.0.1).
 """
@@ -27,15 +29,18 @@ import pytest
 from conftest import load_queue_script
 
 from nodes import convert
+from parallel_runtime.models.families.wan import HEAD_DIM as WAN_HEAD_DIM
 from parallel_runtime.spec import StrategySpec
-from parallel_runtime.runtime.topology import validate_strategy
+from parallel_runtime.runtime.topology import latent_plane, validate_strategy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WF_DIR = os.path.join(REPO, "workflows")
 API_DIR = os.path.join(WF_DIR, "api")
 WORKFLOWS = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pipefusion", "flux_dev_cfg_parallel",
              "flux_dev_hybrid", "flux_schnell", "chroma_ulysses", "sd35_large_cfg_parallel", "kontext_dev_ulysses",
-             "qwen_image_hybrid", "pixart_sigma_hybrid", "flux_dev_ksampler", "flux_dev_controlnet", "flux_fill_inpaint")
+             "qwen_image_hybrid", "pixart_sigma_hybrid", "flux_dev_ksampler", "flux_dev_controlnet",
+             "flux_fill_inpaint", "wan21_t2v_ulysses", "wan21_i2v_cfg_parallel", "wan22_14b_t2v_two_experts",
+             "wan22_5b_ti2v")
 FLUX_HEADS, FLUX_BLOCKS = 24, 19 + 38  # FLUX.1 dev/schnell: 19 double + 38 single blocks
 FLUX_UNETS = ("flux1-dev.safetensors", "flux1-schnell.safetensors")
 STRATEGY_WORDS = ("auto", "ulysses", "ring", "pipefusion", "cfg_parallel", "hybrid")  # the end of a workflow's name
@@ -66,6 +71,35 @@ KONTEXT = dict(unet="flux1-kontext-dev.safetensors", heads=FLUX_HEADS, blocks=FL
 FILL = dict(unet="flux1-fill-dev.safetensors", heads=FLUX_HEADS, blocks=FLUX_BLOCKS, guidance=30.0)
 # Flux ControlNets the workflows load (models/controlnet): XLabs' canny v3, which wants an edge map as its hint.
 CONTROLNETS = ("flux-canny-controlnet-v3.safetensors",)
+# Wan video workflows, each shaped like one of ComfyUI's Wan templates (comfyui-workflow-templates-json): its files,
+# latent node and size (width, height, frames), sampling, ModelSamplingSD3 shift and Create Video fps, with
+# UNETLoader swapped for Load Parallel DiT. Heads from the width (every Wan: heads of WAN_HEAD_DIM = 128).
+# `unets` in the order they denoise: Wan 2.2 14B's high-noise expert takes steps 0..split, its low-noise one the rest.
+WAN = {
+    "wan21_t2v_": dict(  # text_to_video_wan: Wan 2.1 T2V 1.3B, 30 blocks 1536 wide
+        unets=("wan2.1_t2v_1.3B_fp16.safetensors",), heads=1536 // WAN_HEAD_DIM, blocks=30,
+        vae="wan_2.1_vae.safetensors", latent=("EmptyHunyuanLatentVideo", 832, 480, 33),
+        sampling=dict(steps=30, cfg=6.0, sampler_name="uni_pc", scheduler="simple"), shift=8.0, fps=16.0),
+    "wan21_i2v_": dict(  # image_to_video_wan: Wan 2.1 I2V 480p 14B, 40 blocks 5120 wide, CLIP-vision H of the picture
+        unets=("wan2.1_i2v_480p_14B_fp16.safetensors",), heads=5120 // WAN_HEAD_DIM, blocks=40,
+        vae="wan_2.1_vae.safetensors", latent=("WanImageToVideo", 512, 512, 33),
+        clip_vision="clip_vision_h.safetensors",
+        sampling=dict(steps=20, cfg=6.0, sampler_name="uni_pc", scheduler="simple"), shift=8.0, fps=16.0),
+    "wan22_14b_t2v_": dict(  # video_wan2_2_14B_t2v (its subgraph, LightX2V LoRA switch off): two 14B experts
+        unets=("wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors", "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors"),
+        heads=5120 // WAN_HEAD_DIM, blocks=40, vae="wan_2.1_vae.safetensors",
+        latent=("EmptyHunyuanLatentVideo", 640, 640, 81),  # 5 s at 16 fps: floor(5 * 16) + 1 frames
+        sampling=dict(steps=20, cfg=3.5, sampler_name="euler", scheduler="simple"), split=10, shift=5.0, fps=16.0),
+    "wan22_5b_": dict(  # video_wan2_2_5B_ti2v: Wan 2.2 TI2V 5B, 30 blocks 3072 wide, its own VAE; Load Image bypassed
+        unets=("wan2.2_ti2v_5B_fp16.safetensors",), heads=3072 // WAN_HEAD_DIM, blocks=30,
+        vae="wan2.2_vae.safetensors", latent=("Wan22ImageToVideoLatent", 1280, 704, 121),
+        sampling=dict(steps=20, cfg=5.0, sampler_name="uni_pc", scheduler="simple"), shift=8.0, fps=24.0),
+}
+WAN_CLIP = {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan", "device": "default"}
+# (latent channels, pixels per latent pixel): what each Wan VAE encodes to and each latent node makes
+# (comfy_extras/nodes_hunyuan.py, nodes_wan.py); frames are 4 to a latent frame, plus the first.
+WAN_VAES = {"wan_2.1_vae.safetensors": (16, 8), "wan2.2_vae.safetensors": (48, 16)}
+WAN_LATENTS = {"EmptyHunyuanLatentVideo": (16, 8), "WanImageToVideo": (16, 8), "Wan22ImageToVideoLatent": (48, 16)}
 
 # Core ComfyUI nodes the workflows may use (as of ComfyUI a125cd8): widget inputs in order, socket inputs
 # in order, output types. UI-only nodes (notes) have no API twin.
@@ -92,6 +126,20 @@ CORE = {
     # comfy_extras/nodes_differential_diffusion.py: the MODEL blends the noise mask's soft edges
     "DifferentialDiffusion": (["strength"], {"model": "MODEL"}, ["MODEL"]),
     "ReferenceLatent": ([], {"conditioning": "CONDITIONING", "latent": "LATENT"}, ["CONDITIONING"]),  # nodes_edit_model.py
+    # Wan video: latents (comfy_extras/nodes_hunyuan.py, nodes_wan.py), CLIP vision (nodes.py), the model's shift
+    # (nodes_model_advanced.py), frames to a video and its file (nodes_video.py)
+    "EmptyHunyuanLatentVideo": (["width", "height", "length", "batch_size"], {}, ["LATENT"]),
+    "WanImageToVideo": (["width", "height", "length", "batch_size"],
+                        {"positive": "CONDITIONING", "negative": "CONDITIONING", "vae": "VAE",
+                         "clip_vision_output": "CLIP_VISION_OUTPUT", "start_image": "IMAGE"},
+                        ["CONDITIONING", "CONDITIONING", "LATENT"]),
+    "Wan22ImageToVideoLatent": (["width", "height", "length", "batch_size"], {"vae": "VAE", "start_image": "IMAGE"},
+                                ["LATENT"]),
+    "CLIPVisionLoader": (["clip_name"], {}, ["CLIP_VISION"]),
+    "CLIPVisionEncode": (["crop"], {"clip_vision": "CLIP_VISION", "image": "IMAGE"}, ["CLIP_VISION_OUTPUT"]),
+    "ModelSamplingSD3": (["shift"], {"model": "MODEL"}, ["MODEL"]),
+    "CreateVideo": (["fps"], {"images": "IMAGE", "audio": "AUDIO"}, ["VIDEO"]),
+    "SaveVideo": (["filename_prefix", "format", "codec"], {"video": "VIDEO"}, []),
     "VAELoader": (["vae_name"], {}, ["VAE"]),
     "VAEDecode": ([], {"samples": "LATENT", "vae": "VAE"}, ["IMAGE"]),
     "SaveImage": (["filename_prefix"], {"images": "IMAGE"}, []),
@@ -99,12 +147,21 @@ CORE = {
     "KSampler": (["seed", "steps", "cfg", "sampler_name", "scheduler", "denoise"],
                  {"model": "MODEL", "positive": "CONDITIONING", "negative": "CONDITIONING", "latent_image": "LATENT"},
                  ["LATENT"]),
+    # ... and its advanced one, which runs a range of the steps (Wan 2.2 14B's two experts)
+    "KSamplerAdvanced": (["add_noise", "noise_seed", "steps", "cfg", "sampler_name", "scheduler", "start_at_step",
+                          "end_at_step", "return_with_leftover_noise"],
+                         {"model": "MODEL", "positive": "CONDITIONING", "negative": "CONDITIONING",
+                          "latent_image": "LATENT"}, ["LATENT"]),
 }
 UI_ONLY = {"MarkdownNote", "Note"}
+BYPASSED = 4  # a UI node's mode: left out of the prompt (ComfyUI's templates ship optional pictures so)
 OPTIONAL_CORE = {("DualCLIPLoader", "device"), ("CLIPLoader", "device"), ("ReferenceLatent", "latent"),
-                 ("ControlNetApplyAdvanced", "vae"), ("DifferentialDiffusion", "strength")}
-# Widget values the frontend stores after a widget but the API format leaves out: LoadImage's upload button.
-UI_EXTRA_WIDGETS = {("LoadImage", "image"): 1, ("KSampler", "seed"): 1}  # and KSampler's control_after_generate
+                 ("ControlNetApplyAdvanced", "vae"), ("DifferentialDiffusion", "strength"),
+                 ("WanImageToVideo", "clip_vision_output"), ("WanImageToVideo", "start_image"),
+                 ("Wan22ImageToVideoLatent", "start_image"), ("CreateVideo", "audio")}
+# Widget values the frontend stores after a widget but the API format leaves out: LoadImage's upload button, and
+# the samplers' control_after_generate after their seed.
+UI_EXTRA_WIDGETS = {("LoadImage", "image"): 1, ("KSampler", "seed"): 1, ("KSamplerAdvanced", "noise_seed"): 1}
 
 
 def _ours():
@@ -112,7 +169,8 @@ def _ours():
     return {
         "ParaDiTStrategy": (convert.STRATEGY_INPUTS, [convert.STRATEGY_TYPE]),
         "ParaDiTLoader": (convert.loader_inputs([*FLUX_UNETS, KONTEXT["unet"], FILL["unet"],
-                                                       *(m["unet"] for m in MODELS.values())]),
+                                                       *(m["unet"] for m in MODELS.values()),
+                                                       *(u for m in WAN.values() for u in m["unets"])]),
                           [convert.MODEL_TYPE]),
         "ParaDiTSampler": (convert.sampler_inputs(convert.sampler_names(), convert.scheduler_names()), ["LATENT"]),
     }
@@ -149,8 +207,8 @@ def api_files():
 
 
 def _model_of(name: str):
-    """The MODELS entry a workflow file is for, or None for Flux."""
-    found = [m for prefix, m in MODELS.items() if name.startswith(prefix)]
+    """The MODELS or WAN entry a workflow file is for, or None for Flux."""
+    found = [m for prefix, m in (*MODELS.items(), *WAN.items()) if name.startswith(prefix)]
     flux = name.startswith(("flux_", "kontext_"))
     assert len(found) == (0 if flux else 1), f"{name}: which model is this workflow for?"
     return found[0] if found else None
@@ -159,7 +217,8 @@ def _model_of(name: str):
 FLUX_API = [f for f in api_files() if f.startswith("flux_") and not f.startswith("flux_fill_")]
 FILL_API = [f for f in api_files() if f.startswith("flux_fill_")]
 KONTEXT_API = [f for f in api_files() if f.startswith("kontext_")]
-OTHER_API = [f for f in api_files() if not f.startswith(("flux_", "kontext_"))]
+OTHER_API = [f for f in api_files() if not f.startswith(("flux_", "kontext_", "wan"))]
+WAN_API = [f for f in api_files() if f.startswith("wan")]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -183,7 +242,7 @@ def test_ui_workflow_is_a_consistent_graph(name):
     for n in wf["nodes"]:
         assert isinstance(n["id"], int) and isinstance(n["type"], str), n
         assert all(len(n[k]) == 2 and all(isinstance(v, (int, float)) for v in n[k]) for k in ("pos", "size"))
-        assert isinstance(n["flags"], dict) and isinstance(n["order"], int) and n["mode"] == 0
+        assert isinstance(n["flags"], dict) and isinstance(n["order"], int) and n["mode"] in (0, BYPASSED)
         assert isinstance(n["properties"], dict) and isinstance(n["widgets_values"], list)
         for model in n["properties"].get("models", []):
             assert set(model) == {"name", "url", "directory"} and model["url"].startswith("https://")
@@ -198,12 +257,13 @@ def test_ui_workflow_is_a_consistent_graph(name):
         assert link_id in out["links"] and inp["link"] == link_id, link_id
         assert out["type"] == inp["type"] == typ, link_id
         assert nodes[src]["order"] < nodes[dst]["order"], "order must be a topological order"
-    linked = {l[0] for l in wf["links"]}
+    linked = {l[0]: l for l in wf["links"]}
+    bypassed = {n["id"] for n in wf["nodes"] if n["mode"] == BYPASSED}
     for n in wf["nodes"]:
         for inp in n.get("inputs", []):
             assert inp["link"] is None or inp["link"] in linked
         for out in n.get("outputs", []):
-            assert set(out["links"] or []) <= linked
+            assert set(out["links"] or []) <= set(linked)
         if n["type"] in UI_ONLY:
             continue
         widgets, sockets, required, outputs, _ = node_interface(n["type"])
@@ -212,6 +272,10 @@ def test_ui_workflow_is_a_consistent_graph(name):
         for i in n["inputs"]:
             assert i["type"] == sockets[i["name"]]
             assert i["link"] is not None or i["name"] not in required, f"{n['type']}.{i['name']} is unconnected"
+            if i["link"] is not None and linked[i["link"]][1] in bypassed:  # the graph must run without it
+                assert i["name"] not in required, f"{n['type']}.{i['name']} needs a bypassed node"
+        if n["id"] in bypassed:  # it passes nothing on in the prompt: no input of its type to pass through
+            assert not any(i["link"] for i in n["inputs"]), f"bypassed {n['type']} has linked inputs"
 
 
 @pytest.mark.parametrize("name", api_files())
@@ -254,7 +318,7 @@ def test_api_workflow_uses_known_nodes_and_inputs(name):
 def test_ui_and_api_twins_agree(name):
     ui = _load(os.path.join(WF_DIR, name))
     api = _load(os.path.join(API_DIR, name))
-    nodes = {str(n["id"]): n for n in ui["nodes"] if n["type"] not in UI_ONLY}
+    nodes = {str(n["id"]): n for n in ui["nodes"] if n["type"] not in UI_ONLY and n["mode"] != BYPASSED}
     assert set(nodes) == set(api)
     links = {l[0]: l for l in ui["links"]}
     for nid, n in nodes.items():
@@ -271,14 +335,16 @@ def test_ui_and_api_twins_agree(name):
                 assert values.pop(0) in ("fixed", "increment", "decrement", "randomize")
             del values[:UI_EXTRA_WIDGETS.get((n["type"], w), 0)]
         assert not values, f"{name} node {nid}: extra widgets_values {values}"
+        sent = set()
         for slot, inp in enumerate(n["inputs"]):
-            if inp["link"] is None:
+            if inp["link"] is None or str(links[inp["link"]][1]) not in nodes:  # unconnected, or from a bypassed node
                 assert inp["name"] not in a["inputs"]
                 continue
             _, src, src_slot, dst, dst_slot, _ = links[inp["link"]]
             assert (str(dst), dst_slot) == (nid, slot)
             assert a["inputs"][inp["name"]] == [str(src), src_slot], f"{name} node {nid}.{inp['name']}"
-        assert {k for k, v in a["inputs"].items() if isinstance(v, list)} == {i["name"] for i in n["inputs"] if i["link"]}
+            sent.add(inp["name"])
+        assert {k for k, v in a["inputs"].items() if isinstance(v, list)} == sent
 
 
 def _by_class(graph):
@@ -312,7 +378,13 @@ def _check_strategy(name, graph, heads, num_blocks, latent_hw=None):
     if latent_hw is None:
         latent = graph[sampler["inputs"]["latent_image"][0]]["inputs"]
         latent_hw = (latent["height"], latent["width"])
-    s = sampler["inputs"]
+    _check_fit(name, graph, loader, strategy, sampler["inputs"], heads, num_blocks,
+               (latent_hw[0] // 8, latent_hw[1] // 8))
+
+
+def _check_fit(name, graph, loader, strategy, s, heads, num_blocks, latent):
+    """One sampler's strategy (its inputs `s`, the loader and Strategy Selector behind its MODEL) for the latent's
+    (rows, columns) of latent pixels as the strategies cut it (a video's frames stack their rows)."""
     st = strategy["inputs"]
     devices = loader["inputs"]["devices"]
     if st["mode"] == "auto":
@@ -322,18 +394,21 @@ def _check_strategy(name, graph, heads, num_blocks, latent_hw=None):
     spec = StrategySpec(cfg_degree=st["cfg_degree"], pipefusion_degree=st["pipefusion_degree"],
                         ulysses_degree=st["ulysses_degree"], ring_degree=st["ring_degree"],
                         num_pipeline_patch=st["num_pipeline_patch"], warmup_steps=st["warmup_steps"])
-    validate_strategy(spec, world_size=n_devices, heads=heads, num_blocks=num_blocks,
-                      latent_hw=(latent_hw[0] // 8, latent_hw[1] // 8),
+    validate_strategy(spec, world_size=n_devices, heads=heads, num_blocks=num_blocks, latent_hw=latent,
                       cfg_scale=s["cfg"], steps=s["steps"])
     family = next((w for w in STRATEGY_WORDS if name[:-len(".json")].endswith("_" + w)), None)
     degrees = {"ulysses": spec.ulysses_degree, "ring": spec.ring_degree, "pipefusion": spec.pipefusion_degree,
                "cfg_parallel": spec.cfg_degree}
-    if family in degrees:
+    if family == "cfg_parallel":  # two branches at most: on more devices a sequence split shares each branch
+        assert spec.cfg_degree == 2 and spec.pipefusion_degree == 1, "a CFG-parallel workflow splits cond and uncond"
+    elif family in degrees:
         assert degrees[family] == n_devices > 1, "a single-family workflow uses that family alone"
     if family == "hybrid":
         assert sum(d > 1 for d in degrees.values()) >= 2
     if spec.cfg_degree == 2:  # needs true CFG with a real negative prompt
         negative = graph[s["negative"][0]]
+        while "negative" in negative["inputs"]:  # through nodes that pass the prompts on (WanImageToVideo)
+            negative = graph[negative["inputs"]["negative"][0]]
         assert s["cfg"] > 1 and negative["class_type"] == "CLIPTextEncode" and negative["inputs"]["text"].strip()
 
 
@@ -475,6 +550,96 @@ def test_kontext_workflow_edits_a_picture_and_its_strategy_fits(name):
     # FluxKontextImageScale picks ~1 megapixel sizes (multiples of 16); the widest is 1568 x 672.
     for hw in ((1024, 1024), (672, 1568), (1568, 672)):
         _check_strategy(name, graph, KONTEXT["heads"], KONTEXT["blocks"], latent_hw=hw)
+
+
+@pytest.mark.parametrize("name", WAN_API)
+def test_wan_workflow_is_its_template_on_load_parallel_dit_and_its_strategy_fits(name):
+    """Wan video as ComfyUI's template graphs it: umT5 (Load CLIP type wan), the model's VAE and latent node at the
+    template's width, height and frames, each sampler on ModelSamplingSD3 (the template's shift) over a Load Parallel
+    DiT of the model's file, true CFG from two prompts, VAE Decode -> Create Video (the template's fps) -> Save Video.
+    Wan 2.1 I2V: WanImageToVideo carries the prompts, the first frame and its CLIP-vision encoding (one picture).
+    Wan 2.2 14B: the high-noise expert's KSamplerAdvanced adds the noise and returns the leftover noise after steps
+    0..split, the low-noise one adds none and runs the rest: one schedule, contiguous ranges covering every step.
+    Each sampler's strategy fits its devices, the model's heads and blocks and the video's tokens."""
+    m = _model_of(name)
+    stem = name[:-len(".json")]
+    graph = _load(os.path.join(API_DIR, name))
+    c = _by_class(graph)
+    assert not {"UNETLoader", "ParaDiTSampler", "DualCLIPLoader", "TripleCLIPLoader"} & set(c)
+    (clip,), (vae,), (decode,), (create,), (save,) = (c[k] for k in ("CLIPLoader", "VAELoader", "VAEDecode",
+                                                                      "CreateVideo", "SaveVideo"))
+    assert clip["inputs"] == WAN_CLIP and vae["inputs"]["vae_name"] == m["vae"]
+    # The samplers in denoising order: back from VAE Decode, each takes its predecessor's latent.
+    chain, node = [], graph[decode["inputs"]["samples"][0]]
+    while node["class_type"] in ("KSampler", "KSamplerAdvanced"):
+        chain.insert(0, node)
+        node = graph[node["inputs"]["latent_image"][0]]
+    latent = node
+    assert len(chain) == len(m["unets"]) == len(c.get("KSampler", [])) + len(c.get("KSamplerAdvanced", []))
+    assert {s["class_type"] for s in chain} == {"KSampler" if len(chain) == 1 else "KSamplerAdvanced"}
+    # The latent: the template's node and size, the model's VAE (channels, pixels per latent pixel), whole patches.
+    latent_cls, width, height, length = m["latent"]
+    li = latent["inputs"]
+    assert latent["class_type"] == latent_cls and WAN_LATENTS[latent_cls] == WAN_VAES[m["vae"]]
+    assert (li["width"], li["height"], li["length"], li["batch_size"]) == (width, height, length, 1)
+    if "vae" in li:
+        assert graph[li["vae"][0]] is vae
+    stride = WAN_VAES[m["vae"]][1]
+    frames, rows, cols = (length - 1) // 4 + 1, height // stride, width // stride
+    assert rows * stride == height and cols * stride == width and rows % 2 == cols % 2 == 0, "Wan's 1x2x2 patches"
+    # The prompts, straight or through WanImageToVideo with the picture.
+    first = chain[0]["inputs"]
+    if latent_cls == "WanImageToVideo":
+        lid = first["latent_image"][0]
+        assert first["latent_image"] == [lid, 2]
+        assert all(s["inputs"]["positive"] == [lid, 0] and s["inputs"]["negative"] == [lid, 1] for s in chain)
+        positive, negative = graph[li["positive"][0]], graph[li["negative"][0]]
+        encode = graph[li["clip_vision_output"][0]]
+        vision = graph[encode["inputs"]["clip_vision"][0]]
+        assert encode["class_type"] == "CLIPVisionEncode" and vision["class_type"] == "CLIPVisionLoader"
+        assert vision["inputs"]["clip_name"] == m["clip_vision"]
+        assert encode["inputs"]["image"] == li["start_image"], "the first frame is the picture CLIP vision sees"
+        picture = graph[li["start_image"][0]]
+        assert picture["class_type"] == "LoadImage" and picture["inputs"]["image"] == "example.png"
+    else:
+        assert "clip_vision" not in m and "CLIPVisionEncode" not in c
+        assert "start_image" not in li and "LoadImage" not in c  # text-to-video (5B: the template's picture bypassed)
+        positive, negative = graph[first["positive"][0]], graph[first["negative"][0]]
+        assert all(s["inputs"]["positive"] == first["positive"] and s["inputs"]["negative"] == first["negative"]
+                   for s in chain)
+    assert positive["class_type"] == negative["class_type"] == "CLIPTextEncode" and positive is not negative
+    assert graph[positive["inputs"]["clip"][0]] is clip and graph[negative["inputs"]["clip"][0]] is clip
+    assert positive["inputs"]["text"].strip() and negative["inputs"]["text"].strip()
+    # Each sampler: the template's settings, on ModelSamplingSD3 over a Load Parallel DiT of its expert's file.
+    loaders = []
+    for sampler, unet in zip(chain, m["unets"]):
+        s = sampler["inputs"]
+        assert {k: s[k] for k in m["sampling"]} == m["sampling"] and s["cfg"] > 1, "true CFG, the template's sampling"
+        shift = graph[s["model"][0]]
+        assert shift["class_type"] == "ModelSamplingSD3" and shift["inputs"]["shift"] == pytest.approx(m["shift"])
+        loader = graph[shift["inputs"]["model"][0]]
+        assert loader["class_type"] == "ParaDiTLoader" and loader["inputs"]["unet_name"] == unet
+        strategy = graph[loader["inputs"]["strategy"][0]]
+        assert strategy["class_type"] == "ParaDiTStrategy"
+        loaders.append(loader)
+        _check_fit(name, graph, loader, strategy, s, m["heads"], m["blocks"], latent_plane((frames, rows, cols)))
+    assert len({l["inputs"]["devices"] for l in loaders}) == 1, "one device set serves every expert"
+    if len(chain) == 1:
+        assert first["denoise"] == 1.0
+    else:  # two experts splitting one schedule
+        ks = [s["inputs"] for s in chain]
+        steps = m["sampling"]["steps"]
+        ranges = [(k["start_at_step"], k["end_at_step"]) for k in ks]
+        assert ranges[0] == (0, m["split"]) and ranges[-1][1] >= steps, ranges
+        assert all(a < b for a, b in ranges) and all(r[1] == n[0] for r, n in zip(ranges, ranges[1:])), ranges
+        assert [k["add_noise"] for k in ks] == ["enable"] + ["disable"] * (len(ks) - 1)
+        assert [k["return_with_leftover_noise"] for k in ks] == ["enable"] * (len(ks) - 1) + ["disable"]
+    # Decode, the video and its file.
+    assert graph[decode["inputs"]["vae"][0]] is vae
+    assert graph[create["inputs"]["images"][0]] is decode and create["inputs"]["fps"] == m["fps"]
+    assert "audio" not in create["inputs"] and graph[save["inputs"]["video"][0]] is create
+    assert save["inputs"] == {"video": save["inputs"]["video"], "filename_prefix": f"ParaDiT/{stem}",
+                              "format": "auto", "codec": "auto"}
 
 
 # ---------------------------------------------------------------------------------------------------
