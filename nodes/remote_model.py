@@ -228,7 +228,9 @@ def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
 
 
 # Extra model inputs (ComfyUI's extra_conds) the workers compute themselves or that a call may carry empty.
-_KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea"}
+# denoise_mask: Wan 2.2's (WAN22) noise mask, which its model reads only through the per-frame timesteps
+# process_timestep already made of it (the call's timesteps arrive [rows, frames]).
+_KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea", "denoise_mask"}
 
 
 def _refuse_what_the_workers_cannot_do(control, options: dict, kwargs: dict) -> None:

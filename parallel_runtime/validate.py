@@ -168,6 +168,21 @@ def validate_concat(name: str, c, config, latent: torch.Tensor, batch: int) -> N
     _finite_tensor(f"{name} conditioning's concat image", c.concat, "re-encode the image with VAE Encode")
 
 
+def validate_timestep(job: Job, config) -> None:
+    """A model call's timestep: one per latent row, or for a video model one per row and frame (Wan 2.2's
+    per-frame timesteps under a noise mask, as ComfyUI's WAN22.process_timestep makes them)."""
+    t, lat = job.timestep, job.latent
+    if t is None:
+        return
+    shapes = [(lat.shape[0],)] + ([(lat.shape[0], lat.shape[2])] if config.video else [])
+    if tuple(t.shape) not in shapes:
+        raise ConfigError(f"the model call's timestep has shape {tuple(t.shape)}, not "
+                          f"{' or '.join(map(str, shapes))} for a latent of shape {tuple(lat.shape)}; a node patches "
+                          f"the model's timesteps in a way ParaDiT does not split: remove it or load the model with "
+                          f"UNETLoader.")
+    _finite_tensor("model call's timestep", t, "check the sampler's sigmas (a scheduler or ModelSampling node)")
+
+
 def validate_clip_vision(name: str, c, config, batch: int) -> None:
     """CLIP-vision tokens (clip_fea, Wan 2.1 I2V): CLIP ViT-H's width, one set per prompt or per latent row. A model
     that reads none ignores them, as ComfyUI's does."""
@@ -286,6 +301,7 @@ def validate_job(job: Job, world_size: int) -> None:
     if video and (lat.shape[-1] % 2 or lat.shape[-2] % 2):
         raise ConfigError(f"the video latent is {lat.shape[-1] * 8}x{lat.shape[-2] * 8} px, not a multiple of the "
                           f"model's 2x2 patch; use a width and height that are multiples of 16 pixels.")
+    validate_timestep(job, config)
     for name, c in (("positive", job.positive), ("negative", job.negative)):
         if c is None:
             continue

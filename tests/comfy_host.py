@@ -205,15 +205,17 @@ class ParaDiTTestStyleModel:
 
 
 class _SeededVideoEncoder:
-    """encode(pixels [F, H, W, 3]) -> a seeded [1, 16, (F - 1) // 4 + 1, H / 8, W / 8] latent: the Wan VAE's shapes."""
+    """encode(pixels [F, H, W, 3]) -> a seeded [1, C, (F - 1) // 4 + 1, H / s, W / s] latent: the Wan 2.1 VAE's shapes
+    (C 16, s 8) or Wan 2.2's (C 48, s 16)."""
 
-    def __init__(self, seed):
-        self.seed = seed
+    def __init__(self, seed, channels):
+        self.seed, self.channels = seed, channels
 
     def encode(self, pixels):
         g = torch.Generator().manual_seed(self.seed)
         frames, height, width = pixels.shape[0], pixels.shape[1], pixels.shape[2]
-        return torch.randn(1, 16, (frames - 1) // 4 + 1, height // 8, width // 8, generator=g)
+        s = 8 if self.channels == 16 else 16
+        return torch.randn(1, self.channels, (frames - 1) // 4 + 1, height // s, width // s, generator=g)
 
 
 class ParaDiTTestImageToVideoInputs:
@@ -223,18 +225,19 @@ class ParaDiTTestImageToVideoInputs:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"seed": ("INT", {"default": 0, "min": 0})}}
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0})},
+                "optional": {"channels": ("INT", {"default": 16, "min": 16, "max": 48, "step": 32})}}
 
     RETURN_TYPES = ("VAE", "CLIP_VISION_OUTPUT")
     FUNCTION = "make"
     CATEGORY = "testing"
 
-    def make(self, seed):
+    def make(self, seed, channels=16):
         import comfy.clip_vision
 
         output = comfy.clip_vision.Output()
         output["penultimate_hidden_states"] = torch.randn(1, 257, 1280, generator=torch.Generator().manual_seed(seed))
-        return (_SeededVideoEncoder(seed + 1), output)
+        return (_SeededVideoEncoder(seed + 1, channels), output)
 
 
 NODE_CLASS_MAPPINGS = {"ParaDiTTestConcat": ParaDiTTestConcat, "ParaDiTTestImageToVideoInputs": ParaDiTTestImageToVideoInputs, "ParaDiTTestStyleModel": ParaDiTTestStyleModel,

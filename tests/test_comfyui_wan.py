@@ -37,10 +37,13 @@ EXACT_RTOL = 1e-4
 # Image-to-video: 2.1 (36 input channels, CLIP vision through img_emb and k_img / v_img) and 2.2 (36, no CLIP).
 WAN21_I2V, WAN22_I2V = (dataclasses.replace(WAN, in_channels=36, image_to_video=clip) for clip in (True, False))
 DIT21_I2V, DIT22_I2V = "wan2.1_i2v_mini.safetensors", "wan2.2_i2v_mini.safetensors"
+# Wan 2.2 TI2V 5B's shape: 48 latent channels in and out (ComfyUI detects out_dim 48 as WAN22_T2V).
+WAN22_TI2V, DIT22_TI2V = dataclasses.replace(WAN, in_channels=48, out_channels=48), "wan2.2_ti2v_mini.safetensors"
 
 
 def write_models(root: str) -> None:
-    for name, config, seed in ((DIT, WAN, 1), (DIT21_I2V, WAN21_I2V, 2), (DIT22_I2V, WAN22_I2V, 3)):
+    for name, config, seed in ((DIT, WAN, 1), (DIT21_I2V, WAN21_I2V, 2), (DIT22_I2V, WAN22_I2V, 3),
+                               (DIT22_TI2V, WAN22_TI2V, 4)):
         write_checkpoint(os.path.join(root, "models", "diffusion_models", name), config, seed=seed,
                          prefix="model.diffusion_model.", dtype=torch.float32)
 
@@ -86,9 +89,24 @@ def graph(devices: str = "cpu:1", strat: dict | None = None, cfg: float = 5.0, d
     return g
 
 
-def parity(server, g: dict, what: str) -> float:
+def ti2v_graph(devices: str = "cpu:1", strat: dict | None = None, start_image: bool = True) -> dict:
+    """graph() on the 5B file with ComfyUI's own Wan22ImageToVideoLatent (5) as the latent: 128x96 px x 17 frames =
+    5 x 6 x 8 latent; with a start image, its first frame encoded (a seeded stand-in VAE) under a noise mask, so
+    KSampler's calls carry per-frame timesteps (WAN22.process_timestep)."""
+    g = graph(devices, strat, dit=DIT22_TI2V)
+    g["30"] = {"class_type": "ParaDiTTestImageToVideoInputs", "inputs": {"seed": 12, "channels": 48}}
+    g["31"] = {"class_type": "EmptyImage", "inputs": {"width": 128, "height": 96, "batch_size": 1, "color": 8421504}}
+    g["5"] = {"class_type": "Wan22ImageToVideoLatent",
+              "inputs": {"vae": ["30", 0], "width": 128, "height": 96, "length": 17, "batch_size": 1,
+                         **({"start_image": ["31", 0]} if start_image else {})}}
+    for sampler in ("12", "21"):
+        g[sampler]["inputs"]["latent_image"] = ["5", 0]
+    return g
+
+
+def parity(server, g: dict, what: str, channels: int = 16) -> float:
     err, par, _ = latent_parity(server, g, what)
-    assert par.shape == (1, 16, 5, 6, 8)
+    assert par.shape == (1, channels, 5, 6, 8)
     return err
 
 
@@ -119,3 +137,18 @@ def test_wan_image_to_video_one_worker_equals_unetloader(server, dit, clip):
                          ids=["cfg2", "ulysses2", "ring2", "pp2_warm"])
 def test_wan_image_to_video_exact_strategies_on_two_workers(server, strat):
     assert parity(server, i2v_graph(DIT21_I2V, "cpu:2", strat), f"Wan 2.1 I2V, {strat['inputs']}") <= EXACT_RTOL
+
+
+@pytest.mark.parametrize("start_image", [True, False], ids=["ti2v", "t2v"])
+def test_wan22_ti2v_one_worker_equals_unetloader(server, start_image):
+    """Wan 2.2 5B's own 48-channel latent; image-to-video's per-frame timesteps (the start frame at t = 0)."""
+    err = parity(server, ti2v_graph(start_image=start_image), f"Wan 2.2 TI2V, start image {start_image}", 48)
+    assert err <= ONE_WORKER_RTOL
+
+
+@pytest.mark.parametrize("strat", [comfy_host.strategy(cfg=2, warmup=3), comfy_host.strategy(ulysses=2, warmup=3),
+                                   comfy_host.strategy(ring=2, warmup=3),
+                                   comfy_host.strategy(pp=2, patches=5, warmup=3)],
+                         ids=["cfg2", "ulysses2", "ring2", "pp2_warm"])
+def test_wan22_ti2v_exact_strategies_on_two_workers(server, strat):
+    assert parity(server, ti2v_graph("cpu:2", strat), f"Wan 2.2 TI2V, {strat['inputs']}", 48) <= EXACT_RTOL

@@ -128,12 +128,14 @@ def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor
         x = x.flatten(2).transpose(1, 2)
         ids = torch.stack(torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij"), -1).reshape(-1, 3)
         freqs = _rope(ids, (128 - 4 * 21, 2 * 21, 2 * 21))  # WanModel: d - 4 (d // 6), 2 (d // 6), 2 (d // 6)
-        t = job.timestep[row:row + 1]
+        t = job.timestep[row:row + 1]  # [1] or, per frame (Wan 2.2's noise-masked image-to-video), [1, T]
         half = c.freq_dim // 2
-        sinusoid = torch.outer(t, torch.pow(10000, -torch.arange(half).float().div(half)))
+        sinusoid = torch.outer(t.flatten(), torch.pow(10000, -torch.arange(half).float().div(half)))
         e = lin(F.silu(lin(torch.cat([torch.cos(sinusoid), torch.sin(sinusoid)], 1), "time_embedding.0")),
-                "time_embedding.2")[:, None]
+                "time_embedding.2").reshape(1, -1, dim)
         e0 = lin(F.silu(e), "time_projection.1").unflatten(2, (6, dim))
+        # ComfyUI's repeat_e: a per-frame row repeated over that frame's tokens
+        e, e0 = (torch.repeat_interleave(v, x.shape[1] // v.shape[1], dim=1) for v in (e, e0))
         context = lin(F.gelu(lin(branch.cond, "text_embedding.0"), approximate="tanh"), "text_embedding.2")
         image_context = context  # WanI2VCrossAttention without clip_fea: context[:, :None] is the whole prompt
         if c.image_to_video and branch.clip_vision is not None:  # MLPProj: LN, Linear, exact GELU, Linear, LN
@@ -160,8 +162,8 @@ def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor
             x = x + lin(F.gelu(lin(h, f"{b}.ffn.0"), approximate="tanh"), f"{b}.ffn.2") * m[5]
         shift, scale = (sd["head.modulation"].unsqueeze(0) + e.unsqueeze(2)).unbind(2)
         x = lin(F.layer_norm(x, (dim,), eps=1e-6) * (1 + scale) + shift, "head.head")
-        u = x.view(1, *grid, 1, 2, 2, 16)
-        out.append(torch.einsum("bfhwpqrc->bcfphqwr", u).reshape(1, 16, T, H, W))
+        u = x.view(1, *grid, 1, 2, 2, c.out_channels)
+        out.append(torch.einsum("bfhwpqrc->bcfphqwr", u).reshape(1, c.out_channels, T, H, W))
     return torch.cat(out)
 
 
@@ -279,3 +281,57 @@ def test_wan_image_to_video_refusals(wan21_i2v_path, wan_path, client1):
     t2v = call_job(wan_path, S())
     with_clip = dataclasses.replace(t2v, positive=dataclasses.replace(t2v.positive, clip_vision=job.positive.clip_vision))
     assert rel_err(client1.run(with_clip).latent, client1.run(t2v).latent) == 0.0
+
+
+# Wan 2.2 TI2V 5B's shape: its own 48-channel latent in and out (the start frame is part of the latent, not a concat).
+TINY_WAN22_TI2V = dataclasses.replace(TINY_WAN, in_channels=48, out_channels=48)
+
+
+@pytest.fixture(scope="module")
+def wan22_ti2v_path(tmp_path_factory):
+    return write_checkpoint(str(tmp_path_factory.mktemp("wan") / "wan2.2_ti2v_tiny.safetensors"), TINY_WAN22_TI2V,
+                            seed=6)
+
+
+def ti2v_job(path: str, strategy: S, per_frame: bool = True) -> Job:
+    """A call as KSampler makes it on Wan22ImageToVideoLatent's latent: WAN22.process_timestep scales the timestep by
+    each frame's mean noise mask, so the start frame (mask 0) runs at t = 0 and the rest at 870."""
+    job = call_job(path, strategy)
+    g = torch.Generator().manual_seed(8)
+    t = torch.full((2, T), 870.0).index_fill_(1, torch.tensor([0]), 0.0) if per_frame else torch.full((2,), 870.0)
+    return dataclasses.replace(job, latent=torch.randn(2, 48, T, H, W, generator=g), timestep=t)
+
+
+def test_wan22_ti2v_is_detected_with_its_own_latent(wan22_ti2v_path):
+    from parallel_runtime.sampling import WAN22_LATENT
+
+    config = model_config(wan22_ti2v_path)
+    assert (config.latent_channels, config.concat_channels, config.title) == (48, 0, "Wan 2.2 TI2V 256-wide")
+    assert config.latent_format is WAN22_LATENT and len(WAN22_LATENT.mean) == 48
+
+
+def test_wan22_ti2v_per_frame_timesteps_one_worker(wan22_ti2v_path, client1):
+    """Per-frame timesteps: each token's modulation rows are its frame's (ComfyUI's repeat_e); a scalar one too."""
+    for per_frame in (True, False):
+        job = ti2v_job(wan22_ti2v_path, S(), per_frame)
+        out = client1.run(job).latent
+        assert out.shape == (2, 48, T, H, W)
+        assert rel_err(out, reference_call(wan22_ti2v_path, job, TINY_WAN22_TI2V)) < SERIAL_RTOL, per_frame
+
+
+@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
+                                      S(pipefusion_degree=2, num_pipeline_patch=5)],
+                         ids=["cfg2", "ulysses2", "ring2", "pp2_warmup"])
+def test_wan22_ti2v_per_frame_timesteps_under_exact_strategies(wan22_ti2v_path, client2, strategy):
+    """A shard (or PipeFusion patch) that starts mid-frame still gives each token its own frame's modulation: the
+    frame of each token rides with its RoPE rows. 60 tokens / 2 shards: the cut is inside frame 2 (12 tokens each)."""
+    job = ti2v_job(wan22_ti2v_path, strategy)
+    assert rel_err(client2.run(job).latent, reference_call(wan22_ti2v_path, job, TINY_WAN22_TI2V)) < EXACT_RTOL
+
+
+def test_wan22_ti2v_refuses_a_timestep_it_cannot_split(wan22_ti2v_path, client1):
+    from parallel_runtime.errors import ConfigError
+
+    job = dataclasses.replace(ti2v_job(wan22_ti2v_path, S()), timestep=torch.full((2, T + 1), 500.0))
+    with pytest.raises(ConfigError, match=r"timestep has shape \(2, 6\), not \(2,\) or \(2, 5\)"):
+        client1.run(job)

@@ -274,11 +274,11 @@ class Denoiser:
 
     @staticmethod
     def _rope(rope_full, positions: torch.Tensor):
-        """The rows of the full sequence's RoPE table (adapter.rope) at `positions`."""
+        """The rows of the full sequence's per-token tables (adapter.rope: RoPE's cos and sin, and Wan's frame of
+        each token) at `positions`."""
         if rope_full is None:  # families with absolute position embeddings (added in embed_image)
             return None
-        cos, sin = rope_full
-        return cos[positions], sin[positions]
+        return tuple(table[positions] for table in rope_full)
 
     def _sequence_text_len(self, branches: Branches) -> int:
         """Prompt rows in the attention sequence: none where the prompt is cross-attended (PixArt)."""
@@ -341,16 +341,17 @@ class Denoiser:
         return x.repeat(count, 1, 1) if count > 1 else x
 
     def _branch_denoised(self, i: int, x_rows: torch.Tensor, image_hidden: torch.Tensor, temb: torch.Tensor,
-                         branches: Branches | None = None) -> tuple[torch.Tensor, ...]:
+                         rope, branches: Branches | None = None) -> tuple[torch.Tensor, ...]:
         """Last-stage head of one forward pass: velocity -> denoised, one tensor per branch it carried."""
         branches = branches or self.branches
-        v = self.adapter.head(image_hidden, temb)
+        v = self.adapter.head(image_hidden, temb, rope)
         ms = self.adapter.model_sampling
         return ms.calculate_denoised(self.sigmas[i], v, self._repeat(x_rows, branches)).chunk(branches.count)
 
-    def _denoised(self, i: int, x_rows: torch.Tensor, image_hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    def _denoised(self, i: int, x_rows: torch.Tensor, image_hidden: torch.Tensor, temb: torch.Tensor,
+                  rope) -> torch.Tensor:
         """Last-stage head, then CFG across branches (and ranks)."""
-        return self._cfg(self._branch_denoised(i, x_rows, image_hidden, temb))
+        return self._cfg(self._branch_denoised(i, x_rows, image_hidden, temb, rope))
 
     def _cfg(self, den: tuple[torch.Tensor, ...]) -> torch.Tensor:
         if self.topology.cfg > 1:
@@ -427,7 +428,7 @@ class Denoiser:
                 temb = self._temb(i, branches)
                 image = self._image_stream(i, x_rows, index, refs, branches)
                 image, _ = self.adapter.run_blocks(image, text, temb, rope)
-                den += self._branch_denoised(i, x_rows, image[:, :len(index)], temb, branches)
+                den += self._branch_denoised(i, x_rows, image[:, :len(index)], temb, rope, branches)
             x[:, rows] = self.sampler.step(i, x_rows, self._cfg(den), region=rows)
             self._step_done(i, t0)
         return x
@@ -610,15 +611,15 @@ class _PipeFusionStage:
                        "pipefusion")
             return
         if self.model_output is not None:  # a stock sampler's call: the host samples
-            self.model_output[:, idx] = self.adapter.head(image[:, :len(idx)], temb)
+            self.model_output[:, idx] = self.adapter.head(image[:, :len(idx)], temb, rope)
             return
-        self._sample_patches(i, patches, idx, image, temb)
+        self._sample_patches(i, patches, idx, image, temb, rope)
 
-    def _sample_patches(self, i, patches, idx, image, temb) -> None:
+    def _sample_patches(self, i, patches, idx, image, temb, rope) -> None:
         """The last chunk's sampler step on this rank's rows of `patches`, sent back to rank 0 for step i + 1."""
         x = self.x
         x_rows = x[:, idx]
-        den = self.denoiser._denoised(i, x_rows, image[:, :len(idx)], temb)
+        den = self.denoiser._denoised(i, x_rows, image[:, :len(idx)], temb, rope)
         # The sampler works on contiguous slices; a rank's rows are one slice per patch.
         offset = 0
         for sl in (self.layout.image_slice(self.me, p) for p in patches):

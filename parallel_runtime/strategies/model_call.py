@@ -78,7 +78,7 @@ class ModelCallForward(Denoiser):
         extra = {"residuals": control.residuals(x[:, rows], index, rope)} if control is not None else {}
         image, _ = self.adapter.run_blocks(image, text, temb, rope, **extra)
         out = torch.zeros_like(x)
-        out[:, rows] = self.adapter.head(image[:, :len(index)], temb)
+        out[:, rows] = self.adapter.head(image[:, :len(index)], temb, rope)
         return out
 
     def _pipeline(self, x: torch.Tensor, t: torch.Tensor, branches: Branches, job: Job, key: tuple) -> torch.Tensor:

@@ -281,7 +281,7 @@ class ChromaAdapter(FluxAdapter):
                 text, image = joint[:, :n_text], joint[:, n_text:]
         return image, text
 
-    def head(self, image: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    def head(self, image: torch.Tensor, temb: torch.Tensor, rope=None) -> torch.Tensor:
         final = temb[:, MOD_INDEX_ROWS - 2:]  # (shift, scale) in the last two of the 344 rows
         return self.model.proj_out(self.model.norm_out(image, final)).float()
 

@@ -214,7 +214,7 @@ class FluxAdapter:
                 image[:, :add.shape[1]] += add
         return image, text
 
-    def head(self, image: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    def head(self, image: torch.Tensor, temb: torch.Tensor, rope=None) -> torch.Tensor:
         """Velocity prediction in float32."""
         return self.model.proj_out(self.model.norm_out(image, temb)).float()
 

@@ -324,7 +324,7 @@ class PixArtAdapter:
             image = self.model.transformer_blocks[i](image, encoder_hidden_states=text, timestep=temb[0])
         return image, text
 
-    def head(self, image: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    def head(self, image: torch.Tensor, temb: torch.Tensor, rope=None) -> torch.Tensor:
         """eps in float32 (the first 4 of the 8 output channels), re-ordered from (ph, pw, c) to pack's (c, ph, pw)."""
         shift, scale = (self.model.scale_shift_table[None] + temb[1][:, None]).chunk(2, dim=1)
         out = self.model.proj_out(self.model.norm_out(image) * (1 + scale) + shift).float()

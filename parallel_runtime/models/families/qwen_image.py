@@ -203,7 +203,7 @@ class QwenImageAdapter:
                                                            image_rotary_emb=rope)
         return image, text
 
-    def head(self, image: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    def head(self, image: torch.Tensor, temb: torch.Tensor, rope=None) -> torch.Tensor:
         """Velocity in float32, (c, ph, pw) per token as pack's layout."""
         return self.model.proj_out(self.model.norm_out(image, temb)).float()
 

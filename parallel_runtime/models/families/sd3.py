@@ -323,7 +323,7 @@ class SD3Adapter:
             text, image = self.model.transformer_blocks[i](hidden_states=image, encoder_hidden_states=text, temb=temb)
         return image, text
 
-    def head(self, image: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    def head(self, image: torch.Tensor, temb: torch.Tensor, rope=None) -> torch.Tensor:
         """Velocity in float32, re-ordered from the model's (ph, pw, c) patch layout to pack's (c, ph, pw)."""
         return channels_first(self.model.proj_out(self.model.norm_out(image, temb)).float(), self.patch,
                               self.latent_channels)

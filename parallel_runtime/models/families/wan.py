@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import ModelFileError
-from ...sampling import WAN21_LATENT
+from ...sampling import WAN21_LATENT, WAN22_LATENT
 from ...sampling.flow import FluxModelSampling
 from ...weights.keymap import Source, block_count, has_block, same_names, tensor_shapes
 from ...weights.storage import compute_placement
@@ -33,6 +33,8 @@ from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
 from .flux import BFL_PREFIXES
 from .flux_adapter import channels_first
 
+# Latent channels -> ComfyUI's format: Wan 2.1's VAE (every 2.1 file, 2.2's 14B experts), 2.2's VAE (TI2V 5B).
+LATENT_FORMATS = {16: WAN21_LATENT, 48: WAN22_LATENT}
 HEAD_DIM = 128  # every Wan: ComfyUI's detection sets num_heads = dim // 128
 EPS = 1e-6
 # img_emb projects the start image's CLIP-vision tokens (2.1 I2V) with the timestep, on every stage (temb).
@@ -91,6 +93,10 @@ class WanConfig(JointAttentionConfig):
         return self.out_channels
 
     @property
+    def latent_format(self):
+        return LATENT_FORMATS[self.out_channels]
+
+    @property
     def clip_vision_width(self) -> int | None:
         return CLIP_VISION_WIDTH if self.image_to_video else None
 
@@ -105,7 +111,9 @@ class WanConfig(JointAttentionConfig):
 
     @property
     def title(self) -> str:
-        size = {1536: "1.3B", 5120: "14B"}.get(self.hidden_size, f"{self.hidden_size}-wide")
+        size = {1536: "1.3B", 3072: "5B", 5120: "14B"}.get(self.hidden_size, f"{self.hidden_size}-wide")
+        if self.out_channels == 48:  # 2.2's own VAE: text- and image-to-video in one file (the start frame is latent)
+            return f"Wan 2.2 TI2V {size}"
         # 2.1 I2V cross-attends CLIP-vision tokens; 2.2's I2V reads the start frame through the concat alone; the
         # 14B text-to-video files of 2.1 and 2.2 (each expert) share one shape.
         version = "2.1" if self.image_to_video or size == "1.3B" else ("2.2" if self.variant == "i2v" else "2.1 / 2.2")
@@ -154,9 +162,10 @@ def infer_config(reader, match: Match, name: str) -> WanConfig:
 
     dim, in_channels = shape("patch_embedding.weight")[:2]
     out_channels = shape("head.head.weight")[0] // 4
-    if out_channels != 16:
-        raise ModelFileError(f"{name} predicts {out_channels} latent channels (Wan 2.2 TI2V 5B's 48-channel latent), "
-                             f"which ParaDiT does not run yet; load it with UNETLoader.")
+    if out_channels not in LATENT_FORMATS:
+        raise ModelFileError(f"{name} predicts {out_channels} latent channels, not a Wan 2.1 (16) or Wan 2.2 TI2V (48) "
+                             f"latent; the file is damaged or of a Wan variant ParaDiT does not know: load it with "
+                             f"UNETLoader.")
     return WanConfig(hidden_size=dim, num_layers=block_count(reader.keys(), p, "blocks", name),
                      ffn_dim=shape("blocks.0.ffn.0.weight")[0], in_channels=in_channels, out_channels=out_channels,
                      text_dim=shape("text_embedding.0.weight")[1], freq_dim=shape("time_embedding.0.weight")[1],
@@ -263,24 +272,30 @@ def block_inputs(config: WanConfig, text: int, image: int, generator: torch.Gene
     from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
     h, cols = config.hidden_size, max(1, math.isqrt(image))
-    rope = FluxPosEmbed(theta=10000, axes_dim=list(config.rope_axes))(
-        video_grid_ids(1, -(-image // cols), cols)[:image])
+    rope = (*FluxPosEmbed(theta=10000, axes_dim=list(config.rope_axes))(
+        video_grid_ids(1, -(-image // cols), cols)[:image]), torch.zeros(image, dtype=torch.long))
     clip = torch.randn(1, CLIP_TOKENS, h, generator=generator) if config.image_to_video else None
     temb = (torch.randn(1, 1, h, generator=generator), torch.randn(1, 1, 6, h, generator=generator), clip)
     return torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator), temb, rope
+
+
+def per_token(rows: torch.Tensor, rope) -> torch.Tensor:
+    """Modulation rows [N, frames, dim] for the tokens `rope` covers: one row for all (a scalar timestep), or each
+    token its frame's (per-frame timesteps; ComfyUI's repeat_e gives token j frame j // tokens-per-frame)."""
+    return rows if rows.shape[1] == 1 else rows[:, rope[2]]
 
 
 class WanAdapter:
     patch = 2
     default_guidance = 0.0  # no guidance input
     joint_text = False  # the prompt is cross-attended, not part of the attention sequence
-    latent_format = WAN21_LATENT
     reads_clip_vision = True  # the Denoiser hands timestep_embedding the branches' CLIP-vision tokens
     skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
 
     def __init__(self, config: WanConfig, model: WanTransformer, chunks: list[range], context):
         self.config, self.model, self.chunks, self.context = config, model, chunks, context
         self.latent_channels = config.out_channels
+        self.latent_format = config.latent_format
         self.dtype, self.device = compute_placement(model.time_embedding)
 
     @property
@@ -309,11 +324,14 @@ class WanAdapter:
         return x.reshape(b, c, t, h, w)
 
     def rope(self, text_len: int, t: int, h: int, w: int, references=(), method=None):
-        """cos/sin of the video's tokens (the prompt is not in the sequence): ComfyUI's rope_encode ids."""
+        """Per video token (the prompt is not in the sequence): RoPE's cos and sin of ComfyUI's rope_encode ids,
+        and the token's frame, which picks its modulation rows when the timestep is per frame (Wan 2.2 5B's
+        image-to-video); strategies take each table's rows at their tokens' positions."""
         from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
-        ids = video_grid_ids(t, (h + 1) // 2, (w + 1) // 2)
-        return FluxPosEmbed(theta=10000, axes_dim=list(self.config.rope_axes))(ids.to(self.device))
+        ids = video_grid_ids(t, (h + 1) // 2, (w + 1) // 2).to(self.device)
+        cos, sin = FluxPosEmbed(theta=10000, axes_dim=list(self.config.rope_axes))(ids)
+        return cos, sin, ids[:, 0].long()
 
     # -- embeddings ------------------------------------------------------------------------------------
 
@@ -350,7 +368,7 @@ class WanAdapter:
                clip_tokens: torch.Tensor | None) -> torch.Tensor:
         """WanAttentionBlock.forward: modulated self-attention, cross-attention, modulated MLP."""
         block = self.model.blocks[i]
-        e = (block.modulation.to(x.dtype).unsqueeze(0) + e0).unbind(2)
+        e = [per_token(row, rope) for row in (block.modulation.to(x.dtype).unsqueeze(0) + e0).unbind(2)]
         dim = self.config.hidden_size
         y = self._self_attention(i, torch.addcmul(e[0], F.layer_norm(x, (dim,), eps=EPS), 1 + e[1]), rope)
         x = torch.addcmul(x, y, e[2])
@@ -367,8 +385,8 @@ class WanAdapter:
         def split(t):
             return t.unflatten(-1, (heads, -1))
 
-        q = apply_rotary_emb(split(attn.norm_q(attn.q(x))), rope, sequence_dim=1)
-        k = apply_rotary_emb(split(attn.norm_k(attn.k(x))), rope, sequence_dim=1)
+        q = apply_rotary_emb(split(attn.norm_q(attn.q(x))), rope[:2], sequence_dim=1)
+        k = apply_rotary_emb(split(attn.norm_k(attn.k(x))), rope[:2], sequence_dim=1)
         out = self.context.image_attention(q, k, split(attn.v(x)), i).flatten(2, 3).to(x.dtype)
         return attn.o(out)
 
@@ -392,10 +410,11 @@ class WanAdapter:
             out = out + attend(attn.norm_k_img(attn.k_img(image)), attn.v_img(image))
         return attn.o(out)
 
-    def head(self, image: torch.Tensor, temb) -> torch.Tensor:
+    def head(self, image: torch.Tensor, temb, rope=None) -> torch.Tensor:
         """Velocity in float32, re-ordered from the head's (pt, ph, pw, c) to pack's (c, ph, pw)."""
         head = self.model.head
-        shift, scale = (head.modulation.to(image.dtype).unsqueeze(0) + temb[0].unsqueeze(2)).unbind(2)
+        shift, scale = (per_token(row, rope) for row in
+                        (head.modulation.to(image.dtype).unsqueeze(0) + temb[0].unsqueeze(2)).unbind(2))
         dim = self.config.hidden_size
         out = head.head(torch.addcmul(shift, F.layer_norm(image, (dim,), eps=EPS), 1 + scale)).float()
         return channels_first(out, self.patch, self.config.out_channels)
