@@ -37,13 +37,15 @@ EXACT_RTOL = 1e-4
 # Image-to-video: 2.1 (36 input channels, CLIP vision through img_emb and k_img / v_img) and 2.2 (36, no CLIP).
 WAN21_I2V, WAN22_I2V = (dataclasses.replace(WAN, in_channels=36, image_to_video=clip) for clip in (True, False))
 DIT21_I2V, DIT22_I2V = "wan2.1_i2v_mini.safetensors", "wan2.2_i2v_mini.safetensors"
+# Wan 2.2 14B T2V's two experts: one shape, two files (high noise first, then low noise).
+EXPERTS = ("wan2.2_t2v_high_noise_mini.safetensors", "wan2.2_t2v_low_noise_mini.safetensors")
 # Wan 2.2 TI2V 5B's shape: 48 latent channels in and out (ComfyUI detects out_dim 48 as WAN22_T2V).
 WAN22_TI2V, DIT22_TI2V = dataclasses.replace(WAN, in_channels=48, out_channels=48), "wan2.2_ti2v_mini.safetensors"
 
 
 def write_models(root: str) -> None:
     for name, config, seed in ((DIT, WAN, 1), (DIT21_I2V, WAN21_I2V, 2), (DIT22_I2V, WAN22_I2V, 3),
-                               (DIT22_TI2V, WAN22_TI2V, 4)):
+                               (DIT22_TI2V, WAN22_TI2V, 4), (EXPERTS[0], WAN, 5), (EXPERTS[1], WAN, 6)):
         write_checkpoint(os.path.join(root, "models", "diffusion_models", name), config, seed=seed,
                          prefix="model.diffusion_model.", dtype=torch.float32)
 
@@ -152,3 +154,46 @@ def test_wan22_ti2v_one_worker_equals_unetloader(server, start_image):
                          ids=["cfg2", "ulysses2", "ring2", "pp2_warm"])
 def test_wan22_ti2v_exact_strategies_on_two_workers(server, strat):
     assert parity(server, ti2v_graph("cpu:2", strat), f"Wan 2.2 TI2V, {strat['inputs']}", 48) <= EXACT_RTOL
+
+
+def two_experts_graph(devices: str = "cpu:1", strat: dict | None = None, seed: int = 5) -> dict:
+    """ComfyUI's Wan 2.2 14B template shape: each expert through ModelSamplingSD3 (shift 8), two KSamplerAdvanced
+    over one 4-step schedule, the high-noise expert on steps 0-2 returning its leftover noise, the low-noise one on
+    2-4 adding none; on two Load Parallel DiT (11, 14) and on two UNETLoaders (20, 23)."""
+    g = graph(devices, strat)
+    for loader in ("11", "20"):
+        del g[loader]
+    for sampler in ("12", "21"):
+        del g[sampler]
+    for base, cls in (("11", "ParaDiTLoader"), ("20", "UNETLoader")):
+        for k, name in enumerate(EXPERTS):
+            node, shifted = str(int(base) + 3 * k), str(int(base) + 3 * k + 1)
+            inputs = {"unet_name": name, "weight_dtype": "default"}
+            if cls == "ParaDiTLoader":
+                inputs.update(devices=devices, strategy=["10", 0])
+            g[node] = {"class_type": cls, "inputs": inputs}
+            g[shifted] = {"class_type": "ModelSamplingSD3", "inputs": {"model": [node, 0], "shift": 8.0}}
+    common = {"noise_seed": seed, "steps": 4, "cfg": 3.5, "sampler_name": "euler", "scheduler": "simple",
+              "positive": ["1", 0], "negative": ["2", 0]}
+    for high, low, first, second, save in (("12", "15", "40", "41", "13"), ("21", "24", "42", "43", "22")):
+        g[first] = {"class_type": "KSamplerAdvanced",
+                    "inputs": dict(common, model=[high, 0], add_noise="enable", start_at_step=0, end_at_step=2,
+                                   return_with_leftover_noise="enable", latent_image=["4", 0])}
+        g[second] = {"class_type": "KSamplerAdvanced",
+                     "inputs": dict(common, model=[low, 0], add_noise="disable", start_at_step=2, end_at_step=10000,
+                                    return_with_leftover_noise="disable", latent_image=[first, 0])}
+        g[save]["inputs"]["samples"] = [second, 0]
+    return g
+
+
+def test_wan22_two_experts_equal_unetloader_and_stay_resident(server):
+    """The pair at 1 worker, then at 2 workers under Ulysses for two prompts: each expert's file is read once per
+    worker set (the second prompt loads nothing) and both stay resident, as the status reports."""
+    assert parity(server, two_experts_graph(), "Wan 2.2 two experts, 1 worker") <= ONE_WORKER_RTOL
+    strat = comfy_host.strategy(ulysses=2, warmup=3)
+    for seed in (5, 6):  # a second prompt: the high-noise expert comes back after the low-noise one
+        err = parity(server, two_experts_graph("cpu:2", strat, seed), f"Wan 2.2 two experts, Ulysses-2, seed {seed}")
+        assert err <= EXACT_RTOL
+    two = [c for c in server.get("/paradit/status")["clients"] if len(c["devices"]) == 2]
+    assert len(two) == 1 and two[0]["resident_models"] == [EXPERTS[0], EXPERTS[1]]
+    assert two[0]["model_loads"] == 2 and two[0]["residency_note"] is None

@@ -9,6 +9,7 @@ modulation row is an O(1) error; the real-host test (tests/test_comfyui_wan.py) 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -335,3 +336,81 @@ def test_wan22_ti2v_refuses_a_timestep_it_cannot_split(wan22_ti2v_path, client1)
     job = dataclasses.replace(ti2v_job(wan22_ti2v_path, S()), timestep=torch.full((2, T + 1), 500.0))
     with pytest.raises(ConfigError, match=r"timestep has shape \(2, 6\), not \(2,\) or \(2, 5\)"):
         client1.run(job)
+
+
+# -- the two experts of a Wan 2.2 14B graph ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def expert_paths(tmp_path_factory):
+    """Two files of one shape, as Wan 2.2 14B's high-noise and low-noise experts are."""
+    root = tmp_path_factory.mktemp("experts")
+    return tuple(write_checkpoint(str(root / f"wan2.2_t2v_{name}_noise_tiny.safetensors"), TINY_WAN, seed=seed,
+                                  prefix="model.diffusion_model.") for name, seed in (("high", 11), ("low", 12)))
+
+
+def test_wan22_two_experts_stay_resident_when_memory_allows(expert_paths, client2):
+    """High noise, low noise, high noise again (the next prompt), under Ulysses-2: each file is read once and both
+    stay on the workers; a resident expert gives bit-identical results to its first run."""
+    high, low = expert_paths
+    loads = client2.model_loads
+    first = client2.run(call_job(high, S(ulysses_degree=2)))
+    second = client2.run(call_job(low, S(ulysses_degree=2)))
+    again = client2.run(call_job(high, S(ulysses_degree=2)))
+    assert [any(s["loaded"] for s in r.stats) for r in (first, second, again)] == [True, True, False]
+    assert client2.model_loads == loads + 2
+    assert client2.status()["resident_models"] == [os.path.basename(low), os.path.basename(high)]  # current last
+    assert torch.equal(again.latent, first.latent)
+    # Each rank holds both: its weights are the two models' bytes (fp32 tiny Wan, equal shapes).
+    one = first.stats[0]["param_bytes"]
+    assert again.stats[0]["param_bytes"] == 2 * one
+    client2.release()
+
+
+def test_wan22_second_expert_replaces_the_first_when_both_do_not_fit(expert_paths, client2, monkeypatch):
+    """Memory for one model only (the plan says so): the first expert is released before the second loads, the
+    status says which one is resident and why; the next prompt reads the first again."""
+    import parallel_runtime.runtime.client as client_module
+
+    high, low = expert_paths
+    monkeypatch.setattr(client_module, "keeps_other_models", lambda *args: False)
+    client2.run(call_job(high, S(ring_degree=2)))
+    swap = client2.run(call_job(low, S(ring_degree=2)))
+    assert all(s["released"] == [os.path.basename(high)] and s["loaded"] for s in swap.stats)
+    status = client2.status()
+    assert status["resident_models"] == [os.path.basename(low)]
+    assert status["residency_note"].startswith(f"released {os.path.basename(high)} to load {os.path.basename(low)}")
+    back = client2.run(call_job(high, S(ring_degree=2)))
+    assert all(s["loaded"] and s["released"] == [os.path.basename(low)] for s in back.stats)
+    client2.release()
+
+
+def test_wan_another_slicing_of_the_same_file_is_never_kept_beside_it(expert_paths, client2):
+    """Switching from Ulysses to PipeFusion re-reads the file as two stages and drops the whole-model copy."""
+    high, _ = expert_paths
+    client2.run(call_job(high, S(ulysses_degree=2)))
+    pp = client2.run(call_job(high, S(pipefusion_degree=2, num_pipeline_patch=5)))
+    assert all(s["released"] == [os.path.basename(high)] for s in pp.stats)
+    assert client2.status()["resident_models"] == [os.path.basename(high)]
+    client2.release()
+
+
+def test_wan22_experts_kept_only_where_every_rank_has_room(expert_paths):
+    """keeps_other_models on reported memory: 2 GB free + a 1 GB other expert per rank against a job's estimate."""
+    from parallel_runtime.runtime.memory import job_rank_memory, keeps_other_models
+
+    high, low = expert_paths
+    job = call_job(low, S(ulysses_degree=2))
+    need = job_rank_memory(job, "cuda:0")["total"]
+    other = {"path": os.path.abspath(high), "weight_dtype": "default", "quantized_matmul": "auto", "bytes": 2**30}
+
+    def report(free):
+        return {"held_bytes": 2**30, "models": [other], "host_available": 0, "device_free": free}
+
+    roomy = int((need + 2**20) / 0.9) + 1  # CUDA_USABLE: 90% of free memory counts
+    assert keeps_other_models(job, ["cuda:0", "cuda:1"], [report(roomy)] * 2)
+    assert not keeps_other_models(job, ["cuda:0", "cuda:1"], [report(roomy), report(int(need * 0.5))])
+    # The job's own model already resident is reused, never counted as "other".
+    same = dict(other, path=os.path.abspath(low))
+    assert keeps_other_models(job, ["cuda:0"], [{"held_bytes": 2**30, "models": [same], "host_available": 0,
+                                                 "device_free": int(need / 0.9) + 1}])

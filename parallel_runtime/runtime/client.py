@@ -38,7 +38,7 @@ import torch
 from .. import errors
 from ..spec import Job
 from .devices import auto_notice, parse_devices
-from .memory import check_job_memory
+from .memory import check_job_memory, keeps_other_models
 from .protocol import Channel, encode, keep_hints
 from .watchdog import JobWatch, WatchdogConfig
 
@@ -110,6 +110,8 @@ class RuntimeClient:
         self._step_estimates: dict[tuple, float] = {}  # job shape (see run) -> slowest step seen
         self.model_loads = 0  # jobs for which some worker read weights from a file (status, tests)
         self._patches_on_workers: str | None = None  # id of the WeightPatches every worker holds
+        self.resident_models: list[str] = []  # file names of the models the workers hold, the current one last
+        self.last_residency_note: str | None = None  # why the last release of a resident model happened
         self._hints_on_workers: collections.OrderedDict = collections.OrderedDict()  # ControlNet hint keys held
         # Runs when the client is collected and at interpreter exit; it takes no lock, so exit never waits
         # for a running job.
@@ -130,6 +132,7 @@ class RuntimeClient:
                 log.warning("ParaDiT: %s", self.notice)
             self._patches_on_workers = None  # fresh workers hold no patches
             self._hints_on_workers.clear()  # nor hints
+            self.resident_models = []  # nor models
             self._dir = tempfile.mkdtemp(prefix="paradit-")  # mkdtemp makes it 0700: only we can connect
             address = os.path.join(self._dir, "control.sock")
             key = secrets.token_bytes(32)
@@ -261,7 +264,8 @@ class RuntimeClient:
             self.start()
             self.ping()
             check_job_memory(job, self.devices, self.memory_reports)
-            meta = {"model": job.model.to_json(), "strategy": job.strategy.to_json(),
+            keep = keeps_other_models(job, self.devices, self.memory_reports)
+            meta = {"model": job.model.to_json(), "strategy": job.strategy.to_json(), "keep_resident": keep,
                     "sampling": job.sampling.to_json(), **job.positive.meta("positive")}
             tensors = {"latent": job.latent, **job.positive.tensors("positive")}
             if "batch_index" in job.extra:
@@ -292,9 +296,21 @@ class RuntimeClient:
             keep_hints(self._hints_on_workers, meta.get("hints", []), new_hints)
             latent, stats = self._collect(watch, progress, interrupted)
             self.model_loads += any(s.get("loaded") for s in stats)
+            self._note_residency(job, stats)
             if watch.step_seconds:
                 self._step_estimates[key] = max(watch.step_seconds)
             return JobResult(latent, stats, time.perf_counter() - t0)
+
+    def _note_residency(self, job: Job, stats: list[dict]) -> None:
+        """Which models the workers now hold (the status shows them), and one log line when this job's model had
+        to replace others for lack of memory."""
+        self.resident_models = list(stats[0].get("resident", ())) if stats else []
+        released = sorted({name for s in stats for name in s.get("released", ())})
+        if released:
+            self.last_residency_note = (f"released {', '.join(released)} to load {os.path.basename(job.model.path)}: "
+                                        f"the workers have no room for both (a bigger card, PipeFusion or an fp8/GGUF "
+                                        f"file would keep them resident)")
+            log.warning("ParaDiT: %s.", self.last_residency_note)
 
     def _hints_message(self, job: Job, meta: dict, tensors: dict) -> dict:
         """Name the job's kept inputs (ControlNet hints, attention masks) in `meta` and add those new to the
@@ -553,11 +569,13 @@ class RuntimeClient:
                    for rank, device in enumerate(self.devices)]
         return {"devices": self.devices, "workers": workers, "strategy": self.last_strategy,
                 "sec_per_step": self.last_sec_per_step, "model_loads": self.model_loads,
-                "weight_patches": self._patches_on_workers}
+                "weight_patches": self._patches_on_workers, "resident_models": self.resident_models,
+                "residency_note": self.last_residency_note}
 
     def release(self) -> None:
         """Free the workers' weights but keep the processes (and their process group) alive."""
         with self._lock:
+            self.resident_models = []
             if not self.alive:
                 return
             try:

@@ -13,13 +13,15 @@ CPU_USABLE = 0.85  # leave room for the host process and the OS
 CPU_WORKER_OVERHEAD = 600 * 2**20  # interpreter, torch and diffusers in a CPU worker that holds nothing yet
 
 
-def worker_report(device, held_bytes: int) -> dict:
-    """A worker's memory as it reports it (runs in the worker): free and total bytes of its device, and the
-    bytes of the weights it holds, which a new job of the same model reuses and a different one frees."""
+def worker_report(device, models: list[dict]) -> dict:
+    """A worker's memory as it reports it (runs in the worker): free and total bytes of its device, the models it
+    holds (WorkerState.resident) and their bytes, which a new job of the same model reuses and a different one
+    frees, or keeps beside it when there is room (keeps_other_models)."""
     import psutil
     import torch
 
-    report = {"held_bytes": int(held_bytes), "host_available": int(psutil.virtual_memory().available)}
+    report = {"held_bytes": sum(int(m["bytes"]) for m in models), "models": models,
+              "host_available": int(psutil.virtual_memory().available)}
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         report.update(device_free=int(free), device_total=int(total))
@@ -61,6 +63,25 @@ def job_rank_memory(job, device: str) -> dict:
     per_param = stored_bytes_per_parameter(job.model.path, dtype, act)
     return rank_memory(job.strategy, config, text_tokens=job.positive.cond.shape[1], image_tokens=(h // 2) * (w // 2),
                        batch=b, cfg=job.sampling.cfg, weight_bytes=per_param, act_bytes=act)
+
+
+def _same_model(held: dict, model) -> bool:
+    return (held["path"], held["weight_dtype"], held["quantized_matmul"]) == (
+        model.path, model.weight_dtype, model.quantized_matmul)
+
+
+def keeps_other_models(job, devices: list[str], reports: list[dict]) -> bool:
+    """Whether every rank can run `job` with the other models it holds still resident (a Wan 2.2 graph's two experts
+    take turns every prompt: reloading one costs seconds to minutes). When not, the workers release them before
+    loading this job's model, and check_job_memory counts their bytes as free."""
+    if not reports:
+        return True
+    need = job_rank_memory(job, devices[0])["total"]
+    for budget, report in zip(rank_budgets(devices, reports), reports):
+        others = sum(m["bytes"] for m in report.get("models", ()) if not _same_model(m, job.model))
+        if need > budget - others:
+            return False
+    return True
 
 
 def gb(n: float) -> str:

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -35,11 +36,36 @@ def _device_bytes(device: torch.device) -> int | None:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
+# Models a worker keeps resident at once, memory allowing: the two experts of a Wan 2.2 14B graph (high noise, then
+# low noise, every prompt) must not reload each other; a third model is rare and the estimate too rough to stack more.
+MODELS_KEPT = 2
+
+
+@dataclass
+class ResidentModel:
+    """A model a worker holds with what was built for it; parked (kept, idle) while another model's jobs run."""
+
+    key: tuple  # (path, mtime, size, weight_dtype, matmul, stage, stages)
+    adapter: object
+    family: object
+    context: object
+    patcher: object
+    controlnets: dict
+    control_configs: dict
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.key[0])
+
+
 class WorkerState:
-    """The model this worker holds and the process groups it has built, reused across jobs."""
+    """The models this worker holds and the process groups it has built, reused across jobs."""
 
     def __init__(self, rank: int, world: int, device: torch.device):
         self.rank, self.world, self.device = rank, world, device
+        self.parked: collections.OrderedDict = collections.OrderedDict()  # key -> ResidentModel, least recent first
+        self.released: list[str] = []  # models this job's load released to make room (its stats report them)
+        self.models_lock = threading.Lock()  # the model slots, read by the control thread's ping answers
         self.loaded_key = None
         self.adapter = None
         self.family = None  # the loaded model's family (models.registry): the seam for per-job settings
@@ -57,22 +83,66 @@ class WorkerState:
 
     # -- model ---------------------------------------------------------------------------------------
 
-    def ensure_model(self, model_spec: dict, topology) -> bool:
-        """Load the blocks this rank's pipeline stage owns; returns True if it had to (re)load."""
-        from ..models.registry import read_model
-        from ..weights.checkpoint import open_checkpoint
-        from ..weights.patches import FileParameters, RankWeightPatcher
-        from ..strategies.attention.processor import AttentionContext
-
+    def ensure_model(self, model_spec: dict, topology, keep_others: bool = True) -> bool:
+        """Make the job's model current: the one held, a parked one, or the blocks this rank's pipeline stage owns
+        read from the file; returns True if it had to read. The model it replaces stays parked when
+        `keep_others` (the client found memory for both), at most MODELS_KEPT in all; else it is released first."""
         path = model_spec["path"]
         stat = os.stat(path)
         stage, stages = topology.coords(self.rank)["pipefusion"], topology.pipefusion
         matmul = model_spec.get("quantized_matmul", "auto")
         key = (path, stat.st_mtime_ns, stat.st_size, model_spec["weight_dtype"], matmul, stage, stages)
+        with self.models_lock:
+            if key != self.loaded_key:
+                self._park_current()
+            others = [k for k in self.parked if k != key]
+            # Another slicing or dtype of the same file is never kept beside it (the weights twice over); past
+            # MODELS_KEPT the least recently used go.
+            drop = others if not keep_others else [k for k in others if k[0] == path]
+            kept = [k for k in others if k not in drop]
+            drop += kept[:max(0, len(kept) - (MODELS_KEPT - 1))]
+            self.released = [self.parked.pop(k).name for k in drop]
+            if key in self.parked:
+                self._make_current(self.parked.pop(key))
+        if self.released and self.device.type == "cuda":
+            torch.cuda.empty_cache()
         if key == self.loaded_key:
             return False
-        self.adapter = self.loaded_key = self.patcher = None  # free the old weights before reading new ones
-        self.controlnets, self.control_configs = {}, {}  # built for the old model's dtype and attention context
+        self._load(model_spec, key, stage, stages)
+        return True
+
+    def _park_current(self) -> None:
+        """Keep the current model idle (its stale K/V dropped: it belongs to the last run) and clear the slots."""
+        if self.adapter is not None:
+            self.context.stale_kv.clear()
+            self.parked[self.loaded_key] = ResidentModel(self.loaded_key, self.adapter, self.family, self.context,
+                                                         self.patcher, self.controlnets, self.control_configs)
+        self.adapter = self.loaded_key = self.patcher = self.family = self.context = None
+        self.controlnets, self.control_configs = {}, {}  # built for that model's dtype and attention context
+
+    def _make_current(self, model: ResidentModel) -> None:
+        self.loaded_key, self.adapter, self.family, self.context = model.key, model.adapter, model.family, model.context
+        self.patcher, self.controlnets, self.control_configs = model.patcher, model.controlnets, model.control_configs
+
+    def resident(self) -> list[dict]:
+        """The models this worker holds (the current one last), for the client's memory plan and status. Called
+        from the control thread too (a ping during a job), hence the lock around the slots it reads."""
+        with self.models_lock:
+            models = list(self.parked.values())
+            if self.adapter is not None:
+                models.append(ResidentModel(self.loaded_key, self.adapter, self.family, self.context, self.patcher,
+                                            dict(self.controlnets), self.control_configs))
+        return [{"path": m.key[0], "weight_dtype": m.key[3], "quantized_matmul": m.key[4], "name": m.name,
+                 "bytes": _model_bytes(m.adapter, m.controlnets), "current": m.key == self.loaded_key}
+                for m in models]
+
+    def _load(self, model_spec: dict, key: tuple, stage: int, stages: int) -> None:
+        from ..models.registry import read_model
+        from ..weights.checkpoint import open_checkpoint
+        from ..weights.patches import FileParameters, RankWeightPatcher
+        from ..strategies.attention.processor import AttentionContext
+
+        path, matmul = model_spec["path"], key[4]
         t0 = time.perf_counter()
         with open_checkpoint(path) as reader:
             family, match, config = read_model(reader, os.path.basename(path))
@@ -81,14 +151,13 @@ class WorkerState:
             storage = resolve_storage(model_spec["weight_dtype"], self.device, matmul).for_file(reader)
             smap = family.source_map(config, match.layout, match.prefix)  # the build's and the LoRA re-reader's
             model = family.build(config, reader, match, owned=owned, dtype=storage, device=self.device, smap=smap)
-        self.context = AttentionContext()
-        self.adapter = family.adapter(config, model, chunks, self.context)
-        self.family = family
-        files = FileParameters(path, smap, storage, self.device)
-        self.patcher = RankWeightPatcher(model, family.weight_patch_targets(config), files)
-        self.loaded_key = key
+        context = AttentionContext()
+        adapter = family.adapter(config, model, chunks, context)
+        patcher = RankWeightPatcher(model, family.weight_patch_targets(config), FileParameters(path, smap, storage,
+                                                                                              self.device))
+        with self.models_lock:
+            self._make_current(ResidentModel(key, adapter, family, context, patcher, {}, {}))
         self.last_load_seconds = time.perf_counter() - t0
-        return True
 
     def comm_for(self, topology):
         from .comm import Comm, GroupPool
@@ -184,16 +253,14 @@ class WorkerState:
         return found
 
     def held_bytes(self) -> int:
-        """Bytes of the weights this worker holds: the model's and its ControlNets'."""
-        from ..weights.checkpoint import parameter_bytes
-
-        if self.adapter is None:
-            return 0
-        return parameter_bytes(self.adapter.model) + sum(parameter_bytes(n.net) for n in self.controlnets.values())
+        """Bytes of the weights this worker holds: its models' and their ControlNets'."""
+        return sum(m["bytes"] for m in self.resident())
 
     def release(self) -> None:
-        self.controlnets, self.control_configs = {}, {}
-        self.adapter = self.loaded_key = self.context = self.patcher = None
+        with self.models_lock:
+            self.parked.clear()
+            self.controlnets, self.control_configs = {}, {}
+            self.adapter = self.loaded_key = self.context = self.patcher = self.family = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -225,6 +292,12 @@ def resolve_storage(name: str, device: torch.device, quantized_matmul: str = "au
 CONTROLNETS_KEPT = 2  # ControlNets a worker keeps loaded beside its model (a chain of two, or two in turn)
 
 
+def _model_bytes(adapter, controlnets: dict) -> int:
+    from ..weights.checkpoint import parameter_bytes
+
+    return parameter_bytes(adapter.model) + sum(parameter_bytes(n.net) for n in controlnets.values())
+
+
 class Aborted(Exception):
     """The client called a job off after loading (another rank failed to load, or Cancel)."""
 
@@ -254,17 +327,19 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
     state.take_weight_patches(meta.get("weight_patches"), tensors)  # first: the client counts on them being kept
     job = state.take_hints(job, meta.get("hints", []), tensors)
     FAULTS.maybe("oom_load", state.rank)
-    loaded = state.ensure_model(meta["model"], topology)
+    loaded = state.ensure_model(meta["model"], topology, keep_others=meta.get("keep_resident", True))
     controlnets = state.ensure_controlnets(job, topology)
     patched = state.patcher.apply(state.weight_patches)
-    chan.send("loaded", {"rank": state.rank, "param_bytes": state.held_bytes(), "patched_tensors": patched})
+    chan.send("loaded", {"rank": state.rank, "param_bytes": state.held_bytes(), "patched_tensors": patched,
+                         "released": state.released})
     if gate.get() != "go":
         raise Aborted()
     pulse.phase = "sampling"
     stats, latent = _denoise(state, chan, job, topology, pulse, controlnets)
     # On a failure serve() ends the job, after telling the client (and drops any stale K/V).
     state.end_job(keep_stale_kv=job.timestep is not None and job.strategy.pipefusion_degree > 1 and not job.call_last)
-    stats.update(loaded=loaded, load_seconds=state.last_load_seconds, patched_tensors=patched)
+    stats.update(loaded=loaded, load_seconds=state.last_load_seconds, patched_tensors=patched, released=state.released,
+                 resident=[m["name"] for m in state.resident()])
     pulse.end_job()  # no beat may follow the result
     chan.send("done", stats, {"latent": latent} if latent is not None else None)
 
@@ -383,7 +458,7 @@ def serve(state: WorkerState, chan: Channel, heartbeat_s: float) -> None:
                 gate.put(kind)
             elif kind == "ping":  # answered here, so a busy main thread still proves the process alive
                 FAULTS.maybe("ping_fails", state.rank)
-                chan.send("pong", {"rank": state.rank, **worker_report(state.device, state.held_bytes())})
+                chan.send("pong", {"rank": state.rank, **worker_report(state.device, state.resident())})
             else:
                 if kind == "job":
                     # Cleared here, in message order, so a cancel right behind its job is never lost.
