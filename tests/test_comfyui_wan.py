@@ -43,7 +43,32 @@ EXPERTS = ("wan2.2_t2v_high_noise_mini.safetensors", "wan2.2_t2v_low_noise_mini.
 WAN22_TI2V, DIT22_TI2V = dataclasses.replace(WAN, in_channels=48, out_channels=48), "wan2.2_ti2v_mini.safetensors"
 
 
+# Step-distillation LoRAs as LightX2V ships them for each expert (ComfyUI key names: lora_up / lora_down with an
+# alpha, diff_b for biases), on the self- and cross-attention, the MLP and the head.
+EXPERT_LORAS = ("wan2.2_lightx2v_high_noise_mini.safetensors", "wan2.2_lightx2v_low_noise_mini.safetensors")
+
+
+def write_expert_loras(folder: str) -> None:
+    from safetensors.torch import save_file
+
+    h, f = WAN.hidden_size, WAN.ffn_dim
+    targets = {"blocks.0.self_attn.q": (h, h), "blocks.0.self_attn.o": (h, h), "blocks.1.self_attn.v": (h, h),
+               "blocks.0.cross_attn.k": (h, WAN.hidden_size), "blocks.1.ffn.0": (f, h), "blocks.1.ffn.2": (h, f),
+               "head.head": (4 * 16, h)}
+    os.makedirs(folder, exist_ok=True)
+    for seed, name in enumerate(EXPERT_LORAS):
+        g = torch.Generator().manual_seed(40 + seed)
+        tensors = {}
+        for key, (rows, cols) in targets.items():
+            tensors[f"diffusion_model.{key}.lora_up.weight"] = torch.randn(rows, 8, generator=g) * 0.05
+            tensors[f"diffusion_model.{key}.lora_down.weight"] = torch.randn(8, cols, generator=g) * 0.05
+            tensors[f"diffusion_model.{key}.alpha"] = torch.tensor(8.0)
+        tensors["diffusion_model.blocks.0.ffn.2.diff_b"] = torch.randn(h, generator=g) * 0.01
+        save_file(tensors, os.path.join(folder, name))
+
+
 def write_models(root: str) -> None:
+    write_expert_loras(os.path.join(root, "models", "loras"))
     for name, config, seed in ((DIT, WAN, 1), (DIT21_I2V, WAN21_I2V, 2), (DIT22_I2V, WAN22_I2V, 3),
                                (DIT22_TI2V, WAN22_TI2V, 4), (EXPERTS[0], WAN, 5), (EXPERTS[1], WAN, 6)):
         write_checkpoint(os.path.join(root, "models", "diffusion_models", name), config, seed=seed,
@@ -156,7 +181,8 @@ def test_wan22_ti2v_exact_strategies_on_two_workers(server, strat):
     assert parity(server, ti2v_graph("cpu:2", strat), f"Wan 2.2 TI2V, {strat['inputs']}", 48) <= EXACT_RTOL
 
 
-def two_experts_graph(devices: str = "cpu:1", strat: dict | None = None, seed: int = 5) -> dict:
+def two_experts_graph(devices: str = "cpu:1", strat: dict | None = None, seed: int = 5, loras: bool = False,
+                      cfg: float = 3.5) -> dict:
     """ComfyUI's Wan 2.2 14B template shape: each expert through ModelSamplingSD3 (shift 8), two KSamplerAdvanced
     over one 4-step schedule, the high-noise expert on steps 0-2 returning its leftover noise, the low-noise one on
     2-4 adding none; on two Load Parallel DiT (11, 14) and on two UNETLoaders (20, 23)."""
@@ -172,8 +198,13 @@ def two_experts_graph(devices: str = "cpu:1", strat: dict | None = None, seed: i
             if cls == "ParaDiTLoader":
                 inputs.update(devices=devices, strategy=["10", 0])
             g[node] = {"class_type": cls, "inputs": inputs}
-            g[shifted] = {"class_type": "ModelSamplingSD3", "inputs": {"model": [node, 0], "shift": 8.0}}
-    common = {"noise_seed": seed, "steps": 4, "cfg": 3.5, "sampler_name": "euler", "scheduler": "simple",
+            model = [node, 0]
+            if loras:  # LoraLoaderModelOnly between the loader and the shift, as the distilled templates chain it
+                g[node + "l"] = {"class_type": "LoraLoaderModelOnly",
+                                 "inputs": {"model": model, "lora_name": EXPERT_LORAS[k], "strength_model": 1.0}}
+                model = [node + "l", 0]
+            g[shifted] = {"class_type": "ModelSamplingSD3", "inputs": {"model": model, "shift": 8.0}}
+    common = {"noise_seed": seed, "steps": 4, "cfg": cfg, "sampler_name": "euler", "scheduler": "simple",
               "positive": ["1", 0], "negative": ["2", 0]}
     for high, low, first, second, save in (("12", "15", "40", "41", "13"), ("21", "24", "42", "43", "22")):
         g[first] = {"class_type": "KSamplerAdvanced",
@@ -197,3 +228,18 @@ def test_wan22_two_experts_equal_unetloader_and_stay_resident(server):
     two = [c for c in server.get("/paradit/status")["clients"] if len(c["devices"]) == 2]
     assert len(two) == 1 and two[0]["resident_models"] == [EXPERTS[0], EXPERTS[1]]
     assert two[0]["model_loads"] == 2 and two[0]["residency_note"] is None
+
+
+@pytest.mark.parametrize("strat", [comfy_host.strategy(ulysses=2, warmup=3), comfy_host.strategy(ring=2, warmup=3)],
+                         ids=["ulysses2", "ring2"])
+def test_wan22_distilled_two_experts_at_cfg1_equal_unetloader(server, strat):
+    """The 4-step distilled graph: a LightX2V-style LoRA on each expert (LoraLoaderModelOnly), cfg 1, so CFG
+    parallel has nothing to split and the sequence split carries both workers."""
+    from conftest import rel_err
+
+    err, with_loras, _ = latent_parity(server, two_experts_graph("cpu:2", strat, loras=True, cfg=1.0),
+                                       f"Wan 2.2 distilled experts at cfg 1, {strat['inputs']}")
+    assert err <= EXACT_RTOL
+    err, plain, _ = latent_parity(server, two_experts_graph("cpu:2", strat, cfg=1.0), "the same without the LoRAs")
+    assert err <= EXACT_RTOL
+    assert rel_err(with_loras, plain) > 1e-2  # the LoRAs change the video (deltas ~5% of the weights they touch)
