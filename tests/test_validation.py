@@ -221,9 +221,14 @@ def test_a_job_that_does_not_fit_a_worker_is_refused_before_allocation_with_the_
         # A machine where each CPU worker may use half of what this job needs.
         monkeypatch.setattr(memory, "CPU_USABLE", 0.5 * (need + memory.CPU_WORKER_OVERHEAD) * 2 / reports[0]["host_available"])
         with pytest.raises(ConfigError, match=r"^this job needs about .* per worker \(weights .*, activations .*\) "
-                                              r"but worker \d \(cpu\) has .* available; .*lower the resolution") as info:
+                                              r"but worker \d \(cpu\) has .* available; per worker, (PipeFusion over 2 "
+                                              r"devices about \d+\.\d GB, )?an fp8 file about \d+\.\d GB, a GGUF Q4_K file "
+                                              r"about \d+\.\d GB would need; or lower the resolution") as info:
             client.run(job)
         assert one_sentence(str(info.value)), str(info.value)
+        # The figures are the estimates of those plans: fp8 holds a quarter of the fp32 weights.
+        fp32, fp8 = (memory.job_rank_memory(job, "cpu", bytes_per_parameter=b)["params"] for b in (4.0, 1.0))
+        assert fp8 == fp32 // 4
         monkeypatch.undo()
         assert client.run(job).latent.isfinite().all()  # with the real budget it fits and runs
     finally:

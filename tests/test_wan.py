@@ -414,3 +414,27 @@ def test_wan22_experts_kept_only_where_every_rank_has_room(expert_paths):
     same = dict(other, path=os.path.abspath(low))
     assert keeps_other_models(job, ["cuda:0"], [{"held_bytes": 2**30, "models": [same], "host_available": 0,
                                                  "device_free": int(need / 0.9) + 1}])
+
+
+def test_wan_memory_per_rank_for_the_released_sizes():
+    """The plan's memory per rank for the released shapes (bf16, 480p x 81 frames = 32,760 tokens, cfg 5): weights
+    are the whole model under Ulysses / Ring / CFG and about half of it per PipeFusion-2 stage, counted from the
+    module tree itself; the figures below go in the README's video section."""
+    from parallel_runtime.models.families.wan import _meta_model
+    from parallel_runtime.planning.costmodel import rank_memory
+
+    sizes = {"1.3B": (WanConfig(hidden_size=1536, num_layers=30, ffn_dim=8960), 1.42e9),
+             "14B": (WanConfig(hidden_size=5120, num_layers=40, ffn_dim=13824), 14.29e9)}
+    for name, (config, released_params) in sizes.items():
+        params = sum(p.numel() for p in _meta_model(config).parameters())
+        # Parameters of the released files: wan2.1_t2v_1.3B_fp16 is 2.84 GB, wan2.1_t2v_14B_bf16 28.6 GB (2 bytes each).
+        assert abs(params / released_params - 1) < 0.01, (name, params)
+
+        def plan(strategy):
+            return rank_memory(strategy, config, text_tokens=512, image_tokens=32760, batch=1, cfg=5.0,
+                               weight_bytes=2, act_bytes=2)
+
+        whole = plan(S(ulysses_degree=2))
+        assert whole["params"] == 2 * params and plan(S(ring_degree=2))["params"] == 2 * params
+        half = plan(S(pipefusion_degree=2))["params"]
+        assert 0.45 < half / whole["params"] < 0.55  # each stage its blocks, the embeddings and head once

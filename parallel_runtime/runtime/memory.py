@@ -48,21 +48,40 @@ def weight_bytes(weight_dtype: str, device: str) -> int:
     return {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3fn": 1, "fp8_e5m2": 1}.get(weight_dtype, 4)
 
 
-def job_rank_memory(job, device: str) -> dict:
-    """Estimated peak bytes on the fullest rank of `job` (parameters, KV buffers, activations)."""
+def job_rank_memory(job, device: str, strategy=None, bytes_per_parameter: float | None = None) -> dict:
+    """Estimated peak bytes on the fullest rank of `job` (parameters, KV buffers, activations); `strategy` and
+    `bytes_per_parameter` ask what another plan or another file of the same model would need."""
     from ..planning.costmodel import rank_memory
     from ..validate import model_config, stored_bytes_per_parameter
-
-    config = model_config(job.model.path)
     from .topology import latent_plane
 
+    config = model_config(job.model.path)
     b, _, *spatial = job.latent.shape
     h, w = latent_plane(spatial)  # a video's frames stack their token rows
     dtype = job.model.weight_dtype
     act = weight_bytes("default" if dtype.startswith("fp8") else dtype, device)  # fp8 computes in the default
-    per_param = stored_bytes_per_parameter(job.model.path, dtype, act)
-    return rank_memory(job.strategy, config, text_tokens=job.positive.cond.shape[1], image_tokens=(h // 2) * (w // 2),
-                       batch=b, cfg=job.sampling.cfg, weight_bytes=per_param, act_bytes=act)
+    per_param = bytes_per_parameter or stored_bytes_per_parameter(job.model.path, dtype, act)
+    return rank_memory(strategy or job.strategy, config, text_tokens=job.positive.cond.shape[1],
+                       image_tokens=(h // 2) * (w // 2), batch=b, cfg=job.sampling.cfg, weight_bytes=per_param,
+                       act_bytes=act)
+
+
+def _smaller_plans(job, devices: list[str]) -> list[str]:
+    """What the plans that hold less per rank would need: PipeFusion over every device (each holds its stage's
+    blocks), and the same plan from an fp8 (1 byte per weight) or GGUF Q4_K (~0.56) file of the model."""
+    import dataclasses
+
+    s, world, device = job.strategy, len(devices), devices[0]
+    now = job_rank_memory(job, device)["total"]
+    options = []
+    if s.pipefusion_degree < world:
+        pp = dataclasses.replace(s, pipefusion_degree=world, ulysses_degree=1, ring_degree=1, cfg_degree=1,
+                                 naive_patch_degree=1, num_pipeline_patch=0)
+        options.append((f"PipeFusion over {world} devices", job_rank_memory(job, device, pp)["total"]))
+    for name, per_param in (("an fp8 file", 1.0), ("a GGUF Q4_K file", 0.5625)):
+        options.append((name, job_rank_memory(job, device, bytes_per_parameter=per_param)["total"]))
+    # Only what saves memory: a long video's PipeFusion K/V buffers can outweigh the weights it spreads.
+    return [f"{name} about {gb(need)}" for name, need in options if need < 0.9 * now]
 
 
 def _same_model(held: dict, model) -> bool:
@@ -97,8 +116,9 @@ def check_job_memory(job, devices: list[str], reports: list[dict]) -> None:
     rank = min(range(len(budgets)), key=budgets.__getitem__)
     if need["total"] <= budgets[rank]:
         return
-    fixes = ("raise pipefusion_degree so each device holds fewer blocks, " if job.strategy.pipefusion_degree
-             < len(devices) else "") + "lower the resolution or batch, or pick weight_dtype bf16"
+    plans = _smaller_plans(job, devices)
+    fixes = (f"per worker, {', '.join(plans)} would need; or " if plans else "") + \
+        "lower the resolution, frames or batch, or pick weight_dtype bf16"
     if devices[rank] == "cpu" and len(set(devices)) == 1:
         fixes += ", or run on GPUs"
     raise ConfigError(
