@@ -47,11 +47,11 @@ FORMATS = {
 }
 
 
-def comfy_quant_twins(folder, name: str, fmt: str, header: bool = False) -> tuple[str, str]:
+def comfy_quant_twins(folder, name: str, fmt: str, header: bool = False, config=None) -> tuple[str, str]:
     """A mixed ComfyUI quantized file of a tiny `name` model (every linear weight that fits the format's blocks
     in `fmt`, except every third one, which stays bf16) and its fp32 twin. `header`: the layers are listed in
     the safetensors header instead of `.comfy_quant` tensors."""
-    base = load_file(write_checkpoint(str(folder / f"{name}-base.safetensors"), FAMILIES[name], seed=11))
+    base = load_file(write_checkpoint(str(folder / f"{name}-base.safetensors"), config or FAMILIES[name], seed=11))
     layout, options, multiple = FORMATS[fmt]
     quant, meant, layers, n = {}, {}, {}, 0
     for key, t in base.items():

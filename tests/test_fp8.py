@@ -40,11 +40,12 @@ def is_linear_weight(key: str, tensor: torch.Tensor) -> bool:
     return key.endswith(".weight") and tensor.ndim == 2
 
 
-def fp8_twins(folder, name: str, fp8: torch.dtype, scaled: bool) -> tuple[str, str]:
+def fp8_twins(folder, name: str, fp8: torch.dtype, scaled: bool, config=None) -> tuple[str, str]:
     """An fp8 file (matrices in `fp8`, the rest fp32; with `scaled`, ComfyUI's layout: matrix / scale stored,
     `scale_weight` per layer and the `scaled_fp8` marker) and its fp32 twin holding the values it means. ComfyUI
     builds a scaled-fp8 model's linear layers in fp8, so their biases are rounded to fp8 too."""
-    base = load_file(write_checkpoint(str(folder / f"{name}-base.safetensors"), FAMILIES[name], seed=11, prefix=PREFIX))
+    base = load_file(write_checkpoint(str(folder / f"{name}-base.safetensors"), config or FAMILIES[name], seed=11,
+                                      prefix=PREFIX))
     g = torch.Generator().manual_seed(4)
     quant, meant = {}, {}
     for key, t in base.items():

@@ -97,13 +97,13 @@ def crafted_k_blocks(fmt: str, rows: int, values: int, rng: np.random.Generator)
     return blocks.reshape(rows, -1)
 
 
-def gguf_twins(folder, name: str) -> tuple[str, str]:
+def gguf_twins(folder, name: str, config=None, arch: str | None = None) -> tuple[str, str]:
     """A GGUF file of a tiny `name` model (keys without prefix, as ComfyUI-GGUF's converter writes them) and the
     fp32 safetensors file of the values it holds as ComfyUI-GGUF dequantizes them (fp16 block arithmetic: the
     dequantizer is checked against gguf's reference above and against ComfyUI-GGUF in the host tests)."""
-    base = load_file(write_checkpoint(str(folder / f"{name}-base.safetensors"), FAMILIES[name], seed=11))
+    base = load_file(write_checkpoint(str(folder / f"{name}-base.safetensors"), config or FAMILIES[name], seed=11))
     rng = np.random.default_rng(5)
-    writer = gguf.GGUFWriter(str(folder / f"{name}.gguf"), arch=ARCH[name])
+    writer = gguf.GGUFWriter(str(folder / f"{name}.gguf"), arch=arch or ARCH[name])
     meant, legacy, k_quant = {}, 0, 0
     for key, t in base.items():
         array = t.numpy()

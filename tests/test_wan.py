@@ -363,7 +363,7 @@ def test_wan22_two_experts_stay_resident_when_memory_allows(expert_paths, client
     assert torch.equal(again.latent, first.latent)
     # Each rank holds both: its weights are the two models' bytes (fp32 tiny Wan, equal shapes).
     one = first.stats[0]["param_bytes"]
-    assert again.stats[0]["param_bytes"] == 2 * one
+    assert again.stats[0]["resident_bytes"] == 2 * one and again.stats[0]["param_bytes"] == one
     client2.release()
 
 
@@ -438,3 +438,36 @@ def test_wan_memory_per_rank_for_the_released_sizes():
         assert whole["params"] == 2 * params and plan(S(ring_degree=2))["params"] == 2 * params
         half = plan(S(pipefusion_degree=2))["params"]
         assert 0.45 < half / whole["params"] < 0.55  # each stage its blocks, the embeddings and head once
+
+
+# -- the file kinds users download: fp8 / fp8_scaled, ComfyUI-quantized, GGUF ----------------------------------
+
+# The quantized file and its fp32 twin hold the same numbers (the twin the values the file means): equal up to BLAS
+# blocking of equal operands (GGUF dequantizes per layer in fp32), as in tests/test_fp8.py and tests/test_gguf.py.
+STORAGE_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def wan_storage_twins(tmp_path_factory):
+    """(kind, quantized file, fp32 twin) of the tiny 2.1 I2V model (its img_emb and image keys included)."""
+    from test_comfy_quant import comfy_quant_twins
+    from test_fp8 import fp8_twins
+    from test_gguf import gguf_twins
+
+    folder = tmp_path_factory.mktemp("wan-storage")
+    return [("fp8_scaled", *fp8_twins(folder, "wan", torch.float8_e4m3fn, True, config=TINY_WAN_I2V)),
+            ("comfy_quant_int8", *comfy_quant_twins(folder, "wan", "int8_tensorwise", config=TINY_WAN_I2V)),
+            ("gguf", *gguf_twins(folder, "wan", config=TINY_WAN_I2V, arch="wan"))]
+
+
+def test_wan_quantized_files_equal_their_fp32_twins_and_stay_compact(wan_storage_twins, client1, client2):
+    """Each kind at 1 worker equals the twin; under Ulysses-2 too; each rank holds the compact weights."""
+    for kind, quant, meant in wan_storage_twins:
+        assert model_config(quant).image_to_video, kind
+        got, ref = client1.run(i2v_job(quant, S())), client1.run(i2v_job(meant, S()))
+        assert rel_err(got.latent, ref.latent) <= STORAGE_RTOL, kind
+        assert got.stats[0]["param_bytes"] < 0.6 * ref.stats[0]["param_bytes"], kind  # 1-byte (or less) matrices
+        split = client2.run(i2v_job(quant, S(ulysses_degree=2)))
+        assert rel_err(split.latent, got.latent) <= EXACT_RTOL, kind
+    client1.release()
+    client2.release()

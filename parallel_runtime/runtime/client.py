@@ -296,20 +296,24 @@ class RuntimeClient:
             keep_hints(self._hints_on_workers, meta.get("hints", []), new_hints)
             latent, stats = self._collect(watch, progress, interrupted)
             self.model_loads += any(s.get("loaded") for s in stats)
-            self._note_residency(job, stats)
+            self._note_residency(job, stats, keep)
             if watch.step_seconds:
                 self._step_estimates[key] = max(watch.step_seconds)
             return JobResult(latent, stats, time.perf_counter() - t0)
 
-    def _note_residency(self, job: Job, stats: list[dict]) -> None:
+    def _note_residency(self, job: Job, stats: list[dict], keep: bool) -> None:
         """Which models the workers now hold (the status shows them), and one log line when this job's model had
         to replace others for lack of memory."""
         self.resident_models = list(stats[0].get("resident", ())) if stats else []
         released = sorted({name for s in stats for name in s.get("released", ())})
-        if released:
-            self.last_residency_note = (f"released {', '.join(released)} to load {os.path.basename(job.model.path)}: "
-                                        f"the workers have no room for both (a bigger card, PipeFusion or an fp8/GGUF "
-                                        f"file would keep them resident)")
+        name = os.path.basename(job.model.path)
+        if name in released:  # the same file under another plan (PipeFusion's stages hold other blocks)
+            log.info("ParaDiT: re-read %s for this plan and released its copy for the last one.", name)
+        others = [r for r in released if r != name]
+        if others:
+            why = ("the workers keep at most two models" if keep else "the workers have no room for both (a bigger "
+                   "card, PipeFusion or an fp8/GGUF file would keep them resident)")
+            self.last_residency_note = f"released {', '.join(others)} to load {name}: {why}"
             log.warning("ParaDiT: %s.", self.last_residency_note)
 
     def _hints_message(self, job: Job, meta: dict, tensors: dict) -> dict:

@@ -256,6 +256,10 @@ class WorkerState:
         """Bytes of the weights this worker holds: its models' and their ControlNets'."""
         return sum(m["bytes"] for m in self.resident())
 
+    def current_bytes(self) -> int:
+        """Bytes of the current model's weights and its ControlNets' (a job's own figure, parked models aside)."""
+        return 0 if self.adapter is None else _model_bytes(self.adapter, self.controlnets)
+
     def release(self) -> None:
         with self.models_lock:
             self.parked.clear()
@@ -330,7 +334,7 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
     loaded = state.ensure_model(meta["model"], topology, keep_others=meta.get("keep_resident", True))
     controlnets = state.ensure_controlnets(job, topology)
     patched = state.patcher.apply(state.weight_patches)
-    chan.send("loaded", {"rank": state.rank, "param_bytes": state.held_bytes(), "patched_tensors": patched,
+    chan.send("loaded", {"rank": state.rank, "param_bytes": state.current_bytes(), "patched_tensors": patched,
                          "released": state.released})
     if gate.get() != "go":
         raise Aborted()
@@ -371,7 +375,7 @@ def _denoise(state: WorkerState, chan: Channel, job, topology, pulse, controlnet
     latent = denoiser.run(job, progress=progress, cancel_requested=state.cancel.is_set)
     stats = {
         "rank": state.rank, "job_seconds": time.perf_counter() - t0, "step_times": denoiser.step_times,
-        "traffic": comm.traffic.snapshot(), "param_bytes": state.held_bytes(),
+        "traffic": comm.traffic.snapshot(), "param_bytes": state.current_bytes(), "resident_bytes": state.held_bytes(),
         "kv_cache_bytes": denoiser.cache.nbytes() if hasattr(denoiser, "cache") else 0,
         "peak_rss_bytes": _peak_rss(),
         "peak_device_bytes": torch.cuda.max_memory_allocated(state.device) if state.device.type == "cuda" else 0,
