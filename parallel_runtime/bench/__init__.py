@@ -3,5 +3,5 @@ targets judged, the cost model's projection to GPUs) and `bench-storage` (weight
 
 `cli` runs one invocation; `grid` says which configurations, `runs` runs one, `measure` times it (shared with
 the demo and the soak), `report` tabulates, `targets` judges, `projection` projects; `models` holds the bench's
-random models, `storage` the file-kind bench.
+random models, `vae` times a video model's VAE decode apart from the DiT, `storage` the file-kind bench.
 """

@@ -6,7 +6,8 @@ M = 2N patches; hybrids that fit the device count; naive patch) it runs real job
 
 * DiT seconds per step: median over the steps after warm-up (step 0, and PipeFusion's synchronous
   warm-up steps and pipeline fill), the slowest rank's median, best of `--repeats` jobs; no VAE runs
-  anywhere. The whole job's time (as the workers measured it, model load excluded) sits beside it.
+  inside it. The whole job's time (as the workers measured it, model load excluded) sits beside it. For a
+  video model (--family wan) the VAE decode a user also pays is timed apart, on its own line (bench/vae.py).
 * speed-up against the serial run of the same invocation (at the same cfg);
 * bytes sent and received per rank per step from the runtime's own counters, next to `traffic.py`'s
   analytic figure (they must agree within 10%);
@@ -33,15 +34,17 @@ import torch
 from ..planning import costmodel
 from ..planning.traffic import compare, job_traffic, shapes_of
 from ..runtime.devices import default_dtype
+from ..runtime.topology import latent_plane
 from ..toy.text import TEXT_TOKENS
 from .controlnet import controlnet_row
 from .grid import CFG_PARALLEL_SCALE, grid, row_label, subset_devices
 from .measure import cpu_capacity
-from .models import BENCH_FAMILIES, FLUX_DEV, NAMED_MODELS, RELEASE_SHAPES, TOY
-from .projection import gpu_projection
+from .models import BENCH_FAMILIES, FLUX_DEV, NAMED_MODELS, RELEASE_SHAPES, RELEASE_VIDEO_SIZES, TOY, VIDEO_SIZE
+from .projection import gpu_projection, video_projection, xdit_published
 from .report import fmt_table, result_rows
 from .runs import in_process_reference, make_job, pipefusion_per_call, run_calls, run_config, run_in_process
 from .targets import TARGET_OVERHEAD, TARGET_TRAFFIC, auto_target, measured_targets
+from .vae import CPU_LATENT_FRAMES, latent_frames
 
 
 def parse_args(argv):
@@ -58,6 +61,12 @@ def parse_args(argv):
     ap.add_argument("--resolution", default=None, metavar="WxH",
                     help="image size in pixels; latent = size/8, image tokens = (size/16)^2 (default 1024x1024 "
                          "-> 4096 tokens)")
+    ap.add_argument("--frames", type=int, default=None,
+                    help="video frames for a video model, 4k + 1 (default 81 = 21 latent frames; --family wan "
+                         "defaults to 81 frames of 320x320 -> 8,400 video tokens and 512 prompt tokens)")
+    ap.add_argument("--vae-frames", default=None, metavar="N|all",
+                    help=f"video models: latent frames the separately timed VAE decode decodes, the rest "
+                         f"extrapolated (default {CPU_LATENT_FRAMES}; 'all' decodes the whole latent; 0 skips it)")
     ap.add_argument("--text-tokens", type=int, default=None, help="T5 prompt tokens (default 128)")
     ap.add_argument("--steps", type=int, default=None, help="sampling steps per job (default 5)")
     ap.add_argument("--repeats", type=int, default=None, help="rounds over the grid, round robin; each configuration keeps its fastest run (default 2)")
@@ -87,11 +96,16 @@ def parse_args(argv):
         if args.model is not None:
             ap.error("give --family or --model, not both")
         args.model = "bench" if args.family == "flux" else args.family
-    for name, value in (QUICK if args.quick else TOY_DEFAULTS if args.model == TOY else DEFAULTS).items():
+    defaults = QUICK if args.quick else TOY_DEFAULTS if args.model == TOY else DEFAULTS
+    if args.family and BENCH_FAMILIES[args.family].video:
+        defaults = dict(defaults, **(QUICK_VIDEO if args.quick else VIDEO_SIZE))
+    for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.steps < 2 or args.repeats < 1:
         raise SystemExit("--steps must be at least 2 (the first step is left out) and --repeats at least 1")
+    if args.vae_frames not in (None, "all") and not args.vae_frames.isdigit():
+        raise SystemExit(f"--vae-frames {args.vae_frames!r}: give a number of latent frames (0 skips) or 'all'")
     return args
 
 
@@ -99,6 +113,8 @@ DEFAULTS = dict(model="bench", resolution="1024x1024", text_tokens=128, devices=
 # The demo model was trained up to 512x512; its prompts are TEXT_TOKENS long.
 TOY_DEFAULTS = dict(DEFAULTS, resolution="512x512", text_tokens=TEXT_TOKENS)
 QUICK = dict(model="tiny", resolution="256x256", text_tokens=32, devices="cpu:2", threads=1, steps=3, repeats=1)
+# A video family's smoke run: 5 frames (2 latent frames, 512 tokens at 256x256); the VAE decodes one latent frame.
+QUICK_VIDEO = dict(frames=5, vae_frames="1")
 
 
 def parse_resolution(text: str) -> tuple[int, int]:
@@ -110,6 +126,18 @@ def parse_resolution(text: str) -> tuple[int, int]:
     if w % 16 or h % 16 or w <= 0 or h <= 0:
         raise SystemExit(f"--resolution {text!r}: width and height must be positive multiples of 16 pixels")
     return w, h
+
+
+def bench_latent(config, width: int, height: int, frames: int | None) -> tuple[tuple, int]:
+    """The bench's latent shape and its token count: [1, C, H/8, W/8] for an image model; [1, C, T, H/8, W/8] for a
+    video model, T latent frames for `frames` video frames (VIDEO_SIZE's 81 when not given)."""
+    rows, cols = height // 8, width // 8
+    if not config.video:
+        if frames is not None:
+            raise SystemExit("--frames is for video models (e.g. --family wan)")
+        return (1, config.latent_channels, rows, cols), (rows // 2) * (cols // 2)
+    t = latent_frames(frames or VIDEO_SIZE["frames"])
+    return (1, config.latent_channels, t, rows, cols), t * (rows // 2) * (cols // 2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="paradit-bench-") if args.model in NAMED_MODELS else None
     try:
         path, config, model_name, conditioning = _model(args, tmp, height, width)
-        run = BenchRun(args, say, path, config, model_name, (1, config.latent_channels, height // 8, width // 8),
-                       (height // 16) * (width // 16), devices, conditioning, t_start)
+        latent_shape, tokens = bench_latent(config, width, height, args.frames)
+        run = BenchRun(args, say, path, config, model_name, latent_shape, tokens, devices, conditioning, t_start)
         return run.main()
     finally:
         if tmp:
@@ -184,6 +212,8 @@ class BenchRun:
 
     def __post_init__(self):
         self.text = self.args.text_tokens
+        self.video = self.config.video  # latent [B, C, T, H, W]; its tokens are video tokens
+        self.tokens_name = "video" if self.video else "image"
         self.max_world = len(self.devices)
         self.kind = "cpu" if self.devices[0] == "cpu" else "cuda"
         self.act_bytes = 4 if self.kind == "cpu" else 2
@@ -200,7 +230,8 @@ class BenchRun:
         record: dict = {"model": self.model_name, "family": family,
                         "model_path": self.path if args.model not in NAMED_MODELS else args.model,
                         "config": dataclasses.asdict(self.config),
-                        "resolution": [self.latent_shape[3] * 8, self.latent_shape[2] * 8],
+                        "resolution": [self.latent_shape[-1] * 8, self.latent_shape[-2] * 8],
+                        "frames": args.frames if self.video else None, "latent_shape": list(self.latent_shape),
                         "image_tokens": self.image_tokens, "text_tokens": self.text, "steps": args.steps,
                         "devices": args.devices, "threads": args.threads, "repeats": args.repeats,
                         "cores": self.cores, "rows": []}
@@ -213,12 +244,14 @@ class BenchRun:
         headers, table, json_rows = result_rows(results, serial, args.steps, self.kind)
         record["rows"].extend(dict(row, family=family) for row in json_rows)
         say("")
-        say(f"Results — {self.model_name}, {self.image_tokens} image + {self.text} text tokens, {args.devices} x "
-            f"{args.threads} thread(s)")
+        say(f"Results — {self.model_name}, {self.image_tokens} {self.tokens_name} + {self.text} text tokens, "
+            f"{args.devices} x {args.threads} thread(s)")
         say(fmt_table(headers, table))
         say("  cores: how many cores the workers' count of concurrent FP-bound probes got just before that run "
             "(shared VMs vary); proj: cost model; MB/rank/step: busiest rank, runtime counters, result gather "
             "amortised; analytic: traffic.py; act: cost-model estimate of live activations")
+        if self.video:
+            record["vae_decode"] = self._vae_decode(results, serial)
 
         if not args.no_overhead and self.max_world > 1:
             say("")
@@ -228,13 +261,13 @@ class BenchRun:
                                                   results, self.devices, self.target)
         record["in_process_step_s"], record["model_call_s"] = inproc_runs, call_runs
         inproc = min(inproc_runs) if inproc_runs else None
-        measured_targets(args, results, serial, inproc, total_params, self.target)
+        measured_targets(args, results, serial, inproc, total_params, self.target, family=family)
         self._model_call_target(call_runs, inproc)
         record["auto"] = auto_target(args, results, auto_pick, auto_reason, self.max_world, self.target)
         self._report_targets()
         record["targets"] = self.targets
         if self.calib is not None:
-            record["projection"] = self._report_auto(auto_pick, auto_reason, record["auto"])
+            self._report_auto(auto_pick, auto_reason, record)
         return self._finish(record)
 
     def target(self, name: str, ok: bool | None, detail: str) -> None:
@@ -243,10 +276,14 @@ class BenchRun:
 
     def _header(self) -> None:
         args, say, shape = self.args, self.say, self.latent_shape
+        size = f"{shape[-1] * 8}x{shape[-2] * 8} px"
+        if self.video:
+            size = f"{args.frames} frames of {size}"
         say(f"ParaDiT bench — model {self.model_name}")
-        say(f"  {shape[3] * 8}x{shape[2] * 8} px -> latent {shape[2]}x{shape[3]} -> {self.image_tokens} image tokens + "
+        say(f"  {size} -> latent {'x'.join(map(str, shape[2:]))} -> {self.image_tokens} {self.tokens_name} tokens + "
             f"{self.text} text tokens; {args.steps} steps (euler/simple), seconds per step = median after warm-up, "
-            f"slowest rank, best of {args.repeats}; no VAE")
+            f"slowest rank, best of {args.repeats}; no VAE in any DiT time"
+            + ("; the VAE decode is timed apart after the grid" if self.video else ""))
         say(f"  devices {args.devices} ({self.max_world} worker(s)), {args.threads} thread(s) per worker, "
             f"{self.cores} core(s) here")
         say("")
@@ -271,7 +308,7 @@ class BenchRun:
 
         args, shape = self.args, self.latent_shape
         rows = grid(self.max_world, cfg=args.cfg, heads=self.config.num_heads, num_blocks=self.config.num_blocks,
-                    latent_hw=(shape[2], shape[3]))
+                    latent_hw=latent_plane(shape[2:]))
         auto_pick, auto_reason = None, None
         if self.calib is not None and self.max_world > 1:
             auto_pick, auto_reason = auto.choose_strategy(self.path, shape, args.cfg, args.devices, text_len=self.text,
@@ -351,6 +388,33 @@ class BenchRun:
             results.append(res)
         return results, serial, total_params
 
+    def _vae_decode(self, results: list[dict], serial: dict) -> dict | None:
+        """Time the VAE decode of this latent apart from the DiT (bench/vae.py), print it on its own line, and
+        what a timing with the decode inside would have read for the fastest exact 2+ worker row."""
+        from .vae import describe, dilution, time_decode
+
+        wanted = self.args.vae_frames or str(CPU_LATENT_FRAMES)
+        self.say("")
+        if wanted == "0" or self.latent_shape[1] != 16:
+            self.say("VAE decode: not timed (" + ("--vae-frames 0" if wanted == "0" else "only the Wan 2.1 VAE's "
+                     "16-channel latent is timed") + ")")
+            return None
+        rec = time_decode(self.latent_shape, None if wanted == "all" else int(wanted))
+        self.say(describe(rec))
+        exact = [r for r in results if r["strategy"].world_size > 1 and r["strategy"].pipefusion_degree == 1
+                 and r["strategy"].naive_patch_degree == 1 and round(r["cfg"], 6) in serial]
+        if exact:
+            row = max(exact, key=lambda r: r["speedup"])
+            steps = self.args.steps
+            serial_job, row_job = serial[round(row["cfg"], 6)]["step_s"] * steps, row["step_s"] * steps
+            rec["diluted"] = {"label": row["label"], "speedup": row["speedup"],
+                              "with_decode": dilution(rec, serial_job, row_job)}
+            self.say(f"  a timing with this decode inside would read {row['label']} as "
+                     f"{rec['diluted']['with_decode']:.2f}x instead of its DiT's {row['speedup']:.2f}x ({steps} steps: "
+                     f"{serial_job:.1f} s serial, {row_job:.1f} s {row['label']}, + {rec['whole_s']:.0f} s decode each; "
+                     f"the DiT here is the scaled-down bench model, the VAE is full size)")
+        return rec
+
     def _model_call_target(self, call_runs: list, inproc: float | None) -> None:
         name = "model call through the runtime at 1 worker <= 5% over in-process"
         if call_runs and inproc is not None:
@@ -362,8 +426,10 @@ class BenchRun:
 
     def _report_targets(self) -> None:
         args, conditions = self.args, []
-        if self.image_tokens != 4096:
-            conditions.append(f"{self.image_tokens} image tokens, not 4096")
+        # The targets' stated sizes: 4096 image tokens (1024x1024); a video's >= 8,000 tokens (long sequences).
+        stated = ">= 8000 video tokens" if self.video else "4096 image tokens"
+        if (self.image_tokens < 8000) if self.video else (self.image_tokens != 4096):
+            conditions.append(f"{self.image_tokens} {self.tokens_name} tokens, not {stated}")
         if self.kind != "cpu" or args.threads != 1:
             conditions.append("not CPU workers with 1 thread")
         if args.model not in ("bench", *BENCH_FAMILIES) or args.blocks:
@@ -371,14 +437,14 @@ class BenchRun:
             conditions.append(f"model {self.model_name.split(' (')[0]}{blocks}, not a family's bench model")
         self.say("")
         self.say("Targets" + (f" (conditions differ from the stated ones: {'; '.join(conditions)})" if conditions else
-                              " (2-core CPU, 1 thread per worker, the family's bench model, 4096 image tokens)") + ":")
+                              f" (2-core CPU, 1 thread per worker, the family's bench model, {stated})") + ":")
         for t in self.targets:
             self.say(f"  [{t['status']:4}] {t['target']}: {t['detail']}")
 
-    def _report_auto(self, auto_pick, auto_reason, auto_record) -> list[dict]:
+    def _report_auto(self, auto_pick, auto_reason, record: dict) -> None:
         """Auto's pick against the best measured, then the GPU projection (the released model's shapes after a
-        bench model ran)."""
-        args, say = self.args, self.say
+        bench model ran; a video family's at its released sizes, with xDiT's published figures beside)."""
+        args, say, auto_record = self.args, self.say, record["auto"]
         say("")
         if auto_pick is not None:
             say(f"Auto: {auto_pick.label()} — {auto_reason}")
@@ -391,8 +457,14 @@ class BenchRun:
         proj_config, proj_name = RELEASE_SHAPES.get(args.model, (FLUX_DEV, "FLUX.1-dev shapes (width 3072, 19 + 38 blocks)"))
         if args.model not in NAMED_MODELS:
             proj_config, proj_name = self.config, "this model"
-        return gpu_projection(say, proj_config, proj_name, self.latent_shape, self.text, self.image_tokens, args.cfg,
-                              args.gpu_tflops)
+        elif args.model in RELEASE_VIDEO_SIZES:
+            record["projection"] = video_projection(say, proj_config, proj_name, RELEASE_VIDEO_SIZES[args.model],
+                                                    self.text, args.cfg, args.gpu_tflops)
+            record["xdit_published"] = xdit_published(say)
+            return
+        plane = (*self.latent_shape[:2], *latent_plane(self.latent_shape[2:]))  # a video's frames stack their rows
+        record["projection"] = gpu_projection(say, proj_config, proj_name, plane, self.text, self.image_tokens,
+                                              args.cfg, args.gpu_tflops)
 
     def _finish(self, record: dict) -> int:
         record["seconds"] = time.perf_counter() - self.t_start

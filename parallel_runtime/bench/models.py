@@ -7,6 +7,7 @@ from ..models.families.flux import FluxConfig
 from ..models.families.pixart import PixArtConfig
 from ..models.families.qwen_image import QwenImageConfig
 from ..models.families.sd3 import SD3Config
+from ..models.families.wan import WanConfig
 from ..models.tiny import TINY
 
 # Flux-shaped bench model: Flux.1's block mix (1 double-stream block per 2 single-stream ones, as 19/38)
@@ -32,7 +33,16 @@ BENCH_FAMILIES = {
     "qwen_image": QwenImageConfig(hidden_size=256, num_heads=4, head_dim=64, num_layers=6, context_dim=64),
     # PixArt-Σ: image-only self-attention plus cross-attention to the prompt; PixArt's 72-wide heads, 4 of them.
     "pixart": PixArtConfig(hidden_size=288, num_layers=6, micro_condition=False, caption_channels=64),
+    # Wan 2.1 1.3B's block (self-attention over the video, cross-attention to the umT5 prompt, MLP of the 1.3B's
+    # 8960/1536 x width) at width 256: Wan's heads are 128 wide, so 2 of them (Ulysses-2 divides them). Two blocks
+    # keep a step at a few seconds on a 2-core CPU at the bench's 8,400 video tokens, where attention is 80% of a
+    # block's FLOPs (the 1.3B's at 480p x 81 frames: 71%).
+    "wan": WanConfig(hidden_size=256, num_layers=2, ffn_dim=round(256 * 8960 / 1536), text_dim=64),
 }
+# The bench's video size for video families: Wan's default 81 frames (21 latent frames) of 320x320 px, so
+# 21 x 20 x 20 = 8,400 video tokens (>= 8,000: sequences long enough that compute hides the traffic, as at
+# 480p); 20 token rows per frame split evenly into 2 or 4 PipeFusion patches. Prompts are umT5's 512 tokens.
+VIDEO_SIZE = dict(resolution="320x320", frames=81, text_tokens=512)
 # The released models' shapes, for the GPU projection after a bench model ran.
 RELEASE_SHAPES = {
     "chroma": (ChromaConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=19, num_single_layers=38),
@@ -44,6 +54,13 @@ RELEASE_SHAPES = {
                    "Qwen-Image shapes (width 3072, 60 blocks)"),
     "pixart": (PixArtConfig(hidden_size=1152, num_layers=28, micro_condition=False),
                "PixArt-Σ shapes (width 1152, 28 blocks)"),
+    "wan": (WanConfig(hidden_size=5120, num_layers=40, ffn_dim=13824),
+            "Wan 2.1 T2V 14B shapes (width 5120, 40 heads, 40 blocks, ffn 13824)"),
 }
+# The released video models' sizes the projection runs at instead of the bench's: (name, latent frames, rows,
+# columns). Wan 2.1 14B at its two released sizes and default 81 frames: 832x480 -> 21 x 30 x 52 = 32,760
+# tokens; 1280x720 -> 21 x 45 x 80 = 75,600 tokens.
+RELEASE_VIDEO_SIZES = {"wan": (("480p (832x480) x 81 frames", 21, 60, 104),
+                               ("720p (1280x720) x 81 frames", 21, 90, 160))}
 NAMED_MODELS = {"bench": BENCH_FLUX, "tiny": TINY, **{k: v for k, v in BENCH_FAMILIES.items() if k != "flux"}}
 TOY = "toy"  # the trained demo model (parallel_runtime/toy): its shipped file, the demo's prompt, 512x512

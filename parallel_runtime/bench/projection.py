@@ -7,6 +7,13 @@ from ..spec import StrategySpec
 from .grid import CFG_PARALLEL_SCALE
 from .report import fmt_table
 
+# xDiT's published HunyuanVideo latencies, Ulysses, H100, seconds end to end (1280x720, 129 frames, 50 steps):
+# xdit-project/xDiT docs/performance/hunyuanvideo.md (last changed in commit 57eb27fb, Dec 2024). The same docs
+# folder has no Wan figures (checked at commit 175e0bfe), so none are shown for Wan.
+XDIT_HUNYUANVIDEO_720P_H100 = {1: 1904.08, 2: 925.04, 4: 514.08, 8: 337.58}
+# HunyuanVideo's latent at that size: 33 latent frames x 45 x 80 tokens (its VAE is 4x temporal, 16 px per token).
+XDIT_HUNYUANVIDEO_TOKENS = 33 * 45 * 80
+
 
 def gpu_projection(say, config: FluxConfig, name: str, latent_shape, text: int, image_tokens: int, cfg: float,
                    tflops: float) -> list[dict]:
@@ -45,3 +52,29 @@ def gpu_projection(say, config: FluxConfig, name: str, latent_shape, text: int, 
             out.append(dict(zip(headers, row)))
     say(fmt_table(headers, rows))
     return out
+
+
+def video_projection(say, config, name: str, sizes, text: int, cfg: float, tflops: float) -> list[dict]:
+    """`gpu_projection` at each released video size (name, latent frames, rows, columns); the rows say their size.
+    A video's frames stack their token rows (topology.latent_plane), so the projection sees a frames*rows plane."""
+    out = []
+    for size, frames, rows, cols in sizes:
+        plane = (1, config.latent_channels, frames * rows, cols)
+        tokens = frames * (rows // 2) * (cols // 2)
+        out += [dict(row, size=size) for row in
+                gpu_projection(say, config, f"{name}, {size}", plane, text, tokens, cfg, tflops)]
+    return out
+
+
+def xdit_published(say) -> dict:
+    """xDiT's published HunyuanVideo figures, for beside a video projection (measured there, projected here)."""
+    base = XDIT_HUNYUANVIDEO_720P_H100[1]
+    speedups = {n: base / s for n, s in XDIT_HUNYUANVIDEO_720P_H100.items()}
+    say(f"xDiT's published HunyuanVideo figures beside it (docs/performance/hunyuanvideo.md: 1280x720, 129 frames, "
+        f"50 steps, {XDIT_HUNYUANVIDEO_TOKENS:,} tokens, Ulysses on H100, measured end to end): "
+        + ", ".join(f"{n} GPU{'s' if n > 1 else ''} {s:.0f} s ({speedups[n]:.2f}x)"
+                    for n, s in XDIT_HUNYUANVIDEO_720P_H100.items())
+        + "; a different 13B model, so a reference, not a target; xDiT publishes no Wan figures there")
+    return {"source": "xdit-project/xDiT docs/performance/hunyuanvideo.md", "model": "HunyuanVideo",
+            "size": "1280x720, 129 frames, 50 steps", "tokens": XDIT_HUNYUANVIDEO_TOKENS, "strategy": "Ulysses",
+            "gpu": "H100", "latency_s": XDIT_HUNYUANVIDEO_720P_H100, "speedup": speedups}

@@ -10,10 +10,24 @@ TARGET_STALE_VS_NAIVE = 0.5  # stale-KV PipeFusion error <= half of naive patch'
 TARGET_TRAFFIC = 0.10
 TARGET_AUTO = 0.10
 
+_ULYSSES2 = ("Ulysses-2", lambda s: s.ulysses_degree == 2 and s.world_size == 2)
+_RING2 = ("Ring-2", lambda s: s.ring_degree == 2 and s.world_size == 2)
+_PIPEFUSION2 = ("PipeFusion-2 (stale KV)", lambda s: s.pipefusion_degree == 2 and s.world_size == 2)
+_CFG2 = ("CFG-2 (cfg > 1)", lambda s: s.cfg_degree == 2 and s.world_size == 2)
+# ((name, which rows), minimum speed-up over serial at 2 workers) per family; None: every other family.
+SPEEDUP_TARGETS = {
+    None: ((_ULYSSES2, TARGET_SPEEDUP), (_PIPEFUSION2, TARGET_SPEEDUP), (_CFG2, TARGET_SPEEDUP)),
+    # Wan's >= 8,000 video tokens make attention's compute hide the traffic, so the exact sequence splits must
+    # reach 1.8x; CFG-2 at least the ~1.85x the Wan bench's issue cites for ComfyUI core's own CFG split (its
+    # MultiGPU work units, Comfy-Org/ComfyUI#7063) on Wan 1.3B and 2 GPUs.
+    "wan": ((_ULYSSES2, 1.8), (_RING2, 1.8), (_PIPEFUSION2, TARGET_SPEEDUP), (_CFG2, 1.85)),
+}
+
 
 def measured_targets(args, results: list[dict], serial: dict, inproc: float | None, total_params: int | None,
-                      target) -> None:
-    """The stated targets on what the grid measured: overhead, speed-ups, PipeFusion memory and error, bytes."""
+                      target, family: str | None = None) -> None:
+    """The stated targets on what the grid measured: overhead, speed-ups (`family`'s, see SPEEDUP_TARGETS),
+    PipeFusion memory and error, bytes."""
     base = serial.get(round(args.cfg, 6))
     if inproc is not None and base is not None:
         over = base["step_s"] / inproc - 1
@@ -26,14 +40,12 @@ def measured_targets(args, results: list[dict], serial: dict, inproc: float | No
         cands = [r for r in results if pred(r["strategy"])]
         return max(cands, key=lambda r: r["speedup"]) if cands else None
 
-    for name, pred in (("Ulysses-2", lambda s: s.ulysses_degree == 2 and s.world_size == 2),
-                       ("PipeFusion-2 (stale KV)", lambda s: s.pipefusion_degree == 2 and s.world_size == 2),
-                       ("CFG-2 (cfg > 1)", lambda s: s.cfg_degree == 2 and s.world_size == 2)):
+    for (name, pred), minimum in SPEEDUP_TARGETS.get(family, SPEEDUP_TARGETS[None]):
         r = best_row(pred)
         if r is None:
-            target(f"{name} >= {TARGET_SPEEDUP}x serial", None, "not run")
+            target(f"{name} >= {minimum}x serial", None, "not run")
         else:
-            target(f"{name} >= {TARGET_SPEEDUP}x serial", r["speedup"] >= TARGET_SPEEDUP,
+            target(f"{name} >= {minimum}x serial", r["speedup"] >= minimum,
                    f"{r['label']}: {r['speedup']:.2f}x ({r['step_s'] * 1e3:.0f} vs serial "
                    f"{serial[round(r['cfg'], 6)]['step_s'] * 1e3:.0f} ms/step)")
     pp_rows = [r for r in results if r["strategy"].pipefusion_degree > 1]

@@ -31,6 +31,7 @@ Per attention layer, per rank:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..runtime.topology import Topology
@@ -80,7 +81,12 @@ def shapes_of(config, *, image_tokens: int, text_tokens: int, pipefusion: int = 
     return Shapes(image_tokens=image_tokens, text_tokens=text_tokens, hidden=config.hidden_size,
                   heads=config.num_heads, num_blocks=config.num_blocks, stage_blocks=stages, batch=batch,
                   act_bytes=act_bytes, attention_layers=config.attention_layers,
-                  x_channels=config.latent_channels * getattr(config, "patch_size", 2) ** 2)
+                  x_channels=config.latent_channels * _patch_cells(getattr(config, "patch_size", 2)))
+
+
+def _patch_cells(patch) -> int:
+    """Latent cells per token: p x p for an image patch, t x p x p for a video's (Wan's (1, 2, 2))."""
+    return math.prod(patch) if isinstance(patch, tuple) else patch * patch
 
 
 @dataclass
