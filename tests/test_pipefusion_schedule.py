@@ -86,7 +86,7 @@ class IdentityFlux:
     def run_blocks(self, image, text, temb, rope, chunk=0):
         return image, text
 
-    def head(self, image, temb):
+    def head(self, image, temb, rope=None):
         return torch.zeros(image.shape[0], image.shape[1], 64)
 
 
