@@ -231,8 +231,9 @@ class WeightPatch:
 class WeightPatches:
     """Every weight patch on a MODEL (a LoRA stack), by ComfyUI's parameter name without "diffusion_model.".
 
-    `id` changes whenever the patches do (ComfyUI's patches_uuid): workers keep the last set they were sent, so
-    its tensors cross the control channel once, and a job naming the same id carries only the id."""
+    `id` changes whenever the patches do (ComfyUI's patches_uuid): workers keep the last sets they were sent (one per
+    resident model, runtime.protocol.PATCH_SETS_KEPT), so its tensors cross the control channel once, and a job
+    naming a kept id carries only the id."""
 
     id: str
     weights: dict[str, list[WeightPatch]]

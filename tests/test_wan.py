@@ -471,3 +471,30 @@ def test_wan_quantized_files_equal_their_fp32_twins_and_stay_compact(wan_storage
         assert rel_err(split.latent, got.latent) <= EXACT_RTOL, kind
     client1.release()
     client2.release()
+
+
+def test_wan22_experts_with_their_own_loras_take_turns_without_resending_them(expert_paths, client2):
+    """Each expert with its own LoRA stack, high, low, high: the third job names the first stack by id only, and the
+    workers use the stack they kept (here proven by sending zeros under its id, which would undo the LoRA)."""
+    from parallel_runtime.spec import WeightPatch, WeightPatches
+
+    high, low = expert_paths
+    g = torch.Generator().manual_seed(21)
+
+    def stack(tag):
+        up, down = torch.randn(256, 4, generator=g) * 0.1, torch.randn(4, 256, generator=g) * 0.1
+        return WeightPatches(f"lightx2v-{tag}", {"blocks.0.self_attn.q.weight": [
+            WeightPatch("lora", {"up": up, "down": down}, alpha=4.0)]})
+
+    on_high, on_low = stack("high"), stack("low")
+    first = client2.run(dataclasses.replace(call_job(high, S(ring_degree=2)), weight_patches=on_high)).latent
+    client2.run(dataclasses.replace(call_job(low, S(ring_degree=2)), weight_patches=on_low))
+    assert client2.status()["weight_patches"] == ["lightx2v-high", "lightx2v-low"]
+    zeros = WeightPatches(on_high.id, {k: [dataclasses.replace(p, tensors={s: torch.zeros_like(t) for s, t in
+                                                                           p.tensors.items()}) for p in ps]
+                                       for k, ps in on_high.weights.items()})
+    again = client2.run(dataclasses.replace(call_job(high, S(ring_degree=2)), weight_patches=zeros)).latent
+    assert torch.equal(again, first)
+    plain = client2.run(call_job(high, S(ring_degree=2))).latent
+    assert rel_err(plain, first) > 1e-3  # the LoRA mattered
+    client2.release()

@@ -39,7 +39,7 @@ from .. import errors
 from ..spec import Job
 from .devices import auto_notice, parse_devices
 from .memory import check_job_memory, keeps_other_models
-from .protocol import Channel, encode, keep_hints
+from .protocol import PATCH_SETS_KEPT, Channel, encode, keep_hints, keep_recent
 from .watchdog import JobWatch, WatchdogConfig
 
 STARTUP_TIMEOUT_S = 120.0
@@ -109,7 +109,7 @@ class RuntimeClient:
         self.memory_reports: list[dict] = []  # each rank's memory as it answered the last ping
         self._step_estimates: dict[tuple, float] = {}  # job shape (see run) -> slowest step seen
         self.model_loads = 0  # jobs for which some worker read weights from a file (status, tests)
-        self._patches_on_workers: str | None = None  # id of the WeightPatches every worker holds
+        self._patches_on_workers = collections.OrderedDict()  # ids of the WeightPatches every worker keeps
         self.resident_models: list[str] = []  # file names of the models the workers hold, the current one last
         self.last_residency_note: str | None = None  # why the last release of a resident model happened
         self._hints_on_workers: collections.OrderedDict = collections.OrderedDict()  # ControlNet hint keys held
@@ -130,7 +130,7 @@ class RuntimeClient:
             self.shutdown()
             if self.notice:
                 log.warning("ParaDiT: %s", self.notice)
-            self._patches_on_workers = None  # fresh workers hold no patches
+            self._patches_on_workers.clear()  # fresh workers hold no patches
             self._hints_on_workers.clear()  # nor hints
             self.resident_models = []  # nor models
             self._dir = tempfile.mkdtemp(prefix="paradit-")  # mkdtemp makes it 0700: only we can connect
@@ -280,7 +280,7 @@ class RuntimeClient:
                 meta["skip_blocks"] = [[kind, int(index)] for kind, index in job.skip_blocks]
             if job.weight_patches is not None:
                 # Tensors only when new to the workers; else they keep the ones they have under that id.
-                sent = job.weight_patches.id != self._patches_on_workers
+                sent = job.weight_patches.id not in self._patches_on_workers
                 meta["weight_patches"] = dict(job.weight_patches.meta(), sent=sent)
                 if sent:
                     tensors.update(job.weight_patches.tensors())
@@ -292,7 +292,8 @@ class RuntimeClient:
             watch = JobWatch(self.watchdog, self.devices, self._step_estimates.get(key))
             t0 = time.perf_counter()
             self._send_all(encode("job", meta, tensors))
-            self._patches_on_workers = job.weight_patches.id if job.weight_patches is not None else None
+            if job.weight_patches is not None:
+                keep_recent(self._patches_on_workers, job.weight_patches.id, None, PATCH_SETS_KEPT)
             keep_hints(self._hints_on_workers, meta.get("hints", []), new_hints)
             latent, stats = self._collect(watch, progress, interrupted)
             self.model_loads += any(s.get("loaded") for s in stats)
@@ -573,7 +574,7 @@ class RuntimeClient:
                    for rank, device in enumerate(self.devices)]
         return {"devices": self.devices, "workers": workers, "strategy": self.last_strategy,
                 "sec_per_step": self.last_sec_per_step, "model_loads": self.model_loads,
-                "weight_patches": self._patches_on_workers, "resident_models": self.resident_models,
+                "weight_patches": list(self._patches_on_workers), "resident_models": self.resident_models,
                 "residency_note": self.last_residency_note}
 
     def release(self) -> None:

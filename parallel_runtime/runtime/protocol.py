@@ -75,6 +75,9 @@ class Channel:
             pass
 
 
+# LoRA stacks (WeightPatches) the workers keep by id: one per resident model, so the two experts of a Wan 2.2 graph,
+# each with its own step-distillation LoRA, take turns without the client re-sending either stack.
+PATCH_SETS_KEPT = 2
 HINTS_KEPT = 8  # ControlNet hints the workers keep between jobs (and hint token tables each ControlNet keeps)
 
 
@@ -91,3 +94,12 @@ def keep_hints(kept: OrderedDict, named: list[str], new: dict) -> None:
             break
         if key not in named:
             del kept[key]
+
+
+def keep_recent(kept: OrderedDict, key, value, limit: int) -> None:
+    """`key` (with `value`) becomes the most recent of `kept`, and the least recent ones leave past `limit`: the
+    client and its workers apply the same rule after each job, so they agree on what the workers hold."""
+    kept[key] = value
+    kept.move_to_end(key)
+    while len(kept) > limit:
+        kept.popitem(last=False)

@@ -75,7 +75,8 @@ class WorkerState:
         self.cancel = threading.Event()
         self.last_load_seconds = 0.0
         self.patcher = None  # weights.patches.RankWeightPatcher of the loaded model
-        self.weight_patches = None  # the last WeightPatches the client sent (kept for a reload)
+        self.weight_patches = None  # the job's WeightPatches (kept for a reload)
+        self.kept_patches = collections.OrderedDict()  # id -> WeightPatches, in lockstep with the client's
         # ControlNet hints and attention masks by key (host memory), kept in lockstep with the client's.
         self.hints = collections.OrderedDict()
         self.controlnets: dict = {}  # (path, mtime, size) -> loaded ControlNet adapter, for the loaded model
@@ -189,16 +190,21 @@ class WorkerState:
             torch.cuda.empty_cache()
 
     def take_weight_patches(self, meta: dict | None, tensors: dict) -> None:
-        """Keep the job's weight patches: sent in full when they are new to this worker, else named by id."""
+        """Take the job's weight patches: sent in full when they are new to this worker, else named by the id of a
+        stack it keeps."""
         from ..spec import WeightPatches
+
+        from .protocol import PATCH_SETS_KEPT, keep_recent
 
         if meta is None:
             self.weight_patches = None
-        elif meta.get("sent"):
-            self.weight_patches = WeightPatches.from_message(meta, tensors)
-        elif self.weight_patches is None or self.weight_patches.id != meta["id"]:
+            return
+        patches = WeightPatches.from_message(meta, tensors) if meta.get("sent") else self.kept_patches.get(meta["id"])
+        if patches is None:
             raise ConfigError("the job names LoRA patches this worker was never sent (a ParaDiT bug); run the "
                               "prompt again.")
+        keep_recent(self.kept_patches, meta["id"], patches, PATCH_SETS_KEPT)
+        self.weight_patches = patches
 
     def take_hints(self, job, named: list[str], tensors: dict):
         """The job with its kept inputs (ControlNet hints, attention masks) in place: sent with it when new to
