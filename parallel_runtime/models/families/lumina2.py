@@ -1,0 +1,369 @@
+"""Lumina Image 2.0: NextDiT, a single-stream DiT over [prompt, image] (ComfyUI's comfy/ldm/lumina/model.py).
+
+Before the main layers, NextDiT refines each stream alone: two unmodulated `context_refiner` blocks over the
+prompt and two timestep-modulated `noise_refiner` blocks over the image, each with its own rows of the joint
+RoPE table. Here the context refiner runs in `embed_text` (it does not depend on the timestep, so the prompt is
+refined once per job) and the noise refiner blocks lead the pipeline's block list, attending image over image
+through the context's `image_attention` (so Ulysses, Ring and PipeFusion split them as they split the image);
+the main `layers` attend jointly through `attention`. Image tokens all share RoPE axis 0 (the prompt length), a
+rotation that cancels in image-only attention, so the noise refiner reads the joint table's image rows as is.
+
+The module tree keeps ComfyUI's parameter names, so ComfyUI-layout files map one to one and LoRA keys land
+without translation. Sampling is ModelSamplingDiscreteFlow (shift 6, multiplier 1) on Flux's latent format
+(supported_models.Lumina2); ComfyUI's NextDiT reads t = 1 - sigma and returns the negated head output.
+Z-Image (pad tokens, another RoPE and modulation) is refused: this host's ComfyUI does not run it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...errors import ModelFileError
+from ...sampling import FLUX_LATENT
+from ...sampling.flow import FluxModelSampling
+from ...weights.keymap import Source, block_count, has_block, same_names, tensor_shapes
+from ...weights.storage import compute_placement
+from ..family import JOINT_BLOCK, BlockKind, DiTFamily, JointAttentionConfig, Match
+from .flux import BFL_PREFIXES
+from .flux_adapter import FluxAdapter, channels_first
+
+ALWAYS_OWNED = ("t_embedder.",)
+FIRST_STAGE = ("x_embedder.", "cap_embedder.", "context_refiner.")
+LAST_STAGE = ("final_layer.", "norm_final.")  # norm_final: unused by ComfyUI's forward, kept for the key map
+BLOCK_LISTS = ("noise_refiner", "layers")
+NOISE_REFINER = BlockKind("noise_refiner", ("image",))
+NORM_EPS = 1e-5  # NextDiT's default; ComfyUI's detection does not change it
+
+
+@dataclass(frozen=True)
+class Lumina2Config(JointAttentionConfig):
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    num_layers: int
+    num_refiner_layers: int
+    ffn_dim: int
+    cap_feat_dim: int
+    in_channels: int = 16
+
+    family = "lumina2"
+    title = "Lumina Image 2.0"
+    variant = "lumina2"
+    pooled_dim = 0
+    text_encoders = "Gemma 2 2B (CLIPLoader type lumina2)"
+    num_single_layers = 0
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads or self.head_dim % 6:
+            raise ModelFileError(f"Lumina 2 config is inconsistent ({self.hidden_size} wide, {self.num_heads} heads, "
+                                 f"{self.num_kv_heads} key/value heads); the file is damaged, so re-download it.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def rope_axes(self) -> tuple[int, int, int]:
+        """ComfyUI's axes_dims: thirds of the head, (32, 32, 32) for the released 96-wide heads."""
+        return (self.head_dim // 3,) * 3
+
+    @property
+    def adaln_dim(self) -> int:
+        return min(self.hidden_size, 1024)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_refiner_layers + self.num_layers
+
+    @property
+    def mlp_hidden(self) -> int:
+        return self.ffn_dim
+
+    @property
+    def context_dim(self) -> int:
+        return self.cap_feat_dim
+
+    @property
+    def latent_channels(self) -> int:
+        return self.in_channels
+
+    @property
+    def latent_format(self):
+        return FLUX_LATENT
+
+    @property
+    def block_kinds(self) -> tuple[BlockKind, ...]:
+        """The noise refiner (image over image), then the joint layers."""
+        return (NOISE_REFINER,) * self.num_refiner_layers + (JOINT_BLOCK,) * self.num_layers
+
+
+# -- checkpoint layout --------------------------------------------------------------------------------
+
+def match_layout(keys: list[str]) -> Match | None:
+    """`cap_embedder.1.weight` (what ComfyUI's detection keys Lumina 2 on) beside NextDiT's block lists."""
+    key_set = set(keys)
+    for prefix in BFL_PREFIXES:
+        if (prefix + "cap_embedder.1.weight" in key_set and has_block(keys, prefix, "layers")
+                and has_block(keys, prefix, "noise_refiner")):
+            return Match("comfy", prefix)
+    return None
+
+
+def infer_config(reader, match: Match, name: str) -> Lumina2Config:
+    p = match.prefix
+    name = name or os.path.basename(getattr(reader, "path", "checkpoint"))
+    if p + "cap_pad_token" in reader or p + "x_pad_token" in reader:
+        raise ModelFileError(f"{name} is a Z-Image model, which ParaDiT does not run yet (and this ComfyUI cannot "
+                             f"load); choose a Lumina Image 2.0 file or load it with UNETLoader on a newer ComfyUI.")
+    shape = tensor_shapes(reader, p, name, "a complete Lumina 2 DiT")
+    dim, patch_in = shape("x_embedder.weight")
+    head_dim = shape("layers.0.attention.q_norm.weight")[0]
+    if patch_in % 4 or dim % head_dim:
+        raise ModelFileError(f"{name}: a {patch_in}-wide patch input or {head_dim}-wide heads in a {dim}-wide model "
+                             f"are no Lumina 2 shape; the file is damaged, so re-download it.")
+    heads = dim // head_dim
+    kv_heads = (shape("layers.0.attention.qkv.weight")[0] // head_dim - heads) // 2
+    keys = reader.keys()
+    return Lumina2Config(hidden_size=dim, num_heads=heads, num_kv_heads=kv_heads,
+                         num_layers=block_count(keys, p, "layers", name),
+                         num_refiner_layers=block_count(keys, p, "noise_refiner", name),
+                         ffn_dim=shape("layers.0.feed_forward.w1.weight")[0],
+                         cap_feat_dim=shape("cap_embedder.1.weight")[1], in_channels=patch_in // 4)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: Lumina2Config):
+        super().__init__()
+        self.qkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=False)
+        self.out = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
+        self.q_norm, self.k_norm = nn.RMSNorm(c.head_dim), nn.RMSNorm(c.head_dim)  # eps None, as ComfyUI's
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, c: Lumina2Config):
+        super().__init__()
+        self.w1 = nn.Linear(c.hidden_size, c.ffn_dim, bias=False)
+        self.w2 = nn.Linear(c.ffn_dim, c.hidden_size, bias=False)
+        self.w3 = nn.Linear(c.hidden_size, c.ffn_dim, bias=False)
+
+
+class _Block(nn.Module):
+    """JointTransformerBlock's parameters; `modulation=False` for the context refiner."""
+
+    def __init__(self, c: Lumina2Config, modulation: bool = True):
+        super().__init__()
+        self.attention, self.feed_forward = _Attention(c), _FeedForward(c)
+        for norm in ("attention_norm1", "ffn_norm1", "attention_norm2", "ffn_norm2"):
+            setattr(self, norm, nn.RMSNorm(c.hidden_size, eps=NORM_EPS))
+        if modulation:
+            self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(c.adaln_dim, 4 * c.hidden_size))
+
+
+class Lumina2Transformer(nn.Module):
+    """ComfyUI's NextDiT parameters under its names; the forward lives in Lumina2Adapter."""
+
+    def __init__(self, c: Lumina2Config):
+        super().__init__()
+        dim = c.hidden_size
+        self.x_embedder = nn.Linear(4 * c.in_channels, dim)
+        self.noise_refiner = nn.ModuleList(_Block(c) for _ in range(c.num_refiner_layers))
+        self.context_refiner = nn.ModuleList(_Block(c, modulation=False) for _ in range(c.num_refiner_layers))
+        self.t_embedder = nn.Module()
+        self.t_embedder.mlp = nn.Sequential(nn.Linear(256, c.adaln_dim), nn.SiLU(), nn.Linear(c.adaln_dim, c.adaln_dim))
+        self.cap_embedder = nn.Sequential(nn.RMSNorm(c.cap_feat_dim, eps=NORM_EPS), nn.Linear(c.cap_feat_dim, dim))
+        self.layers = nn.ModuleList(_Block(c) for _ in range(c.num_layers))
+        self.norm_final = nn.RMSNorm(dim, eps=NORM_EPS)
+        self.final_layer = nn.Module()
+        self.final_layer.linear = nn.Linear(dim, 4 * c.in_channels)
+        self.final_layer.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(c.adaln_dim, dim))
+
+
+def _meta_model(config: Lumina2Config) -> Lumina2Transformer:
+    with torch.device("meta"):
+        return Lumina2Transformer(config)
+
+
+def source_map(config: Lumina2Config, layout: str, prefix: str = "") -> dict[str, Source]:
+    """ComfyUI's names are ours: every parameter under its own name after the file's prefix."""
+    return same_names(_meta_model(config).state_dict(), prefix)
+
+
+def checkpoint_shapes(config: Lumina2Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{ComfyUI key: (shape, kind)} of a Lumina 2 file, for writing random test checkpoints."""
+    kinds = {}
+    for name, p in _meta_model(config).state_dict().items():
+        if "norm" in name or name.startswith("cap_embedder.0."):
+            kind = "norm"
+        elif name.endswith("bias"):
+            kind = "bias"
+        elif "adaLN_modulation" in name:
+            kind = "mod"
+        else:
+            kind = "weight"
+        kinds[name] = (tuple(p.shape), kind)
+    return kinds
+
+
+# -- the strategies' view -----------------------------------------------------------------------------
+
+def sequence_ids(text_len: int, rows: int, cols: int) -> torch.Tensor:
+    """RoPE ids of patchify_and_embed: prompt token i at (i, 0, 0), image tokens at (text_len, row, col)."""
+    ids = torch.zeros(text_len + rows * cols, 3)
+    ids[:text_len, 0] = torch.arange(text_len)
+    ids[text_len:, 0] = text_len
+    ids[text_len:, 1] = torch.arange(rows).repeat_interleave(cols)
+    ids[text_len:, 2] = torch.arange(cols).repeat(rows)
+    return ids
+
+
+def timestep_sinusoid(t: torch.Tensor, dim: int = 256) -> torch.Tensor:
+    """comfy's timestep_embedding: [cos, sin] of t x 10000^(-i / half), in float32."""
+    half = dim // 2
+    freqs = torch.exp(-torch.log(torch.tensor(10000.0)) * torch.arange(half, dtype=torch.float32) / half)
+    args = t.float()[:, None] * freqs.to(t.device)[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def block_inputs(config: Lumina2Config, text: int, image: int, generator: torch.Generator) -> tuple:
+    """Random (image rows, prompt rows, adaLN input, RoPE of a square-ish grid after the prompt) of a block call."""
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    cols = max(1, int(image ** 0.5))
+    ids = sequence_ids(text, -(-image // cols), cols)[:text + image]
+    rope = FluxPosEmbed(theta=10000, axes_dim=list(config.rope_axes))(ids)
+    h = config.hidden_size
+    return (torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator),
+            torch.randn(1, config.adaln_dim, generator=generator), rope)
+
+
+class Lumina2Adapter:
+    patch = 2
+    latent_channels = 16
+    latent_format = FLUX_LATENT
+    default_guidance = 0.0  # no guidance input
+    joint_text = True  # the main layers attend over [prompt, image]
+    skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
+    pack = staticmethod(FluxAdapter.pack)  # (c, ph, pw) per token; embed_image and head re-order to NextDiT's
+    unpack = staticmethod(FluxAdapter.unpack)
+
+    def __init__(self, config: Lumina2Config, model: Lumina2Transformer, chunks: list[range], context):
+        self.config, self.model, self.chunks, self.context = config, model, chunks, context
+        self.latent_channels = config.in_channels
+        self.dtype, self.device = compute_placement(model.t_embedder)
+
+    variant = "lumina2"
+
+    @functools.cached_property
+    def model_sampling(self):
+        return FluxModelSampling(6.0, 1.0, kind="discrete_flow")  # supported_models.Lumina2: shift 6, multiplier 1
+
+    def rope(self, text_len: int, h: int, w: int, references=(), method=None):
+        """cos/sin of patchify_and_embed's ids over [prompt, image] (Flux's EmbedND formula, pairs interleaved)."""
+        from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+        ids = sequence_ids(text_len, (h + 1) // 2, (w + 1) // 2).to(self.device)
+        return FluxPosEmbed(theta=10000, axes_dim=list(self.config.rope_axes))(ids)
+
+    # -- embeddings ------------------------------------------------------------------------------------
+
+    def embed_image(self, tokens: torch.Tensor, index: torch.Tensor, hw) -> torch.Tensor:
+        """x_embedder on NextDiT's (ph, pw, c) patch order."""
+        b, n, _ = tokens.shape
+        c = self.config.in_channels
+        tokens = tokens.reshape(b, n, c, 2, 2).permute(0, 1, 3, 4, 2).reshape(b, n, 4 * c)
+        return self.model.x_embedder(tokens.to(self.device, self.dtype))
+
+    def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
+        """cap_embedder, then the context refiner over these prompt rows alone (positions 0, 1, ...): exact where
+        this rank holds the whole prompt (serial, CFG, PipeFusion); Ulysses and Ring shard it, see the README."""
+        from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+        x = self.model.cap_embedder(cond.to(self.device, self.dtype))
+        if not len(self.model.context_refiner):
+            return x
+        rope = FluxPosEmbed(theta=10000, axes_dim=list(self.config.rope_axes))(
+            sequence_ids(x.shape[1], 0, 0).to(self.device))
+        for block in self.model.context_refiner:
+            x = self._block(block, x, None, rope, lambda q, k, v: _local_attention(q, k, v))
+        return x
+
+    def timestep_embedding(self, t: torch.Tensor, pooled: torch.Tensor, guidance, hw=None):
+        """NextDiT's adaLN input: t_embedder of 1 - t (t = sigma x multiplier 1), the sinusoid in float32."""
+        t = 1.0 - t.to(self.device).flatten()
+        return self.model.t_embedder.mlp(timestep_sinusoid(t).to(self.dtype))
+
+    # -- blocks and head -------------------------------------------------------------------------------
+
+    def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb, rope, chunk: int = 0) -> tuple:
+        """Blocks 0..R-1 are the noise refiner (image rows over the image, through image_attention), the rest the
+        main layers (this rank's [prompt, image] rows, through the joint attention)."""
+        refiners, n_text = self.config.num_refiner_layers, text.shape[1]
+        for i in (i for i in self.chunks[chunk] if i not in self.skip):
+            if i < refiners:
+                image_rope = tuple(table[n_text:] for table in rope)
+                image = self._block(self.model.noise_refiner[i], image, temb, image_rope,
+                                    functools.partial(self.context.image_attention, layer=i))
+            else:
+                x = self._block(self.model.layers[i - refiners], torch.cat([text, image], dim=1), temb, rope,
+                                functools.partial(self.context.attention, layer=i))
+                text, image = x[:, :n_text], x[:, n_text:]
+        return image, text
+
+    def _block(self, block: _Block, x: torch.Tensor, temb, rope, attend) -> torch.Tensor:
+        """JointTransformerBlock.forward: tanh-gated, sandwich-normed attention and SwiGLU MLP; the context refiner
+        (temb None) has no modulation."""
+        if temb is None:
+            scale_msa = gate_msa = scale_mlp = gate_mlp = None
+        else:
+            scale_msa, gate_msa, scale_mlp, gate_mlp = (m.unsqueeze(1) for m in
+                                                        block.adaLN_modulation(temb).chunk(4, dim=1))
+
+        def modulate(h, scale):
+            return h if scale is None else h * (1 + scale)
+
+        def gated(y, gate):
+            return y if gate is None else gate.tanh() * y
+
+        y = self._attention(block.attention, modulate(block.attention_norm1(x), scale_msa), rope, attend)
+        x = x + gated(block.attention_norm2(y), gate_msa)
+        ff = block.feed_forward
+        h = modulate(block.ffn_norm1(x), scale_mlp)
+        return x + gated(block.ffn_norm2(ff.w2(F.silu(ff.w1(h)) * ff.w3(h))), gate_mlp)
+
+    def _attention(self, attn: _Attention, x: torch.Tensor, rope, attend) -> torch.Tensor:
+        """JointAttention: fused qkv, per-head RMS norms, RoPE, key/value heads repeated to every query head (GQA)."""
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        c = self.config
+        q, k, v = attn.qkv(x).split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                                     c.num_kv_heads * c.head_dim], dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, c.head_dim)) for t in (q, k, v))
+        q = apply_rotary_emb(attn.q_norm(q), rope, sequence_dim=1)
+        k = apply_rotary_emb(attn.k_norm(k), rope, sequence_dim=1)
+        rep = c.num_heads // c.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        return attn.out(attend(q, k, v).flatten(2, 3).to(x.dtype))
+
+    def head(self, image: torch.Tensor, temb, rope=None) -> torch.Tensor:
+        """FinalLayer (affine-free LayerNorm, scale only), negated as NextDiT returns it, in pack's (c, ph, pw)."""
+        final = self.model.final_layer
+        scale = final.adaLN_modulation(temb).unsqueeze(1)
+        out = final.linear(F.layer_norm(image, (image.shape[-1],), eps=1e-6) * (1 + scale))
+        return channels_first(-out.float(), self.patch, self.config.in_channels)
+
+
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[B, S, H, D] attention over exactly these rows (the context refiner's prompt)."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+LUMINA2 = DiTFamily(
+    name="lumina2", title="Lumina Image 2.0", match=match_layout, infer_config=infer_config,
+    meta_model=_meta_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=Lumina2Adapter,
+    block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE,
+    comfy_layout="comfy", replace_keys=(), block_inputs=block_inputs)

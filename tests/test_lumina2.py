@@ -1,0 +1,173 @@
+"""Lumina Image 2.0 (NextDiT) on the workers: detection, the serial model against a reference written here from
+ComfyUI's NextDiT (comfy/ldm/lumina/model.py) on the file's raw tensors, and the strategies.
+
+The reference takes nothing from the family module: patchify_and_embed's position ids (prompt token i at
+(i, 0, 0), image tokens at (prompt length, row, col)) through ComfyUI's rope formula, the context refiner over
+the prompt alone, the noise refiner over the image alone, the joint layers, the final layer and unpatchify, with
+GQA's repeated key/value heads, tanh gates and t = 1 - sigma. A wrong patch order, RoPE axis or gate is an O(1)
+error.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from conftest import rel_err
+from parallel_runtime.errors import ModelFileError
+from parallel_runtime.models.families.lumina2 import Lumina2Config
+from parallel_runtime.models.registry import detect_family
+from parallel_runtime.models.tiny import write_checkpoint
+from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec
+from parallel_runtime.spec import StrategySpec as S
+from parallel_runtime.validate import model_config
+
+pytestmark = pytest.mark.timeout(600)
+
+# 4 heads of 24 (RoPE axes 8, 8, 8) over 2 key/value heads (GQA, as the released 24 / 8), 2 refiner blocks per
+# stream and 2 layers; the prompt 32 wide (Gemma 2 2B's 2304 in real files).
+TINY = Lumina2Config(hidden_size=96, num_heads=4, num_kv_heads=2, num_layers=2, num_refiner_layers=2, ffn_dim=256,
+                     cap_feat_dim=32)
+H, W = 8, 12  # latent height x width: 4 x 6 = 24 image tokens
+# One fp32 forward in another op order than the reference: ~1e-6; exact strategies reorder sums (~1e-7 per op).
+SERIAL_RTOL, EXACT_RTOL = 1e-5, 1e-4
+
+
+@pytest.fixture(scope="module")
+def lumina_path(tmp_path_factory):
+    return write_checkpoint(str(tmp_path_factory.mktemp("lumina2") / "lumina2_tiny.safetensors"), TINY, seed=1,
+                            prefix="model.diffusion_model.")
+
+
+def conditioning(seed: int, tokens: int = 9) -> Conditioning:
+    g = torch.Generator().manual_seed(seed)
+    return Conditioning(torch.randn(1, tokens, TINY.cap_feat_dim, generator=g), torch.zeros(1, 0))
+
+
+def call_job(path: str, strategy: S, negative: bool = True) -> Job:
+    g = torch.Generator().manual_seed(3)
+    rows = 2 if negative else 1
+    return Job(ModelSpec(path), strategy, SamplingSpec(steps=1), torch.randn(rows, 16, H, W, generator=g),
+               conditioning(1), conditioning(2, tokens=11) if negative else None, timestep=torch.full((rows,), 0.87))
+
+
+# -- the reference ---------------------------------------------------------------------------------------
+
+
+def _rope(ids: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+    """comfy/ldm/flux/math.py's rope per axis, concatenated (EmbedND): [L, D/2, 2, 2] rotation matrices."""
+    parts = []
+    for i, dim in enumerate(axes):
+        scale = torch.linspace(0, (dim - 2) / dim, steps=dim // 2, dtype=torch.float64)
+        out = torch.einsum("n,d->nd", ids[:, i].double(), 1.0 / (10000 ** scale))
+        parts.append(torch.stack([torch.cos(out), -torch.sin(out), torch.sin(out), torch.cos(out)], -1)
+                     .reshape(len(ids), -1, 2, 2))
+    return torch.cat(parts, dim=1).float()
+
+
+def _apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """JointAttention.apply_rotary_emb on [B, L, heads, D] with freqs [L, D/2, 2, 2]."""
+    t_ = x.reshape(*x.shape[:-1], -1, 1, 2)
+    f = freqs[None, :, None]
+    return (f[..., 0] * t_[..., 0] + f[..., 1] * t_[..., 1]).reshape(*x.shape)
+
+
+def _block(sd: dict, b: str, x: torch.Tensor, freqs: torch.Tensor, adaln: torch.Tensor | None,
+           c: Lumina2Config) -> torch.Tensor:
+    """JointTransformerBlock.forward (modulated where adaln is given)."""
+    def rms(h, name, eps=1e-5):
+        return F.rms_norm(h, (h.shape[-1],), sd[f"{b}.{name}.weight"], eps)
+
+    def mm(h, name):
+        return F.linear(h, sd[f"{b}.{name}.weight"])
+
+    def attention(h):
+        hd, kv = c.head_dim, c.num_kv_heads
+        q, k, v = mm(h, "attention.qkv").split([c.num_heads * hd, kv * hd, kv * hd], dim=-1)
+        q, k, v = (t.view(1, h.shape[1], -1, hd) for t in (q, k, v))
+        q, k = _apply_rope(rms(q, "attention.q_norm", None), freqs), _apply_rope(rms(k, "attention.k_norm", None), freqs)
+        rep = c.num_heads // kv
+        k, v = (t.unsqueeze(3).repeat(1, 1, 1, rep, 1).flatten(2, 3) for t in (k, v))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return mm(out.transpose(1, 2).flatten(2), "attention.out")
+
+    def ffn(h):
+        return mm(F.silu(mm(h, "feed_forward.w1")) * mm(h, "feed_forward.w3"), "feed_forward.w2")
+
+    if adaln is None:
+        x = x + rms(attention(rms(x, "attention_norm1")), "attention_norm2")
+        return x + rms(ffn(rms(x, "ffn_norm1")), "ffn_norm2")
+    m = F.linear(F.silu(adaln), sd[f"{b}.adaLN_modulation.1.weight"], sd[f"{b}.adaLN_modulation.1.bias"])
+    scale_msa, gate_msa, scale_mlp, gate_mlp = (t.unsqueeze(1) for t in m.chunk(4, dim=1))
+    x = x + gate_msa.tanh() * rms(attention(rms(x, "attention_norm1") * (1 + scale_msa)), "attention_norm2")
+    return x + gate_mlp.tanh() * rms(ffn(rms(x, "ffn_norm1") * (1 + scale_mlp)), "ffn_norm2")
+
+
+@torch.no_grad()
+def reference_call(path: str, job: Job, c: Lumina2Config = TINY) -> torch.Tensor:
+    """ComfyUI's NextDiT._forward on each branch's row (batch one, no caption mask)."""
+    sd = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(path).items()}
+
+    def lin(x, name):
+        return F.linear(x, sd[f"{name}.weight"], sd[f"{name}.bias"])
+
+    out = []
+    for row, branch in enumerate(b for b in (job.positive, job.negative) if b is not None):
+        t = 1.0 - job.timestep[row:row + 1]
+        half = 128
+        freqs = torch.exp(-torch.log(torch.tensor(10000.0)) * torch.arange(half, dtype=torch.float32) / half)
+        args = t[:, None].float() * freqs[None]
+        adaln = lin(F.silu(lin(torch.cat([torch.cos(args), torch.sin(args)], -1), "t_embedder.mlp.0")),
+                    "t_embedder.mlp.2")
+        cap = lin(F.rms_norm(branch.cond, (c.cap_feat_dim,), sd["cap_embedder.0.weight"], 1e-5), "cap_embedder.1")
+        cap_len, rows, cols = cap.shape[1], H // 2, W // 2
+        ids = torch.zeros(cap_len + rows * cols, 3, dtype=torch.int32)
+        ids[:cap_len, 0] = torch.arange(cap_len, dtype=torch.int32)
+        ids[cap_len:, 0] = cap_len
+        ids[cap_len:, 1] = torch.arange(rows, dtype=torch.int32).view(-1, 1).repeat(1, cols).flatten()
+        ids[cap_len:, 2] = torch.arange(cols, dtype=torch.int32).view(1, -1).repeat(rows, 1).flatten()
+        rope = _rope(ids, c.rope_axes)
+        for i in range(c.num_refiner_layers):
+            cap = _block(sd, f"context_refiner.{i}", cap, rope[:cap_len], None, c)
+        img = job.latent[row]
+        img = img.view(16, rows, 2, cols, 2).permute(1, 3, 2, 4, 0).flatten(2).flatten(0, 1)[None]
+        img = lin(img, "x_embedder")
+        for i in range(c.num_refiner_layers):
+            img = _block(sd, f"noise_refiner.{i}", img, rope[cap_len:], adaln, c)
+        x = torch.cat([cap, img], dim=1)
+        for i in range(c.num_layers):
+            x = _block(sd, f"layers.{i}", x, rope, adaln, c)
+        scale = lin(F.silu(adaln), "final_layer.adaLN_modulation.1").unsqueeze(1)
+        x = lin(F.layer_norm(x, (c.hidden_size,), eps=1e-6) * (1 + scale), "final_layer.linear")
+        x = x[0, cap_len:].view(rows, cols, 2, 2, 16).permute(4, 0, 2, 1, 3).flatten(3, 4).flatten(1, 2)
+        out.append(-x[None])
+    return torch.cat(out)
+
+
+# -- tests -----------------------------------------------------------------------------------------------
+
+
+def test_lumina2_files_are_detected_and_z_image_refused(lumina_path, tmp_path):
+    from parallel_runtime.weights.checkpoint import open_checkpoint
+
+    with open_checkpoint(lumina_path) as reader:
+        family, match = detect_family(reader.keys())
+    assert (family.name, match.prefix) == ("lumina2", "model.diffusion_model.")
+    config = model_config(lumina_path)
+    assert config == TINY
+    assert (config.head_dim, config.rope_axes, config.num_blocks, config.latent_channels) == (24, (8, 8, 8), 4, 16)
+    assert [k.name for k in config.block_kinds] == ["noise_refiner"] * 2 + ["joint"] * 2
+    z_image = str(tmp_path / "z_image_tiny.safetensors")
+    save_file({**load_file(lumina_path), "model.diffusion_model.cap_pad_token": torch.zeros(1, 96)}, z_image)
+    with pytest.raises(ModelFileError, match="is a Z-Image model, which ParaDiT does not run yet"):
+        model_config(z_image)
+
+
+def test_lumina2_one_worker_equals_the_reference(lumina_path, client1):
+    job = call_job(lumina_path, S())
+    out = client1.run(job).latent
+    assert out.shape == (2, 16, H, W)
+    err = rel_err(out, reference_call(lumina_path, job))
+    print(f"\nLumina 2 serial rel. error {err:.2e}")
+    assert err < SERIAL_RTOL
