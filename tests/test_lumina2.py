@@ -171,3 +171,15 @@ def test_lumina2_one_worker_equals_the_reference(lumina_path, client1):
     err = rel_err(out, reference_call(lumina_path, job))
     print(f"\nLumina 2 serial rel. error {err:.2e}")
     assert err < SERIAL_RTOL
+
+
+@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
+                                      S(pipefusion_degree=2, num_pipeline_patch=2)],
+                         ids=["cfg2", "ulysses2", "ring2", "pp2_warmup"])
+def test_lumina2_exact_strategies_equal_the_reference(lumina_path, client2, strategy):
+    """Prompts of different lengths (9 and 11 tokens): separate forward passes, as ComfyUI runs them. PipeFusion's
+    call without a schedule step is its warm-up (exact)."""
+    job = call_job(lumina_path, strategy)
+    err = rel_err(client2.run(job).latent, reference_call(lumina_path, job))
+    print(f"\nLumina 2 {strategy} rel. error {err:.2e}")
+    assert err < EXACT_RTOL

@@ -2,11 +2,12 @@
 
 Before the main layers, NextDiT refines each stream alone: two unmodulated `context_refiner` blocks over the
 prompt and two timestep-modulated `noise_refiner` blocks over the image, each with its own rows of the joint
-RoPE table. Here the context refiner runs in `embed_text` (it does not depend on the timestep, so the prompt is
-refined once per job) and the noise refiner blocks lead the pipeline's block list, attending image over image
-through the context's `image_attention` (so Ulysses, Ring and PipeFusion split them as they split the image);
-the main `layers` attend jointly through `attention`. Image tokens all share RoPE axis 0 (the prompt length), a
-rotation that cancels in image-only attention, so the noise refiner reads the joint table's image rows as is.
+RoPE table. The noise refiner blocks lead the pipeline's block list and attend image over image through the
+context's `image_attention`, so Ulysses, Ring and PipeFusion split them as they split the image (image tokens all
+share RoPE axis 0, the prompt length, a rotation that cancels in image-only attention, so the joint table's image
+rows serve as they are). The context refiner runs before block 0 on this rank's prompt rows, which sequence
+parallelism shards: it attends through the joint attention with zero image keys and values and divides out the
+image rows' softmax share (`_prompt_attention`), exact under every strategy. The main `layers` attend jointly.
 
 The module tree keeps ComfyUI's parameter names, so ComfyUI-layout files map one to one and LoRA keys land
 without translation. Sampling is ModelSamplingDiscreteFlow (shift 6, multiplier 1) on Flux's latent format
@@ -279,18 +280,8 @@ class Lumina2Adapter:
         return self.model.x_embedder(tokens.to(self.device, self.dtype))
 
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
-        """cap_embedder, then the context refiner over these prompt rows alone (positions 0, 1, ...): exact where
-        this rank holds the whole prompt (serial, CFG, PipeFusion); Ulysses and Ring shard it, see the README."""
-        from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-
-        x = self.model.cap_embedder(cond.to(self.device, self.dtype))
-        if not len(self.model.context_refiner):
-            return x
-        rope = FluxPosEmbed(theta=10000, axes_dim=list(self.config.rope_axes))(
-            sequence_ids(x.shape[1], 0, 0).to(self.device))
-        for block in self.model.context_refiner:
-            x = self._block(block, x, None, rope, lambda q, k, v: _local_attention(q, k, v))
-        return x
+        """cap_embedder; the context refiner runs in run_blocks, where the sequence-parallel attention is set."""
+        return self.model.cap_embedder(cond.to(self.device, self.dtype))
 
     def timestep_embedding(self, t: torch.Tensor, pooled: torch.Tensor, guidance, hw=None):
         """NextDiT's adaLN input: t_embedder of 1 - t (t = sigma x multiplier 1), the sinusoid in float32."""
@@ -300,9 +291,12 @@ class Lumina2Adapter:
     # -- blocks and head -------------------------------------------------------------------------------
 
     def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb, rope, chunk: int = 0) -> tuple:
-        """Blocks 0..R-1 are the noise refiner (image rows over the image, through image_attention), the rest the
-        main layers (this rank's [prompt, image] rows, through the joint attention)."""
+        """Before block 0, the context refiner over the prompt rows; blocks 0..R-1 are the noise refiner (image rows
+        over the image, through image_attention), the rest the main layers (this rank's [prompt, image] rows,
+        through the joint attention)."""
         refiners, n_text = self.config.num_refiner_layers, text.shape[1]
+        if 0 in self.chunks[chunk] and not self.model.cap_embedder[1].weight.is_meta:  # (a cost probe holds one block)
+            text = self._refine_context(text, image.shape[1], tuple(table[:n_text] for table in rope))
         for i in (i for i in self.chunks[chunk] if i not in self.skip):
             if i < refiners:
                 image_rope = tuple(table[n_text:] for table in rope)
@@ -313,6 +307,29 @@ class Lumina2Adapter:
                                 functools.partial(self.context.attention, layer=i))
                 text, image = x[:, :n_text], x[:, n_text:]
         return image, text
+
+    def _refine_context(self, text: torch.Tensor, n_image: int, rope) -> torch.Tensor:
+        """The unmodulated context refiner: the prompt over the prompt alone, with the prompt's RoPE rows. Its
+        rows may be sharded over ranks (Ulysses, Ring), so it attends through the joint attention, layers numbered
+        after the blocks (their own PipeFusion buffers), with the image rows' keys and values zero."""
+        for j, block in enumerate(self.model.context_refiner):
+            attend = functools.partial(self._prompt_attention, n_image=n_image, layer=self.config.num_blocks + j)
+            text = self._block(block, text, None, rope, attend)
+        return text
+
+    def _prompt_attention(self, q, k, v, n_image: int, layer: int) -> torch.Tensor:
+        """Prompt-only attention through the joint [prompt, image] attention, exactly: image keys of zero score 0,
+        so each prompt query's softmax also weighs its image rows; a second copy of the heads attends to values
+        of one on prompt rows and zero on image rows, which gives each query its prompt rows' share of that
+        weight, and the first copy's output over that share is softmax over the prompt alone."""
+        def joint(prompt):
+            return torch.cat([prompt, prompt.new_zeros(prompt.shape[0], n_image, *prompt.shape[2:])], dim=1)
+
+        n_text, heads = q.shape[1], q.shape[2]
+        out = self.context.attention(joint(torch.cat([q, q], dim=2)), joint(torch.cat([k, k], dim=2)),
+                                     joint(torch.cat([v, torch.ones_like(v)], dim=2)), layer, masked=False)
+        num, share = out[:, :n_text, :heads].float(), out[:, :n_text, heads:].float()
+        return (num / share).to(q.dtype)
 
     def _block(self, block: _Block, x: torch.Tensor, temb, rope, attend) -> torch.Tensor:
         """JointTransformerBlock.forward: tanh-gated, sandwich-normed attention and SwiGLU MLP; the context refiner
@@ -355,11 +372,6 @@ class Lumina2Adapter:
         scale = final.adaLN_modulation(temb).unsqueeze(1)
         out = final.linear(F.layer_norm(image, (image.shape[-1],), eps=1e-6) * (1 + scale))
         return channels_first(-out.float(), self.patch, self.config.in_channels)
-
-
-def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """[B, S, H, D] attention over exactly these rows (the context refiner's prompt)."""
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
 LUMINA2 = DiTFamily(
