@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     config = NAMED_MODELS[args.model]
     side = args.resolution // 8
-    latent_shape = (1, config.latent_channels, side, side)
+    # A video model takes [B, C, frames, H, W]: 5 latent frames (17 video frames) of the same side.
+    latent_shape = (1, config.latent_channels, *((5,) if config.video else ()), side, side)
     folder = tempfile.mkdtemp(prefix="paradit-bench-storage-")
     rows, table = [], []
     try:
