@@ -205,3 +205,12 @@ def test_lumina2_denoise_loop_strategies_equal_serial_and_pipefusion_beats_naive
     naive = rel_err(client2.run(dataclasses.replace(job, strategy=S(naive_patch_degree=2))).latent, serial)
     print(f"\nLumina 2, 6 steps: PipeFusion (1 warm-up step) {pipefusion:.2e}, naive patch {naive:.2e}")
     assert pipefusion < naive
+
+
+def test_lumina2_ulysses_times_ring_on_four(lumina_path, client4):
+    """Ulysses 2 x Ring 2: the 9- and 11-token prompts in four shards of unequal prompt rows, so
+    the context refiner's prompt-only attention crosses both kinds of group."""
+    job = call_job(lumina_path, S(ulysses_degree=2, ring_degree=2))
+    err = rel_err(client4.run(job).latent, reference_call(lumina_path, job))
+    print(f"\nLumina 2 Ulysses 2 x Ring 2 rel. error {err:.2e}")
+    assert err < EXACT_RTOL
