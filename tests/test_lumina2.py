@@ -88,7 +88,8 @@ def _block(sd: dict, b: str, x: torch.Tensor, freqs: torch.Tensor, adaln: torch.
         hd, kv = c.head_dim, c.num_kv_heads
         q, k, v = mm(h, "attention.qkv").split([c.num_heads * hd, kv * hd, kv * hd], dim=-1)
         q, k, v = (t.view(1, h.shape[1], -1, hd) for t in (q, k, v))
-        q, k = _apply_rope(rms(q, "attention.q_norm", None), freqs), _apply_rope(rms(k, "attention.k_norm", None), freqs)
+        q = _apply_rope(rms(q, "attention.q_norm", None), freqs)  # RMSNorm(head_dim) without eps: torch's default
+        k = _apply_rope(rms(k, "attention.k_norm", None), freqs)
         rep = c.num_heads // kv
         k, v = (t.unsqueeze(3).repeat(1, 1, 1, rep, 1).flatten(2, 3) for t in (k, v))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))

@@ -247,6 +247,7 @@ class Lumina2Adapter:
     latent_channels = 16
     latent_format = FLUX_LATENT
     default_guidance = 0.0  # no guidance input
+    variant = "lumina2"
     joint_text = True  # the main layers attend over [prompt, image]
     skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
     pack = staticmethod(FluxAdapter.pack)  # (c, ph, pw) per token; embed_image and head re-order to NextDiT's
@@ -256,8 +257,6 @@ class Lumina2Adapter:
         self.config, self.model, self.chunks, self.context = config, model, chunks, context
         self.latent_channels = config.in_channels
         self.dtype, self.device = compute_placement(model.t_embedder)
-
-    variant = "lumina2"
 
     @functools.cached_property
     def model_sampling(self):
