@@ -96,7 +96,8 @@ class RemoteControlNet:
             if c.timestep_range is not None and (t[0] > c.timestep_range[0] or t[0] < c.timestep_range[1]):
                 continue
             key, hint = self._hint(i, c, x_noisy)
-            inputs.append(ControlInput(self.paths[i], key, float(c.strength), hint))
+            types = tuple(int(v) for v in c.extra_args.get("control_type") or ())  # SetUnionControlNetType's
+            inputs.append(ControlInput(self.paths[i], key, float(c.strength), hint, types=types))
         return RemoteControl(tuple(inputs)) if inputs else None
 
     def _hint(self, i: int, c, x_noisy):
@@ -145,10 +146,6 @@ def _check_supported(control) -> None:
         raise convert.ConfigError(f"this ControlNet ({what}) does not run on the ParaDiT workers, which run Flux "
                                   f"ControlNets (XLabs, Mistoline, InstantX); remove it or load the model with "
                                   f"UNETLoader.")
-    if control.extra_args.get("control_type"):
-        raise convert.ConfigError("a Union ControlNet's type (SetUnionControlNetType) does not run on the ParaDiT "
-                                  "workers yet; remove that node (the union ControlNet then runs without a type) "
-                                  "or load the model with UNETLoader.")
     if control.strength_type != comfy.controlnet.StrengthType.CONSTANT or control.global_average_pooling:
         raise convert.ConfigError("this ControlNet scales its residuals per block, which the ParaDiT workers do "
                                   "not run; remove it or load the model with UNETLoader.")

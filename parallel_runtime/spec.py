@@ -80,15 +80,17 @@ class ControlInput:
     `path`: the ControlNet's weights as a safetensors file the workers load (the host exports the one
     ControlNetLoader built); `hint`: its cond_hint as ComfyUI's ControlNet.get_control prepares it for the
     latent's size (an image in [0, 1], or a latent already encoded), carried only when new to the workers
-    and otherwise named by `hint_key`; `strength`: ControlNetApply's strength."""
+    and otherwise named by `hint_key`; `strength`: ControlNetApply's strength; `types`: a union ControlNet's
+    control types (SetUnionControlNetType), each one token the ControlNet reads before the prompt."""
 
     path: str
     hint_key: str
     strength: float = 1.0
     hint: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    types: tuple[int, ...] = ()
 
     def signature(self) -> tuple:
-        return (self.path, self.hint_key, self.strength)
+        return (self.path, self.hint_key, self.strength, self.types)
 
 
 REFERENCE_METHODS = ("offset", "index", "uxo")  # ComfyUI's FluxKontextMultiReferenceLatentMethod choices
@@ -143,7 +145,7 @@ class Conditioning:
     def meta(self, prefix: str) -> dict:
         return {f"{prefix}_guidance": self.guidance, f"{prefix}_reference_method": self.reference_method,
                 f"{prefix}_image_size": list(self.image_size) if self.image_size else None,
-                f"{prefix}_control": [[c.path, c.hint_key, c.strength] for c in self.control],
+                f"{prefix}_control": [[c.path, c.hint_key, c.strength, list(c.types)] for c in self.control],
                 f"{prefix}_attention_mask": self.attention_mask_key}
 
     @classmethod
@@ -151,8 +153,8 @@ class Conditioning:
         count = sum(name.startswith(f"{prefix}.reference.") for name in tensors)
         refs = tuple(tensors[f"{prefix}.reference.{i}"] for i in range(count))
         size = meta.get(f"{prefix}_image_size")
-        control = tuple(ControlInput(str(path), str(key), float(strength))
-                        for path, key, strength in meta.get(f"{prefix}_control") or ())
+        control = tuple(ControlInput(str(path), str(key), float(strength), types=tuple(int(t) for t in types))
+                        for path, key, strength, types in meta.get(f"{prefix}_control") or ())
         return cls(tensors[f"{prefix}.cond"], tensors[f"{prefix}.pooled"], meta.get(f"{prefix}_guidance"),
                    refs, meta.get(f"{prefix}_reference_method"), tuple(size) if size else None,
                    tensors.get(f"{prefix}.concat"), control, attention_mask_key=meta.get(f"{prefix}_attention_mask"),

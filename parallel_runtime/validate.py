@@ -239,6 +239,22 @@ def validate_control(name: str, c, config, job: Job) -> None:
         if net.hidden_size != config.hidden_size or net.axes_dims_rope != config.axes_dims_rope:
             raise ConfigError(f"the ControlNet is {net.hidden_size} wide but this {title} model is "
                               f"{config.hidden_size}; load a ControlNet made for this model.")
+        _validate_union_types(control, net, job)
+
+
+def _validate_union_types(control, net, job: Job) -> None:
+    """SetUnionControlNetType's types: known to the union ControlNet (a model without types ignores them, as in
+    ComfyUI), and not under PipeFusion, whose stale K/V buffers follow the DiT's prompt length."""
+    if not control.types or not net.union_modes:
+        return
+    if any(not 0 <= t < net.union_modes for t in control.types):
+        raise ConfigError(f"the union ControlNet knows {net.union_modes} control types but is given type(s) "
+                          f"{list(control.types)}; pick a type this ControlNet was trained with in "
+                          f"SetUnionControlNetType.")
+    if job.strategy.pipefusion_degree > 1:
+        raise ConfigError("a union ControlNet with a type (SetUnionControlNetType) runs under Ulysses, Ring and CFG "
+                          "parallel but not PipeFusion; pick one of those in the Strategy Selector or remove the "
+                          "type node.")
 
 
 def validate_attention_mask(name: str, c, config, job: Job) -> None:

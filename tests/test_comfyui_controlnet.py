@@ -117,11 +117,7 @@ def test_controlnet_under_parallel_sampler_is_refused_in_one_sentence(server):
     assert "ControlNet, which ParaDiT does not support under Parallel Sampler" in result["error"]["exception_message"]
 
 
-def test_a_union_type_is_refused_in_one_sentence(server):
-    g = graph()
-    g["31"] = {"class_type": "SetUnionControlNetType", "inputs": {"control_net": ["30", 0],
-                                                                   "type": "canny/lineart/anime_lineart/mlsd"}}
-    g["40"]["inputs"]["control_net"] = ["31", 0]
-    result = server.run({k: v for k, v in g.items() if k not in ("20", "21", "22")})
-    assert result["status"] == "error", explain(result)
-    assert "SetUnionControlNetType" in result["error"]["exception_message"]
+# SetUnionControlNetType's types on an InstantX Union ControlNet: checked in tests/test_controlnet.py against a
+# reference written from ComfyUI's ControlNetFlux (the type tokens before the prompt). A host comparison needs the
+# union file in InstantX's diffusers layout, which ComfyUI converts on load; the tiny writer writes the converted
+# layout only (ComfyUI reads it as XLabs), so none runs here.

@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import make_conditioning, rel_err
 from parallel_runtime.errors import ConfigError
@@ -40,12 +41,14 @@ def files(tmp_path_factory):
     return {"dit": dit,
             "xlabs": write_controlnet(d / "xlabs.safetensors", TINY, "xlabs", double=2, seed=1),
             "instantx": write_controlnet(d / "instantx.safetensors", TINY, "instantx", double=1, single=1, seed=2),
-            "mistoline": write_controlnet(d / "mistoline.safetensors", TINY, "mistoline", double=1, seed=3)}
+            "mistoline": write_controlnet(d / "mistoline.safetensors", TINY, "mistoline", double=1, seed=3),
+            "union": write_controlnet(d / "union.safetensors", TINY, "instantx", double=1, single=1, union_modes=4,
+                                      seed=4)}
 
 
 def hint_for(kind: str, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    if kind == "instantx":  # a VAE latent after process_in
+    if kind in ("instantx", "union"):  # a VAE latent after process_in
         return torch.randn(1, 16, H, W, generator=g)
     return torch.rand(1, 3, 8 * H, 8 * W, generator=g)  # an image in [0, 1] at the latent's size x 8
 
@@ -132,9 +135,14 @@ def reference_call(files, job: Job) -> torch.Tensor:
             img = model.x_embedder(FluxAdapter.pack(x)) + embed(FluxAdapter.pack(hint))
             txt = model.context_embedder(branch.cond)
             temb = model.time_text_embed(t * 1000, g * 1000, branch.pooled)
+            net_rope = rope
+            if c.types and config.union_modes:  # ControlNetFlux: type tokens before the prompt, ids of its first
+                modes = load_file(c.path)["controlnet_mode_embedder.weight"][list(c.types)]
+                txt = torch.cat([modes[None], txt], dim=1)
+                net_rope = dit.pos_embed(torch.cat([torch.zeros(len(c.types), 3), txt_ids, img_ids]))
             outs = []
             for i, block in enumerate(list(model.transformer_blocks) + list(model.single_transformer_blocks)):
-                txt, img = block(hidden_states=img, encoder_hidden_states=txt, temb=temb, image_rotary_emb=rope)
+                txt, img = block(hidden_states=img, encoder_hidden_states=txt, temb=temb, image_rotary_emb=net_rope)
                 outs.append(proj[i](img) * c.strength)
             stretch = config.hint_encoder is None
             for i, j in enumerate(_slots(config.double, 19, stretch)[:len(double)] if config.double else []):
@@ -222,6 +230,45 @@ def test_hint_crosses_the_channel_once(files, client2):
     bare = [dataclasses.replace(c, hint=None) for c in pos]
     again = client2.run(call_job(files, S(ulysses_degree=2), bare, bare)).latent
     assert torch.equal(first, again)
+
+
+def typed(files, seed: int, types: tuple[int, ...], strength: float = 1.0) -> ControlInput:
+    """The union ControlNet with SetUnionControlNetType's types (one type token each before the prompt)."""
+    return dataclasses.replace(control(files, "union", seed, strength), types=types)
+
+
+def test_union_types_one_worker_equals_the_reference(files, client1):
+    """A type token changes the union ControlNet's output; two types, and a type on an untyped model (ignored)."""
+    for types in ((2,), (0, 3)):
+        job = call_job(files, S(), [typed(files, 11, types)], [typed(files, 11, types)])
+        ref = reference_call(files, job)
+        untyped = reference_call(files, call_job(files, S(), [control(files, "union", 11)], [control(files, "union", 11)]))
+        assert rel_err(ref, untyped) > 1e-3, types  # the type matters: the check below means something
+        assert rel_err(client1.run(job).latent, ref) < SERIAL_RTOL, types
+    ignored = call_job(files, S(), [dataclasses.replace(control(files, "xlabs", 11), types=(1,))])
+    assert rel_err(client1.run(ignored).latent, reference_call(files, dataclasses.replace(
+        ignored, positive=dataclasses.replace(ignored.positive, control=(control(files, "xlabs", 11),))))) < SERIAL_RTOL
+
+
+@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
+                                      S(naive_patch_degree=2)], ids=["cfg2", "ulysses2", "ring2", "naive2"])
+def test_union_types_under_the_sequence_split(files, client1, client2, strategy):
+    """The type token lengthens the ControlNet's prompt (7 -> 8 rows: other prompt shards than the DiT's) while
+    each rank keeps its image rows; chained after an untyped ControlNet, a different type on the negative."""
+    pos = [control(files, "xlabs", 11, 0.6), typed(files, 12, (2,), 1.3)]
+    neg = [typed(files, 13, (1,))]
+    exact = client1.run(call_job(files, S(), pos, neg)).latent
+    if strategy.naive_patch_degree == 1:
+        assert rel_err(client2.run(call_job(files, strategy, pos, neg)).latent, exact) < EXACT_RTOL
+    else:  # naive patch never sees the other half: it runs, as approximate as without a type
+        assert torch.isfinite(client2.run(call_job(files, strategy, pos, neg)).latent).all()
+
+
+def test_union_type_refusals(files, client1, client2):
+    with pytest.raises(ConfigError, match=r"knows 4 control types but is given type\(s\) \[7\]"):
+        client1.run(call_job(files, S(), [typed(files, 11, (7,))]))
+    with pytest.raises(ConfigError, match="runs under Ulysses, Ring and CFG parallel but not PipeFusion"):
+        client2.run(call_job(files, S(pipefusion_degree=2, num_pipeline_patch=2), [typed(files, 11, (2,))]))
 
 
 def test_refusals(files, client1, tmp_path):

@@ -72,19 +72,30 @@ class ControlPass:
     only add residuals); `configs`: path -> its config, on every rank. The prompt's embedding and the time
     embedding are computed once per job; the hint's token table once per hint (kept by the adapter)."""
 
-    def __init__(self, controlnets: ControlNets, main_config, branches, t: torch.Tensor, text_rows: range):
+    def __init__(self, controlnets: ControlNets, main_config, branches, t: torch.Tensor, text_rows: range,
+                 longer_prompt=None):
+        """`longer_prompt(extra)`: (this rank's prompt rows, joint attention, RoPE rows) of a pass whose prompt is
+        `extra` tokens longer than the DiT's (a union ControlNet's type tokens; None where no strategy offers
+        it), its image rows and their shards the DiT's."""
         self.inputs, self.nets, self.branches = branches.control, controlnets.nets, branches
         self.plan = ResidualPlan([controlnets.configs[c.path] for c in self.inputs], main_config.num_layers,
                                  main_config.num_single_layers)
-        self.t, self.text_rows = t, text_rows
+        self.t, self.text_rows, self.longer_prompt = t, text_rows, longer_prompt
         self._embedded: dict[int, tuple] = {}
 
-    def _embeddings(self, k: int, net) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prompt rows, time embedding) of chain member k: fixed for the job."""
+    def _embeddings(self, k: int, net, control: ControlInput) -> tuple:
+        """(prompt rows, time embedding, (attention, RoPE rows) of a typed union pass or None) of chain member k:
+        fixed for the job."""
         if k not in self._embedded:
             b = self.branches
-            text = net.embed_text(b.cond[:, self.text_rows.start:self.text_rows.stop])
-            self._embedded[k] = (text, net.timestep_embedding(self.t, b.pooled, b.guidance))
+            typed = None
+            if control.types and net.reads_types:
+                rows, attention, rope = self.longer_prompt(len(control.types))
+                text = net.embed_prompt_with_types(b.cond, control.types)[:, rows.start:rows.stop]
+                typed = (attention, rope)
+            else:
+                text = net.embed_text(b.cond[:, self.text_rows.start:self.text_rows.stop])
+            self._embedded[k] = (text, net.timestep_embedding(self.t, b.pooled, b.guidance), typed)
         return self._embedded[k]
 
     def outputs(self, x_rows: torch.Tensor, index: torch.Tensor, rope) -> list[torch.Tensor]:
@@ -95,11 +106,23 @@ class ControlPass:
             net = self.nets[control.path]
             net.use_layers(k)
             hint = _batched(hint_tokens(net, control)[:, index], self.branches)
-            text, temb = self._embeddings(k, net)
+            text, temb, typed = self._embeddings(k, net, control)
             image = net.embed_control_image(x_rows, hint)
-            for residual in net.residuals(image, text, temb, rope):
+            for residual in self._run(net, image, text, temb, rope, typed):
                 out.append(residual * control.strength if control.strength != 1.0 else residual)
         return out
+
+    @staticmethod
+    def _run(net, image, text, temb, rope, typed) -> list[torch.Tensor]:
+        """The member's residuals; a typed union pass attends over its longer prompt with its own attention."""
+        if typed is None:
+            return net.residuals(image, text, temb, rope)
+        context, (attention, typed_rope) = net.context, typed
+        saved, context.attention = context.attention, attention
+        try:
+            return net.residuals(image, text, temb, typed_rope)
+        finally:
+            context.attention = saved
 
     def residuals(self, x_rows: torch.Tensor, index: torch.Tensor, rope) -> Residuals:
         return Residuals(self.outputs(x_rows, index, rope), self.plan)

@@ -13,12 +13,14 @@ drains at the end of every call; only its stale K/V carries over from one call t
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from ..runtime.topology import latent_plane, validate_strategy
 from ..spec import Job
+from .attention import LocalAttention
 from .control import ControlPass
 from .denoise import Branches, Denoiser, stale_caches
 
@@ -115,7 +117,21 @@ class ModelCallForward(Denoiser):
         """The group's ControlNet chain for this call (its prompt rows: this rank's, as the DiT's), or None."""
         if not branches.control:
             return None
-        return ControlPass(self.controlnets, self.adapter.config, branches, t, self._text_rows(self.layout, branches))
+        return ControlPass(self.controlnets, self.adapter.config, branches, t, self._text_rows(self.layout, branches),
+                           longer_prompt=lambda extra: self._longer_prompt(branches, extra, t.device))
+
+    def _longer_prompt(self, branches: Branches, extra: int, device) -> tuple:
+        """(this rank's prompt rows, joint attention, RoPE rows) of a forward pass whose prompt is `extra` tokens
+        longer, in front (a union ControlNet's types): prompt and image rows split as the DiT's are, so the image
+        rows (and residuals) of each rank stay its own. Validation keeps PipeFusion out of this."""
+        layout = dataclasses.replace(self.layout, text_len=self.layout.text_len + extra)
+        if self.topology.naive_patch > 1:
+            attention = LocalAttention()
+        else:
+            attention = self._sequence_attention([layout.seq_len(j, [0]) for j in range(layout.shards)])
+        rope_full = self.adapter.rope(branches.text_len + extra, *self.hw, branches.reference_shapes,
+                                      branches.reference_method)
+        return layout.text_rows(self.shard), attention, self._rope(rope_full, layout.positions(self.shard, [0], device))
 
     def _anyone(self, flag: bool) -> bool:
         """True on every rank if it is True on any: all stages must run the same schedule."""

@@ -125,6 +125,7 @@ class FluxAdapter:
         self.config = config
         self.model = model
         self.chunks = chunks
+        self.context = context  # the worker's attention strategy slots, which its blocks' processors read
         all_blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
         for layer in (i for chunk in chunks for i in chunk):
             all_blocks[layer].attn.set_processor(ParallelFluxAttnProcessor(layer, context, self.masked))
@@ -250,6 +251,18 @@ class FluxControlNetAdapter(FluxAdapter):
             hint = torch.nn.functional.pad(hint, (0, (-hint.shape[-1]) % 2, 0, (-hint.shape[-2]) % 2),
                                            mode="circular")
         return self.net.hint_embedder(self.pack(hint))
+
+    @property
+    def reads_types(self) -> bool:
+        """Whether SetUnionControlNetType's types reach this ControlNet (a union model; others ignore them)."""
+        return self.net.mode_embedder is not None
+
+    def embed_prompt_with_types(self, cond: torch.Tensor, types: tuple[int, ...]) -> torch.Tensor:
+        """A union ControlNet's prompt: one embedded token per control type, then the embedded prompt (ComfyUI's
+        ControlNetFlux; the type tokens take the first prompt token's position ids, which are zero in Flux)."""
+        text = self.embed_text(cond)
+        modes = self.net.mode_embedder(torch.tensor(types, device=self.device)).to(text.dtype)
+        return torch.cat([modes.unsqueeze(0).expand(text.shape[0], -1, -1), text], dim=1)
 
     def embed_control_image(self, x_tokens: torch.Tensor, hint_rows: torch.Tensor) -> torch.Tensor:
         return self.model.x_embedder(x_tokens.to(self.device, self.dtype)) + hint_rows
