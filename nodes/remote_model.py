@@ -230,7 +230,9 @@ def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
 # Extra model inputs (ComfyUI's extra_conds) the workers compute themselves or that a call may carry empty.
 # denoise_mask: Wan 2.2's (WAN22) noise mask, which its model reads only through the per-frame timesteps
 # process_timestep already made of it (the call's timesteps arrive [rows, frames]).
-_KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea", "denoise_mask"}
+# num_tokens: Lumina 2's count of unpadded prompt tokens, which must be the whole prompt (_refuse_padded_prompt).
+_KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea", "denoise_mask",
+                 "num_tokens"}
 
 
 def _refuse_what_the_workers_cannot_do(control, options: dict, kwargs: dict) -> None:
@@ -242,10 +244,22 @@ def _refuse_what_the_workers_cannot_do(control, options: dict, kwargs: dict) -> 
                                   "the ControlNet on the workers, or load the model with UNETLoader.")
     if options.get("patches"):
         _refuse_code_patch("patches", ", ".join(sorted(map(str, options["patches"]))))
+    _refuse_padded_prompt(kwargs)
     unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN_INPUTS)
     if unknown:
         raise convert.ConfigError(f"the model call carries inputs ParaDiT does not run ({', '.join(unknown)}); "
                                   f"remove the node that adds them or load the model with UNETLoader.")
+
+
+def _refuse_padded_prompt(kwargs: dict) -> None:
+    """Lumina 2's model reads a prompt mask [B, L] (and num_tokens) when its text encoder padded the prompt; the
+    workers run unpadded prompts only, where ComfyUI passes no mask and num_tokens is the prompt's length."""
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.ndim == 2:
+        hidden = int(mask.numel() - mask.sum())
+        raise convert.ConfigError(f"the prompt's attention mask hides {hidden} padding token(s), which ParaDiT does "
+                                  f"not run for this model; use one prompt per conditioning without padding, or load "
+                                  f"the model with UNETLoader.")
 
 
 def _refuse_code_patch(kind: str, where: str):

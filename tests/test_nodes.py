@@ -800,3 +800,14 @@ def test_comfyuis_multigpu_cfg_split_is_refused_in_one_sentence():
     with pytest.raises(ConfigError, match=r"^MultiGPU CFG Split \(MultiGPU_WorkUnits\) copies the model onto other "
                                           r"GPUs, .* set cfg_degree 2 in the Strategy Selector"):
         copy.deepcopy(patcher_model)
+
+
+def test_a_padded_lumina_prompt_is_refused_and_an_unpadded_one_passes():
+    """Lumina 2's extra_conds: a [B, L] prompt mask only when the text encoder padded (then refused in one
+    sentence), else num_tokens alone, the prompt's length (a known input, not an unknown one)."""
+    from nodes import remote_model
+
+    with pytest.raises(ConfigError, match=r"attention mask hides 2 padding token\(s\)"):
+        remote_model._refuse_what_the_workers_cannot_do(None, {}, {"attention_mask": torch.tensor([[1, 1, 0, 0]]),
+                                                                   "num_tokens": 2})
+    remote_model._refuse_what_the_workers_cannot_do(None, {}, {"num_tokens": 4})
