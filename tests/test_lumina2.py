@@ -190,7 +190,7 @@ def test_lumina2_exact_strategies_equal_the_reference(lumina_path, client2, stra
 
 def test_lumina2_denoise_loop_strategies_equal_serial_and_pipefusion_beats_naive_patch(lumina_path, client1, client2):
     """A whole 6-step run at cfg 4 (Parallel Sampler's path): exact strategies equal serial; PipeFusion after one
-    warm-up step reads stale K/V (the context refiner's prompt rows are fresh in every patch) and lands nearer
+    warm-up step reads stale K/V (the refined prompt is embedded once per job) and lands nearer
     serial than naive patch parallelism, which never sees the other half of the image."""
     job = Job(ModelSpec(lumina_path), S(), SamplingSpec(steps=6, cfg=4.0, seed=1), torch.zeros(1, 16, H, W),
               conditioning(1), conditioning(2))  # one length: the denoise loop's PipeFusion pipelines both prompts

@@ -313,7 +313,12 @@ class Denoiser:
         return None if branches.attention_mask is None else AttentionBias(branches.attention_mask)
 
     def _text(self, rows: range, branches: Branches | None = None) -> torch.Tensor:
-        return self.adapter.embed_text((branches or self.branches).cond[:, rows.start:rows.stop])
+        """This rank's embedded prompt rows. A family whose prompt embedding mixes its tokens (Lumina 2's context
+        refiner) embeds the whole prompt and gives each rank its rows of it."""
+        cond = (branches or self.branches).cond
+        if getattr(self.adapter, "embeds_whole_prompt", False):
+            return self.adapter.embed_text(cond)[:, rows.start:rows.stop]
+        return self.adapter.embed_text(cond[:, rows.start:rows.stop])
 
     def _set_layout(self, branches: Branches, image_len: int, patches: int) -> None:
         """This rank's TokenLayout and shard index: naive patch splits the image only, sequence parallelism the

@@ -5,9 +5,9 @@ prompt and two timestep-modulated `noise_refiner` blocks over the image, each wi
 RoPE table. The noise refiner blocks lead the pipeline's block list and attend image over image through the
 context's `image_attention`, so Ulysses, Ring and PipeFusion split them as they split the image (image tokens all
 share RoPE axis 0, the prompt length, a rotation that cancels in image-only attention, so the joint table's image
-rows serve as they are). The context refiner runs before block 0 on this rank's prompt rows, which sequence
-parallelism shards: it attends through the joint attention with zero image keys and values and divides out the
-image rows' softmax share (`_prompt_attention`), exact under every strategy. The main `layers` attend jointly.
+rows serve as they are). The context refiner reads no timestep: it runs in embed_text, once per job, on the whole
+prompt with local attention wherever the prompt is embedded, and each rank takes its prompt rows of the result
+(`embeds_whole_prompt`). The main `layers` attend jointly.
 
 The module tree keeps ComfyUI's parameter names, so ComfyUI-layout files map one to one and LoRA keys land
 without translation. Sampling is ModelSamplingDiscreteFlow (shift 6, multiplier 1) on Flux's latent format
@@ -27,6 +27,7 @@ from torch import nn
 from ...errors import ModelFileError
 from ...sampling import FLUX_LATENT
 from ...sampling.flow import FluxModelSampling
+from ...strategies.attention import LocalAttention
 from ...weights.keymap import Source, block_count, has_block, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import JOINT_BLOCK, BlockKind, DiTFamily, JointAttentionConfig, Match
@@ -249,6 +250,7 @@ class Lumina2Adapter:
     default_guidance = 0.0  # no guidance input
     variant = "lumina2"
     joint_text = True  # the main layers attend over [prompt, image]
+    embeds_whole_prompt = True  # embed_text refines the whole prompt; a rank then takes its rows
     skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
     pack = staticmethod(FluxAdapter.pack)  # (c, ph, pw) per token; embed_image and head re-order to NextDiT's
     unpack = staticmethod(FluxAdapter.unpack)
@@ -279,8 +281,18 @@ class Lumina2Adapter:
         return self.model.x_embedder(tokens.to(self.device, self.dtype))
 
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
-        """cap_embedder; the context refiner runs in run_blocks, where the sequence-parallel attention is set."""
-        return self.model.cap_embedder(cond.to(self.device, self.dtype))
+        """cap_embedder, then the unmodulated context refiner: the whole prompt over itself with its RoPE rows
+        (ids (i, 0, 0)). It reads no timestep, so it runs once per job, on every rank that embeds the prompt, with
+        plain local attention; strategies then take their rows of it (embeds_whole_prompt)."""
+        from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+        text = self.model.cap_embedder(cond.to(self.device, self.dtype))
+        rope = FluxPosEmbed(theta=10000, axes_dim=list(self.config.rope_axes))(
+            sequence_ids(text.shape[1], 0, 0).to(self.device))
+        attend = LocalAttention()
+        for j, block in enumerate(self.model.context_refiner):
+            text = self._block(block, text, None, rope, functools.partial(attend, layer=self.config.num_blocks + j))
+        return text
 
     def timestep_embedding(self, t: torch.Tensor, pooled: torch.Tensor, guidance, hw=None):
         """NextDiT's adaLN input: t_embedder of 1 - t (t = sigma x multiplier 1), the sinusoid in float32."""
@@ -290,12 +302,10 @@ class Lumina2Adapter:
     # -- blocks and head -------------------------------------------------------------------------------
 
     def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb, rope, chunk: int = 0) -> tuple:
-        """Before block 0, the context refiner over the prompt rows; blocks 0..R-1 are the noise refiner (image rows
-        over the image, through image_attention), the rest the main layers (this rank's [prompt, image] rows,
-        through the joint attention)."""
+        """Blocks 0..R-1 are the noise refiner (image rows over the image, through image_attention), the rest the
+        main layers (this rank's [prompt, image] rows, through the joint attention); the prompt arrives refined
+        (embed_text)."""
         refiners, n_text = self.config.num_refiner_layers, text.shape[1]
-        if 0 in self.chunks[chunk] and not self.model.cap_embedder[1].weight.is_meta:  # (a cost probe holds one block)
-            text = self._refine_context(text, image.shape[1], tuple(table[:n_text] for table in rope))
         for i in (i for i in self.chunks[chunk] if i not in self.skip):
             if i < refiners:
                 image_rope = tuple(table[n_text:] for table in rope)
@@ -306,29 +316,6 @@ class Lumina2Adapter:
                                 functools.partial(self.context.attention, layer=i))
                 text, image = x[:, :n_text], x[:, n_text:]
         return image, text
-
-    def _refine_context(self, text: torch.Tensor, n_image: int, rope) -> torch.Tensor:
-        """The unmodulated context refiner: the prompt over the prompt alone, with the prompt's RoPE rows. Its
-        rows may be sharded over ranks (Ulysses, Ring), so it attends through the joint attention, layers numbered
-        after the blocks (their own PipeFusion buffers), with the image rows' keys and values zero."""
-        for j, block in enumerate(self.model.context_refiner):
-            attend = functools.partial(self._prompt_attention, n_image=n_image, layer=self.config.num_blocks + j)
-            text = self._block(block, text, None, rope, attend)
-        return text
-
-    def _prompt_attention(self, q, k, v, n_image: int, layer: int) -> torch.Tensor:
-        """Prompt-only attention through the joint [prompt, image] attention, exactly: image keys of zero score 0,
-        so each prompt query's softmax also weighs its image rows; a second copy of the heads attends to values
-        of one on prompt rows and zero on image rows, which gives each query its prompt rows' share of that
-        weight, and the first copy's output over that share is softmax over the prompt alone."""
-        def joint(prompt):
-            return torch.cat([prompt, prompt.new_zeros(prompt.shape[0], n_image, *prompt.shape[2:])], dim=1)
-
-        n_text, heads = q.shape[1], q.shape[2]
-        out = self.context.attention(joint(torch.cat([q, q], dim=2)), joint(torch.cat([k, k], dim=2)),
-                                     joint(torch.cat([v, torch.ones_like(v)], dim=2)), layer, masked=False)
-        num, share = out[:, :n_text, :heads].float(), out[:, :n_text, heads:].float()
-        return (num / share).to(q.dtype)
 
     def _block(self, block: _Block, x: torch.Tensor, temb, rope, attend) -> torch.Tensor:
         """JointTransformerBlock.forward: tanh-gated, sandwich-normed attention and SwiGLU MLP; the context refiner
