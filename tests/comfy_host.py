@@ -218,6 +218,33 @@ class _SeededVideoEncoder:
         return torch.randn(1, self.channels, (frames - 1) // 4 + 1, height // s, width // s, generator=g)
 
 
+class _SeededImageEncoder:
+    """A Flux VAE's shapes for a ControlNet that encodes its hint (InstantX): pixels [B, H, W, 3] -> a latent
+    [B, 16, H / 8, W / 8], seeded by the pixels so two hints give two latents."""
+
+    def spacial_compression_encode(self):
+        return 8
+
+    def encode(self, pixels):
+        g = torch.Generator().manual_seed(int(pixels.double().sum().item() * 1000) % (2 ** 31))
+        return torch.randn(pixels.shape[0], 16, pixels.shape[1] // 8, pixels.shape[2] // 8, generator=g)
+
+
+class ParaDiTTestImageVAE:
+    """A VAE stand-in for ControlNetApplyAdvanced's vae input (no Flux VAE weights here)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    RETURN_TYPES = ("VAE",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self):
+        return (_SeededImageEncoder(),)
+
+
 class ParaDiTTestImageToVideoInputs:
     """A VAE whose encode gives a seeded Wan-shaped latent and a CLIP_VISION_OUTPUT of seeded CLIP ViT-H tokens
     (penultimate_hidden_states [1, 257, 1280]), for ComfyUI's own WanImageToVideo: no Wan VAE or clip_vision_h
@@ -240,7 +267,7 @@ class ParaDiTTestImageToVideoInputs:
         return (_SeededVideoEncoder(seed + 1, channels), output)
 
 
-NODE_CLASS_MAPPINGS = {"ParaDiTTestConcat": ParaDiTTestConcat, "ParaDiTTestImageToVideoInputs": ParaDiTTestImageToVideoInputs, "ParaDiTTestStyleModel": ParaDiTTestStyleModel,
+NODE_CLASS_MAPPINGS = {"ParaDiTTestImageVAE": ParaDiTTestImageVAE, "ParaDiTTestConcat": ParaDiTTestConcat, "ParaDiTTestImageToVideoInputs": ParaDiTTestImageToVideoInputs, "ParaDiTTestStyleModel": ParaDiTTestStyleModel,
                        "ParaDiTTestDeepClone": ParaDiTTestDeepClone,
                        "ParaDiTTestCodePatch": ParaDiTTestCodePatch,
                        "ParaDiTTestConditioning": ParaDiTTestConditioning,
@@ -258,6 +285,30 @@ qw = load_queue_script()
 FLUX_MINI = FluxConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=1, num_single_layers=1,
                        context_dim=4096, pooled_dim=768, guidance_embeds=True)
 FLUX_MINI_FILE, FLUX_CONTROLNET_FILE = "flux-mini.safetensors", "flux-controlnet-xlabs-mini.safetensors"
+FLUX_UNION_CONTROLNET_FILE = "flux-controlnet-instantx-union-mini.safetensors"
+
+
+def write_instantx_union_controlnet(path: str, config: FluxConfig, union_modes: int = 4, seed: int = 3) -> str:
+    """An InstantX Union ControlNet as it is downloaded (diffusers' Flux names, which ComfyUI converts on load): one
+    double and one single block, `controlnet_x_embedder` for the latent hint, per-block projections and the mode
+    embedder. The projections get a sizeable scale, so the residuals (and the type token) show."""
+    import dataclasses
+
+    from safetensors.torch import load_file, save_file
+
+    channels = 4 * config.latent_channels
+    net = dataclasses.replace(config, num_layers=1, num_single_layers=1, in_channels=channels, out_channels=channels)
+    tensors = {k: v for k, v in load_file(write_checkpoint(path, net, seed=seed, layout="diffusers")).items()
+               if not k.startswith(("norm_out.", "proj_out."))}
+    g = torch.Generator().manual_seed(seed + 1)
+    h = config.hidden_size
+    for name, n_out, n_in, gain in (("controlnet_blocks.0", h, h, 0.5), ("controlnet_single_blocks.0", h, h, 0.5),
+                                    ("controlnet_x_embedder", h, channels, 1.0)):
+        tensors[f"{name}.weight"] = torch.randn(n_out, n_in, generator=g) * gain / n_in ** 0.5
+        tensors[f"{name}.bias"] = torch.randn(n_out, generator=g) * 0.02
+    tensors["controlnet_mode_embedder.weight"] = torch.randn(union_modes, h, generator=g)
+    save_file(tensors, path)
+    return path
 
 
 def write_flux_mini_and_controlnet(root: str) -> None:
@@ -267,6 +318,7 @@ def write_flux_mini_and_controlnet(root: str) -> None:
                      prefix="model.diffusion_model.", dtype=torch.float32)
     write_controlnet(os.path.join(root, "models", "controlnet", FLUX_CONTROLNET_FILE), FLUX_MINI, "xlabs",
                      double=1, seed=2)
+    write_instantx_union_controlnet(os.path.join(root, "models", "controlnet", FLUX_UNION_CONTROLNET_FILE), FLUX_MINI)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -117,7 +117,28 @@ def test_controlnet_under_parallel_sampler_is_refused_in_one_sentence(server):
     assert "ControlNet, which ParaDiT does not support under Parallel Sampler" in result["error"]["exception_message"]
 
 
-# SetUnionControlNetType's types on an InstantX Union ControlNet: checked in tests/test_controlnet.py against a
-# reference written from ComfyUI's ControlNetFlux (the type tokens before the prompt). A host comparison needs the
-# union file in InstantX's diffusers layout, which ComfyUI converts on load; the tiny writer writes the converted
-# layout only (ComfyUI reads it as XLabs), so none runs here.
+def union_graph(devices: str = "cpu:1", strat: dict | None = None,
+                union_type: str | None = "canny/lineart/anime_lineart/mlsd") -> dict:
+    """graph() with an InstantX Union ControlNet as downloaded (diffusers' names; ComfyUI converts it), its hint
+    encoded by a seeded stand-in VAE (36) and typed by ComfyUI's own SetUnionControlNetType (31)."""
+    g = graph(devices, strat)
+    g["30"]["inputs"]["control_net_name"] = comfy_host.FLUX_UNION_CONTROLNET_FILE
+    g["36"] = {"class_type": "ParaDiTTestImageVAE", "inputs": {}}
+    g["40"]["inputs"]["vae"] = ["36", 0]
+    if union_type:
+        g["31"] = {"class_type": "SetUnionControlNetType", "inputs": {"control_net": ["30", 0], "type": union_type}}
+        g["40"]["inputs"]["control_net"] = ["31", 0]
+    return g
+
+
+def test_union_controlnet_with_a_type_equals_unetloader(server):
+    assert parity(server, union_graph(), "union, typed") <= ONE_WORKER_RTOL
+    assert parity(server, union_graph(union_type=None), "union, no type") <= ONE_WORKER_RTOL
+    assert rel_err(REFERENCES["union, typed"], REFERENCES["union, no type"]) > 1e-3  # the type token acts
+
+
+@pytest.mark.parametrize("strat", [strategy(cfg=2), strategy(ulysses=2), strategy(ring=2)],
+                         ids=["cfg2", "ulysses2", "ring2"])
+def test_union_controlnet_with_a_type_on_two_workers_equals_unetloader(server, strat):
+    """The type token lengthens the ControlNet's prompt: its own prompt shards, the DiT's image rows."""
+    assert parity(server, union_graph("cpu:2", strat), f"union, typed, {strat['inputs']}") <= EXACT_RTOL
