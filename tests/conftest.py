@@ -69,6 +69,25 @@ def diffusers_flux_call(path: str, job: Job, skip: tuple[tuple[str, int], ...] =
     return torch.cat(rows)
 
 
+def comfy_rope(ids: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+    """comfy/ldm/flux/math.py's rope per axis, concatenated (EmbedND), for references written from ComfyUI's code:
+    [L, D/2, 2, 2] rotation matrices of integer position ids [L, len(axes)]."""
+    parts = []
+    for i, dim in enumerate(axes):
+        scale = torch.linspace(0, (dim - 2) / dim, steps=dim // 2, dtype=torch.float64)
+        out = torch.einsum("n,d->nd", ids[:, i].double(), 1.0 / (10000 ** scale))
+        parts.append(torch.stack([torch.cos(out), -torch.sin(out), torch.sin(out), torch.cos(out)], -1)
+                     .reshape(len(ids), -1, 2, 2))
+    return torch.cat(parts, dim=1).float()
+
+
+def apply_comfy_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's apply_rope1 on [B, L, heads, D] with comfy_rope's [L, D/2, 2, 2], in float32."""
+    x_ = x.float().reshape(*x.shape[:-1], -1, 1, 2)
+    f = freqs[None, :, None]
+    return (f[..., 0] * x_[..., 0] + f[..., 1] * x_[..., 1]).reshape(*x.shape).type_as(x)
+
+
 def _cpu_client(n: int):
     from parallel_runtime.runtime.client import RuntimeClient
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import rel_err
+from conftest import apply_comfy_rope, comfy_rope, rel_err
 from parallel_runtime.errors import ModelFileError
 from parallel_runtime.models.families.lumina2 import Lumina2Config
 from parallel_runtime.models.registry import detect_family
@@ -57,24 +57,6 @@ def call_job(path: str, strategy: S, negative: bool = True) -> Job:
 # -- the reference ---------------------------------------------------------------------------------------
 
 
-def _rope(ids: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
-    """comfy/ldm/flux/math.py's rope per axis, concatenated (EmbedND): [L, D/2, 2, 2] rotation matrices."""
-    parts = []
-    for i, dim in enumerate(axes):
-        scale = torch.linspace(0, (dim - 2) / dim, steps=dim // 2, dtype=torch.float64)
-        out = torch.einsum("n,d->nd", ids[:, i].double(), 1.0 / (10000 ** scale))
-        parts.append(torch.stack([torch.cos(out), -torch.sin(out), torch.sin(out), torch.cos(out)], -1)
-                     .reshape(len(ids), -1, 2, 2))
-    return torch.cat(parts, dim=1).float()
-
-
-def _apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """JointAttention.apply_rotary_emb on [B, L, heads, D] with freqs [L, D/2, 2, 2]."""
-    t_ = x.reshape(*x.shape[:-1], -1, 1, 2)
-    f = freqs[None, :, None]
-    return (f[..., 0] * t_[..., 0] + f[..., 1] * t_[..., 1]).reshape(*x.shape)
-
-
 def _block(sd: dict, b: str, x: torch.Tensor, freqs: torch.Tensor, adaln: torch.Tensor | None,
            c: Lumina2Config) -> torch.Tensor:
     """JointTransformerBlock.forward (modulated where adaln is given)."""
@@ -88,8 +70,8 @@ def _block(sd: dict, b: str, x: torch.Tensor, freqs: torch.Tensor, adaln: torch.
         hd, kv = c.head_dim, c.num_kv_heads
         q, k, v = mm(h, "attention.qkv").split([c.num_heads * hd, kv * hd, kv * hd], dim=-1)
         q, k, v = (t.view(1, h.shape[1], -1, hd) for t in (q, k, v))
-        q = _apply_rope(rms(q, "attention.q_norm", None), freqs)  # RMSNorm(head_dim) without eps: torch's default
-        k = _apply_rope(rms(k, "attention.k_norm", None), freqs)
+        q = apply_comfy_rope(rms(q, "attention.q_norm", None), freqs)  # RMSNorm(head_dim) without eps: torch's default
+        k = apply_comfy_rope(rms(k, "attention.k_norm", None), freqs)
         rep = c.num_heads // kv
         k, v = (t.unsqueeze(3).repeat(1, 1, 1, rep, 1).flatten(2, 3) for t in (k, v))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
@@ -130,7 +112,7 @@ def reference_call(path: str, job: Job, c: Lumina2Config = TINY) -> torch.Tensor
         ids[cap_len:, 0] = cap_len
         ids[cap_len:, 1] = torch.arange(rows, dtype=torch.int32).view(-1, 1).repeat(1, cols).flatten()
         ids[cap_len:, 2] = torch.arange(cols, dtype=torch.int32).view(1, -1).repeat(rows, 1).flatten()
-        rope = _rope(ids, c.rope_axes)
+        rope = comfy_rope(ids, c.rope_axes)
         for i in range(c.num_refiner_layers):
             cap = _block(sd, f"context_refiner.{i}", cap, rope[:cap_len], None, c)
         img = job.latent[row]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from conftest import rel_err
+from conftest import apply_comfy_rope, comfy_rope, rel_err
 from parallel_runtime.errors import ModelFileError
 from parallel_runtime.models.families.wan import WanConfig
 from parallel_runtime.models.registry import detect_family
@@ -85,23 +85,6 @@ def call_job(path: str, strategy: S, negative: bool = True, call_step: int | Non
 # -- the reference ---------------------------------------------------------------------------------------
 
 
-def _rope(ids: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
-    """comfy/ldm/flux/math.py's rope per axis, concatenated: [L, D/2, 2, 2] rotation matrices."""
-    parts = []
-    for i, dim in enumerate(axes):
-        scale = torch.linspace(0, (dim - 2) / dim, steps=dim // 2, dtype=torch.float64)
-        out = torch.einsum("n,d->nd", ids[:, i].float(), 1.0 / (10000 ** scale))
-        parts.append(torch.stack([torch.cos(out), -torch.sin(out), torch.sin(out), torch.cos(out)], -1)
-                     .reshape(len(ids), -1, 2, 2))
-    return torch.cat(parts, dim=1).float()
-
-
-def _apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    x_ = x.float().reshape(*x.shape[:-1], -1, 1, 2)
-    out = freqs[None, :, None, :, :, 0] * x_[..., 0] + freqs[None, :, None, :, :, 1] * x_[..., 1]
-    return out.reshape(*x.shape).type_as(x)
-
-
 @torch.no_grad()
 def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor:
     """ComfyUI's WanModel on the job's rows; an image-to-video file reads its branch's concat channels beside the
@@ -128,7 +111,7 @@ def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor
         grid = x.shape[2:]
         x = x.flatten(2).transpose(1, 2)
         ids = torch.stack(torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij"), -1).reshape(-1, 3)
-        freqs = _rope(ids, (128 - 4 * 21, 2 * 21, 2 * 21))  # WanModel: d - 4 (d // 6), 2 (d // 6), 2 (d // 6)
+        freqs = comfy_rope(ids, (128 - 4 * 21, 2 * 21, 2 * 21))  # WanModel: d - 4 (d // 6), 2 (d // 6), 2 (d // 6)
         t = job.timestep[row:row + 1]  # [1] or, per frame (Wan 2.2's noise-masked image-to-video), [1, T]
         half = c.freq_dim // 2
         sinusoid = torch.outer(t.flatten(), torch.pow(10000, -torch.arange(half).float().div(half)))
@@ -147,8 +130,8 @@ def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor
             b = f"blocks.{i}"
             m = (sd[f"{b}.modulation"].unsqueeze(0) + e0).unbind(2)
             h = F.layer_norm(x, (dim,), eps=1e-6) * (1 + m[1]) + m[0]
-            q = _apply_rope(rms(lin(h, f"{b}.self_attn.q"), f"{b}.self_attn.norm_q").unflatten(-1, (heads, -1)), freqs)
-            k = _apply_rope(rms(lin(h, f"{b}.self_attn.k"), f"{b}.self_attn.norm_k").unflatten(-1, (heads, -1)), freqs)
+            q, k = (apply_comfy_rope(rms(lin(h, f"{b}.self_attn.{n}"), f"{b}.self_attn.norm_{n}")
+                                     .unflatten(-1, (heads, -1)), freqs) for n in ("q", "k"))
             y = lin(attention(q.flatten(2), k.flatten(2), lin(h, f"{b}.self_attn.v")), f"{b}.self_attn.o")
             x = x + y * m[2]
             h = F.layer_norm(x, (dim,), sd[f"{b}.norm3.weight"], sd[f"{b}.norm3.bias"], 1e-6)

@@ -112,12 +112,19 @@ class WorkerState:
         self._load(model_spec, key, stage, stages)
         return True
 
+    def _current(self) -> ResidentModel | None:
+        """The current model's slots as one ResidentModel (None while none is loaded)."""
+        if self.adapter is None:
+            return None
+        return ResidentModel(self.loaded_key, self.adapter, self.family, self.context, self.patcher, self.controlnets,
+                             self.control_configs)
+
     def _park_current(self) -> None:
         """Keep the current model idle (its stale K/V dropped: it belongs to the last run) and clear the slots."""
-        if self.adapter is not None:
-            self.context.stale_kv.clear()
-            self.parked[self.loaded_key] = ResidentModel(self.loaded_key, self.adapter, self.family, self.context,
-                                                         self.patcher, self.controlnets, self.control_configs)
+        current = self._current()
+        if current is not None:
+            current.context.stale_kv.clear()
+            self.parked[current.key] = current
         self.adapter = self.loaded_key = self.patcher = self.family = self.context = None
         self.controlnets, self.control_configs = {}, {}  # built for that model's dtype and attention context
 
@@ -129,13 +136,9 @@ class WorkerState:
         """The models this worker holds (the current one last), for the client's memory plan and status. Called
         from the control thread too (a ping during a job), hence the lock around the slots it reads."""
         with self.models_lock:
-            models = list(self.parked.values())
-            if self.adapter is not None:
-                models.append(ResidentModel(self.loaded_key, self.adapter, self.family, self.context, self.patcher,
-                                            dict(self.controlnets), self.control_configs))
+            models = [*self.parked.values(), *filter(None, [self._current()])]
         return [{"path": m.key[0], "weight_dtype": m.key[3], "quantized_matmul": m.key[4], "name": m.name,
-                 "bytes": _model_bytes(m.adapter, m.controlnets), "current": m.key == self.loaded_key}
-                for m in models]
+                 "bytes": _model_bytes(m.adapter, m.controlnets)} for m in models]
 
     def _load(self, model_spec: dict, key: tuple, stage: int, stages: int) -> None:
         from ..models.registry import read_model
@@ -305,7 +308,8 @@ CONTROLNETS_KEPT = 2  # ControlNets a worker keeps loaded beside its model (a ch
 def _model_bytes(adapter, controlnets: dict) -> int:
     from ..weights.checkpoint import parameter_bytes
 
-    return parameter_bytes(adapter.model) + sum(parameter_bytes(n.net) for n in controlnets.values())
+    # list(): one step under the GIL, so a ping's count never iterates the dict while a job adds a ControlNet.
+    return parameter_bytes(adapter.model) + sum(parameter_bytes(n.net) for n in list(controlnets.values()))
 
 
 class Aborted(Exception):

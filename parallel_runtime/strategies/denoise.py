@@ -288,9 +288,11 @@ class Denoiser:
         """The prompt rows this rank embeds: its shard of a joint sequence, or the whole cross-attended prompt."""
         return layout.text_rows(self.shard) if getattr(self.adapter, "joint_text", True) else range(branches.text_len)
 
-    def _rope_full(self, branches: Branches):
-        """The adapter's RoPE table for the canonical sequence of one forward pass over `branches`."""
-        return self.adapter.rope(branches.text_len, *self.hw, branches.reference_shapes, branches.reference_method)
+    def _rope_full(self, branches: Branches, extra_text: int = 0):
+        """The adapter's RoPE table for the canonical sequence of one forward pass over `branches` (whose prompt is
+        `extra_text` tokens longer, in front: a union ControlNet's type tokens)."""
+        return self.adapter.rope(branches.text_len + extra_text, *self.hw, branches.reference_shapes,
+                                 branches.reference_method)
 
     def _references(self, branches: Branches, layout: TokenLayout, patches: list[int]) -> torch.Tensor | None:
         """This rank's embedded reference tokens for these patches (fixed for the whole job: embed once)."""

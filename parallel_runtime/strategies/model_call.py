@@ -129,9 +129,8 @@ class ModelCallForward(Denoiser):
             attention = LocalAttention()
         else:
             attention = self._sequence_attention([layout.seq_len(j, [0]) for j in range(layout.shards)])
-        rope_full = self.adapter.rope(branches.text_len + extra, *self.hw, branches.reference_shapes,
-                                      branches.reference_method)
-        return layout.text_rows(self.shard), attention, self._rope(rope_full, layout.positions(self.shard, [0], device))
+        rope = self._rope(self._rope_full(branches, extra), layout.positions(self.shard, [0], device))
+        return layout.text_rows(self.shard), attention, rope
 
     def _anyone(self, flag: bool) -> bool:
         """True on every rank if it is True on any: all stages must run the same schedule."""

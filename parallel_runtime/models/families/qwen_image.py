@@ -22,7 +22,7 @@ import torch
 from ...errors import ModelFileError
 from ...sampling import WAN21_LATENT, model_sampling_for
 from ...strategies.attention.processor import ParallelFluxAttnProcessor
-from ...weights.keymap import Source, block_count, has_block, tensor_shapes
+from ...weights.keymap import Source, block_count, has_block, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import DiTFamily, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, default_axes_dims_rope
@@ -113,7 +113,7 @@ def _diffusers_model(config: QwenImageConfig):
 
 def source_map(config: QwenImageConfig, layout: str, prefix: str = "") -> dict[str, Source]:
     """ComfyUI's and diffusers' files both use diffusers' names (single_file_model maps them 1:1)."""
-    return {n: Source(prefix + n) for n, _ in _diffusers_model(config).named_parameters()}
+    return same_names((n for n, _ in _diffusers_model(config).named_parameters()), prefix)
 
 
 def checkpoint_shapes(config: QwenImageConfig) -> dict[str, tuple[tuple[int, ...], str]]:
