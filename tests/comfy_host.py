@@ -52,15 +52,18 @@ class ParaDiTTestConditioning:
                 "optional": {"width": ("INT", {"default": 4096, "min": 1, "max": 8192}),
                              "pooled": ("INT", {"default": 768, "min": 0, "max": 8192}),
                              "image_width": ("INT", {"default": 0, "min": 0, "max": 8192}),
-                             "image_height": ("INT", {"default": 0, "min": 0, "max": 8192})}}
+                             "image_height": ("INT", {"default": 0, "min": 0, "max": 8192}),
+                             "mask_padding": ("INT", {"default": -1, "min": -1, "max": 512})}}
 
     RETURN_TYPES = ("CONDITIONING",)
     FUNCTION = "make"
     CATEGORY = "testing"
 
-    def make(self, seed, tokens, guidance, width=4096, pooled=768, image_width=0, image_height=0):
+    def make(self, seed, tokens, guidance, width=4096, pooled=768, image_width=0, image_height=0, mask_padding=-1):
         """guidance < 0 sets none (the family's default applies); pooled 0 gives none (T5-only encoders);
-        image_width/height > 0 attach the size as CLIPTextEncodePixArtAlpha does (its add_dict)."""
+        image_width/height > 0 attach the size as CLIPTextEncodePixArtAlpha does (its add_dict); mask_padding >= 0
+        attaches the encoder's attention mask with that many padded (0) tokens at the end, as Gemma's encode does
+        for Lumina 2 (ComfyUI then passes num_tokens)."""
         g = torch.Generator().manual_seed(seed)
         cond = torch.randn(1, tokens, width, generator=g)
         extra = {"pooled_output": torch.randn(1, pooled, generator=g) if pooled else None}
@@ -68,6 +71,10 @@ class ParaDiTTestConditioning:
             extra["guidance"] = guidance
         if image_width and image_height:
             extra.update(width=image_width, height=image_height)
+        if mask_padding >= 0:
+            mask = torch.ones(1, tokens, dtype=torch.long)
+            mask[:, tokens - mask_padding:] = 0
+            extra["attention_mask"] = mask
         return ([[cond, extra]],)
 
 

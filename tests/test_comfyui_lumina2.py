@@ -1,11 +1,12 @@
-"""Lumina Image 2.0 against the host's own NextDiT (skipped without COMFYUI_DIR): ComfyUI's
-comfy/ldm/lumina/model.py, built on the tiny file's shapes and loaded with its tensors in the host's Python, runs
-the same model calls as the workers.
+"""Lumina Image 2.0 against the host's own NextDiT (skipped without COMFYUI_DIR), two ways:
 
-This compares the model, not the nodes: ComfyUI's Lumina2 extra_conds hands the model `num_tokens` (from the
-Gemma encode's attention mask), a model input the parallel MODEL does not accept yet (nodes/remote_model.py's
-known inputs), so a Load Parallel DiT vs UNETLoader graph cannot run; and ComfyUI's detection fixes Lumina 2's
-width (2304, 24 heads), so a file it detects is ~1.7 GB in fp32.
+- the model: ComfyUI's comfy/ldm/lumina/model.py, built on the tiny file's shapes and loaded with its tensors in
+  the host's Python, runs the same model calls as the workers;
+- the nodes: Load Parallel DiT + KSampler against UNETLoader + KSampler in a ComfyUI server, on a file ComfyUI's
+  own detection takes for Lumina 2. That detection fixes the width (2304 = 24 heads of 96 over 8 key/value heads),
+  so the file has the released width and one main layer (ComfyUI counts those) beside NextDiT's two refiner blocks
+  per stream: 1.7 GB in fp32, written once per module. The prompt is a seeded stand-in for the Gemma 2 encode with
+  its attention mask, from which ComfyUI's Lumina2 model passes `num_tokens`.
 """
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ import subprocess
 
 import pytest
 
-from comfy_host import COMFYUI_DIR, COMFYUI_PYTHON, CPU_SHIM
+from comfy_host import COMFYUI_DIR, COMFYUI_PYTHON, CPU_SHIM, latent_parity, serve
 
 if not COMFYUI_DIR:
     pytest.skip("COMFYUI_DIR is not set: no ComfyUI host to test against", allow_module_level=True)
 
 import torch  # noqa: E402
 
+import comfy_host  # noqa: E402
 from conftest import rel_err  # noqa: E402
 from parallel_runtime.spec import StrategySpec as S  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
@@ -99,3 +101,72 @@ def test_lumina2_exact_strategies_equal_comfyui_nextdit(lumina_file, host_run, c
     err = rel_err(client2.run(job).latent, host_run(lumina_file, job))
     print(f"\nLumina 2, {strategy} vs ComfyUI's NextDiT: rel. L2 {err:.2e}")
     assert err < EXACT_RTOL
+
+
+# -- the nodes ---------------------------------------------------------------------------------------------
+
+# ComfyUI's Lumina 2 detection shape (2304 wide, 24 heads over 8 key/value heads, NextDiT's own 4 x 2304-wide MLP),
+# one main layer, a 64-wide prompt (Gemma 2 2B's 2304 in real files: the width is read from the file).
+RELEASED = dataclasses.replace(HOST, hidden_size=2304, num_heads=24, num_kv_heads=8, num_layers=1, ffn_dim=9216,
+                               cap_feat_dim=64)
+DIT = "lumina2_mini.safetensors"
+
+
+def write_models(root: str) -> None:
+    write_checkpoint(os.path.join(root, "models", "diffusion_models", DIT), RELEASED, seed=8,
+                     prefix="model.diffusion_model.", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from serve("paradit-comfyui-lumina2-", write_models)
+
+
+def graph(devices: str = "cpu:1", strat: dict | None = None, cfg: float = 4.0, padding: int = 0) -> dict:
+    """Seeded prompts with Gemma's attention mask (1, 2; 12 and 9 tokens), EmptySD3LatentImage (64x48 px), the same
+    KSampler (res_multistep, as ComfyUI's Lumina 2 template) on Load Parallel DiT (11 -> 12 -> 13) and on
+    UNETLoader (20 -> 21 -> 22)."""
+    def prompt(seed, tokens):
+        return {"class_type": "ParaDiTTestConditioning",
+                "inputs": {"seed": seed, "tokens": tokens, "guidance": -1, "width": RELEASED.cap_feat_dim,
+                           "pooled": 0, "mask_padding": padding}}
+
+    g = {"1": prompt(1, 12), "2": prompt(2, 9),
+         "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 48, "batch_size": 1}},
+         "10": strat or comfy_host.strategy(warmup=3),
+         "11": {"class_type": "ParaDiTLoader", "inputs": {"unet_name": DIT, "weight_dtype": "default",
+                                                          "devices": devices, "strategy": ["10", 0]}},
+         "20": {"class_type": "UNETLoader", "inputs": {"unet_name": DIT, "weight_dtype": "default"}}}
+    sampling = {"seed": 5, "steps": 3, "cfg": cfg, "sampler_name": "res_multistep", "scheduler": "simple",
+                "denoise": 1.0, "positive": ["1", 0], "negative": ["2", 0], "latent_image": ["4", 0]}
+    for loader, sampler, save in (("11", "12", "13"), ("20", "21", "22")):
+        g[sampler] = {"class_type": "KSampler", "inputs": dict(sampling, model=[loader, 0])}
+        g[save] = {"class_type": "SaveLatent", "inputs": {"samples": [sampler, 0], "filename_prefix": f"l/{save}"}}
+    return g
+
+
+def test_lumina2_load_parallel_dit_one_worker_equals_unetloader(server):
+    err, par, _ = latent_parity(server, graph(), "Lumina 2 (released width), 1 worker, KSampler cfg 4")
+    assert par.shape == (1, 16, 6, 8)
+    assert err < ONE_WORKER_RTOL
+
+
+@pytest.mark.parametrize("strat", [comfy_host.strategy(cfg=2, warmup=3), comfy_host.strategy(ulysses=2, warmup=3),
+                                   comfy_host.strategy(ring=2, warmup=3),
+                                   comfy_host.strategy(pp=2, patches=3, warmup=3)],
+                         ids=["cfg2", "ulysses2", "ring2", "pp2_warmup"])
+def test_lumina2_load_parallel_dit_exact_strategies_equal_unetloader(server, strat):
+    degrees = {k: v for k, v in strat["inputs"].items() if k.endswith("degree") and v > 1}
+    err, _, _ = latent_parity(server, graph("cpu:2", strat), f"Lumina 2, {degrees}, KSampler cfg 4")
+    assert err < EXACT_RTOL
+
+
+def test_lumina2_padded_prompt_is_refused_in_one_sentence(server):
+    """A prompt whose mask pads tokens (ComfyUI then passes the [B, L] mask) is refused, not read as Flux's bias."""
+    g = graph(padding=3)
+    for node in ("20", "21", "22"):  # only the parallel chain
+        g.pop(node)
+    result = server.run(g)
+    assert result["status"] == "error", comfy_host.explain(result)
+    message = comfy_host.explain(result)
+    assert "attention mask hides 3 padding token(s)" in message, message
