@@ -361,4 +361,4 @@ def validate_job(job: Job, world_size: int) -> None:
                                 f"this {getattr(config, 'title', family.title)} file")
     validate_strategy(job.strategy, world_size=world_size, heads=config.num_heads,
                       num_blocks=config.num_blocks, latent_hw=latent_plane(lat.shape[2:]),
-                      cfg_scale=sp.cfg if job.timestep is None else None, steps=sp.steps)
+                      cfg_scale=sp.cfg if job.timestep is None else None, steps=sp.steps, patch=config.patch_size)

@@ -106,6 +106,8 @@ class JointAttentionConfig:
     video = False  # True where latents are [B, C, T, H, W] (Wan)
     clip_vision_width = None  # width of the CLIP-vision tokens (ComfyUI's clip_fea) a model reads; None: reads none
     concat_nodes = "InpaintModelConditioning (Fill) or InstructPixToPixConditioning (Canny/Depth)"  # c_concat's makers
+    patch_size = 2  # latent pixels per token side (FLUX.2's 128-channel latent: 1)
+    latent_downscale = 8  # image pixels per latent pixel side (ComfyUI's spacial_downscale_ratio; FLUX.2: 16)
 
     @property
     def block_kinds(self) -> tuple[BlockKind, ...]:

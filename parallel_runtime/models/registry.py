@@ -13,6 +13,7 @@ from .family import Match, ModelFamily, describe_keys
 def families() -> list[ModelFamily]:
     """Every family the runtime runs, in detection order (imported lazily: diffusers is heavy)."""
     from .families.chroma import CHROMA
+    from .families.flux2 import FLUX2
     from .families.flux_adapter import FLUX
     from .families.lumina2 import LUMINA2
     from .families.pixart import PIXART
@@ -20,7 +21,7 @@ def families() -> list[ModelFamily]:
     from .families.sd3 import SD3
     from .families.wan import WAN
 
-    return [FLUX, CHROMA, SD3, QWEN_IMAGE, PIXART, WAN, LUMINA2]
+    return [FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE, PIXART, WAN, LUMINA2]
 
 
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:

@@ -38,7 +38,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_strategies(world: int, cfg: float, *, heads: int, num_blocks: int, latent_hw: tuple[int, int],
-                         warmup_steps: int = 1) -> list[StrategySpec]:
+                         warmup_steps: int = 1, patch: int = 2) -> list[StrategySpec]:
     """Every valid (cfg x pipefusion x ring x ulysses) split of `world`, PipeFusion with M = P and 2P."""
     out = []
     uses_uncond = abs(cfg - 1.0) > 1e-9
@@ -53,11 +53,17 @@ def candidate_strategies(world: int, cfg: float, *, heads: int, num_blocks: int,
                              num_pipeline_patch=m if p > 1 else 0, warmup_steps=warmup_steps)
             try:
                 validate_strategy(s, world_size=world, heads=heads, num_blocks=num_blocks, latent_hw=latent_hw,
-                                  cfg_scale=cfg)
+                                  cfg_scale=cfg, patch=patch)
             except ConfigError:
                 continue
             out.append(s)
     return out
+
+
+def image_tokens(config, h: int, w: int) -> int:
+    """Image tokens of an h x w latent plane: (h / patch) x (w / patch) for the family's patch."""
+    p = config.patch_size
+    return (h // p) * (w // p)
 
 
 def device_memory_budget(devices: list[str]) -> int:
@@ -83,10 +89,10 @@ def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str],
     out = []
     for s in candidate_strategies(world, cfg, heads=config.num_heads,
                                   num_blocks=config.num_blocks, latent_hw=(h, w),
-                                  warmup_steps=warmup_steps):
+                                  warmup_steps=warmup_steps, patch=config.patch_size):
         if unequal_prompts and s.pipefusion_degree > 1 and s.cfg_degree == 1:
             continue
-        mem = costmodel.rank_memory(s, config, text_tokens=text_len, image_tokens=(h // 2) * (w // 2), batch=b,
+        mem = costmodel.rank_memory(s, config, text_tokens=text_len, image_tokens=image_tokens(config, h, w), batch=b,
                                     cfg=cfg, weight_bytes=e, act_bytes=e, layout=layout)
         proj = costmodel.project(s, config, calib, cfg=cfg, steps=steps, batch=b, act_bytes=e, per_call=per_call)
         out.append(Candidate(s, proj, mem, mem["total"] <= budget))
@@ -170,7 +176,7 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
         from ..runtime.worker import resolve_dtype
 
         dtype = resolve_dtype(weight_dtype, torch.device(device_list[0]))
-        calibration = costmodel.calibrate(config, text_len, (h // 2) * (w // 2), device_list, threads=threads,
+        calibration = costmodel.calibrate(config, text_len, image_tokens(config, h, w), device_list, threads=threads,
                                           dtype=dtype, refresh=refresh)
     budget = device_memory_budget(device_list) if memory_budget_bytes is None else memory_budget_bytes
     candidates = rank_candidates(config, (b, latent_shape[1], h, w), cfg, device_list, calibration, text_len=text_len,

@@ -62,7 +62,8 @@ def job_rank_memory(job, device: str, strategy=None, bytes_per_parameter: float 
     act = weight_bytes("default" if dtype.startswith("fp8") else dtype, device)  # fp8 computes in the default
     per_param = bytes_per_parameter or stored_bytes_per_parameter(job.model.path, dtype, act)
     return rank_memory(strategy or job.strategy, config, text_tokens=job.positive.cond.shape[1],
-                       image_tokens=(h // 2) * (w // 2), batch=b, cfg=job.sampling.cfg, weight_bytes=per_param,
+                       image_tokens=(h // config.patch_size) * (w // config.patch_size), batch=b, cfg=job.sampling.cfg,
+                       weight_bytes=per_param,
                        act_bytes=act)
 
 

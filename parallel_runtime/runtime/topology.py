@@ -90,8 +90,9 @@ class Topology:
 
 def validate_strategy(s: StrategySpec, *, world_size: int, heads: int | None = None,
                       num_blocks: int | None = None, latent_hw: tuple[int, int] | None = None,
-                      cfg_scale: float | None = None, steps: int | None = None) -> None:
-    """Raise ConfigError (one sentence naming the fix) for any request the runtime cannot split."""
+                      cfg_scale: float | None = None, steps: int | None = None, patch: int = 2) -> None:
+    """Raise ConfigError (one sentence naming the fix) for any request the runtime cannot split; `patch`: the
+    family's latent pixels per token side (2 for Flux's 2x2 patches, 1 for FLUX.2; a token is 16 px in both)."""
     for name in ("cfg_degree", "pipefusion_degree", "ulysses_degree", "ring_degree", "naive_patch_degree"):
         v = getattr(s, name)
         if not isinstance(v, int) or v < 1:
@@ -127,10 +128,10 @@ def validate_strategy(s: StrategySpec, *, world_size: int, heads: int | None = N
         raise ConfigError(f"steps={steps}; set steps to 1 or more.")
     if latent_hw is not None:
         h, w = latent_hw
-        if h % 2 or w % 2:
+        if h % patch or w % patch:
             raise ConfigError(f"latent {h}x{w} is not a multiple of Flux's 2x2 patch; use a width and height that are "
                               f"multiples of 16 pixels.")
-        rows, cols = h // 2, w // 2
+        rows, cols = h // patch, w // patch
         tokens = rows * cols
         sp = s.ring_degree * s.ulysses_degree * s.naive_patch_degree
         if s.pipefusion_degree > 1:
@@ -141,7 +142,7 @@ def validate_strategy(s: StrategySpec, *, world_size: int, heads: int | None = N
             tokens //= m  # each patch is split over the Ulysses ranks
         if tokens < sp:  # shards may differ by a row, but none may be empty
             raise ConfigError(f"the latent's {tokens} image tokens{' per pipeline patch' if s.pipefusion_degree > 1 else ''} "
-                              f"({h * 8}x{w * 8} px) are fewer than the {sp} ranks splitting them; generate a larger "
+                              f"({rows * 16}x{cols * 16} px) are fewer than the {sp} ranks splitting them; generate a larger "
                               f"image or lower the degrees.")
 
 
@@ -156,13 +157,13 @@ def latent_plane(spatial) -> tuple[int, int]:
     return math.prod(rows), cols
 
 
-def fit_to_latent(s: StrategySpec, latent_hw: tuple[int, int]) -> tuple[StrategySpec, str | None]:
+def fit_to_latent(s: StrategySpec, latent_hw: tuple[int, int], patch: int = 2) -> tuple[StrategySpec, str | None]:
     """The strategy for one model call whose latent may be smaller than the job's (an area conditioning crops the
     latent per cond): `s` where it fits, else the same devices as a pipeline of whole-image stages (PipeFusion
     with one patch: exact, splits no token) beside the same CFG split, and a sentence saying so. Stock KSampler
     raises nothing for a small area, so neither may the parallel MODEL."""
     try:
-        validate_strategy(s, world_size=s.world_size, latent_hw=latent_hw)
+        validate_strategy(s, world_size=s.world_size, latent_hw=latent_hw, patch=patch)
         return s, None
     except ConfigError:
         pass
@@ -170,7 +171,7 @@ def fit_to_latent(s: StrategySpec, latent_hw: tuple[int, int]) -> tuple[Strategy
     fallback = StrategySpec(cfg_degree=s.cfg_degree, pipefusion_degree=stages, num_pipeline_patch=1,
                             warmup_steps=max(1, s.warmup_steps))
     # Splits no token, so only a latent no strategy takes fails here (an odd size), with that one's sentence.
-    validate_strategy(fallback, world_size=fallback.world_size, latent_hw=latent_hw)
+    validate_strategy(fallback, world_size=fallback.world_size, latent_hw=latent_hw, patch=patch)
     h, w = latent_hw
-    return fallback, (f"a {w * 8}x{h * 8} px area is too small for {s.label()}, so its calls run as "
+    return fallback, (f"a {w // patch * 16}x{h // patch * 16} px area is too small for {s.label()}, so its calls run as "
                       f"{fallback.label()} (whole-image pipeline stages: exact, slower)")

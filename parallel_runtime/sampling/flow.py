@@ -65,6 +65,9 @@ class ChannelLatentFormat:
 
 FLUX_LATENT = LatentFormat("flux", FLUX_LATENT_SCALE, FLUX_LATENT_SHIFT)
 SD3_LATENT = LatentFormat("sd3", 1.5305, 0.0609)
+# comfy.latent_formats.Flux2: the 128-channel latent (the FLUX.2 VAE's 32 channels in 2x2 patches) as the VAE
+# gives it: scale 1, no shift.
+FLUX2_LATENT = LatentFormat("flux2", 1.0, 0.0)
 WAN21_LATENT = ChannelLatentFormat(
     "wan21",
     mean=(-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,

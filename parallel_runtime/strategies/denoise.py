@@ -113,6 +113,13 @@ def repeat_to_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
     return t
 
 
+def pad_prompt(cond: torch.Tensor, tokens: int) -> torch.Tensor:
+    """A prompt shorter than `tokens` padded at the front with zero tokens, as a family's ComfyUI model_base pads
+    it (FLUX.2's extra_conds, to 512); others as they are."""
+    short = tokens - cond.shape[1]
+    return torch.nn.functional.pad(cond, (0, 0, short, 0)) if short > 0 else cond
+
+
 def reference_tokens(adapter: DiTAdapter, references: tuple[torch.Tensor, ...], batch: int) -> torch.Tensor:
     """ReferenceLatent latents as packed image-stream tokens [B, R, C*p*p], as ComfyUI's model sees them:
     the latent format's process_in, the batch tiled, odd sizes padded circularly to the patch size."""
@@ -140,7 +147,8 @@ class Branches:
         def rep(t):  # ComfyUI repeats a batch-1 conditioning over the latent batch
             return t.expand(batch, *t.shape[1:]) if t.shape[0] == 1 and batch > 1 else t
 
-        self.cond = torch.cat([rep(c.cond) for c in conds]).to(device)
+        prompt = getattr(adapter, "prompt_tokens", 0)
+        self.cond = torch.cat([rep(pad_prompt(c.cond, prompt)) for c in conds]).to(device)
         self.pooled = torch.cat([rep(c.pooled) for c in conds]).to(device)
         guidance = [adapter.default_guidance if c.guidance is None else float(c.guidance) for c in conds]
         self.guidance = torch.cat([torch.full((batch,), g) for g in guidance]).to(device)
@@ -223,7 +231,7 @@ class Denoiser:
         cfg = self.adapter.config
         validate_strategy(s, world_size=self.topology.world_size, heads=cfg.num_heads,
                           num_blocks=cfg.num_blocks, latent_hw=latent_plane(spatial),
-                          cfg_scale=sp.cfg, steps=sp.steps)
+                          cfg_scale=sp.cfg, steps=sp.steps, patch=self.adapter.patch)
         validate_branches(job)
         self.step_times = []
 

@@ -34,7 +34,7 @@ class ModelCallForward(Denoiser):
         rows, _, *spatial = job.latent.shape  # (H, W), or (T, H, W) for a video
         s, cfg = job.strategy, self.adapter.config
         validate_strategy(s, world_size=self.topology.world_size, heads=cfg.num_heads, num_blocks=cfg.num_blocks,
-                          latent_hw=latent_plane(spatial), steps=1)
+                          latent_hw=latent_plane(spatial), steps=1, patch=self.adapter.patch)
         self.step_times, self.hw = [], tuple(spatial)
         # The call's chunks in ComfyUI's order (positive = first chunk, negative = second), `batch` rows each.
         chunks = [job.positive] + ([job.negative] if job.negative is not None else [])

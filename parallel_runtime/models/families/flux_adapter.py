@@ -75,20 +75,22 @@ def grid_ids(rows: int, cols: int, index: int = 0, row0: int = 0, col0: int = 0)
 
 
 def reference_placements(hw: tuple[int, int], references: tuple[tuple[int, int], ...],
-                         method: str | None) -> list[tuple[int, int, int, int, int]]:
+                         method: str | None, patch: int = 2,
+                         index_step: int = 1) -> list[tuple[int, int, int, int, int]]:
     """(rows, cols, index, row offset, col offset) of each reference latent's token grid, as
     comfy/ldm/flux/model.py places Kontext references. Sizes and offsets are in latent pixels, turned into
-    tokens by rounding up; "offset" (the default) tiles the references beside each other at index 1, "index"
-    stacks them at index 1, 2, ..., "uxo" puts them below-right of the image at index 0."""
+    tokens of `patch` pixels by rounding; "offset" (the default) tiles the references beside each other at
+    index 1, "index" stacks them at index_step, 2 x index_step, ... (ComfyUI's ref_index_scale: 1 for Kontext,
+    10 for FLUX.2), "uxo" puts them below-right of the image at index 0."""
     def tokens(n: int) -> int:
-        return (n + 1) // 2
+        return (n + patch // 2) // patch
 
     placed, h, w, index = [], 0, 0, 0
     for ref_h, ref_w in references:
         if method == "index":
-            index, off_h, off_w = index + 1, 0, 0
+            index, off_h, off_w = index + index_step, 0, 0
         elif method == "uxo":
-            index, off_h, off_w = 0, tokens(hw[0]) * 2 + h, tokens(hw[1]) * 2 + w
+            index, off_h, off_w = 0, tokens(hw[0]) * patch + h, tokens(hw[1]) * patch + w
             h, w = h + ref_h, w + ref_w
         else:
             index, off_h, off_w = 1, 0, 0

@@ -1,0 +1,158 @@
+"""FLUX.2 (dev, klein) on the workers: detection in ComfyUI's and diffusers' layouts, the serial model against
+diffusers' own Flux2Transformer2DModel on the same file, the strategies, the storage kinds and a LoRA.
+
+The reference loads the file with diffusers' single-file converter (convert_flux2_transformer_checkpoint_to_
+diffusers: nothing of the family module's key map) and feeds it as ComfyUI feeds its Flux model for FLUX.2: the
+prompt padded at the front to 512 zero tokens (model_base.Flux2.extra_conds), text ids (0, 0, 0, i), image ids
+(0, row, col, 0), reference ids (10 k, row, col, 0) for the k-th reference ("index", FLUX.2's default).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import rel_err
+from parallel_runtime.errors import ModelFileError
+from parallel_runtime.models.families.flux2 import Flux2Config
+from parallel_runtime.models.registry import detect_family
+from parallel_runtime.models.tiny import write_checkpoint
+from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec
+from parallel_runtime.spec import StrategySpec as S
+from parallel_runtime.validate import model_config
+
+pytestmark = pytest.mark.timeout(600)
+
+PREFIX = "model.diffusion_model."
+# dev-like (guidance embedder) and klein-like (none): 4 heads of 32 (RoPE axes 8 x 4), 2 double + 2 single
+# blocks, the SwiGLU 3x wide as released, a 64-wide prompt (Mistral's 15360 / Qwen3's 7680 in real files).
+DEV = Flux2Config(hidden_size=128, num_heads=4, head_dim=32, num_layers=2, num_single_layers=2, mlp_hidden=384,
+                  context_dim=64)
+KLEIN = dataclasses.replace(DEV, guidance_embeds=False)
+H, W = 6, 8  # latent height x width: 48 image tokens (a token per latent pixel)
+REF_SHAPES = ((4, 6), (5, 3))  # two reference latents: 24 + 15 reference tokens
+# One fp32 forward in another op order than diffusers': ~1e-6; exact strategies reorder sums (~1e-7 per op).
+SERIAL_RTOL, EXACT_RTOL = 1e-5, 1e-4
+STORAGE_RTOL = 1e-5  # the quantized file and its fp32 twin hold the same numbers (see tests/test_wan.py)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("flux2")
+    return {name: write_checkpoint(str(folder / f"flux2_{name}_tiny.safetensors"), config, seed=seed, prefix=PREFIX)
+            for name, config, seed in (("dev", DEV, 1), ("klein", KLEIN, 2))}
+
+
+def conditioning(seed: int, tokens: int = 7, references: bool = False) -> Conditioning:
+    g = torch.Generator().manual_seed(seed)
+    refs = tuple(torch.randn(1, 128, h, w, generator=g) for h, w in REF_SHAPES) if references else ()
+    return Conditioning(torch.randn(1, tokens, DEV.context_dim, generator=g), torch.zeros(1, 0), guidance=4.0,
+                        references=refs)
+
+
+def call_job(path: str, strategy: S, negative: bool = True, references: bool = False) -> Job:
+    """One stock-sampler call: cond and uncond rows, prompts of 7 and 11 tokens (both padded to 512)."""
+    g = torch.Generator().manual_seed(3)
+    rows = 2 if negative else 1
+    return Job(ModelSpec(path), strategy, SamplingSpec(steps=1), torch.randn(rows, 128, H, W, generator=g),
+               conditioning(1, references=references),
+               conditioning(2, tokens=11, references=references) if negative else None,
+               timestep=torch.tensor([0.87, 0.87][:rows]))
+
+
+# -- the reference ---------------------------------------------------------------------------------------
+
+
+def diffusers_model(path: str, config: Flux2Config):
+    from diffusers import Flux2Transformer2DModel
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    sd = {k.removeprefix(PREFIX): v for k, v in load_file(path).items()}
+    model = Flux2Transformer2DModel(**config.diffusers_kwargs())
+    model.load_state_dict(convert_flux2_transformer_checkpoint_to_diffusers(sd), strict=True)
+    return model.eval()
+
+
+def grid(rows: int, cols: int, index: float) -> torch.Tensor:
+    ids = torch.zeros(rows, cols, 4)
+    ids[..., 0] = index
+    ids[..., 1] = torch.arange(rows)[:, None]
+    ids[..., 2] = torch.arange(cols)[None, :]
+    return ids.reshape(-1, 4)
+
+
+@torch.no_grad()
+def reference_call(path: str, job: Job, config: Flux2Config) -> torch.Tensor:
+    model = diffusers_model(path, config)
+    out = []
+    for row, branch in enumerate(b for b in (job.positive, job.negative) if b is not None):
+        cond = torch.nn.functional.pad(branch.cond, (0, 0, 512 - branch.cond.shape[1], 0))
+        txt_ids = torch.zeros(512, 4)
+        txt_ids[:, 3] = torch.arange(512)
+        x = job.latent[row:row + 1].flatten(2).transpose(1, 2)
+        tokens, ids = [x], [grid(H, W, 0)]
+        for k, ref in enumerate(branch.references):
+            tokens.append(ref.flatten(2).transpose(1, 2))
+            ids.append(grid(*ref.shape[-2:], 10 * (k + 1)))
+        guidance = torch.tensor([branch.guidance]) if config.guidance_embeds else None
+        v = model(hidden_states=torch.cat(tokens, 1), encoder_hidden_states=cond, timestep=job.timestep[row:row + 1],
+                  img_ids=torch.cat(ids), txt_ids=txt_ids, guidance=guidance).sample[:, :H * W]
+        out.append(v.transpose(1, 2).reshape(1, 128, H, W))
+    return torch.cat(out)
+
+
+# -- detection -------------------------------------------------------------------------------------------
+
+
+def test_flux2_files_are_detected_in_both_layouts(files, tmp_path):
+    from parallel_runtime.weights.checkpoint import open_checkpoint
+
+    for name, config in (("dev", DEV), ("klein", KLEIN)):
+        with open_checkpoint(files[name]) as reader:
+            family, match = detect_family(reader.keys())
+        assert (family.name, match.layout, match.prefix) == ("flux2", "bfl", PREFIX)
+        assert model_config(files[name]) == config
+        twin = write_checkpoint(str(tmp_path / f"{name}_diffusers.safetensors"), config, seed=1, layout="diffusers",
+                                prefix="transformer.")
+        assert model_config(twin) == config
+    assert (DEV.variant, DEV.title, KLEIN.variant, KLEIN.title) == ("dev", "FLUX.2 dev", "klein", "FLUX.2 klein")
+    assert (DEV.axes_dims_rope, DEV.num_blocks, DEV.latent_channels, DEV.patch_size) == ((8, 8, 8, 8), 4, 128, 1)
+    released = dataclasses.replace(KLEIN, hidden_size=3072, num_heads=24, head_dim=128, context_dim=7680)
+    assert (released.title, released.text_encoders) == ("FLUX.2 klein 4B", "Qwen3 4B (CLIPLoader type flux2)")
+
+
+def test_flux2_look_alikes_are_refused_in_one_sentence(files, tmp_path):
+    sd = load_file(files["dev"])
+    biased = str(tmp_path / "biased.safetensors")
+    save_file({**sd, PREFIX + "img_in.bias": torch.zeros(128)}, biased)
+    with pytest.raises(ModelFileError, match="has FLUX.2's shared modulation but also 'img_in.bias'"):
+        model_config(biased)
+    wide = str(tmp_path / "wide_input.safetensors")
+    save_file({**sd, PREFIX + "img_in.weight": torch.zeros(128, 256)}, wide)
+    with pytest.raises(ModelFileError, match="reads 256 latent channels but predicts 128"):
+        model_config(wide)
+    # Flux.1's detection never takes a FLUX.2 file; one stripped of its modulation reads as a damaged Flux.1 file.
+    from parallel_runtime.models.families.flux import match_layout
+
+    assert match_layout(list(sd)) is None
+    headless = str(tmp_path / "no_modulation.safetensors")
+    save_file({k: v for k, v in sd.items() if "stream_modulation" not in k}, headless)
+    with pytest.raises(ModelFileError, match="so it is not a complete Flux.1 .* re-download it"):
+        model_config(headless)
+
+
+# -- one worker against diffusers --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,references", [("dev", False), ("dev", True), ("klein", True)],
+                         ids=["dev", "dev_references", "klein_references"])
+def test_flux2_one_worker_equals_diffusers(files, client1, name, references):
+    config = DEV if name == "dev" else KLEIN
+    job = call_job(files[name], S(), references=references)
+    out = client1.run(job).latent
+    assert out.shape == (2, 128, H, W)
+    err = rel_err(out, reference_call(files[name], job, config))
+    print(f"\nFLUX.2 {name}{' + references' if references else ''} serial rel. error {err:.2e}")
+    assert err < SERIAL_RTOL
