@@ -18,10 +18,11 @@ def families() -> list[ModelFamily]:
     from .families.lumina2 import LUMINA2
     from .families.pixart import PIXART
     from .families.qwen_image import QWEN_IMAGE
+    from .families.qwen_image21 import QWEN_IMAGE21
     from .families.sd3 import SD3
     from .families.wan import WAN
 
-    return [FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE, PIXART, WAN, LUMINA2]
+    return [FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, PIXART, WAN, LUMINA2]
 
 
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:

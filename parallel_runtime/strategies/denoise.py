@@ -318,9 +318,16 @@ class Denoiser:
         image = self.adapter.embed_image(x_in, index, self.hw)
         return image if refs is None else torch.cat([image, refs], dim=1)
 
-    @staticmethod
-    def _bias(branches: Branches) -> AttentionBias | None:
-        return None if branches.attention_mask is None else AttentionBias(branches.attention_mask)
+    def _bias(self, branches: Branches) -> AttentionBias | None:
+        """The additive attention bias of one forward pass over `branches`: ComfyUI's attention_mask, plus the
+        family's own mask over the canonical sequence where its attention has a fixed structure
+        (`adapter.sequence_bias`, e.g. Qwen-Image 2.1's block-causal prompt); None where neither applies."""
+        mask = branches.attention_mask
+        own = getattr(self.adapter, "sequence_bias", None)
+        if own is not None:
+            own = own(self._sequence_text_len(branches), self.hw, branches.reference_shapes)
+            mask = own if mask is None else mask + own
+        return None if mask is None else AttentionBias(mask)
 
     def _text(self, rows: range, branches: Branches | None = None) -> torch.Tensor:
         """This rank's embedded prompt rows. A family whose prompt embedding mixes its tokens (Lumina 2's context

@@ -25,7 +25,8 @@ from .storage import KeptLinear
 
 # `general.architecture` values of the image models ComfyUI-GGUF converts (its IMG_ARCH_LIST) and the names
 # users know them by; any other value is a text encoder, an LLM or a vision tower.
-IMAGE_ARCHITECTURES = {"flux": "Flux", "sd3": "SD3", "qwen_image": "Qwen-Image", "chroma": "Chroma",
+IMAGE_ARCHITECTURES = {"flux": "Flux", "sd3": "SD3", "qwen_image": "Qwen-Image",
+                       "qwen_image21": "Qwen-Image 2.1", "chroma": "Chroma",
                        "pixart": "PixArt", "sd1": "SD1.x", "sdxl": "SDXL", "aura": "AuraFlow",
                        "hidream": "HiDream", "cosmos": "Cosmos", "ltxv": "LTX-Video", "hyvid": "HunyuanVideo",
                        "wan": "Wan", "lumina2": "Lumina 2"}
