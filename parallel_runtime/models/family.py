@@ -295,6 +295,49 @@ def _block_list_sizes(family: DiTFamily, config) -> tuple[int, ...]:
     return tuple(len(getattr(model, attr)) for attr in family.block_lists)
 
 
+@dataclass(frozen=True)
+class KnownUnsupported:
+    """A model family ParaDiT knows but does not run: found by its signature keys (all under one prefix, none of
+    `absent` there), refused before any work in one sentence naming it (`what`) and what the user can do (`fix`)."""
+
+    what: str
+    keys: tuple[str, ...]
+    fix: str
+    absent: tuple[str, ...] = ()
+
+    def found_in(self, key_set: set[str]) -> bool:
+        return any(all(p + k in key_set for k in self.keys) and not any(p + k in key_set for k in self.absent)
+                   for p in ("", "model.diffusion_model.", "diffusion_model.", "transformer."))
+
+
+_LTX_FIX = ("load it with UNETLoader{} (ComfyUI's own multi-GPU CFG split works for it) and choose a family ParaDiT "
+            "runs for Load Parallel DiT")
+# In order: the first match names the file (LTX-2's keys include LTX-Video's). LTX-Video's diffusers-layout keys
+# (adaln_single, caption_projection, transformer_blocks) also fit PixArt's, so these are checked before any family.
+KNOWN_UNSUPPORTED = (
+    KnownUnsupported("an LTX-2 / LTX-2.3 audio-video model (Lightricks)",
+                     ("adaln_single.emb.timestep_embedder.linear_1.bias", "audio_adaln_single.linear.weight"),
+                     _LTX_FIX.format(" on a ComfyUI new enough to know it")),
+    KnownUnsupported("an LTX-2 / LTX-2.3 audio-video model (Lightricks, diffusers layout)",
+                     ("audio_time_embed.linear.weight", "audio_proj_in.weight", "proj_in.weight"),
+                     _LTX_FIX.format(" on a ComfyUI new enough to know it")),
+    KnownUnsupported("an LTX-Video (LTXV 0.9.x) model (Lightricks)",
+                     ("adaln_single.emb.timestep_embedder.linear_1.bias", "transformer_blocks.0.attn2.to_k.weight"),
+                     _LTX_FIX.format(""), absent=("pos_embed.proj.bias",)),  # PixArt-diffusers has pos_embed
+    KnownUnsupported("an LTX-Video (LTXV 0.9.x) model (Lightricks, diffusers layout)",
+                     ("time_embed.emb.timestep_embedder.linear_1.bias", "scale_shift_table", "proj_in.weight",
+                      "caption_projection.linear_1.weight"), _LTX_FIX.format("")),
+)
+
+
+def refuse_known_unsupported(keys: list[str], name: str) -> None:
+    """One sentence for a file of a family ParaDiT knows but does not run (KNOWN_UNSUPPORTED), else nothing."""
+    key_set = set(keys)
+    for known in KNOWN_UNSUPPORTED:
+        if known.found_in(key_set):
+            raise ModelFileError(f"{name} is {known.what}, which ParaDiT does not run yet; {known.fix}.")
+
+
 def describe_keys(keys: list[str]) -> str:
     """A short guess at what a checkpoint no family claims is, for the error message."""
     joined = "\n".join(keys[:5000])

@@ -7,7 +7,7 @@ import os
 from typing import Iterable
 
 from ..errors import ModelFileError
-from .family import Match, ModelFamily, describe_keys
+from .family import Match, ModelFamily, describe_keys, refuse_known_unsupported
 
 
 def families() -> list[ModelFamily]:
@@ -28,6 +28,7 @@ def families() -> list[ModelFamily]:
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:
     """The family and key layout of a checkpoint, or one sentence naming what the file looks like."""
     keys = list(keys)
+    refuse_known_unsupported(keys, name)
     for family in families():
         match = family.match(keys)
         if match is not None:
