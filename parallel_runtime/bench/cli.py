@@ -129,15 +129,19 @@ def parse_resolution(text: str) -> tuple[int, int]:
 
 
 def bench_latent(config, width: int, height: int, frames: int | None) -> tuple[tuple, int]:
-    """The bench's latent shape and its token count: [1, C, H/8, W/8] for an image model; [1, C, T, H/8, W/8] for a
-    video model, T latent frames for `frames` video frames (VIDEO_SIZE's 81 when not given)."""
-    rows, cols = height // 8, width // 8
+    """The bench's latent shape and its token count: [1, C, H/8, W/8] for an image model (H/16, W/16 where the VAE
+    compresses 16x: config.latent_downscale); [1, C, T, H/8, W/8] for a video model, T latent frames for `frames`
+    video frames (VIDEO_SIZE's 81 when not given). Tokens are the family's patches of the latent."""
+    from ..models.registry import family_of
+
+    down, p = getattr(config, "latent_downscale", 8), family_of(config).adapter_class.patch
+    rows, cols = height // down, width // down
     if not config.video:
         if frames is not None:
             raise SystemExit("--frames is for video models (e.g. --family wan)")
-        return (1, config.latent_channels, rows, cols), (rows // 2) * (cols // 2)
+        return (1, config.latent_channels, rows, cols), (rows // p) * (cols // p)
     t = latent_frames(frames or VIDEO_SIZE["frames"])
-    return (1, config.latent_channels, t, rows, cols), t * (rows // 2) * (cols // 2)
+    return (1, config.latent_channels, t, rows, cols), t * (rows // p) * (cols // p)
 
 
 def main(argv: list[str] | None = None) -> int:

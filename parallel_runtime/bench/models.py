@@ -6,6 +6,7 @@ from ..models.families.chroma import ChromaConfig
 from ..models.families.flux import FluxConfig
 from ..models.families.pixart import PixArtConfig
 from ..models.families.qwen_image import QwenImageConfig
+from ..models.families.qwen_image21 import QwenImage21Config
 from ..models.families.sd3 import SD3Config
 from ..models.families.wan import WanConfig
 from ..models.tiny import TINY
@@ -31,6 +32,9 @@ BENCH_FAMILIES = {
                              dual_attention_layers=(0, 1, 2)),
     # Qwen-Image: joint double-stream blocks only (60 in the release), its own RoPE; 4 heads of 64 here.
     "qwen_image": QwenImageConfig(hidden_size=256, num_heads=4, head_dim=64, num_layers=6, context_dim=64),
+    # Qwen-Image 2.1: single-stream block-causal blocks (32 in the release) over 64-channel latents, one token per
+    # latent pixel of its 16x VAE; 4 heads of 64 here.
+    "qwen_image21": QwenImage21Config(hidden_size=256, num_heads=4, head_dim=64, num_layers=6, context_dim=64),
     # PixArt-Σ: image-only self-attention plus cross-attention to the prompt; PixArt's 72-wide heads, 4 of them.
     "pixart": PixArtConfig(hidden_size=288, num_layers=6, micro_condition=False, caption_channels=64),
     # Wan 2.1 1.3B's block (self-attention over the video, cross-attention to the umT5 prompt, MLP of the 1.3B's
@@ -52,6 +56,8 @@ RELEASE_SHAPES = {
                               dual_attention_layers=tuple(range(13))), "SD3.5 Medium shapes (width 1536, 24 blocks)"),
     "qwen_image": (QwenImageConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=60),
                    "Qwen-Image shapes (width 3072, 60 blocks)"),
+    "qwen_image21": (QwenImage21Config(hidden_size=4096, num_heads=32, head_dim=128, num_layers=32),
+                     "Qwen-Image 2.1 shapes (width 4096, 32 heads, 32 blocks, MLP 3x)"),
     "pixart": (PixArtConfig(hidden_size=1152, num_layers=28, micro_condition=False),
                "PixArt-Σ shapes (width 1152, 28 blocks)"),
     "wan": (WanConfig(hidden_size=5120, num_layers=40, ffn_dim=13824),

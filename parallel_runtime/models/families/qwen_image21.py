@@ -86,6 +86,7 @@ class QwenImage21Config(QwenImageConfig):
     variant = "qwen_image21"
     text_encoders = "the Qwen-Image 2.1 text encoder (Qwen3-VL 8B, TextEncodeQwenImage21)"
     latent_dimensions = 2
+    latent_downscale = 16  # pixels per latent pixel (the 2.1 VAE's), one token each
     latent_format = QWEN_IMAGE21_LATENT
 
     @property
