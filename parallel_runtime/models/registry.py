@@ -21,8 +21,9 @@ def families() -> list[ModelFamily]:
     from .families.qwen_image21 import QWEN_IMAGE21
     from .families.sd3 import SD3
     from .families.wan import WAN
+    from .families.z_image import Z_IMAGE
 
-    return [FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, PIXART, WAN, LUMINA2]
+    return [FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, PIXART, WAN, Z_IMAGE, LUMINA2]
 
 
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:

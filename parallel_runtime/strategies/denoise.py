@@ -44,9 +44,11 @@ class TokenLayout:
     """Which text, image and reference rows sequence-parallel rank `i` of `shards` holds.
 
     The canonical sequence is [text, image, references]: reference tokens (Kontext's ReferenceLatent) run
-    through every block like image tokens but are not sampled. Every part is cut into near-equal runs (the
-    first shards one row longer), per patch and shard, so no resolution has to suit the degree: Qwen-Image's
-    1328 px is 83 x 83 tokens. Ulysses and Ring take per-shard lengths; the result gather takes whole rows.
+    through every block like image tokens but are not sampled; `ref_len` also counts the learned pad rows a family
+    appends to the image stream after them (Z-Image's), which run and are split like reference rows. Every part
+    is cut into near-equal runs (the first shards one row longer), per patch and shard, so no resolution has to
+    suit the degree: Qwen-Image's 1328 px is 83 x 83 tokens. Ulysses and Ring take per-shard lengths; the result
+    gather takes whole rows.
     """
 
     text_len: int
@@ -169,18 +171,22 @@ class Branches:
         self.clip_vision = (torch.cat([rep(c.clip_vision.float()) for c in conds]).to(device)
                             if first.clip_vision is not None else None)
         self.attention_mask = _attention_masks(conds, batch, device)
+        # Rows of the embedded prompt (a family may pad it with learned tokens: adapter.prompt_rows) and the learned
+        # pad rows the family appends to an image stream of n rows (adapter.stream_pad; none by default).
+        self.text_len = getattr(adapter, "prompt_rows", lambda n: n)(self.cond.shape[1])
+        self._stream_pad = getattr(adapter, "stream_pad", lambda n: 0)
 
     def with_concat(self, x_rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The model's input tokens for these rows: the latent's, then the c_concat channels of the same rows."""
         return x_rows if self.concat is None else torch.cat([x_rows, self.concat[:, index]], dim=-1)
 
     @property
-    def text_len(self) -> int:
-        return self.cond.shape[1]
-
-    @property
     def ref_len(self) -> int:
         return 0 if self.references is None else self.references.shape[1]
+
+    def extra_len(self, image_len: int) -> int:
+        """Image-stream rows after the image's own: reference tokens, then the family's learned pad rows."""
+        return self.ref_len + self._stream_pad(image_len + self.ref_len)
 
 
 def _attention_masks(conds: list[Conditioning], batch: int, device) -> torch.Tensor | None:
@@ -303,11 +309,20 @@ class Denoiser:
                                  branches.reference_method)
 
     def _references(self, branches: Branches, layout: TokenLayout, patches: list[int]) -> torch.Tensor | None:
-        """This rank's embedded reference tokens for these patches (fixed for the whole job: embed once)."""
-        if branches.references is None:
+        """This rank's embedded reference tokens and learned pad rows (adapter.pad_rows) for these patches, in
+        the layout's [references, pads] order (fixed for the whole job: embed once)."""
+        if layout.ref_len == 0:
             return None
-        index = layout.ref_index(self.shard, patches, branches.references.device)
-        return self.adapter.embed_image(branches.references[:, index], layout.image_len + index, self.hw)
+        index = layout.ref_index(self.shard, patches, self.adapter.device)
+        if branches.ref_len == layout.ref_len:  # no pad rows
+            return self.adapter.embed_image(branches.references[:, index], layout.image_len + index, self.hw)
+        rows = self.adapter.pad_rows(len(index), branches.cond.shape[0])
+        if branches.ref_len:
+            real = index < branches.ref_len
+            rows = rows.clone()
+            rows[:, real] = self.adapter.embed_image(branches.references[:, index[real]],
+                                                     layout.image_len + index[real], self.hw)
+        return rows
 
     def _image_stream(self, i: int, x_rows: torch.Tensor, index: torch.Tensor, refs: torch.Tensor | None,
                       branches: Branches | None = None) -> torch.Tensor:
@@ -343,7 +358,7 @@ class Denoiser:
         naive = self.topology.naive_patch > 1
         self.layout = TokenLayout(text_len=self._sequence_text_len(branches), image_len=image_len, patches=patches,
                                   shards=self.topology.naive_patch if naive else self.topology.sp,
-                                  split_text=not naive, ref_len=branches.ref_len)
+                                  split_text=not naive, ref_len=branches.extra_len(image_len))
         self.shard = self.coords["naive_patch"] if naive else self.topology.sp_rank(self.rank)
 
     def _temb(self, i: int, branches: Branches | None = None) -> torch.Tensor:
@@ -459,7 +474,8 @@ class Denoiser:
         """(joint attention, image-only attention, RoPE rows, embedded text rows, embedded reference rows) of
         this rank for one forward pass over `branches`: its prompt and reference lengths decide the shards
         and every position after them."""
-        layout = dataclasses.replace(self.layout, text_len=self._sequence_text_len(branches), ref_len=branches.ref_len)
+        layout = dataclasses.replace(self.layout, text_len=self._sequence_text_len(branches),
+                                     ref_len=branches.extra_len(self.layout.image_len))
         me, bias = self.shard, self._bias(branches)
         if self.topology.naive_patch > 1:
             mine = layout.positions(me, [0], device)

@@ -12,12 +12,15 @@ prompt with local attention wherever the prompt is embedded, and each rank takes
 The module tree keeps ComfyUI's parameter names, so ComfyUI-layout files map one to one and LoRA keys land
 without translation. Sampling is ModelSamplingDiscreteFlow (shift 6, multiplier 1) on Flux's latent format
 (supported_models.Lumina2); ComfyUI's NextDiT reads t = 1 - sigma and returns the negated head output.
-Z-Image (pad tokens, another RoPE and modulation) is refused: this host's ComfyUI does not run it.
+Z-Image files (NextDiT with learned pad tokens and another modulation, `z_image_keys`) are z_image.py's, which
+reuses this module's adapter through its small hooks (`_qkv`, `_out`, `_x_embedder`, `_final_layer`,
+`_embed_prompt`, `_sequence_ids`).
 """
 from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +43,16 @@ LAST_STAGE = ("final_layer.", "norm_final.")  # norm_final: unused by ComfyUI's 
 BLOCK_LISTS = ("noise_refiner", "layers")
 NOISE_REFINER = BlockKind("noise_refiner", ("image",))
 NORM_EPS = 1e-5  # NextDiT's default; ComfyUI's detection does not change it
+_Z_IMAGE_MODULATION = re.compile(r"(noise_refiner|layers)\.\d+\.adaLN_modulation\.0\.weight$")
+
+
+def z_image_keys(keys: list[str], prefix: str) -> bool:
+    """Whether a NextDiT file is Z-Image's: its learned pad tokens, or its modulation (one Linear without SiLU,
+    so `adaLN_modulation.0`) where Lumina 2 has `adaLN_modulation.1` (ComfyUI's z_image_modulation)."""
+    key_set = set(keys)
+    if prefix + "cap_pad_token" in key_set or prefix + "x_pad_token" in key_set:
+        return True
+    return any(_Z_IMAGE_MODULATION.match(k[len(prefix):]) for k in keys if k.startswith(prefix))
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,9 @@ class Lumina2Config(JointAttentionConfig):
     pooled_dim = 0
     text_encoders = "Gemma 2 2B (CLIPLoader type lumina2)"
     num_single_layers = 0
+    rope_theta = 10000.0
+    time_scale = 1.0  # NextDiT's t_embedder reads (1 - sigma) x time_scale
+    sampling_shift = 6.0  # ModelSamplingDiscreteFlow's shift (supported_models)
 
     def __post_init__(self):
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads or self.head_dim % 6:
@@ -107,11 +123,12 @@ class Lumina2Config(JointAttentionConfig):
 # -- checkpoint layout --------------------------------------------------------------------------------
 
 def match_layout(keys: list[str]) -> Match | None:
-    """`cap_embedder.1.weight` (what ComfyUI's detection keys Lumina 2 on) beside NextDiT's block lists."""
+    """`cap_embedder.1.weight` (what ComfyUI's detection keys Lumina 2 on) beside NextDiT's block lists, in a file
+    without Z-Image's keys."""
     key_set = set(keys)
     for prefix in BFL_PREFIXES:
         if (prefix + "cap_embedder.1.weight" in key_set and has_block(keys, prefix, "layers")
-                and has_block(keys, prefix, "noise_refiner")):
+                and has_block(keys, prefix, "noise_refiner") and not z_image_keys(keys, prefix)):
             return Match("comfy", prefix)
     return None
 
@@ -119,9 +136,6 @@ def match_layout(keys: list[str]) -> Match | None:
 def infer_config(reader, match: Match, name: str) -> Lumina2Config:
     p = match.prefix
     name = name or os.path.basename(getattr(reader, "path", "checkpoint"))
-    if p + "cap_pad_token" in reader or p + "x_pad_token" in reader:
-        raise ModelFileError(f"{name} is a Z-Image model, which ParaDiT does not run yet (and this ComfyUI cannot "
-                             f"load); choose a Lumina Image 2.0 file or load it with UNETLoader on a newer ComfyUI.")
     shape = tensor_shapes(reader, p, name, "a complete Lumina 2 DiT")
     dim, patch_in = shape("x_embedder.weight")
     head_dim = shape("layers.0.attention.q_norm.weight")[0]
@@ -237,7 +251,7 @@ def block_inputs(config: Lumina2Config, text: int, image: int, generator: torch.
 
     cols = max(1, int(image ** 0.5))
     ids = sequence_ids(text, -(-image // cols), cols)[:text + image]
-    rope = FluxPosEmbed(theta=10000, axes_dim=list(config.rope_axes))(ids)
+    rope = FluxPosEmbed(theta=config.rope_theta, axes_dim=list(config.rope_axes))(ids)
     h = config.hidden_size
     return (torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator),
             torch.randn(1, config.adaln_dim, generator=generator), rope)
@@ -262,14 +276,31 @@ class Lumina2Adapter:
 
     @functools.cached_property
     def model_sampling(self):
-        return FluxModelSampling(6.0, 1.0, kind="discrete_flow")  # supported_models.Lumina2: shift 6, multiplier 1
+        # supported_models.Lumina2: shift 6, multiplier 1 (ZImage: shift 3)
+        return FluxModelSampling(self.config.sampling_shift, 1.0, kind="discrete_flow")
 
     def rope(self, text_len: int, h: int, w: int, references=(), method=None):
         """cos/sin of patchify_and_embed's ids over [prompt, image] (Flux's EmbedND formula, pairs interleaved)."""
+        return self._rope_table(self._sequence_ids(text_len, (h + 1) // 2, (w + 1) // 2))
+
+    def _rope_table(self, ids: torch.Tensor):
         from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
-        ids = sequence_ids(text_len, (h + 1) // 2, (w + 1) // 2).to(self.device)
-        return FluxPosEmbed(theta=10000, axes_dim=list(self.config.rope_axes))(ids)
+        return FluxPosEmbed(theta=self.config.rope_theta, axes_dim=list(self.config.rope_axes))(ids.to(self.device))
+
+    # Hooks a NextDiT relative (Z-Image) replaces: its position ids, module names and prompt embedding.
+    _sequence_ids = staticmethod(sequence_ids)
+
+    @property
+    def _x_embedder(self) -> nn.Module:
+        return self.model.x_embedder
+
+    @property
+    def _final_layer(self) -> nn.Module:
+        return self.model.final_layer
+
+    def _embed_prompt(self, cond: torch.Tensor) -> torch.Tensor:
+        return self.model.cap_embedder(cond.to(self.device, self.dtype))
 
     # -- embeddings ------------------------------------------------------------------------------------
 
@@ -278,25 +309,23 @@ class Lumina2Adapter:
         b, n, _ = tokens.shape
         c = self.config.in_channels
         tokens = tokens.reshape(b, n, c, 2, 2).permute(0, 1, 3, 4, 2).reshape(b, n, 4 * c)
-        return self.model.x_embedder(tokens.to(self.device, self.dtype))
+        return self._x_embedder(tokens.to(self.device, self.dtype))
 
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
         """cap_embedder, then the unmodulated context refiner: the whole prompt over itself with its RoPE rows
         (ids (i, 0, 0)). It reads no timestep, so it runs once per job, on every rank that embeds the prompt, with
         plain local attention; strategies then take their rows of it (embeds_whole_prompt)."""
-        from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-
-        text = self.model.cap_embedder(cond.to(self.device, self.dtype))
-        rope = FluxPosEmbed(theta=10000, axes_dim=list(self.config.rope_axes))(
-            sequence_ids(text.shape[1], 0, 0).to(self.device))
+        text = self._embed_prompt(cond)
+        rope = self._rope_table(self._sequence_ids(text.shape[1], 0, 0))
         attend = LocalAttention()
         for j, block in enumerate(self.model.context_refiner):
             text = self._block(block, text, None, rope, functools.partial(attend, layer=self.config.num_blocks + j))
         return text
 
     def timestep_embedding(self, t: torch.Tensor, pooled: torch.Tensor, guidance, hw=None):
-        """NextDiT's adaLN input: t_embedder of 1 - t (t = sigma x multiplier 1), the sinusoid in float32."""
-        t = 1.0 - t.to(self.device).flatten()
+        """NextDiT's adaLN input: t_embedder of (1 - t) x time_scale (t = sigma x multiplier 1), the sinusoid in
+        float32."""
+        t = (1.0 - t.to(self.device).flatten()) * self.config.time_scale
         return self.model.t_embedder.mlp(timestep_sinusoid(t).to(self.dtype))
 
     # -- blocks and head -------------------------------------------------------------------------------
@@ -339,22 +368,32 @@ class Lumina2Adapter:
         return x + gated(block.ffn_norm2(ff.w2(F.silu(ff.w1(h)) * ff.w3(h))), gate_mlp)
 
     def _attention(self, attn: _Attention, x: torch.Tensor, rope, attend) -> torch.Tensor:
-        """JointAttention: fused qkv, per-head RMS norms, RoPE, key/value heads repeated to every query head (GQA)."""
+        """JointAttention: per-head q/k RMS norms (`_qkv`), RoPE, key/value heads repeated to every query head
+        (GQA)."""
         from diffusers.models.embeddings import apply_rotary_emb
 
+        q, k, v = self._qkv(attn, x)
+        q = apply_rotary_emb(q, rope, sequence_dim=1)
+        k = apply_rotary_emb(k, rope, sequence_dim=1)
+        rep = self.config.num_heads // self.config.num_kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        return self._out(attn, attend(q, k, v).flatten(2, 3).to(x.dtype))
+
+    def _qkv(self, attn: _Attention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, L, heads, head_dim] queries, keys and values from the fused qkv, queries and keys RMS-normed."""
         c = self.config
         q, k, v = attn.qkv(x).split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                                      c.num_kv_heads * c.head_dim], dim=-1)
         q, k, v = (t.unflatten(-1, (-1, c.head_dim)) for t in (q, k, v))
-        q = apply_rotary_emb(attn.q_norm(q), rope, sequence_dim=1)
-        k = apply_rotary_emb(attn.k_norm(k), rope, sequence_dim=1)
-        rep = c.num_heads // c.num_kv_heads
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        return attn.out(attend(q, k, v).flatten(2, 3).to(x.dtype))
+        return attn.q_norm(q), attn.k_norm(k), v
+
+    def _out(self, attn: _Attention, y: torch.Tensor) -> torch.Tensor:
+        return attn.out(y)
 
     def head(self, image: torch.Tensor, temb, rope=None) -> torch.Tensor:
         """FinalLayer (affine-free LayerNorm, scale only), negated as NextDiT returns it, in pack's (c, ph, pw)."""
-        final = self.model.final_layer
+        final = self._final_layer
         scale = final.adaLN_modulation(temb).unsqueeze(1)
         out = final.linear(F.layer_norm(image, (image.shape[-1],), eps=1e-6) * (1 + scale))
         return channels_first(-out.float(), self.patch, self.config.in_channels)
