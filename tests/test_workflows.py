@@ -40,7 +40,8 @@ WORKFLOWS = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pip
              "flux_dev_hybrid", "flux_schnell", "chroma_ulysses", "sd35_large_cfg_parallel", "kontext_dev_ulysses",
              "qwen_image_hybrid", "pixart_sigma_hybrid", "flux_dev_ksampler", "flux_dev_controlnet",
              "flux_fill_inpaint", "wan21_t2v_ulysses", "wan21_i2v_cfg_parallel", "wan22_14b_t2v_two_experts",
-             "wan22_5b_ti2v")
+             "wan22_5b_ti2v", "lumina2_cfg_parallel", "z_image_turbo_ulysses", "flux2_dev_ulysses", "flux2_klein_4b_ring",
+             "qwen_image21_ulysses", "hunyuan_video15_t2v_cfg_parallel")
 FLUX_HEADS, FLUX_BLOCKS = 24, 19 + 38  # FLUX.1 dev/schnell: 19 double + 38 single blocks
 FLUX_UNETS = ("flux1-dev.safetensors", "flux1-schnell.safetensors")
 STRATEGY_WORDS = ("auto", "ulysses", "ring", "pipefusion", "cfg_parallel", "hybrid")  # the end of a workflow's name
@@ -100,6 +101,66 @@ WAN_CLIP = {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan"
 # (comfy_extras/nodes_hunyuan.py, nodes_wan.py); frames are 4 to a latent frame, plus the first.
 WAN_VAES = {"wan_2.1_vae.safetensors": (16, 8), "wan2.2_vae.safetensors": (48, 16)}
 WAN_LATENTS = {"EmptyHunyuanLatentVideo": (16, 8), "WanImageToVideo": (16, 8), "Wan22ImageToVideoLatent": (48, 16)}
+# Newer families, each workflow shaped like one ComfyUI template (comfyui-workflow-templates-json 0.1.123, read by
+# test_family_workflow_is_its_template_on_load_parallel_dit): `instances`, the subgraph instances flattened into the
+# workflow (their inner node ids kept); `loader`, the template's diffusion-model loader our Load Parallel DiT stands
+# for (a CheckpointLoaderSimple keeps giving CLIP and VAE, and Load Parallel DiT reads the same file under a new id);
+# `left_out`, the template's nodes the workflow does without (switches set off, primitives whose values the widgets
+# hold, model patches and bypassed stages; each workflow's Read me says why); `replaced`, a template node of
+# another class under the same id. Model shapes for validate_strategy: heads, and blocks as the pipeline splits them.
+# Every family here has 16 px tokens (a 2x2 patch of an 8x latent, or one latent pixel of a 16x one); `latent` gives
+# (node, width, height[, frames]); `sampling` the sampler's settings (KSampler, or for SamplerCustomAdvanced the
+# scheduler's steps, its sampler and the guider's cfg); cfg 1 (the distilled ones) never splits CFG.
+FAMILIES = {
+    "lumina2_": dict(  # image_netayume_lumina_t2i: NetaYume Lumina 3.5, a Lumina Image 2.0 NextDiT (2304 wide)
+        template="image_netayume_lumina_t2i", instances=(48,), loader=34,
+        unet="NetaYumev35_pretrained_all_in_one.safetensors", heads=24, blocks=2 + 26,  # noise refiner + layers
+        clip=("CheckpointLoaderSimple", {"ckpt_name": "NetaYumev35_pretrained_all_in_one.safetensors"}), vae=None,
+        latent=("EmptySD3LatentImage", 1024, 1024),
+        sampling=dict(steps=30, cfg=4.0, sampler_name="res_multistep", scheduler="simple"),
+        shift=("ModelSamplingAuraFlow", 4.0),
+        left_out={49, 51, 52, 40, 41, 42}),  # the prompts' concatenation: its text is in the two encoders
+    "z_image_turbo_": dict(  # image_z_image_turbo: 6B single-stream, 30 heads of 128 (3840 wide), distilled to 8 steps
+        template="image_z_image_turbo", instances=(57,), loader=28,
+        unet="z_image_turbo_bf16.safetensors", heads=30, blocks=2 + 30,
+        clip=("CLIPLoader", {"clip_name": "qwen_3_4b.safetensors", "type": "lumina2", "device": "default"}),
+        vae="ae.safetensors", latent=("EmptySD3LatentImage", 1024, 1024),
+        sampling=dict(steps=8, cfg=1.0, sampler_name="res_multistep", scheduler="simple"),
+        shift=("ModelSamplingAuraFlow", 3.0), left_out=set()),
+    "flux2_dev_": dict(  # image_flux2_text_to_image (Turbo LoRA switch off): 32B, 48 heads, 8 double + 48 single
+        template="image_flux2_text_to_image", instances=(98,), loader=12,
+        unet="flux2_dev_fp8mixed.safetensors", heads=48, blocks=8 + 48,
+        clip=("CLIPLoader", {"clip_name": "mistral_3_small_flux2_bf16.safetensors", "type": "flux2",
+                             "device": "default"}),
+        vae="full_encoder_small_decoder.safetensors", latent=("EmptyFlux2LatentImage", 1024, 1024),
+        sampling=dict(steps=20, cfg=1.0, sampler_name="euler"), guidance=4.0, shift=None,
+        left_out={99, 100, 101, 102, 103, 104}),  # the Turbo LoRA and its switches
+    "flux2_klein_4b_": dict(  # image_flux2_klein_text_to_image, its (bypassed) distilled subgraph: 24 heads, 5 + 20
+        template="image_flux2_klein_text_to_image", instances=(77,), loader=70,
+        unet="flux-2-klein-4b.safetensors", heads=24, blocks=5 + 20,
+        clip=("CLIPLoader", {"clip_name": "qwen_3_4b.safetensors", "type": "flux2", "device": "default"}),
+        vae="flux2-vae.safetensors", latent=("EmptyFlux2LatentImage", 1024, 1024),
+        sampling=dict(steps=4, cfg=1.0, sampler_name="euler"), shift=None,
+        left_out={75, 9, -76, 68, 69}),  # the base model's subgraph and Save Image; the prompt and size primitives
+    "qwen_image21_": dict(  # image_qwen_image_2_1_t2i (prompt enhancer off): 32 heads of 128, 32 blocks
+        template="image_qwen_image_2_1_t2i", instances=(459,), loader=451, replaced={461: "SaveImageAdvanced"},
+        unet="qwen_image_2.1_int8_convrot.safetensors", heads=32, blocks=32,
+        clip=("CLIPLoader", {"clip_name": "qwen3vl_8b_int8_convrot.safetensors", "type": "qwen_image",
+                             "device": "default"}),
+        vae="qwen_image_2.1_vae_bf16.safetensors", latent=("EmptyLatentImage", 1024, 1024),
+        sampling=dict(steps=25, cfg=1.0, sampler_name="euler", scheduler="simple"), shift=None,
+        # the resolution selector, the KV-cache patch, and the prompt enhancer with its switch
+        left_out={13, 480, 471, 472, 473, 474, 475}),
+    "hunyuan_video15_t2v_": dict(  # video_hunyuan_video_1.5_720p_t2v: 8.3B, 16 heads of 128, 54 blocks
+        template="video_hunyuan_video_1.5_720p_t2v", instances=(), loader=12,
+        unet="hunyuanvideo1.5_720p_t2v_fp16.safetensors", heads=16, blocks=54,
+        clip=("DualCLIPLoader", {"clip_name1": "qwen_2.5_vl_7b_fp8_scaled.safetensors",
+                                 "clip_name2": "byt5_small_glyphxl_fp16.safetensors", "type": "hunyuan_video_15",
+                                 "device": "default"}),
+        vae="hunyuanvideo15_vae_fp16.safetensors", latent=("EmptyHunyuanVideo15Latent", 1280, 720, 121),
+        sampling=dict(steps=20, cfg=6.0, sampler_name="euler", scheduler="simple"), shift=("ModelSamplingSD3", 7.0),
+        fps=24.0, codec="h264", left_out=set()),  # its bypassed EasyCache and 1080p stage are left out as bypassed
+}
 
 # Core ComfyUI nodes the workflows may use (as of ComfyUI a125cd8): widget inputs in order, socket inputs
 # in order, output types. UI-only nodes (notes) have no API twin.
@@ -141,6 +202,24 @@ CORE = {
     "CreateVideo": (["fps"], {"images": "IMAGE", "audio": "AUDIO"}, ["VIDEO"]),
     "SaveVideo": (["filename_prefix", "format", "codec"], {"video": "VIDEO"}, []),
     "VAELoader": (["vae_name"], {}, ["VAE"]),
+    "CheckpointLoaderSimple": (["ckpt_name"], {}, ["MODEL", "CLIP", "VAE"]),  # nodes.py (Lumina's all-in-one file)
+    # The newer families' templates (ComfyUI 2026): AuraFlow's shift (nodes_model_advanced.py), FLUX.2's latent and
+    # schedule (nodes_flux.py), HunyuanVideo 1.5's latent (nodes_hunyuan.py), Qwen-Image 2.1's prompt encoder
+    # (nodes_qwen.py; its autogrow reference images left unconnected), and the custom-sampling nodes
+    # (nodes_custom_sampler.py) the FLUX.2 and HunyuanVideo templates sample with.
+    "ModelSamplingAuraFlow": (["shift"], {"model": "MODEL"}, ["MODEL"]),
+    "EmptyFlux2LatentImage": (["width", "height", "batch_size"], {}, ["LATENT"]),
+    "Flux2Scheduler": (["steps", "width", "height"], {}, ["SIGMAS"]),
+    "EmptyHunyuanVideo15Latent": (["width", "height", "length", "batch_size"], {}, ["LATENT"]),
+    "TextEncodeQwenImage21": (["prompt", "negative_prompt", "resolution"], {"clip": "CLIP", "vae": "VAE"},
+                              ["CONDITIONING", "CONDITIONING", "LATENT"]),
+    "RandomNoise": (["noise_seed"], {}, ["NOISE"]),
+    "KSamplerSelect": (["sampler_name"], {}, ["SAMPLER"]),
+    "BasicScheduler": (["scheduler", "steps", "denoise"], {"model": "MODEL"}, ["SIGMAS"]),
+    "BasicGuider": ([], {"model": "MODEL", "conditioning": "CONDITIONING"}, ["GUIDER"]),
+    "CFGGuider": (["cfg"], {"model": "MODEL", "positive": "CONDITIONING", "negative": "CONDITIONING"}, ["GUIDER"]),
+    "SamplerCustomAdvanced": ([], {"noise": "NOISE", "guider": "GUIDER", "sampler": "SAMPLER", "sigmas": "SIGMAS",
+                                   "latent_image": "LATENT"}, ["LATENT", "LATENT"]),
     "VAEDecode": ([], {"samples": "LATENT", "vae": "VAE"}, ["IMAGE"]),
     "SaveImage": (["filename_prefix"], {"images": "IMAGE"}, []),
     # ComfyUI's own sampler on Load Parallel DiT's MODEL (the stock-KSampler workflow)
@@ -158,10 +237,11 @@ BYPASSED = 4  # a UI node's mode: left out of the prompt (ComfyUI's templates sh
 OPTIONAL_CORE = {("DualCLIPLoader", "device"), ("CLIPLoader", "device"), ("ReferenceLatent", "latent"),
                  ("ControlNetApplyAdvanced", "vae"), ("DifferentialDiffusion", "strength"),
                  ("WanImageToVideo", "clip_vision_output"), ("WanImageToVideo", "start_image"),
-                 ("Wan22ImageToVideoLatent", "start_image"), ("CreateVideo", "audio")}
+                 ("Wan22ImageToVideoLatent", "start_image"), ("CreateVideo", "audio"), ("TextEncodeQwenImage21", "vae")}
 # Widget values the frontend stores after a widget but the API format leaves out: LoadImage's upload button, and
-# the samplers' control_after_generate after their seed.
-UI_EXTRA_WIDGETS = {("LoadImage", "image"): 1, ("KSampler", "seed"): 1, ("KSamplerAdvanced", "noise_seed"): 1}
+# the samplers' (and RandomNoise's) control_after_generate after their seed.
+UI_EXTRA_WIDGETS = {("LoadImage", "image"): 1, ("KSampler", "seed"): 1, ("KSamplerAdvanced", "noise_seed"): 1,
+                    ("RandomNoise", "noise_seed"): 1}
 
 
 def _ours():
@@ -170,7 +250,8 @@ def _ours():
         "ParaDiTStrategy": (convert.STRATEGY_INPUTS, [convert.STRATEGY_TYPE]),
         "ParaDiTLoader": (convert.loader_inputs([*FLUX_UNETS, KONTEXT["unet"], FILL["unet"],
                                                        *(m["unet"] for m in MODELS.values()),
-                                                       *(u for m in WAN.values() for u in m["unets"])]),
+                                                       *(u for m in WAN.values() for u in m["unets"]),
+                                                       *(m["unet"] for m in FAMILIES.values())]),
                           [convert.MODEL_TYPE]),
         "ParaDiTSampler": (convert.sampler_inputs(convert.sampler_names(), convert.scheduler_names()), ["LATENT"]),
     }
@@ -207,8 +288,8 @@ def api_files():
 
 
 def _model_of(name: str):
-    """The MODELS or WAN entry a workflow file is for, or None for Flux."""
-    found = [m for prefix, m in (*MODELS.items(), *WAN.items()) if name.startswith(prefix)]
+    """The MODELS, WAN or FAMILIES entry a workflow file is for, or None for Flux."""
+    found = [m for prefix, m in (*MODELS.items(), *WAN.items(), *FAMILIES.items()) if name.startswith(prefix)]
     flux = name.startswith(("flux_", "kontext_"))
     assert len(found) == (0 if flux else 1), f"{name}: which model is this workflow for?"
     return found[0] if found else None
@@ -217,7 +298,8 @@ def _model_of(name: str):
 FLUX_API = [f for f in api_files() if f.startswith("flux_") and not f.startswith("flux_fill_")]
 FILL_API = [f for f in api_files() if f.startswith("flux_fill_")]
 KONTEXT_API = [f for f in api_files() if f.startswith("kontext_")]
-OTHER_API = [f for f in api_files() if not f.startswith(("flux_", "kontext_", "wan"))]
+OTHER_API = [f for f in api_files() if not f.startswith(("flux_", "kontext_", "wan", *FAMILIES))]
+FAMILY_API = [f for f in api_files() if f.startswith(tuple(FAMILIES))]
 WAN_API = [f for f in api_files() if f.startswith("wan")]
 
 
@@ -382,9 +464,10 @@ def _check_strategy(name, graph, heads, num_blocks, latent_hw=None):
                (latent_hw[0] // 8, latent_hw[1] // 8))
 
 
-def _check_fit(name, graph, loader, strategy, s, heads, num_blocks, latent):
+def _check_fit(name, graph, loader, strategy, s, heads, num_blocks, latent, empty_negative=False):
     """One sampler's strategy (its inputs `s`, the loader and Strategy Selector behind its MODEL) for the latent's
-    (rows, columns) of latent pixels as the strategies cut it (a video's frames stack their rows)."""
+    (rows, columns) of latent pixels as the strategies cut it (a video's frames stack their rows).
+    `empty_negative`: the template's negative prompt is empty text, a branch of its own all the same."""
     st = strategy["inputs"]
     devices = loader["inputs"]["devices"]
     if st["mode"] == "auto":
@@ -409,7 +492,8 @@ def _check_fit(name, graph, loader, strategy, s, heads, num_blocks, latent):
         negative = graph[s["negative"][0]]
         while "negative" in negative["inputs"]:  # through nodes that pass the prompts on (WanImageToVideo)
             negative = graph[negative["inputs"]["negative"][0]]
-        assert s["cfg"] > 1 and negative["class_type"] == "CLIPTextEncode" and negative["inputs"]["text"].strip()
+        assert s["cfg"] > 1 and negative["class_type"] == "CLIPTextEncode"
+        assert empty_negative or negative["inputs"]["text"].strip()
 
 
 @pytest.mark.parametrize("name", FLUX_API)
@@ -640,6 +724,279 @@ def test_wan_workflow_is_its_template_on_load_parallel_dit_and_its_strategy_fits
     assert "audio" not in create["inputs"] and graph[save["inputs"]["video"][0]] is create
     assert save["inputs"] == {"video": save["inputs"]["video"], "filename_prefix": f"ParaDiT/{stem}",
                               "format": "auto", "codec": "auto"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The newer families' workflows against the ComfyUI templates they are built on (FAMILIES).
+
+def _templates_dir():
+    package = pytest.importorskip("comfyui_workflow_templates_json",
+                                  reason="comfyui-workflow-templates-json is not installed (make venv installs it)")
+    return os.path.join(os.path.dirname(package.__file__), "templates")
+
+
+class _Scope:
+    """One graph of a template: the top level, or a subgraph definition inlined through its `instance` node."""
+
+    def __init__(self, graph, definitions, instance=None, parent=None):
+        self.definitions, self.instance, self.parent = definitions, instance, parent
+        self.inputs = graph.get("inputs", [])  # a subgraph's own inputs (-10 slots)
+        self.links = {}
+        for l in graph["links"]:
+            l = l if isinstance(l, list) else [l[k] for k in ("id", "origin_id", "origin_slot", "target_id",
+                                                             "target_slot", "type")]
+            self.links[l[0]] = l
+        self.nodes = {n["id"]: n for n in graph["nodes"]}
+
+    def link_into(self, node, name):
+        """The link feeding `node`'s input `name`, or None."""
+        for i in node.get("inputs", []):
+            if i["name"] == name and i.get("link") is not None:
+                return self.links[i["link"]]
+        return None
+
+
+# Template nodes that pass a value on: the input each one's output is. Switches pass the branch their switch picks.
+_PASS_ON = {"QwenImage21Cache": "model", "PreviewAny": "source"}
+_PRIMITIVES = {"PrimitiveInt", "PrimitiveFloat", "PrimitiveBoolean", "PrimitiveString", "PrimitiveStringMultiline"}
+
+
+def _template_view(template, instances):
+    """{node id: (scope, node)} of a template with the named subgraph instances (and those nested in them) inlined;
+    an instance not named stays a node. An inlined node keeps its id; a top-level node it shadows is under -id."""
+    with open(os.path.join(_templates_dir(), template + ".json"), encoding="utf-8") as f:
+        workflow = json.load(f)
+    definitions = {d["id"]: d for d in workflow.get("definitions", {}).get("subgraphs", [])}
+    found = []
+
+    def walk(scope, top):
+        for n in scope.nodes.values():
+            if n["type"] in definitions and (not top or n["id"] in instances):
+                walk(_Scope(definitions[n["type"]], definitions, n, scope), False)
+            else:
+                found.append((scope, n))
+
+    top = _Scope(workflow, definitions)
+    walk(top, True)
+    view = {}
+    for scope, n in sorted(found, key=lambda f: f[0] is top):  # inlined nodes first
+        nid = n["id"]
+        if nid in view:
+            assert scope is top, f"{template}: node id {nid} twice among the inlined nodes"
+            nid = -nid
+        view[nid] = (scope, n)
+    return view
+
+
+def _origin(scope, link):
+    """The (scope, node, slot) a link's value comes from, through subgraph boundaries, pass-on nodes, switches and
+    bypassed nodes; (scope, None, k) for a subgraph input k that nothing outside feeds."""
+    _, origin, slot = link[:3]
+    if origin == -10:
+        name = scope.inputs[slot]["name"]
+        outer = scope.parent.link_into(scope.instance, name)
+        return _origin(scope.parent, outer) if outer else (scope, None, slot)
+    node = scope.nodes[origin]
+    if node["type"] in scope.definitions:  # a nested subgraph's output
+        inner = _Scope(scope.definitions[node["type"]], scope.definitions, node, scope)
+        return _origin(inner, next(l for l in inner.links.values() if l[3] == -20 and l[4] == slot))
+    if node["type"] == "ComfySwitchNode":
+        return _origin(scope, scope.link_into(node, "on_true" if _value_of(scope, node, "switch") else "on_false"))
+    if node["type"] in _PASS_ON:
+        return _origin(scope, scope.link_into(node, _PASS_ON[node["type"]]))
+    if node.get("mode") == BYPASSED:  # the editor passes the input of the output's type on
+        out_type = node["outputs"][slot]["type"]
+        return _origin(scope, next(scope.links[i["link"]] for i in node["inputs"]
+                                   if i["type"] == out_type and i.get("link") is not None))
+    return scope, node, slot
+
+
+def _value_of(scope, node, name, saved=None):
+    """A widget's value as the template runs it: from what feeds the widget's input (a subgraph input the instance
+    sets, a primitive, a switch, a string concatenation), else the value saved on the node (`saved`)."""
+    link = scope.link_into(node, name)
+    if link is None:
+        return saved if saved is not None else node["widgets_values"][0]
+    src_scope, src, slot = _origin(scope, link)
+    if src is None:  # a subgraph input nothing feeds: the instance's own value for it, else the inner widget's
+        values = src_scope.instance.get("widgets_values")
+        return values[slot] if isinstance(values, list) and len(values) == len(src_scope.inputs) else saved
+    value = _produced(src_scope, src)
+    if value is None:  # fed by a node this check does not evaluate (a resolution selector): the instance's value
+        values = scope.instance.get("widgets_values") if scope.instance else None
+        k = next(k for k, i in enumerate(scope.inputs) if i["name"] == name) if link[1] == -10 else None
+        value = values[k] if k is not None and isinstance(values, list) and len(values) == len(scope.inputs) else saved
+    return value
+
+
+def _produced(scope, node):
+    """The value a value-making template node outputs, or None for other nodes."""
+    if node["type"] in _PRIMITIVES:
+        return _value_of(scope, node, "value", node["widgets_values"][0])
+    if node["type"] == "StringConcatenate":  # string_a, string_b, delimiter
+        a, b, delimiter = node["widgets_values"]
+        return _value_of(scope, node, "string_a", a) + delimiter + _value_of(scope, node, "string_b", b)
+    return None
+
+
+def _template_inputs(scope, node, cls):
+    """The API inputs of a template node as the template runs it: widgets by name, sockets as (scope, node, slot)."""
+    widgets, sockets, _, _, specs = node_interface(cls)
+    values, inputs = list(node.get("widgets_values") or []), {}
+    for w in widgets:
+        inputs[w] = _value_of(scope, node, w, values.pop(0))
+        spec = specs.get(w)
+        del values[:UI_EXTRA_WIDGETS.get((cls, w), 0) + bool(spec and spec.options.get("control_after_generate"))]
+    for name in sockets:
+        link = scope.link_into(node, name)
+        inputs[name] = _origin(scope, link) if link else None
+    return inputs
+
+
+@pytest.mark.parametrize("name", FAMILY_API)
+def test_family_workflow_is_its_template_on_load_parallel_dit(name):
+    """Node by node, our workflow is its ComfyUI template (subgraphs flattened, inner node ids kept) with the diffusion
+    model's loader as Load Parallel DiT: the same classes under the same ids, every widget value the template runs
+    with (what its subgraph inputs, primitives and switches set) but a fixed seed and our file prefix, and every
+    link from the node the template's value comes from. The template's nodes we leave out are the table's, bypassed
+    ones and notes."""
+    m = _model_of(name)
+    stem = name[:-len(".json")]
+    view = _template_view(m["template"], m["instances"])
+    ui = _load(os.path.join(WF_DIR, name))
+    graph = _load(os.path.join(API_DIR, name))
+    c = _by_class(graph)
+    (loader,), (strategy,) = c["ParaDiTLoader"], c["ParaDiTStrategy"]
+    loader_id = int(next(k for k, n in graph.items() if n is loader))
+    scope, template_loader = view[m["loader"]]
+    # Load Parallel DiT takes the loader's id, or (beside a checkpoint loader that stays for CLIP and VAE) a new one
+    # that gives what the checkpoint's MODEL gave.
+    file_widget = "ckpt_name" if template_loader["type"] == "CheckpointLoaderSimple" else "unet_name"
+    assert (loader_id == m["loader"]) == (file_widget == "unet_name")
+    assert loader["inputs"]["unet_name"] == _value_of(scope, template_loader, file_widget,
+                                                      template_loader["widgets_values"][0]) == m["unet"]
+    assert loader["inputs"]["weight_dtype"] == ("default" if file_widget == "ckpt_name"
+                                                else template_loader["widgets_values"][1])
+
+    def ours_of(src, slot):
+        return loader_id if (src, slot) == (m["loader"], 0) else src
+
+    added = {int(k) for k, n in graph.items() if n is strategy or n is loader}
+    added |= {n["id"] for n in ui["nodes"] if n["type"] in UI_ONLY}
+    for n in ui["nodes"]:
+        if n["id"] in added:
+            continue
+        assert n["id"] in view, f"{name}: node {n['id']} ({n['type']}) is not in {m['template']}"
+        scope, t = view[n["id"]]
+        assert n["type"] == t["type"] or m.get("replaced", {}).get(n["id"]) == t["type"], (name, n["id"], t["type"])
+        ours = graph[str(n["id"])]["inputs"]
+        if n["type"] == t["type"]:
+            expected = _template_inputs(scope, t, n["type"])
+        else:  # another class in its place: the same links
+            expected = {k: _origin(scope, scope.link_into(t, k)) for k, v in ours.items() if isinstance(v, list)}
+        for key, value in ours.items():
+            if key in ("seed", "noise_seed"):
+                assert value == 42, "a fixed seed: runs that repeat"
+            elif key == "filename_prefix":
+                assert value == f"ParaDiT/{stem}"
+            elif isinstance(value, list):  # a link: from the node the template's input comes from
+                _, src, slot = expected[key]
+                assert [str(ours_of(src["id"], slot)), slot] == value, (name, n["id"], key)
+            elif n["type"] == t["type"]:
+                assert value == pytest.approx(expected[key]) if isinstance(value, float) else value == expected[key], \
+                    (name, n["id"], key, value, expected[key])
+        for key, origin in expected.items():  # what the template feeds that ours leaves unconnected
+            if key not in ours and origin is not None and origin[1] is not None:
+                assert origin[1]["id"] in m["left_out"], (name, n["id"], key)
+    ours_ids = {n["id"] for n in ui["nodes"]} | {m["loader"]}
+    missing = {tid for tid, (_, t) in view.items() if tid not in ours_ids and t["type"] not in UI_ONLY
+               and t.get("mode") != BYPASSED}
+    assert missing == m["left_out"], (name, missing ^ m["left_out"])
+
+
+@pytest.mark.parametrize("name", FAMILY_API)
+def test_family_workflow_loads_its_model_and_its_strategy_fits(name):
+    """The table's files, encoder, VAE, latent node and size, sampling, shift and guidance; the prompts on the
+    sampler (two of them under true CFG); the strategy fits its devices, the model's heads and blocks and the
+    image's (or video's) tokens, and a cfg-1 model never splits CFG."""
+    m = _model_of(name)
+    graph = _load(os.path.join(API_DIR, name))
+    c = _by_class(graph)
+    assert not {"UNETLoader", "ParaDiTSampler"} & set(c)
+    (loader,), (strategy,), (decode,) = c["ParaDiTLoader"], c["ParaDiTStrategy"], c["VAEDecode"]
+    assert loader["inputs"]["unet_name"] == m["unet"] and graph[loader["inputs"]["strategy"][0]] is strategy
+    clip_cls, clip_inputs = m["clip"]
+    (clip,) = c[clip_cls]
+    assert clip["inputs"] == clip_inputs
+    vae = graph[decode["inputs"]["vae"][0]]
+    assert vae["inputs"] == ({"vae_name": m["vae"]} if m["vae"] else clip["inputs"])  # a checkpoint's own VAE
+    sampler = graph[decode["inputs"]["samples"][0]]
+    s = sampler["inputs"]
+    if sampler["class_type"] == "KSampler":
+        settings = {k: s[k] for k in ("steps", "cfg", "sampler_name", "scheduler")}
+        model, positive, negative, latent = s["model"], s["positive"], s["negative"], s["latent_image"]
+        assert s["denoise"] == 1.0
+    else:  # SamplerCustomAdvanced: noise, guider, sampler, sigmas
+        assert sampler["class_type"] == "SamplerCustomAdvanced"
+        guider, sigmas = graph[s["guider"][0]], graph[s["sigmas"][0]]
+        g = guider["inputs"]
+        settings = {"steps": sigmas["inputs"]["steps"], "cfg": g.get("cfg", 1.0),
+                    "sampler_name": graph[s["sampler"][0]]["inputs"]["sampler_name"]}
+        if sigmas["class_type"] == "BasicScheduler":
+            settings["scheduler"] = sigmas["inputs"]["scheduler"]
+            assert sigmas["inputs"]["denoise"] == 1.0
+        else:  # Flux2Scheduler shapes its schedule for the image's size
+            assert sigmas["class_type"] == "Flux2Scheduler"
+            assert (sigmas["inputs"]["width"], sigmas["inputs"]["height"]) == m["latent"][1:3]
+        assert graph[s["noise"][0]]["class_type"] == "RandomNoise"
+        model, latent = g["model"], s["latent_image"]
+        positive, negative = g.get("positive", g.get("conditioning")), g.get("negative")
+        assert (guider["class_type"] == "BasicGuider") == (negative is None)
+    assert settings == m["sampling"], (settings, m["sampling"])
+    # The latent: the template's node and size.
+    latent_node = graph[latent[0]]
+    latent_cls, width, height, *frames = m["latent"]
+    li = latent_node["inputs"]
+    assert latent_node["class_type"] == latent_cls and (li["width"], li["height"], li["batch_size"]) == (width, height, 1)
+    assert li.get("length") == (frames[0] if frames else None)
+    # The MODEL: the shift node over Load Parallel DiT, or Load Parallel DiT itself.
+    shift = graph[model[0]]
+    if m["shift"]:
+        assert shift["class_type"] == m["shift"][0] and shift["inputs"]["shift"] == pytest.approx(m["shift"][1])
+        shift = graph[shift["inputs"]["model"][0]]
+    assert shift is loader
+    # The prompts.
+    positive = graph[positive[0]]
+    if m.get("guidance"):
+        assert positive["class_type"] == "FluxGuidance" and positive["inputs"]["guidance"] == m["guidance"]
+        positive = graph[positive["inputs"]["conditioning"][0]]
+    assert positive["class_type"] in ("CLIPTextEncode", "TextEncodeQwenImage21")
+    assert graph[positive["inputs"]["clip"][0]] is clip
+    assert (positive["inputs"].get("text") or positive["inputs"].get("prompt")).strip()
+    cfg = settings["cfg"]
+    if negative is not None:
+        negative_node = graph[negative[0]]
+        if cfg == 1:  # distilled: the negative is never evaluated (ComfyUI skips it at cfg 1)
+            assert negative_node["class_type"] in ("ConditioningZeroOut", "TextEncodeQwenImage21")
+        else:
+            assert negative_node["class_type"] == "CLIPTextEncode" and negative_node is not positive
+    # The strategy: 16 px tokens, so the latent in 8 px units as validate_strategy's 2x2 patches count them.
+    latent_8px = ((frames[0] - 1) // 4 + 1, height // 8, width // 8) if frames else (height // 8, width // 8)
+    st = strategy["inputs"]
+    assert st["mode"] == "manual" and (cfg > 1 or st["cfg_degree"] == 1), "cfg 1 has no second branch to split"
+    fit = {"cfg": cfg, "steps": settings["steps"], "negative": negative}
+    _check_fit(name, graph, loader, strategy, fit, m["heads"], m["blocks"], latent_plane(latent_8px),
+               empty_negative=True)
+    # The output: Save Image, or Create Video -> Save Video for a video.
+    if frames:
+        (create,), (save,) = c["CreateVideo"], c["SaveVideo"]
+        assert graph[create["inputs"]["images"][0]] is decode and create["inputs"]["fps"] == m["fps"]
+        assert graph[save["inputs"]["video"][0]] is create
+        assert (save["inputs"]["format"], save["inputs"]["codec"]) == ("auto", m["codec"])
+    else:
+        (save,) = c["SaveImage"]
+        assert graph[save["inputs"]["images"][0]] is decode
+    assert save["inputs"]["filename_prefix"] == f"ParaDiT/{name[:-len('.json')]}"
 
 
 # ---------------------------------------------------------------------------------------------------
