@@ -138,9 +138,10 @@ class RemoteDiT(torch.nn.Module):
             per_image = (shape[0] // chunks, *shape[1:])
             strategy = convert.resolve_strategy(self.handle.strategy, choose, self.handle.model.path, per_image, cfg,
                                                 self.handle.devices)[0]
+            from parallel_runtime.models.family import token_patch
             from parallel_runtime.validate import model_config
 
-            patch = model_config(self.handle.model.path).patch_size
+            patch = token_patch(model_config(self.handle.model.path))
             strategy, note = fit_to_latent(strategy, latent_plane(shape[2:]), patch)
             if note:
                 log.warning("ParaDiT: %s.", note)

@@ -8,6 +8,7 @@ from functools import lru_cache
 import torch
 
 from .errors import ConfigError, ModelFileError
+from .models.family import token_patch
 from .runtime.topology import latent_plane, validate_strategy
 from .sampling import SAMPLERS, SCHEDULERS, cfg_uses_uncond
 from .spec import REFERENCE_METHODS, Job
@@ -361,4 +362,5 @@ def validate_job(job: Job, world_size: int) -> None:
                                 f"this {getattr(config, 'title', family.title)} file")
     validate_strategy(job.strategy, world_size=world_size, heads=config.num_heads,
                       num_blocks=config.num_blocks, latent_hw=latent_plane(lat.shape[2:]),
-                      cfg_scale=sp.cfg if job.timestep is None else None, steps=sp.steps, patch=config.patch_size)
+                      cfg_scale=sp.cfg if job.timestep is None else None, steps=sp.steps,
+                      patch=token_patch(config))

@@ -156,3 +156,111 @@ def test_flux2_one_worker_equals_diffusers(files, client1, name, references):
     err = rel_err(out, reference_call(files[name], job, config))
     print(f"\nFLUX.2 {name}{' + references' if references else ''} serial rel. error {err:.2e}")
     assert err < SERIAL_RTOL
+
+
+# -- strategies ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
+                                      S(pipefusion_degree=2, num_pipeline_patch=2)],
+                         ids=["cfg2", "ulysses2", "ring2", "pp2_warmup"])
+@pytest.mark.parametrize("references", [False, True], ids=["plain", "references"])
+def test_flux2_exact_strategies_equal_one_worker(files, client1, client2, strategy, references):
+    """Prompts of 7 and 11 tokens (both padded to 512, run as separate forward passes as ComfyUI batches them by
+    their unpadded length); PipeFusion's call without a schedule step is its warm-up (exact)."""
+    job = call_job(files["dev"], strategy, references=references)
+    serial = client1.run(dataclasses.replace(job, strategy=S())).latent
+    err = rel_err(client2.run(job).latent, serial)
+    print(f"\nFLUX.2 {strategy}{' + references' if references else ''} rel. error {err:.2e} vs 1 worker")
+    assert err < EXACT_RTOL
+
+
+@pytest.mark.parametrize("strategy", [S(ulysses_degree=2, ring_degree=2), S(cfg_degree=2, ulysses_degree=2)],
+                         ids=["ulysses2xring2", "cfg2xulysses2"])
+def test_flux2_four_worker_hybrids_with_references_equal_diffusers(files, client4, strategy):
+    job = call_job(files["klein"], strategy, references=True)
+    err = rel_err(client4.run(job).latent, reference_call(files["klein"], job, KLEIN))
+    print(f"\nFLUX.2 klein + references {strategy} rel. error {err:.2e} vs diffusers")
+    assert err < EXACT_RTOL
+
+
+def test_flux2_denoise_loop_strategies_equal_serial_and_pipefusion_beats_naive_patch(files, client1, client2):
+    """A whole 6-step run at cfg 3 with two references (Parallel Sampler's path): exact strategies equal serial;
+    PipeFusion after one warm-up step reads stale K/V and lands nearer serial than naive patch parallelism,
+    which never sees the other half of the image."""
+    g = torch.Generator().manual_seed(7)
+    job = Job(ModelSpec(files["dev"]), S(), SamplingSpec(steps=6, cfg=3.0, seed=1),
+              torch.randn(1, 128, H, W, generator=g) * 0.5, conditioning(1, references=True),
+              conditioning(2, references=True))  # one prompt length: PipeFusion pipelines both branches
+    serial = client1.run(job).latent
+    assert serial.shape == (1, 128, H, W) and torch.isfinite(serial).all()
+    for strategy in (S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2),
+                     S(pipefusion_degree=2, num_pipeline_patch=2, warmup_steps=6)):
+        err = rel_err(client2.run(dataclasses.replace(job, strategy=strategy)).latent, serial)
+        print(f"\nFLUX.2, 6 steps, {strategy}: rel. error {err:.2e} vs serial")
+        assert err < EXACT_RTOL
+    pipefusion = rel_err(client2.run(dataclasses.replace(job, strategy=S(pipefusion_degree=2, num_pipeline_patch=2,
+                                                                         warmup_steps=1))).latent, serial)
+    naive = rel_err(client2.run(dataclasses.replace(job, strategy=S(naive_patch_degree=2))).latent, serial)
+    print(f"\nFLUX.2, 6 steps: PipeFusion (1 warm-up step) {pipefusion:.2e}, naive patch {naive:.2e}")
+    assert pipefusion < naive
+
+
+# -- the file kinds users download: fp8 scaled, ComfyUI-quantized fp8 (fp8mixed), GGUF -------------------------
+
+
+@pytest.fixture(scope="module")
+def storage_twins(tmp_path_factory):
+    from test_comfy_quant import comfy_quant_twins
+    from test_fp8 import fp8_twins
+    from test_gguf import gguf_twins
+
+    folder = tmp_path_factory.mktemp("flux2-storage")
+    return [("fp8_scaled", *fp8_twins(folder, "flux2", torch.float8_e4m3fn, True, config=DEV)),
+            ("fp8mixed", *comfy_quant_twins(folder, "flux2", "float8_e4m3fn", config=DEV)),
+            ("gguf", *gguf_twins(folder, "flux2", config=DEV, arch="flux"))]
+
+
+def test_flux2_quantized_files_equal_their_fp32_twins_and_stay_compact(storage_twins, client1, client2):
+    """Each kind at 1 worker equals the twin; under Ulysses-2 too; each rank holds the compact weights."""
+    for kind, quant, meant in storage_twins:
+        assert model_config(quant) == DEV, kind
+        got, ref = client1.run(call_job(quant, S(), references=True)), client1.run(call_job(meant, S(), references=True))
+        err, held = rel_err(got.latent, ref.latent), got.stats[0]["param_bytes"] / ref.stats[0]["param_bytes"]
+        split = rel_err(client2.run(call_job(quant, S(ulysses_degree=2), references=True)).latent, got.latent)
+        print(f"\nFLUX.2 {kind}: {err:.2e} vs fp32 twin, {held:.2f} of its bytes; Ulysses-2 {split:.2e}")
+        assert err <= STORAGE_RTOL, kind
+        assert held < 0.6, kind  # 1-byte (or less) matrices
+        assert split <= EXACT_RTOL, kind
+
+
+# -- LoRA ------------------------------------------------------------------------------------------------------
+
+
+def test_flux2_lora_in_comfyui_names_lands(files, client1, client2, tmp_path):
+    """A LoRA named as ComfyUI names FLUX.2's weights (fused qkv rows by offset, the fused single-block input,
+    a shared modulation and the final layer's swapped modulation) equals the file with the deltas merged in."""
+    from parallel_runtime.spec import WeightPatch, WeightPatches
+
+    g = torch.Generator().manual_seed(9)
+    sd = load_file(files["dev"])
+    weights, merged = {}, dict(sd)
+    for key, offset in (("double_blocks.0.img_attn.qkv.weight", (0, 128, 128)), ("double_blocks.1.txt_mlp.0.weight", None),
+                        ("single_blocks.1.linear1.weight", None), ("double_stream_modulation_img.lin.weight", None),
+                        ("final_layer.adaLN_modulation.1.weight", None)):
+        rows = offset[2] if offset else sd[PREFIX + key].shape[0]
+        up, down = torch.randn(rows, 2, generator=g) * 0.1, torch.randn(2, sd[PREFIX + key].shape[1], generator=g) * 0.1
+        weights[key] = [WeightPatch("lora", {"up": up, "down": down}, strength=0.8, alpha=4.0, offset=offset)]
+        w = merged[PREFIX + key].clone()
+        (w.narrow(*offset) if offset else w).add_((0.8 * 4.0 / 2) * (up @ down))
+        merged[PREFIX + key] = w
+    merged_path = str(tmp_path / "merged.safetensors")
+    save_file(merged, merged_path)
+    patches = WeightPatches("flux2-lora", weights)
+    want = client1.run(call_job(merged_path, S())).latent
+    assert rel_err(want, client1.run(call_job(files["dev"], S())).latent) > 1e-3  # the LoRA matters
+    for client, strategy in ((client1, S()), (client2, S(ulysses_degree=2))):
+        got = client.run(dataclasses.replace(call_job(files["dev"], strategy), weight_patches=patches)).latent
+        err = rel_err(got, want)
+        print(f"\nFLUX.2 LoRA {strategy} rel. error {err:.2e} vs merged file")
+        assert err < 1e-5  # the merged file rounds each patched weight to fp32 once, as the workers do

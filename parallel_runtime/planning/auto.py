@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from ..models.family import token_patch
 from ..runtime.devices import parse_devices
 from ..runtime.memory import CPU_USABLE, CPU_WORKER_OVERHEAD, CUDA_USABLE, weight_bytes
 from ..runtime.topology import latent_plane, validate_strategy
@@ -62,7 +63,7 @@ def candidate_strategies(world: int, cfg: float, *, heads: int, num_blocks: int,
 
 def image_tokens(config, h: int, w: int) -> int:
     """Image tokens of an h x w latent plane: (h / patch) x (w / patch) for the family's patch."""
-    p = config.patch_size
+    p = token_patch(config)
     return (h // p) * (w // p)
 
 
@@ -89,7 +90,7 @@ def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str],
     out = []
     for s in candidate_strategies(world, cfg, heads=config.num_heads,
                                   num_blocks=config.num_blocks, latent_hw=(h, w),
-                                  warmup_steps=warmup_steps, patch=config.patch_size):
+                                  warmup_steps=warmup_steps, patch=token_patch(config)):
         if unequal_prompts and s.pipefusion_degree > 1 and s.cfg_degree == 1:
             continue
         mem = costmodel.rank_memory(s, config, text_tokens=text_len, image_tokens=image_tokens(config, h, w), batch=b,

@@ -51,6 +51,7 @@ def weight_bytes(weight_dtype: str, device: str) -> int:
 def job_rank_memory(job, device: str, strategy=None, bytes_per_parameter: float | None = None) -> dict:
     """Estimated peak bytes on the fullest rank of `job` (parameters, KV buffers, activations); `strategy` and
     `bytes_per_parameter` ask what another plan or another file of the same model would need."""
+    from ..models.family import token_patch
     from ..planning.costmodel import rank_memory
     from ..validate import model_config, stored_bytes_per_parameter
     from .topology import latent_plane
@@ -61,9 +62,9 @@ def job_rank_memory(job, device: str, strategy=None, bytes_per_parameter: float 
     dtype = job.model.weight_dtype
     act = weight_bytes("default" if dtype.startswith("fp8") else dtype, device)  # fp8 computes in the default
     per_param = bytes_per_parameter or stored_bytes_per_parameter(job.model.path, dtype, act)
+    patch = token_patch(config)
     return rank_memory(strategy or job.strategy, config, text_tokens=job.positive.cond.shape[1],
-                       image_tokens=(h // config.patch_size) * (w // config.patch_size), batch=b, cfg=job.sampling.cfg,
-                       weight_bytes=per_param,
+                       image_tokens=(h // patch) * (w // patch), batch=b, cfg=job.sampling.cfg, weight_bytes=per_param,
                        act_bytes=act)
 
 

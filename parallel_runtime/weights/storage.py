@@ -114,6 +114,7 @@ class KeptLinear(torch.nn.Module):
     out_features: int
     in_features: int
     patch = None  # callable(layer, dtype) -> patched weight, set while a LoRA is added per call
+    compute_dtype: torch.dtype | None = None  # the dtype the model runs in (set by install_kept_linears)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight in `dtype`."""
@@ -135,11 +136,17 @@ def install_kept_linears(model: torch.nn.Module, weights: dict, storage: Storage
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, child)
         bias = old.bias if old.bias is not None and old.bias.device.type != "meta" else None
-        setattr(parent, child, kept.linear(bias, storage))
+        layer = kept.linear(bias, storage)
+        layer.compute_dtype = storage.compute if storage is not None else None
+        setattr(parent, child, layer)
 
 
 def compute_placement(module: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
     """(dtype, device) a built module computes in: its first float parameter not stored in fp8 (a bias, a norm;
-    GGUF blocks are buffers)."""
-    param = next(p for p in module.parameters() if p.dtype not in FP8_DTYPES)
-    return param.dtype, param.device
+    GGUF blocks are buffers), or, in a module of bias-free compact linears only (FLUX.2's embedders in an fp8
+    or GGUF file), the compute dtype its layers were built for."""
+    param = next((p for p in module.parameters() if p.dtype not in FP8_DTYPES), None)
+    if param is not None:
+        return param.dtype, param.device
+    kept = next(m for m in module.modules() if isinstance(m, KeptLinear) and m.compute_dtype is not None)
+    return kept.compute_dtype, next(t for t in (*kept.parameters(), *kept.buffers())).device
