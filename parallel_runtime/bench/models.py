@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from ..models.families.chroma import ChromaConfig
 from ..models.families.flux import FluxConfig
+from ..models.families.flux2 import Flux2Config
 from ..models.families.pixart import PixArtConfig
 from ..models.families.qwen_image import QwenImageConfig
 from ..models.families.qwen_image21 import QwenImage21Config
 from ..models.families.sd3 import SD3Config
 from ..models.families.wan import WanConfig
+from ..models.families.z_image import ZImageConfig
 from ..models.tiny import TINY
 
 # Flux-shaped bench model: Flux.1's block mix (1 double-stream block per 2 single-stream ones, as 19/38)
@@ -35,6 +37,13 @@ BENCH_FAMILIES = {
     # Qwen-Image 2.1: single-stream block-causal blocks (32 in the release) over 64-channel latents, one token per
     # latent pixel of its 16x VAE; 4 heads of 64 here.
     "qwen_image21": QwenImage21Config(hidden_size=256, num_heads=4, head_dim=64, num_layers=6, context_dim=64),
+    # FLUX.2 dev: shared modulations, SwiGLU 3x, 4-axis RoPE, one token per pixel of the 128-channel 16x latent; its
+    # 1:6 double/single block mix (8 + 48) as 1 + 6, 4 heads of 64. Prompts are padded to 512 tokens as ComfyUI does.
+    "flux2": Flux2Config(hidden_size=256, num_heads=4, head_dim=64, num_layers=1, num_single_layers=6, mlp_hidden=768,
+                         context_dim=64),
+    # FLUX.2 klein: no guidance input, klein 9B's 1:3 mix (8 + 24) as 1 + 3.
+    "flux2_klein": Flux2Config(hidden_size=256, num_heads=4, head_dim=64, num_layers=1, num_single_layers=3,
+                               mlp_hidden=768, context_dim=64, guidance_embeds=False),
     # PixArt-Σ: image-only self-attention plus cross-attention to the prompt; PixArt's 72-wide heads, 4 of them.
     "pixart": PixArtConfig(hidden_size=288, num_layers=6, micro_condition=False, caption_channels=64),
     # Wan 2.1 1.3B's block (self-attention over the video, cross-attention to the umT5 prompt, MLP of the 1.3B's
@@ -42,6 +51,10 @@ BENCH_FAMILIES = {
     # keep a step at a few seconds on a 2-core CPU at the bench's 8,400 video tokens, where attention is 80% of a
     # block's FLOPs (the 1.3B's at 480p x 81 frames: 71%).
     "wan": WanConfig(hidden_size=256, num_layers=2, ffn_dim=round(256 * 8960 / 1536), text_dim=64),
+    # Z-Image: NextDiT's 2 noise-refiner blocks (image over image) before the joint layers, its 8/3 SwiGLU, the
+    # prompt and image padded with learned tokens to multiples of 32; 4 heads of 64 (the release: 30 of 128).
+    "z_image": ZImageConfig(hidden_size=256, num_heads=4, num_kv_heads=4, num_layers=4, num_refiner_layers=2,
+                            ffn_dim=int(256 / 3 * 8), cap_feat_dim=64, time_hidden=256),
 }
 # The bench's video size for video families: Wan's default 81 frames (21 latent frames) of 320x320 px, so
 # 21 x 20 x 20 = 8,400 video tokens (>= 8,000: sequences long enough that compute hides the traffic, as at
@@ -58,10 +71,19 @@ RELEASE_SHAPES = {
                    "Qwen-Image shapes (width 3072, 60 blocks)"),
     "qwen_image21": (QwenImage21Config(hidden_size=4096, num_heads=32, head_dim=128, num_layers=32),
                      "Qwen-Image 2.1 shapes (width 4096, 32 heads, 32 blocks, MLP 3x)"),
+    "flux2": (Flux2Config(hidden_size=6144, num_heads=48, head_dim=128, num_layers=8, num_single_layers=48,
+                          mlp_hidden=18432, context_dim=15360),
+              "FLUX.2 dev 32B shapes (width 6144, 48 heads, 8 + 48 blocks, SwiGLU 18432)"),
+    "flux2_klein": (Flux2Config(hidden_size=4096, num_heads=32, head_dim=128, num_layers=8, num_single_layers=24,
+                                mlp_hidden=12288, context_dim=12288, guidance_embeds=False),
+                    "FLUX.2 klein 9B shapes (width 4096, 32 heads, 8 + 24 blocks, SwiGLU 12288)"),
     "pixart": (PixArtConfig(hidden_size=1152, num_layers=28, micro_condition=False),
                "PixArt-Σ shapes (width 1152, 28 blocks)"),
     "wan": (WanConfig(hidden_size=5120, num_layers=40, ffn_dim=13824),
             "Wan 2.1 T2V 14B shapes (width 5120, 40 heads, 40 blocks, ffn 13824)"),
+    "z_image": (ZImageConfig(hidden_size=3840, num_heads=30, num_kv_heads=30, num_layers=30, num_refiner_layers=2,
+                             ffn_dim=10240, cap_feat_dim=2560),
+                "Z-Image Turbo / base 6B shapes (width 3840, 30 heads, 2 refiner + 30 blocks, ffn 10240)"),
 }
 # The released video models' sizes the projection runs at instead of the bench's: (name, latent frames, rows,
 # columns). Wan 2.1 14B at its two released sizes and default 81 frames: 832x480 -> 21 x 30 x 52 = 32,760
