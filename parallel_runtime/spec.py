@@ -124,11 +124,14 @@ class Conditioning:
     # ComfyUI's clip_fea [1 or B, N, 1280]: CLIP-vision penultimate hidden states of the start image
     # (CLIPVisionEncode -> WanImageToVideo), which Wan 2.1 image-to-video cross-attends beside the prompt.
     clip_vision: torch.Tensor | None = None
+    # ComfyUI's txt_byt5 [1 or B, N, 1472]: ByT5 glyph tokens of the prompt's quoted text (HunyuanVideo 1.5's text
+    # encoder makes them), which the model joins to its prompt stream.
+    glyph: torch.Tensor | None = None
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         refs = {f"{prefix}.reference.{i}": r for i, r in enumerate(self.references)}
-        extras = {f"{prefix}.{name}": t for name, t in (("concat", self.concat), ("clip_vision", self.clip_vision))
-                  if t is not None}
+        extras = {f"{prefix}.{name}": t for name, t in (("concat", self.concat), ("clip_vision", self.clip_vision),
+                                                        ("glyph", self.glyph)) if t is not None}
         return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled, **refs, **extras}
 
     def kept_keys(self) -> list[str]:
@@ -158,7 +161,7 @@ class Conditioning:
         return cls(tensors[f"{prefix}.cond"], tensors[f"{prefix}.pooled"], meta.get(f"{prefix}_guidance"),
                    refs, meta.get(f"{prefix}_reference_method"), tuple(size) if size else None,
                    tensors.get(f"{prefix}.concat"), control, attention_mask_key=meta.get(f"{prefix}_attention_mask"),
-                   clip_vision=tensors.get(f"{prefix}.clip_vision"))
+                   clip_vision=tensors.get(f"{prefix}.clip_vision"), glyph=tensors.get(f"{prefix}.glyph"))
 
     def signature(self) -> tuple:
         """What must be equal for two branches to share one forward pass (ComfyUI batches them then, and only
@@ -167,8 +170,9 @@ class Conditioning:
         # ComfyUI batches two masked branches (their masks concatenate), never a masked with an unmasked one.
         masked = self.attention_mask is not None or self.attention_mask_key is not None
         clip = None if self.clip_vision is None else tuple(self.clip_vision.shape[1:])
+        glyph = None if self.glyph is None else tuple(self.glyph.shape[1:])
         return (self.cond.shape[1], tuple(tuple(r.shape[-2:]) for r in self.references), self.reference_method,
-                concat, tuple(c.signature() for c in self.control), masked, clip)
+                concat, tuple(c.signature() for c in self.control), masked, clip, glyph)
 
 
 @dataclass

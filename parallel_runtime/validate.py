@@ -153,7 +153,7 @@ def validate_concat(name: str, c, config, latent: torch.Tensor, batch: int) -> N
     latent's size; a model that reads such channels refuses a branch without them (ComfyUI always builds them)."""
     wanted = config.concat_channels
     if c.concat is None:
-        if wanted:
+        if wanted and not getattr(config, "concat_optional", False):
             raise ConfigError(f"this {config.title} model reads {wanted} image channels beside the latent, and the "
                               f"{name} conditioning carries none; feed it through {config.concat_nodes}.")
         return
@@ -194,10 +194,24 @@ def validate_clip_vision(name: str, c, config, batch: int) -> None:
     if width is None:
         return
     if clip.ndim != 3 or clip.shape[-1] != width or clip.shape[0] not in (1, batch):
+        model = getattr(config, "clip_vision_model", "clip_vision_h (CLIP ViT-H)")
         raise ConfigError(f"the {name} conditioning's CLIP vision output has shape {tuple(clip.shape)} but this "
-                          f"{config.title} model reads [batch, tokens, {width}] (CLIP ViT-H); load clip_vision_h with "
-                          f"CLIPVisionLoader for CLIPVisionEncode.")
+                          f"{config.title} model reads [batch, tokens, {width}]; load {model} with CLIPVisionLoader "
+                          f"for CLIPVisionEncode.")
     _finite_tensor(f"{name} conditioning's CLIP vision output", clip, "re-run CLIPVisionEncode on a valid image")
+
+
+def validate_glyph(name: str, c, config, batch: int) -> None:
+    """Glyph tokens (txt_byt5, ByT5 small) of a model that reads them: their width, one set per prompt or latent
+    row. A model that reads none ignores them, as ComfyUI's does."""
+    width = getattr(config, "glyph_width", None)
+    if c.glyph is None or width is None:
+        return
+    if c.glyph.ndim != 3 or c.glyph.shape[-1] != width or c.glyph.shape[0] not in (1, batch):
+        raise ConfigError(f"the {name} conditioning's glyph tokens have shape {tuple(c.glyph.shape)} but this "
+                          f"{config.title} model reads [batch, tokens, {width}] (ByT5 small); encode the prompt with "
+                          f"this model's text encoders.")
+    _finite_tensor(f"{name} conditioning's glyph tokens", c.glyph, "re-encode the prompt")
 
 
 @lru_cache(maxsize=16)
@@ -334,6 +348,7 @@ def validate_job(job: Job, world_size: int) -> None:
         validate_references(name, c, config)
         validate_concat(name, c, config, lat, job.batch)
         validate_clip_vision(name, c, config, job.batch)
+        validate_glyph(name, c, config, job.batch)
         validate_control(name, c, config, job)
         validate_attention_mask(name, c, config, job)
         if c.image_size is not None and (len(c.image_size) != 3 or

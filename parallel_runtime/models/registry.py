@@ -15,6 +15,7 @@ def families() -> list[ModelFamily]:
     from .families.chroma import CHROMA
     from .families.flux2 import FLUX2
     from .families.flux_adapter import FLUX
+    from .families.hunyuan_video15 import HUNYUAN_VIDEO15
     from .families.lumina2 import LUMINA2
     from .families.pixart import PIXART
     from .families.qwen_image import QWEN_IMAGE
@@ -23,7 +24,7 @@ def families() -> list[ModelFamily]:
     from .families.wan import WAN
     from .families.z_image import Z_IMAGE
 
-    return [FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, PIXART, WAN, Z_IMAGE, LUMINA2]
+    return [FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, PIXART, WAN, Z_IMAGE, LUMINA2, HUNYUAN_VIDEO15]
 
 
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:

@@ -63,8 +63,17 @@ class ChannelLatentFormat:
         return latent * std / self.scale_factor + mean
 
 
+@dataclass(frozen=True)
+class VideoLatentFormat(LatentFormat):
+    """A scale/shift format of a video VAE: its latents are 5D in ComfyUI ([B, C, T, H, W])."""
+
+    dimensions = 3
+
+
 FLUX_LATENT = LatentFormat("flux", FLUX_LATENT_SCALE, FLUX_LATENT_SHIFT)
 SD3_LATENT = LatentFormat("sd3", 1.5305, 0.0609)
+# comfy.latent_formats.HunyuanVideo15: 32 channels, scale_factor 1.03682, no shift.
+HUNYUAN_VIDEO15_LATENT = VideoLatentFormat("hunyuan_video15", 1.03682, 0.0)
 # comfy.latent_formats.Flux2: the 128-channel latent (the FLUX.2 VAE's 32 channels in 2x2 patches) as the VAE
 # gives it: scale 1, no shift.
 FLUX2_LATENT = LatentFormat("flux2", 1.0, 0.0)

@@ -170,6 +170,11 @@ class Branches:
         # CLIP-vision tokens of the start image (Wan 2.1 image-to-video), per row; their count is in the signature.
         self.clip_vision = (torch.cat([rep(c.clip_vision.float()) for c in conds]).to(device)
                             if first.clip_vision is not None else None)
+        # Glyph tokens of quoted text (ByT5: HunyuanVideo 1.5), per row; their count is in the signature.
+        self.glyph = torch.cat([rep(c.glyph.float()) for c in conds]).to(device) if first.glyph is not None else None
+        # Rows the family joins to the embedded prompt from other inputs (HunyuanVideo 1.5: the start image's
+        # vision tokens and the glyph tokens, which its embed_text puts in front of the prompt).
+        self.joined_rows = getattr(adapter, "joined_rows", lambda branches: 0)(self)
         self.attention_mask = _attention_masks(conds, batch, device)
         # Rows of the embedded prompt (a family may pad it with learned tokens: adapter.prompt_rows) and the learned
         # pad rows the family appends to an image stream of n rows (adapter.stream_pad; none by default).
@@ -294,18 +299,23 @@ class Denoiser:
             return None
         return tuple(table[positions] for table in rope_full)
 
+    @staticmethod
+    def _prompt_len(branches: Branches) -> int:
+        """Rows of the embedded prompt: the conditioning's, and those the family joins to it (joined_rows)."""
+        return branches.text_len + branches.joined_rows
+
     def _sequence_text_len(self, branches: Branches) -> int:
         """Prompt rows in the attention sequence: none where the prompt is cross-attended (PixArt)."""
-        return branches.text_len if getattr(self.adapter, "joint_text", True) else 0
+        return self._prompt_len(branches) if getattr(self.adapter, "joint_text", True) else 0
 
     def _text_rows(self, layout: TokenLayout, branches: Branches) -> range:
         """The prompt rows this rank embeds: its shard of a joint sequence, or the whole cross-attended prompt."""
-        return layout.text_rows(self.shard) if getattr(self.adapter, "joint_text", True) else range(branches.text_len)
+        return layout.text_rows(self.shard) if getattr(self.adapter, "joint_text", True) else range(self._prompt_len(branches))
 
     def _rope_full(self, branches: Branches, extra_text: int = 0):
         """The adapter's RoPE table for the canonical sequence of one forward pass over `branches` (whose prompt is
         `extra_text` tokens longer, in front: a union ControlNet's type tokens)."""
-        return self.adapter.rope(branches.text_len + extra_text, *self.hw, branches.reference_shapes,
+        return self.adapter.rope(self._prompt_len(branches) + extra_text, *self.hw, branches.reference_shapes,
                                  branches.reference_method)
 
     def _references(self, branches: Branches, layout: TokenLayout, patches: list[int]) -> torch.Tensor | None:
@@ -344,10 +354,15 @@ class Denoiser:
             mask = own if mask is None else mask + own
         return None if mask is None else AttentionBias(mask)
 
-    def _text(self, rows: range, branches: Branches | None = None) -> torch.Tensor:
+    def _text(self, rows: range, branches: Branches | None = None, t: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's embedded prompt rows. A family whose prompt embedding mixes its tokens (Lumina 2's context
-        refiner) embeds the whole prompt and gives each rank its rows of it."""
-        cond = (branches or self.branches).cond
+        refiner) embeds the whole prompt and gives each rank its rows of it; one whose embedding also reads the
+        timestep `t` (`prompt_reads_timestep`: HunyuanVideo's token refiner) embeds it again every step, with the
+        inputs it joins to it (CLIP-vision and glyph tokens)."""
+        b = branches or self.branches
+        if getattr(self.adapter, "prompt_reads_timestep", False):
+            return self.adapter.embed_text(b.cond, t, b.clip_vision, b.glyph)[:, rows.start:rows.stop]
+        cond = b.cond
         if getattr(self.adapter, "embeds_whole_prompt", False):
             return self.adapter.embed_text(cond)[:, rows.start:rows.stop]
         return self.adapter.embed_text(cond[:, rows.start:rows.stop])
@@ -363,7 +378,11 @@ class Denoiser:
 
     def _temb(self, i: int, branches: Branches | None = None) -> torch.Tensor:
         branches = branches or self.branches
-        return self._embed_time(self.timesteps_on_device[i].expand(branches.cond.shape[0]), branches)
+        return self._embed_time(self._timestep(i, branches), branches)
+
+    def _timestep(self, i: int, branches: Branches) -> torch.Tensor:
+        """Step i's timestep per row of `branches`, in the model's units."""
+        return self.timesteps_on_device[i].expand(branches.cond.shape[0])
 
     def _embed_time(self, t: torch.Tensor, branches: Branches) -> torch.Tensor:
         """The adapter's embedding of per-row timesteps t: the per-row conditioning every block reads. PixArt-α also
@@ -458,6 +477,8 @@ class Denoiser:
         for i in range(len(self.sigmas) - 1):
             t0 = time.perf_counter()
             self._check_cancel()
+            if i and getattr(self.adapter, "prompt_reads_timestep", False):  # this step's embedded prompt
+                forwards = [self._forward_setup(branches, x.device, i) for branches in self.groups]
             x_rows = x[:, rows]
             den: tuple[torch.Tensor, ...] = ()
             for branches, (attention, image_attention, rope, text, refs) in zip(self.groups, forwards):
@@ -470,10 +491,10 @@ class Denoiser:
             self._step_done(i, t0)
         return x
 
-    def _forward_setup(self, branches: Branches, device) -> tuple:
+    def _forward_setup(self, branches: Branches, device, step: int = 0) -> tuple:
         """(joint attention, image-only attention, RoPE rows, embedded text rows, embedded reference rows) of
-        this rank for one forward pass over `branches`: its prompt and reference lengths decide the shards
-        and every position after them."""
+        this rank for one forward pass over `branches` (at `step`, for a prompt embedding that reads the
+        timestep): its prompt and reference lengths decide the shards and every position after them."""
         layout = dataclasses.replace(self.layout, text_len=self._sequence_text_len(branches),
                                      ref_len=branches.extra_len(self.layout.image_len))
         me, bias = self.shard, self._bias(branches)
@@ -487,8 +508,8 @@ class Denoiser:
             attention = self._sequence_attention([layout.seq_len(j, [0]) for j in shards], bias, rows)
             image_attention = self._sequence_attention([layout.stream_len(j, [0]) for j in shards])
         rope = self._rope(self._rope_full(branches), layout.positions(me, [0], device))
-        return (attention, image_attention, rope, self._text(self._text_rows(layout, branches), branches),
-                self._references(branches, layout, [0]))
+        text = self._text(self._text_rows(layout, branches), branches, self._timestep(step, branches))
+        return attention, image_attention, rope, text, self._references(branches, layout, [0])
 
     def _sequence_attention(self, seq: list[int], bias: AttentionBias | None = None,
                             rows: list[torch.Tensor] | None = None):
@@ -582,8 +603,8 @@ class _PipeFusionStage:
     def _embed_prompt(self) -> None:
         """Stage 0's embedded prompt rows (every stage's, where the prompt is cross-attended)."""
         d = self.denoiser
-        text_rows = d._text_rows(self.layout, d.branches)
-        self.text = d._text(text_rows) if self.stage == 0 else None
+        text_rows = self.text_rows = d._text_rows(self.layout, d.branches)
+        self.text = d._text(text_rows, t=d._timestep(0, d.branches)) if self.stage == 0 else None
         self.joint = getattr(self.adapter, "joint_text", True)
         if not self.joint:  # a cross-attended prompt never changes: every stage gets it once, not with every patch
             self.text = d._share_prompt(self.text, len(text_rows), self.pp)
@@ -703,6 +724,8 @@ class _PipeFusionStage:
         t0 = time.perf_counter()
         d._check_cancel()
         temb = d._temb(i)
+        if i and self.stage == 0 and getattr(self.adapter, "prompt_reads_timestep", False):
+            self.text = d._text(self.text_rows, t=d._timestep(i, d.branches))  # this step's embedded prompt
         items = [(c, patches) for c in range(self.chunks) for patches in self._schedule(i)]
         if self.stage == 0 and i > 0 and i - 1 < self.warmup:
             self._receive_x(self.all_patches)  # the update of the last synchronous step

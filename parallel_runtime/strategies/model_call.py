@@ -68,7 +68,7 @@ class ModelCallForward(Denoiser):
 
     def _forward(self, x: torch.Tensor, t: torch.Tensor, branches: Branches) -> torch.Tensor:
         """This rank's token rows of the model output for one group of chunks, in a tensor shaped like x."""
-        self.branches = branches
+        self.branches, self.call_t = branches, t
         self._set_layout(branches, x.shape[1], patches=1)
         attention, image_attention, rope, text, refs = self._forward_setup(branches, x.device)
         self.context.attention, self.context.image_attention = attention, image_attention
@@ -139,8 +139,8 @@ class ModelCallForward(Denoiser):
             work.wait()
         return bool(int(value.item()))
 
-    def _temb(self, i: int, branches: Branches | None = None) -> torch.Tensor:
-        return self._embed_time(self.call_t, branches or self.branches)
+    def _timestep(self, i: int, branches: Branches) -> torch.Tensor:
+        return self.call_t
 
     def _image_stream(self, i: int, x_rows: torch.Tensor, index: torch.Tensor, refs: torch.Tensor | None,
                       branches: Branches | None = None) -> torch.Tensor:
