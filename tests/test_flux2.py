@@ -264,3 +264,32 @@ def test_flux2_lora_in_comfyui_names_lands(files, client1, client2, tmp_path):
         err = rel_err(got, want)
         print(f"\nFLUX.2 LoRA {strategy} rel. error {err:.2e} vs merged file")
         assert err < 1e-5  # the merged file rounds each patched weight to fp32 once, as the workers do
+
+
+# -- memory of the released sizes -------------------------------------------------------------------------------
+
+
+def test_flux2_memory_per_rank_for_the_released_sizes():
+    """Parameters counted from the module tree match the releases (dev 32.2B: flux2_dev bf16 is 64.4 GB; klein 9B
+    and 4B); at 1024 px (4,096 tokens, the prompt's 512) in bf16 dev fits one 80 GB GPU whole, and its PipeFusion-4
+    stages fit 24 GB cards (each holds a quarter of the blocks plus the shared modulations), Ulysses/Ring do not."""
+    from parallel_runtime.bench.models import RELEASE_SHAPES
+    from parallel_runtime.models.families.flux2 import _meta_model
+    from parallel_runtime.planning.costmodel import rank_memory
+
+    dev, klein9 = RELEASE_SHAPES["flux2"][0], RELEASE_SHAPES["flux2_klein"][0]
+    klein4 = dataclasses.replace(klein9, hidden_size=3072, num_heads=24, num_layers=5, num_single_layers=20,
+                                 mlp_hidden=9216, context_dim=7680)
+    for config, released in ((dev, 32.2e9), (klein9, 9.08e9), (klein4, 3.88e9)):
+        params = sum(p.numel() for p in _meta_model(config).parameters())
+        assert abs(params / released - 1) < 0.01, (config.title, params)
+
+    def plan(strategy):
+        return rank_memory(strategy, dev, text_tokens=512, image_tokens=4096, batch=1, cfg=1.0, weight_bytes=2,
+                           act_bytes=2)
+
+    gib = 2**30
+    assert plan(S())["total"] < 0.9 * 79 * gib  # one 80 GB GPU (ComfyUI's usable 90%)
+    assert plan(S(ulysses_degree=4))["total"] > 0.9 * 23.5 * gib  # replicated weights never fit a 24 GB card
+    assert plan(S(pipefusion_degree=4))["total"] < 0.9 * 23.5 * gib
+    assert 0.25 < plan(S(pipefusion_degree=4))["params"] / plan(S())["params"] < 0.3
