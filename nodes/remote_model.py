@@ -29,7 +29,7 @@ class RemoteDiT(torch.nn.Module):
         super().__init__()
         self.handle = handle
         self.dtype = dtype  # ComfyUI's BaseModel.get_dtype reads it
-        self.patch_size = 2  # and its extra_conds this
+        self._patch_size: int | None = None  # read from the file's header when extra_conds first asks
         self.latent_format = base.latent_format  # to hand reference latents back raw, as Conditioning carries them
         self.latent_channels = base.latent_format.latent_channels  # x's channels past these are c_concat
         self._video_model: bool | None = None  # read from the file's header at the first call
@@ -57,6 +57,16 @@ class RemoteDiT(torch.nn.Module):
 
             self._video_model = model_config(self.handle.model.path).video
         return self._video_model
+
+    @property
+    def patch_size(self) -> int:
+        """Latent pixels per token side, which ComfyUI's Flux extra_conds reads to fit an attention mask to the
+        image's tokens (2 for Flux.1, 1 for FLUX.2)."""
+        if self._patch_size is None:
+            from parallel_runtime.validate import model_config
+
+            self._patch_size = model_config(self.handle.model.path).patch_size
+        return self._patch_size
 
     def parameter_shapes(self) -> dict:
         """ComfyUI's parameter name (no prefix) -> the file's shape."""
@@ -138,11 +148,7 @@ class RemoteDiT(torch.nn.Module):
             per_image = (shape[0] // chunks, *shape[1:])
             strategy = convert.resolve_strategy(self.handle.strategy, choose, self.handle.model.path, per_image, cfg,
                                                 self.handle.devices)[0]
-            from parallel_runtime.models.family import token_patch
-            from parallel_runtime.validate import model_config
-
-            patch = token_patch(model_config(self.handle.model.path))
-            strategy, note = fit_to_latent(strategy, latent_plane(shape[2:]), patch)
+            strategy, note = fit_to_latent(strategy, latent_plane(shape[2:]), self.patch_size)
             if note:
                 log.warning("ParaDiT: %s.", note)
             self._strategies[key] = strategy
@@ -192,13 +198,15 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
         (height, width), aspect = kwargs["c_size"][k * batch].tolist(), float(kwargs["c_ar"][k * batch].flatten()[0])
         size = (float(height), float(width), aspect)
     mask, mask_key = _chunk_attention_mask(kwargs.get("attention_mask"), sl)
-    clip = kwargs.get("clip_fea")  # WanImageToVideo's CLIP vision output, in the model's dtype: sent as float32
-    clip = clip[sl].detach().float().cpu() if clip is not None else None
+    # clip_fea: the start image's vision tokens (Wan's CLIP ViT-H, HunyuanVideo 1.5's SigLIP); txt_byt5: HunyuanVideo
+    # 1.5's ByT5 glyph tokens. Both in the model's dtype: sent as float32.
+    clip, glyph = (None if t is None else t[sl].detach().float().cpu()
+                   for t in (kwargs.get("clip_fea"), kwargs.get("txt_byt5")))
     return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size,
                         references=_chunk_references(kwargs.get("ref_latents"), k, batch, latent_format),
                         reference_method=kwargs.get("ref_latents_method"),
                         concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls,
-                        attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip)
+                        attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip, glyph=glyph)
 
 
 def _chunk_attention_mask(mask, sl: slice) -> tuple[torch.Tensor | None, str | None]:
@@ -234,9 +242,20 @@ def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
 # Extra model inputs (ComfyUI's extra_conds) the workers compute themselves or that a call may carry empty.
 # denoise_mask: Wan 2.2's (WAN22) noise mask, which its model reads only through the per-frame timesteps
 # process_timestep already made of it (the call's timesteps arrive [rows, frames]).
-# num_tokens: Lumina 2's count of unpadded prompt tokens, which must be the whole prompt (_refuse_padded_prompt).
+# num_tokens: Lumina 2's and Z-Image's count of unpadded prompt tokens, which must be the whole prompt
+# (_refuse_padded_prompt).
 _KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea", "denoise_mask",
-                 "num_tokens"}
+                 "num_tokens", "txt_byt5"}
+# Inputs ComfyUI 2026's model classes pass that no family here reads yet, by what adds them (the refusal names it).
+_INPUT_SOURCES = {
+    "image_slots": "images placed in the prompt by TextEncodeQwenImage21",
+    "siglip_feats": "Z-Image Omni's SigLIP image features",
+    "ref_contexts": "Z-Image Omni's reference prompts",
+    "clip_text_pooled": "NewBie's pooled CLIP text",
+    "guiding_frame_index": "HunyuanVideo 1.0 image-to-video's guiding frame",
+    "ref_latent": "HunyuanVideo 1.0 image-to-video's reference latent",
+    "disable_time_r": "the HunyuanVideo super-resolution model's time input",
+}
 
 
 def _refuse_what_the_workers_cannot_do(control, options: dict, kwargs: dict) -> None:
@@ -251,7 +270,8 @@ def _refuse_what_the_workers_cannot_do(control, options: dict, kwargs: dict) -> 
     _refuse_padded_prompt(kwargs)
     unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN_INPUTS)
     if unknown:
-        raise convert.ConfigError(f"the model call carries inputs ParaDiT does not run ({', '.join(unknown)}); "
+        named = ", ".join(f"{k}: {_INPUT_SOURCES[k]}" if k in _INPUT_SOURCES else k for k in unknown)
+        raise convert.ConfigError(f"the model call carries inputs ParaDiT does not run ({named}); "
                                   f"remove the node that adds them or load the model with UNETLoader.")
 
 
