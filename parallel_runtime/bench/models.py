@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..models.families.chroma import ChromaConfig
 from ..models.families.flux import FluxConfig
 from ..models.families.flux2 import Flux2Config
+from ..models.families.hunyuan_video15 import HunyuanVideo15Config
 from ..models.families.pixart import PixArtConfig
 from ..models.families.qwen_image import QwenImageConfig
 from ..models.families.qwen_image21 import QwenImage21Config
@@ -51,6 +52,10 @@ BENCH_FAMILIES = {
     # keep a step at a few seconds on a 2-core CPU at the bench's 8,400 video tokens, where attention is 80% of a
     # block's FLOPs (the 1.3B's at 480p x 81 frames: 71%).
     "wan": WanConfig(hidden_size=256, num_layers=2, ffn_dim=round(256 * 8960 / 1536), text_dim=64),
+    # HunyuanVideo 1.5: double-stream blocks only (54 in the release) over the 32-channel latent of its 16x VAE, one
+    # token per latent pixel (the bench's 320x320 x 81 frames: 21 x 20 x 20 = 8,400 tokens, as Wan's), the prompt
+    # refined again every step; 2 heads of 128 (its head size).
+    "hunyuan_video15": HunyuanVideo15Config(hidden_size=256, num_layers=2, text_dim=64),
     # Z-Image: NextDiT's 2 noise-refiner blocks (image over image) before the joint layers, its 8/3 SwiGLU, the
     # prompt and image padded with learned tokens to multiples of 32; 4 heads of 64 (the release: 30 of 128).
     "z_image": ZImageConfig(hidden_size=256, num_heads=4, num_kv_heads=4, num_layers=4, num_refiner_layers=2,
@@ -81,6 +86,8 @@ RELEASE_SHAPES = {
                "PixArt-Σ shapes (width 1152, 28 blocks)"),
     "wan": (WanConfig(hidden_size=5120, num_layers=40, ffn_dim=13824),
             "Wan 2.1 T2V 14B shapes (width 5120, 40 heads, 40 blocks, ffn 13824)"),
+    "hunyuan_video15": (HunyuanVideo15Config(hidden_size=2048, num_layers=54),
+                        "HunyuanVideo 1.5 8.3B shapes (width 2048, 16 heads, 54 double blocks)"),
     "z_image": (ZImageConfig(hidden_size=3840, num_heads=30, num_kv_heads=30, num_layers=30, num_refiner_layers=2,
                              ffn_dim=10240, cap_feat_dim=2560),
                 "Z-Image Turbo / base 6B shapes (width 3840, 30 heads, 2 refiner + 30 blocks, ffn 10240)"),
@@ -89,6 +96,10 @@ RELEASE_SHAPES = {
 # columns). Wan 2.1 14B at its two released sizes and default 81 frames: 832x480 -> 21 x 30 x 52 = 32,760
 # tokens; 1280x720 -> 21 x 45 x 80 = 75,600 tokens.
 RELEASE_VIDEO_SIZES = {"wan": (("480p (832x480) x 81 frames", 21, 60, 104),
-                               ("720p (1280x720) x 81 frames", 21, 90, 160))}
+                               ("720p (1280x720) x 81 frames", 21, 90, 160)),
+                       # HunyuanVideo 1.5's 121 frames (31 latent frames) of its 16x latent, 1x1 patches: 848x480 ->
+                       # 31 x 30 x 53 = 49,290 tokens; 1280x720 -> 31 x 45 x 80 = 111,600 tokens.
+                       "hunyuan_video15": (("480p (848x480) x 121 frames", 31, 30, 53),
+                                           ("720p (1280x720) x 121 frames", 31, 45, 80))}
 NAMED_MODELS = {"bench": BENCH_FLUX, "tiny": TINY, **{k: v for k, v in BENCH_FAMILIES.items() if k != "flux"}}
 TOY = "toy"  # the trained demo model (parallel_runtime/toy): its shipped file, the demo's prompt, 512x512

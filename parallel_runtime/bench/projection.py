@@ -57,10 +57,12 @@ def gpu_projection(say, config: FluxConfig, name: str, latent_shape, text: int, 
 def video_projection(say, config, name: str, sizes, text: int, cfg: float, tflops: float) -> list[dict]:
     """`gpu_projection` at each released video size (name, latent frames, rows, columns); the rows say their size.
     A video's frames stack their token rows (topology.latent_plane), so the projection sees a frames*rows plane."""
-    out = []
+    from ..models.registry import family_of
+
+    out, p = [], family_of(config).adapter_class.patch
     for size, frames, rows, cols in sizes:
         plane = (1, config.latent_channels, frames * rows, cols)
-        tokens = frames * (rows // 2) * (cols // 2)
+        tokens = frames * (rows // p) * (cols // p)
         out += [dict(row, size=size) for row in
                 gpu_projection(say, config, f"{name}, {size}", plane, text, tokens, cfg, tflops)]
     return out
