@@ -197,7 +197,10 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
     if kwargs.get("c_size") is not None and kwargs.get("c_ar") is not None:  # PixArt-α's size conditioning
         (height, width), aspect = kwargs["c_size"][k * batch].tolist(), float(kwargs["c_ar"][k * batch].flatten()[0])
         size = (float(height), float(width), aspect)
-    mask, mask_key = _chunk_attention_mask(kwargs.get("attention_mask"), sl)
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.ndim == 2:  # a prompt mask of all ones (_refuse_padded_prompt): it hides nothing
+        mask = None
+    mask, mask_key = _chunk_attention_mask(mask, sl)
     # clip_fea: the start image's vision tokens (Wan's CLIP ViT-H, HunyuanVideo 1.5's SigLIP); txt_byt5: HunyuanVideo
     # 1.5's ByT5 glyph tokens. Both in the model's dtype: sent as float32.
     clip, glyph = (None if t is None else t[sl].detach().float().cpu()
@@ -276,11 +279,11 @@ def _refuse_what_the_workers_cannot_do(control, options: dict, kwargs: dict) -> 
 
 
 def _refuse_padded_prompt(kwargs: dict) -> None:
-    """Lumina 2's model reads a prompt mask [B, L] (and num_tokens) when its text encoder padded the prompt; the
-    workers run unpadded prompts only, where ComfyUI passes no mask and num_tokens is the prompt's length."""
+    """A prompt mask [B, L] (Lumina 2's, HunyuanVideo's) hides padding its text encoder added; the workers run
+    unpadded prompts only, where ComfyUI passes no mask (or one of all ones) and num_tokens is the prompt's length."""
     mask = kwargs.get("attention_mask")
-    if mask is not None and mask.ndim == 2:
-        hidden = int(mask.numel() - mask.sum())
+    hidden = int(mask.numel() - mask.sum()) if mask is not None and mask.ndim == 2 else 0
+    if hidden:
         raise convert.ConfigError(f"the prompt's attention mask hides {hidden} padding token(s), which ParaDiT does "
                                   f"not run for this model; use one prompt per conditioning without padding, or load "
                                   f"the model with UNETLoader.")

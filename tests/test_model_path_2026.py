@@ -198,7 +198,9 @@ def detect_unet_config(sd: dict) -> dict | None:
 
 def _flux_conds(base, cross_attn, pooled_output=None, guidance=3.5, reference_latents=None,
                 reference_latents_method=None, **_):
-    """model_base.Flux (c_concat only for Fill-style inputs wider than the output: never for FLUX.2's 128 in/out)."""
+    """model_base.Flux (c_concat only for Fill-style inputs wider than the output: never for FLUX.2's 128 in/out).
+    The text encoder's prompt mask reaches the model only beside StyleModelApply's attention_mask_img_shape: a
+    prompt alone never carries one."""
     out = {"c_crossattn": cross_attn, "guidance": torch.tensor([guidance])}
     if pooled_output is not None:
         out["y"] = pooled_output
@@ -468,7 +470,10 @@ def _randn(g, *shape):
 
 
 def _flux2_chunk(g, k):
-    chunk = {"cross_attn": _randn(g, 1, 5, 64), "pooled_output": None, "reference_latents": [_randn(g, 1, 128, 2, 2)]}
+    # FLUX.2's text encoders return a prompt mask (klein's pads to 512 tokens), which model_base.Flux drops
+    mask = torch.tensor([[1.0, 1, 1, 0, 0]])
+    chunk = {"cross_attn": _randn(g, 1, 5, 64), "pooled_output": None, "attention_mask": mask,
+             "reference_latents": [_randn(g, 1, 128, 2, 2)]}
     if k == 0:
         chunk["guidance"] = 4.0  # FluxGuidance on the positive prompt; the negative keeps extra_conds' 3.5
     return chunk
@@ -489,7 +494,8 @@ def _flux2_agreement(u, c):
 
 
 def _z_image_chunk(g, k):
-    return {"cross_attn": _randn(g, 1, 7, 64), "pooled_output": None}  # Qwen3 4B: no pooled vector
+    # Qwen3 4B: no pooled vector; an unpadded prompt's all-ones mask, which extra_conds turns into num_tokens
+    return {"cross_attn": _randn(g, 1, 7, 64), "pooled_output": None, "attention_mask": torch.ones(1, 7)}
 
 
 def _z_image_branch(chunk):
@@ -531,7 +537,9 @@ _VIDEO = (2, 4, 4)  # frames, rows, columns of HunyuanVideo 1.5's latent
 def _hunyuan_video15_chunk(g, k):
     mask = torch.ones(1, 1, *_VIDEO)
     mask[:, :, 0] = 0  # HunyuanVideo15ImageToVideo: the start frame is given
-    return {"cross_attn": _randn(g, 1, 6, 64), "pooled_output": None, "conditioning_byt5small": _randn(g, 1, 3, 1472),
+    # model_base.HunyuanVideo passes any prompt mask; an all-ones one (no padding) hides nothing
+    return {"cross_attn": _randn(g, 1, 6, 64), "pooled_output": None, "attention_mask": torch.ones(1, 6),
+            "conditioning_byt5small": _randn(g, 1, 3, 1472),
             "clip_vision_output": types.SimpleNamespace(last_hidden_state=_randn(g, 1, 4, 1152)),
             "concat_latent_image": _randn(g, 1, 32, *_VIDEO), "concat_mask": mask}
 
