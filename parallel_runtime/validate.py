@@ -8,7 +8,7 @@ from functools import lru_cache
 import torch
 
 from .errors import ConfigError, ModelFileError
-from .models.family import token_patch
+from .models.registry import token_patch
 from .runtime.topology import latent_plane, validate_strategy
 from .sampling import SAMPLERS, SCHEDULERS, cfg_uses_uncond
 from .spec import REFERENCE_METHODS, Job
@@ -283,9 +283,12 @@ def validate_attention_mask(name: str, c, config, job: Job) -> None:
     family = family_of(config)
     title = getattr(config, "title", family.title)
     if not family.attention_mask:
-        raise ConfigError(f"the {name} conditioning carries an attention mask, which ComfyUI's {title} model does "
-                          f"not read; remove the node that sets one (StyleModelApply's attn_bias, a masked text "
-                          f"encode).")
+        from .models.registry import families
+
+        readers = " and ".join(f.title for f in families() if f.attention_mask)
+        raise ConfigError(f"the {name} conditioning carries an attention mask, which ParaDiT applies for {readers} "
+                          f"only, not for {title}; remove the node that sets one (StyleModelApply's attn_bias, a "
+                          f"masked text encode) or load the model with UNETLoader.")
     if c.references:
         raise ConfigError(f"the {name} conditioning has both an attention mask and reference latents (Kontext), "
                           f"which ComfyUI's Flux model cannot run together either; remove ReferenceLatent or set "

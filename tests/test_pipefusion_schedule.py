@@ -68,7 +68,7 @@ class IdentityFlux:
         self.device, self.dtype, self.variant = torch.device("cpu"), torch.float32, "dev"
 
     pack, unpack = staticmethod(FluxAdapter.pack), staticmethod(FluxAdapter.unpack)  # the token layout itself
-    model_sampling, latent_format, default_guidance = model_sampling_for("dev"), FLUX_LATENT, 3.5
+    model_sampling, latent_format, default_guidance, patch = model_sampling_for("dev"), FLUX_LATENT, 3.5, 2
 
     def rope(self, text_len, h, w, references=(), method=None):
         n = text_len + (h // 2) * (w // 2)

@@ -10,6 +10,8 @@
   devices, that model and its image (or video) size;
 - the Wan workflows keep the shape of ComfyUI's own Wan templates (latent size and frames, sampling, shift, fps),
   and the Wan 2.2 14B pair of experts splits one schedule between two KSamplerAdvanced;
+- the newer families' workflows (Lumina 2, Z-Image Turbo, FLUX.2 dev and klein, Qwen-Image 2.1, HunyuanVideo 1.5)
+  are their ComfyUI templates node by node with the loader swapped, and cfg-1 models never split CFG;
 - scripts/queue_workflow.py: overrides, format detection and its websocket client (against a tiny
   in-process server on 127.0.0.1).
 """

@@ -33,6 +33,7 @@ class DiTAdapter(Protocol):
     config: object
     dtype: torch.dtype
     device: torch.device
+    patch: int  # latent pixels per token side (2: Flux's 2x2 patches; 1: FLUX.2, Qwen-Image 2.1)
 
     @staticmethod
     def pack(latent: torch.Tensor) -> torch.Tensor: ...
@@ -107,7 +108,7 @@ class JointAttentionConfig:
     clip_vision_width = None  # width of the CLIP-vision tokens (ComfyUI's clip_fea) a model reads; None: reads none
     concat_nodes = "InpaintModelConditioning (Fill) or InstructPixToPixConditioning (Canny/Depth)"  # c_concat's makers
     # Latent pixels per token side (FLUX.2's 128-channel latent: 1). Wan, SD3 and PixArt configs have their own
-    # patch_size fields (Wan's a 3-D tuple): count tokens with `token_patch(config)`, which reads the adapter.
+    # patch_size fields (Wan's a 3-D tuple): count tokens with `registry.token_patch(config)`, which reads the adapter.
     patch_size = 2
     latent_downscale = 8  # image pixels per latent pixel side (ComfyUI's spacial_downscale_ratio; FLUX.2: 16)
 
@@ -338,14 +339,6 @@ def refuse_known_unsupported(keys: list[str], name: str) -> None:
     for known in KNOWN_UNSUPPORTED:
         if known.found_in(key_set):
             raise ModelFileError(f"{name} is {known.what}, which ParaDiT does not run yet; {known.fix}.")
-
-
-def token_patch(config) -> int:
-    """Latent pixels per token side in a config's family: its adapter's `patch` (2 for Flux's 2x2 patches, 1 where
-    the VAE already compresses 16x, as FLUX.2's)."""
-    from .registry import family_of
-
-    return family_of(config).adapter_class.patch
 
 
 def describe_keys(keys: list[str]) -> str:

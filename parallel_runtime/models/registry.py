@@ -53,3 +53,9 @@ def read_model(reader, name: str | None = None):
     name = name or os.path.basename(getattr(reader, "path", "checkpoint"))
     family, match = detect_family(reader.keys(), name)
     return family, match, family.infer_config(reader, match, name)
+
+
+def token_patch(config) -> int:
+    """Latent pixels per token side in a config's family: its adapter's `patch` (2 for Flux's 2x2 patches, 1 where
+    the VAE already compresses 16x, as FLUX.2's)."""
+    return family_of(config).adapter_class.patch

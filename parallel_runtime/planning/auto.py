@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from ..models.family import token_patch
+from ..models.registry import token_patch
 from ..runtime.devices import parse_devices
 from ..runtime.memory import CPU_USABLE, CPU_WORKER_OVERHEAD, CUDA_USABLE, weight_bytes
 from ..runtime.topology import latent_plane, validate_strategy

@@ -19,7 +19,7 @@ class UlyssesAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                  masked: bool = True) -> torch.Tensor:
-        u, me = self.group.size, self.group.index
+        u = self.group.size
         b, s, h, d = q.shape
         hu = h // u
         # [B, S, 3, U, H/U, D] -> [U, S, B, 3, H/U, D]: chunk j of dim 0 goes to member j.
