@@ -216,6 +216,11 @@ class BenchRun:
 
     def __post_init__(self):
         self.text = self.args.text_tokens
+        # The prompt's rows in the model's sequence (FLUX.2 pads it to 512): what the analytic traffic, the memory
+        # estimate and the cost model count; the jobs carry the prompt as given, as a user's would.
+        from ..models.registry import prompt_rows
+
+        self.seq_text = prompt_rows(self.config, self.text)
         self.video = self.config.video  # latent [B, C, T, H, W]; its tokens are video tokens
         self.tokens_name = "video" if self.video else "image"
         self.max_world = len(self.devices)
@@ -248,7 +253,7 @@ class BenchRun:
         headers, table, json_rows = result_rows(results, serial, args.steps, self.kind)
         record["rows"].extend(dict(row, family=family) for row in json_rows)
         say("")
-        say(f"Results — {self.model_name}, {self.image_tokens} {self.tokens_name} + {self.text} text tokens, "
+        say(f"Results — {self.model_name}, {self.image_tokens} {self.tokens_name} + {self.text} text tokens{self._padded_note()}, "
             f"{args.devices} x {args.threads} thread(s)")
         say(fmt_table(headers, table))
         say("  cores: how many cores the workers' count of concurrent FP-bound probes got just before that run "
@@ -278,14 +283,18 @@ class BenchRun:
         self.targets.append({"target": name, "status": "n/a" if ok is None else ("PASS" if ok else "FAIL"),
                              "detail": detail})
 
+    def _padded_note(self) -> str:
+        return f" ({self.seq_text} rows once the model pads it)" if self.seq_text != self.text else ""
+
     def _header(self) -> None:
         args, say, shape = self.args, self.say, self.latent_shape
-        size = f"{shape[-1] * 8}x{shape[-2] * 8} px"
+        down = getattr(self.config, "latent_downscale", 8)  # FLUX.2, Qwen-Image 2.1, HunyuanVideo 1.5: 16
+        size = f"{shape[-1] * down}x{shape[-2] * down} px"
         if self.video:
             size = f"{args.frames} frames of {size}"
         say(f"ParaDiT bench — model {self.model_name}")
         say(f"  {size} -> latent {'x'.join(map(str, shape[2:]))} -> {self.image_tokens} {self.tokens_name} tokens + "
-            f"{self.text} text tokens; {args.steps} steps (euler/simple), seconds per step = median after warm-up, "
+            f"{self.text} text tokens{self._padded_note()}; {args.steps} steps (euler/simple), seconds per step = median after warm-up, "
             f"slowest rank, best of {args.repeats}; no VAE in any DiT time"
             + ("; the VAE decode is timed apart after the grid" if self.video else ""))
         say(f"  devices {args.devices} ({self.max_world} worker(s)), {args.threads} thread(s) per worker, "
@@ -297,7 +306,7 @@ class BenchRun:
         args, devices = self.args, self.devices
         self.say("calibrating the cost model ...")
         dtype = default_dtype(self.kind, torch.cuda.get_device_capability(devices[0]) if self.kind == "cuda" else None)
-        blocks = costmodel.block_timing(self.config, self.text, self.image_tokens, device=devices[0], dtype=dtype,
+        blocks = costmodel.block_timing(self.config, self.seq_text, self.image_tokens, device=devices[0], dtype=dtype,
                                         threads=args.threads, refresh=True)
         link = costmodel.link_timing(devices, refresh=args.recalibrate) if self.max_world > 1 else None
         self.calib = costmodel.Calibration(blocks, link, self.kind, threads=args.threads, cores=self.cores,
@@ -378,7 +387,7 @@ class BenchRun:
             if s.world_size == 1:
                 serial[round(cfg, 6)] = res
                 total_params = res["stats"][0]["param_bytes"]
-            shapes = shapes_of(config, image_tokens=self.image_tokens, text_tokens=self.text,
+            shapes = shapes_of(config, image_tokens=self.image_tokens, text_tokens=self.seq_text,
                                pipefusion=s.pipefusion_degree, batch=shape[0], act_bytes=self.act_bytes)
             analytic = job_traffic(s, shapes, steps=args.steps, cfg=cfg)
             ok, worst = compare([st["traffic"] for st in res["stats"]], analytic, TARGET_TRAFFIC)
@@ -386,7 +395,7 @@ class BenchRun:
             if self.calib is not None:
                 res["projected_step_s"] = costmodel.project(s, config, self.calib, cfg=cfg, steps=args.steps,
                                                             batch=shape[0], act_bytes=self.act_bytes).step_s
-            res["act_est"] = costmodel.rank_memory(s, config, text_tokens=self.text, image_tokens=self.image_tokens,
+            res["act_est"] = costmodel.rank_memory(s, config, text_tokens=self.seq_text, image_tokens=self.image_tokens,
                                                    batch=shape[0], cfg=cfg, weight_bytes=self.act_bytes,
                                                    act_bytes=self.act_bytes)["activations"]
             results.append(res)
@@ -463,11 +472,11 @@ class BenchRun:
             proj_config, proj_name = self.config, "this model"
         elif args.model in RELEASE_VIDEO_SIZES:
             record["projection"] = video_projection(say, proj_config, proj_name, RELEASE_VIDEO_SIZES[args.model],
-                                                    self.text, args.cfg, args.gpu_tflops)
+                                                    self.seq_text, args.cfg, args.gpu_tflops)
             record["xdit_published"] = xdit_published(say)
             return
         plane = (*self.latent_shape[:2], *latent_plane(self.latent_shape[2:]))  # a video's frames stack their rows
-        record["projection"] = gpu_projection(say, proj_config, proj_name, plane, self.text, self.image_tokens,
+        record["projection"] = gpu_projection(say, proj_config, proj_name, plane, self.seq_text, self.image_tokens,
                                               args.cfg, args.gpu_tflops)
 
     def _finish(self, record: dict) -> int:

@@ -59,3 +59,12 @@ def token_patch(config) -> int:
     """Latent pixels per token side in a config's family: its adapter's `patch` (2 for Flux's 2x2 patches, 1 where
     the VAE already compresses 16x, as FLUX.2's)."""
     return family_of(config).adapter_class.patch
+
+
+def prompt_rows(config, tokens: int) -> int:
+    """Rows a prompt of `tokens` tokens takes in the model's attention sequence: as many, unless the family pads it
+    (FLUX.2 to 512 at the front, `prompt_tokens`; Z-Image to a multiple of 32 with learned rows, `prompt_rows`).
+    The cost model, auto and the bench's analytic traffic count these rows, as the workers run them."""
+    adapter = family_of(config).adapter_class
+    tokens = max(tokens, getattr(adapter, "prompt_tokens", 0))
+    return getattr(adapter, "prompt_rows", lambda n: n)(tokens)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from ..models.registry import token_patch
+from ..models.registry import prompt_rows, token_patch
 from ..runtime.devices import parse_devices
 from ..runtime.memory import CPU_USABLE, CPU_WORKER_OVERHEAD, CUDA_USABLE, weight_bytes
 from ..runtime.topology import latent_plane, validate_strategy
@@ -84,6 +84,7 @@ def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str],
     and negative prompts encode to different lengths, which PipeFusion runs only with CFG parallel."""
     b, _, h, w = latent_shape
     world = len(devices)
+    text_len = prompt_rows(config, text_len)  # the rows the workers run (FLUX.2 pads its prompt to 512)
     e = weight_bytes(weight_dtype, devices[0])
     budget = device_memory_budget(devices) if memory_budget_bytes is None else memory_budget_bytes
     layout = costmodel.param_layout(config)
@@ -169,6 +170,7 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
         raise ConfigError(f"latent shape {tuple(latent_shape)} is not [batch, channels, (frames,) height/8, width/8].")
     b, _, *spatial = latent_shape
     h, w = latent_plane(spatial)  # a video's frames stack their token rows
+    text_len = prompt_rows(config, text_len)  # the rows the workers run (FLUX.2 pads its prompt to 512)
     if world == 1:
         return StrategySpec(), "one device: serial"
     if threads is None:

@@ -74,14 +74,17 @@ class Shapes:
 def shapes_of(config, *, image_tokens: int, text_tokens: int, pipefusion: int = 1, batch: int = 1,
               act_bytes: int = 4) -> Shapes:
     """The byte counts' inputs for a family's config, PipeFusion stages split as the workers split them."""
-    from ..models.registry import family_of
+    from ..models.registry import family_of, token_patch
 
     stages = (tuple(tuple(chunks) for chunks in family_of(config).pipeline_stages(config, pipefusion))
               if pipefusion > 1 else ())
+    patch = getattr(config, "patch_size", None)
+    if not isinstance(patch, tuple):  # an image family: the adapter's patch (Qwen-Image 2.1, FLUX.2: 1)
+        patch = token_patch(config)
     return Shapes(image_tokens=image_tokens, text_tokens=text_tokens, hidden=config.hidden_size,
                   heads=config.num_heads, num_blocks=config.num_blocks, stage_blocks=stages, batch=batch,
                   act_bytes=act_bytes, attention_layers=config.attention_layers,
-                  x_channels=config.latent_channels * _patch_cells(getattr(config, "patch_size", 2)))
+                  x_channels=config.latent_channels * _patch_cells(patch))
 
 
 def _patch_cells(patch) -> int:
