@@ -163,15 +163,17 @@ class Conditioning:
                    tensors.get(f"{prefix}.concat"), control, attention_mask_key=meta.get(f"{prefix}_attention_mask"),
                    clip_vision=tensors.get(f"{prefix}.clip_vision"), glyph=tensors.get(f"{prefix}.glyph"))
 
-    def signature(self) -> tuple:
+    def signature(self, prompt_tokens: int = 0) -> tuple:
         """What must be equal for two branches to share one forward pass (ComfyUI batches them then, and only
-        with the same ControlNet chain)."""
+        with the same ControlNet chain). `prompt_tokens`: the length the family pads shorter prompts to (FLUX.2:
+        512), so two prompts that pad to one length share a layout."""
         concat = None if self.concat is None else self.concat.shape[1]
         # ComfyUI batches two masked branches (their masks concatenate), never a masked with an unmasked one.
         masked = self.attention_mask is not None or self.attention_mask_key is not None
         clip = None if self.clip_vision is None else tuple(self.clip_vision.shape[1:])
         glyph = None if self.glyph is None else tuple(self.glyph.shape[1:])
-        return (self.cond.shape[1], tuple(tuple(r.shape[-2:]) for r in self.references), self.reference_method,
+        return (max(self.cond.shape[1], prompt_tokens), tuple(tuple(r.shape[-2:]) for r in self.references),
+                self.reference_method,
                 concat, tuple(c.signature() for c in self.control), masked, clip, glyph)
 
 

@@ -206,6 +206,24 @@ def test_flux2_denoise_loop_strategies_equal_serial_and_pipefusion_beats_naive_p
     assert pipefusion < naive
 
 
+def test_flux2_prompts_of_different_lengths_pipeline_together_once_padded(files, client1, client2):
+    """Prompts of 7 and 11 tokens both pad to FLUX.2's 512, so they share one token layout: PipeFusion without CFG
+    parallel pipelines them (Flux.1 refuses unequal prompt lengths there), all steps warm-up = serial (exact), and
+    one stale step lands nearer serial than naive patch."""
+    g = torch.Generator().manual_seed(8)
+    job = Job(ModelSpec(files["dev"]), S(), SamplingSpec(steps=4, cfg=3.0, seed=2),
+              torch.randn(1, 128, H, W, generator=g) * 0.5, conditioning(1), conditioning(2, tokens=11))
+    assert job.positive.cond.shape[1] != job.negative.cond.shape[1]
+    serial = client1.run(job).latent
+    warm = rel_err(client2.run(dataclasses.replace(job, strategy=S(pipefusion_degree=2, num_pipeline_patch=2,
+                                                                   warmup_steps=4))).latent, serial)
+    stale = rel_err(client2.run(dataclasses.replace(job, strategy=S(pipefusion_degree=2, num_pipeline_patch=2,
+                                                                    warmup_steps=1))).latent, serial)
+    naive = rel_err(client2.run(dataclasses.replace(job, strategy=S(naive_patch_degree=2))).latent, serial)
+    print(f"\nFLUX.2, prompts 7 / 11 tokens, PipeFusion-2: warm {warm:.2e}, stale {stale:.2e}, naive patch {naive:.2e}")
+    assert warm < EXACT_RTOL and stale < naive
+
+
 # -- the file kinds users download: fp8 scaled, ComfyUI-quantized fp8 (fp8mixed), GGUF -------------------------
 
 

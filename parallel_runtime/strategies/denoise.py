@@ -243,7 +243,7 @@ class Denoiser:
         validate_strategy(s, world_size=self.topology.world_size, heads=cfg.num_heads,
                           num_blocks=cfg.num_blocks, latent_hw=latent_plane(spatial),
                           cfg_scale=sp.cfg, steps=sp.steps, patch=self.adapter.patch)
-        validate_branches(job)
+        validate_branches(job, getattr(self.adapter, "prompt_tokens", 0))
         self.step_times = []
 
         sigmas = ksampler_sigmas(self.adapter.model_sampling, sp.scheduler, sp.steps, sp.denoise)
@@ -268,7 +268,7 @@ class Denoiser:
         # Branches with the same token layout share one forward pass (a batch); otherwise each runs its own,
         # as ComfyUI runs them (T5-only encoders such as Chroma's do not pad prompts; a Kontext negative
         # often has no reference latent).
-        same_layout = len({c.signature() for c in conds}) == 1
+        same_layout = len({c.signature(getattr(self.adapter, "prompt_tokens", 0)) for c in conds}) == 1
         self.groups = [Branches(group, b, self.adapter) for group in ([conds] if same_layout else [[c] for c in conds])]
         self.branches = self.groups[0]  # PipeFusion runs one group (validate_branches)
         self.cfg_scale = sp.cfg

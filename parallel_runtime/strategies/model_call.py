@@ -47,7 +47,8 @@ class ModelCallForward(Denoiser):
         out = torch.zeros_like(x)
         self._check_cancel()
         # Chunks with one token layout run as one batch, as ComfyUI batched them; others one by one.
-        groups = [mine] if len({chunks[k].signature() for k in mine}) == 1 else [[k] for k in mine]
+        pad = getattr(self.adapter, "prompt_tokens", 0)  # FLUX.2's prompts, padded to one length, batch together
+        groups = [mine] if len({chunks[k].signature(pad) for k in mine}) == 1 else [[k] for k in mine]
         if self.topology.pipefusion > 1 and job.call_step == 0 and job.call_slot == 0:
             self.context.stale_kv.clear()  # a new sampling run: nothing of the last one is stale K/V of this one
         for group in groups:
