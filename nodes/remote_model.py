@@ -61,11 +61,13 @@ class RemoteDiT(torch.nn.Module):
     @property
     def patch_size(self) -> int:
         """Latent pixels per token side, which ComfyUI's Flux extra_conds reads to fit an attention mask to the
-        image's tokens (2 for Flux.1, 1 for FLUX.2)."""
+        image's tokens (2 for Flux.1, 1 for FLUX.2), and the strategy's fit to a call's latent uses. The family's
+        adapter says it: a config's own patch_size may be a video's (t, h, w) tuple (Wan's (1, 2, 2))."""
         if self._patch_size is None:
+            from parallel_runtime.models.registry import token_patch
             from parallel_runtime.validate import model_config
 
-            self._patch_size = model_config(self.handle.model.path).patch_size
+            self._patch_size = token_patch(model_config(self.handle.model.path))
         return self._patch_size
 
     def parameter_shapes(self) -> dict:
