@@ -730,3 +730,16 @@ def test_an_input_nothing_reads_is_refused_in_one_sentence(name, files, comfy, c
     with pytest.raises(ConfigError, match=f"^{pattern}$") as refusal:
         _call(name, files[name], "cpu:1", {"cpu:1": client1}, monkeypatch, extra=dict(keys))
     assert ". " not in str(refusal.value)
+
+
+def test_the_parallel_models_token_patch_is_an_int_for_every_family_kind(tmp_path):
+    """RemoteDiT.patch_size (read by ComfyUI's Flux extra_conds and by the per-call strategy fit) is the adapter's
+    token patch for a video family too, whose config's own patch_size is a (t, h, w) tuple: Wan's 2, not (1, 2, 2)
+    (a tuple there failed every Wan graph with a TypeError)."""
+    from nodes.remote_model import RemoteDiT
+    from parallel_runtime.models.families.wan import WanConfig
+
+    path = write_checkpoint(str(tmp_path / "wan.safetensors"), WanConfig(hidden_size=256, num_layers=1, ffn_dim=512,
+                                                                         text_dim=64), seed=0)
+    dit = types.SimpleNamespace(_patch_size=None, handle=types.SimpleNamespace(model=types.SimpleNamespace(path=path)))
+    assert RemoteDiT.patch_size.fget(dit) == 2
