@@ -40,7 +40,7 @@ from ...sampling.flow import FluxModelSampling
 from ...strategies.attention import LocalAttention
 from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
-from ..family import DiTFamily, JointAttentionConfig, Match
+from ..family import DiTFamily, Match, OneBlockListConfig
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 from .lumina2 import timestep_sinusoid
 from .wan import video_grid_ids
@@ -63,7 +63,7 @@ TEXT, GLYPH, VISION = 0, 1, 2
 
 
 @dataclass(frozen=True)
-class HunyuanVideo15Config(JointAttentionConfig):
+class HunyuanVideo15Config(OneBlockListConfig):  # 54 double blocks, 4x MLP
     hidden_size: int
     num_layers: int
     in_channels: int = 65
@@ -74,7 +74,6 @@ class HunyuanVideo15Config(JointAttentionConfig):
     pooled_dim = 0
     text_encoders = "Qwen2.5-VL 7B and ByT5 small (DualCLIPLoader type hunyuan_video_15)"
     head_dim = HEAD_DIM
-    num_single_layers = 0
     video = True  # latents are [B, C, T, H, W]
     patch_size = 1  # one token per latent pixel
     latent_downscale = 16  # its VAE's spatial compression
@@ -94,14 +93,6 @@ class HunyuanVideo15Config(JointAttentionConfig):
     @property
     def num_heads(self) -> int:
         return self.hidden_size // HEAD_DIM
-
-    @property
-    def num_blocks(self) -> int:
-        return self.num_layers
-
-    @property
-    def mlp_hidden(self) -> int:
-        return 4 * self.hidden_size
 
     @property
     def context_dim(self) -> int:

@@ -211,18 +211,16 @@ def source_map(config: Lumina2Config, layout: str, prefix: str = "") -> dict[str
 
 def checkpoint_shapes(config: Lumina2Config) -> dict[str, tuple[tuple[int, ...], str]]:
     """{ComfyUI key: (shape, kind)} of a Lumina 2 file, for writing random test checkpoints."""
-    kinds = {}
-    for name, p in _meta_model(config).state_dict().items():
-        if "norm" in name or name.startswith("cap_embedder.0."):
-            kind = "norm"
-        elif name.endswith("bias"):
-            kind = "bias"
-        elif "adaLN_modulation" in name:
-            kind = "mod"
-        else:
-            kind = "weight"
-        kinds[name] = (tuple(p.shape), kind)
-    return kinds
+    return {name: (tuple(p.shape), parameter_kind(name)) for name, p in _meta_model(config).state_dict().items()}
+
+
+def parameter_kind(name: str) -> str:
+    """How tiny.write_checkpoint initialises a NextDiT parameter (Lumina 2's and Z-Image's names)."""
+    if "norm" in name or name.startswith("cap_embedder.0."):
+        return "norm"
+    if name.endswith("bias"):
+        return "bias"
+    return "mod" if "adaLN_modulation" in name else "weight"
 
 
 # -- the strategies' view -----------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from ...errors import ModelFileError
 from ...weights.keymap import Source, block_count, has_block, same_names, tensor_shapes
 from ..family import DiTFamily, Match
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
-from .lumina2 import BLOCK_LISTS, Lumina2Adapter, Lumina2Config, block_inputs, z_image_keys
+from .lumina2 import BLOCK_LISTS, Lumina2Adapter, Lumina2Config, block_inputs, parameter_kind, z_image_keys
 
 PAD_MULTIPLE = 32  # ComfyUI's pad_tokens_multiple, diffusers' SEQ_MULTI_OF
 PATCH_KEY = "2-1"  # diffusers' all_x_embedder / all_final_layer entry for 2x2 patches of one frame
@@ -193,17 +193,8 @@ def checkpoint_shapes(config: ZImageConfig) -> dict[str, tuple[tuple[int, ...], 
             key, shape = _comfy_name(_QKV.match(name).group(1)) + ".qkv.weight", (3 * p.shape[0], p.shape[1])
         else:
             shape = tuple(p.shape)
-        if name.endswith("pad_token"):
-            kind = "table"  # learned rows in the hidden space, O(1) like embedded tokens
-        elif "norm" in name or name.startswith("cap_embedder.0."):
-            kind = "norm"
-        elif name.endswith("bias"):
-            kind = "bias"
-        elif "adaLN_modulation" in name:
-            kind = "mod"
-        else:
-            kind = "weight"
-        shapes[key] = (shape, kind)
+        # pad tokens: learned rows in the hidden space, O(1) like embedded tokens
+        shapes[key] = (shape, "table" if name.endswith("pad_token") else parameter_kind(name))
     return shapes
 
 
