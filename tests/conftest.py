@@ -69,6 +69,29 @@ def diffusers_flux_call(path: str, job: Job, skip: tuple[tuple[str, int], ...] =
     return torch.cat(rows)
 
 
+def check_denoise_loop(job: Job, client1, client2, what: str, rtol: float, *, warm_patches: int = 2,
+                       stale_patches: int = 2) -> None:
+    """A whole run of `job` (Parallel Sampler's path) on 2 workers against serial on 1: Ulysses, Ring, CFG and
+    PipeFusion with every step warm-up within `rtol` (exact strategies), and PipeFusion after one warm-up step,
+    which reads stale K/V, nearer serial than naive patch parallelism, which never sees the other half."""
+    import dataclasses
+
+    S = StrategySpec
+    serial = client1.run(job).latent
+    assert serial.shape == job.latent.shape and torch.isfinite(serial).all()
+    steps = job.sampling.steps
+    for strategy in (S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2),
+                     S(pipefusion_degree=2, num_pipeline_patch=warm_patches, warmup_steps=steps)):
+        err = rel_err(client2.run(dataclasses.replace(job, strategy=strategy)).latent, serial)
+        print(f"\n{what}, {steps} steps, {strategy.label()}: rel. error {err:.2e} vs serial")
+        assert err < rtol, strategy
+    pipefusion = rel_err(client2.run(dataclasses.replace(job, strategy=S(
+        pipefusion_degree=2, num_pipeline_patch=stale_patches, warmup_steps=1))).latent, serial)
+    naive = rel_err(client2.run(dataclasses.replace(job, strategy=S(naive_patch_degree=2))).latent, serial)
+    print(f"\n{what}, {steps} steps: PipeFusion (1 warm-up step) {pipefusion:.2e}, naive patch {naive:.2e}")
+    assert pipefusion < naive
+
+
 def comfy_rope(ids: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
     """comfy/ldm/flux/math.py's rope per axis, concatenated (EmbedND), for references written from ComfyUI's code:
     [L, D/2, 2, 2] rotation matrices of integer position ids [L, len(axes)]."""

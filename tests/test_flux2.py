@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import rel_err
+from conftest import check_denoise_loop, rel_err
 from parallel_runtime.errors import ModelFileError
 from parallel_runtime.models.families.flux2 import Flux2Config
 from parallel_runtime.models.registry import detect_family
@@ -192,18 +192,7 @@ def test_flux2_denoise_loop_strategies_equal_serial_and_pipefusion_beats_naive_p
     job = Job(ModelSpec(files["dev"]), S(), SamplingSpec(steps=6, cfg=3.0, seed=1),
               torch.randn(1, 128, H, W, generator=g) * 0.5, conditioning(1, references=True),
               conditioning(2, references=True))  # one prompt length: PipeFusion pipelines both branches
-    serial = client1.run(job).latent
-    assert serial.shape == (1, 128, H, W) and torch.isfinite(serial).all()
-    for strategy in (S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2),
-                     S(pipefusion_degree=2, num_pipeline_patch=2, warmup_steps=6)):
-        err = rel_err(client2.run(dataclasses.replace(job, strategy=strategy)).latent, serial)
-        print(f"\nFLUX.2, 6 steps, {strategy}: rel. error {err:.2e} vs serial")
-        assert err < EXACT_RTOL
-    pipefusion = rel_err(client2.run(dataclasses.replace(job, strategy=S(pipefusion_degree=2, num_pipeline_patch=2,
-                                                                         warmup_steps=1))).latent, serial)
-    naive = rel_err(client2.run(dataclasses.replace(job, strategy=S(naive_patch_degree=2))).latent, serial)
-    print(f"\nFLUX.2, 6 steps: PipeFusion (1 warm-up step) {pipefusion:.2e}, naive patch {naive:.2e}")
-    assert pipefusion < naive
+    check_denoise_loop(job, client1, client2, "FLUX.2", EXACT_RTOL)
 
 
 def test_flux2_prompts_of_different_lengths_pipeline_together_once_padded(files, client1, client2):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import rel_err
+from conftest import check_denoise_loop, rel_err
 from parallel_runtime.errors import ModelFileError
 from parallel_runtime.models.families.hunyuan_video15 import HunyuanVideo15Config
 from parallel_runtime.models.registry import detect_family
@@ -279,16 +279,7 @@ def test_denoise_loop_strategies_equal_serial_and_pipefusion_beats_naive_patch(h
     serial than naive patch parallelism, which never sees the other half of the video."""
     pos, neg = conditioning(1, vision=True, concat=True), conditioning(2, vision=True, concat=True)
     job = Job(ModelSpec(hv_path), S(), SamplingSpec(steps=6, cfg=5.0, seed=1), torch.zeros(1, 32, T, H, W), pos, neg)
-    serial = client1.run(job).latent
-    assert serial.shape == (1, 32, T, H, W) and torch.isfinite(serial).all()
-    for strategy in (S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2),
-                     S(pipefusion_degree=2, num_pipeline_patch=3, warmup_steps=6)):
-        assert rel_err(client2.run(dataclasses.replace(job, strategy=strategy)).latent, serial) < EXACT_RTOL, strategy
-    pipefusion = rel_err(client2.run(dataclasses.replace(job, strategy=S(pipefusion_degree=2, num_pipeline_patch=3,
-                                                                         warmup_steps=1))).latent, serial)
-    naive = rel_err(client2.run(dataclasses.replace(job, strategy=S(naive_patch_degree=2))).latent, serial)
-    print(f"\nHunyuanVideo 1.5, 6 steps: PipeFusion (1 warm-up step) {pipefusion:.2e}, naive patch {naive:.2e}")
-    assert pipefusion < naive
+    check_denoise_loop(job, client1, client2, "HunyuanVideo 1.5", EXACT_RTOL, warm_patches=3, stale_patches=3)
 
 
 def test_text_to_video_runs_without_concat_and_refuses_bad_inputs(hv_path, client1):

@@ -9,14 +9,13 @@ error.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import apply_comfy_rope, comfy_rope, rel_err
+from conftest import apply_comfy_rope, check_denoise_loop, comfy_rope, rel_err
 from parallel_runtime.errors import ModelFileError
 from parallel_runtime.models.families.lumina2 import Lumina2Config
 from parallel_runtime.models.registry import detect_family
@@ -179,18 +178,7 @@ def test_lumina2_denoise_loop_strategies_equal_serial_and_pipefusion_beats_naive
     serial than naive patch parallelism, which never sees the other half of the image."""
     job = Job(ModelSpec(lumina_path), S(), SamplingSpec(steps=6, cfg=4.0, seed=1), torch.zeros(1, 16, H, W),
               conditioning(1), conditioning(2))  # one length: the denoise loop's PipeFusion pipelines both prompts
-    serial = client1.run(job).latent
-    assert serial.shape == (1, 16, H, W) and torch.isfinite(serial).all()
-    for strategy in (S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2),
-                     S(pipefusion_degree=2, num_pipeline_patch=2, warmup_steps=6)):
-        err = rel_err(client2.run(dataclasses.replace(job, strategy=strategy)).latent, serial)
-        print(f"\nLumina 2, 6 steps, {strategy}: rel. error {err:.2e} vs serial")
-        assert err < EXACT_RTOL
-    pipefusion = rel_err(client2.run(dataclasses.replace(job, strategy=S(pipefusion_degree=2, num_pipeline_patch=2,
-                                                                         warmup_steps=1))).latent, serial)
-    naive = rel_err(client2.run(dataclasses.replace(job, strategy=S(naive_patch_degree=2))).latent, serial)
-    print(f"\nLumina 2, 6 steps: PipeFusion (1 warm-up step) {pipefusion:.2e}, naive patch {naive:.2e}")
-    assert pipefusion < naive
+    check_denoise_loop(job, client1, client2, "Lumina 2", EXACT_RTOL)
 
 
 def test_lumina2_ulysses_times_ring_on_four(lumina_path, client4):

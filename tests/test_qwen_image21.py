@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import rel_err
+from conftest import check_denoise_loop, rel_err
 from parallel_runtime.errors import ModelFileError
 from parallel_runtime.models.families.qwen_image21 import QWEN_IMAGE21_LATENT, QwenImage21Config
 from parallel_runtime.models.registry import detect_family
@@ -171,18 +171,7 @@ def test_qwen_image21_denoise_loop_strategies_equal_serial_and_pipefusion_beats_
     nearer serial than naive patch parallelism, which never sees the other half of the image."""
     job = Job(ModelSpec(paths[0]), S(), SamplingSpec(steps=6, cfg=4.0, seed=1), torch.zeros(1, TINY.out_channels, H, W),
               conditioning(1), conditioning(2))  # one length: the denoise loop's PipeFusion pipelines both prompts
-    serial = client1.run(job).latent
-    assert serial.shape == (1, TINY.out_channels, H, W) and torch.isfinite(serial).all()
-    for strategy in (S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2),
-                     S(pipefusion_degree=2, num_pipeline_patch=2, warmup_steps=6)):
-        err = rel_err(client2.run(dataclasses.replace(job, strategy=strategy)).latent, serial)
-        print(f"\nQwen-Image 2.1, 6 steps, {strategy}: rel. error {err:.2e} vs serial")
-        assert err < EXACT_RTOL
-    pipefusion = rel_err(client2.run(dataclasses.replace(job, strategy=S(pipefusion_degree=2, num_pipeline_patch=2,
-                                                                         warmup_steps=1))).latent, serial)
-    naive = rel_err(client2.run(dataclasses.replace(job, strategy=S(naive_patch_degree=2))).latent, serial)
-    print(f"\nQwen-Image 2.1, 6 steps: PipeFusion (1 warm-up step) {pipefusion:.2e}, naive patch {naive:.2e}")
-    assert pipefusion < naive
+    check_denoise_loop(job, client1, client2, "Qwen-Image 2.1", EXACT_RTOL)
 
 
 # -- file kinds and LoRAs -------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from conftest import apply_comfy_rope, comfy_rope, rel_err
+from conftest import apply_comfy_rope, check_denoise_loop, comfy_rope, rel_err
 from parallel_runtime.errors import ModelFileError
 from parallel_runtime.models.families.wan import WanConfig
 from parallel_runtime.models.registry import detect_family
@@ -206,20 +206,9 @@ def test_wan_denoise_loop_strategies_equal_serial_and_pipefusion_beats_naive_pat
     """A whole 6-step run at cfg 5 (Parallel Sampler's path): exact strategies equal serial; PipeFusion after one
     warm-up step reads stale K/V and lands nearer serial than naive patch parallelism, which never sees the other
     half of the video."""
-    g = torch.Generator().manual_seed(0)
     job = Job(ModelSpec(wan_path), S(), SamplingSpec(steps=6, cfg=5.0, seed=1),
               torch.zeros(1, 16, T, H, W), conditioning(1), conditioning(2))
-    serial = client1.run(job).latent
-    assert serial.shape == (1, 16, T, H, W) and torch.isfinite(serial).all()
-    del g
-    for strategy in (S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2),
-                     S(pipefusion_degree=2, num_pipeline_patch=5, warmup_steps=6)):
-        assert rel_err(client2.run(dataclasses.replace(job, strategy=strategy)).latent, serial) < EXACT_RTOL
-    pipefusion = rel_err(client2.run(dataclasses.replace(job, strategy=S(pipefusion_degree=2, num_pipeline_patch=3,
-                                                                         warmup_steps=1))).latent, serial)
-    naive = rel_err(client2.run(dataclasses.replace(job, strategy=S(naive_patch_degree=2))).latent, serial)
-    print(f"\nWan video, 6 steps: PipeFusion (1 warm-up step) {pipefusion:.2e}, naive patch {naive:.2e}")
-    assert pipefusion < naive
+    check_denoise_loop(job, client1, client2, "Wan video", EXACT_RTOL, warm_patches=5, stale_patches=3)
 
 
 def test_wan_refusals(wan_path, client1):
