@@ -11,7 +11,7 @@ import torch
 
 @dataclass(frozen=True)
 class StrategySpec:
-    """How one job is split. world = cfg * pipefusion * naive_patch * ring * ulysses."""
+    """How one job is split. world = cfg * pipefusion * naive_patch * patch * ring * ulysses * tensor."""
 
     cfg_degree: int = 1
     pipefusion_degree: int = 1
@@ -23,11 +23,23 @@ class StrategySpec:
     num_pipeline_patch: int = 0
     # Steps run synchronously on the whole latent before stale-KV patching starts.
     warmup_steps: int = 1
+    # Tensor parallel: every block's attention heads and MLP hidden units split over this many ranks.
+    tensor_degree: int = 1
+    # Displaced patch parallel (DistriFusion): each rank computes its patch of every layer against the other
+    # patches' K/V from the previous step, exchanged while it computes.
+    patch_degree: int = 1
+    # Relative speed of each rank (world order), e.g. (3, 2) for a fast card beside a slower one: sequence shards,
+    # PipeFusion stages and tensor-parallel heads split in proportion. Empty: equal shares.
+    device_weights: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        # JSON gives a list; a frozen spec is hashed (a Topology key, a cache key), so it must be a tuple.
+        object.__setattr__(self, "device_weights", tuple(float(w) for w in (self.device_weights or ())))
 
     @property
     def world_size(self) -> int:
-        return (self.cfg_degree * self.pipefusion_degree * self.naive_patch_degree
-                * self.ring_degree * self.ulysses_degree)
+        return (self.cfg_degree * self.pipefusion_degree * self.naive_patch_degree * self.patch_degree
+                * self.ring_degree * self.ulysses_degree * self.tensor_degree)
 
     @property
     def patches(self) -> int:
@@ -36,10 +48,21 @@ class StrategySpec:
     def label(self) -> str:
         parts = [f"{name}{deg}" for name, deg in (
             ("cfg", self.cfg_degree), ("pp", self.pipefusion_degree), ("ulysses", self.ulysses_degree),
-            ("ring", self.ring_degree), ("naive", self.naive_patch_degree)) if deg > 1]
+            ("ring", self.ring_degree), ("naive", self.naive_patch_degree), ("patch", self.patch_degree),
+            ("tp", self.tensor_degree)) if deg > 1]
         if self.pipefusion_degree > 1:
             parts.append(f"M{self.patches}w{self.warmup_steps}")
-        return "x".join(parts) or "serial"
+        elif self.patch_degree > 1:
+            parts.append(f"w{self.warmup_steps}")
+        label = "x".join(parts) or "serial"
+        if self.balanced:
+            label += "[" + ":".join(f"{w:g}" for w in self.device_weights) + "]"
+        return label
+
+    @property
+    def balanced(self) -> bool:
+        """Whether the ranks get unequal shares (device_weights that are not all the same)."""
+        return len(set(self.device_weights)) > 1
 
     def to_json(self) -> dict:
         return asdict(self)

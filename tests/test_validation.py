@@ -12,7 +12,7 @@ from parallel_runtime.runtime.protocol import decode, encode
 from parallel_runtime.spec import StrategySpec as S
 from parallel_runtime.runtime.topology import Topology, validate_strategy
 from parallel_runtime.validate import validate_job
-from parallel_runtime.strategies.denoise import TokenLayout
+from parallel_runtime.strategies.layout import TokenLayout, split_range, weighted_counts
 
 
 def one_sentence(msg: str) -> bool:
@@ -22,7 +22,14 @@ def one_sentence(msg: str) -> bool:
 @pytest.mark.parametrize("strategy,world,kw,pattern", [
     (S(ulysses_degree=2, ring_degree=2), 2, {}, r"= 4 ranks, but the loader has 2 device\(s\); choose degrees whose product is 2"),
     (S(ulysses_degree=3), 3, {"heads": 4}, r"ulysses_degree=3 does not divide the model's 4 attention heads; pick a divisor of 4"),
-    (S(pipefusion_degree=2, num_pipeline_patch=3), 2, {"latent_hw": (16, 16)}, r"num_pipeline_patch=3 does not divide the latent's 8 token rows"),
+    (S(pipefusion_degree=2, num_pipeline_patch=80), 2, {"latent_hw": (16, 16)}, r"num_pipeline_patch=80 exceeds the latent's 64 image tokens"),
+    (S(tensor_degree=5), 5, {"heads": 24}, r"tensor_degree=5 does not divide the model's 24 attention heads"),
+    (S(tensor_degree=2, ulysses_degree=4), 8, {"heads": 12}, r"ulysses_degree=4 does not divide the 6 heads each tensor-parallel rank holds"),
+    (S(tensor_degree=4), 4, {"heads": 24, "mlp_hidden": 90}, r"does not divide the model's MLP width of 90"),
+    (S(patch_degree=2, ulysses_degree=2), 4, {}, r"displaced patch parallel .* combines with cfg and tensor"),
+    (S(patch_degree=2, warmup_steps=0), 2, {}, r"Displaced patch parallel needs warmup_steps >= 1"),
+    (S(ring_degree=3, device_weights=(1, 2)), 3, {}, r"device_weights lists 2 weight\(s\) for 3 device"),
+    (S(ring_degree=2, device_weights=(1, float("nan"))), 2, {}, r"must all be positive numbers"),
     (S(ulysses_degree=4), 4, {"latent_hw": (2, 2)}, r"1 image tokens \(16x16 px\) are fewer than the 4 ranks splitting them"),
     (S(pipefusion_degree=2, ulysses_degree=4, num_pipeline_patch=2), 8, {"latent_hw": (4, 4)},
      r"2 image tokens per pipeline patch \(32x32 px\) are fewer than the 4 ranks"),
@@ -99,6 +106,32 @@ def test_token_layout_uneven_text_and_patch_shards():
     # Every canonical row is owned exactly once across shards.
     rows = torch.cat([layout.positions(i, list(range(4)))[len(layout.text_rows(i)):] for i in range(2)])
     assert sorted(rows.tolist()) == list(range(7, 71))
+
+
+def test_weighted_layout_gives_each_shard_its_share():
+    # Weights 1:1:2 (two workers sharing a core beside one alone): the fast shard takes half of every cut.
+    layout = TokenLayout(text_len=9, image_len=100, patches=1, shards=3, split_text=True, weights=(1.0, 1.0, 2.0))
+    assert [len(range(*layout.image_slice(i, 0).indices(100))) for i in range(3)] == [25, 25, 50]
+    assert [len(layout.text_rows(i)) for i in range(3)] == [3, 2, 4]  # 1 each, the other 6 by 1:1:2, rounded
+    rows = torch.cat([layout.positions(i, [0]) for i in range(3)])
+    assert sorted(rows.tolist()) == list(range(109))  # every row owned once, in shard order
+    assert rows.tolist() == [0, 1, 2] + list(range(9, 34)) + [3, 4] + list(range(34, 59)) + \
+        [5, 6, 7, 8] + list(range(59, 109))
+    # A tiny weight still keeps one row (a ring hop with no keys would have nothing to attend).
+    # (one row each, the other 7 by cumulative rounding: bounds 1 + round(3.498), 2 + round(3.502))
+    assert [len(split_range(10, 3, k, (1.0, 0.001, 1.0))) for k in range(3)] == [4, 2, 4]
+    assert weighted_counts(24, (3.0, 2.0)) == [14, 10]  # heads by speed
+
+
+def test_pipeline_patches_need_not_divide_the_token_rows():
+    # ComfyUI's Flux dev template at 256x160: 10 token rows of 16, 160 tokens; 4 patches of 40 tokens each, 3 of
+    # 54/53/53: near-equal token runs (no row rule), every token in exactly one patch and shard.
+    for patches, sizes in ((4, [40] * 4), (3, [54, 53, 53]), (7, [23] * 6 + [22])):
+        layout = TokenLayout(text_len=5, image_len=160, patches=patches, shards=2, split_text=True)
+        assert [len(layout.patch_range(p)) for p in range(patches)] == sizes
+        image = torch.cat([layout.image_index(i, [p]) for p in range(patches) for i in range(2)])
+        assert image.tolist() == list(range(160))
+    validate_strategy(S(pipefusion_degree=2, num_pipeline_patch=4), world_size=2, latent_hw=(20, 32))
 
 
 def test_protocol_carries_tensors_shared_between_branches():

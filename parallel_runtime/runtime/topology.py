@@ -1,8 +1,9 @@
 """Topology: how the world's ranks are laid out over the parallel dimensions.
 
-world = cfg x pipefusion x naive_patch x ring x ulysses, with `ulysses` innermost (fastest-varying)
-because its all-to-all moves the most bytes and so should sit on the closest devices, and `cfg`
-outermost because it exchanges one small tensor per step. For 8 ranks with cfg=2, pipefusion=2,
+world = cfg x pipefusion x naive_patch x patch x ring x ulysses x tensor, with `tensor` innermost
+(fastest-varying) because it all-reduces twice per block and so should sit on the closest devices, then
+`ulysses` (its all-to-all moves the most bytes of the sequence splits), and `cfg` outermost because it
+exchanges one small tensor per step. For 8 ranks with cfg=2, pipefusion=2,
 ulysses=2 the layout is:
 
     rank:        0 1 2 3 4 5 6 7
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from ..spec import StrategySpec
 
-DIMS = ("cfg", "pipefusion", "naive_patch", "ring", "ulysses")  # outermost -> innermost
+DIMS = ("cfg", "pipefusion", "naive_patch", "patch", "ring", "ulysses", "tensor")  # outermost -> innermost
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,15 @@ class Topology:
     cfg: int = 1
     pipefusion: int = 1
     naive_patch: int = 1
+    patch: int = 1
     ring: int = 1
     ulysses: int = 1
+    tensor: int = 1
 
     @classmethod
     def from_strategy(cls, s: StrategySpec) -> "Topology":
-        return cls(s.cfg_degree, s.pipefusion_degree, s.naive_patch_degree, s.ring_degree, s.ulysses_degree)
+        return cls(cfg=s.cfg_degree, pipefusion=s.pipefusion_degree, naive_patch=s.naive_patch_degree,
+                   patch=s.patch_degree, ring=s.ring_degree, ulysses=s.ulysses_degree, tensor=s.tensor_degree)
 
     @property
     def degrees(self) -> tuple[int, ...]:
@@ -78,8 +82,9 @@ class Topology:
     def sp_groups(self) -> list[list[int]]:
         """Groups spanning ring x ulysses (the whole sequence-parallel group)."""
         out = []
-        for c, p, n in itertools.product(range(self.cfg), range(self.pipefusion), range(self.naive_patch)):
-            out.append([self.rank_of(cfg=c, pipefusion=p, naive_patch=n, ring=r, ulysses=u)
+        for c, p, n, d, t in itertools.product(range(self.cfg), range(self.pipefusion), range(self.naive_patch),
+                                               range(self.patch), range(self.tensor)):
+            out.append([self.rank_of(cfg=c, pipefusion=p, naive_patch=n, patch=d, ring=r, ulysses=u, tensor=t)
                         for r in range(self.ring) for u in range(self.ulysses)])
         return out
 
@@ -88,36 +93,24 @@ class Topology:
         return c["ring"] * self.ulysses + c["ulysses"]
 
 
+DEGREES = ("cfg_degree", "pipefusion_degree", "ulysses_degree", "ring_degree", "naive_patch_degree", "patch_degree",
+           "tensor_degree")
+
+
 def validate_strategy(s: StrategySpec, *, world_size: int, heads: int | None = None,
                       num_blocks: int | None = None, latent_hw: tuple[int, int] | None = None,
-                      cfg_scale: float | None = None, steps: int | None = None, patch: int = 2) -> None:
+                      cfg_scale: float | None = None, steps: int | None = None, patch: int = 2,
+                      mlp_hidden: int | None = None) -> None:
     """Raise ConfigError (one sentence naming the fix) for any request the runtime cannot split; `patch`: the
     family's latent pixels per token side (2 for Flux's 2x2 patches, 1 for FLUX.2; a token is 16 px in both)."""
-    for name in ("cfg_degree", "pipefusion_degree", "ulysses_degree", "ring_degree", "naive_patch_degree"):
-        v = getattr(s, name)
-        if not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{name}={v!r} is not a positive integer; set it to 1 or more.")
-    if s.num_pipeline_patch < 0 or s.warmup_steps < 0:
-        raise ConfigError("num_pipeline_patch and warmup_steps must be 0 or more; set them to 0 (auto) or a positive number.")
-    if s.cfg_degree > 2:
-        raise ConfigError(f"cfg_degree={s.cfg_degree} but there are only two CFG branches (cond, uncond); set cfg_degree to 1 or 2.")
-    if s.world_size != world_size:
-        raise ConfigError(
-            f"cfg {s.cfg_degree} x pipefusion {s.pipefusion_degree} x ulysses {s.ulysses_degree} x ring {s.ring_degree}"
-            + (f" x naive_patch {s.naive_patch_degree}" if s.naive_patch_degree > 1 else "")
-            + f" = {s.world_size} ranks, but the loader has {world_size} device(s); "
-            f"choose degrees whose product is {world_size}, or change the devices.")
-    if s.naive_patch_degree > 1 and (s.pipefusion_degree > 1 or s.ulysses_degree > 1 or s.ring_degree > 1):
-        raise ConfigError("naive_patch is a baseline that cannot be combined with pipefusion, ulysses or ring; "
-                          "set those degrees to 1 or naive_patch_degree to 1.")
-    if s.pipefusion_degree > 1 and s.ring_degree > 1:
-        raise ConfigError("PipeFusion's stale KV combines with Ulysses, not Ring; set ring_degree=1 "
-                          "(use ulysses_degree for the sequence split).")
-    if s.pipefusion_degree > 1 and s.warmup_steps < 1:
-        raise ConfigError("PipeFusion needs warmup_steps >= 1 to fill its KV buffers; set warmup_steps to 1 or more.")
-    if heads is not None and heads % s.ulysses_degree:
-        raise ConfigError(f"ulysses_degree={s.ulysses_degree} does not divide the model's {heads} attention heads; "
-                          f"pick a divisor of {heads} ({', '.join(str(d) for d in _divisors(heads))}).")
+    _check_degrees(s, world_size)
+    _check_combinations(s)
+    _check_weights(s)
+    if heads is not None:
+        _check_heads(s, heads)
+    if mlp_hidden is not None and mlp_hidden % s.tensor_degree:
+        raise ConfigError(f"tensor_degree={s.tensor_degree} does not divide the model's MLP width of {mlp_hidden}; "
+                          f"pick a divisor of both it and the head count.")
     if num_blocks is not None and s.pipefusion_degree > num_blocks:
         raise ConfigError(f"pipefusion_degree={s.pipefusion_degree} exceeds the model's {num_blocks} transformer blocks; "
                           f"use at most {num_blocks} stages.")
@@ -127,23 +120,81 @@ def validate_strategy(s: StrategySpec, *, world_size: int, heads: int | None = N
     if steps is not None and steps < 1:
         raise ConfigError(f"steps={steps}; set steps to 1 or more.")
     if latent_hw is not None:
-        h, w = latent_hw
-        if h % patch or w % patch:
-            raise ConfigError(f"latent {h}x{w} is not a multiple of Flux's 2x2 patch; use a width and height that are "
-                              f"multiples of 16 pixels.")
-        rows, cols = h // patch, w // patch
-        tokens = rows * cols
-        sp = s.ring_degree * s.ulysses_degree * s.naive_patch_degree
-        if s.pipefusion_degree > 1:
-            m = s.patches
-            if rows % m:
-                raise ConfigError(f"num_pipeline_patch={m} does not divide the latent's {rows} token rows "
-                                  f"({rows * 16} px high); pick a divisor of {rows} ({', '.join(str(d) for d in _divisors(rows))}).")
-            tokens //= m  # each patch is split over the Ulysses ranks
-        if tokens < sp:  # shards may differ by a row, but none may be empty
-            raise ConfigError(f"the latent's {tokens} image tokens{' per pipeline patch' if s.pipefusion_degree > 1 else ''} "
-                              f"({rows * 16}x{cols * 16} px) are fewer than the {sp} ranks splitting them; generate a larger "
-                              f"image or lower the degrees.")
+        _check_latent(s, latent_hw, patch)
+
+
+def _check_degrees(s: StrategySpec, world_size: int) -> None:
+    for name in DEGREES:
+        v = getattr(s, name)
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name}={v!r} is not a positive integer; set it to 1 or more.")
+    if s.num_pipeline_patch < 0 or s.warmup_steps < 0:
+        raise ConfigError("num_pipeline_patch and warmup_steps must be 0 or more; set them to 0 (auto) or a positive number.")
+    if s.cfg_degree > 2:
+        raise ConfigError(f"cfg_degree={s.cfg_degree} but there are only two CFG branches (cond, uncond); set cfg_degree to 1 or 2.")
+    if s.world_size != world_size:
+        used = [f"{name.removesuffix('_degree')} {getattr(s, name)}" for name in DEGREES if getattr(s, name) > 1]
+        raise ConfigError(f"{' x '.join(used) or 'serial'} = {s.world_size} ranks, but the loader has {world_size} "
+                          f"device(s); choose degrees whose product is {world_size}, or change the devices.")
+
+
+def _check_combinations(s: StrategySpec) -> None:
+    if s.naive_patch_degree > 1 and (s.pipefusion_degree > 1 or s.ulysses_degree > 1 or s.ring_degree > 1
+                                     or s.patch_degree > 1):
+        raise ConfigError("naive_patch is a baseline that cannot be combined with pipefusion, patch, ulysses or ring; "
+                          "set those degrees to 1 or naive_patch_degree to 1.")
+    if s.patch_degree > 1 and (s.pipefusion_degree > 1 or s.ulysses_degree > 1 or s.ring_degree > 1):
+        raise ConfigError("displaced patch parallel splits the sequence itself, so it combines with cfg and tensor "
+                          "parallel only; set pipefusion, ulysses and ring degrees to 1 or patch_degree to 1.")
+    if s.pipefusion_degree > 1 and s.ring_degree > 1:
+        raise ConfigError("PipeFusion's stale KV combines with Ulysses, not Ring; set ring_degree=1 "
+                          "(use ulysses_degree for the sequence split).")
+    if (s.pipefusion_degree > 1 or s.patch_degree > 1) and s.warmup_steps < 1:
+        what = "PipeFusion" if s.pipefusion_degree > 1 else "Displaced patch parallel"
+        raise ConfigError(f"{what} needs warmup_steps >= 1 to fill its KV buffers; set warmup_steps to 1 or more.")
+
+
+def _check_weights(s: StrategySpec) -> None:
+    w = s.device_weights
+    if not w:
+        return
+    if len(w) != s.world_size:
+        raise ConfigError(f"device_weights lists {len(w)} weight(s) for {s.world_size} device(s); give one positive "
+                          f"number per device, such as {','.join(['1'] * s.world_size)}.")
+    if not all(math.isfinite(x) and x > 0 for x in w):
+        raise ConfigError(f"device_weights {','.join(f'{x:g}' for x in w)} must all be positive numbers; "
+                          f"give each device its relative speed, such as 3,2.")
+
+
+def _check_heads(s: StrategySpec, heads: int) -> None:
+    if heads % s.tensor_degree:
+        raise ConfigError(f"tensor_degree={s.tensor_degree} does not divide the model's {heads} attention heads; "
+                          f"pick a divisor of {heads} ({', '.join(str(d) for d in _divisors(heads))}).")
+    local = heads // s.tensor_degree
+    if local % s.ulysses_degree:
+        what = f"the {local} heads each tensor-parallel rank holds" if s.tensor_degree > 1 else f"the model's {heads} attention heads"
+        raise ConfigError(f"ulysses_degree={s.ulysses_degree} does not divide {what}; "
+                          f"pick a divisor of {local} ({', '.join(str(d) for d in _divisors(local))}).")
+
+
+def _check_latent(s: StrategySpec, latent_hw: tuple[int, int], patch: int) -> None:
+    h, w = latent_hw
+    if h % patch or w % patch:
+        raise ConfigError(f"latent {h}x{w} is not a multiple of the model's {patch}x{patch} patch; use a width and "
+                          f"height that are multiples of 16 pixels.")
+    rows, cols = h // patch, w // patch
+    tokens = rows * cols
+    sp = s.ring_degree * s.ulysses_degree * s.naive_patch_degree * s.patch_degree
+    if s.pipefusion_degree > 1:
+        # Patches are near-equal token runs (any count at any size), each split over the Ulysses ranks.
+        if s.patches > tokens:
+            raise ConfigError(f"num_pipeline_patch={s.patches} exceeds the latent's {tokens} image tokens "
+                              f"({rows * 16}x{cols * 16} px); use at most {tokens} patches.")
+        tokens //= s.patches
+    if tokens < sp:  # shards may differ by a row, but none may be empty
+        raise ConfigError(f"the latent's {tokens} image tokens{' per pipeline patch' if s.pipefusion_degree > 1 else ''} "
+                          f"({rows * 16}x{cols * 16} px) are fewer than the {sp} ranks splitting them; generate a larger "
+                          f"image or lower the degrees.")
 
 
 def _divisors(n: int) -> list[int]:

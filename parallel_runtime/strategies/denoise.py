@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,86 +23,13 @@ from ..runtime.comm import Comm
 from .attention import AttentionBias, LocalAttention, RingAttention, UlyssesAttention
 from .attention.processor import AttentionContext
 from .control import ControlNets, ControlPass, Residuals
+from .layout import TokenLayout
 from .pipefusion import StaleKVAttention, StaleKVCache
 from ..sampling import (cfg_combine, cfg_uses_uncond, final_latent, ksampler_sigmas, make_sampler, prepare_noise,
                        start_latent)
 from ..runtime.topology import Topology, latent_plane, validate_strategy
 from ..spec import Conditioning, Job
 from ..validate import validate_branches
-
-
-def _even_split(total: int, pieces: int, k: int) -> range:
-    """Piece k of range(total) cut into `pieces` near-equal runs (the first ones one longer)."""
-    base, extra = divmod(total, pieces)
-    start = k * base + min(k, extra)
-    return range(start, start + base + (1 if k < extra else 0))
-
-
-@dataclass(frozen=True)
-class TokenLayout:
-    """Which text, image and reference rows sequence-parallel rank `i` of `shards` holds.
-
-    The canonical sequence is [text, image, references]: reference tokens (Kontext's ReferenceLatent) run
-    through every block like image tokens but are not sampled; `ref_len` also counts the learned pad rows a family
-    appends to the image stream after them (Z-Image's), which run and are split like reference rows. Every part
-    is cut into near-equal runs (the first shards one row longer), per patch and shard, so no resolution has to
-    suit the degree: Qwen-Image's 1328 px is 83 x 83 tokens. Ulysses and Ring take per-shard lengths; the result
-    gather takes whole rows.
-    """
-
-    text_len: int
-    image_len: int
-    patches: int
-    shards: int
-    split_text: bool  # False for naive patch parallel, where every rank keeps the whole prompt
-    ref_len: int = 0
-
-    @property
-    def patch_len(self) -> int:
-        return self.image_len // self.patches
-
-    def text_rows(self, i: int) -> range:
-        if not self.split_text:
-            return range(self.text_len)
-        # Uneven split allowed: prompts rarely have a token count the degree divides.
-        return _even_split(self.text_len, self.shards, i)
-
-    def ref_rows(self, i: int, patch: int) -> range:
-        if not self.split_text:  # naive patch: every rank sees the whole reference, as it sees the prompt
-            return range(self.ref_len)
-        return _even_split(self.ref_len, self.patches * self.shards, patch * self.shards + i)
-
-    def image_slice(self, i: int, patch: int) -> slice:
-        rows = _even_split(self.patch_len, self.shards, i)
-        return slice(patch * self.patch_len + rows.start, patch * self.patch_len + rows.stop)
-
-    # Index tensors are built with arange on the device that indexes with them: a CPU index into a CUDA
-    # tensor is a blocking host-to-device copy, i.e. a sync, on every use.
-    def image_index(self, i: int, patches: list[int], device=None) -> torch.Tensor:
-        return torch.cat([torch.arange(s.start, s.stop, device=device)
-                          for s in (self.image_slice(i, p) for p in patches)])
-
-    def ref_index(self, i: int, patches: list[int], device=None) -> torch.Tensor:
-        return torch.cat([torch.arange(r.start, r.stop, device=device)
-                          for r in (self.ref_rows(i, p) for p in patches)])
-
-    def image_positions(self, i: int, patches: list[int], device=None) -> torch.Tensor:
-        """Rows of the image stream [image, references] that rank i's image-stream tokens occupy."""
-        return torch.cat([self.image_index(i, patches, device), self.image_len + self.ref_index(i, patches, device)])
-
-    def positions(self, i: int, patches: list[int], device=None) -> torch.Tensor:
-        """Rows of the canonical sequence [text, image, references] that rank i's tokens occupy."""
-        rows = self.text_rows(i)
-        text = torch.arange(rows.start, rows.stop, device=device)
-        return torch.cat([text, self.text_len + self.image_positions(i, patches, device)])
-
-    def stream_len(self, i: int, patches: list[int]) -> int:
-        """Image-stream tokens (image and reference rows) of rank i for these patches."""
-        image = len(_even_split(self.patch_len, self.shards, i))
-        return len(patches) * image + sum(len(self.ref_rows(i, p)) for p in patches)
-
-    def seq_len(self, i: int, patches: list[int]) -> int:
-        return len(self.text_rows(i)) + self.stream_len(i, patches)
 
 
 def repeat_to_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
