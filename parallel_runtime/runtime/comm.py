@@ -175,6 +175,18 @@ class Comm:
         self.traffic.add(op, n, n)
         return parts
 
+    def all_gather_async(self, t: torch.Tensor, group: Group, op: str = "all_gather") -> tuple[object, list[torch.Tensor]]:
+        """Start an all-gather; returns (work, parts): the parts are valid once work.wait() returned (work is None
+        for a group of one). `t` must stay unchanged until then."""
+        if group.size == 1:
+            return None, [t]
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(group.size)]
+        work = self._dist.all_gather(parts, t, group=group.pg, async_op=True)
+        n = _nbytes(t) * (group.size - 1)
+        self.traffic.add(op, n, n)
+        return work, parts
+
     def broadcast(self, t: torch.Tensor, group: Group, op: str = "broadcast") -> torch.Tensor:
         """The group's first member's `t` into every member's `t` (counted as the source sending one copy to
         each other member)."""

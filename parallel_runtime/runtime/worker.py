@@ -179,7 +179,7 @@ class WorkerState:
     def end_job(self, keep_stale_kv: bool = False) -> None:
         """Free what one job built (PipeFusion's stale K/V alone is ~1.6 GB per rank at 1024^2): the
         attention strategy holds it, so point the processors back at plain attention and return the
-        cached blocks to the device. A stock sampler's PipeFusion call keeps its stale K/V for the next call
+        cached blocks to the device. A stock sampler's PipeFusion or displaced patch call keeps its stale K/V for the next call
         (until a job of another kind, a failure or a release)."""
         from ..strategies.attention import LocalAttention
 
@@ -351,7 +351,8 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
     pulse.phase = "sampling"
     stats, latent = _denoise(state, chan, job, topology, pulse, controlnets)
     # On a failure serve() ends the job, after telling the client (and drops any stale K/V).
-    state.end_job(keep_stale_kv=job.timestep is not None and job.strategy.pipefusion_degree > 1 and not job.call_last)
+    stale = job.strategy.pipefusion_degree > 1 or job.strategy.patch_degree > 1
+    state.end_job(keep_stale_kv=job.timestep is not None and stale and not job.call_last)
     stats.update(loaded=loaded, load_seconds=state.last_load_seconds, patched_tensors=patched, released=state.released,
                  resident=[m["name"] for m in state.resident()])
     pulse.end_job()  # no beat may follow the result

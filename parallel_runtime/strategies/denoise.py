@@ -11,6 +11,7 @@ rank only updates the rows it owns; rows are gathered once, at the end.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Callable
@@ -23,7 +24,8 @@ from ..runtime.comm import Comm
 from .attention import AttentionBias, LocalAttention, RingAttention, UlyssesAttention
 from .attention.processor import AttentionContext
 from .control import ControlNets, ControlPass, Residuals
-from .layout import TokenLayout
+from .displaced import DisplacedPatchAttention
+from .layout import TokenLayout, weighted_counts
 from .pipefusion import StaleKVAttention, StaleKVCache
 from ..sampling import (cfg_combine, cfg_uses_uncond, final_latent, ksampler_sigmas, make_sampler, prepare_noise,
                        start_latent)
@@ -171,6 +173,7 @@ class Denoiser:
                           cfg_scale=sp.cfg, steps=sp.steps, patch=self.adapter.patch)
         validate_branches(job, getattr(self.adapter, "prompt_tokens", 0))
         self.step_times = []
+        self.device_weights, self.warmup_steps, self.patch_caches = s.device_weights, s.warmup_steps, {}
 
         sigmas = ksampler_sigmas(self.adapter.model_sampling, sp.scheduler, sp.steps, sp.denoise)
         if len(sigmas) <= 1:  # denoise 0: KSampler returns the input untouched
@@ -214,8 +217,8 @@ class Denoiser:
     # -- shared pieces ---------------------------------------------------------------------------------
 
     def _is_result_rank(self) -> bool:
-        return (self.coords["cfg"] == 0 and self.coords["pipefusion"] == self.topology.pipefusion - 1
-                and self.coords["ring"] == 0 and self.coords["ulysses"] == 0 and self.coords["naive_patch"] == 0)
+        return self.coords["pipefusion"] == self.topology.pipefusion - 1 and all(
+            self.coords[d] == 0 for d in ("cfg", "naive_patch", "patch", "ring", "ulysses", "tensor"))
 
     @staticmethod
     def _rope(rope_full, positions: torch.Tensor):
@@ -297,10 +300,32 @@ class Denoiser:
         """This rank's TokenLayout and shard index: naive patch splits the image only, sequence parallelism the
         whole [text, image, references] sequence."""
         naive = self.topology.naive_patch > 1
+        group = self.comm.group(self._shard_group())
         self.layout = TokenLayout(text_len=self._sequence_text_len(branches), image_len=image_len, patches=patches,
-                                  shards=self.topology.naive_patch if naive else self.topology.sp,
-                                  split_text=not naive, ref_len=branches.extra_len(image_len))
-        self.shard = self.coords["naive_patch"] if naive else self.topology.sp_rank(self.rank)
+                                  shards=group.size, split_text=not naive, ref_len=branches.extra_len(image_len),
+                                  weights=self._weights_of(group.ranks))
+        self.shard = group.index
+
+    def _shard_group(self) -> str:
+        """The group whose members split the image tokens: naive or displaced patch's, else the sequence group."""
+        return next((d for d in ("naive_patch", "patch") if getattr(self.topology, d) > 1), "sp")
+
+    def _weights_of(self, ranks: list[int], dims: tuple[str, ...] | None = None) -> tuple[float, ...]:
+        """Each member's share of a split over `ranks` (empty where the job splits equally): the slowest device
+        among all that hold the same piece, i.e. agree with the member on `dims` (default: the shard group's own).
+        CFG partners and pipeline stages must hold the same rows (they exchange them), so their shares agree."""
+        weights = getattr(self, "device_weights", ())
+        if len(set(weights)) <= 1:
+            return ()
+        t = self.topology
+        dims = dims or {"naive_patch": ("naive_patch",), "patch": ("patch",)}.get(self._shard_group(),
+                                                                                   ("ring", "ulysses"))
+
+        def share(member: int) -> float:
+            mine = t.coords(member)
+            return min(weights[r] for r in range(t.world_size) if all(t.coords(r)[d] == mine[d] for d in dims))
+
+        return tuple(share(r) for r in ranks)
 
     def _temb(self, i: int, branches: Branches | None = None) -> torch.Tensor:
         branches = branches or self.branches
@@ -369,7 +394,7 @@ class Denoiser:
 
     def _gather_shards(self, x: torch.Tensor) -> torch.Tensor:
         """x with every shard's image rows filled in from the rank that holds them (sequence or naive patch)."""
-        group = self.comm.group("naive_patch" if self.topology.naive_patch > 1 else "sp")
+        group = self.comm.group(self._shard_group())
         if group.size == 1:
             return x
         parts = self.comm.all_gather(x, group, op="result")
@@ -411,11 +436,25 @@ class Denoiser:
                 self.context.attention, self.context.image_attention = attention, image_attention
                 temb = self._temb(i, branches)
                 image = self._image_stream(i, x_rows, index, refs, branches)
-                image, _ = self.adapter.run_blocks(image, text, temb, rope)
+                with self._displaced(attention, image_attention, sync=i < self.warmup_steps):
+                    image, _ = self.adapter.run_blocks(image, text, temb, rope)
                 den += self._branch_denoised(i, x_rows, image[:, :len(index)], temb, rope, branches)
             x[:, rows] = self.sampler.step(i, x_rows, self._cfg(den), region=rows)
             self._step_done(i, t0)
         return x
+
+    @contextlib.contextmanager
+    def _displaced(self, *attentions, sync: bool):
+        """One forward pass's displaced patch attention: exact (`sync`: warm-up) or over last step's K/V of the
+        other patches, whose exchange lands when the pass ends. Other attentions pass through."""
+        displaced = [a for a in attentions if isinstance(a, DisplacedPatchAttention)]
+        for a in displaced:
+            a.sync = sync
+        try:
+            yield
+        finally:
+            for a in displaced:  # also on an error: no exchange may stay in flight into the next job
+                a.land()
 
     def _forward_setup(self, branches: Branches, device, step: int = 0) -> tuple:
         """(joint attention, image-only attention, RoPE rows, embedded text rows, embedded reference rows) of
@@ -428,6 +467,8 @@ class Denoiser:
             mine = layout.positions(me, [0], device)
             attention = LocalAttention(bias.block(mine, mine) if bias is not None else None)
             image_attention = LocalAttention()
+        elif self.topology.patch > 1:
+            attention, image_attention = self._displaced_attention(branches, layout, bias, device)
         else:
             shards = range(layout.shards)
             rows = [layout.positions(j, [0], device) for j in shards] if bias is not None else None
@@ -436,6 +477,27 @@ class Denoiser:
         rope = self._rope(self._rope_full(branches), layout.positions(me, [0], device))
         text = self._text(self._text_rows(layout, branches), branches, self._timestep(step, branches))
         return attention, image_attention, rope, text, self._references(branches, layout, [0])
+
+    def _displaced_attention(self, branches: Branches, layout: TokenLayout, bias: AttentionBias | None,
+                             device) -> tuple[DisplacedPatchAttention, DisplacedPatchAttention]:
+        """Joint and image-only attention of displaced patch parallelism over `branches`' stale buffers, which
+        live as long as the job (a stock sampler's call: its slot, see model_call.py)."""
+        caches = self.patch_caches.get(id(branches))
+        if caches is None or caches[0].seq_len != layout.text_len + layout.image_len + layout.ref_len:
+            caches = self.patch_caches[id(branches)] = stale_caches(layout)
+        group, shards = self.comm.group("patch"), range(layout.shards)
+        joint = [layout.positions(j, [0], device) for j in shards]
+        inner = LocalAttention(bias.block(joint[self.shard]) if bias is not None else None)
+        return (DisplacedPatchAttention(caches[0], self.comm, group, joint, inner),
+                DisplacedPatchAttention(caches[1], self.comm, group,
+                                        [layout.image_positions(j, [0], device) for j in shards], LocalAttention()))
+
+    def _ulysses_heads(self, uly) -> list[int] | None:
+        """Heads per Ulysses member under device weights (None: equal), the same for every ring member, stage and
+        CFG branch of one Ulysses coordinate (ring blocks and stale buffers carry that member's heads)."""
+        weights = self._weights_of(uly.ranks, dims=("ulysses",))
+        heads = self.adapter.config.num_heads // self.topology.tensor
+        return weighted_counts(heads, weights) if weights else None
 
     def _sequence_attention(self, seq: list[int], bias: AttentionBias | None = None,
                             rows: list[torch.Tensor] | None = None):
@@ -455,7 +517,8 @@ class Denoiser:
                      else LocalAttention(blocks[0] if blocks else None))
         if uly.size > 1:
             r = self.coords["ring"]
-            attention = UlyssesAttention(self.comm, uly, seq[r * t.ulysses:(r + 1) * t.ulysses], attention)
+            attention = UlyssesAttention(self.comm, uly, seq[r * t.ulysses:(r + 1) * t.ulysses], attention,
+                                         self._ulysses_heads(uly))
         return attention
 
     # -- PipeFusion ------------------------------------------------------------------------------------
@@ -521,9 +584,10 @@ class _PipeFusionStage:
         uly = self.uly
         self.stale = StaleKVAttention(self.denoiser.cache, LocalAttention())
         self.stale_image = StaleKVAttention(self.denoiser.image_cache, LocalAttention())
-        self.attention = self.stale if uly.size == 1 else UlyssesAttention(self.comm, uly, [], self.stale)
+        heads = self.denoiser._ulysses_heads(uly)
+        self.attention = self.stale if uly.size == 1 else UlyssesAttention(self.comm, uly, [], self.stale, heads)
         self.image_attention = (self.stale_image if uly.size == 1
-                                else UlyssesAttention(self.comm, uly, [], self.stale_image))
+                                else UlyssesAttention(self.comm, uly, [], self.stale_image, heads))
         self.denoiser.context.attention, self.denoiser.context.image_attention = self.attention, self.image_attention
 
     def _embed_prompt(self) -> None:

@@ -36,6 +36,7 @@ class ModelCallForward(Denoiser):
         validate_strategy(s, world_size=self.topology.world_size, heads=cfg.num_heads, num_blocks=cfg.num_blocks,
                           latent_hw=latent_plane(spatial), steps=1, patch=self.adapter.patch)
         self.step_times, self.hw = [], tuple(spatial)
+        self.device_weights, self.warmup_steps, self.patch_caches = s.device_weights, s.warmup_steps, {}
         # The call's chunks in ComfyUI's order (positive = first chunk, negative = second), `batch` rows each.
         chunks = [job.positive] + ([job.negative] if job.negative is not None else [])
         batch = rows // len(chunks)
@@ -49,7 +50,8 @@ class ModelCallForward(Denoiser):
         # Chunks with one token layout run as one batch, as ComfyUI batched them; others one by one.
         pad = getattr(self.adapter, "prompt_tokens", 0)  # FLUX.2's prompts, padded to one length, batch together
         groups = [mine] if len({chunks[k].signature(pad) for k in mine}) == 1 else [[k] for k in mine]
-        if self.topology.pipefusion > 1 and job.call_step == 0 and job.call_slot == 0:
+        stale = self.topology.pipefusion > 1 or self.topology.patch > 1
+        if stale and job.call_step == 0 and job.call_slot == 0:
             self.context.stale_kv.clear()  # a new sampling run: nothing of the last one is stale K/V of this one
         for group in groups:
             idx = torch.cat([torch.arange(k * batch, (k + 1) * batch) for k in group])
@@ -57,7 +59,7 @@ class ModelCallForward(Denoiser):
             if self.topology.pipefusion > 1:
                 part = self._pipeline(x[idx], t[idx.to(t.device)], branches, job, (job.call_slot, tuple(group)))
             else:
-                part = self._forward(x[idx], t[idx.to(t.device)], branches)
+                part = self._forward(x[idx], t[idx.to(t.device)], branches, job, (job.call_slot, tuple(group)))
             out[idx] = self._gather_shards(part)
         self._finish_vote()
         if split:
@@ -67,10 +69,16 @@ class ModelCallForward(Denoiser):
             return None
         return self.adapter.unpack(out, *spatial).cpu()  # the call's shape ([rows, C, H, W] or a video's 5D)
 
-    def _forward(self, x: torch.Tensor, t: torch.Tensor, branches: Branches) -> torch.Tensor:
-        """This rank's token rows of the model output for one group of chunks, in a tensor shaped like x."""
+    def _forward(self, x: torch.Tensor, t: torch.Tensor, branches: Branches, job: Job, key: tuple) -> torch.Tensor:
+        """This rank's token rows of the model output for one group of chunks, in a tensor shaped like x.
+        Displaced patch parallelism reads the other patches' K/V as the slot's previous call left them (`key`:
+        as for PipeFusion, see _pipeline), exact in the schedule's first `warmup_steps` calls."""
         self.branches, self.call_t = branches, t
         self._set_layout(branches, x.shape[1], patches=1)
+        sync = True
+        if self.topology.patch > 1:
+            sync = self._stale_slot(job, key, (self.layout,))
+            self.patch_caches[id(branches)] = self.context.stale_kv[key][1]
         attention, image_attention, rope, text, refs = self._forward_setup(branches, x.device)
         self.context.attention, self.context.image_attention = attention, image_attention
         rows = self.layout.image_slice(self.shard, 0)
@@ -79,7 +87,8 @@ class ModelCallForward(Denoiser):
         image = self._image_stream(0, x[:, rows], index, refs)
         control = self._control_pass(branches, t)
         extra = {"residuals": control.residuals(x[:, rows], index, rope)} if control is not None else {}
-        image, _ = self.adapter.run_blocks(image, text, temb, rope, **extra)
+        with self._displaced(attention, image_attention, sync=sync):
+            image, _ = self.adapter.run_blocks(image, text, temb, rope, **extra)
         out = torch.zeros_like(x)
         out[:, rows] = self.adapter.head(image[:, :len(index)], temb, rope)
         return out
@@ -98,21 +107,24 @@ class ModelCallForward(Denoiser):
         self.branches, self.call_t = branches, t
         self._set_layout(branches, x.shape[1], patches=s.patches)
         self.control = self._control_pass(branches, t)
+        # A ControlNet that starts (or stops) mid-run has no stale K/V of its own layers yet: warm up again.
+        warmup = int(self._stale_slot(job, key, (self.layout, tuple(c.signature() for c in branches.control))))
+        model_output = torch.zeros_like(x)
+        self._run_pipefusion(x, warmup=warmup, n_steps=1, caches=self.context.stale_kv[key][1],
+                             model_output=model_output)
+        return model_output
+
+    def _stale_slot(self, job: Job, key: tuple, shape: tuple) -> bool:
+        """Whether this call must run exact (warm-up): in the first `warmup_steps` calls of the host's schedule, or
+        where the slot holds no stale K/V of this `shape` (token layout, ControlNet chain), whose buffers it then
+        replaces. Every rank agrees, since all must run the same schedule."""
         store = self.context.stale_kv
         held = store.get(key)
-        # A ControlNet that starts (or stops) mid-run has no stale K/V of its own layers yet: warm up again.
-        shape = (self.layout, tuple(c.signature() for c in branches.control))
-        fresh = held is None or held[0] != shape
-        if self._anyone((job.call_step or 0) < s.warmup_steps or fresh):
-            store.pop(key, None)
-            held = None  # the old buffers go before their successors fill
-            store[key] = held = (shape, stale_caches(self.layout))
-            warmup = 1
-        else:
-            warmup = 0
-        model_output = torch.zeros_like(x)
-        self._run_pipefusion(x, warmup=warmup, n_steps=1, caches=held[1], model_output=model_output)
-        return model_output
+        if self._anyone((job.call_step or 0) < job.strategy.warmup_steps or held is None or held[0] != shape):
+            store.pop(key, None)  # the old buffers go before their successors fill
+            store[key] = (shape, stale_caches(self.layout))
+            return True
+        return False
 
     def _control_pass(self, branches: Branches, t: torch.Tensor) -> ControlPass | None:
         """The group's ControlNet chain for this call (its prompt rows: this rank's, as the DiT's), or None."""
