@@ -99,7 +99,8 @@ def test_host_loop_of_calls_equals_parallel_sampler_at_one_worker(family, parall
     assert rel_err(got, parallel_sampler) <= CALL_RTOL
 
 
-@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2)],
+@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
+                                      S(patch_degree=2, warmup_steps=STEPS)],  # displaced patch, all warm-up
                          ids=lambda s: s.label())
 def test_calls_under_exact_strategies_equal_parallel_sampler(family, parallel_sampler, client2, strategy):
     name, path, adapter = family
@@ -125,6 +126,23 @@ def test_calls_under_pipefusion_with_stale_kv_equal_parallel_samplers_pipefusion
     own = own.squeeze(2) if own.ndim == 5 else own
     calls = host_loop(client2, name, path, adapter, strategy)
     print(f"\n{name}: per-call PipeFusion vs Parallel Sampler's {rel_err(calls, own):.2e}, "
+          f"vs exact {rel_err(calls, parallel_sampler):.2e}")
+    assert rel_err(calls, own) <= CALL_RTOL
+    assert rel_err(calls, parallel_sampler) > CALL_RTOL  # stale K/V really was read
+
+
+def test_calls_under_displaced_patch_equal_parallel_samplers_displaced_patch(family, parallel_sampler, client2):
+    """After one warm-up call each call's patches attend to the other patch's K/V of the slot's previous call: the
+    staleness of Parallel Sampler's displaced patch loop (one evaluation), so the two agree to round-off while both
+    differ from the exact result."""
+    name, path, adapter = family
+    strategy = S(patch_degree=2, warmup_steps=1)
+    positive, negative = prompts(name)
+    own = client2.run(Job(ModelSpec(path), strategy, SamplingSpec(seed=SEED, steps=STEPS, cfg=CFG), latent_of(name),
+                          positive, negative)).latent
+    own = own.squeeze(2) if own.ndim == 5 else own
+    calls = host_loop(client2, name, path, adapter, strategy)
+    print(f"\n{name}: per-call displaced patch vs Parallel Sampler's {rel_err(calls, own):.2e}, "
           f"vs exact {rel_err(calls, parallel_sampler):.2e}")
     assert rel_err(calls, own) <= CALL_RTOL
     assert rel_err(calls, parallel_sampler) > CALL_RTOL  # stale K/V really was read
