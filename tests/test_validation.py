@@ -112,15 +112,15 @@ def test_weighted_layout_gives_each_shard_its_share():
     # Weights 1:1:2 (two workers sharing a core beside one alone): the fast shard takes half of every cut.
     layout = TokenLayout(text_len=9, image_len=100, patches=1, shards=3, split_text=True, weights=(1.0, 1.0, 2.0))
     assert [len(range(*layout.image_slice(i, 0).indices(100))) for i in range(3)] == [25, 25, 50]
-    assert [len(layout.text_rows(i)) for i in range(3)] == [3, 2, 4]  # 1 each, the other 6 by 1:1:2, rounded
+    assert [len(layout.text_rows(i)) for i in range(3)] == [2, 2, 5]  # cuts at round(9 x 1/4, 9 x 2/4)
     rows = torch.cat([layout.positions(i, [0]) for i in range(3)])
     assert sorted(rows.tolist()) == list(range(109))  # every row owned once, in shard order
-    assert rows.tolist() == [0, 1, 2] + list(range(9, 34)) + [3, 4] + list(range(34, 59)) + \
-        [5, 6, 7, 8] + list(range(59, 109))
+    assert rows.tolist() == [0, 1] + list(range(9, 34)) + [2, 3] + list(range(34, 59)) + \
+        [4, 5, 6, 7, 8] + list(range(59, 109))
     # A tiny weight still keeps one row (a ring hop with no keys would have nothing to attend).
-    # (one row each, the other 7 by cumulative rounding: bounds 1 + round(3.498), 2 + round(3.502))
-    assert [len(split_range(10, 3, k, (1.0, 0.001, 1.0))) for k in range(3)] == [4, 2, 4]
+    assert [len(split_range(10, 3, k, (1.0, 0.001, 1.0))) for k in range(3)] == [5, 1, 4]
     assert weighted_counts(24, (3.0, 2.0)) == [14, 10]  # heads by speed
+    assert weighted_counts(6, (1.0, 1.0, 2.0)) == [2, 1, 3]  # cuts at round(1.5) = 2 and 3: near 1.5, 1.5, 3
 
 
 def test_pipeline_patches_need_not_divide_the_token_rows():

@@ -37,7 +37,7 @@ import torch
 
 from .. import errors
 from ..spec import Job
-from .devices import auto_notice, parse_devices
+from .devices import auto_notice, parse_devices, pinned_cores
 from .memory import check_job_memory, keeps_other_models
 from .protocol import PATCH_SETS_KEPT, Channel, encode, keep_hints, keep_recent
 from .watchdog import JobWatch, WatchdogConfig
@@ -91,6 +91,7 @@ class RuntimeClient:
                  watchdog: WatchdogConfig | None = None):
         self.devices_spec = devices
         self.devices = parse_devices(devices)
+        self.cores = pinned_cores(devices)
         self.world = len(self.devices)
         self.notice = auto_notice(devices, self.devices)  # shown by the nodes before anything loads
         if threads_per_worker is None:
@@ -141,7 +142,8 @@ class RuntimeClient:
                 for rank, device in enumerate(self.devices):
                     proc = subprocess.Popen(
                         [sys.executable, "-m", "parallel_runtime.runtime.worker", "--rank", str(rank), "--world",
-                         str(self.world), "--device", device, "--socket", address, "--threads", str(self.threads)],
+                         str(self.world), "--device", device, "--socket", address, "--threads", str(self.threads)]
+                        + ([] if self.cores[rank] is None else ["--core", str(self.cores[rank])]),
                         stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=self._worker_env(), cwd=_PACKAGE_ROOT)
                     proc.stdin.write(key.hex().encode() + b"\n")
                     proc.stdin.close()

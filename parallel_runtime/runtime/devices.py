@@ -6,9 +6,15 @@ import re
 from ..errors import ConfigError
 
 
+PINNED_CPU = re.compile(r"cpu:\d+(\s*,\s*cpu:\d+)+")
+
+
 def parse_devices(spec: str) -> list[str]:
-    """'auto' = every visible GPU (one CPU worker if none); '0,1,2,3' = those GPUs; 'cpu:N' = N CPU workers."""
+    """'auto' = every visible GPU (one CPU worker if none); '0,1,2,3' = those GPUs; 'cpu:N' = N CPU workers;
+    'cpu:0,cpu:0,cpu:1' = one CPU worker per entry, pinned to that core (see pinned_cores)."""
     spec = (spec or "auto").strip().lower()
+    if PINNED_CPU.fullmatch(spec):
+        return ["cpu"] * len(pinned_cores(spec))
     if spec == "auto":
         import torch
 
@@ -32,7 +38,26 @@ def parse_devices(spec: str) -> list[str]:
             raise ConfigError(f"devices {spec!r} names GPU {missing[0]}, but only {n} GPU(s) are visible; "
                               f"use indices below {n}, 'auto', or cpu:N.")
         return [f"cuda:{i}" for i in ids]
-    raise ConfigError(f"devices {spec!r} is not understood; use 'auto', GPU indices like '0,1,2,3', or 'cpu:N'.")
+    raise ConfigError(f"devices {spec!r} is not understood; use 'auto', GPU indices like '0,1,2,3', 'cpu:N', or CPU "
+                      f"cores like 'cpu:0,cpu:0,cpu:1'.")
+
+
+def pinned_cores(spec: str) -> list[int | None]:
+    """The core each worker is pinned to, per rank (None: not pinned). A list of two or more 'cpu:K' entries pins
+    worker i to core K: two workers on one core each run at about half speed, which is how unequal devices (a fast
+    card beside a slow one) are emulated on one machine for the load-balancing tests and the bench."""
+    spec = (spec or "auto").strip().lower()
+    if not PINNED_CPU.fullmatch(spec):
+        return [None] * len(parse_devices(spec))
+    cores = [int(part.split(":")[1]) for part in spec.split(",")]
+    import os
+
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    missing = [c for c in cores if c not in usable]
+    if missing:
+        raise ConfigError(f"devices {spec!r} pins a worker to core {missing[0]}, but this process may use cores "
+                          f"{','.join(map(str, usable))}; name only those.")
+    return cores
 
 
 def auto_notice(spec: str, devices: list[str]) -> str | None:

@@ -529,7 +529,10 @@ def main(argv: list[str] | None = None) -> None:
     FAULTS.maybe("die_starting", args.rank)
 
     import torch.distributed as dist
+    ap.add_argument("--core", type=int, default=None, help="pin this worker to one CPU core (devices cpu:K,...)")
 
+    if args.core is not None:
+        os.sched_setaffinity(0, {args.core})  # before torch starts its threads, so they inherit it
     store = None
     if args.world > 1 and args.rank == 0:
         # Rendezvous on loopback only: TCPStore given a host still listens on every interface, so hand it a

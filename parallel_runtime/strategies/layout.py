@@ -20,16 +20,16 @@ def split_range(total: int, pieces: int, k: int, weights: tuple[float, ...] = ()
         base, extra = divmod(total, pieces)
         start = k * base + min(k, extra)
         return range(start, start + base + (1 if k < extra else 0))
-    floor = 1 if total >= pieces else 0  # a shard with no rows would leave a ring hop with no keys
-    spare = total - floor * pieces
     cum = [0.0]
     for w in weights:
         cum.append(cum[-1] + w)
-
-    def bound(j: int) -> int:
-        return floor * j + round(spare * cum[j] / cum[-1])
-
-    return range(bound(k), bound(k + 1))
+    bounds = [round(total * c / cum[-1]) for c in cum]  # proportional cuts, rounded
+    if total >= pieces:  # then no piece may be empty: a ring hop with no keys would have nothing to attend
+        for j in range(1, pieces + 1):
+            bounds[j] = max(bounds[j], bounds[j - 1] + 1)
+        for j in range(pieces - 1, 0, -1):
+            bounds[j] = min(bounds[j], bounds[j + 1] - 1)
+    return range(bounds[k], bounds[k + 1])
 
 
 def weighted_counts(total: int, weights: tuple[float, ...]) -> list[int]:
