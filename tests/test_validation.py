@@ -10,7 +10,8 @@ from parallel_runtime.runtime.devices import parse_devices
 from parallel_runtime.errors import ConfigError, ModelFileError
 from parallel_runtime.runtime.protocol import decode, encode
 from parallel_runtime.spec import StrategySpec as S
-from parallel_runtime.runtime.topology import Topology, validate_strategy
+from parallel_runtime.runtime.topology import Topology, stage_speeds, validate_strategy
+from parallel_runtime.planning.stages import balanced_stages, split_stages
 from parallel_runtime.validate import validate_job
 from parallel_runtime.strategies.layout import TokenLayout, split_range, weighted_counts
 
@@ -305,3 +306,18 @@ def test_sd35_medium_pipeline_ranks_fit_the_memory_cap_with_the_position_table_c
         # The bench's PipeFusion target: no rank holds more than 1.15x its fair share of the weights.
         assert max(held) <= 1.15 * total / 2, (config.title, held, total)
         assert sorted(i for rank in ranks for chunk in rank for i in chunk) == list(range(config.num_layers))
+
+
+def test_pipeline_stages_follow_stage_speed():
+    # 12 equal blocks over stages at speeds 1 : 1 : 2 (two workers sharing a core beside one alone): 3, 3, 6 blocks,
+    # every stage busy for 3 units of time, where the equal 4, 4, 4 keeps the slow stages busy for 8.
+    assert [len(r) for r in split_stages([1.0] * 12, 3, speeds=(1.0, 1.0, 2.0))] == [3, 3, 6]
+    # The fast stage may hold more weights than an equal share, up to the slack times its speed's share (1/2 here).
+    counts = ((10,) * 12, 0, 0, 0)
+    assert [len(c[0]) for c in balanced_stages(counts, 3, (1.0, 1.0, 2.0))] == [3, 3, 6]
+    # Equal speeds keep today's plan.
+    assert balanced_stages(counts, 3, (2.0, 2.0, 2.0)) == balanced_stages(counts, 3)
+    # A stage speed from device weights: the devices of a stage add up, and the slower CFG branch counts.
+    assert stage_speeds(S(pipefusion_degree=3, device_weights=(1, 1, 2))) == (1.0, 1.0, 2.0)
+    assert stage_speeds(S(cfg_degree=2, pipefusion_degree=2, device_weights=(1, 3, 2, 2))) == (1.0, 2.0)
+    assert stage_speeds(S(pipefusion_degree=2)) == ()

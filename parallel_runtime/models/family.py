@@ -57,8 +57,8 @@ class ModelFamily(Protocol):
         """The module tree with only the parameters `owned` selects (others stay on the meta device); `smap`: the
         file's source map when the caller already has it."""
 
-    def pipeline_stages(self, config, stages: int) -> list[list[range]]:
-        """Per PipeFusion stage, the block ranges it runs (balanced by block cost)."""
+    def pipeline_stages(self, config, stages: int, speeds: tuple[float, ...] = ()) -> list[list[range]]:
+        """Per PipeFusion stage, the block ranges it runs (balanced by block cost, and by stage speed)."""
 
     def stage_ownership(self, config, chunks: list[range], first: bool, last: bool) -> Callable[[str], bool]:
         """Which parameter names a stage running `chunks` must load."""
@@ -209,10 +209,10 @@ class DiTFamily:
     def parameter_counts(self, config) -> tuple[tuple[int, ...], int, int, int]:
         return _parameter_counts(self, config)
 
-    def pipeline_stages(self, config, stages: int) -> list[list[range]]:
+    def pipeline_stages(self, config, stages: int, speeds: tuple[float, ...] = ()) -> list[list[range]]:
         from ..planning.stages import balanced_stages
 
-        return balanced_stages(self.parameter_counts(config), stages)
+        return balanced_stages(self.parameter_counts(config), stages, speeds)
 
     def stage_ownership(self, config, chunks: list[range], first: bool, last: bool) -> Callable[[str], bool]:
         from ..planning.stages import prefix_ownership

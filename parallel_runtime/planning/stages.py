@@ -10,7 +10,7 @@ from typing import Callable
 PIPELINE_MEMORY_SLACK = 1.15  # no PipeFusion rank holds more than this x its fair share of the weights
 
 
-def balanced_stages(counts: tuple, stages: int) -> list[list[range]]:
+def balanced_stages(counts: tuple, stages: int, speeds: tuple[float, ...] = ()) -> list[list[range]]:
     """The blocks of each PipeFusion rank, as the chunks it runs in pipeline order.
 
     `counts` is a family's `parameter_counts`: (per block, every stage's, the first's, the last's). Every
@@ -20,12 +20,18 @@ def balanced_stages(counts: tuple, stages: int) -> list[list[range]]:
     (interleaved virtual stages: rank r runs chunks r and r + stages, and a patch passes every rank twice).
     Layouts whose busiest rank holds at most PIPELINE_MEMORY_SLACK x the fair share of the weights come
     first, then the least work on the busiest rank, then fewer hops; if none fits, the fewest bytes.
+
+    `speeds` (one per stage, from the job's device_weights): unequal stages, blocks in proportion to each stage's
+    speed, one contiguous chunk each (a fast stage may hold more than its fair share of the weights, up to
+    PIPELINE_MEMORY_SLACK x its speed's share).
     """
     per_block, always, first, last = counts
     # The first and last stage's own modules ride with the first and last block, wherever those land.
     memory = list(per_block)
     memory[0] += first
     memory[-1] += last
+    if len(set(speeds)) > 1:
+        return [[chunk] for chunk in split_stages([1.0] * len(memory), stages, memory=memory, speeds=speeds)]
     fair = (sum(memory) + always) / stages
 
     def score(ranks: list[list[range]]) -> tuple:
@@ -63,22 +69,27 @@ def prefix_ownership(block_lists: tuple[str, ...], counts: tuple[int, ...], chun
 
 
 def split_stages(compute: list[float], stages: int, memory: list[int] | None = None,
-                 memory_slack: float = PIPELINE_MEMORY_SLACK) -> list[range]:
+                 memory_slack: float = PIPELINE_MEMORY_SLACK, speeds: tuple[float, ...] = ()) -> list[range]:
     """Contiguous block ranges, one per stage: the slowest stage as fast as possible, while no stage holds
     more than `memory_slack` x its fair share of parameter bytes.
 
     Compute and memory disagree for Flux: a double-stream block carries 2.4x a single-stream block's
     parameters (two weight sets) but does the same work per token. Balancing bytes alone leaves the
     single-block stages ~1.8x slower; balancing work alone puts ~1.3x the fair share of weights on one
-    device. If no split meets the memory cap, the cap becomes the smallest achievable one.
+    device. If no split meets the memory cap, the cap becomes the smallest achievable one. With `speeds` stage k's
+    time is its work / speeds[k] and its cap scales with its share of the speed (never below the equal share).
     """
     n = len(compute)
     if not 1 <= stages <= n:
         raise ValueError(f"cannot split {n} blocks into {stages} stages")
     memory = list(memory) if memory is not None else [1] * n
+    speed = list(speeds) if speeds else [1.0] * stages
+    share = [max(1.0 / stages, v / sum(speed)) for v in speed]  # of the weights, per stage
 
-    def best(cost: list[float], cap_on: list[int] | None, cap: float) -> tuple[float, list[int]] | None:
-        """Min over contiguous splits of the max segment `cost`, segments' `cap_on` sums <= cap (DP)."""
+    def best(cost: list[float], cap_on: list[int] | None, cap: float,
+             divisor: list[float]) -> tuple[float, list[int]] | None:
+        """Min over contiguous splits of the max segment `cost` / its stage's divisor, segments' `cap_on` sums <=
+        cap x their stage's share (DP)."""
         prefix_c, prefix_m = [0.0], [0]
         for c, m in zip(cost, cap_on or [0] * n):
             prefix_c.append(prefix_c[-1] + c)
@@ -91,9 +102,9 @@ def split_stages(compute: list[float], stages: int, memory: list[int] | None = N
         for k in range(1, stages + 1):
             for i in range(k, n + 1):
                 for j in range(k - 1, i):
-                    if value[k - 1][j] == inf or prefix_m[i] - prefix_m[j] > cap:
+                    if value[k - 1][j] == inf or prefix_m[i] - prefix_m[j] > cap * share[k - 1]:
                         continue
-                    v = max(value[k - 1][j], prefix_c[i] - prefix_c[j])
+                    v = max(value[k - 1][j], (prefix_c[i] - prefix_c[j]) / divisor[k - 1])
                     if v < value[k][i]:
                         value[k][i], cut[k][i] = v, j
         if value[stages][n] == inf:
@@ -104,10 +115,10 @@ def split_stages(compute: list[float], stages: int, memory: list[int] | None = N
             i = cut[k][i]
         return value[stages][n], [0] + cuts[::-1]
 
-    cap = memory_slack * sum(memory) / stages
-    found = best(compute, memory, cap)
+    cap = memory_slack * sum(memory)  # x each stage's share
+    found = best(compute, memory, cap, speed)
     if found is None:
-        smallest, _ = best([float(m) for m in memory], None, float("inf"))
-        found = best(compute, memory, smallest)
+        smallest, _ = best([float(m) for m in memory], None, float("inf"), share)
+        found = best(compute, memory, smallest, speed)
     bounds = found[1]
     return [range(bounds[k], bounds[k + 1]) for k in range(stages)]

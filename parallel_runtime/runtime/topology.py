@@ -226,3 +226,18 @@ def fit_to_latent(s: StrategySpec, latent_hw: tuple[int, int], patch: int = 2) -
     h, w = latent_hw
     return fallback, (f"a {w // patch * 16}x{h // patch * 16} px area is too small for {s.label()}, so its calls run as "
                       f"{fallback.label()} (whole-image pipeline stages: exact, slower)")
+
+
+def stage_speeds(s: StrategySpec) -> tuple[float, ...]:
+    """Each PipeFusion stage's speed under the job's device_weights (empty where they are equal): the devices of a
+    stage share its work, so their weights add up; every CFG branch runs the same stages, so the slower branch's
+    sum counts."""
+    if s.pipefusion_degree == 1 or not s.balanced:
+        return ()
+    t = Topology.from_strategy(s)
+    speeds = []
+    for stage in range(t.pipefusion):
+        per_branch = [sum(s.device_weights[r] for r in range(t.world_size)
+                          if t.coords(r)["pipefusion"] == stage and t.coords(r)["cfg"] == c) for c in range(t.cfg)]
+        speeds.append(min(per_branch))
+    return tuple(speeds) if len(set(speeds)) > 1 else ()

@@ -45,7 +45,7 @@ MODELS_KEPT = 2
 class ResidentModel:
     """A model a worker holds with what was built for it; parked (kept, idle) while another model's jobs run."""
 
-    key: tuple  # (path, mtime, size, weight_dtype, matmul, stage, stages)
+    key: tuple  # (path, mtime, size, weight_dtype, matmul, stage, stages, stage speeds)
     adapter: object
     family: object
     context: object
@@ -84,7 +84,8 @@ class WorkerState:
 
     # -- model ---------------------------------------------------------------------------------------
 
-    def ensure_model(self, model_spec: dict, topology, keep_others: bool = True) -> bool:
+    def ensure_model(self, model_spec: dict, topology, keep_others: bool = True,
+                     stage_speeds: tuple[float, ...] = ()) -> bool:
         """Make the job's model current: the one held, a parked one, or the blocks this rank's pipeline stage owns
         read from the file; returns True if it had to read. The model it replaces stays parked when
         `keep_others` (the client found memory for both), at most MODELS_KEPT in all; else it is released first."""
@@ -92,7 +93,8 @@ class WorkerState:
         stat = os.stat(path)
         stage, stages = topology.coords(self.rank)["pipefusion"], topology.pipefusion
         matmul = model_spec.get("quantized_matmul", "auto")
-        key = (path, stat.st_mtime_ns, stat.st_size, model_spec["weight_dtype"], matmul, stage, stages)
+        key = (path, stat.st_mtime_ns, stat.st_size, model_spec["weight_dtype"], matmul, stage, stages,
+               tuple(stage_speeds))
         with self.models_lock:
             if key != self.loaded_key:
                 self._park_current()
@@ -150,7 +152,7 @@ class WorkerState:
         t0 = time.perf_counter()
         with open_checkpoint(path) as reader:
             family, match, config = read_model(reader, os.path.basename(path))
-            chunks = family.pipeline_stages(config, stages)[stage]
+            chunks = family.pipeline_stages(config, stages, key[7])[stage]  # key[7]: stage speeds
             owned = family.stage_ownership(config, chunks, first=stage == 0, last=stage == stages - 1)
             storage = resolve_storage(model_spec["weight_dtype"], self.device, matmul).for_file(reader)
             smap = family.source_map(config, match.layout, match.prefix)  # the build's and the LoRA re-reader's
@@ -334,14 +336,15 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
 
     Nothing before the go touches a process group, so a rank that fails to load leaves its peers idle and
     the group intact; the client aborts the others and keeps every worker."""
-    from .topology import Topology
+    from .topology import Topology, stage_speeds
 
     job = _job_from_message(meta, tensors)
     topology = Topology.from_strategy(job.strategy)
     state.take_weight_patches(meta.get("weight_patches"), tensors)  # first: the client counts on them being kept
     job = state.take_hints(job, meta.get("hints", []), tensors)
     FAULTS.maybe("oom_load", state.rank)
-    loaded = state.ensure_model(meta["model"], topology, keep_others=meta.get("keep_resident", True))
+    loaded = state.ensure_model(meta["model"], topology, keep_others=meta.get("keep_resident", True),
+                                stage_speeds=stage_speeds(job.strategy))
     controlnets = state.ensure_controlnets(job, topology)
     patched = state.patcher.apply(state.weight_patches)
     chan.send("loaded", {"rank": state.rank, "param_bytes": state.current_bytes(), "patched_tensors": patched,
