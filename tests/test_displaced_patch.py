@@ -7,6 +7,8 @@ move rows between ranks but change no sum's terms, so every exact strategy stays
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from conftest import make_job, rel_err
@@ -63,3 +65,20 @@ def test_four_rank_weighted_and_displaced_hybrids_stay_exact(client4, tiny_path,
 def test_weights_that_do_not_match_the_devices_are_refused_before_work(client2, tiny_path):
     with pytest.raises(ConfigError, match=r"device_weights lists 3 weight\(s\) for 2 device\(s\)"):
         client2.run(make_job(tiny_path, S(ring_degree=2, device_weights=(1, 1, 2))))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin workers apart")
+def test_workers_pinned_to_shared_cores_measure_slower_and_balance_exactly(tiny_path, serial):
+    """devices cpu:0,cpu:0,cpu:1: two workers share core 0, so each measures about half the lone worker's speed
+    (0.5 on a quiet machine; other processes on core 1 bring it nearer 1, hence the loose bound), and a job split by
+    the measured weights stays exact."""
+    client = RuntimeClient("cpu:0,cpu:0,cpu:1", threads_per_worker=1)
+    try:
+        speeds = client.measure_speeds(tiny_path, text_tokens=7, image_tokens=64, seconds=0.5)
+        assert client.measure_speeds(tiny_path, text_tokens=7, image_tokens=64) is speeds  # cached per client
+        print(f"\nmeasured speeds on cpu:0,cpu:0,cpu:1: {speeds}")
+        assert max(speeds) == 1.0 and (speeds[0] + speeds[1]) / 2 < 0.9 * speeds[2]
+        out = client.run(make_job(tiny_path, S(ring_degree=3, device_weights=speeds))).latent
+        assert rel_err(out, serial) <= EXACT_RTOL
+    finally:
+        client.shutdown()

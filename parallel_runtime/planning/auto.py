@@ -8,6 +8,7 @@ must beat the best exact strategy by more than `EXACT_PREFERENCE` to be picked w
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -79,9 +80,12 @@ def device_memory_budget(devices: list[str]) -> int:
 
 def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str], calib: costmodel.Calibration, *,
                     text_len: int, steps: int, weight_dtype: str = "default", memory_budget_bytes: int | None = None,
-                    warmup_steps: int = 1, unequal_prompts: bool = False, per_call: bool = False) -> list[Candidate]:
+                    warmup_steps: int = 1, unequal_prompts: bool = False, per_call: bool = False,
+                    speeds: tuple[float, ...] = ()) -> list[Candidate]:
     """All candidates, projected and checked against memory, fastest first. `unequal_prompts`: the positive
-    and negative prompts encode to different lengths, which PipeFusion runs only with CFG parallel."""
+    and negative prompts encode to different lengths, which PipeFusion runs only with CFG parallel. `speeds`: each
+    device's relative speed (measured or the user's device_weights); where they differ every split is projected
+    both equal and balanced (device_weights = speeds)."""
     b, _, h, w = latent_shape
     world = len(devices)
     text_len = prompt_rows(config, text_len)  # the rows the workers run (FLUX.2 pads its prompt to 512)
@@ -97,9 +101,26 @@ def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str],
         mem = costmodel.rank_memory(s, config, text_tokens=text_len, image_tokens=image_tokens(config, h, w), batch=b,
                                     cfg=cfg, weight_bytes=e, act_bytes=e, layout=layout)
         proj = costmodel.project(s, config, calib, cfg=cfg, steps=steps, batch=b, act_bytes=e, per_call=per_call)
+        if len(set(speeds)) > 1:
+            balanced = dataclasses.replace(s, device_weights=tuple(speeds))
+            on_speeds = dataclasses.replace(_on_speeds(proj, speeds, True), strategy=balanced)
+            out.append(Candidate(balanced, on_speeds, mem, mem["total"] <= budget))
+            proj = _on_speeds(proj, speeds, False)
         out.append(Candidate(s, proj, mem, mem["total"] <= budget))
     out.sort(key=lambda c: c.projection.job_s)
     return out
+
+
+def _on_speeds(proj: costmodel.Projection, speeds: tuple[float, ...], balanced: bool) -> costmodel.Projection:
+    """A projection made for equal devices (calibrated on their mean speed) on devices of these speeds. Every
+    collective waits for the slowest rank: with equal shares that is the slowest device (compute x mean / min),
+    with shares in proportion to speed every rank finishes together (compute x 1). Coarse: a split's granularity
+    (heads, blocks) can keep a balanced plan from reaching its share."""
+    factor = 1.0 if balanced else (sum(speeds) / len(speeds)) / min(speeds)
+    extra = proj.compute_s * (factor - 1.0)
+    step_s = proj.step_s + extra
+    return dataclasses.replace(proj, step_s=step_s, compute_s=proj.compute_s * factor,
+                               job_s=proj.job_s * (step_s / proj.step_s if proj.step_s > 0 else 1.0))
 
 
 def pick(candidates: list[Candidate]) -> Candidate | None:
@@ -145,6 +166,8 @@ def _strategy_text(s: StrategySpec) -> str:
                                               ("ulysses", s.ulysses_degree), ("ring", s.ring_degree)) if deg > 1]
     if s.pipefusion_degree > 1:
         parts.append(f"patches={s.patches}")
+    if s.balanced:
+        parts.append("shares " + ":".join(f"{w:g}" for w in s.device_weights))
     return " ".join(parts) or "serial"
 
 
@@ -153,7 +176,7 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
                     weight_dtype: str = "default", memory_budget_bytes: int | None = None,
                     calibration: costmodel.Calibration | None = None, warmup_steps: int = 1,
                     refresh: bool = False, unequal_prompts: bool = False,
-                    per_call: bool = False) -> tuple[StrategySpec, str]:
+                    per_call: bool = False, speeds: tuple[float, ...] = ()) -> tuple[StrategySpec, str]:
     """The strategy to run a job on `devices`, and a one-line reason. `per_call`: for a stock sampler's model
     calls (PipeFusion drains its pipeline every call).
 
@@ -184,7 +207,8 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
     budget = device_memory_budget(device_list) if memory_budget_bytes is None else memory_budget_bytes
     candidates = rank_candidates(config, (b, latent_shape[1], h, w), cfg, device_list, calibration, text_len=text_len,
                                  steps=steps, weight_dtype=weight_dtype, memory_budget_bytes=budget,
-                                 warmup_steps=warmup_steps, unequal_prompts=unequal_prompts, per_call=per_call)
+                                 warmup_steps=warmup_steps, unequal_prompts=unequal_prompts, per_call=per_call,
+                                 speeds=speeds)
     best = pick(candidates)
     if best is None:
         need = min((c.memory["total"] for c in candidates), default=0)

@@ -92,6 +92,7 @@ class RuntimeClient:
         self.devices_spec = devices
         self.devices = parse_devices(devices)
         self.cores = pinned_cores(devices)
+        self._speeds: dict[tuple, tuple[float, ...]] = {}  # measure_speeds' results, for these workers
         self.world = len(self.devices)
         self.notice = auto_notice(devices, self.devices)  # shown by the nodes before anything loads
         if threads_per_worker is None:
@@ -564,6 +565,26 @@ class RuntimeClient:
         if expect and kind != expect:
             raise errors.WorkerError(f"worker sent {kind!r} instead of {expect!r}; retry the job.")
         return kind, meta, tensors
+
+    # -- device speed ------------------------------------------------------------------------------
+
+    def measure_speeds(self, model_path: str, *, text_tokens: int, image_tokens: int, weight_dtype: str = "default",
+                       seconds: float = 1.0) -> tuple[float, ...]:
+        """Each worker's relative speed on this model's blocks at these token counts (the fastest is 1.0), measured
+        by all workers at once and cached for this client's workers: the `device_weights` of a balanced job."""
+        key = (os.path.abspath(model_path), text_tokens, image_tokens, weight_dtype)
+        with self._lock:
+            if key in self._speeds:  # the devices do not change for a client; restarted workers run on them too
+                return self._speeds[key]
+            self.start()
+            meta = {"path": key[0], "text_tokens": text_tokens, "image_tokens": image_tokens,
+                    "weight_dtype": weight_dtype, "seconds": seconds}
+            self._send_all(encode("calibrate", meta))
+            timeout = seconds + 10 * self.watchdog.heartbeat_timeout_s  # a block's first call may compile kernels
+            speeds = [self._recv(chan, timeout, expect="speed")[1]["calls_per_s"] for chan in self.chans]
+            fastest = max(speeds)
+            self._speeds[key] = tuple(round(v / fastest, 2) for v in speeds)
+            return self._speeds[key]
 
     # -- status and memory ---------------------------------------------------------------------------
 

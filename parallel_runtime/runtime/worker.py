@@ -446,6 +446,29 @@ def _error_meta(exc: BaseException, state: WorkerState, phase: str) -> dict:
             "traceback": traceback.format_exc(limit=20)}
 
 
+def measure_speed(device: torch.device, meta: dict) -> float:
+    """This device's speed on the job's own shapes: calls per second of one of the model's blocks (random weights,
+    the job's text and image token counts, its dtype) over `seconds`. Every worker measures at the same time, so
+    devices that share something (two workers on one core, GPUs on one PCIe switch) measure what a job gets."""
+    from ..models.registry import read_model
+    from ..strategies.attention.processor import AttentionContext
+    from ..weights.checkpoint import open_checkpoint
+
+    with open_checkpoint(meta["path"]) as reader:
+        family, _, config = read_model(reader, os.path.basename(meta["path"]))
+    dtype = resolve_dtype(meta.get("weight_dtype", "default"), device)
+    run = family.probe_block(config, 0, AttentionContext(), meta["text_tokens"], meta["image_tokens"], dtype, device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    run()
+    sync()
+    calls, t0 = 0, time.perf_counter()
+    while calls < 2 or time.perf_counter() - t0 < meta["seconds"]:
+        run()
+        sync()
+        calls += 1
+    return calls / (time.perf_counter() - t0)
+
+
 def serve(state: WorkerState, chan: Channel, heartbeat_s: float) -> None:
     from .memory import worker_report
     from .watchdog import Heartbeat
@@ -491,6 +514,12 @@ def serve(state: WorkerState, chan: Channel, heartbeat_s: float) -> None:
         if kind == "release":
             state.release()
             chan.send("released", {"rank": state.rank})
+            continue
+        if kind == "calibrate":
+            try:
+                chan.send("speed", {"rank": state.rank, "calls_per_s": measure_speed(state.device, meta)})
+            except BaseException as exc:  # noqa: BLE001 - every failure must reach the client
+                chan.send("error", _error_meta(exc, state, "calibrate"))
             continue
         if kind == "job":
             pulse.start_job()
