@@ -76,8 +76,22 @@ STRATEGY_INPUTS = (
     InputSpec("num_pipeline_patch", "int", {"default": 0, "min": 0, "max": 64,
                                             "tooltip": "PipeFusion patches; 0 lets the runtime choose. Applies in auto mode too."}),
     InputSpec("warmup_steps", "int", {"default": 1, "min": 0, "max": 100,
-                                      "tooltip": "Steps run on the whole latent before PipeFusion uses stale activations. "
-                                                 "Applies in auto mode too."}),
+                                      "tooltip": "Steps run on the whole latent before PipeFusion or displaced patch "
+                                                 "parallelism use stale activations. Applies in auto mode too."}),
+    # Newer inputs are optional, so graphs saved before them still load and queue.
+    InputSpec("tensor_degree", "int", {"default": 1, "min": 1, "max": 8,
+                                       "tooltip": "Tensor parallel: every block's attention heads and MLP split over "
+                                                  "this many devices, each holding that share of the weights (exact)."},
+              optional=True),
+    InputSpec("patch_degree", "int", {"default": 1, "min": 1, "max": 8,
+                                      "tooltip": "Displaced patch parallel (DistriFusion): each device computes its "
+                                                 "patch against the other patches' previous-step K/V (approximate "
+                                                 "after warm-up, no pipeline bubble)."}, optional=True),
+    InputSpec("device_weights", "string", {"default": "",
+                                           "tooltip": "Unequal devices: empty splits equally; 'measured' times each "
+                                                      "device on this model first; relative speeds such as 3,2 split "
+                                                      "tokens, heads and pipeline stages in proportion. Applies in "
+                                                      "auto mode too."}, optional=True),
 )
 
 
@@ -156,6 +170,7 @@ class StrategyChoice:
     mode: str = "auto"
     spec: StrategySpec = StrategySpec()
     node_id: str | None = None
+    measured: bool = False  # device_weights 'measured': timed on the job's own shapes at sample time
 
     def describe(self) -> str:
         if self.mode == "auto":
@@ -165,35 +180,49 @@ class StrategyChoice:
 
 def strategy_choice(mode: str, cfg_degree: int = 1, pipefusion_degree: int = 1, ulysses_degree: int = 1,
                     ring_degree: int = 1, num_pipeline_patch: int = 0, warmup_steps: int = 1,
-                    node_id: str | None = None) -> StrategyChoice:
+                    node_id: str | None = None, tensor_degree: int = 1, patch_degree: int = 1,
+                    device_weights: str = "") -> StrategyChoice:
     """Strategy Selector's inputs -> StrategyChoice; range errors are caught here, device fit at sample time."""
+    from parallel_runtime.planning.balance import MEASURED, parse_device_weights
+
     if mode not in MODES:
         raise ConfigError(f"Unknown strategy mode {mode!r}; choose one of {', '.join(MODES)}.")
     ints = dict(cfg_degree=cfg_degree, pipefusion_degree=pipefusion_degree, ulysses_degree=ulysses_degree,
-                ring_degree=ring_degree, num_pipeline_patch=num_pipeline_patch, warmup_steps=warmup_steps)
+                ring_degree=ring_degree, num_pipeline_patch=num_pipeline_patch, warmup_steps=warmup_steps,
+                tensor_degree=tensor_degree, patch_degree=patch_degree)
     for spec in STRATEGY_INPUTS:
         if spec.id in ints:
             value = ints[spec.id]
             if not isinstance(value, int) or not spec.options["min"] <= value <= spec.options["max"]:
                 raise ConfigError(f"{spec.id} must be an integer from {spec.options['min']} to "
                                   f"{spec.options['max']}, got {value!r}.")
+    weights = parse_device_weights(device_weights)
+    fixed = () if weights == MEASURED else weights
     if mode == "auto":
-        spec = StrategySpec(num_pipeline_patch=num_pipeline_patch, warmup_steps=warmup_steps)
+        spec = StrategySpec(num_pipeline_patch=num_pipeline_patch, warmup_steps=warmup_steps, device_weights=fixed)
     else:
-        spec = StrategySpec(**ints)  # fit to the devices is checked by the runtime at sample time
-    return StrategyChoice(mode=mode, spec=spec, node_id=None if node_id is None else str(node_id))
+        spec = StrategySpec(**ints, device_weights=fixed)  # fit to the devices is checked at sample time
+    return StrategyChoice(mode=mode, spec=spec, node_id=None if node_id is None else str(node_id),
+                          measured=weights == MEASURED)
 
 
 AUTO = StrategyChoice()
 
 
 def resolve_strategy(choice: StrategyChoice | None, chooser: Callable[..., tuple[StrategySpec, str]],
-                     model_path: str, latent_shape: tuple, cfg: float, devices: str) -> tuple[StrategySpec, str]:
-    """The StrategySpec to run and why. `chooser` is parallel_runtime.planning.auto.choose_strategy."""
+                     model_path: str, latent_shape: tuple, cfg: float, devices: str,
+                     measure: Callable[[], tuple[float, ...]] | None = None) -> tuple[StrategySpec, str]:
+    """The StrategySpec to run and why. `chooser` is parallel_runtime.planning.auto.choose_strategy; `measure`
+    gives the devices' measured speeds (planning.balance.measured_weights), asked only for device_weights
+    'measured'."""
     choice = choice or AUTO
+    weights = choice.spec.device_weights
+    if choice.measured and measure is not None:
+        weights = measure()
     if choice.mode == "manual":
-        return choice.spec, "manual"
-    spec, reason = chooser(model_path, tuple(latent_shape), float(cfg), devices)
+        return dataclasses.replace(choice.spec, device_weights=weights), "manual"
+    spec, reason = (chooser(model_path, tuple(latent_shape), float(cfg), devices, speeds=weights) if weights
+                    else chooser(model_path, tuple(latent_shape), float(cfg), devices))
     overrides = {}
     if choice.spec.num_pipeline_patch:
         overrides["num_pipeline_patch"] = choice.spec.num_pipeline_patch
@@ -411,4 +440,7 @@ def status_payload(*, node_id: str | None, state: str, strategy: StrategySpec | 
 def strategy_text(strategy: StrategySpec, reason: str, mode: str) -> str:
     """The line shown on the Strategy Selector once the sampler knows what runs."""
     head = f"{mode}: {strategy.label()} on {strategy.world_size} worker(s)"
+    if strategy.balanced:  # each rank's share of the tokens, heads and stages it splits
+        total = sum(strategy.device_weights)
+        head += " — shares " + ", ".join(f"{w / total:.0%}" for w in strategy.device_weights)
     return f"{head}\n{reason}" if reason and reason != "manual" else head

@@ -129,13 +129,19 @@ def _plan(choice, model, job, cfg, client, host):
     # then skips what cannot batch two token layouts.
     unequal = job.negative is not None and job.negative.signature() != job.positive.signature()
 
-    def choose_strategy(*args):  # imported only in auto mode
+    def choose_strategy(*args, **kw):  # imported only in auto mode
         from parallel_runtime.planning.auto import choose_strategy
 
-        return choose_strategy(*args, memory_budget_bytes=client.memory_budget(), unequal_prompts=unequal)
+        return choose_strategy(*args, memory_budget_bytes=client.memory_budget(), unequal_prompts=unequal, **kw)
+
+    def measure():  # device_weights 'measured'
+        from parallel_runtime.planning.balance import measured_weights
+
+        return measured_weights(client, model.model.path, tuple(job.latent.shape), job.positive.cond.shape[1],
+                                model.model.weight_dtype)
 
     strategy, reason = convert.resolve_strategy(choice, choose_strategy, model.model.path, tuple(job.latent.shape),
-                                                cfg, model.devices)
+                                                cfg, model.devices, measure)
     host.send_text(convert.strategy_text(strategy, reason, choice.mode), choice.node_id)
     return strategy, reason
 

@@ -293,7 +293,9 @@ def test_strategy_schema():
     inputs, schema = schema_inputs(ParaDiTStrategy)
     assert (schema.node_id, schema.display_name) == ("ParaDiTStrategy", "Strategy Selector")
     assert list(inputs) == ["mode", "cfg_degree", "pipefusion_degree", "ulysses_degree", "ring_degree",
-                            "num_pipeline_patch", "warmup_steps"]
+                            "num_pipeline_patch", "warmup_steps", "tensor_degree", "patch_degree", "device_weights"]
+    # The newer inputs are optional: graphs saved before them still queue.
+    assert all(inputs[name][1]["optional"] is True for name in ("tensor_degree", "patch_degree", "device_weights"))
     assert inputs["mode"] == ("COMBO", {**inputs["mode"][1], "options": ["auto", "manual"]})
     assert (inputs["cfg_degree"][1]["min"], inputs["cfg_degree"][1]["max"]) == (1, 2)
     for name in ("pipefusion_degree", "ulysses_degree", "ring_degree"):
@@ -385,6 +387,34 @@ def test_strategy_choice_rejects_out_of_range():
         convert.strategy_choice("manual", cfg_degree=3)
     with pytest.raises(ConfigError, match="Unknown strategy mode"):
         convert.strategy_choice("fast")
+
+
+def test_device_weights_on_the_strategy_selector():
+    # Relative speeds split in proportion (manual and auto), 'measured' times the devices at sample time, and a
+    # typo is one sentence before anything runs.
+    manual = convert.strategy_choice("manual", ring_degree=2, device_weights="3, 2")
+    assert manual.spec == StrategySpec(ring_degree=2, device_weights=(3.0, 2.0)) and not manual.measured
+    assert convert.resolve_strategy(manual, None, "/m", (1, 16, 8, 8), 1.0, "cpu:2") == (manual.spec, "manual")
+    measured = convert.strategy_choice("manual", ulysses_degree=2, device_weights="measured")
+    assert measured.measured and measured.spec.device_weights == ()
+    spec, _ = convert.resolve_strategy(measured, None, "/m", (1, 16, 8, 8), 1.0, "cpu:2", lambda: (0.5, 1.0))
+    assert spec == StrategySpec(ulysses_degree=2, device_weights=(0.5, 1.0))
+    asked = []
+
+    def chooser(*args, **kw):
+        asked.append(kw)
+        return StrategySpec(ring_degree=2, device_weights=kw.get("speeds", ())), "balanced"
+    auto = convert.strategy_choice("auto", device_weights="measured")
+    assert convert.resolve_strategy(auto, chooser, "/m", (1, 16, 8, 8), 1.0, "cpu:2", lambda: (1.0, 0.5))[0] == \
+        StrategySpec(ring_degree=2, device_weights=(1.0, 0.5))
+    assert asked == [{"speeds": (1.0, 0.5)}]
+    assert "shares 60%, 40%" in convert.strategy_text(manual.spec, "manual", "manual")
+    tp = convert.strategy_choice("manual", tensor_degree=2, patch_degree=1)
+    assert tp.spec == StrategySpec(tensor_degree=2)
+    with pytest.raises(ConfigError, match="device_weights '3;2' is not understood"):
+        convert.strategy_choice("manual", device_weights="3;2")
+    with pytest.raises(ConfigError, match="device_weights '1,-2' is not understood"):
+        convert.strategy_choice("manual", device_weights="1,-2")
 
 
 def test_resolve_strategy():
