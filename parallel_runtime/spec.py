@@ -60,6 +60,17 @@ class StrategySpec:
         return label
 
     @property
+    def exact(self) -> bool:
+        """Whether the strategy equals serial to round-off: everything but PipeFusion and displaced patch after their
+        warm-up, and naive patch."""
+        return self.pipefusion_degree == 1 and self.patch_degree == 1 and self.naive_patch_degree == 1
+
+    @property
+    def stale_steps(self) -> bool:
+        """Whether steps after warm-up read stale K/V (PipeFusion, displaced patch)."""
+        return self.pipefusion_degree > 1 or self.patch_degree > 1
+
+    @property
     def balanced(self) -> bool:
         """Whether the ranks get unequal shares (device_weights that are not all the same)."""
         return len(set(self.device_weights)) > 1

@@ -414,8 +414,8 @@ class BenchRun:
             return None
         rec = time_decode(self.latent_shape, None if wanted == "all" else int(wanted))
         self.say(describe(rec))
-        exact = [r for r in results if r["strategy"].world_size > 1 and r["strategy"].pipefusion_degree == 1
-                 and r["strategy"].naive_patch_degree == 1 and round(r["cfg"], 6) in serial]
+        exact = [r for r in results if r["strategy"].world_size > 1 and r["strategy"].exact
+                 and round(r["cfg"], 6) in serial]
         if exact:
             row = max(exact, key=lambda r: r["speedup"])
             steps = self.args.steps

@@ -23,7 +23,7 @@ CONTROLNET_BLOCKS = 2  # double blocks, as XLabs' Flux ControlNets have
 
 def _exact_pick(results: list[dict], cfg: float):
     """The fastest multi-worker row at this cfg among the exact strategies (no naive patch)."""
-    rows = [r for r in results if r["strategy"].world_size > 1 and r["strategy"].naive_patch_degree == 1
+    rows = [r for r in results if r["strategy"].world_size > 1 and r["strategy"].exact
             and abs(r["cfg"] - cfg) < 1e-9]
     return min(rows, key=lambda r: r["step_s"])["strategy"] if rows else None
 

@@ -19,8 +19,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def skip_steps(strategy: StrategySpec) -> int:
     """Steps left out of the per-step median: step 0 (first-call costs), and for PipeFusion its synchronous
-    warm-up steps plus the step that fills the pipeline."""
-    return strategy.warmup_steps + 1 if strategy.pipefusion_degree > 1 else 1
+    warm-up steps plus the step that fills the pipeline (displaced patch: its synchronous warm-up steps)."""
+    if strategy.pipefusion_degree > 1:
+        return strategy.warmup_steps + 1
+    return max(1, strategy.warmup_steps) if strategy.patch_degree > 1 else 1
 
 
 def step_seconds(stats: list[dict], skip: int) -> float:

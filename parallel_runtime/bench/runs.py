@@ -69,7 +69,7 @@ def run_calls(path: str, config, latent_shape, text_tokens: int, cfg: float, ste
     x = torch.randn((chunks * latent_shape[0], *latent_shape[1:]), generator=torch.Generator().manual_seed(3))
     call = dataclasses.replace(template, sampling=SamplingSpec(steps=1), latent=x,
                                timestep=torch.full((x.shape[0],), 0.5))
-    skip = max(1, strategy.warmup_steps if strategy.pipefusion_degree > 1 else 1)
+    skip = max(1, strategy.warmup_steps if strategy.stale_steps else 1)
     client = RuntimeClient(devices, threads_per_worker=threads)
     try:
         times = []

@@ -613,6 +613,9 @@ def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, s
     if topo.naive_patch > 1:
         p = topo.naive_patch
         compute = blocks(all_blocks, Rows(t_len, n_len / p, t_len, n_len / p, t_len, n_len / p))
+    elif topo.patch > 1:  # displaced patch: its shard's rows over the whole (partly stale) K/V buffer
+        p = topo.patch
+        compute = blocks(all_blocks, Rows(t_len / p, n_len / p, t_len / p, n_len / p, t_len, n_len))
     else:
         sp, r, u = topo.ulysses * topo.ring, topo.ring, topo.ulysses
         compute = blocks(all_blocks, Rows(t_len / sp, n_len / sp, t_len / r, n_len / r, t_len, n_len, 1.0 / u))
@@ -723,8 +726,10 @@ def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_token
     else:
         params = layout.total
         kv = 0
-        sp = topo.ulysses * topo.ring * topo.naive_patch
+        sp = topo.ulysses * topo.ring * topo.naive_patch * topo.patch
         rows = s_len / sp
+        if topo.patch > 1:  # the full-sequence K/V buffers of displaced patch, one per attention layer
+            kv = 2 * b * s_len * h * act_bytes * sum(len(layers) for layers in config.attention_layers)
     # One block's live tensors: hidden, q/k/v, MLP hidden (4H) and norms on this rank's rows; the gathered
     # sequence for Ulysses/Ring attention; about 3x for temporaries.
     act = 3 * b * rows * (8 * h + config.mlp_hidden) * act_bytes

@@ -24,6 +24,8 @@ Per attention layer, per rank:
   rank holding two interleaved chunks does this twice per patch (image rows only where the prompt is
   cross-attended: stage 0 sends it, b T H e, to every other stage once per job). After every step but the
   last stage returns the updated x rows to stage 0: B (N/U) C 4 bytes per step.
+* Displaced patch (degree K): every attention layer all-gathers each rank's fresh K/V rows, padded to the
+  longest shard r_max: sent = recv = (K-1) 2 b e H r_max (its own rows counted once per other member).
 * CFG parallel: each step the rank that ran the head all-gathers its denoised rows with its peer branch:
   sent = recv = B (rows) C 4.
 * Result: one all-gather of the full x (B N C 4 bytes from each other member) over the sequence-parallel
@@ -164,6 +166,9 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
         if topo.pipefusion > 1:
             _pipefusion(rt, strategy, topo, c, shapes, b, x_row, steps)
             continue
+        if topo.patch > 1:
+            _displaced_patch(rt, topo, c, shapes, b, x_row, steps)
+            continue
         if topo.naive_patch > 1:
             k = topo.naive_patch
             if topo.cfg > 1:
@@ -193,6 +198,20 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
         if sp > 1:
             rt.add("result", (sp - 1) * x_row * n, (sp - 1) * x_row * n)
     return out
+
+
+def _displaced_patch(rt: RankTraffic, topo: Topology, c: dict, shapes: Shapes, b: int, x_row: int,
+                     steps: int) -> None:
+    n, h, e, k = shapes.image_tokens, shapes.hidden, shapes.act_bytes, topo.patch
+    t = shapes.text_tokens if shapes.text_in_stream else 0
+    for _ in range(steps):
+        for joint in shapes.layers(range(shapes.num_blocks)):
+            longest = max((text_share(t, k, j) if joint else 0) + text_share(n, k, j) for j in range(k))
+            rt.add("patch", (k - 1) * 2 * b * e * h * longest, (k - 1) * 2 * b * e * h * longest)
+        if topo.cfg > 1:
+            own = text_share(n, k, c["patch"])
+            rt.add("cfg", x_row * own, x_row * own)
+    rt.add("result", (k - 1) * x_row * n, (k - 1) * x_row * n)
 
 
 def _pipefusion(rt: RankTraffic, s: StrategySpec, topo: Topology, c: dict, shapes: Shapes, b: int, x_row: int,
