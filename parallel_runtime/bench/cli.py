@@ -90,6 +90,9 @@ def parse_args(argv):
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                     help="write a machine-readable record to PATH, or to stdout with no PATH (the table then "
                          "goes to stderr)")
+    ap.add_argument("--balance", action="store_true",
+                    help="unequal devices (e.g. --devices cpu:0,cpu:0,cpu:1): each strategy over all of them with "
+                         "equal shares and with shares by measured speed, then auto's pick on those speeds")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
     args = ap.parse_args(argv)
     if args.family:
@@ -244,6 +247,14 @@ class BenchRun:
                         "image_tokens": self.image_tokens, "text_tokens": self.text, "steps": args.steps,
                         "devices": args.devices, "threads": args.threads, "repeats": args.repeats,
                         "cores": self.cores, "rows": []}
+        if args.balance:
+            from .balance import balance_bench
+
+            record["balance"] = balance_bench(self.say, args, self.path, self.config, self.latent_shape, self.text,
+                                              self.target)
+            self._report_targets()
+            record["targets"] = self.targets
+            return self._finish(record)
         if not args.no_auto:
             record["calibration"] = self._calibrate()
         rows, auto_pick, auto_reason = self._rows()
