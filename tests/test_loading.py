@@ -210,9 +210,9 @@ def test_owned_filter_materializes_only_owned(tiny_files, monkeypatch):
     def rows_id(rows):  # slices are unhashable before Python 3.12
         return None if rows is None else (rows.start, rows.stop, rows.step)
 
-    def spy(self, key, rows=None, dtype=None, device="cpu"):
+    def spy(self, key, rows=None, dtype=None, device="cpu", cols=None):
         read_keys.append((key, rows_id(rows)))
-        return real_read(self, key, rows=rows, dtype=dtype, device=device)
+        return real_read(self, key, rows=rows, dtype=dtype, device=device, cols=cols)
 
     monkeypatch.setattr(CheckpointReader, "read", spy)
 

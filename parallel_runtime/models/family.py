@@ -53,9 +53,14 @@ class ModelFamily(Protocol):
         """The family's config from tensor names and shapes (no tensor data is read)."""
 
     def build(self, config, reader, match: Match, owned: Callable[[str], bool], dtype: torch.dtype,
-              device: torch.device, smap: dict | None = None) -> torch.nn.Module:
+              device: torch.device, smap: dict | None = None, tensor=None) -> torch.nn.Module:
         """The module tree with only the parameters `owned` selects (others stay on the meta device); `smap`: the
-        file's source map when the caller already has it."""
+        file's source map when the caller already has it; `tensor`: a tensor-parallel rank's split
+        (strategies.tensor.TensorSplit), which reads only that rank's part of each planned layer."""
+
+    def tensor_plan_for(self, config) -> dict:
+        """Which layers tensor parallelism splits: module-name patterns -> "colwise" / "rowwise" / "norm" (see
+        strategies/tensor.py); empty where the family's layers do not split."""
 
     def pipeline_stages(self, config, stages: int, speeds: tuple[float, ...] = ()) -> list[list[range]]:
         """Per PipeFusion stage, the block ranges it runs (balanced by block cost, and by stage speed)."""
@@ -194,20 +199,35 @@ class DiTFamily:
     # Whether ComfyUI's model of this family reads the `attention_mask` extra cond (an additive bias over the
     # joint [text, image] sequence, e.g. StyleModelApply's attn_bias): Flux's and Chroma's do.
     attention_mask: bool = False
+    # Tensor parallelism's plan, config -> {module-name pattern: style} (strategies/tensor.py): None derives it
+    # from the diffusers model (its class's `_tp_plan` where diffusers declares one, else from diffusers' Attention
+    # and FeedForward names: `derived_tensor_plan`); a family whose layers cannot split returns {}.
+    tensor_plan: Callable | None = None
 
-    def build(self, config, reader, match: Match, owned, dtype, device, smap: dict | None = None) -> torch.nn.Module:
+    def build(self, config, reader, match: Match, owned, dtype, device, smap: dict | None = None,
+              tensor=None) -> torch.nn.Module:
         from ..weights.mapping import build_from_map
 
         smap = smap if smap is not None else self.source_map(config, match.layout, match.prefix)
-        model = build_from_map(self.meta_model(config), smap, reader,
-                               self.block_lists, f"{getattr(config, 'title', self.title)} DiT", owned=owned,
-                               dtype=dtype, device=device)
+        what = f"{getattr(config, 'title', self.title)} DiT"
+        model = self.meta_model(config)
+        if tensor is not None:
+            smap = tensor.shard(model, self.tensor_plan_for(config), smap, what)
+        model = build_from_map(model, smap, reader, self.block_lists, what, owned=owned, dtype=dtype, device=device)
         if self.after_build is not None:
             self.after_build(model)
         return model
 
     def parameter_counts(self, config) -> tuple[tuple[int, ...], int, int, int]:
         return _parameter_counts(self, config)
+
+    def tensor_plan_for(self, config) -> dict:
+        model = self.meta_model(config)
+        if self.tensor_plan is not None:
+            plan = self.tensor_plan(config)
+        else:
+            plan = getattr(type(model), "_tp_plan", None) or derived_tensor_plan(model, self.block_lists)
+        return {**modulation_plan(model, self.block_lists), **plan} if plan else {}
 
     def pipeline_stages(self, config, stages: int, speeds: tuple[float, ...] = ()) -> list[list[range]]:
         from ..planning.stages import balanced_stages
@@ -254,6 +274,67 @@ class DiTFamily:
     def weight_patch_targets(self, config) -> dict:
         """ComfyUI parameter name -> [(diffusers parameter, Source)]: where a LoRA patch of that name lands."""
         return _weight_patch_targets(self, config)
+
+
+def derived_tensor_plan(model: torch.nn.Module, block_lists: tuple[str, ...]) -> dict[str, str]:
+    """A tensor-parallel plan from diffusers' names, for models whose class declares none: in every block, each
+    Attention's q/k/v (and added-stream) projections column-wise and its out-projections row-wise, a q/k norm over
+    the whole width of its heads as "norm" (a per-head one needs nothing), and each FeedForward's input projection
+    column-wise (in halves where a GLU gates it) and its output row-wise, or, where it is a LLaMA-style SwiGLU
+    (w1 gate, w3 up, w2 down: Z-Image's), w1 and w3 column-wise and w2 row-wise. An attention without an
+    out-projection (a fused single-stream block) cannot be derived: then the plan is empty and the family must
+    write its own."""
+    plan: dict[str, str] = {}
+    for attr in block_lists:
+        for i, block in enumerate(getattr(model, attr)):
+            for name, module in block.named_modules():
+                where = f"{attr}.{i}.{name}" if name else f"{attr}.{i}"
+                if isinstance(getattr(module, "to_q", None), torch.nn.Linear) and isinstance(getattr(module, "heads", None), int):
+                    if not _attention_plan(module, where, plan):
+                        return {}
+                elif isinstance(getattr(module, "net", None), torch.nn.ModuleList) and hasattr(module.net[0], "proj"):
+                    glu = "GLU" in type(module.net[0]).__name__  # GEGLU / SwiGLU: value and gate halves
+                    plan[f"{where}.net.0.proj"] = ("colwise", (1, 1)) if glu else "colwise"
+                    plan[f"{where}.net.2"] = "rowwise"
+                elif all(isinstance(getattr(module, w, None), torch.nn.Linear) for w in ("w1", "w2", "w3")):
+                    plan.update({f"{where}.w1": "colwise", f"{where}.w3": "colwise", f"{where}.w2": "rowwise"})
+    return plan
+
+
+def modulation_plan(model: torch.nn.Module, block_lists: tuple[str, ...]) -> dict[str, str]:
+    """The blocks' modulation layers gathered: each rank computes 1/N of the per-sample shifts, scales and gates and
+    all-gathers them (see strategies/tensor.py). Found by diffusers' and DiT's names: an AdaLayerNormZero*'s
+    `.linear`, an `adaLN_modulation` Sequential's Linear. A pre-only block's AdaLayerNormContinuous stays whole:
+    its rows are stored swapped (keymap's swap_halves)."""
+    plan = {}
+    for attr in block_lists:
+        for i, block in enumerate(getattr(model, attr)):
+            for name, module in block.named_modules():
+                where = f"{attr}.{i}.{name}"
+                if "AdaLayerNormZero" in type(module).__name__ and isinstance(getattr(module, "linear", None), torch.nn.Linear):
+                    plan[f"{where}.linear"] = "gather"
+                elif name.rpartition(".")[2] == "adaLN_modulation" and isinstance(module, torch.nn.Sequential):
+                    plan.update({f"{where}.{j}": "gather" for j, layer in enumerate(module)
+                                 if isinstance(layer, torch.nn.Linear)})
+    return plan
+
+
+def _attention_plan(attn: torch.nn.Module, where: str, plan: dict) -> bool:
+    """Add one diffusers Attention's entries to `plan`; False where it has no out-projection to reduce in."""
+    if getattr(attn, "to_out", None) is None:
+        return False
+    head_dim = attn.to_q.out_features // attn.heads
+    for proj in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+        if isinstance(getattr(attn, proj, None), torch.nn.Linear):
+            plan[f"{where}.{proj}"] = "colwise"
+    plan[f"{where}.to_out.0"] = "rowwise"
+    if isinstance(getattr(attn, "to_add_out", None), torch.nn.Linear):
+        plan[f"{where}.to_add_out"] = "rowwise"
+    for norm in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+        weight = getattr(getattr(attn, norm, None), "weight", None)
+        if weight is not None and weight.shape[0] != head_dim:
+            plan[f"{where}.{norm}"] = "norm"
+    return True
 
 
 @torch.no_grad()

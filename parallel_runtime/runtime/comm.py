@@ -187,6 +187,16 @@ class Comm:
         self.traffic.add(op, n, n)
         return work, parts
 
+    def all_reduce(self, t: torch.Tensor, group: Group, op: str = "all_reduce") -> torch.Tensor:
+        """The sum of every member's `t`, in place (counted as a ring all-reduce moves it: 2 (N - 1) / N of its
+        bytes each way)."""
+        if group.size == 1:
+            return t
+        self._dist.all_reduce(t, group=group.pg)
+        n = 2 * (group.size - 1) * _nbytes(t) // group.size
+        self.traffic.add(op, n, n)
+        return t
+
     def broadcast(self, t: torch.Tensor, group: Group, op: str = "broadcast") -> torch.Tensor:
         """The group's first member's `t` into every member's `t` (counted as the source sending one copy to
         each other member)."""

@@ -45,7 +45,7 @@ MODELS_KEPT = 2
 class ResidentModel:
     """A model a worker holds with what was built for it; parked (kept, idle) while another model's jobs run."""
 
-    key: tuple  # (path, mtime, size, weight_dtype, matmul, stage, stages, stage speeds)
+    key: tuple  # (path, mtime, size, weight_dtype, matmul, stage, stages, tensor rank, tensor degree, stage speeds)
     adapter: object
     family: object
     context: object
@@ -91,10 +91,11 @@ class WorkerState:
         `keep_others` (the client found memory for both), at most MODELS_KEPT in all; else it is released first."""
         path = model_spec["path"]
         stat = os.stat(path)
-        stage, stages = topology.coords(self.rank)["pipefusion"], topology.pipefusion
+        coords = topology.coords(self.rank)
+        stage, stages = coords["pipefusion"], topology.pipefusion
         matmul = model_spec.get("quantized_matmul", "auto")
         key = (path, stat.st_mtime_ns, stat.st_size, model_spec["weight_dtype"], matmul, stage, stages,
-               tuple(stage_speeds))
+               coords["tensor"], topology.tensor, tuple(stage_speeds))
         with self.models_lock:
             if key != self.loaded_key:
                 self._park_current()
@@ -147,16 +148,23 @@ class WorkerState:
         from ..weights.checkpoint import open_checkpoint
         from ..weights.patches import FileParameters, RankWeightPatcher
         from ..strategies.attention.processor import AttentionContext
+        from ..strategies.tensor import TensorSplit, parallelize_tensor
 
         path, matmul = model_spec["path"], key[4]
+        tensor_rank, tensor_degree = key[7], key[8]
+        split = TensorSplit(tensor_rank, tensor_degree) if tensor_degree > 1 else None
         t0 = time.perf_counter()
         with open_checkpoint(path) as reader:
             family, match, config = read_model(reader, os.path.basename(path))
-            chunks = family.pipeline_stages(config, stages, key[7])[stage]  # key[7]: stage speeds
+            chunks = family.pipeline_stages(config, stages, key[9])[stage]  # key[9]: stage speeds
             owned = family.stage_ownership(config, chunks, first=stage == 0, last=stage == stages - 1)
             storage = resolve_storage(model_spec["weight_dtype"], self.device, matmul).for_file(reader)
             smap = family.source_map(config, match.layout, match.prefix)  # the build's and the LoRA re-reader's
-            model = family.build(config, reader, match, owned=owned, dtype=storage, device=self.device, smap=smap)
+            model = family.build(config, reader, match, owned=owned, dtype=storage, device=self.device, smap=smap,
+                                 tensor=split)
+        if split is not None:  # its row-wise layers all-reduce; a LoRA re-reads the parts this rank holds
+            parallelize_tensor(model, split)
+            smap = split.sources
         context = AttentionContext()
         adapter = family.adapter(config, model, chunks, context)
         patcher = RankWeightPatcher(model, family.weight_patch_targets(config), FileParameters(path, smap, storage,
@@ -365,8 +373,10 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
 def _denoise(state: WorkerState, chan: Channel, job, topology, pulse, controlnets) -> tuple[dict, torch.Tensor | None]:
     from ..strategies.denoise import Denoiser
     from ..strategies.model_call import ModelCallForward
+    from ..strategies.tensor import bind_tensor_group
 
     comm = state.comm_for(topology)
+    bind_tensor_group(state.adapter.model, comm)
     comm.reset_traffic()
     pulse.traffic = comm.traffic
     if state.device.type == "cuda":

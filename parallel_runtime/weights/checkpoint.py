@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import ModelFileError
+from .keymap import Rows, read_pieces
 
 # safetensors dtype tags -> torch dtypes (only those torch knows in this build).
 _DTYPES: dict[str, torch.dtype] = {
@@ -131,12 +132,12 @@ class CheckpointReader:
         conf = self.quant_layers().get(key[: -len(".weight")])
         return conf["format"] if conf else None
 
-    def read_kept(self, key: str, rows: slice | None, transform: str | None, device):
-        """The rows of a quantized weight as a rank keeps them (comfy_quant.ComfyQuantWeight)."""
+    def read_kept(self, key: str, rows: Rows, transform: str | None, device, cols: tuple[slice, ...] | None = None):
+        """The rows (and columns) of a quantized weight as a rank keeps them (comfy_quant.ComfyQuantWeight)."""
         from . import comfy_quant
 
         layer = key[: -len(".weight")]
-        return comfy_quant.read_rows(self, layer, self.quant_layers()[layer], rows, transform, device)
+        return comfy_quant.read_rows(self, layer, self.quant_layers()[layer], rows, transform, device, cols)
 
     def stored_bytes(self, key: str) -> int:
         """Bytes of `key` in the file (a quantized weight with its scales)."""
@@ -155,22 +156,27 @@ class CheckpointReader:
     def read(
         self,
         key: str,
-        rows: slice | None = None,
+        rows: Rows = None,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
+        cols: tuple[slice, ...] | None = None,
     ) -> torch.Tensor:
-        """Load ``key`` (only ``rows`` of its first dimension when given), cast and move it. A ComfyUI-quantized
-        weight comes back dequantized (float32 unless `dtype` says otherwise)."""
+        """Load ``key`` (only ``rows`` of its first dimension and ``cols`` of its second when given: a tensor-parallel
+        rank's part), cast and move it. A ComfyUI-quantized weight comes back dequantized (float32 unless `dtype`
+        says otherwise)."""
         if self.quant_format(key) is not None:
-            return self.read_kept(key, rows, None, device).linear(None).effective_weight(dtype or torch.float32)
-        return self.read_raw(key, rows, dtype, device)
+            return self.read_kept(key, rows, None, device, cols).linear(None).effective_weight(dtype or torch.float32)
+        return self.read_raw(key, rows, dtype, device, cols)
 
-    def read_raw(self, key: str, rows: slice | None = None, dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu") -> torch.Tensor:
-        """``key`` as stored (only ``rows`` when given), cast and moved: a quantized weight's raw data."""
+    def read_raw(self, key: str, rows: Rows = None, dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu", cols: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """``key`` as stored (only ``rows`` and ``cols`` when given), cast and moved: a quantized weight's raw data."""
         sl = self._slice(key)
         try:
-            tensor = sl[rows] if rows is not None else self._file.get_tensor(key)
+            if rows is None and cols is None:
+                tensor = self._file.get_tensor(key)
+            else:
+                tensor = read_pieces(lambda index: sl[index], rows, cols, torch.cat)
         except Exception as exc:
             raise ModelFileError(
                 f"{self.path} is not a valid safetensors file (cannot read {key!r}: {exc}); re-download or re-save it."

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, ModelFileError
-from .keymap import apply_transform
+from .keymap import Rows, apply_transform, read_pieces
 from .storage import KeptLinear
 
 # comfy_quant format -> (comfy-kitchen layout, the multiple of rows its stored data is padded to)
@@ -153,28 +153,40 @@ class ComfyQuantWeight:
         return ComfyQuantLinear(self, bias, kernel=kernel)
 
 
-def read_rows(reader, layer: str, conf: dict, rows: slice | None, transform: str | None,
-              device) -> ComfyQuantWeight:
-    """The rows `rows` (None: all) of quantized `layer` (swap_halves applied to whole rows), ready for a rank."""
+def read_rows(reader, layer: str, conf: dict, rows: Rows, transform: str | None, device,
+              cols: tuple[slice, ...] | None = None) -> ComfyQuantWeight:
+    """The rows `rows` (None: all; a tensor-parallel rank's runs) of quantized `layer` (swap_halves applied to whole
+    rows), and only columns `cols` where given (a row-wise split: whole blocks of the layout only), ready for a
+    rank. Per-tensor scales are every rank's; per-row and block scales are cut alongside the data."""
     float_utils = kitchen()[2]
     fmt = conf["format"]
     stored_rows, stored_cols = reader.stored_shape(f"{layer}.weight")
     rows = rows or slice(0, stored_rows)
-    data = apply_transform(reader.read_raw(f"{layer}.weight", rows=rows, device=device), transform)
+    packed = 2 if fmt == "nvfp4" else 1  # values per stored element
+    _check_columns(layer, fmt, _params(conf), cols)
+
+    def by_columns(width: int) -> tuple[slice, ...] | None:  # `cols` in units of `width` values
+        return None if cols is None else tuple(slice(c.start // width, c.stop // width) for c in cols)
+
+    def cut(t: torch.Tensor, columns=None) -> torch.Tensor:
+        return apply_transform(read_pieces(lambda index: t[index], rows, columns, torch.cat), transform)
+
+    data = apply_transform(reader.read_raw(f"{layer}.weight", rows=rows, device=device, cols=by_columns(packed)),
+                           transform)
     # nvfp4: per-tensor weight_scale_2 beside the block scales; mxfp8: only block scales (below)
     scale_key = f"{layer}.weight_scale_2" if fmt == "nvfp4" else f"{layer}.weight_scale"
     scale = reader.read_raw(scale_key, device=device).float() if fmt != "mxfp8" else None
     if scale is not None and scale.dim() == 1 and scale.numel() > 1:
         scale = scale.reshape(-1, 1)  # per-row int8 scales written 1-D: [O] -> [O, 1], as comfy-kitchen needs
     if scale is not None and scale.dim() == 2 and scale.shape[0] > 1:
-        scale = apply_transform(scale[rows], transform)
-    block_scale, cols = None, stored_cols * (2 if fmt == "nvfp4" else 1)
+        scale = cut(scale)
+    block_scale, width = None, stored_cols * packed
     if fmt in BLOCK:
         stored = reader.read_raw(f"{layer}.weight_scale", device=device)
         dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.float8_e8m0fnu
         full = float_utils.from_blocked(stored.view(dtype) if stored.dtype != dtype else stored,
-                                        stored_rows, cols // BLOCK[fmt])
-        block_scale = apply_transform(full[rows], transform)
+                                        stored_rows, width // BLOCK[fmt])
+        block_scale = cut(full, by_columns(BLOCK[fmt]))
     pad = LAYOUTS[fmt][1]
     n = data.shape[0]
     if n % pad:  # comfy-kitchen's layouts hold whole row blocks: zero rows, which dequantize to zero
@@ -188,9 +200,23 @@ def read_rows(reader, layer: str, conf: dict, rows: slice | None, transform: str
     # ComfyUI loads a pre_quant_scale for nvfp4 layers only (QUANT_ALGOS' parameters); others ignore it.
     pre_scale = reader.read_raw(pre_key, device=device).float().flatten() \
         if fmt == "nvfp4" and pre_key in reader else None
+    if pre_scale is not None and cols is not None:  # one factor per input column: a row-wise rank's columns
+        pre_scale = torch.cat([pre_scale[c] for c in cols])
     input_scale = reader.read_raw(input_key, device=device).float().reshape(()) if input_key in reader else None
-    return ComfyQuantWeight(fmt, data.contiguous(), scale, block_scale, _params(conf), (n, cols), pre_scale,
+    cols_held = width if cols is None else sum(c.stop - c.start for c in cols)
+    return ComfyQuantWeight(fmt, data.contiguous(), scale, block_scale, _params(conf), (n, cols_held), pre_scale,
                             input_scale, bool(conf.get("full_precision_matrix_mult", False)))
+
+
+def _check_columns(layer: str, fmt: str, options: dict, cols: tuple[slice, ...] | None) -> None:
+    """One sentence where a row-wise tensor-parallel cut would fall inside a block of columns the layout scales or
+    rotates together (nvfp4's 16, mxfp8's 32, a ConvRot group)."""
+    group = options.get("convrot_groupsize") or BLOCK.get(fmt, 1)
+    for c in cols or ():
+        if c.start % group or c.stop % group:
+            raise ConfigError(f"tensor parallelism would cut {layer} at input column "
+                              f"{c.start if c.start % group else c.stop}, inside a group of {group} columns its "
+                              f"{fmt} layout scales together; pick a lower tensor_degree.")
 
 
 def kernel_linear(x: torch.Tensor, weight, fmt: str, input_scale: torch.Tensor | None,

@@ -15,12 +15,13 @@ import os
 import warnings
 from dataclasses import dataclass
 
+import numpy
 import torch
 import torch.nn.functional as F
 
-from ..errors import ModelFileError
+from ..errors import ConfigError, ModelFileError
 from . import gguf_quants
-from .keymap import apply_transform
+from .keymap import Rows, apply_transform, read_pieces
 from .storage import KeptLinear
 
 # `general.architecture` values of the image models ComfyUI-GGUF converts (its IMG_ARCH_LIST) and the names
@@ -105,30 +106,34 @@ class GGUFCheckpoint:
         return int(self._tensor(key).n_bytes)
 
     # -- data ----------------------------------------------------------------------
-    def read(self, key: str, rows: slice | None = None, dtype: torch.dtype | None = None,
-             device: str | torch.device = "cpu") -> torch.Tensor:
-        """`key` (only `rows` of its first dimension when given), dequantized, cast and moved."""
+    def read(self, key: str, rows: Rows = None, dtype: torch.dtype | None = None,
+             device: str | torch.device = "cpu", cols: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """`key` (only `rows` of its first dimension and `cols` of its second when given), dequantized, cast and
+        moved."""
         fmt, shape = self._format(key), self._shapes[key]
         if fmt in _PLAIN:
-            data = self._raw(key, rows)
+            data = self._raw(key, rows, self._stored_columns(key, cols))
             value = data.view(_PLAIN[fmt]) if fmt == "BF16" else data
-            value = value.reshape((-1, *shape[1:]) if rows is not None else shape)
+            value = value.reshape(self._part_shape(shape, rows, cols))
         else:
-            raw, part = self.read_quantized(key, rows), self._rows_shape(shape, rows)
+            raw, part = self.read_quantized(key, rows, cols=cols), self._part_shape(shape, rows, cols)
             value = dequantize_blocks(raw, fmt, part)
         return _own(value, value.to(device=device, dtype=dtype or value.dtype).contiguous())
 
-    def read_quantized(self, key: str, rows: slice | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
-        """The raw blocks of a quantized tensor's `rows` as uint8 [rows, bytes per row]."""
+    def read_quantized(self, key: str, rows: Rows = None, device: str | torch.device = "cpu",
+                       cols: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The raw blocks of a quantized tensor's `rows` (and `cols`: whole blocks only) as uint8 [rows, bytes per
+        row]."""
         shape = self._shapes[key]
-        raw = self._raw(key, rows)
+        raw = self._raw(key, rows, self._stored_columns(key, cols))
         raw = raw.reshape(-1, raw.shape[-1] if len(shape) > 1 else raw.numel())
         return _own(raw, raw.to(device))
 
-    def read_kept(self, key: str, rows: slice | None, transform: str | None, device):
-        """The raw blocks of a quantized weight's `rows` as a rank keeps them (GGUFWeight)."""
-        blocks = apply_transform(self.read_quantized(key, rows=rows, device=device), transform)
-        return GGUFWeight(blocks, self.quant_format(key), (blocks.shape[0], self.shape(key)[1]))
+    def read_kept(self, key: str, rows: Rows, transform: str | None, device, cols: tuple[slice, ...] | None = None):
+        """The raw blocks of a quantized weight's `rows` (and `cols`) as a rank keeps them (GGUFWeight)."""
+        blocks = apply_transform(self.read_quantized(key, rows=rows, device=device, cols=cols), transform)
+        width = self.shape(key)[1] if cols is None else sum(c.stop - c.start for c in cols)
+        return GGUFWeight(blocks, self.quant_format(key), (blocks.shape[0], width))
 
     # -- lifetime ------------------------------------------------------------------
     def close(self) -> None:
@@ -186,19 +191,40 @@ class GGUFCheckpoint:
         self._tensor(key)
         return self._formats[key]
 
-    def _raw(self, key: str, rows: slice | None) -> torch.Tensor:
+    def _raw(self, key: str, rows: Rows, cols: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The stored data of `rows` and `cols` (columns of the stored row: values, or bytes of blocks)."""
         data = self._tensor(key).data
-        if rows is not None:
-            data = data.reshape(self._shapes[key][0], -1)[rows]
+        if rows is not None or cols is not None:
+            data = read_pieces(lambda index: data.reshape(self._shapes[key][0], -1)[index], rows, cols,
+                               lambda parts, dim: numpy.concatenate(parts, axis=dim))
         with warnings.catch_warnings():  # a read-only memory map: we copy before anyone writes
             warnings.simplefilter("ignore")
             return torch.from_numpy(data)
 
+    def _stored_columns(self, key: str, cols: tuple[slice, ...] | None) -> tuple[slice, ...] | None:
+        """Where columns `cols` lie in each stored row: the same columns of an F32/F16 tensor, the bytes of whole
+        blocks of a BF16 or quantized one; a cut inside a block is refused in one sentence (a tensor-parallel rank
+        would need another rank's bytes to dequantize it)."""
+        fmt = self._format(key)
+        if cols is None or fmt in ("F32", "F16"):
+            return cols
+        gguf = _gguf()
+        values, size = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, fmt)]
+        for c in cols:
+            if c.start % values or c.stop % values:
+                raise ConfigError(f"tensor parallelism would cut {key} at column {c.stop if c.start % values == 0 else c.start}"
+                                  f", inside one of its {fmt} blocks of {values} values; pick a lower tensor_degree "
+                                  f"or a GGUF of smaller blocks (Q8_0's hold 32 values).")
+        return tuple(slice(c.start // values * size, c.stop // values * size) for c in cols)
+
     @staticmethod
-    def _rows_shape(shape: tuple[int, ...], rows: slice | None) -> tuple[int, ...]:
-        if rows is None:
-            return shape
-        return (len(range(*rows.indices(shape[0]))), *shape[1:])
+    def _part_shape(shape: tuple[int, ...], rows: Rows, cols: tuple[slice, ...] | None) -> tuple[int, ...]:
+        if rows is not None:
+            runs = rows if isinstance(rows, tuple) else (rows,)
+            shape = (sum(len(range(*r.indices(shape[0]))) for r in runs), *shape[1:])
+        if cols is not None:
+            shape = (shape[0], sum(c.stop - c.start for c in cols), *shape[2:])
+        return shape
 
     @staticmethod
     def _numpy_can_dequantize(fmt: str) -> bool:

@@ -13,12 +13,67 @@ from ..errors import ModelFileError
 
 
 @dataclass(frozen=True)
+class Shard:
+    """One tensor-parallel rank's part of a parameter: along `dim` (0: a linear layer's output rows, 1: its input
+    columns), each block of `blocks` (sizes summing to that dimension: one block, or one per projection a fused
+    layer packs, such as Flux's single-block [attention, MLP] input) cut into `degree` equal runs, of which the rank
+    keeps run `index` of every block."""
+
+    dim: int
+    blocks: tuple[int, ...]
+    index: int
+    degree: int
+
+    def pieces(self, offset: int = 0) -> tuple[slice, ...]:
+        """The runs this rank keeps, as slices of the dimension (shifted by `offset`)."""
+        out, start = [], offset
+        for size in self.blocks:
+            run = size // self.degree
+            out.append(slice(start + self.index * run, start + (self.index + 1) * run))
+            start += size
+        return tuple(out)
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole tensor."""
+        parts = [tensor[(slice(None),) * self.dim + (p,)] for p in self.pieces()]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+
+
+@dataclass(frozen=True)
 class Source:
-    """Where a diffusers parameter comes from: ``transform(file[key][rows])``."""
+    """Where a diffusers parameter comes from: ``transform(file[key][rows])``, and of that only `shard` where a
+    tensor-parallel rank holds part of the parameter."""
 
     key: str
     rows: slice | None = None
     transform: str | None = None  # None or "swap_halves"
+    shard: Shard | None = None
+
+    def file_pieces(self) -> tuple[slice | tuple[slice, ...] | None, tuple[slice, ...] | None]:
+        """(rows, columns) of the file tensor this parameter reads: None (all), a slice, or the runs of a shard."""
+        if self.shard is None:
+            return self.rows, None
+        if self.transform is not None:  # transforms move rows (modulations), which no plan splits
+            raise ValueError(f"{self.key}: a transformed tensor cannot be split for tensor parallelism")
+        if self.shard.dim == 1:
+            return self.rows, self.shard.pieces()
+        start = self.rows.start or 0 if self.rows is not None else 0
+        return self.shard.pieces(start), None
+
+
+Rows = slice | tuple[slice, ...] | None  # a reader's rows: all, one run, or a shard's runs (joined in order)
+
+
+def read_pieces(index, rows: Rows, cols: tuple[slice, ...] | None, cat):
+    """The `rows` and `cols` of a stored tensor, joined in order: `index(slices)` reads it at a tuple of slices (a
+    safetensors slice, a numpy array), `cat(parts, dim)` joins parts (torch.cat, numpy.concatenate)."""
+    runs = rows if isinstance(rows, tuple) else (rows if rows is not None else slice(None),)
+    parts = [index((r,)) if cols is None else _joined([index((r, c)) for c in cols], 1, cat) for r in runs]
+    return _joined(parts, 0, cat)
+
+
+def _joined(parts: list, dim: int, cat):
+    return parts[0] if len(parts) == 1 else cat(parts, dim)
 
 
 def apply_transform(tensor: torch.Tensor, transform: str | None) -> torch.Tensor:

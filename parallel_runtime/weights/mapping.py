@@ -22,7 +22,8 @@ from .storage import Storage, install_kept_linears, linear_names, scale_key
 def read_source(reader, src: Source, dtype: torch.dtype | None, device) -> torch.Tensor:
     """One parameter's value from the file in `dtype` (None: as read: a quantized weight dequantized to float32,
     then cast, since the dequantizers compute in float dtypes only)."""
-    tensor = reader.read(src.key, rows=src.rows, device=device)
+    rows, cols = src.file_pieces()
+    tensor = reader.read(src.key, rows=rows, device=device, cols=cols)
     return apply_transform(tensor.to(dtype) if dtype is not None else tensor, src.transform)
 
 
@@ -34,7 +35,8 @@ def read_stored(reader, src: Source, storage: Storage, device, linear: str | Non
     first where ComfyUI stores it in fp8 (see Storage.rounding)."""
     quant_format = reader.quant_format(src.key)
     if linear == "weight" and storage.keeps_blocks(quant_format):
-        return reader.read_kept(src.key, src.rows, src.transform, device)
+        rows, cols = src.file_pieces()
+        return reader.read_kept(src.key, rows, src.transform, device, cols)
     key = scale_key(src.key) if src.key.endswith(".weight") else None
     scale = reader.read(key, dtype=torch.float32, device=device) if key is not None and key in reader else None
     # A quantized weight not kept in its layout (weight_dtype fp8 casts it) reads as float32, like any other file's.

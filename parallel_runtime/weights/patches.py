@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from ..spec import PATCH_FUNCTIONS, PATCH_SLOTS, WeightPatch, WeightPatches
 from .fp8 import Fp8Linear, Fp8Weight
 from .gguf_file import GGUFLinear
-from .keymap import Source, apply_transform
+from .keymap import Shard, Source, apply_transform
 from .mapping import read_stored
 from .storage import FP8_DTYPES, Storage, linear_names
 
@@ -210,8 +210,9 @@ class FileParameters:
 
     def comfy_value(self, name: str, linear: str | None) -> tuple[torch.Tensor, torch.dtype | None, torch.Tensor | None]:
         """(float32 value as ComfyUI upcasts it to patch it, the fp8 type ComfyUI stores it in or None, the
-        file's scale of it or None)."""
-        value = read_stored(self._reader, self.source_map[name], self.storage, self.device, linear=linear)
+        file's scale of it or None): the whole parameter, also where a tensor-parallel rank holds a part of it."""
+        whole = dataclasses.replace(self.source_map[name], shard=None)
+        value = read_stored(self._reader, whole, self.storage, self.device, linear=linear)
         if isinstance(value, Fp8Weight):
             scale = value.scale.float() if value.scale is not None else None
             weight = value.weight.float()
@@ -226,9 +227,11 @@ def whole_patched(parts: list[torch.Tensor], sources: list[Source], patches: lis
     return patched_weight(torch.cat(parts) if len(parts) > 1 else parts[0], patches)
 
 
-def rows_of(weight: torch.Tensor, source: Source) -> torch.Tensor:
-    """One part's rows of a whole tensor, in the part's own layout (its transform applied)."""
-    return apply_transform(weight[source.rows] if source.rows is not None else weight, source.transform)
+def rows_of(weight: torch.Tensor, source: Source, shard: Shard | None = None) -> torch.Tensor:
+    """One part's rows of a whole tensor, in the part's own layout (its transform applied), and of those the
+    tensor-parallel `shard` a rank holds."""
+    part = apply_transform(weight[source.rows] if source.rows is not None else weight, source.transform)
+    return shard.take(part) if shard is not None else part
 
 
 class PatchedPerCall:
@@ -237,33 +240,61 @@ class PatchedPerCall:
     compute dtype (ComfyUI-GGUF's calculate_weight on the dequantized weight), fp8 in float32 (ComfyUI's patch of
     an upcast model), then cast back. The layers cut from one file tensor (Flux's fused qkv: to_q, to_k, to_v) share
     one: the first to run builds the whole patched tensor, the others take their rows of it, and it is dropped
-    once each has (or at the job's end: `drop`)."""
+    once each has (or at the job's end: `drop`).
 
-    def __init__(self, layers: list[tuple[GGUFLinear | Fp8Linear, Source]], patches: list[WeightPatch]):
+    A tensor-parallel rank holds only its `shards` of those layers, so the whole weight cannot be rebuilt from them:
+    it adds its part of what the patches add instead. Every patch but DoRA maps each weight element w to
+    a * w + b with a and b independent of the weight (LoRA, LoHa, LoKr and diff add b; strength_model scales by a;
+    "set" has a = 0), so the patches run on a whole tensor of zeros give b (and of ones, a + b) per call, and the
+    rank takes its part of them: the same numbers, still without holding a patched weight."""
+
+    def __init__(self, layers: list[tuple[GGUFLinear | Fp8Linear, Source]], patches: list[WeightPatch],
+                 shards: dict[int, Shard] | None = None):
         first = layers[0][0]
         device = next(t for t in [*first.parameters(), *first.buffers()] if t is not None).device
         # The LoRA factors live beside the layer, in float32, once: not copied from the CPU at every call.
         self.patches = [dataclasses.replace(p, tensors={k: v.to(device, torch.float32) for k, v in p.tensors.items()})
                         for p in patches]
-        self.layers = layers
+        self.layers, self.shards, self.device = layers, shards or {}, device
         self.fp32 = isinstance(layers[0][0], Fp8Linear)
+        self.scales = any(p.strength_model != 1.0 or p.kind == "set" for p in self.patches)  # a != 1 somewhere
         self.drop()
 
     def drop(self) -> None:
         self._full, self._dtype, self._taken = None, None, set()
+
+    def _whole_shape(self, layer) -> tuple[int, int]:
+        """The shape of `layer`'s whole weight, of which a tensor-parallel rank holds its shard."""
+        shape = [layer.out_features, layer.in_features]
+        shard = self.shards.get(id(layer))
+        if shard is not None:
+            shape[shard.dim] = sum(shard.blocks)
+        return tuple(shape)
 
     def install(self) -> None:
         for layer, _ in self.layers:
             layer.patch = self
 
     def __call__(self, layer, dtype: torch.dtype) -> torch.Tensor:
+        patch_dtype = torch.float32 if self.fp32 else dtype
         if self._full is None or id(layer) in self._taken or dtype != self._dtype:
-            patch_dtype = torch.float32 if self.fp32 else dtype
-            parts = [part.dequantized(dtype).to(patch_dtype) for part, _ in self.layers]
-            self._full = whole_patched(parts, [source for _, source in self.layers], self.patches)
+            sources = [source for _, source in self.layers]
+            if self.shards:  # (b, a + b) of the whole tensor: the patches on zeros and on ones
+                self._full = tuple(whole_patched([fill(self._whole_shape(part), dtype=patch_dtype, device=self.device)
+                                                  for part, _ in self.layers], sources, self.patches)
+                                   for fill in ((torch.zeros, torch.ones) if self.scales else (torch.zeros,)))
+            else:
+                parts = [part.dequantized(dtype).to(patch_dtype) for part, _ in self.layers]
+                self._full = whole_patched(parts, sources, self.patches)
             self._dtype, self._taken = dtype, set()
         source = next(source for part, source in self.layers if part is layer)
-        weight = rows_of(self._full, source).to(dtype)
+        if self.shards:
+            shard = self.shards.get(id(layer))
+            offset, *with_ones = (rows_of(t, source, shard) for t in self._full)
+            held = layer.dequantized(dtype).to(patch_dtype)
+            weight = (held * (with_ones[0] - offset) + offset if with_ones else held + offset).to(dtype)
+        else:
+            weight = rows_of(self._full, source).to(dtype)
         self._taken.add(id(layer))
         if len(self._taken) == len(self.layers):
             self.drop()
@@ -321,8 +352,14 @@ class RankWeightPatcher:
 
     def _patch(self, key: str, patches: list[WeightPatch]) -> None:
         sources = sorted(self.targets[key], key=lambda ns: ns[1].rows.start if ns[1].rows is not None else 0)
+        shards = {name: self.files.source_map[name].shard for name, _ in sources}
         if sources[0][0] in self.per_call:  # cut from one compact tensor: all its parts are held alike
-            per_call = PatchedPerCall([(self.per_call[name], source) for name, source in sources], patches)
+            if any(shards.values()) and any("dora_scale" in p.tensors for p in patches):
+                raise ConfigError(f"the LoRA on {key!r} is a DoRA, whose weight norms a tensor-parallel rank cannot "
+                                  f"form from its part of a quantized weight; set tensor_degree=1 for this LoRA.")
+            layers = [(self.per_call[name], source) for name, source in sources]
+            per_call = PatchedPerCall(layers, patches, {id(self.per_call[name]): shard
+                                                        for name, shard in shards.items() if shard is not None})
             per_call.install()
             self.transients.append(per_call)
             self.patched.update(name for name, _ in sources)
@@ -336,7 +373,7 @@ class RankWeightPatcher:
             weight = stochastic_round(weight / scale if scale is not None else weight, fp8,
                                       seed=string_to_seed(COMFY_PREFIX + key))
         for name, source in sources:
-            self.params[name].copy_(rows_of(weight, source))  # copy_ casts as ComfyUI's .to
+            self.params[name].copy_(rows_of(weight, source, shards[name]))  # copy_ casts as ComfyUI's .to
             self.patched.add(name)
 
     def drop_transients(self) -> None:

@@ -286,8 +286,17 @@ class ChromaAdapter(FluxAdapter):
         return self.model.proj_out(self.model.norm_out(image, final)).float()
 
 
+def tensor_plan(config: ChromaConfig) -> dict:
+    """Flux's tensor-parallel plan (Chroma's blocks carry Flux's names), its single blocks' proj_out reading the
+    [attention, MLP] columns; no modulation to gather (Chroma's comes from the shared approximator)."""
+    from diffusers import FluxTransformer2DModel
+
+    return {**FluxTransformer2DModel._tp_plan,
+            "single_transformer_blocks.*.proj_out": ("rowwise", (config.hidden_size, config.mlp_hidden))}
+
+
 CHROMA = DiTFamily(
     name="chroma", title="Chroma", match=match_layout, infer_config=infer_config, meta_model=_diffusers_model,
     source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=ChromaAdapter, block_lists=BLOCK_LISTS,
     always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE, comfy_layout="bfl",
-    block_inputs=block_inputs, after_build=_comfy_norm_eps, attention_mask=True)
+    block_inputs=block_inputs, after_build=_comfy_norm_eps, attention_mask=True, tensor_plan=tensor_plan)

@@ -423,7 +423,7 @@ class HunyuanVideo15Adapter:
         from diffusers.models.embeddings import apply_rotary_emb
 
         block = self.model.transformer_blocks[i]
-        attn, heads, dim = block.attn, self.config.num_heads, self.config.hidden_size
+        attn, heads, dim = block.attn, block.attn.heads, self.config.hidden_size  # heads: a tensor rank's share
         img_mod = [m.unsqueeze(1) for m in block.norm1.linear(F.silu(temb)).chunk(6, dim=-1)]
         txt_mod = [m.unsqueeze(1) for m in block.norm1_context.linear(F.silu(temb)).chunk(6, dim=-1)]
 

@@ -155,6 +155,7 @@ def infer_config(reader, match: Match, name: str) -> Lumina2Config:
 class _Attention(nn.Module):
     def __init__(self, c: Lumina2Config):
         super().__init__()
+        self.heads, self.kv_heads = c.num_heads, c.num_kv_heads  # a tensor-parallel rank's share: each / N
         self.qkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=False)
         self.out = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
         self.q_norm, self.k_norm = nn.RMSNorm(c.head_dim), nn.RMSNorm(c.head_dim)  # eps None, as ComfyUI's
@@ -381,8 +382,8 @@ class Lumina2Adapter:
     def _qkv(self, attn: _Attention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, L, heads, head_dim] queries, keys and values from the fused qkv, queries and keys RMS-normed."""
         c = self.config
-        q, k, v = attn.qkv(x).split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
-                                     c.num_kv_heads * c.head_dim], dim=-1)
+        q, k, v = attn.qkv(x).split([attn.heads * c.head_dim, attn.kv_heads * c.head_dim,
+                                     attn.kv_heads * c.head_dim], dim=-1)
         q, k, v = (t.unflatten(-1, (-1, c.head_dim)) for t in (q, k, v))
         return attn.q_norm(q), attn.k_norm(k), v
 
@@ -397,8 +398,21 @@ class Lumina2Adapter:
         return channels_first(-out.float(), self.patch, self.config.in_channels)
 
 
+def tensor_plan(config: Lumina2Config) -> dict:
+    """Tensor parallelism over the noise refiner's and the joint blocks: the fused qkv column-wise in its three
+    parts (queries, and the fewer key/value heads of GQA), the out-projection row-wise, the SwiGLU's w1/w3
+    column-wise and w2 row-wise (their adaLN modulations are gathered by the seam's modulation_plan). The context
+    refiner, which embeds the prompt once, stays whole."""
+    plan = {}
+    for blocks in BLOCK_LISTS:
+        plan.update({f"{blocks}.*.attention.qkv": ("colwise", (config.num_heads, config.num_kv_heads, config.num_kv_heads)),
+                     f"{blocks}.*.attention.out": "rowwise", f"{blocks}.*.feed_forward.w1": "colwise",
+                     f"{blocks}.*.feed_forward.w3": "colwise", f"{blocks}.*.feed_forward.w2": "rowwise"})
+    return plan
+
+
 LUMINA2 = DiTFamily(
     name="lumina2", title="Lumina Image 2.0", match=match_layout, infer_config=infer_config,
     meta_model=_meta_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=Lumina2Adapter,
     block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE,
-    comfy_layout="comfy", replace_keys=(), block_inputs=block_inputs)
+    comfy_layout="comfy", replace_keys=(), block_inputs=block_inputs, tensor_plan=tensor_plan)

@@ -111,6 +111,15 @@ def _diffusers_model(config: QwenImageConfig):
         return QwenImageTransformer2DModel(**config.diffusers_kwargs())
 
 
+def tensor_plan(config: QwenImageConfig) -> dict:
+    """diffusers' tensor-parallel plan for Qwen-Image's blocks, plus their modulations (Sequential(SiLU, Linear))
+    gathered, as the seam's modulation_plan gathers diffusers' AdaLayerNormZero ones."""
+    from diffusers import QwenImageTransformer2DModel
+
+    return {**QwenImageTransformer2DModel._tp_plan, "transformer_blocks.*.img_mod.1": "gather",
+            "transformer_blocks.*.txt_mod.1": "gather"}
+
+
 def source_map(config: QwenImageConfig, layout: str, prefix: str = "") -> dict[str, Source]:
     """ComfyUI's and diffusers' files both use diffusers' names (single_file_model maps them 1:1)."""
     return same_names((n for n, _ in _diffusers_model(config).named_parameters()), prefix)
@@ -212,4 +221,4 @@ QWEN_IMAGE = DiTFamily(
     name="qwen_image", title="Qwen-Image (and Edit)", match=match_layout, infer_config=infer_config,
     meta_model=_diffusers_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes,
     adapter_class=QwenImageAdapter, block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE,
-    last_stage=LAST_STAGE, comfy_layout="diffusers", block_inputs=block_inputs)
+    last_stage=LAST_STAGE, comfy_layout="diffusers", block_inputs=block_inputs, tensor_plan=tensor_plan)

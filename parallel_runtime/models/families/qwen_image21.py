@@ -328,7 +328,7 @@ class QwenImage21Adapter:
         from diffusers.models.embeddings import apply_rotary_emb
 
         def heads(t):
-            return t.unflatten(-1, (self.config.num_heads, -1))
+            return t.unflatten(-1, (attn.heads, -1))  # a tensor-parallel rank's share of the heads
 
         q = apply_rotary_emb(attn.norm_q(heads(attn.to_q(x))).to(x.dtype), rope[:2], sequence_dim=1)
         k = apply_rotary_emb(attn.norm_k(heads(attn.to_k(x))).to(x.dtype), rope[:2], sequence_dim=1)

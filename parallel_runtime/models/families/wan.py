@@ -173,8 +173,9 @@ def infer_config(reader, match: Match, name: str) -> WanConfig:
 
 
 class _Attention(nn.Module):
-    def __init__(self, dim: int, image_keys: bool = False):
+    def __init__(self, dim: int, heads: int, image_keys: bool = False):
         super().__init__()
+        self.heads = heads  # what the forward splits q/k/v into (a tensor-parallel rank's share: heads / N)
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
         self.norm_q, self.norm_k = nn.RMSNorm(dim, eps=EPS), nn.RMSNorm(dim, eps=EPS)
         if image_keys:  # 2.1 I2V: the CLIP-vision tokens' own keys and values
@@ -186,9 +187,9 @@ class _Block(nn.Module):
     def __init__(self, config: WanConfig):
         super().__init__()
         dim = config.hidden_size
-        self.self_attn = _Attention(dim)
+        self.self_attn = _Attention(dim, config.num_heads)
         self.norm3 = nn.LayerNorm(dim, eps=EPS)  # cross_attn_norm: every released Wan has it
-        self.cross_attn = _Attention(dim, image_keys=config.image_to_video)
+        self.cross_attn = _Attention(dim, config.num_heads, image_keys=config.image_to_video)
         self.ffn = nn.Sequential(nn.Linear(dim, config.ffn_dim), nn.GELU(approximate="tanh"),
                                  nn.Linear(config.ffn_dim, dim))
         self.modulation = nn.Parameter(torch.empty(1, 6, dim))
@@ -229,6 +230,19 @@ def _meta_model(config: WanConfig) -> WanTransformer:
 def source_map(config: WanConfig, layout: str, prefix: str = "") -> dict[str, Source]:
     """ComfyUI's names are ours: every parameter under its own name after the file's prefix."""
     return same_names(_meta_model(config).state_dict(), prefix)
+
+
+def tensor_plan(config: WanConfig) -> dict[str, str]:
+    """Tensor parallelism over Wan's blocks: both attentions' q/k/v (and 2.1 I2V's image keys and values) column-wise,
+    their out-projections and the MLP's down projection row-wise. Wan's q/k RMSNorms span all heads' width, so they
+    hold a rank's columns and all-reduce their sum of squares ("norm"). The modulation is a stored table, not a
+    layer: every rank's."""
+    plan = {"blocks.*.ffn.0": "colwise", "blocks.*.ffn.2": "rowwise"}
+    for attn in ("self_attn", "cross_attn"):
+        plan.update({f"blocks.*.{attn}.{proj}": "colwise" for proj in ("q", "k", "v", "k_img", "v_img")})
+        plan.update({f"blocks.*.{attn}.{norm}": "norm" for norm in ("norm_q", "norm_k", "norm_k_img")})
+        plan[f"blocks.*.{attn}.o"] = "rowwise"
+    return plan
 
 
 def checkpoint_shapes(config: WanConfig) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -380,7 +394,7 @@ class WanAdapter:
         from diffusers.models.embeddings import apply_rotary_emb
 
         attn = self.model.blocks[i].self_attn
-        heads = self.config.num_heads
+        heads = attn.heads
 
         def split(t):
             return t.unflatten(-1, (heads, -1))
@@ -395,7 +409,7 @@ class WanAdapter:
         """This rank's rows attend to the whole prompt, which every rank holds (no communication). A 2.1 I2V model
         also attends to the CLIP-vision tokens with its own keys and values and adds the two (WanI2VCrossAttention);
         without them it reads the prompt there too, as ComfyUI does when no CLIP vision output is given."""
-        heads = self.config.num_heads
+        heads = attn.heads
 
         def split(t):
             return t.unflatten(-1, (heads, -1)).transpose(1, 2)
@@ -424,4 +438,4 @@ WAN = DiTFamily(
     name="wan", title="Wan 2.1 / 2.2 (text- and image-to-video)", match=match_layout, infer_config=infer_config,
     meta_model=_meta_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=WanAdapter,
     block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE,
-    comfy_layout="comfy", replace_keys=("double_block",), block_inputs=block_inputs)
+    comfy_layout="comfy", replace_keys=("double_block",), block_inputs=block_inputs, tensor_plan=tensor_plan)
