@@ -9,6 +9,8 @@ TARGET_PP_PARAMS = 1.15
 TARGET_STALE_VS_NAIVE = 0.5  # stale-KV PipeFusion error <= half of naive patch's, same world
 TARGET_TRAFFIC = 0.10
 TARGET_AUTO = 0.10
+TARGET_TP_PARAMS = 0.6  # tensor parallel at 2: params per rank <= 0.6 x the whole model's
+TARGET_EXACT = 1e-4  # an exact strategy's latent against serial's (fp32)
 
 _ULYSSES2 = ("Ulysses-2", lambda s: s.ulysses_degree == 2 and s.world_size == 2)
 _RING2 = ("Ring-2", lambda s: s.ring_degree == 2 and s.world_size == 2)
@@ -61,6 +63,7 @@ def measured_targets(args, results: list[dict], serial: dict, inproc: float | No
         target(f"PipeFusion-N params/rank <= {TARGET_PP_PARAMS} x total/N", None, "no PipeFusion row")
     _stale_vs_naive_target(results, target, trained=args.model not in NAMED_MODELS)
     _displaced_target(results, target)
+    _tensor_target(results, target, total_params)
     par = [r for r in results if r["strategy"].world_size > 1]
     if par:
         worst = max(par, key=lambda r: r["traffic_diff"])
@@ -104,6 +107,19 @@ def _displaced_target(results, target) -> None:
         ok = row["speedup"] >= TARGET_SPEEDUP and row["rel_err"] < naive[0]["rel_err"]
         target(name, ok, f"{row['label']} {row['speedup']:.2f}x, error {row['rel_err']:.2e} vs {naive[0]['label']} "
                          f"{naive[0]['rel_err']:.2e}")
+
+
+def _tensor_target(results, target, total_params: int | None) -> None:
+    """Tensor parallel at 2 workers: exact (its error against serial) while each rank holds about half the model."""
+    rows = [r for r in results if r["strategy"].tensor_degree == 2 and r["strategy"].world_size == 2]
+    name = f"tensor parallel-2 exact (<= {TARGET_EXACT:g}) with params/rank <= {TARGET_TP_PARAMS} x total"
+    if not rows or not total_params:
+        target(name, None, "no tp2 row")
+        return
+    row = rows[0]
+    ratio = max(st["param_bytes"] for st in row["stats"]) / total_params
+    target(name, row["rel_err"] <= TARGET_EXACT and ratio <= TARGET_TP_PARAMS,
+           f"{row['label']} error {row['rel_err']:.1e}, params/rank {ratio:.2f} x total, {row['speedup']:.2f}x serial")
 
 
 def auto_target(args, results: list[dict], auto_pick, auto_reason, max_world: int, target) -> dict | None:

@@ -94,11 +94,20 @@ class BlockKind:
 
     name: str
     attention: tuple[str, ...]
+    fused: bool = False  # attention and MLP share one output projection (Flux's single blocks)
 
     @property
     def prompt_rows(self) -> bool:
         """Whether the prompt's rows run through the block's linear layers (they do where it attends jointly)."""
         return "joint" in self.attention
+
+    @property
+    def tensor_reductions(self) -> tuple[str, ...]:
+        """Under tensor parallelism, whose rows each of the block's all-reduces sums ("joint": prompt and image,
+        "image"): one per attention layer's out-projection (cross-attention's over the image rows) and one for the
+        MLP, or one in all where a fused projection ends the block."""
+        mlp = "joint" if self.prompt_rows else "image"
+        return (mlp,) if self.fused else tuple("joint" if a == "joint" else "image" for a in self.attention) + (mlp,)
 
 
 JOINT_BLOCK = BlockKind("joint", ("joint",))

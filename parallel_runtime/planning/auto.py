@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from ..models.registry import prompt_rows, token_patch
+from ..models.registry import family_of, prompt_rows, token_patch
 from ..runtime.devices import parse_devices
 from ..runtime.memory import CPU_USABLE, CPU_WORKER_OVERHEAD, CUDA_USABLE, weight_bytes
 from ..runtime.topology import latent_plane, validate_strategy
@@ -40,22 +40,25 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_strategies(world: int, cfg: float, *, heads: int, num_blocks: int, latent_hw: tuple[int, int],
-                         warmup_steps: int = 1, patch: int = 2) -> list[StrategySpec]:
-    """Every valid (cfg x pipefusion x ring x ulysses) split of `world`, PipeFusion with M = P and 2P."""
+                         warmup_steps: int = 1, patch: int = 2, mlp_hidden: int | None = None,
+                         tensor: bool = False) -> list[StrategySpec]:
+    """Every valid (cfg x pipefusion x ring x ulysses x tensor) split of `world`, PipeFusion with M = P and 2P;
+    tensor parallel (where the family splits its layers: `tensor`) beside CFG and the sequence splits, not
+    PipeFusion (stages and tensor ranks would both cut the weights)."""
     out = []
     uses_uncond = abs(cfg - 1.0) > 1e-9
-    for c, p, r in itertools.product((1, 2), _divisors(world), _divisors(world)):
-        if world % (c * p * r):
+    for c, p, r, t in itertools.product((1, 2), _divisors(world), _divisors(world), _divisors(world)):
+        if world % (c * p * r * t) or (t > 1 and (not tensor or p > 1)):
             continue
-        u = world // (c * p * r)
+        u = world // (c * p * r * t)
         if c == 2 and not uses_uncond:
             continue
         for m in ((p, 2 * p) if p > 1 else (0,)):
-            s = StrategySpec(cfg_degree=c, pipefusion_degree=p, ulysses_degree=u, ring_degree=r,
+            s = StrategySpec(cfg_degree=c, pipefusion_degree=p, ulysses_degree=u, ring_degree=r, tensor_degree=t,
                              num_pipeline_patch=m if p > 1 else 0, warmup_steps=warmup_steps)
             try:
                 validate_strategy(s, world_size=world, heads=heads, num_blocks=num_blocks, latent_hw=latent_hw,
-                                  cfg_scale=cfg, patch=patch)
+                                  cfg_scale=cfg, patch=patch, mlp_hidden=mlp_hidden)
             except ConfigError:
                 continue
             out.append(s)
@@ -93,9 +96,11 @@ def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str],
     budget = device_memory_budget(devices) if memory_budget_bytes is None else memory_budget_bytes
     layout = costmodel.param_layout(config)
     out = []
+    tensor = bool(family_of(config).tensor_plan_for(config))
     for s in candidate_strategies(world, cfg, heads=config.num_heads,
                                   num_blocks=config.num_blocks, latent_hw=(h, w),
-                                  warmup_steps=warmup_steps, patch=token_patch(config)):
+                                  warmup_steps=warmup_steps, patch=token_patch(config),
+                                  mlp_hidden=getattr(config, "mlp_hidden", None), tensor=tensor):
         if unequal_prompts and s.pipefusion_degree > 1 and s.cfg_degree == 1:
             continue
         mem = costmodel.rank_memory(s, config, text_tokens=text_len, image_tokens=image_tokens(config, h, w), batch=b,
@@ -163,7 +168,8 @@ def describe_choice(best: Candidate, candidates: list[Candidate], serial_job_s: 
 
 def _strategy_text(s: StrategySpec) -> str:
     parts = [f"{name}={deg}" for name, deg in (("cfg", s.cfg_degree), ("pipefusion", s.pipefusion_degree),
-                                              ("ulysses", s.ulysses_degree), ("ring", s.ring_degree)) if deg > 1]
+                                              ("ulysses", s.ulysses_degree), ("ring", s.ring_degree),
+                                              ("tensor", s.tensor_degree)) if deg > 1]
     if s.pipefusion_degree > 1:
         parts.append(f"patches={s.patches}")
     if s.balanced:

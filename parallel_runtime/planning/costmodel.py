@@ -589,9 +589,10 @@ def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, s
     kinds = {kind.name: kind for kind in config.block_kinds}
 
     def blocks(counts: dict[str, int], rows: Rows) -> float:
-        """The blocks `counts` (per kind) of one forward on `rows`, all branches, on a shared CPU."""
+        """The blocks `counts` (per kind) of one forward on `rows`, all branches, on a shared CPU; a tensor rank runs
+        1/P of every block's heads and MLP units."""
         return b_mult * slow * sum(n * kind_seconds(kinds[name], bt.of(name), rows, t_len, n_len, calib.fixed_rows)
-                                   for name, n in counts.items())
+                                   for name, n in counts.items()) / topo.tensor
 
     all_blocks = dict(Counter(kind.name for kind in config.block_kinds))
     if stage_kinds is None and topo.pipefusion > 1:
@@ -716,24 +717,27 @@ def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_token
         stages = _stages(config, topo.pipefusion)
         per_stage = []
         for k, chunks in enumerate(stages):
-            n = sum(layout.blocks[i] for r in chunks for i in r) + layout.always
+            n = sum(layout.blocks[i] for r in chunks for i in r) / topo.tensor + layout.always
             n += layout.first if k == 0 else 0
             n += layout.last if k == len(stages) - 1 else 0
             per_stage.append((n, sum(len(r) for r in chunks)))
         params, layers = max(per_stage)
-        kv = 2 * b * s_len * (h // topo.ulysses) * act_bytes * max(layers for _, layers in per_stage)
+        kv = 2 * b * s_len * (h // (topo.ulysses * topo.tensor)) * act_bytes * max(layers for _, layers in per_stage)
         rows = (text_tokens + image_tokens / strategy.patches) / topo.ulysses
     else:
-        params = layout.total
+        # Tensor parallelism splits the blocks' layers (modulation included); embedders and the head are whole.
+        params = layout.total - sum(layout.blocks) * (1 - 1 / topo.tensor)
         kv = 0
         sp = topo.ulysses * topo.ring * topo.naive_patch * topo.patch
         rows = s_len / sp
         if topo.patch > 1:  # the full-sequence K/V buffers of displaced patch, one per attention layer
             kv = 2 * b * s_len * h * act_bytes * sum(len(layers) for layers in config.attention_layers)
-    # One block's live tensors: hidden, q/k/v, MLP hidden (4H) and norms on this rank's rows; the gathered
-    # sequence for Ulysses/Ring attention; about 3x for temporaries.
-    act = 3 * b * rows * (8 * h + config.mlp_hidden) * act_bytes
-    act += 3 * b * s_len * (h // topo.ulysses) * act_bytes if (topo.ulysses > 1 or topo.ring > 1) else 0
+    # One block's live tensors: hidden, q/k/v, MLP hidden (4H) and norms on this rank's rows (q/k/v, attention
+    # output and MLP hidden: a tensor rank's 1/P); the gathered sequence for Ulysses/Ring attention; about 3x for
+    # temporaries.
+    tp = topo.tensor
+    act = 3 * b * rows * (4 * h + (4 * h + config.mlp_hidden) / tp) * act_bytes
+    act += 3 * b * s_len * (h // (topo.ulysses * tp)) * act_bytes if (topo.ulysses > 1 or topo.ring > 1) else 0
     return {"params": int(params * weight_bytes), "kv": kv, "activations": int(act),
             "total": int(params * weight_bytes) + kv + int(act)}
 

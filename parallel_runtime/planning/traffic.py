@@ -26,6 +26,12 @@ Per attention layer, per rank:
   last stage returns the updated x rows to stage 0: B (N/U) C 4 bytes per step.
 * Displaced patch (degree K): every attention layer all-gathers each rank's fresh K/V rows, padded to the
   longest shard r_max: sent = recv = (K-1) 2 b e H r_max (its own rows counted once per other member).
+* Tensor parallel (degree P): each block's row-wise layers (attention's out-projection, the MLP's down
+  projection; one fused projection in Flux's single blocks) all-reduce their [b, rows, H] partial sums, rows
+  being the rank's sequence shard (prompt rows where the layer reads them): sent = recv = 2 (P-1)/P b e H rows
+  per all-reduce (a ring all-reduce). Ulysses and Ring inside a tensor rank move H/P of the width. The
+  modulation all-gathers (b x 6H per block) and Wan's norm statistics (b x rows x 4 bytes) are left out: under
+  1% of a block's all-reduces from a few hundred rows on.
 * CFG parallel: each step the rank that ran the head all-gathers its denoised rows with its peer branch:
   sent = recv = B (rows) C 4.
 * Result: one all-gather of the full x (B N C 4 bytes from each other member) over the sequence-parallel
@@ -61,10 +67,18 @@ class Shapes:
     # image-only attention (SD3.5 Medium's attn2, PixArt's self-attention beside its cross-attention);
     # () = one joint layer per block.
     attention_layers: tuple[tuple[bool, ...], ...] = ()
+    # Per block, its all-reduces under tensor parallelism (BlockKind.tensor_reductions): True where the prompt
+    # rows are summed too; () = two joint ones per block.
+    tensor_layers: tuple[tuple[bool, ...], ...] = ()
 
     def layers(self, blocks) -> list[bool]:
         """Per self-attention layer of `blocks` (indices), whether the prompt rows join it."""
         table = self.attention_layers or ((True,),) * self.num_blocks
+        return [joint for i in blocks for joint in table[i]]
+
+    def reductions(self, blocks) -> list[bool]:
+        """Per tensor-parallel all-reduce of `blocks` (indices), whether the prompt rows are summed too."""
+        table = self.tensor_layers or ((True, True),) * self.num_blocks
         return [joint for i in blocks for joint in table[i]]
 
     @property
@@ -86,6 +100,8 @@ def shapes_of(config, *, image_tokens: int, text_tokens: int, pipefusion: int = 
     return Shapes(image_tokens=image_tokens, text_tokens=text_tokens, hidden=config.hidden_size,
                   heads=config.num_heads, num_blocks=config.num_blocks, stage_blocks=stages, batch=batch,
                   act_bytes=act_bytes, attention_layers=config.attention_layers,
+                  tensor_layers=tuple(tuple(r == "joint" for r in kind.tensor_reductions)
+                                      for kind in config.block_kinds),
                   x_channels=config.latent_channels * _patch_cells(patch))
 
 
@@ -171,27 +187,31 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
             continue
         if topo.naive_patch > 1:
             k = topo.naive_patch
-            if topo.cfg > 1:
-                for _ in range(steps):
-                    own = text_share(n, k, c["naive_patch"])
+            for _ in range(steps):  # every rank keeps the whole prompt beside its patch
+                own = text_share(n, k, c["naive_patch"])
+                _tensor_forward(rt, topo.tensor, shapes, b, t, own)
+                if topo.cfg > 1:
                     rt.add("cfg", x_row * own, x_row * own)
             rt.add("result", (k - 1) * x_row * n, (k - 1) * x_row * n)
             continue
         u, r = topo.ulysses, topo.ring
         sp = u * r
         me_r, me_u = c["ring"], c["ulysses"]
+        width = h // topo.tensor  # a tensor rank's heads
         for _ in range(steps):
             for joint in shapes.layers(range(shapes.num_blocks)):
                 # rows of sp rank j = ring*U + ulysses; image-only layers leave the prompt rows out
                 rows = [(text_share(t, sp, j) if joint else 0) + text_share(n, sp, j) for j in range(sp)]
                 if u > 1:
-                    sent, recv = _ulysses_layer(b, e, h, u, rows[me_r * u:(me_r + 1) * u], me_u)
+                    sent, recv = _ulysses_layer(b, e, width, u, rows[me_r * u:(me_r + 1) * u], me_u)
                     rt.add("ulysses", sent, recv, 2)
                 if r > 1:
                     group_rows = [sum(rows[q * u:(q + 1) * u]) for q in range(r)]  # K/V rows each member starts with
-                    unit = 2 * b * e * (h // u)
+                    unit = 2 * b * e * (width // u)
                     for hop in range(r - 1):
                         rt.add("ring", unit * group_rows[(me_r - hop) % r], unit * group_rows[(me_r - hop - 1) % r])
+            _tensor_forward(rt, topo.tensor, shapes, b, text_share(t, sp, me_r * u + me_u),
+                            text_share(n, sp, me_r * u + me_u))
             if topo.cfg > 1:
                 own = text_share(n, sp, me_r * u + me_u)
                 rt.add("cfg", x_row * own, x_row * own)
@@ -200,14 +220,27 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
     return out
 
 
+def _tensor_forward(rt: RankTraffic, tp: int, shapes: Shapes, b: int, text_rows: int, image_rows: int,
+                    blocks: range | None = None) -> None:
+    """One forward's tensor-parallel all-reduces over `blocks` (all) on a rank holding these rows."""
+    if tp == 1:
+        return
+    unit = 2 * (tp - 1) * b * shapes.act_bytes * shapes.hidden // tp
+    for joint in shapes.reductions(blocks if blocks is not None else range(shapes.num_blocks)):
+        rows = (text_rows if joint else 0) + image_rows
+        rt.add("tensor", unit * rows, unit * rows)
+
+
 def _displaced_patch(rt: RankTraffic, topo: Topology, c: dict, shapes: Shapes, b: int, x_row: int,
                      steps: int) -> None:
-    n, h, e, k = shapes.image_tokens, shapes.hidden, shapes.act_bytes, topo.patch
+    n, e, k = shapes.image_tokens, shapes.act_bytes, topo.patch
+    h = shapes.hidden // topo.tensor  # a tensor rank's heads
     t = shapes.text_tokens if shapes.text_in_stream else 0
     for _ in range(steps):
         for joint in shapes.layers(range(shapes.num_blocks)):
             longest = max((text_share(t, k, j) if joint else 0) + text_share(n, k, j) for j in range(k))
             rt.add("patch", (k - 1) * 2 * b * e * h * longest, (k - 1) * 2 * b * e * h * longest)
+        _tensor_forward(rt, topo.tensor, shapes, b, text_share(t, k, c["patch"]), text_share(n, k, c["patch"]))
         if topo.cfg > 1:
             own = text_share(n, k, c["patch"])
             rt.add("cfg", x_row * own, x_row * own)
@@ -218,7 +251,7 @@ def _pipefusion(rt: RankTraffic, s: StrategySpec, topo: Topology, c: dict, shape
                 steps: int) -> None:
     n, h, e = shapes.image_tokens, shapes.hidden, shapes.act_bytes
     t = shapes.text_tokens if shapes.text_in_stream else 0
-    p, u, m = topo.pipefusion, topo.ulysses, s.patches
+    p, u, m, tp = topo.pipefusion, topo.ulysses, s.patches, topo.tensor
     stage_blocks = shapes.stage_blocks or even_stage_blocks(shapes.num_blocks, p)
     stage, me = c["pipefusion"], c["ulysses"]
     chunks = stage_blocks[stage]
@@ -234,8 +267,9 @@ def _pipefusion(rt: RankTraffic, s: StrategySpec, topo: Topology, c: dict, shape
             for k, blocks in enumerate(chunks):  # a patch passes each of this rank's chunks
                 for joint in (shapes.layers(blocks) if u > 1 else ()):
                     rows = [(texts[j] if joint else 0) + n_p * per_patch[j] for j in range(u)]
-                    sent, recv = _ulysses_layer(b, e, h, u, rows, me)
+                    sent, recv = _ulysses_layer(b, e, h // tp, u, rows, me)
                     rt.add("ulysses", sent, recv, 2)
+                _tensor_forward(rt, tp, shapes, b, texts[me], n_p * per_patch[me], blocks)
                 hidden = b * (texts[me] + n_p * per_patch[me]) * h * e
                 if not (last and k == len(chunks) - 1):
                     rt.add("pipefusion", hidden, 0)

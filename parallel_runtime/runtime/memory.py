@@ -80,10 +80,24 @@ def _smaller_plans(job, devices: list[str]) -> list[str]:
         pp = dataclasses.replace(s, pipefusion_degree=world, ulysses_degree=1, ring_degree=1, cfg_degree=1,
                                  naive_patch_degree=1, num_pipeline_patch=0)
         options.append((f"PipeFusion over {world} devices", job_rank_memory(job, device, pp)["total"]))
+    if s.tensor_degree < world and _splits_tensor(job, world):
+        tp = dataclasses.replace(s, tensor_degree=world, pipefusion_degree=1, ulysses_degree=1, ring_degree=1,
+                                 cfg_degree=1, naive_patch_degree=1, patch_degree=1, num_pipeline_patch=0)
+        options.append((f"tensor parallel over {world} devices", job_rank_memory(job, device, tp)["total"]))
     for name, per_param in (("an fp8 file", 1.0), ("a GGUF Q4_K file", 0.5625)):
         options.append((name, job_rank_memory(job, device, bytes_per_parameter=per_param)["total"]))
     # Only what saves memory: a long video's PipeFusion K/V buffers can outweigh the weights it spreads.
     return [f"{name} about {gb(need)}" for name, need in options if need < 0.9 * now]
+
+
+def _splits_tensor(job, world: int) -> bool:
+    """Whether the job's model splits its layers over `world` tensor-parallel ranks (heads and MLP divide)."""
+    from ..models.registry import family_of
+    from ..validate import model_config
+
+    config = model_config(job.model.path)
+    mlp = getattr(config, "mlp_hidden", world)
+    return config.num_heads % world == 0 and mlp % world == 0 and bool(family_of(config).tensor_plan_for(config))
 
 
 def _same_model(held: dict, model) -> bool:

@@ -36,7 +36,7 @@ DIFFUSERS_PREFIXES = ("transformer.", "")
 TIME_FEATURES = 256
 # Flux's (and Chroma's) two block kinds: both attend jointly; a double block keeps two streams' weights.
 DOUBLE_BLOCK = BlockKind("double", ("joint",))
-SINGLE_BLOCK = BlockKind("single", ("joint",))
+SINGLE_BLOCK = BlockKind("single", ("joint",), fused=True)  # proj_out reads [attention, MLP]: one projection
 
 
 # ----------------------------------------------------------------------------------
