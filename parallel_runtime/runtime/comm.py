@@ -187,6 +187,15 @@ class Comm:
         self.traffic.add(op, n, n)
         return work, parts
 
+    def all_reduce_max(self, t: torch.Tensor, group: Group, op: str = "all_reduce") -> torch.Tensor:
+        """The elementwise max of every member's `t`, in place (counted as all_reduce counts)."""
+        if group.size == 1:
+            return t
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=group.pg)
+        n = 2 * (group.size - 1) * _nbytes(t) // group.size
+        self.traffic.add(op, n, n)
+        return t
+
     def all_reduce(self, t: torch.Tensor, group: Group, op: str = "all_reduce") -> torch.Tensor:
         """The sum of every member's `t`, in place (counted as a ring all-reduce moves it: 2 (N - 1) / N of its
         bytes each way)."""

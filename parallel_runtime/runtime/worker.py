@@ -165,7 +165,7 @@ class WorkerState:
         if split is not None:  # its row-wise layers all-reduce; a LoRA re-reads the parts this rank holds
             parallelize_tensor(model, split)
             smap = split.sources
-        context = AttentionContext()
+        context = AttentionContext(input_amax=storage.input_amax)
         adapter = family.adapter(config, model, chunks, context)
         patcher = RankWeightPatcher(model, family.weight_patch_targets(config), FileParameters(path, smap, storage,
                                                                                               self.device))
@@ -197,6 +197,7 @@ class WorkerState:
             self.patcher.drop_transients()
         if self.context is not None:
             self.context.attention = self.context.image_attention = LocalAttention()
+            self.context.input_amax.reduce = None
             if not keep_stale_kv:
                 self.context.stale_kv.clear()
         if self.device.type == "cuda":

@@ -24,6 +24,7 @@ from ..runtime.comm import Comm
 from .attention import AttentionBias, LocalAttention, RingAttention, UlyssesAttention
 from .attention.processor import AttentionContext
 from .control import ControlNets, ControlPass, Residuals
+from .forward_amax import forward_amax_reduce
 from .displaced import DisplacedPatchAttention
 from .layout import TokenLayout, weighted_counts
 from .pipefusion import StaleKVAttention, StaleKVCache
@@ -156,6 +157,7 @@ class Denoiser:
             cancel_requested: Callable[[], bool] = lambda: False) -> torch.Tensor | None:
         """Returns the final LATENT on the result rank, None elsewhere."""
         self.progress, self.cancel_requested = progress or (lambda i, n: None), cancel_requested
+        self.context.input_amax.reduce = forward_amax_reduce(self.comm, job, getattr(self.adapter, "prompt_tokens", 0))
         try:
             return self._run(job)
         finally:

@@ -39,6 +39,9 @@ AUXILIARY = (*SCALES, ".comfy_quant", ".input_scale", ".pre_quant_scale")  # a l
 HEADER_KEY = "_quantization_metadata"
 # ComfyUI's QUANT_ALGOS "quantize_input": these kernels take the input in the weight's layout; int8's takes it as is
 QUANTIZES_INPUT = {"float8_e4m3fn", "float8_e5m2", "mxfp8", "nvfp4"}
+# Formats whose input, without a stored input_scale, is quantized at one scale from the whole input's amax: nvfp4's
+# amax(|x|) / (F8_E4M3_MAX x F4_E2M1_MAX). A rank widens that amax to the whole forward pass (input_amax.py).
+AMAX_SCALED_INPUT = {"nvfp4": 448.0 * 6.0}
 QUANTIZED_MATMUL = ("auto", "dequantize", "kernel")  # the loader's switch, see kernel_formats
 
 
@@ -150,7 +153,8 @@ class ComfyQuantWeight:
 
     def linear(self, bias: torch.Tensor | None, storage=None) -> torch.nn.Module:
         kernel = storage is not None and self.fmt in storage.kernel_formats and not self.full_precision
-        return ComfyQuantLinear(self, bias, kernel=kernel)
+        amax = storage.input_amax if kernel and self.fmt in AMAX_SCALED_INPUT and self.input_scale is None else None
+        return ComfyQuantLinear(self, bias, kernel=kernel, input_amax=amax)
 
 
 def read_rows(reader, layer: str, conf: dict, rows: Rows, transform: str | None, device,
@@ -238,11 +242,12 @@ class ComfyQuantLinear(KeptLinear):
     """A Linear whose weight stays in a ComfyUI quantized layout on the rank. Each call rebuilds comfy-kitchen's
     QuantizedTensor from the rows it holds and, as ComfyUI's mixed-precision Linear: multiplies in the layout
     (`kernel`: the device has comfy-kitchen's kernel for the format and the switch allows it), or dequantizes to
-    the input's dtype and runs F.linear. A `pre_quant_scale` multiplies the input first, on both paths."""
+    the input's dtype and runs F.linear. A `pre_quant_scale` multiplies the input first, on both paths.
+    `input_amax`: where an nvfp4 kernel layer without a stored input_scale takes its input's amax (InputAmax)."""
 
-    def __init__(self, weight: ComfyQuantWeight, bias: torch.Tensor | None, kernel: bool = False):
+    def __init__(self, weight: ComfyQuantWeight, bias: torch.Tensor | None, kernel: bool = False, input_amax=None):
         super().__init__()
-        self.fmt, self.options, self.kernel = weight.fmt, weight.options, kernel
+        self.fmt, self.options, self.kernel, self.input_amax = weight.fmt, weight.options, kernel, input_amax
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight_data", weight.data)
         self.register_buffer("weight_scale", weight.scale)
@@ -278,7 +283,13 @@ class ComfyQuantLinear(KeptLinear):
             return F.linear(x, self.patch(self, x.dtype), bias)
         if not self.kernel:
             return F.linear(x, self.dequantized(x.dtype), bias)
-        return kernel_linear(x, self.quantized(x.dtype), self.fmt, self.input_scale, bias)
+        return kernel_linear(x, self.quantized(x.dtype), self.fmt, self._input_scale(x), bias)
+
+    def _input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The file's input_scale; else nvfp4's from the amax over the whole forward pass, formed as comfy-kitchen
+        forms it (in x's dtype); None leaves it to comfy-kitchen (this rank's x is the whole pass: serial)."""
+        amax = self.input_amax(x) if self.input_amax is not None else None
+        return self.input_scale if amax is None else amax / AMAX_SCALED_INPUT[self.fmt]
 
     def extra_repr(self) -> str:
         path = "kernel" if self.kernel else "dequantize"

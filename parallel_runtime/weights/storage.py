@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .input_amax import InputAmax
+
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 FP8_WEIGHT_DTYPES = {n: getattr(torch, "float8_" + n[4:]) for n in ("fp8_e4m3fn", "fp8_e5m2") if hasattr(torch, "float8_" + n[4:])}
 SCALED_FP8_MARKER = "scaled_fp8"  # ComfyUI's key for "this file's fp8 weights carry per-layer scales"
@@ -44,6 +46,9 @@ class Storage:
     kernel_formats: frozenset = frozenset()
     # A scaled-fp8 file whose marker asks for full-precision matmuls (ComfyUI: a 2-element `scaled_fp8` tensor).
     scaled_full_precision: bool = False
+    # The hook through which the strategy widens a quantized layer's dynamic input scale to the whole forward pass
+    # (input_amax.py): one per loaded model, shared by its layers.
+    input_amax: InputAmax = dataclasses.field(default_factory=InputAmax, compare=False, repr=False)
 
     @classmethod
     def for_weight_dtype(cls, name: str, compute: torch.dtype, **device_facts) -> "Storage":

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
+from ...weights.input_amax import InputAmax
 from .local import LocalAttention
 
 
@@ -26,6 +27,9 @@ class AttentionContext:
     image_attention: Callable = LocalAttention()
     # PipeFusion's stale K/V under a stock sampler, kept from one model call to the next (model_call.py).
     stale_kv: dict = field(default_factory=dict)
+    # The model's quantized layers' input amax (weights/input_amax.py): the runner points its `reduce` at the
+    # ranks of each job's forward pass (strategies/forward_amax.py), as it points the attention at the strategy.
+    input_amax: InputAmax = field(default_factory=InputAmax)
 
 
 class ParallelFluxAttnProcessor:
