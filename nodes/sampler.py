@@ -125,14 +125,10 @@ def _validated_job(model, seed, steps, cfg, sampler_name, scheduler, positive, n
 
 def _plan(choice, model, job, cfg, client, host):
     """(StrategySpec, reason): the Strategy Selector's choice resolved (auto plans it), shown on that node."""
-    # T5-only encoders (Chroma) do not pad, and a Kontext negative often lacks the reference latent: auto
-    # then skips what cannot batch two token layouts.
-    unequal = job.negative is not None and job.negative.signature() != job.positive.signature()
-
     def choose_strategy(*args, **kw):  # imported only in auto mode
         from parallel_runtime.planning.auto import choose_strategy
 
-        return choose_strategy(*args, memory_budget_bytes=client.memory_budget(), unequal_prompts=unequal, **kw)
+        return choose_strategy(*args, memory_budget_bytes=client.memory_budget(), **kw)
 
     def measure():  # device_weights 'measured'
         from parallel_runtime.planning.balance import measured_weights

@@ -69,25 +69,13 @@ def model_config(path: str):
     return _model_config(path, st.st_mtime_ns, st.st_size)
 
 
-def validate_branches(job: Job, prompt_tokens: int = 0) -> None:
+def validate_branches(job: Job) -> None:
     """The CFG branches and batch bookkeeping: checked by the client and again by each worker's Denoiser.
-    `prompt_tokens`: the length the family pads shorter prompts to (FLUX.2: 512; 0: none)."""
+    Branches of different token layouts run as separate forward passes under every strategy (PipeFusion: one
+    pipeline lane each)."""
     uses_uncond = cfg_uses_uncond(job.sampling.cfg)
     if uses_uncond and job.negative is None:
         raise ConfigError("cfg > 1 needs a negative conditioning; connect one or set cfg to 1.")
-    if (uses_uncond and job.strategy.cfg_degree == 1 and job.strategy.pipefusion_degree > 1
-            and job.negative.signature(prompt_tokens) != job.positive.signature(prompt_tokens)):
-        # Other strategies run the two as separate forward passes, as ComfyUI does; PipeFusion's pipeline
-        # and stale K/V buffers carry one token layout.
-        pos, neg = job.positive, job.negative
-        if max(pos.cond.shape[1], prompt_tokens) != max(neg.cond.shape[1], prompt_tokens):
-            what = f"prompts encode to different lengths ({pos.cond.shape[1]} vs {neg.cond.shape[1]} tokens)"
-            fix = "make the prompts encode to the same length"
-        else:
-            what = "conditionings carry different reference latents (ReferenceLatent)"
-            fix = "give both the same reference latents"
-        raise ConfigError(f"the positive and negative {what}, which PipeFusion cannot pipeline together; set "
-                          f"cfg_degree=2, use Ulysses/Ring instead of PipeFusion, or {fix}.")
     batch_index = job.extra.get("batch_index")
     if batch_index is not None and len(batch_index) != job.latent.shape[0]:
         raise ConfigError(f"the latent's batch_index lists {len(batch_index)} entries for {job.latent.shape[0]} "
@@ -373,7 +361,7 @@ def validate_job(job: Job, world_size: int) -> None:
                           f"positions below an average side of {mean_side * 8} px; generate a larger image.")
     from .models.registry import family_of
 
-    validate_branches(job, getattr(family_of(config).adapter_class, "prompt_tokens", 0))
+    validate_branches(job)
     if job.weight_patches is not None:
         from .models.registry import family_of
         from .weights.patches import validate_weight_patches

@@ -153,17 +153,6 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert spec.world_size == 2 and "measured" in reason
 
 
-def test_prompts_of_different_lengths_never_get_pipefusion_without_cfg_parallel(tiny_path):
-    """T5-only encoders (Chroma) do not pad, so the negative prompt often has another length: PipeFusion
-    then runs only with CFG parallel, and auto never proposes what the job would refuse."""
-    cands = auto.rank_candidates(TINY, LATENT, 3.5, ["cpu"] * 4, calib(), text_len=TEXT, steps=20,
-                                 memory_budget_bytes=BIG, unequal_prompts=True)
-    assert cands and all(c.strategy.pipefusion_degree == 1 or c.strategy.cfg_degree == 2 for c in cands)
-    assert any(c.strategy.pipefusion_degree > 1 for c in cands)  # with CFG parallel it still may
-    spec, _ = choose(tiny_path, cfg=3.5, devices="cpu:4", unequal_prompts=True)
-    assert spec.pipefusion_degree == 1 or spec.cfg_degree == 2
-
-
 def test_unequal_devices_get_a_balanced_plan(tiny_path):
     # Three workers, two at half speed (two sharing a core beside one alone): every split is projected equal and
     # balanced; the equal one waits for the slow devices (compute x mean / min = 4/3), so auto picks a balanced plan

@@ -197,8 +197,8 @@ def test_flux2_denoise_loop_strategies_equal_serial_and_pipefusion_beats_naive_p
 
 def test_flux2_prompts_of_different_lengths_pipeline_together_once_padded(files, client1, client2):
     """Prompts of 7 and 11 tokens both pad to FLUX.2's 512, so they share one token layout: PipeFusion without CFG
-    parallel pipelines them (Flux.1 refuses unequal prompt lengths there), all steps warm-up = serial (exact), and
-    one stale step lands nearer serial than naive patch."""
+    parallel pipelines them in one lane (Flux.1 runs unequal prompt lengths as two), all steps warm-up = serial
+    (exact), and one stale step lands nearer serial than naive patch."""
     g = torch.Generator().manual_seed(8)
     job = Job(ModelSpec(files["dev"]), S(), SamplingSpec(steps=4, cfg=3.0, seed=2),
               torch.randn(1, 128, H, W, generator=g) * 0.5, conditioning(1), conditioning(2, tokens=11))

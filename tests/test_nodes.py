@@ -194,9 +194,8 @@ class FakeRuntime:
     def get_client(self, devices):
         return self.clients.setdefault(devices, FakeClient(devices, self.behaviour))
 
-    def choose_strategy(self, model_path, latent_shape, cfg, devices, memory_budget_bytes=None, unequal_prompts=False):
+    def choose_strategy(self, model_path, latent_shape, cfg, devices, memory_budget_bytes=None):
         self.chosen.append((model_path, latent_shape, cfg, devices))
-        self.unequal = getattr(self, "unequal", []) + [unequal_prompts]
         self.budgets = getattr(self, "budgets", []) + [memory_budget_bytes]
         return StrategySpec(ulysses_degree=2), "2 workers; 24 heads split evenly, so Ulysses"
 

@@ -83,12 +83,11 @@ def device_memory_budget(devices: list[str]) -> int:
 
 def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str], calib: costmodel.Calibration, *,
                     text_len: int, steps: int, weight_dtype: str = "default", memory_budget_bytes: int | None = None,
-                    warmup_steps: int = 1, unequal_prompts: bool = False, per_call: bool = False,
+                    warmup_steps: int = 1, per_call: bool = False,
                     speeds: tuple[float, ...] = ()) -> list[Candidate]:
-    """All candidates, projected and checked against memory, fastest first. `unequal_prompts`: the positive
-    and negative prompts encode to different lengths, which PipeFusion runs only with CFG parallel. `speeds`: each
-    device's relative speed (measured or the user's device_weights); where they differ every split is projected
-    both equal and balanced (device_weights = speeds)."""
+    """All candidates, projected and checked against memory, fastest first. `speeds`: each device's relative speed
+    (measured or the user's device_weights); where they differ every split is projected both equal and balanced
+    (device_weights = speeds)."""
     b, _, h, w = latent_shape
     world = len(devices)
     text_len = prompt_rows(config, text_len)  # the rows the workers run (FLUX.2 pads its prompt to 512)
@@ -101,8 +100,6 @@ def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str],
                                   num_blocks=config.num_blocks, latent_hw=(h, w),
                                   warmup_steps=warmup_steps, patch=token_patch(config),
                                   mlp_hidden=getattr(config, "mlp_hidden", None), tensor=tensor):
-        if unequal_prompts and s.pipefusion_degree > 1 and s.cfg_degree == 1:
-            continue
         mem = costmodel.rank_memory(s, config, text_tokens=text_len, image_tokens=image_tokens(config, h, w), batch=b,
                                     cfg=cfg, weight_bytes=e, act_bytes=e, layout=layout)
         proj = costmodel.project(s, config, calib, cfg=cfg, steps=steps, batch=b, act_bytes=e, per_call=per_call)
@@ -181,8 +178,8 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
                     text_len: int = DEFAULT_TEXT_TOKENS, steps: int = DEFAULT_STEPS, threads: int | None = None,
                     weight_dtype: str = "default", memory_budget_bytes: int | None = None,
                     calibration: costmodel.Calibration | None = None, warmup_steps: int = 1,
-                    refresh: bool = False, unequal_prompts: bool = False,
-                    per_call: bool = False, speeds: tuple[float, ...] = ()) -> tuple[StrategySpec, str]:
+                    refresh: bool = False, per_call: bool = False,
+                    speeds: tuple[float, ...] = ()) -> tuple[StrategySpec, str]:
     """The strategy to run a job on `devices`, and a one-line reason. `per_call`: for a stock sampler's model
     calls (PipeFusion drains its pipeline every call).
 
@@ -213,8 +210,7 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
     budget = device_memory_budget(device_list) if memory_budget_bytes is None else memory_budget_bytes
     candidates = rank_candidates(config, (b, latent_shape[1], h, w), cfg, device_list, calibration, text_len=text_len,
                                  steps=steps, weight_dtype=weight_dtype, memory_budget_bytes=budget,
-                                 warmup_steps=warmup_steps, unequal_prompts=unequal_prompts, per_call=per_call,
-                                 speeds=speeds)
+                                 warmup_steps=warmup_steps, per_call=per_call, speeds=speeds)
     best = pick(candidates)
     if best is None:
         need = min((c.memory["total"] for c in candidates), default=0)

@@ -173,7 +173,7 @@ class Denoiser:
         validate_strategy(s, world_size=self.topology.world_size, heads=cfg.num_heads,
                           num_blocks=cfg.num_blocks, latent_hw=latent_plane(spatial),
                           cfg_scale=sp.cfg, steps=sp.steps, patch=self.adapter.patch)
-        validate_branches(job, getattr(self.adapter, "prompt_tokens", 0))
+        validate_branches(job)
         self.step_times = []
         self.device_weights, self.warmup_steps, self.patch_caches = s.device_weights, s.warmup_steps, {}
 
@@ -201,7 +201,7 @@ class Denoiser:
         # often has no reference latent).
         same_layout = len({c.signature(getattr(self.adapter, "prompt_tokens", 0)) for c in conds}) == 1
         self.groups = [Branches(group, b, self.adapter) for group in ([conds] if same_layout else [[c] for c in conds])]
-        self.branches = self.groups[0]  # PipeFusion runs one group (validate_branches)
+        self.branches = self.groups[0]  # PipeFusion runs one pipeline lane per group through the same stages
         self.cfg_scale = sp.cfg
         self.uses_uncond = cfg_uses_uncond(sp.cfg)
 
@@ -307,6 +307,12 @@ class Denoiser:
                                   shards=group.size, split_text=not naive, ref_len=branches.extra_len(image_len),
                                   weights=self._weights_of(group.ranks))
         self.shard = group.index
+
+    def _layout_of(self, branches: Branches) -> TokenLayout:
+        """The layout of a forward pass over `branches`: their prompt and reference lengths decide the shards and
+        every position after them (the image rows are the same for every group)."""
+        return dataclasses.replace(self.layout, text_len=self._sequence_text_len(branches),
+                                   ref_len=branches.extra_len(self.layout.image_len))
 
     def _shard_group(self) -> str:
         """The group whose members split the image tokens: naive or displaced patch's, else the sequence group."""
@@ -462,8 +468,7 @@ class Denoiser:
         """(joint attention, image-only attention, RoPE rows, embedded text rows, embedded reference rows) of
         this rank for one forward pass over `branches` (at `step`, for a prompt embedding that reads the
         timestep): its prompt and reference lengths decide the shards and every position after them."""
-        layout = dataclasses.replace(self.layout, text_len=self._sequence_text_len(branches),
-                                     ref_len=branches.extra_len(self.layout.image_len))
+        layout = self._layout_of(branches)
         me, bias = self.shard, self._bias(branches)
         if self.topology.naive_patch > 1:
             mine = layout.positions(me, [0], device)
@@ -526,23 +531,27 @@ class Denoiser:
     # -- PipeFusion ------------------------------------------------------------------------------------
 
     def _run_pipefusion(self, x: torch.Tensor, warmup: int, n_steps: int,
-                        caches: tuple[StaleKVCache, StaleKVCache] | None = None,
+                        lanes: list[tuple[Branches, tuple[StaleKVCache, StaleKVCache]]] | None = None,
                         model_output: torch.Tensor | None = None) -> torch.Tensor:
         """Stage loop. A rank runs its chunks of blocks (one, or two interleaved virtual stages) for each
         token set in turn; messages between chunks are the [text ; image] hidden rows of this Ulysses shard,
         and the last chunk sends each updated patch of x straight back to rank 0.
 
-        A stock sampler's call (model_call.py) passes the stale buffers its previous call left (`caches`) and
-        `model_output`, where the last chunk then writes each patch's model output instead of sampling."""
+        Branch groups of different token layouts (prompts of different lengths, a reference latent on one side)
+        each run their own lane through the same stages: its rows, its stale buffers, its embedded prompt.
+        A stock sampler's call (model_call.py) passes its one group with the stale buffers its previous call left
+        (`lanes`) and `model_output`, where the last chunk then writes each patch's model output instead of
+        sampling."""
         # Joint [text, image] attention and image-only attention (SD3.5 Medium's second attention, PixArt's
         # self-attention) each keep their own stale buffers, over their own rows.
-        self.cache, self.image_cache = caches or stale_caches(self.layout)
-        return _PipeFusionStage(self, x, warmup, n_steps, model_output).run()
+        lanes = lanes or [(branches, stale_caches(self._layout_of(branches))) for branches in self.groups]
+        self.cache, self.image_cache = lanes[0][1]
+        return _PipeFusionStage(self, x, warmup, n_steps, model_output, lanes).run()
 
-    def _share_prompt(self, text: torch.Tensor | None, rows: int, pp) -> torch.Tensor:
+    def _share_prompt(self, text: torch.Tensor | None, rows: int, pp, branches: Branches) -> torch.Tensor:
         """Stage 0's embedded prompt, broadcast once per job to every other stage of its pipeline."""
         if pp.index != 0:
-            text = torch.empty((self.branches.cond.shape[0], rows, self.adapter.config.hidden_size),
+            text = torch.empty((branches.cond.shape[0], rows, self.adapter.config.hidden_size),
                                dtype=self.adapter.dtype, device=self.adapter.device)
         return self.comm.broadcast(text.contiguous(), pp, op="pipefusion")
 
@@ -551,56 +560,74 @@ class Denoiser:
         return buf
 
 
+class _Lane:
+    """One branch group's way through the stages: its token layout, stale K/V buffers and attention over them,
+    embedded prompt rows and per-set token tables. PipeFusion without CFG parallel runs one lane per token layout
+    of the CFG branches (a prompt of another length, a reference latent on one side only), as serial runs them
+    as separate forward passes; branches of one layout share a lane (one batch)."""
+
+    def __init__(self, branches: Branches, layout: TokenLayout, caches: tuple[StaleKVCache, StaleKVCache]):
+        self.branches, self.layout = branches, layout
+        self.cache, self.image_cache = caches
+        self.token_sets: dict = {}  # built once per token set, on x's device: no host-device traffic in the pipeline
+        self.temb: torch.Tensor | None = None  # this step's time embedding of the lane's rows
+
+
 class _PipeFusionStage:
     """This rank's stage of one PipeFusion run (Denoiser._run_pipefusion), updating the sampler state x in
     place: its attention over the stale K/V buffers, its token sets, and the step loop that passes hidden rows
-    from chunk to chunk."""
+    from chunk to chunk. Items run in the order (chunk, token set, lane); the last chunk samples a token set once
+    every lane has predicted it."""
 
     def __init__(self, denoiser: Denoiser, x: torch.Tensor, warmup: int, n_steps: int,
-                 model_output: torch.Tensor | None):
+                 model_output: torch.Tensor | None, lanes: list[tuple[Branches, tuple[StaleKVCache, StaleKVCache]]]):
         self.denoiser, self.x, self.warmup, self.n_steps = denoiser, x, warmup, n_steps
         self.model_output = model_output
         self.adapter, self.comm = denoiser.adapter, denoiser.comm
-        self.layout, self.me = denoiser.layout, denoiser.shard
+        self.me = denoiser.shard
         self.pp, self.uly = self.comm.group("pipefusion"), self.comm.group("ulysses")
         self.stage, self.stages = self.pp.index, self.pp.size
         self.chunks = len(self.adapter.chunks)
         # Where this rank's chunk outputs go (rank 0 after the last rank), and where its inputs come from.
         self.after = self.pp.ranks[(self.stage + 1) % self.stages]
         self.before = self.pp.ranks[(self.stage - 1) % self.stages]
-        self.all_patches = list(range(self.layout.patches))
-        self.bias = denoiser._bias(denoiser.branches)
-        self._attach_attention()
-        self.rope_full = denoiser._rope_full(denoiser.branches)
-        self.token_sets: dict = {}  # built once per token set, on x's device: no host-device traffic in the pipeline
-        self._embed_prompt()
+        self.all_patches = list(range(denoiser.layout.patches))
+        self.joint = getattr(self.adapter, "joint_text", True)
+        self.lanes = [self._lane(branches, caches) for branches, caches in lanes]
+        self.den: tuple[torch.Tensor, ...] = ()  # the last chunk's per-branch predictions of the current token set
         self.sends: list = []
         # A model call's ControlNet chain: the first stage runs it on each token set, and its distinct residuals
         # (n_res tensors of the set's image rows) ride behind the hidden rows to the stages that add them.
         self.control = denoiser.control
         self.n_res = self.control.plan.count if self.control is not None else 0
 
-    def _attach_attention(self) -> None:
-        """The model's joint and image-only attention over the denoiser's stale buffers (through Ulysses where
-        the stage is sharded)."""
-        uly = self.uly
-        self.stale = StaleKVAttention(self.denoiser.cache, LocalAttention())
-        self.stale_image = StaleKVAttention(self.denoiser.image_cache, LocalAttention())
-        heads = self.denoiser._ulysses_heads(uly)
-        self.attention = self.stale if uly.size == 1 else UlyssesAttention(self.comm, uly, [], self.stale, heads)
-        self.image_attention = (self.stale_image if uly.size == 1
-                                else UlyssesAttention(self.comm, uly, [], self.stale_image, heads))
-        self.denoiser.context.attention, self.denoiser.context.image_attention = self.attention, self.image_attention
-
-    def _embed_prompt(self) -> None:
-        """Stage 0's embedded prompt rows (every stage's, where the prompt is cross-attended)."""
+    def _lane(self, branches: Branches, caches: tuple[StaleKVCache, StaleKVCache]) -> _Lane:
         d = self.denoiser
-        text_rows = self.text_rows = d._text_rows(self.layout, d.branches)
-        self.text = d._text(text_rows, t=d._timestep(0, d.branches)) if self.stage == 0 else None
-        self.joint = getattr(self.adapter, "joint_text", True)
+        lane = _Lane(branches, d._layout_of(branches), caches)
+        lane.bias, lane.rope_full = d._bias(branches), d._rope_full(branches)
+        self._attach_attention(lane)
+        self._embed_prompt(lane)
+        return lane
+
+    def _attach_attention(self, lane: _Lane) -> None:
+        """The model's joint and image-only attention over the lane's stale buffers (through Ulysses where the
+        stage is sharded)."""
+        uly = self.uly
+        lane.stale = StaleKVAttention(lane.cache, LocalAttention())
+        lane.stale_image = StaleKVAttention(lane.image_cache, LocalAttention())
+        heads = self.denoiser._ulysses_heads(uly)
+        lane.attention = lane.stale if uly.size == 1 else UlyssesAttention(self.comm, uly, [], lane.stale, heads)
+        lane.image_attention = (lane.stale_image if uly.size == 1
+                                else UlyssesAttention(self.comm, uly, [], lane.stale_image, heads))
+
+    def _embed_prompt(self, lane: _Lane) -> None:
+        """Stage 0's embedded prompt rows of the lane (every stage's, where the prompt is cross-attended)."""
+        d, b = self.denoiser, lane.branches
+        text_rows = lane.text_rows = d._text_rows(lane.layout, b)
+        lane.text = d._text(text_rows, b, t=d._timestep(0, b)) if self.stage == 0 else None
         if not self.joint:  # a cross-attended prompt never changes: every stage gets it once, not with every patch
-            self.text = d._share_prompt(self.text, len(text_rows), self.pp)
-        self.n_text = len(text_rows) if self.joint else 0  # prompt rows in each message between chunks
+            lane.text = d._share_prompt(lane.text, len(text_rows), self.pp, b)
+        lane.n_text = len(text_rows) if self.joint else 0  # prompt rows in each message between chunks
 
     def _is_first(self, chunk: int) -> bool:  # the very first virtual stage embeds
         return self.stage == 0 and chunk == 0
@@ -608,72 +635,80 @@ class _PipeFusionStage:
     def _is_last(self, chunk: int) -> bool:  # the very last one predicts, samples and returns x
         return self.stage == self.stages - 1 and chunk == self.chunks - 1
 
-    def _token_set(self, patches: list[int]):
+    def _token_set(self, lane: _Lane, patches: list[int]):
         key = tuple(patches)
-        if key not in self.token_sets:
-            layout, uly, device = self.layout, self.uly, self.x.device
+        if key not in lane.token_sets:
+            layout, uly, device = lane.layout, self.uly, self.x.device
             positions = torch.cat([layout.positions(u, patches, device) for u in range(uly.size)])
-            self.token_sets[key] = (
+            lane.token_sets[key] = (
                 positions,
                 [layout.seq_len(u, patches) for u in range(uly.size)],
                 layout.image_index(self.me, patches, device),
-                self.denoiser._rope(self.rope_full, layout.positions(self.me, patches, device)),
+                self.denoiser._rope(lane.rope_full, layout.positions(self.me, patches, device)),
                 torch.cat([layout.image_positions(u, patches, device) for u in range(uly.size)]),
                 [layout.stream_len(u, patches) for u in range(uly.size)],
-                self.denoiser._references(self.denoiser.branches, layout, patches) if self.stage == 0 else None,
+                self.denoiser._references(lane.branches, layout, patches) if self.stage == 0 else None,
                 # The attention mask's rows of these queries over the whole stale buffer's keys (canonical order).
-                self.bias.block(positions) if self.bias is not None else None)
-        return self.token_sets[key]
+                lane.bias.block(positions) if lane.bias is not None else None)
+        return lane.token_sets[key]
 
-    def _configure(self, patches: list[int]):
-        """Point the attention at the token set of one forward: whole image (warmup) or one patch."""
-        (self.stale.positions, lengths, idx, rope, self.stale_image.positions, stream_lengths, refs,
-         self.stale.inner.bias) = self._token_set(patches)
+    def _configure(self, lane: _Lane, patches: list[int]):
+        """Point the model's attention at the lane's token set of one forward: whole image (warmup) or one
+        patch."""
+        (lane.stale.positions, lengths, idx, rope, lane.stale_image.positions, stream_lengths, refs,
+         lane.stale.inner.bias) = self._token_set(lane, patches)
         if self.uly.size > 1:
-            self.attention.seq_lengths = lengths
-            self.image_attention.seq_lengths = stream_lengths
+            lane.attention.seq_lengths = lengths
+            lane.image_attention.seq_lengths = stream_lengths
+        self.denoiser.context.attention, self.denoiser.context.image_attention = lane.attention, lane.image_attention
         return idx, rope, refs
 
-    def _hidden_buffer(self, patches) -> torch.Tensor:
-        n_stream = self.layout.stream_len(self.me, patches) + self.n_res * len(self._token_set(patches)[2])
-        batch, width = self.denoiser.branches.cond.shape[0], self.adapter.config.hidden_size
-        return torch.empty((batch, self.n_text + n_stream, width), dtype=self.adapter.dtype, device=self.adapter.device)
+    def _hidden_buffer(self, lane: _Lane, patches) -> torch.Tensor:
+        """The receive buffer of one message between chunks: its size is the lane's (prompt and reference rows)."""
+        n_stream = lane.layout.stream_len(self.me, patches) + self.n_res * len(self._token_set(lane, patches)[2])
+        batch, width = lane.branches.cond.shape[0], self.adapter.config.hidden_size
+        return torch.empty((batch, lane.n_text + n_stream, width), dtype=self.adapter.dtype, device=self.adapter.device)
 
     def _send(self, tensor: torch.Tensor, dst: int, op: str) -> None:
         self.sends.append((self.comm.isend(tensor, dst, op=op), tensor))
 
-    def _chunk_forward(self, i, chunk, patches, temb, incoming):
-        """Run one chunk of blocks on one token set; the last chunk also samples and sends x back."""
-        idx, rope, refs = self._configure(patches)
+    def _chunk_forward(self, i, chunk, patches, lane: _Lane, incoming):
+        """Run one chunk of blocks on one lane's token set; the last chunk also samples and sends x back."""
+        idx, rope, refs = self._configure(lane, patches)
         res = []
         if self._is_first(chunk):
-            image, txt = self.denoiser._image_stream(i, self.x[:, idx], idx, refs), self.text
+            image, txt = self.denoiser._image_stream(i, self.x[:, idx], idx, refs, lane.branches), lane.text
             if self.control is not None:
                 res = self.control.outputs(self.x[:, idx], idx, rope)
         else:
             if self.n_res:
                 incoming, res = incoming[:, :-self.n_res * len(idx)], list(incoming[:, -self.n_res * len(idx):]
                                                                              .split(len(idx), dim=1))
-            txt, image = (incoming[:, :self.n_text], incoming[:, self.n_text:]) if self.joint else (self.text, incoming)
+            n_text = lane.n_text
+            txt, image = (incoming[:, :n_text], incoming[:, n_text:]) if self.joint else (lane.text, incoming)
         extra = {"residuals": Residuals(res, self.control.plan)} if self.control is not None else {}
-        image, txt = self.adapter.run_blocks(image, txt, temb, rope, chunk=chunk, **extra)
+        image, txt = self.adapter.run_blocks(image, txt, lane.temb, rope, chunk=chunk, **extra)
         if not self._is_last(chunk):
             self._send(torch.cat(([txt] if self.joint else []) + [image] + res, dim=1).contiguous(), self.after,
                        "pipefusion")
             return
-        if self.model_output is not None:  # a stock sampler's call: the host samples
-            self.model_output[:, idx] = self.adapter.head(image[:, :len(idx)], temb, rope)
+        if self.model_output is not None:  # a stock sampler's call (one lane): the host samples
+            self.model_output[:, idx] = self.adapter.head(image[:, :len(idx)], lane.temb, rope)
             return
-        self._sample_patches(i, patches, idx, image, temb, rope)
+        self.den += self.denoiser._branch_denoised(i, self.x[:, idx], image[:, :len(idx)], lane.temb, rope,
+                                                   lane.branches)
+        if lane is self.lanes[-1]:  # every branch has predicted these rows: CFG, then the sampler step
+            den, self.den = self.denoiser._cfg(self.den), ()
+            self._sample_patches(i, patches, idx, den)
 
-    def _sample_patches(self, i, patches, idx, image, temb, rope) -> None:
-        """The last chunk's sampler step on this rank's rows of `patches`, sent back to rank 0 for step i + 1."""
+    def _sample_patches(self, i, patches, idx, den) -> None:
+        """The last chunk's sampler step on this rank's rows of `patches` (CFG-combined prediction `den`), sent
+        back to rank 0 for step i + 1."""
         x = self.x
         x_rows = x[:, idx]
-        den = self.denoiser._denoised(i, x_rows, image[:, :len(idx)], temb, rope)
         # The sampler works on contiguous slices; a rank's rows are one slice per patch.
         offset = 0
-        for sl in (self.layout.image_slice(self.me, p) for p in patches):
+        for sl in (self.lanes[0].layout.image_slice(self.me, p) for p in patches):
             n = sl.stop - sl.start
             x[:, sl] = self.denoiser.sampler.step(i, x_rows[:, offset:offset + n], den[:, offset:offset + n],
                                                   region=sl)
@@ -683,7 +718,7 @@ class _PipeFusionStage:
 
     def _receive_x(self, patches):
         x = self.x
-        idx = self._token_set(patches)[2]
+        idx = self._token_set(self.lanes[0], patches)[2]  # image rows: the same in every lane
         x[:, idx] = self.denoiser._recv(x.new_empty((x.shape[0], len(idx), x.shape[2])), self.pp.ranks[-1],
                                         "pipefusion_x")
 
@@ -710,30 +745,32 @@ class _PipeFusionStage:
         return self.x
 
     def _step(self, i: int) -> None:
-        """Step i: this rank's chunks over the step's token sets, each chunk's input received while the chunk
-        before it computes."""
+        """Step i: this rank's chunks over the step's token sets and lanes, each chunk's input received while the
+        chunk before it computes."""
         d = self.denoiser
         t0 = time.perf_counter()
         d._check_cancel()
-        temb = d._temb(i)
-        if i and self.stage == 0 and getattr(self.adapter, "prompt_reads_timestep", False):
-            self.text = d._text(self.text_rows, t=d._timestep(i, d.branches))  # this step's embedded prompt
-        items = [(c, patches) for c in range(self.chunks) for patches in self._schedule(i)]
+        for lane in self.lanes:
+            lane.temb = d._temb(i, lane.branches)
+            if i and self.stage == 0 and getattr(self.adapter, "prompt_reads_timestep", False):  # this step's prompt
+                lane.text = d._text(lane.text_rows, lane.branches, t=d._timestep(i, lane.branches))
+        items = [(c, patches, lane) for c in range(self.chunks) for patches in self._schedule(i) for lane in self.lanes]
         if self.stage == 0 and i > 0 and i - 1 < self.warmup:
             self._receive_x(self.all_patches)  # the update of the last synchronous step
         pending = None
-        for k, (chunk, patches) in enumerate(items):
-            if self._is_first(chunk) and i > 0 and i - 1 >= self.warmup:
+        for k, (chunk, patches, lane) in enumerate(items):
+            if self._is_first(chunk) and lane is self.lanes[0] and i > 0 and i - 1 >= self.warmup:
                 self._receive_x(patches)  # this patch's update from the previous step, fresh off the last chunk
             incoming = None
             if not self._is_first(chunk):
-                incoming = pending.result() if pending else d._recv(self._hidden_buffer(patches), self.before,
+                incoming = pending.result() if pending else d._recv(self._hidden_buffer(lane, patches), self.before,
                                                                     "pipefusion")
                 pending = None
-            # Post the next item's receive before computing this one: transfer overlaps compute.
+            # Post the next item's receive (sized by its lane) before computing this one: transfer overlaps compute.
             if k + 1 < len(items) and not self._is_first(items[k + 1][0]):
-                pending = _Pending(self.comm, self._hidden_buffer(items[k + 1][1]), self.before)
-            self._chunk_forward(i, chunk, patches, temb, incoming)
+                _, next_patches, next_lane = items[k + 1]
+                pending = _Pending(self.comm, self._hidden_buffer(next_lane, next_patches), self.before)
+            self._chunk_forward(i, chunk, patches, lane, incoming)
             self.sends[:] = [s for s in self.sends if not s[0].is_completed()]
         d._step_done(i, t0)
 

@@ -110,7 +110,7 @@ class ModelCallForward(Denoiser):
         # A ControlNet that starts (or stops) mid-run has no stale K/V of its own layers yet: warm up again.
         warmup = int(self._stale_slot(job, key, (self.layout, tuple(c.signature() for c in branches.control))))
         model_output = torch.zeros_like(x)
-        self._run_pipefusion(x, warmup=warmup, n_steps=1, caches=self.context.stale_kv[key][1],
+        self._run_pipefusion(x, warmup=warmup, n_steps=1, lanes=[(branches, self.context.stale_kv[key][1])],
                              model_output=model_output)
         return model_output
 
