@@ -560,7 +560,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", required=True)
     ap.add_argument("--socket", required=True)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--core", type=int, default=None, help="pin this worker to one CPU core (devices cpu:K,...)")
     args = ap.parse_args(argv)
+    if args.core is not None:
+        os.sched_setaffinity(0, {args.core})  # before torch starts its threads, so they inherit it
 
     authkey = bytes.fromhex(sys.stdin.readline().strip())
     if args.threads:
@@ -572,10 +575,7 @@ def main(argv: list[str] | None = None) -> None:
     FAULTS.maybe("die_starting", args.rank)
 
     import torch.distributed as dist
-    ap.add_argument("--core", type=int, default=None, help="pin this worker to one CPU core (devices cpu:K,...)")
 
-    if args.core is not None:
-        os.sched_setaffinity(0, {args.core})  # before torch starts its threads, so they inherit it
     store = None
     if args.world > 1 and args.rank == 0:
         # Rendezvous on loopback only: TCPStore given a host still listens on every interface, so hand it a
