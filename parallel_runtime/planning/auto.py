@@ -43,12 +43,11 @@ def candidate_strategies(world: int, cfg: float, *, heads: int, num_blocks: int,
                          warmup_steps: int = 1, patch: int = 2, mlp_hidden: int | None = None,
                          tensor: bool = False) -> list[StrategySpec]:
     """Every valid (cfg x pipefusion x ring x ulysses x tensor) split of `world`, PipeFusion with M = P and 2P;
-    tensor parallel (where the family splits its layers: `tensor`) beside CFG and the sequence splits, not
-    PipeFusion (stages and tensor ranks would both cut the weights)."""
+    tensor splits only where the family splits its layers (`tensor`)."""
     out = []
     uses_uncond = abs(cfg - 1.0) > 1e-9
     for c, p, r, t in itertools.product((1, 2), _divisors(world), _divisors(world), _divisors(world)):
-        if world % (c * p * r * t) or (t > 1 and (not tensor or p > 1)):
+        if world % (c * p * r * t) or (t > 1 and not tensor):
             continue
         u = world // (c * p * r * t)
         if c == 2 and not uses_uncond:
