@@ -157,7 +157,9 @@ class Denoiser:
             cancel_requested: Callable[[], bool] = lambda: False) -> torch.Tensor | None:
         """Returns the final LATENT on the result rank, None elsewhere."""
         self.progress, self.cancel_requested = progress or (lambda i, n: None), cancel_requested
-        self.context.input_amax.reduce = forward_amax_reduce(self.comm, job, getattr(self.adapter, "prompt_tokens", 0))
+        prompt = getattr(self.adapter, "prompt_tokens", 0)
+        self.context.input_amax.reduce = self._amax_exact = forward_amax_reduce(self.comm, job, prompt)
+        self._amax_stale = forward_amax_reduce(self.comm, job, prompt, skip=("patch",))  # displaced patch's stale steps
         try:
             return self._run(job)
         finally:
@@ -463,6 +465,8 @@ class Denoiser:
         finally:
             for a in displaced:  # also on an error: no exchange may stay in flight into the next job
                 a.land()
+        if displaced:  # see forward_amax.py: a stale step's patches keep their own input amax
+            self.context.input_amax.reduce = self._amax_exact if sync else self._amax_stale
 
     def _forward_setup(self, branches: Branches, device, step: int = 0) -> tuple:
         """(joint attention, image-only attention, RoPE rows, embedded text rows, embedded reference rows) of

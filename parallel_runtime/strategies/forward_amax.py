@@ -15,7 +15,9 @@ input share one, as ComfyUI's fused qkv does): 19 per step on the demo model in 
 PipeFusion runs one patch at a time after warm-up, where a single device would see the whole latent, which no
 rank has: there each patch's amax is over that patch's tokens (and the stage's Ulysses group), as if the patch were
 the image, one more approximation beside its stale K/V; warm-up steps run the whole image and equal serial.
-Displaced patch parallelism reduces over its patches in every step (its warm-up equals serial).
+Displaced patch parallelism reduces over its patches in its warm-up steps (which then equal serial); after them each
+patch's amax is its own (`skip=("patch",)`), like PipeFusion's: a reduce there would queue behind the step's K/V
+all-gathers on the same communicator and undo their overlap.
 """
 from __future__ import annotations
 
@@ -29,13 +31,14 @@ from ..spec import Job
 SPLIT_DIMS = ("sp", "naive_patch", "patch", "tensor")  # "sp": Ring x Ulysses, one group
 
 
-def forward_amax_reduce(comm: Comm, job: Job, prompt_tokens: int = 0) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def forward_amax_reduce(comm: Comm, job: Job, prompt_tokens: int = 0,
+                        skip: tuple[str, ...] = ()) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The all-reduce (max) over the ranks of this rank's forward pass, for the model's InputAmax; None where
     this rank holds all of it. `prompt_tokens`: the family's prompt padding (two prompts that pad to one length
     batch together, Conditioning.signature)."""
     negative = job.negative
     batched = negative is None or negative.signature(prompt_tokens) == job.positive.signature(prompt_tokens)
-    groups = [comm.group(d) for d in SPLIT_DIMS + (("cfg",) if batched else ())]
+    groups = [comm.group(d) for d in SPLIT_DIMS + (("cfg",) if batched else ()) if d not in skip]
     groups = [g for g in groups if g.size > 1]
     if not groups:
         return None
