@@ -460,13 +460,13 @@ class Denoiser:
         displaced = [a for a in attentions if isinstance(a, DisplacedPatchAttention)]
         for a in displaced:
             a.sync = sync
+        if displaced:  # see forward_amax.py: a stale step's patches keep their own input amax
+            self.context.input_amax.reduce = self._amax_exact if sync else self._amax_stale
         try:
             yield
         finally:
             for a in displaced:  # also on an error: no exchange may stay in flight into the next job
                 a.land()
-        if displaced:  # see forward_amax.py: a stale step's patches keep their own input amax
-            self.context.input_amax.reduce = self._amax_exact if sync else self._amax_stale
 
     def _forward_setup(self, branches: Branches, device, step: int = 0) -> tuple:
         """(joint attention, image-only attention, RoPE rows, embedded text rows, embedded reference rows) of
