@@ -134,7 +134,8 @@ def test_family_tp2_equals_serial(folder, client1, client2, name):
     """Flux (double and fused single blocks, Kontext references), SD3.5 Medium (joint and image-only attention,
     a pre-only last block), Qwen-Image (its own modulation layers), PixArt (self- and cross-attention) and Chroma
     (Flux's blocks, no modulation layers)."""
-    path = write_checkpoint(str(folder / f"{name}.safetensors"), FAMILIES[name], seed=11, prefix="model.diffusion_model.")
+    path = write_checkpoint(str(folder / f"{name}.safetensors"), FAMILIES[name], seed=11,
+                            prefix="model.diffusion_model.")
     serial = client1.run(job((name, path)))
     result = client2.run(job((name, path), TP2))
     assert rel_err(result.latent, serial.latent) <= EXACT_RTOL

@@ -298,7 +298,8 @@ def derived_tensor_plan(model: torch.nn.Module, block_lists: tuple[str, ...]) ->
         for i, block in enumerate(getattr(model, attr)):
             for name, module in block.named_modules():
                 where = f"{attr}.{i}.{name}" if name else f"{attr}.{i}"
-                if isinstance(getattr(module, "to_q", None), torch.nn.Linear) and isinstance(getattr(module, "heads", None), int):
+                attention = isinstance(getattr(module, "to_q", None), torch.nn.Linear)
+                if attention and isinstance(getattr(module, "heads", None), int):
                     if not _attention_plan(module, where, plan):
                         return {}
                 elif isinstance(getattr(module, "net", None), torch.nn.ModuleList) and hasattr(module.net[0], "proj"):
@@ -320,7 +321,8 @@ def modulation_plan(model: torch.nn.Module, block_lists: tuple[str, ...]) -> dic
         for i, block in enumerate(getattr(model, attr)):
             for name, module in block.named_modules():
                 where = f"{attr}.{i}.{name}"
-                if "AdaLayerNormZero" in type(module).__name__ and isinstance(getattr(module, "linear", None), torch.nn.Linear):
+                linear = isinstance(getattr(module, "linear", None), torch.nn.Linear)
+                if "AdaLayerNormZero" in type(module).__name__ and linear:
                     plan[f"{where}.linear"] = "gather"
                 elif name.rpartition(".")[2] == "adaLN_modulation" and isinstance(module, torch.nn.Sequential):
                     plan.update({f"{where}.{j}": "gather" for j, layer in enumerate(module)

@@ -13,11 +13,11 @@ outputs and all-gathers them ("gather": a few KB per block and step), so every r
 Norms, embedders and the final layer are every rank's.
 
 The plan is data (`DiTFamily.tensor_plan_for`: module-name patterns -> "colwise", "rowwise", "norm", "gather", or
-diffusers' packed styles for a layer that fuses projections). Loading reads only each rank's part: `TensorSplit.shard` shrinks
-the meta model's layers to their local shapes, divides the head counts attention reads, and gives each parameter's
-`keymap.Source` its `Shard`, so every storage kind reads just those rows or columns. After loading,
-`parallelize_tensor` gives the row-wise layers and whole-width norms their all-reduce and the gathered layers their
-all-gather, and each job `bind_tensor_group` points them at its tensor group.
+diffusers' packed styles for a layer that fuses projections). Loading reads only each rank's part:
+`TensorSplit.shard` shrinks the meta model's layers to their local shapes, divides the head counts attention reads,
+and gives each parameter's `keymap.Source` its `Shard`, so every storage kind reads just those rows or columns.
+After loading, `parallelize_tensor` gives the row-wise layers and whole-width norms their all-reduce and the
+gathered layers their all-gather, and each job `bind_tensor_group` points them at its tensor group.
 """
 from __future__ import annotations
 
@@ -153,8 +153,9 @@ class TensorSplit:
             value = getattr(module, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 if value % self.degree:
-                    raise ConfigError(f"tensor_degree={self.degree} does not divide the {value} {attr.replace('_', ' ')} "
-                                      f"of {what}'s {name}; pick a divisor of the model's head count.")
+                    raise ConfigError(f"tensor_degree={self.degree} does not divide the {value} "
+                                      f"{attr.replace('_', ' ')} of {what}'s {name}; pick a divisor of the model's "
+                                      f"head count.")
                 setattr(module, attr, value // self.degree)
 
     # -- during a job ---------------------------------------------------------------------------------------

@@ -212,9 +212,10 @@ class GGUFCheckpoint:
         values, size = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, fmt)]
         for c in cols:
             if c.start % values or c.stop % values:
-                raise ConfigError(f"tensor parallelism would cut {key} at column {c.stop if c.start % values == 0 else c.start}"
-                                  f", inside one of its {fmt} blocks of {values} values; pick a lower tensor_degree "
-                                  f"or a GGUF of smaller blocks (Q8_0's hold 32 values).")
+                cut = c.start if c.start % values else c.stop
+                raise ConfigError(f"tensor parallelism would cut {key} at column {cut}, inside one of its {fmt} "
+                                  f"blocks of {values} values; pick a lower tensor_degree or a GGUF of smaller blocks "
+                                  f"(Q8_0's hold 32 values).")
         return tuple(slice(c.start // values * size, c.stop // values * size) for c in cols)
 
     @staticmethod

@@ -403,11 +403,12 @@ def tensor_plan(config: Lumina2Config) -> dict:
     parts (queries, and the fewer key/value heads of GQA), the out-projection row-wise, the SwiGLU's w1/w3
     column-wise and w2 row-wise (their adaLN modulations are gathered by the seam's modulation_plan). The context
     refiner, which embeds the prompt once, stays whole."""
+    heads = (config.num_heads, config.num_kv_heads, config.num_kv_heads)  # q, k, v rows in head units
     plan = {}
     for blocks in BLOCK_LISTS:
-        plan.update({f"{blocks}.*.attention.qkv": ("colwise", (config.num_heads, config.num_kv_heads, config.num_kv_heads)),
-                     f"{blocks}.*.attention.out": "rowwise", f"{blocks}.*.feed_forward.w1": "colwise",
-                     f"{blocks}.*.feed_forward.w3": "colwise", f"{blocks}.*.feed_forward.w2": "rowwise"})
+        plan.update({f"{blocks}.*.attention.qkv": ("colwise", heads), f"{blocks}.*.attention.out": "rowwise",
+                     f"{blocks}.*.feed_forward.w1": "colwise", f"{blocks}.*.feed_forward.w3": "colwise",
+                     f"{blocks}.*.feed_forward.w2": "rowwise"})
     return plan
 
 
