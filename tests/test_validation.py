@@ -36,7 +36,6 @@ def one_sentence(msg: str) -> bool:
      r"2 image tokens per pipeline patch \(32x32 px\) are fewer than the 4 ranks"),
     (S(), 1, {"latent_hw": (15, 16)}, r"multiples of 16 pixels"),
     (S(cfg_degree=2), 2, {"cfg_scale": 1.0}, r"cfg_degree=2 needs cfg > 1 .*set cfg_degree=1"),
-    (S(pipefusion_degree=2, ring_degree=2), 4, {}, r"set ring_degree=1"),
     (S(pipefusion_degree=2, warmup_steps=0), 2, {}, r"set warmup_steps to 1 or more"),
     (S(pipefusion_degree=8), 8, {"num_blocks": 4}, r"exceeds the model's 4 transformer blocks"),
     (S(cfg_degree=3), 3, {}, r"set cfg_degree to 1 or 2"),

@@ -29,7 +29,8 @@ def grid(max_world: int, *, cfg: float, heads: int, num_blocks: int, latent_hw: 
             cands += [(S(cfg_degree=2, ulysses_degree=h), cfg_rows), (S(cfg_degree=2, ring_degree=h), cfg_rows),
                       (S(cfg_degree=2, pipefusion_degree=h, num_pipeline_patch=h), cfg_rows),
                       (S(ulysses_degree=h, ring_degree=2), cfg),
-                      (S(pipefusion_degree=2, ulysses_degree=h, num_pipeline_patch=2), cfg)]
+                      (S(pipefusion_degree=2, ulysses_degree=h, num_pipeline_patch=2), cfg),
+                      (S(pipefusion_degree=2, ring_degree=h, num_pipeline_patch=2), cfg)]
         cands.append((S(tensor_degree=w), cfg))  # each rank 1/w of every block's heads and MLP units
         if w > 2:
             cands.append((S(cfg_degree=2, tensor_degree=h), cfg_rows))

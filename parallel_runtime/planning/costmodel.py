@@ -603,10 +603,12 @@ def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, s
     comm_by_op, comm_job_extra, comm_rank = comm
 
     if topo.pipefusion > 1:
-        m, u = strategy.patches, topo.ulysses
-        # M patch forwards: queries (T + N/M) of which this rank computes 1/U, keys over the whole sequence.
-        patch = Rows(t_len / u, n_len / (m * u), t_len, n_len / m, t_len, n_len, 1.0 / u)
-        whole = Rows(t_len / u, n_len / u, t_len, n_len, t_len, n_len, 1.0 / u)
+        m, u, r = strategy.patches, topo.ulysses, topo.ring
+        sp = u * r
+        # M patch forwards: queries (T + N/M) of which this rank computes 1/(U R) (its ring member's 1/R on 1/U of
+        # the heads), keys over the whole sequence.
+        patch = Rows(t_len / sp, n_len / (m * sp), t_len / r, n_len / (m * r), t_len, n_len, 1.0 / u)
+        whole = Rows(t_len / sp, n_len / sp, t_len / r, n_len / r, t_len, n_len, 1.0 / u)
         steady_stage = [m * blocks(counts, patch) for counts in stage_kinds]
         warm_stage = [blocks(counts, whole) for counts in stage_kinds]
         return _pipeline_projection(strategy, calib, steps, steady_stage, warm_stage, comm, per_call)
@@ -722,8 +724,10 @@ def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_token
             n += layout.last if k == len(stages) - 1 else 0
             per_stage.append((n, sum(len(r) for r in chunks)))
         params, layers = max(per_stage)
-        kv = 2 * b * s_len * (h // (topo.ulysses * topo.tensor)) * act_bytes * max(layers for _, layers in per_stage)
-        rows = (text_tokens + image_tokens / strategy.patches) / topo.ulysses
+        # Stale K/V of every layer: the whole sequence on 1/U of the heads, or under Ring its ring member's 1/R.
+        kv = 2 * b * -(-s_len // topo.ring) * (h // (topo.ulysses * topo.tensor)) * act_bytes * max(
+            layers for _, layers in per_stage)
+        rows = (text_tokens + image_tokens / strategy.patches) / (topo.ulysses * topo.ring)
     else:
         # Tensor parallelism splits the blocks' layers (modulation included); embedders and the head are whole.
         params = layout.total - sum(layout.blocks) * (1 - 1 / topo.tensor)

@@ -19,11 +19,13 @@ Per attention layer, per rank:
 * Ring (degree R): R-1 hops, each sending the K/V block it holds ([2, b, rows, H/U, d]) to the next
   member and receiving the previous member's: sent = recv = 2 b e (H/U) sum of R-1 blocks' rows.
 * PipeFusion (P ranks, M patches, w warm-up steps): every chunk of blocks but the pipeline's last
-  sends, per forward, its [text ; image] hidden rows, b (t_u + n N/(M U)) H e for a forward over n
+  sends, per forward, its [text ; image] hidden rows, b (t_j + n N/(M U R)) H e for a forward over n
   patches (n = M in warm-up steps, else M forwards of n = 1), and the next chunk's rank receives them; a
   rank holding two interleaved chunks does this twice per patch (image rows only where the prompt is
   cross-attended: stage 0 sends it, b T H e, to every other stage once per job). After every step but the
-  last stage returns the updated x rows to stage 0: B (N/U) C 4 bytes per step.
+  last stage returns the updated x rows to stage 0: B (N/(U R)) C 4 bytes per step. Under Ring (degree R) each
+  ring member's stale K/V buffer holds its Ulysses group's rows of every patch, and each attention layer of
+  every forward passes these whole buffers around the ring (the Ring hops above, with whole-buffer blocks).
 * Displaced patch (degree K): every attention layer all-gathers each rank's fresh K/V rows, padded to the
   longest shard r_max: sent = recv = (K-1) 2 b e H r_max (its own rows counted once per other member).
 * Tensor parallel (degree P): each block's row-wise layers (attention's out-projection, the MLP's down
@@ -205,11 +207,8 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
                 if u > 1:
                     sent, recv = _ulysses_layer(b, e, width, u, rows[me_r * u:(me_r + 1) * u], me_u)
                     rt.add("ulysses", sent, recv, 2)
-                if r > 1:
-                    group_rows = [sum(rows[q * u:(q + 1) * u]) for q in range(r)]  # K/V rows each member starts with
-                    unit = 2 * b * e * (width // u)
-                    for hop in range(r - 1):
-                        rt.add("ring", unit * group_rows[(me_r - hop) % r], unit * group_rows[(me_r - hop - 1) % r])
+                if r > 1:  # the K/V rows each member starts with: its Ulysses group's
+                    _ring_layer(rt, 2 * b * e * (width // u), [sum(rows[q * u:(q + 1) * u]) for q in range(r)], me_r)
             _tensor_forward(rt, topo.tensor, shapes, b, text_share(t, sp, me_r * u + me_u),
                             text_share(n, sp, me_r * u + me_u))
             if topo.cfg > 1:
@@ -218,6 +217,14 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
         if sp > 1:
             rt.add("result", (sp - 1) * x_row * n, (sp - 1) * x_row * n)
     return out
+
+
+def _ring_layer(rt: RankTraffic, unit: int, block_rows: list[int], me: int) -> None:
+    """One Ring attention layer's R-1 hops for member `me`: at each it sends the K/V block it holds (`unit` bytes
+    per row; member q starts with block_rows[q] rows) and receives the previous member's."""
+    r = len(block_rows)
+    for hop in range(r - 1):
+        rt.add("ring", unit * block_rows[(me - hop) % r], unit * block_rows[(me - hop - 1) % r])
 
 
 def _tensor_forward(rt: RankTraffic, tp: int, shapes: Shapes, b: int, text_rows: int, image_rows: int,
@@ -251,13 +258,16 @@ def _pipefusion(rt: RankTraffic, s: StrategySpec, topo: Topology, c: dict, shape
                 steps: int) -> None:
     n, h, e = shapes.image_tokens, shapes.hidden, shapes.act_bytes
     t = shapes.text_tokens if shapes.text_in_stream else 0
-    p, u, m, tp = topo.pipefusion, topo.ulysses, s.patches, topo.tensor
+    p, u, r, m, tp = topo.pipefusion, topo.ulysses, topo.ring, s.patches, topo.tensor
+    sp = u * r
     stage_blocks = shapes.stage_blocks or even_stage_blocks(shapes.num_blocks, p)
-    stage, me = c["pipefusion"], c["ulysses"]
+    stage, me_r = c["pipefusion"], c["ring"]
+    me = me_r * u + c["ulysses"]  # this rank's shard: sequence-parallel order ring * U + ulysses
+    group = range(me_r * u, (me_r + 1) * u)  # the shards of its Ulysses group
     chunks = stage_blocks[stage]
     last = stage == p - 1
-    texts = [text_share(t, u, j) for j in range(u)]
-    per_patch = [text_share(n // m, u, j) for j in range(u)]  # image rows of one patch held by Ulysses member j
+    texts = [text_share(t, sp, j) for j in range(sp)]
+    per_patch = [text_share(n // m, sp, j) for j in range(sp)]  # image rows of one patch held by shard j
     if not shapes.text_in_stream:  # a cross-attended prompt goes from stage 0 to every other stage once
         prompt = b * shapes.text_tokens * h * e
         rt.add("pipefusion", prompt * (p - 1) if stage == 0 else 0, 0 if stage == 0 else prompt, 1)
@@ -265,10 +275,15 @@ def _pipefusion(rt: RankTraffic, s: StrategySpec, topo: Topology, c: dict, shape
         forwards = [m] if i < s.warmup_steps else [1] * m  # patches per forward
         for n_p in forwards:
             for k, blocks in enumerate(chunks):  # a patch passes each of this rank's chunks
-                for joint in (shapes.layers(blocks) if u > 1 else ()):
-                    rows = [(texts[j] if joint else 0) + n_p * per_patch[j] for j in range(u)]
-                    sent, recv = _ulysses_layer(b, e, h // tp, u, rows, me)
-                    rt.add("ulysses", sent, recv, 2)
+                for joint in (shapes.layers(blocks) if sp > 1 else ()):
+                    if u > 1:
+                        rows = [(texts[j] if joint else 0) + n_p * per_patch[j] for j in group]
+                        sent, recv = _ulysses_layer(b, e, h // tp, u, rows, c["ulysses"])
+                        rt.add("ulysses", sent, recv, 2)
+                    if r > 1:  # Ring passes each member's whole stale buffer: its shards' rows of every patch
+                        buffers = [sum((texts[j] if joint else 0) + m * per_patch[j] for j in range(q * u, (q + 1) * u))
+                                   for q in range(r)]
+                        _ring_layer(rt, 2 * b * e * (h // tp // u), buffers, me_r)
                 _tensor_forward(rt, tp, shapes, b, texts[me], n_p * per_patch[me], blocks)
                 hidden = b * (texts[me] + n_p * per_patch[me]) * h * e
                 if not (last and k == len(chunks) - 1):
@@ -283,8 +298,8 @@ def _pipefusion(rt: RankTraffic, s: StrategySpec, topo: Topology, c: dict, shape
                     rt.add("pipefusion_x", x_bytes, 0)
                 if stage == 0:
                     rt.add("pipefusion_x", 0, x_bytes)
-    if last and u > 1:
-        rt.add("result", (u - 1) * x_row * n, (u - 1) * x_row * n)
+    if last and sp > 1:
+        rt.add("result", (sp - 1) * x_row * n, (sp - 1) * x_row * n)
 
 
 def per_step(traffic: list[RankTraffic], steps: int) -> list[dict]:

@@ -146,9 +146,6 @@ def _check_combinations(s: StrategySpec) -> None:
     if s.patch_degree > 1 and (s.pipefusion_degree > 1 or s.ulysses_degree > 1 or s.ring_degree > 1):
         raise ConfigError("displaced patch parallel splits the sequence itself, so it combines with cfg and tensor "
                           "parallel only; set pipefusion, ulysses and ring degrees to 1 or patch_degree to 1.")
-    if s.pipefusion_degree > 1 and s.ring_degree > 1:
-        raise ConfigError("PipeFusion's stale KV combines with Ulysses, not Ring; set ring_degree=1 "
-                          "(use ulysses_degree for the sequence split).")
     if (s.pipefusion_degree > 1 or s.patch_degree > 1) and s.warmup_steps < 1:
         what = "PipeFusion" if s.pipefusion_degree > 1 else "Displaced patch parallel"
         raise ConfigError(f"{what} needs warmup_steps >= 1 to fill its KV buffers; set warmup_steps to 1 or more.")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -134,10 +134,15 @@ def _attention_masks(conds: list[Conditioning], batch: int, device) -> torch.Ten
     return torch.cat([repeat_to_batch(c.attention_mask, batch) for c in conds]).to(device)
 
 
-def stale_caches(layout: TokenLayout) -> tuple[StaleKVCache, StaleKVCache]:
-    """Fresh joint and image-only stale K/V buffers for a pipeline over `layout`'s rows."""
-    return (StaleKVCache(layout.text_len + layout.image_len + layout.ref_len),
-            StaleKVCache(layout.image_len + layout.ref_len))
+def stale_caches(layout: TokenLayout, shards: range | None = None) -> tuple[StaleKVCache, StaleKVCache]:
+    """Fresh joint and image-only stale K/V buffers over `layout`'s rows, or over the rows of `shards` only (every
+    patch of them: a ring member's under PipeFusion x Ring)."""
+    if shards is None:
+        return (StaleKVCache(layout.text_len + layout.image_len + layout.ref_len),
+                StaleKVCache(layout.image_len + layout.ref_len))
+    every = list(range(layout.patches))
+    return (StaleKVCache(sum(layout.seq_len(j, every) for j in shards)),
+            StaleKVCache(sum(layout.stream_len(j, every) for j in shards)))
 
 
 class Denoiser:
@@ -548,9 +553,18 @@ class Denoiser:
         sampling."""
         # Joint [text, image] attention and image-only attention (SD3.5 Medium's second attention, PixArt's
         # self-attention) each keep their own stale buffers, over their own rows.
-        lanes = lanes or [(branches, stale_caches(self._layout_of(branches))) for branches in self.groups]
+        lanes = lanes or [(branches, stale_caches(self._layout_of(branches), self._ring_shards()))
+                          for branches in self.groups]
         self.cache, self.image_cache = lanes[0][1]
         return _PipeFusionStage(self, x, warmup, n_steps, model_output, lanes).run()
+
+    def _ring_shards(self) -> range | None:
+        """Under PipeFusion x Ring, the shards whose rows this rank's ring member holds (its Ulysses group's, in
+        sequence-parallel order ring * ulysses + u) and whose K/V its stale buffers keep; None without Ring."""
+        t = self.topology
+        if t.ring == 1:
+            return None
+        return range(self.coords["ring"] * t.ulysses, (self.coords["ring"] + 1) * t.ulysses)
 
     def _share_prompt(self, text: torch.Tensor | None, rows: int, pp, branches: Branches) -> torch.Tensor:
         """Stage 0's embedded prompt, broadcast once per job to every other stage of its pipeline."""
@@ -562,6 +576,22 @@ class Denoiser:
     def _recv(self, buf: torch.Tensor, src: int, op: str) -> torch.Tensor:
         self.comm.irecv(buf, src, op=op).wait()
         return buf
+
+
+class _TokenSet(NamedTuple):
+    """One lane's token set (the whole image or one patch) on this rank, built once: the buffer rows its fresh K/V
+    go to and the attention over the buffer (joint, then image-only), the Ulysses members' sequence lengths, this
+    rank's rows of x, its RoPE rows, the image-stream lengths and its embedded references (stage 0)."""
+
+    rows: torch.Tensor
+    inner: object
+    image_rows: torch.Tensor
+    image_inner: object
+    lengths: list[int]
+    index: torch.Tensor
+    rope: object
+    stream_lengths: list[int]
+    refs: torch.Tensor | None
 
 
 class _Lane:
@@ -589,8 +619,10 @@ class _PipeFusionStage:
         self.model_output = model_output
         self.adapter, self.comm = denoiser.adapter, denoiser.comm
         self.me = denoiser.shard
-        self.pp, self.uly = self.comm.group("pipefusion"), self.comm.group("ulysses")
+        self.pp, self.uly, self.ring = (self.comm.group(name) for name in ("pipefusion", "ulysses", "ring"))
         self.stage, self.stages = self.pp.index, self.pp.size
+        # The shards of this rank's Ulysses group (its ring member's rows), in sequence-parallel order.
+        self.shards = denoiser._ring_shards() or range(self.uly.size)
         self.chunks = len(self.adapter.chunks)
         # Where this rank's chunk outputs go (rank 0 after the last rank), and where its inputs come from.
         self.after = self.pp.ranks[(self.stage + 1) % self.stages]
@@ -609,16 +641,27 @@ class _PipeFusionStage:
         d = self.denoiser
         lane = _Lane(branches, d._layout_of(branches), caches)
         lane.bias, lane.rope_full = d._bias(branches), d._rope_full(branches)
+        if self.ring.size > 1:
+            lane.ring_rows = self._ring_buffer_rows(lane.layout.positions)
+            lane.ring_image_rows = self._ring_buffer_rows(lane.layout.image_positions)
         self._attach_attention(lane)
         self._embed_prompt(lane)
         return lane
+
+    def _ring_buffer_rows(self, rows_of) -> list[torch.Tensor]:
+        """Each ring member's stale buffer rows, in canonical order: `rows_of(shard, patches, device)` of its
+        Ulysses group's shards, every patch."""
+        u, device = self.uly.size, self.x.device
+        return [torch.cat([rows_of(j, self.all_patches, device) for j in range(q * u, (q + 1) * u)]).sort().values
+                for q in range(self.ring.size)]
 
     def _attach_attention(self, lane: _Lane) -> None:
         """The model's joint and image-only attention over the lane's stale buffers (through Ulysses where the
         stage is sharded)."""
         uly = self.uly
-        lane.stale = StaleKVAttention(lane.cache, LocalAttention())
-        lane.stale_image = StaleKVAttention(lane.image_cache, LocalAttention())
+        lane.image_inner = LocalAttention()
+        lane.stale = StaleKVAttention(lane.cache, LocalAttention())  # inner attention: per token set
+        lane.stale_image = StaleKVAttention(lane.image_cache, lane.image_inner)
         heads = self.denoiser._ulysses_heads(uly)
         lane.attention = lane.stale if uly.size == 1 else UlyssesAttention(self.comm, uly, [], lane.stale, heads)
         lane.image_attention = (lane.stale_image if uly.size == 1
@@ -642,25 +685,40 @@ class _PipeFusionStage:
     def _token_set(self, lane: _Lane, patches: list[int]):
         key = tuple(patches)
         if key not in lane.token_sets:
-            layout, uly, device = lane.layout, self.uly, self.x.device
-            positions = torch.cat([layout.positions(u, patches, device) for u in range(uly.size)])
-            lane.token_sets[key] = (
-                positions,
-                [layout.seq_len(u, patches) for u in range(uly.size)],
+            layout, device = lane.layout, self.x.device
+            positions = torch.cat([layout.positions(j, patches, device) for j in self.shards])
+            image_positions = torch.cat([layout.image_positions(j, patches, device) for j in self.shards])
+            lane.token_sets[key] = _TokenSet(
+                *self._buffer_attention(lane, positions, image_positions),
+                [layout.seq_len(j, patches) for j in self.shards],
                 layout.image_index(self.me, patches, device),
                 self.denoiser._rope(lane.rope_full, layout.positions(self.me, patches, device)),
-                torch.cat([layout.image_positions(u, patches, device) for u in range(uly.size)]),
-                [layout.stream_len(u, patches) for u in range(uly.size)],
-                self.denoiser._references(lane.branches, layout, patches) if self.stage == 0 else None,
-                # The attention mask's rows of these queries over the whole stale buffer's keys (canonical order).
-                lane.bias.block(positions) if lane.bias is not None else None)
+                [layout.stream_len(j, patches) for j in self.shards],
+                self.denoiser._references(lane.branches, layout, patches) if self.stage == 0 else None)
         return lane.token_sets[key]
+
+    def _buffer_attention(self, lane: _Lane, positions: torch.Tensor, image_positions: torch.Tensor) -> tuple:
+        """(buffer rows, attention over the buffer) of the joint and the image-only attention for the queries at
+        these canonical `positions` (the Ulysses group's rows, in member order). Without Ring the buffers hold the
+        whole sequence in canonical order; under Ring each member's buffer holds its own rows (`ring_rows`), which
+        RingAttention passes around whole: fresh rows of this token set from every member, stale rows of the
+        others."""
+        bias = lane.bias
+        if self.ring.size == 1:  # the attention mask's rows of these queries over the whole buffer's keys
+            joint = LocalAttention(bias.block(positions) if bias is not None else None)
+            return positions, joint, image_positions, lane.image_inner
+        keys, image_keys, mine = lane.ring_rows, lane.ring_image_rows, self.ring.index
+        blocks = [bias.block(positions, k) for k in keys] if bias is not None else None
+        joint = RingAttention(self.comm, self.ring, [len(k) for k in keys], blocks)
+        image = RingAttention(self.comm, self.ring, [len(k) for k in image_keys])
+        return (torch.searchsorted(keys[mine], positions), joint,
+                torch.searchsorted(image_keys[mine], image_positions), image)
 
     def _configure(self, lane: _Lane, patches: list[int]):
         """Point the model's attention at the lane's token set of one forward: whole image (warmup) or one
         patch."""
-        (lane.stale.positions, lengths, idx, rope, lane.stale_image.positions, stream_lengths, refs,
-         lane.stale.inner.bias) = self._token_set(lane, patches)
+        (lane.stale.positions, lane.stale.inner, lane.stale_image.positions, lane.stale_image.inner, lengths, idx, rope,
+         stream_lengths, refs) = self._token_set(lane, patches)
         if self.uly.size > 1:
             lane.attention.seq_lengths = lengths
             lane.image_attention.seq_lengths = stream_lengths
@@ -669,7 +727,7 @@ class _PipeFusionStage:
 
     def _hidden_buffer(self, lane: _Lane, patches) -> torch.Tensor:
         """The receive buffer of one message between chunks: its size is the lane's (prompt and reference rows)."""
-        n_stream = lane.layout.stream_len(self.me, patches) + self.n_res * len(self._token_set(lane, patches)[2])
+        n_stream = lane.layout.stream_len(self.me, patches) + self.n_res * len(self._token_set(lane, patches).index)
         batch, width = lane.branches.cond.shape[0], self.adapter.config.hidden_size
         return torch.empty((batch, lane.n_text + n_stream, width), dtype=self.adapter.dtype, device=self.adapter.device)
 
@@ -722,7 +780,7 @@ class _PipeFusionStage:
 
     def _receive_x(self, patches):
         x = self.x
-        idx = self._token_set(self.lanes[0], patches)[2]  # image rows: the same in every lane
+        idx = self._token_set(self.lanes[0], patches).index  # image rows: the same in every lane
         x[:, idx] = self.denoiser._recv(x.new_empty((x.shape[0], len(idx), x.shape[2])), self.pp.ranks[-1],
                                         "pipefusion_x")
 

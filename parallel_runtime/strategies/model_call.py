@@ -122,7 +122,7 @@ class ModelCallForward(Denoiser):
         held = store.get(key)
         if self._anyone((job.call_step or 0) < job.strategy.warmup_steps or held is None or held[0] != shape):
             store.pop(key, None)  # the old buffers go before their successors fill
-            store[key] = (shape, stale_caches(self.layout))
+            store[key] = (shape, stale_caches(self.layout, self._ring_shards()))
             return True
         return False
 
