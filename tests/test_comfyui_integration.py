@@ -847,6 +847,12 @@ def test_ksampler_with_displaced_patch_equals_unetloader_in_warmup_and_stays_clo
     assert KSAMPLER_RTOL < err < 5e-2
 
 
+def test_ksampler_with_tensor_parallel_equals_unetloader(server):
+    """Tensor parallel per model call: each worker holds half of every block's heads, MLP units and modulation and
+    the row-wise layers all-reduce: exact."""
+    assert _two_worker_ksampler(server, strategy(tensor=2), "tp2") <= KSAMPLER_RTOL
+
+
 def test_ksampler_with_weighted_shares_and_any_patch_count_equals_unetloader(server):
     """Relative device weights (Ring with shares 3:1) and a PipeFusion patch count that divides no token row count
     (7 patches of the 8 x 10 token latent, every call warm) move rows, not terms: exact."""
