@@ -129,6 +129,30 @@ def test_flux_model_call_under_tp2_equals_serial(flux, client1, client2, client4
     assert rel_err(client4.run(hybrid).latent, serial) <= EXACT_RTOL
 
 
+def test_controlnets_split_with_the_dit_under_tp2(folder, client1, client2):
+    """Chained ControlNets (XLabs; InstantX with a single block) on both branches of a model call: each tensor rank
+    holds its part of their blocks too (they would otherwise run whole on every rank), and the output is one
+    worker's."""
+    import test_controlnet as cn
+    from parallel_runtime.models.tiny import write_controlnet
+
+    files = {"dit": write_checkpoint(str(folder / "cn-flux.safetensors"), TINY, seed=5),
+             "xlabs": write_controlnet(folder / "xlabs.safetensors", TINY, "xlabs", double=2, seed=1),
+             "instantx": write_controlnet(folder / "instantx.safetensors", TINY, "instantx", double=1, single=1,
+                                          seed=2)}
+    pos = [cn.control(files, "xlabs", 11, 0.6), cn.control(files, "instantx", 12, 1.3)]
+    neg = [cn.control(files, "xlabs", 14)]
+    serial = client1.run(cn.call_job(files, S(), pos, neg))
+    result = client2.run(cn.call_job(files, TP2, pos, neg))
+    plain = client1.run(cn.call_job(files, S()))
+    assert rel_err(result.latent, serial.latent) <= EXACT_RTOL
+    assert rel_err(plain.latent, serial.latent) > 1e-2  # the ControlNets really act
+    # The DiT and both ControlNets: each rank's share, as for the DiT alone.
+    ratio = max(st["param_bytes"] for st in result.stats) / serial.stats[0]["param_bytes"]
+    print(f"\nDiT + 2 ControlNets under tp2: {ratio:.2f} of one worker's bytes per rank")
+    assert ratio <= PARAMS_PER_RANK
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_family_tp2_equals_serial(folder, client1, client2, name):
     """Flux (double and fused single blocks, Kontext references), SD3.5 Medium (joint and image-only attention,

@@ -201,8 +201,9 @@ class DiTFamily:
     # (SkipLayerGuidance); () where ComfyUI's model reads no block replacements (PixArt).
     replace_keys: tuple[str, ...] = ("double_block", "single_block")
     # The family's ControlNets, None where they do not run on the workers: reader -> its config (how many
-    # residuals, `residual_index` over the DiT's blocks); (reader, dtype, device, attention context) -> the
-    # adapter strategies run (hint_tokens, hint_cache, embed_control_image, residuals, use_layers).
+    # residuals, `residual_index` over the DiT's blocks); (reader, dtype, device, attention context, tensor=None: a
+    # tensor rank's split, cutting its blocks as the DiT's) -> the adapter strategies run (hint_tokens, hint_cache,
+    # embed_control_image, residuals, use_layers).
     controlnet_config: Callable | None = None
     load_controlnet: Callable | None = None
     # Whether ComfyUI's model of this family reads the `attention_mask` extra cond (an additive bias over the

@@ -248,6 +248,7 @@ class WorkerState:
         them); the ranks that run them (all, or PipeFusion's first stage) hold their weights, loaded once
         and kept, at most CONTROLNETS_KEPT, for the next calls."""
         from ..strategies.control import ControlNets
+        from ..strategies.tensor import TensorSplit, parallelize_tensor
         from ..weights.checkpoint import open_checkpoint
 
         paths = list(dict.fromkeys(c.path for b in (job.positive, job.negative) if b is not None for c in b.control))
@@ -259,8 +260,13 @@ class WorkerState:
             if runs:
                 net = self.controlnets.pop(key, None)
                 if net is None:
+                    split = getattr(self.adapter.model, "tensor_split", None)  # a tensor rank splits it as the DiT
+                    tensor = TensorSplit(split.index, split.degree) if split is not None else None
                     with open_checkpoint(path) as reader:
-                        net = self.family.load_controlnet(reader, self.adapter.dtype, self.device, self.context)
+                        net = self.family.load_controlnet(reader, self.adapter.dtype, self.device, self.context,
+                                                          tensor=tensor)
+                    if tensor is not None:
+                        parallelize_tensor(net.model, tensor)
                 self.controlnets[key] = found.nets[path] = net  # most recently used last
                 found.configs[path] = net.control
             else:
@@ -377,7 +383,8 @@ def _denoise(state: WorkerState, chan: Channel, job, topology, pulse, controlnet
     from ..strategies.tensor import bind_tensor_group
 
     comm = state.comm_for(topology)
-    bind_tensor_group(state.adapter.model, comm)
+    for model in [state.adapter.model, *(net.model for net in controlnets.nets.values())]:
+        bind_tensor_group(model, comm)
     comm.reset_traffic()
     pulse.traffic = comm.traffic
     if state.device.type == "cuda":

@@ -139,11 +139,16 @@ def _hint_encoder(reader, prefix: str, dtype, device) -> torch.nn.Sequential:
 class FluxControlNet(torch.nn.Module):
     """The ControlNet's weights: a Flux transformer without its head, plus the ControlNet's own layers."""
 
-    def __init__(self, config: ControlNetConfig, reader, dtype: torch.dtype, device):
+    def __init__(self, config: ControlNetConfig, reader, dtype: torch.dtype, device, tensor=None,
+                 tensor_plan: dict | None = None):
+        """`tensor`, `tensor_plan`: a tensor-parallel rank's split of the transformer's blocks (as the DiT's)."""
         super().__init__()
         self.config = config
         smap = flux.source_map(config.flux, "bfl")
-        self.transformer = build_from_map(flux.meta_model(config.flux), smap, reader,
+        meta = flux.meta_model(config.flux)
+        if tensor is not None:
+            smap = tensor.shard(meta, tensor_plan, smap, "Flux ControlNet")
+        self.transformer = build_from_map(meta, smap, reader,
                                           ("transformer_blocks", "single_transformer_blocks"), "Flux ControlNet",
                                           owned=lambda n: not n.startswith(("norm_out.", "proj_out.")),
                                           dtype=dtype, device=device)
