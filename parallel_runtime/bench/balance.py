@@ -62,8 +62,9 @@ def balance_bench(say, args, path: str, config, latent_shape, text: int, target)
             say(f"  {row_label(strategy, args.cfg)} ({balance}): {res['step_s'] * 1e3:.0f} ms/step, error {err:.1e}")
         gain = pair["equal"] / pair["measured"]
         name = f"{row_label(s, args.cfg)}: measured shares >= {TARGET_BALANCE}x equal shares"
-        target(name, gain >= TARGET_BALANCE, f"{pair['equal'] * 1e3:.0f} -> {pair['measured'] * 1e3:.0f} ms/step "
-                                             f"({gain:.2f}x)")
+        detail = f"{pair['equal'] * 1e3:.0f} -> {pair['measured'] * 1e3:.0f} ms/step ({gain:.2f}x)"
+        # The stated target covers the exact splits and PipeFusion; displaced patch's gain is shown, not judged.
+        target(name, gain >= TARGET_BALANCE if s.patch_degree == 1 else None, detail)
         if s.exact:
             err = record["rows"][-1]["rel_err"]
             target(f"{row_label(s, args.cfg)} measured shares exact (<= {EXACT_RTOL:g})", err <= EXACT_RTOL,

@@ -62,7 +62,7 @@ def measured_targets(args, results: list[dict], serial: dict, inproc: float | No
     else:
         target(f"PipeFusion-N params/rank <= {TARGET_PP_PARAMS} x total/N", None, "no PipeFusion row")
     _stale_vs_naive_target(results, target, trained=args.model not in NAMED_MODELS)
-    _displaced_target(results, target)
+    _displaced_target(results, target, trained=args.model not in NAMED_MODELS)
     _tensor_target(results, target, total_params)
     par = [r for r in results if r["strategy"].world_size > 1]
     if par:
@@ -92,10 +92,10 @@ def _stale_vs_naive_target(results, target, trained: bool) -> None:
             target(name, None, f"{detail}; random weights, so not judged: run --model toy (trained) for the target")
 
 
-def _displaced_target(results, target) -> None:
+def _displaced_target(results, target, trained: bool) -> None:
     """Displaced patch parallelism at each world size: its speed-up, and its error next to naive patch's (patches
-    that never see each other) — every rank computes the whole model on its patch, so it must beat naive's error
-    at about naive's speed."""
+    that never see each other). The error is judged on trained weights only, as PipeFusion's is: random weights
+    draw no picture for the patches to agree on."""
     for w in sorted({r["strategy"].world_size for r in results if r["strategy"].patch_degree > 1}):
         rows = [r for r in results if r["strategy"].patch_degree == w and r["strategy"].world_size == w]
         naive = [r for r in results if r["strategy"].naive_patch_degree == w]
@@ -104,9 +104,13 @@ def _displaced_target(results, target) -> None:
         if not naive:
             target(name, None, "no naive patch row at that world size")
             continue
-        ok = row["speedup"] >= TARGET_SPEEDUP and row["rel_err"] < naive[0]["rel_err"]
-        target(name, ok, f"{row['label']} {row['speedup']:.2f}x, error {row['rel_err']:.2e} vs {naive[0]['label']} "
-                         f"{naive[0]['rel_err']:.2e}")
+        detail = (f"{row['label']} {row['speedup']:.2f}x, error {row['rel_err']:.2e} vs {naive[0]['label']} "
+                  f"{naive[0]['rel_err']:.2e}")
+        if trained:
+            target(name, row["speedup"] >= TARGET_SPEEDUP and row["rel_err"] < naive[0]["rel_err"], detail)
+        else:
+            target(f"displaced patch-{w} >= {TARGET_SPEEDUP}x serial", row["speedup"] >= TARGET_SPEEDUP,
+                   f"{detail}; the error is judged on trained weights (--model toy)")
 
 
 def _tensor_target(results, target, total_params: int | None) -> None:
