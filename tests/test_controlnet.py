@@ -286,12 +286,16 @@ def test_refusals(files, client1, tmp_path):
 
 
 @pytest.mark.parametrize("strategy, hw", [(S(ulysses_degree=2), (2, 2)), (S(ring_degree=2), (2, 2)),
-                                          (S(pipefusion_degree=2, num_pipeline_patch=2), (6, 4))],
-                         ids=["ulysses2_one_token", "ring2_one_token", "pp2_odd_rows"])
+                                          (S(pipefusion_degree=2, num_pipeline_patch=8), (6, 4))],
+                         ids=["ulysses2_one_token", "ring2_one_token", "pp2_more_patches_than_tokens"])
 def test_an_area_too_small_for_the_strategy_runs_as_whole_image_stages(files, client1, client2, strategy, hw):
     """A ConditioningSetArea crop can be smaller than the degrees (1 token for 2 ranks) or have rows PipeFusion's
-    patches do not divide: stock KSampler raises nothing there, so the call runs as exact whole-image stages."""
+    patches outnumber: stock KSampler raises nothing there, so the call runs as exact whole-image stages. Rows the
+    patch count does not divide are no reason (patches are near-equal token runs)."""
     from parallel_runtime.runtime.topology import fit_to_latent
+
+    odd = S(pipefusion_degree=2, num_pipeline_patch=2)
+    assert fit_to_latent(odd, (6, 4)) == (odd, None)  # 3 token rows, 2 patches of 3 tokens
 
     fitted, note = fit_to_latent(strategy, hw)
     assert fitted == S(pipefusion_degree=2, num_pipeline_patch=1) and "too small" in note
