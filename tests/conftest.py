@@ -120,6 +120,19 @@ def _cpu_client(n: int):
 
 
 @pytest.fixture(scope="module")
+def serial(tiny_path):
+    """make_job's default job on the tiny model at one worker: the reference of the modules that split it (a module
+    with other references defines its own `serial`)."""
+    from parallel_runtime.runtime.client import RuntimeClient
+
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        yield client.run(make_job(tiny_path)).latent
+    finally:
+        client.shutdown()
+
+
+@pytest.fixture(scope="module")
 def client1():
     yield from _cpu_client(1)
 

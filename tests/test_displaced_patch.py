@@ -21,15 +21,6 @@ pytestmark = pytest.mark.timeout(600)
 EXACT_RTOL = 1e-4  # as test_parallel.py: summation order only (~3e-7 measured); layout bugs show at 1e-2
 
 
-@pytest.fixture(scope="module")
-def serial(tiny_path):
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        yield client.run(make_job(tiny_path)).latent
-    finally:
-        client.shutdown()
-
-
 def test_displaced_patch_all_warmup_equals_serial(client2, tiny_path, serial):
     out = client2.run(make_job(tiny_path, S(patch_degree=2, warmup_steps=8))).latent
     assert rel_err(out, serial) <= EXACT_RTOL

@@ -118,14 +118,20 @@ def test_calls_under_pipefusion_with_stale_kv_equal_parallel_samplers_pipefusion
     """After one warm-up step each call pipelines its patches over stale K/V from the previous call. The staleness
     is the same as in Parallel Sampler's cross-step pipeline (patches before this one fresh, after it one
     evaluation old), so the two agree to round-off while both differ from the exact result."""
+    _calls_equal_parallel_samplers_own(family, parallel_sampler, client2,
+                                       S(pipefusion_degree=2, warmup_steps=1, num_pipeline_patch=2), "PipeFusion")
+
+
+def _calls_equal_parallel_samplers_own(family, parallel_sampler, client2, strategy: S, what: str) -> None:
+    """A stale-K/V strategy per call equals Parallel Sampler's own run of it (same staleness) to round-off, while
+    both differ from the exact result."""
     name, path, adapter = family
-    strategy = S(pipefusion_degree=2, warmup_steps=1, num_pipeline_patch=2)
     positive, negative = prompts(name)
     own = client2.run(Job(ModelSpec(path), strategy, SamplingSpec(seed=SEED, steps=STEPS, cfg=CFG), latent_of(name),
                           positive, negative)).latent
     own = own.squeeze(2) if own.ndim == 5 else own
     calls = host_loop(client2, name, path, adapter, strategy)
-    print(f"\n{name}: per-call PipeFusion vs Parallel Sampler's {rel_err(calls, own):.2e}, "
+    print(f"\n{name}: per-call {what} vs Parallel Sampler's {rel_err(calls, own):.2e}, "
           f"vs exact {rel_err(calls, parallel_sampler):.2e}")
     assert rel_err(calls, own) <= CALL_RTOL
     assert rel_err(calls, parallel_sampler) > CALL_RTOL  # stale K/V really was read
@@ -135,17 +141,8 @@ def test_calls_under_displaced_patch_equal_parallel_samplers_displaced_patch(fam
     """After one warm-up call each call's patches attend to the other patch's K/V of the slot's previous call: the
     staleness of Parallel Sampler's displaced patch loop (one evaluation), so the two agree to round-off while both
     differ from the exact result."""
-    name, path, adapter = family
-    strategy = S(patch_degree=2, warmup_steps=1)
-    positive, negative = prompts(name)
-    own = client2.run(Job(ModelSpec(path), strategy, SamplingSpec(seed=SEED, steps=STEPS, cfg=CFG), latent_of(name),
-                          positive, negative)).latent
-    own = own.squeeze(2) if own.ndim == 5 else own
-    calls = host_loop(client2, name, path, adapter, strategy)
-    print(f"\n{name}: per-call displaced patch vs Parallel Sampler's {rel_err(calls, own):.2e}, "
-          f"vs exact {rel_err(calls, parallel_sampler):.2e}")
-    assert rel_err(calls, own) <= CALL_RTOL
-    assert rel_err(calls, parallel_sampler) > CALL_RTOL  # stale K/V really was read
+    _calls_equal_parallel_samplers_own(family, parallel_sampler, client2, S(patch_degree=2, warmup_steps=1),
+                                       "displaced patch")
 
 
 def test_a_call_returns_the_raw_model_output_of_each_chunk_in_order(family, client2):

@@ -26,15 +26,6 @@ pytestmark = pytest.mark.timeout(300)
 EXACT_RTOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def serial(tiny_path):
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        yield client.run(make_job(tiny_path)).latent
-    finally:
-        client.shutdown()
-
-
 @pytest.mark.parametrize("strategy", [
     S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
     S(pipefusion_degree=2, warmup_steps=8), S(pipefusion_degree=2, num_pipeline_patch=4, warmup_steps=8),

@@ -189,19 +189,17 @@ class Comm:
 
     def all_reduce_max(self, t: torch.Tensor, group: Group, op: str = "all_reduce") -> torch.Tensor:
         """The elementwise max of every member's `t`, in place (counted as all_reduce counts)."""
-        if group.size == 1:
-            return t
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=group.pg)
-        n = 2 * (group.size - 1) * _nbytes(t) // group.size
-        self.traffic.add(op, n, n)
-        return t
+        return self._all_reduce(t, group, op, "MAX")
 
     def all_reduce(self, t: torch.Tensor, group: Group, op: str = "all_reduce") -> torch.Tensor:
         """The sum of every member's `t`, in place (counted as a ring all-reduce moves it: 2 (N - 1) / N of its
         bytes each way)."""
+        return self._all_reduce(t, group, op, "SUM")
+
+    def _all_reduce(self, t: torch.Tensor, group: Group, op: str, reduce_op: str) -> torch.Tensor:
         if group.size == 1:
             return t
-        self._dist.all_reduce(t, group=group.pg)
+        self._dist.all_reduce(t, op=getattr(self._dist.ReduceOp, reduce_op), group=group.pg)
         n = 2 * (group.size - 1) * _nbytes(t) // group.size
         self.traffic.add(op, n, n)
         return t
