@@ -31,6 +31,10 @@ class StrategySpec:
     # Relative speed of each rank (world order), e.g. (3, 2) for a fast card beside a slower one: sequence shards,
     # PipeFusion stages and tensor-parallel heads split in proportion. Empty: equal shares.
     device_weights: tuple[float, ...] = ()
+    # Sharded block weights (FSDP-style, for models bigger than one device): the ranks that would each hold the same
+    # blocks (across CFG, Ulysses, Ring, patch) keep 1/N of every block's bytes and gather a block just before it
+    # runs. Planning (auto) turns it on when a plan does not fit without it.
+    shard_weights: bool = False
 
     def __post_init__(self):
         # JSON gives a list; a frozen spec is hashed (a Topology key, a cache key), so it must be a tuple.
@@ -55,6 +59,8 @@ class StrategySpec:
         elif self.patch_degree > 1:
             parts.append(f"w{self.warmup_steps}")
         label = "x".join(parts) or "serial"
+        if self.shard_weights:
+            label += "+shard"
         if self.balanced:
             label += "[" + ":".join(f"{w:g}" for w in self.device_weights) + "]"
         return label
@@ -69,6 +75,12 @@ class StrategySpec:
     def stale_steps(self) -> bool:
         """Whether steps after warm-up read stale K/V (PipeFusion, displaced patch)."""
         return self.pipefusion_degree > 1 or self.patch_degree > 1
+
+    @property
+    def shard_group(self) -> int:
+        """How many ranks hold the same blocks (everything but PipeFusion stages and tensor ranks): the group that
+        shards them under shard_weights."""
+        return self.world_size // (self.pipefusion_degree * self.tensor_degree)
 
     @property
     def balanced(self) -> bool:

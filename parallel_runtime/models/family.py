@@ -53,10 +53,12 @@ class ModelFamily(Protocol):
         """The family's config from tensor names and shapes (no tensor data is read)."""
 
     def build(self, config, reader, match: Match, owned: Callable[[str], bool], dtype: torch.dtype,
-              device: torch.device, smap: dict | None = None, tensor=None) -> torch.nn.Module:
+              device: torch.device, smap: dict | None = None, tensor=None,
+              shard: tuple[int, int] | None = None) -> torch.nn.Module:
         """The module tree with only the parameters `owned` selects (others stay on the meta device); `smap`: the
         file's source map when the caller already has it; `tensor`: a tensor-parallel rank's split
-        (strategies.tensor.TensorSplit), which reads only that rank's part of each planned layer."""
+        (strategies.tensor.TensorSplit), which reads only that rank's part of each planned layer; `shard`: (index,
+        degree) of shard_weights, which keeps that slice of each block's bytes."""
 
     def tensor_plan_for(self, config) -> dict:
         """Which layers tensor parallelism splits: module-name patterns -> "colwise" / "rowwise" / "norm" (see
@@ -215,7 +217,9 @@ class DiTFamily:
     tensor_plan: Callable | None = None
 
     def build(self, config, reader, match: Match, owned, dtype, device, smap: dict | None = None,
-              tensor=None) -> torch.nn.Module:
+              tensor=None, shard: tuple[int, int] | None = None) -> torch.nn.Module:
+        """`tensor`: a tensor rank's TensorSplit; `shard` (index, degree): keep that slice of every block's bytes
+        (shard_weights; the blocks in `model.sharded_blocks`, gathered by strategies.sharded_weights)."""
         from ..weights.mapping import build_from_map
 
         smap = smap if smap is not None else self.source_map(config, match.layout, match.prefix)
@@ -223,7 +227,8 @@ class DiTFamily:
         model = self.meta_model(config)
         if tensor is not None:
             smap = tensor.shard(model, self.tensor_plan_for(config), smap, what)
-        model = build_from_map(model, smap, reader, self.block_lists, what, owned=owned, dtype=dtype, device=device)
+        model = build_from_map(model, smap, reader, self.block_lists, what, owned=owned, dtype=dtype, device=device,
+                               shard=shard)
         if self.after_build is not None:
             self.after_build(model)
         return model

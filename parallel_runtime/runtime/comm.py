@@ -134,6 +134,12 @@ class Comm:
                 for k in range(len(ranks) if len(ranks) > 1 else 0):
                     src, dst = ranks[k], ranks[(k + 1) % len(ranks)]
                     self._links[(src, dst)] = get(("link", src, dst), sorted({src, dst}))
+            # Sharded weights gather on their own groups: a prefetch then never delays the attention collectives
+            # queued behind it (NCCL runs one communicator's collectives in order on one stream).
+            for ranks in topology.replica_groups() if topology.shard_weights else ():
+                pg = get(("weights", tuple(ranks)), ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    self._groups["weights"] = Group(ranks, ranks.index(rank), pg)
             # Cancel votes travel on their own CPU group so they never queue behind NCCL kernels or p2p.
             self._control_pg = get(("control",), list(range(topology.world_size)), "gloo")
             pool.trim(used)
@@ -186,6 +192,19 @@ class Comm:
         n = _nbytes(t) * (group.size - 1)
         self.traffic.add(op, n, n)
         return work, parts
+
+    def all_gather_into_async(self, out: torch.Tensor, t: torch.Tensor, group: Group, op: str = "all_gather"):
+        """Start gathering every member's `t` (equal sizes) into `out`, member by member along dim 0; returns the
+        work (None for a group of one, where `out` is filled at once). `t` must stay unchanged until work.wait()."""
+        if group.size == 1:
+            out.copy_(t.reshape(out.shape))
+            return None
+        # all_gather_single is all_gather_into_tensor's name from torch 2.13 on (the old one warns there).
+        gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
+        work = gather(out, t, group=group.pg, async_op=True)
+        n = _nbytes(t) * (group.size - 1)
+        self.traffic.add(op, n, n)
+        return work
 
     def all_reduce_max(self, t: torch.Tensor, group: Group, op: str = "all_reduce") -> torch.Tensor:
         """The elementwise max of every member's `t`, in place (counted as all_reduce counts)."""

@@ -35,11 +35,14 @@ class Topology:
     ring: int = 1
     ulysses: int = 1
     tensor: int = 1
+    # Whether block weights are sharded over each replica group (its own process groups, made only then).
+    shard_weights: bool = False
 
     @classmethod
     def from_strategy(cls, s: StrategySpec) -> "Topology":
         return cls(cfg=s.cfg_degree, pipefusion=s.pipefusion_degree, naive_patch=s.naive_patch_degree,
-                   patch=s.patch_degree, ring=s.ring_degree, ulysses=s.ulysses_degree, tensor=s.tensor_degree)
+                   patch=s.patch_degree, ring=s.ring_degree, ulysses=s.ulysses_degree, tensor=s.tensor_degree,
+                   shard_weights=s.shard_weights)
 
     @property
     def degrees(self) -> tuple[int, ...]:
@@ -87,6 +90,12 @@ class Topology:
             out.append([self.rank_of(cfg=c, pipefusion=p, naive_patch=n, patch=d, ring=r, ulysses=u, tensor=t)
                         for r in range(self.ring) for u in range(self.ulysses)])
         return out
+
+    def replica_groups(self) -> list[list[int]]:
+        """Groups of ranks that hold the same blocks (same PipeFusion stage and tensor rank): what shard_weights
+        splits each block's bytes over."""
+        return [[r for r in range(self.world_size) if (self.coords(r)["pipefusion"], self.coords(r)["tensor"]) == key]
+                for key in itertools.product(range(self.pipefusion), range(self.tensor))]
 
     def sp_rank(self, rank: int) -> int:
         c = self.coords(rank)
@@ -146,6 +155,11 @@ def _check_combinations(s: StrategySpec) -> None:
     if s.patch_degree > 1 and (s.pipefusion_degree > 1 or s.ulysses_degree > 1 or s.ring_degree > 1):
         raise ConfigError("displaced patch parallel splits the sequence itself, so it combines with cfg and tensor "
                           "parallel only; set pipefusion, ulysses and ring degrees to 1 or patch_degree to 1.")
+    if s.shard_weights and s.shard_group == 1:
+        held = "each PipeFusion stage already holds only its blocks" if s.pipefusion_degree > 1 else \
+            "each tensor rank already holds only its part of every block" if s.tensor_degree > 1 else "one device holds the model"
+        raise ConfigError(f"shard_weights needs ranks that hold the same blocks (CFG, Ulysses, Ring or patch ranks), but "
+                          f"in {s.label()} {held}; set shard_weights off, or add such a degree.")
     if (s.pipefusion_degree > 1 or s.patch_degree > 1) and s.warmup_steps < 1:
         what = "PipeFusion" if s.pipefusion_degree > 1 else "Displaced patch parallel"
         raise ConfigError(f"{what} needs warmup_steps >= 1 to fill its KV buffers; set warmup_steps to 1 or more.")

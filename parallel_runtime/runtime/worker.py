@@ -45,7 +45,8 @@ MODELS_KEPT = 2
 class ResidentModel:
     """A model a worker holds with what was built for it; parked (kept, idle) while another model's jobs run."""
 
-    key: tuple  # (path, mtime, size, weight_dtype, matmul, stage, stages, tensor rank, tensor degree, stage speeds)
+    # (path, mtime, size, weight_dtype, matmul, stage, stages, tensor rank, tensor degree, stage speeds, weight shard)
+    key: tuple
     adapter: object
     family: object
     context: object
@@ -95,7 +96,7 @@ class WorkerState:
         stage, stages = coords["pipefusion"], topology.pipefusion
         matmul = model_spec.get("quantized_matmul", "auto")
         key = (path, stat.st_mtime_ns, stat.st_size, model_spec["weight_dtype"], matmul, stage, stages,
-               coords["tensor"], topology.tensor, tuple(stage_speeds))
+               coords["tensor"], topology.tensor, tuple(stage_speeds), weight_shard(topology, self.rank))
         with self.models_lock:
             if key != self.loaded_key:
                 self._park_current()
@@ -148,6 +149,7 @@ class WorkerState:
         from ..weights.checkpoint import open_checkpoint
         from ..weights.patches import FileParameters, RankWeightPatcher
         from ..strategies.attention.processor import AttentionContext
+        from ..strategies.sharded_weights import parallelize_sharded
         from ..strategies.tensor import TensorSplit, parallelize_tensor
 
         path, matmul = model_spec["path"], key[4]
@@ -161,7 +163,9 @@ class WorkerState:
             storage = resolve_storage(model_spec["weight_dtype"], self.device, matmul).for_file(reader)
             smap = family.source_map(config, match.layout, match.prefix)  # the build's and the LoRA re-reader's
             model = family.build(config, reader, match, owned=owned, dtype=storage, device=self.device, smap=smap,
-                                 tensor=split)
+                                 tensor=split, shard=key[10])
+        if key[10] is not None:  # its blocks gather from the replica group as they run
+            parallelize_sharded(model)
         if split is not None:  # its row-wise layers all-reduce; a LoRA re-reads the parts this rank holds
             parallelize_tensor(model, split)
             smap = split.sources
@@ -295,6 +299,14 @@ class WorkerState:
             torch.cuda.empty_cache()
 
 
+def weight_shard(topology, rank: int) -> tuple[int, int] | None:
+    """(index, degree) of this rank's slice of every block under shard_weights: its place in its replica group."""
+    if not topology.shard_weights:
+        return None
+    group = next(g for g in topology.replica_groups() if rank in g)
+    return (group.index(rank), len(group)) if len(group) > 1 else None
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The dtype layers compute in for the loader's weight_dtype (fp8 weights compute in the default one)."""
     from .devices import WEIGHT_DTYPES, default_dtype, named_dtype
@@ -380,11 +392,13 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
 def _denoise(state: WorkerState, chan: Channel, job, topology, pulse, controlnets) -> tuple[dict, torch.Tensor | None]:
     from ..strategies.denoise import Denoiser
     from ..strategies.model_call import ModelCallForward
+    from ..strategies.sharded_weights import bind_weight_gatherer
     from ..strategies.tensor import bind_tensor_group
 
     comm = state.comm_for(topology)
     for model in [state.adapter.model, *(net.model for net in controlnets.nets.values())]:
         bind_tensor_group(model, comm)
+    gatherer = bind_weight_gatherer(state.adapter.model, comm)
     comm.reset_traffic()
     pulse.traffic = comm.traffic
     if state.device.type == "cuda":
@@ -404,7 +418,18 @@ def _denoise(state: WorkerState, chan: Channel, job, topology, pulse, controlnet
         FAULTS.maybe("stall", state.rank, step)
 
     t0 = time.perf_counter()
-    latent = denoiser.run(job, progress=progress, cancel_requested=state.cancel.is_set)
+    try:
+        latent = denoiser.run(job, progress=progress, cancel_requested=state.cancel.is_set)
+    except Cancelled:  # every rank stops at the same step (a vote), so the group's last gathers still pair up
+        if gatherer is not None:
+            gatherer.finish()
+        raise
+    except BaseException:
+        if gatherer is not None:
+            gatherer.abandon()
+        raise
+    if gatherer is not None:
+        gatherer.finish()
     stats = {
         "rank": state.rank, "job_seconds": time.perf_counter() - t0, "step_times": denoiser.step_times,
         "traffic": comm.traffic.snapshot(), "param_bytes": state.current_bytes(), "resident_bytes": state.held_bytes(),

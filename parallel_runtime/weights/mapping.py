@@ -72,12 +72,15 @@ def drop_unowned_blocks(model: torch.nn.Module, block_lists: tuple[str, ...], wa
 
 def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, block_lists: tuple[str, ...],
                    what: str, owned: Callable[[str], bool] = lambda name: True,
-                   dtype: torch.dtype | Storage = torch.float32, device: str | torch.device = "cpu") -> torch.nn.Module:
+                   dtype: torch.dtype | Storage = torch.float32, device: str | torch.device = "cpu",
+                   shard: tuple[int, int] | None = None) -> torch.nn.Module:
     """Fill a meta-device `model` with the parameters `owned` selects, read through `smap` from `reader`.
 
     `what` names the model in errors ("Flux.1 DiT"); `dtype`: the compute dtype, or a `storage.Storage` (fp8
     linear weights kept fp8, GGUF and ComfyUI-quantized ones in their layouts). Blocks owning nothing become
     Identity; other parameters not owned stay on meta, so touching them fails loudly instead of computing garbage.
+    `shard` (index, degree): keep only that slice of every block's bytes (sharded.ShardedBlock), reading one block
+    at a time, so the rank never holds more than one whole block; the blocks are returned in `model.sharded_blocks`.
     """
     storage = dtype if isinstance(dtype, Storage) else Storage(dtype)
     storage = storage.for_file(reader)
@@ -97,30 +100,61 @@ def build_from_map(model: torch.nn.Module, smap: dict[str, Source], reader, bloc
         raise ModelFileError(f"{name} has no tensor {missing[0]!r}{more}, so it is not a complete {what}; "
                              f"re-download it.")
 
-    state: dict[str, torch.Tensor] = {}
     linears = linear_names(model)
-    kept_linears: dict = {}  # module name -> the weight its compact layer keeps (storage.install_kept_linears)
-    for n in wanted:
-        src = smap[n]
-        part = n.rpartition(".")[2] if n in linears else None  # "weight" or "bias" of a Linear
-        tensor = read_stored(reader, src, storage, device, linear=part)
-        if tuple(tensor.shape) != expected[n]:
-            where = f"{src.key!r}" + (f" rows {src.rows.start}:{src.rows.stop}" if src.rows is not None else "")
-            raise ModelFileError(
-                f"{name}: tensor {where} has shape {tuple(tensor.shape)} but {n} needs {expected[n]}; "
-                f"the file is damaged or mixes model variants, so re-download it.")
-        if isinstance(tensor, torch.Tensor):
-            state[n] = tensor.contiguous()
-        else:
-            kept_linears[linears[n]] = tensor
+    groups = _by_block(wanted, block_lists) if shard is not None else {None: wanted}
+    sharded = []
+    for block, names in groups.items():
+        state: dict[str, torch.Tensor] = {}
+        kept_linears: dict = {}  # module name -> the weight its compact layer keeps (storage.install_kept_linears)
+        for n in names:
+            tensor = _read_checked(reader, smap[n], storage, device, n, expected[n], name,
+                                   linear=n.rpartition(".")[2] if n in linears else None)
+            if isinstance(tensor, torch.Tensor):
+                state[n] = tensor.contiguous()
+            else:
+                kept_linears[linears[n]] = tensor
+        result = model.load_state_dict(state, strict=False, assign=True)
+        if result.unexpected_keys:
+            raise RuntimeError(f"unexpected keys while loading {what}: {result.unexpected_keys[:3]}")
+        install_kept_linears(model, kept_linears, storage)
+        if block is not None:
+            from .sharded import ShardedBlock
 
-    result = model.load_state_dict(state, strict=False, assign=True)
-    if result.unexpected_keys:
-        raise RuntimeError(f"unexpected keys while loading {what}: {result.unexpected_keys[:3]}")
-    install_kept_linears(model, kept_linears, storage)
+            sharded.append(ShardedBlock(model.get_submodule(block), *shard))
+        del state, kept_linears
     model.eval()
     model.requires_grad_(False)
+    if shard is not None:
+        model.sharded_blocks = sharded
     return model
+
+
+def _read_checked(reader, src: Source, storage: Storage, device, n: str, shape: tuple, file: str, linear: str | None):
+    """One parameter as its storage kind keeps it, with one sentence when the file's shape is not the model's."""
+    tensor = read_stored(reader, src, storage, device, linear=linear)
+    if tuple(tensor.shape) != shape:
+        where = f"{src.key!r}" + (f" rows {src.rows.start}:{src.rows.stop}" if src.rows is not None else "")
+        raise ModelFileError(f"{file}: tensor {where} has shape {tuple(tensor.shape)} but {n} needs {shape}; "
+                             f"the file is damaged or mixes model variants, so re-download it.")
+    return tensor
+
+
+def _by_block(names: list[str], block_lists: tuple[str, ...]) -> dict[str | None, list[str]]:
+    """Parameter names grouped by the block they belong to ("transformer_blocks.3"), in pipeline order (the block
+    lists' order, then the index), after the non-block ones (key None)."""
+    pattern = re.compile(r"(" + "|".join(map(re.escape, block_lists)) + r")\.(\d+)\.")
+    groups: dict = {None: []}
+    for n in names:
+        m = pattern.match(n)
+        groups.setdefault(f"{m.group(1)}.{m.group(2)}" if m else None, []).append(n)
+    order = {attr: k for k, attr in enumerate(block_lists)}
+
+    def rank(key):
+        if key is None:
+            return (-1, 0)
+        attr, _, i = key.rpartition(".")
+        return (order[attr], int(i))
+    return {k: groups[k] for k in sorted(groups, key=rank)}
 
 
 def parameter_counts(model: torch.nn.Module, blocks: list[torch.nn.Module], always: tuple[str, ...],
