@@ -11,12 +11,15 @@ but a walk over the blocks in pipeline order, cyclically: entering block i first
 the blocks between the last one run and i, and the end of a job walks to the end of the cycle and lands the first
 block's prefetch. Every rank thereby issues one gather per block per forward pass, plus one at the end, whatever
 it skipped; the forward passes per job are the same on every rank of the group (one per branch, lane and patch).
-A block is entered when any of its modules is called (a pre-hook on each), so families that run a block through
-its submodules (Lumina 2's `_block`) gather it as those that call it.
+A block is entered when any of its modules is called (a pre-hook on each) or anything of it is looked up on the
+block (its class gains a `__getattr__` that enters first), so families that run a block through its submodules
+(Lumina 2's `_block`) or read its tensors themselves (Wan's `block.modulation`) gather it as those that call it.
+Only the job's own thread enters, and only while a job is bound: a status ping that counts bytes never gathers.
 """
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -33,20 +36,25 @@ class BlockGatherer:
         self.live: int | None = None  # the block whose tensors are installed
         self.cursor = 0  # the block the walk reaches next once `live` is released
         self.started = False
+        self.thread = None  # the job's thread, set while a job is bound
         self.gathered = None  # callable(ShardedBlock): runs on each gathered block (a LoRA baked into it)
         for i, block in enumerate(blocks):
+            touch = functools.partial(self.touch, i)
             for module in block.block.modules():
-                module.register_forward_pre_hook(functools.partial(self._pre_hook, i))
+                module.register_forward_pre_hook(lambda module, args, touch=touch: touch())
+            block.block.__dict__["_touch_block"] = touch
+            block.block.__class__ = _entering(type(block.block))
 
     def bind(self, comm) -> None:
-        """Gather over this job's replica group."""
-        self.comm, self.group = comm, comm.group("weights")
+        """Gather over this job's replica group, from this thread."""
+        self.comm, self.group, self.thread = comm, comm.group("weights"), threading.get_ident()
 
     def _next(self, i: int) -> int:
         return (i + 1) % len(self.blocks)
 
-    def _pre_hook(self, i: int, module, args) -> None:
-        if self.live != i:
+    def touch(self, i: int) -> None:
+        """Something of block i is about to be used: enter it unless it is the installed one."""
+        if self.live != i and self.thread == threading.get_ident():
             self.enter(i)
 
     def enter(self, i: int) -> None:
@@ -78,7 +86,7 @@ class BlockGatherer:
             self._land(self.cursor)
             self.cursor = self._next(self.cursor)
         self._land(0)
-        self.started = False
+        self.started, self.thread = False, None
 
     def abandon(self) -> None:
         """A failed job: drop what is gathered or in flight without waiting (its peers may never complete it;
@@ -86,14 +94,14 @@ class BlockGatherer:
         if self.live is not None:
             self._release()
         self.pending.clear()
-        self.cursor, self.started = 0, False
+        self.cursor, self.started, self.thread = 0, False, None
 
     def _issue(self, i: int) -> None:
         if i in self.pending or i == self.live:
             return
         block = self.blocks[i]
         flat = block.empty_flat()
-        work = self.comm.all_gather_into_async(flat, block.block.shard_bytes, self.group, op="weights")
+        work = self.comm.all_gather_into_async(flat, block.kept, self.group, op="weights")
         self.pending[i] = (work, flat)
 
     def _land(self, i: int) -> torch.Tensor:
@@ -106,6 +114,23 @@ class BlockGatherer:
     def _release(self) -> None:
         self.blocks[self.live].release()
         self.live = None
+
+
+_ENTERING: dict[type, type] = {}
+
+
+def _entering(base: type) -> type:
+    """`base` with a __getattr__ that enters the block before a parameter, buffer or submodule is looked up
+    (nn.Module keeps those outside __dict__, so every such lookup reaches __getattr__)."""
+    if base not in _ENTERING:
+        def __getattr__(self, name):
+            touch = self.__dict__.get("_touch_block")
+            if touch is not None:
+                touch()
+            return base.__getattr__(self, name)
+        _ENTERING[base] = type(base.__name__, (base,), {"__getattr__": __getattr__, "__qualname__": base.__qualname__,
+                                                         "__module__": base.__module__})
+    return _ENTERING[base]
 
 
 def parallelize_sharded(model: torch.nn.Module) -> None:

@@ -56,7 +56,9 @@ class ShardedBlock:
         first = self.slots[0] if self.slots else None
         self.device = getattr(first.module, first.name).device if first else torch.device("cpu")
         flat = self._flatten()
-        block.register_buffer("shard_bytes", flat[index * self.chunk:(index + 1) * self.chunk].clone(), persistent=False)
+        # Kept here and as a buffer of the block (so the worker's byte count and a move to a device see it).
+        self.kept = flat[index * self.chunk:(index + 1) * self.chunk].clone()
+        block.register_buffer("shard_bytes", self.kept, persistent=False)
         del flat
         self.release()
 
