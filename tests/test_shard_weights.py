@@ -21,6 +21,8 @@ from test_gguf import gguf_twins
 from test_weight_patches import lora_stack, stacked
 from parallel_runtime.errors import ConfigError
 from parallel_runtime.models.tiny import TINY, write_checkpoint
+from parallel_runtime.planning import costmodel
+from parallel_runtime.planning.traffic import compare, job_traffic, shapes_of
 from parallel_runtime.spec import StrategySpec as S
 
 pytestmark = pytest.mark.timeout(600)
@@ -67,6 +69,11 @@ def test_flux_sharded_equals_unsharded_at_half_the_bytes(flux, client2, strategy
     received = result.stats[0]["traffic"]["by_op"]["weights"][1]
     expected = 8 * slices + first_block
     assert abs(received - expected) <= 0.001 * expected, (received, expected)  # 64-byte alignment of each tensor
+    # The traffic model (the cost model's and the bench's) counts the same gathers.
+    analytic = job_traffic(strategy, shapes_of(TINY, image_tokens=64, text_tokens=7, weight_bytes=4), steps=8, cfg=2.0)
+    assert abs(analytic[0].ops["weights"][1] - received) <= 0.001 * received
+    ok, worst = compare([st["traffic"] for st in result.stats], analytic)
+    assert ok and worst < 0.05, worst
 
 
 def flux_meta():
@@ -168,6 +175,28 @@ def test_lora_stack_on_sharded_blocks(folder, client1, client2, kind):
     plain = client1.run(job((name, path))).latent
     assert rel_err(client2.run(job((name, path), SHARDED[0])).latent, plain) <= EXACT_RTOL  # the LoRA is off again
     assert rel_err(client1.run(dataclasses.replace(job((name, path)), weight_patches=patches)).latent, plain) > 1e-2
+
+
+# -- planning -----------------------------------------------------------------------------------------------------
+
+
+def test_memory_estimate_of_a_sharded_plan():
+    """The cost model's per-rank weights under shard_weights: the non-block parameters, 1/G of the blocks and two
+    whole blocks (the running one and the prefetch), for Flux.1 dev's real config on 2 and 4 ranks."""
+    from parallel_runtime.bench.models import FLUX_DEV as dev  # 19 double, 38 single blocks of width 3072
+
+    layout = costmodel.param_layout(dev)
+    blocks, biggest = sum(layout.blocks), max(layout.blocks)
+    for g in (2, 4):
+        s = S(ulysses_degree=g, shard_weights=True)
+        mem = costmodel.rank_memory(s, dev, text_tokens=512, image_tokens=4096, batch=1, cfg=1.0, weight_bytes=2,
+                                    act_bytes=2, layout=layout)
+        assert mem["params"] == int((layout.total - blocks + blocks / g + 2 * biggest) * 2)
+        plain = costmodel.rank_memory(unsharded(s), dev, text_tokens=512, image_tokens=4096, batch=1, cfg=1.0,
+                                      weight_bytes=2, act_bytes=2, layout=layout)
+        print(f"\nFlux.1 dev bf16 on {g}: {mem['params'] / 2**30:.1f} GB of weights per rank sharded, "
+              f"{plain['params'] / 2**30:.1f} GB unsharded")
+        assert mem["params"] < (1 / g + 0.1) * plain["params"]
 
 
 # -- refusals ------------------------------------------------------------------------------------------------------

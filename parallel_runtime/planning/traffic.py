@@ -72,6 +72,8 @@ class Shapes:
     # Per block, its all-reduces under tensor parallelism (BlockKind.tensor_reductions): True where the prompt
     # rows are summed too; () = two joint ones per block.
     tensor_layers: tuple[tuple[bool, ...], ...] = ()
+    # Per block, the bytes a rank holds of it unsharded (shard_weights gathers the rest): () = not counted.
+    block_bytes: tuple[int, ...] = ()
 
     def layers(self, blocks) -> list[bool]:
         """Per self-attention layer of `blocks` (indices), whether the prompt rows join it."""
@@ -90,8 +92,9 @@ class Shapes:
 
 
 def shapes_of(config, *, image_tokens: int, text_tokens: int, pipefusion: int = 1, batch: int = 1,
-              act_bytes: int = 4) -> Shapes:
-    """The byte counts' inputs for a family's config, PipeFusion stages split as the workers split them."""
+              act_bytes: int = 4, weight_bytes: float = 0.0) -> Shapes:
+    """The byte counts' inputs for a family's config, PipeFusion stages split as the workers split them;
+    `weight_bytes` per parameter: the blocks' bytes that shard_weights gathers (0: not counted)."""
     from ..models.registry import family_of, token_patch
 
     stages = (tuple(tuple(chunks) for chunks in family_of(config).pipeline_stages(config, pipefusion))
@@ -104,7 +107,9 @@ def shapes_of(config, *, image_tokens: int, text_tokens: int, pipefusion: int = 
                   act_bytes=act_bytes, attention_layers=config.attention_layers,
                   tensor_layers=tuple(tuple(r == "joint" for r in kind.tensor_reductions)
                                       for kind in config.block_kinds),
-                  x_channels=config.latent_channels * _patch_cells(patch))
+                  x_channels=config.latent_channels * _patch_cells(patch),
+                  block_bytes=tuple(int(n * weight_bytes) for n in family_of(config).parameter_counts(config)[0])
+                  if weight_bytes else ())
 
 
 def _patch_cells(patch) -> int:
@@ -181,6 +186,8 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
     for rank in range(topo.world_size):
         c = topo.coords(rank)
         rt = out[rank]
+        if strategy.shard_weights:
+            _weight_gathers(rt, strategy, topo, c, shapes, steps)
         if topo.pipefusion > 1:
             _pipefusion(rt, strategy, topo, c, shapes, b, x_row, steps)
             continue
@@ -217,6 +224,26 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
         if sp > 1:
             rt.add("result", (sp - 1) * x_row * n, (sp - 1) * x_row * n)
     return out
+
+
+def _weight_gathers(rt: RankTraffic, strategy: StrategySpec, topo, c: dict, shapes: Shapes, steps: int) -> None:
+    """shard_weights: each forward pass gathers every block this rank runs from its replica group (it receives the
+    other members' slices, sends its own to each), plus the first block once more, the last pass's prefetch
+    (strategies/sharded_weights.py). PipeFusion stages run their blocks once per warm-up step and once per patch
+    after it; a tensor rank holds 1/P of each block."""
+    g = strategy.shard_group
+    if g == 1 or not shapes.block_bytes:
+        return
+    if topo.pipefusion > 1:
+        stages = shapes.stage_blocks or even_stage_blocks(shapes.num_blocks, topo.pipefusion)
+        blocks = [i for r in stages[c["pipefusion"]] for i in r]
+        warm = min(strategy.warmup_steps, steps)
+        passes = warm + (steps - warm) * strategy.patches
+    else:
+        blocks, passes = list(range(shapes.num_blocks)), steps
+    piece = [shapes.block_bytes[i] / topo.tensor / g for i in blocks]  # one member's slice of each block
+    total = passes * sum(piece) + piece[0]
+    rt.add("weights", int(total * (g - 1)), int(total * (g - 1)), passes * len(blocks) + 1)
 
 
 def _ring_layer(rt: RankTraffic, unit: int, block_rows: list[int], me: int) -> None:
