@@ -227,9 +227,6 @@ def validate_control(name: str, c, config, job: Job) -> None:
     if job.timestep is None:
         raise ConfigError("ControlNet runs under KSampler (or SamplerCustomAdvanced) with the parallel MODEL; "
                           "sample with KSampler instead of Parallel Sampler.")
-    if c.references:
-        raise ConfigError(f"the {name} conditioning has both a ControlNet and reference latents (Kontext), which "
-                          f"ParaDiT does not run together yet; remove ReferenceLatent or the ControlNet.")
     for control in c.control:
         if not math.isfinite(control.strength):
             raise ConfigError(f"a ControlNet of the {name} conditioning has strength {control.strength}; set a "

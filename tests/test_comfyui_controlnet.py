@@ -49,10 +49,12 @@ def apply(positive: list, negative: list, hint: str, strength: float, start: flo
 
 
 def graph(devices: str = "cpu:1", strat: dict | None = None, chained: bool = False,
-          parallel_sampler: bool = False) -> dict:
+          parallel_sampler: bool = False, kontext: bool = False) -> dict:
     """Seeded prompts (1, 2), a 160x128 latent (4), a ControlNet (30) applied with hint 33 at strength 0.8
     (40), and when `chained` again with hint 35 at strength 1.2 for 30%..80% of the schedule (41); the same
-    sampling on Load Parallel DiT (11 -> 12 -> 13) and on UNETLoader (20 -> 21 -> 22)."""
+    sampling on Load Parallel DiT (11 -> 12 -> 13) and on UNETLoader (20 -> 21 -> 22). `kontext`: the positive
+    first gets a 96 x 80 reference latent (ReferenceLatent, 51), as in ComfyUI's Kontext template (the negative
+    none)."""
     g = {"1": {"class_type": "ParaDiTTestConditioning", "inputs": {"seed": 1, "tokens": 8, "guidance": 3.5}},
          "2": {"class_type": "ParaDiTTestConditioning", "inputs": {"seed": 2, "tokens": 8, "guidance": 3.5}},
          "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 160, "height": 128, "batch_size": 1}},
@@ -64,7 +66,12 @@ def graph(devices: str = "cpu:1", strat: dict | None = None, chained: bool = Fal
     for node, seed, (w, h) in (("32", 7, (96, 80)), ("34", 8, (160, 128))):  # hint latents -> images 33, 35
         g[node] = {"class_type": "ParaDiTTestLatent", "inputs": {"seed": seed, "width": w, "height": h}}
         g[str(int(node) + 1)] = {"class_type": "ParaDiTTestLatentToImage", "inputs": {"samples": [node, 0]}}
-    g["40"] = apply(["1", 0], ["2", 0], "33", 0.8)
+    positive = ["1", 0]
+    if kontext:
+        g["50"] = {"class_type": "ParaDiTTestLatent", "inputs": {"seed": 31, "width": 80, "height": 96}}
+        g["51"] = {"class_type": "ReferenceLatent", "inputs": {"conditioning": positive, "latent": ["50", 0]}}
+        positive = ["51", 0]
+    g["40"] = apply(positive, ["2", 0], "33", 0.8)
     final = "40"
     if chained:
         g["41"] = apply(["40", 0], ["40", 1], "35", 1.2, 0.3, 0.8)
@@ -142,3 +149,20 @@ def test_union_controlnet_with_a_type_equals_unetloader(server):
 def test_union_controlnet_with_a_type_on_two_workers_equals_unetloader(server, strat):
     """The type token lengthens the ControlNet's prompt: its own prompt shards, the DiT's image rows."""
     assert parity(server, union_graph("cpu:2", strat), f"union, typed, {strat['inputs']}") <= EXACT_RTOL
+
+
+def test_controlnet_with_kontext_references_equals_unetloader(server):
+    """ComfyUI's Flux adds the residuals to the image rows, before the reference rows, and its ControlNet never
+    sees the references."""
+    assert parity(server, graph(chained=True, kontext=True), "kontext") <= ONE_WORKER_RTOL
+    if "chained" in REFERENCES:  # the reference latent acts too
+        assert rel_err(REFERENCES["kontext"], REFERENCES["chained"]) > 1e-3
+
+
+@pytest.mark.parametrize("strat", [strategy(cfg=2), strategy(ulysses=2), strategy(ring=2), strategy(pp=2)],
+                         ids=["cfg2", "ulysses2", "ring2", "pp2_warm"])
+def test_controlnet_with_kontext_references_on_two_workers_equals_unetloader(server, strat):
+    """The reference rows split over the ranks after their image rows; PipeFusion runs the positive (references)
+    and the negative (none) in two lanes."""
+    err = parity(server, graph("cpu:2", strat, chained=True, kontext=True), f"kontext, {strat['inputs']}")
+    assert err <= EXACT_RTOL

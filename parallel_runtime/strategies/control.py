@@ -6,7 +6,9 @@ attention strategy as the DiT (the ControlNet's blocks are the family's blocks):
 ControlNet's sequence splits exactly like the DiT's, so each rank computes the residuals of its own image
 rows and nothing extra crosses the wire; under CFG parallel each rank runs its branch's chain; under
 PipeFusion the first stage runs the chain on each patch (its attention reads stale K/V like the DiT's) and
-the residuals ride with the patch's hidden rows to the stages that add them.
+the residuals ride with the patch's hidden rows to the stages that add them. ComfyUI's ControlNets never see
+Kontext's reference rows (the DiT adds the residuals to its image rows, which come first): with references,
+the ControlNet's sequence is the DiT's without them, over the same image rows per rank.
 
 A ControlNet's outputs are few (one per ControlNet block) and ComfyUI repeats them over the DiT's blocks;
 `ResidualPlan` keeps that mapping, so only the distinct outputs are computed, sent and kept.
@@ -73,29 +75,33 @@ class ControlPass:
     embedding are computed once per job; the hint's token table once per hint (kept by the adapter)."""
 
     def __init__(self, controlnets: ControlNets, main_config, branches, t: torch.Tensor, text_rows: range,
-                 longer_prompt=None):
-        """`longer_prompt(extra)`: (this rank's prompt rows, joint attention, RoPE rows) of a pass whose prompt is
-        `extra` tokens longer than the DiT's (a union ControlNet's type tokens; None where no strategy offers
-        it), its image rows and their shards the DiT's."""
+                 sequence=None, shares_sequence: bool = True):
+        """`sequence(extra)`: (this rank's prompt rows, joint attention, RoPE rows) of the ControlNet's own pass, its
+        prompt `extra` tokens longer than the DiT's (a union ControlNet's type tokens) and without the DiT's
+        reference rows, its image rows and their shards the DiT's (None where no strategy offers it);
+        `shares_sequence`: whether an untyped pass runs on the DiT's attention and RoPE rows (no reference rows, or
+        the caller points them at the ControlNet's sequence)."""
         self.inputs, self.nets, self.branches = branches.control, controlnets.nets, branches
         self.plan = ResidualPlan([controlnets.configs[c.path] for c in self.inputs], main_config.num_layers,
                                  main_config.num_single_layers)
-        self.t, self.text_rows, self.longer_prompt = t, text_rows, longer_prompt
+        self.t, self.text_rows, self.sequence, self.shares_sequence = t, text_rows, sequence, shares_sequence
         self._embedded: dict[int, tuple] = {}
 
     def _embeddings(self, k: int, net, control: ControlInput) -> tuple:
-        """(prompt rows, time embedding, (attention, RoPE rows) of a typed union pass or None) of chain member k:
-        fixed for the job."""
+        """(prompt rows, time embedding, (attention, RoPE rows) of the member's own sequence, or None where it is
+        the DiT's) of chain member k: fixed for the job."""
         if k not in self._embedded:
             b = self.branches
-            typed = None
-            if control.types and net.reads_types:
-                rows, attention, rope = self.longer_prompt(len(control.types))
+            own = None
+            extra = len(control.types) if control.types and net.reads_types else 0
+            if extra or not self.shares_sequence:
+                rows, attention, rope = self.sequence(extra)
+                own = (attention, rope)
+            if extra:
                 text = net.embed_prompt_with_types(b.cond, control.types)[:, rows.start:rows.stop]
-                typed = (attention, rope)
             else:
                 text = net.embed_text(b.cond[:, self.text_rows.start:self.text_rows.stop])
-            self._embedded[k] = (text, net.timestep_embedding(self.t, b.pooled, b.guidance), typed)
+            self._embedded[k] = (text, net.timestep_embedding(self.t, b.pooled, b.guidance), own)
         return self._embedded[k]
 
     def outputs(self, x_rows: torch.Tensor, index: torch.Tensor, rope) -> list[torch.Tensor]:
@@ -106,21 +112,21 @@ class ControlPass:
             net = self.nets[control.path]
             net.use_layers(k)
             hint = _batched(hint_tokens(net, control)[:, index], self.branches)
-            text, temb, typed = self._embeddings(k, net, control)
+            text, temb, own = self._embeddings(k, net, control)
             image = net.embed_control_image(x_rows, hint)
-            for residual in self._run(net, image, text, temb, rope, typed):
+            for residual in self._run(net, image, text, temb, rope, own):
                 out.append(residual * control.strength if control.strength != 1.0 else residual)
         return out
 
     @staticmethod
-    def _run(net, image, text, temb, rope, typed) -> list[torch.Tensor]:
-        """The member's residuals; a typed union pass attends over its longer prompt with its own attention."""
-        if typed is None:
+    def _run(net, image, text, temb, rope, own) -> list[torch.Tensor]:
+        """The member's residuals; a pass over its own sequence attends with its own attention and RoPE rows."""
+        if own is None:
             return net.residuals(image, text, temb, rope)
-        context, (attention, typed_rope) = net.context, typed
+        context, (attention, own_rope) = net.context, own
         saved, context.attention = context.attention, attention
         try:
-            return net.residuals(image, text, temb, typed_rope)
+            return net.residuals(image, text, temb, own_rope)
         finally:
             context.attention = saved
 

@@ -145,6 +145,14 @@ def stale_caches(layout: TokenLayout, shards: range | None = None) -> tuple[Stal
             StaleKVCache(sum(layout.stream_len(j, every) for j in shards)))
 
 
+def control_caches(caches: tuple[StaleKVCache, StaleKVCache], layout: TokenLayout,
+                   shards: range | None = None) -> tuple[StaleKVCache, StaleKVCache]:
+    """The stale K/V buffers of a ControlNet's own sequence (`layout`: the DiT's without reference rows, which
+    ComfyUI's ControlNets never see), kept beside the DiT's `caches` so they live and are replaced with them."""
+    fresh = stale_caches(layout, shards)
+    return caches[0].companion(fresh[0].seq_len), caches[1].companion(fresh[1].seq_len)
+
+
 class Denoiser:
     def __init__(self, adapter: DiTAdapter, topology: Topology, comm: Comm, context: AttentionContext,
                  controlnets: ControlNets | None = None):
@@ -636,17 +644,39 @@ class _PipeFusionStage:
         # (n_res tensors of the set's image rows) ride behind the hidden rows to the stages that add them.
         self.control = denoiser.control
         self.n_res = self.control.plan.count if self.control is not None else 0
+        self.control_lanes: dict[int, _Lane] = {}  # id(lane) -> the ControlNet's lane, where the lane has references
 
-    def _lane(self, branches: Branches, caches: tuple[StaleKVCache, StaleKVCache]) -> _Lane:
+    def _lane(self, branches: Branches, caches: tuple[StaleKVCache, StaleKVCache],
+              layout: TokenLayout | None = None) -> _Lane:
+        """The lane of a branch group; `layout`: another sequence over the same image rows (a ControlNet's), whose
+        lane only attends (the ControlPass embeds its own prompt)."""
         d = self.denoiser
-        lane = _Lane(branches, d._layout_of(branches), caches)
-        lane.bias, lane.rope_full = d._bias(branches), d._rope_full(branches)
+        lane = _Lane(branches, layout or d._layout_of(branches), caches)
+        lane.bias, lane.rope_full = d._bias(branches) if layout is None else None, d._rope_full(branches)
         if self.ring.size > 1:
             lane.ring_rows = self._ring_buffer_rows(lane.layout.positions)
             lane.ring_image_rows = self._ring_buffer_rows(lane.layout.image_positions)
         self._attach_attention(lane)
-        self._embed_prompt(lane)
+        if layout is None:
+            self._embed_prompt(lane)
         return lane
+
+    def _control_outputs(self, lane: _Lane, patches: list[int], idx: torch.Tensor, rope) -> list[torch.Tensor]:
+        """The ControlNet chain's residuals of one token set (stage 0). ComfyUI's ControlNets never see the
+        reference rows: where the lane has some, the chain attends over its own lane (the layout without them,
+        its stale buffers kept beside the lane's), then the DiT's attention is pointed back at the lane."""
+        if lane.layout.ref_len == 0:
+            return self.control.outputs(self.x[:, idx], idx, rope)
+        own = self.control_lanes.get(id(lane))
+        if own is None:
+            layout = dataclasses.replace(lane.layout, ref_len=0)
+            caches = control_caches((lane.cache, lane.image_cache), layout, self.denoiser._ring_shards())
+            own = self.control_lanes[id(lane)] = self._lane(lane.branches, caches, layout)
+        _, own_rope, _ = self._configure(own, patches)
+        try:
+            return self.control.outputs(self.x[:, idx], idx, own_rope)
+        finally:
+            self._configure(lane, patches)
 
     def _ring_buffer_rows(self, rows_of) -> list[torch.Tensor]:
         """Each ring member's stale buffer rows, in canonical order: `rows_of(shard, patches, device)` of its
@@ -741,7 +771,7 @@ class _PipeFusionStage:
         if self._is_first(chunk):
             image, txt = self.denoiser._image_stream(i, self.x[:, idx], idx, refs, lane.branches), lane.text
             if self.control is not None:
-                res = self.control.outputs(self.x[:, idx], idx, rope)
+                res = self._control_outputs(lane, patches, idx, rope)
         else:
             if self.n_res:
                 incoming, res = incoming[:, :-self.n_res * len(idx)], list(incoming[:, -self.n_res * len(idx):]

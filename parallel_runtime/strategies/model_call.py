@@ -22,7 +22,8 @@ from ..runtime.topology import latent_plane, validate_strategy
 from ..spec import Job
 from .attention import LocalAttention
 from .control import ControlPass
-from .denoise import Branches, Denoiser, stale_caches
+from .denoise import Branches, Denoiser, control_caches, stale_caches
+from .displaced import DisplacedPatchAttention
 
 
 class ModelCallForward(Denoiser):
@@ -106,7 +107,7 @@ class ModelCallForward(Denoiser):
         s = job.strategy
         self.branches, self.call_t = branches, t
         self._set_layout(branches, x.shape[1], patches=s.patches)
-        self.control = self._control_pass(branches, t)
+        self.control = self._control_pass(branches, t, pipeline=True)
         # A ControlNet that starts (or stops) mid-run has no stale K/V of its own layers yet: warm up again.
         warmup = int(self._stale_slot(job, key, (self.layout, tuple(c.signature() for c in branches.control))))
         model_output = torch.zeros_like(x)
@@ -126,22 +127,30 @@ class ModelCallForward(Denoiser):
             return True
         return False
 
-    def _control_pass(self, branches: Branches, t: torch.Tensor) -> ControlPass | None:
-        """The group's ControlNet chain for this call (its prompt rows: this rank's, as the DiT's), or None."""
+    def _control_pass(self, branches: Branches, t: torch.Tensor, pipeline: bool = False) -> ControlPass | None:
+        """The group's ControlNet chain for this call (its prompt rows: this rank's, as the DiT's), or None.
+        `pipeline`: PipeFusion's stage points the attention at the ControlNet's sequence itself."""
         if not branches.control:
             return None
+        sequence = None if pipeline else lambda extra: self._control_sequence(branches, extra, t.device)
         return ControlPass(self.controlnets, self.adapter.config, branches, t, self._text_rows(self.layout, branches),
-                           longer_prompt=lambda extra: self._longer_prompt(branches, extra, t.device))
+                           sequence=sequence, shares_sequence=pipeline or self.layout.ref_len == 0)
 
-    def _longer_prompt(self, branches: Branches, extra: int, device) -> tuple:
-        """(this rank's prompt rows, joint attention, RoPE rows) of a forward pass whose prompt is `extra` tokens
-        longer, in front (a union ControlNet's types): prompt and image rows split as the DiT's are, so the image
-        rows (and residuals) of each rank stay its own. Validation keeps PipeFusion out of this."""
-        layout = dataclasses.replace(self.layout, text_len=self.layout.text_len + extra)
+    def _control_sequence(self, branches: Branches, extra: int, device) -> tuple:
+        """(this rank's prompt rows, joint attention, RoPE rows) of a ControlNet's own forward pass: its prompt is
+        `extra` tokens longer, in front (a union ControlNet's types), and it has no reference rows (ComfyUI's
+        ControlNets never see Kontext's). Prompt and image rows split as the DiT's are, so the image rows (and
+        residuals) of each rank stay its own. Validation keeps typed passes out of PipeFusion."""
+        layout = dataclasses.replace(self.layout, text_len=self.layout.text_len + extra, ref_len=0)
+        shards = range(layout.shards)
         if self.topology.naive_patch > 1:
             attention = LocalAttention()
+        elif self.topology.patch > 1:  # over buffers kept beside the DiT's; gathered before attending (exact)
+            caches = control_caches(self.patch_caches[id(branches)], layout)
+            attention = DisplacedPatchAttention(caches[0], self.comm, self.comm.group("patch"),
+                                                [layout.positions(j, [0], device) for j in shards], LocalAttention())
         else:
-            attention = self._sequence_attention([layout.seq_len(j, [0]) for j in range(layout.shards)])
+            attention = self._sequence_attention([layout.seq_len(j, [0]) for j in shards])
         rope = self._rope(self._rope_full(branches, extra), layout.positions(self.shard, [0], device))
         return layout.text_rows(self.shard), attention, rope
 

@@ -22,6 +22,14 @@ class StaleKVCache:
     def __init__(self, seq_len: int):
         self.seq_len = seq_len
         self.buffers: dict[int, torch.Tensor] = {}
+        self._companion: StaleKVCache | None = None
+
+    def companion(self, seq_len: int) -> "StaleKVCache":
+        """Buffers over a sequence of another length kept with these (a ControlNet's, which lacks the DiT's
+        reference rows): they live as long as this cache, and start empty when the length changes."""
+        if self._companion is None or self._companion.seq_len != seq_len:
+            self._companion = StaleKVCache(seq_len)
+        return self._companion
 
     def update(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         buf = self.buffers.get(layer)
@@ -32,7 +40,8 @@ class StaleKVCache:
         return buf[0], buf[1]
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+        own = sum(b.numel() * b.element_size() for b in self.buffers.values())
+        return own + (self._companion.nbytes() if self._companion is not None else 0)
 
 
 class StaleKVAttention:
