@@ -61,6 +61,8 @@ class InputSpec:
     optional: bool = False
 
 
+SHARD_WEIGHTS = {"auto": "auto", "on": True, "off": False}  # Strategy Selector's shard_weights -> StrategySpec's
+
 STRATEGY_INPUTS = (
     InputSpec("mode", "combo", {"options": list(MODES), "default": "auto",
                                 "tooltip": "auto: the runtime picks the degrees for the devices, image size and cfg "
@@ -92,6 +94,12 @@ STRATEGY_INPUTS = (
                                                       "device on this model first; relative speeds such as 3,2 split "
                                                       "tokens, heads and pipeline stages in proportion. Applies in "
                                                       "auto mode too."}, optional=True),
+    InputSpec("shard_weights", "combo", {"options": list(SHARD_WEIGHTS), "default": "auto",
+                                         "tooltip": "For models bigger than one device: the devices that would each "
+                                                    "hold the whole model (CFG, Ulysses, Ring ranks) keep a share of "
+                                                    "every block and gather a block just before it runs (exact). auto: "
+                                                    "only when the model does not fit otherwise. Applies in auto mode "
+                                                    "too."}, optional=True),
 )
 
 
@@ -181,7 +189,7 @@ class StrategyChoice:
 def strategy_choice(mode: str, cfg_degree: int = 1, pipefusion_degree: int = 1, ulysses_degree: int = 1,
                     ring_degree: int = 1, num_pipeline_patch: int = 0, warmup_steps: int = 1,
                     node_id: str | None = None, tensor_degree: int = 1, patch_degree: int = 1,
-                    device_weights: str = "") -> StrategyChoice:
+                    device_weights: str = "", shard_weights: str = "auto") -> StrategyChoice:
     """Strategy Selector's inputs -> StrategyChoice; range errors are caught here, device fit at sample time."""
     from parallel_runtime.planning.balance import MEASURED, parse_device_weights
 
@@ -198,15 +206,19 @@ def strategy_choice(mode: str, cfg_degree: int = 1, pipefusion_degree: int = 1, 
                                   f"{spec.options['max']}, got {value!r}.")
     weights = parse_device_weights(device_weights)
     fixed = () if weights == MEASURED else weights
+    if shard_weights not in SHARD_WEIGHTS:
+        raise ConfigError(f"shard_weights must be one of {', '.join(SHARD_WEIGHTS)}, got {shard_weights!r}.")
+    shard = SHARD_WEIGHTS[shard_weights]
     if mode == "auto":
-        spec = StrategySpec(num_pipeline_patch=num_pipeline_patch, warmup_steps=warmup_steps, device_weights=fixed)
+        spec = StrategySpec(num_pipeline_patch=num_pipeline_patch, warmup_steps=warmup_steps, device_weights=fixed,
+                            shard_weights=shard)
     else:
-        spec = StrategySpec(**ints, device_weights=fixed)  # fit to the devices is checked at sample time
+        spec = StrategySpec(**ints, device_weights=fixed, shard_weights=shard)  # device fit: at sample time
     return StrategyChoice(mode=mode, spec=spec, node_id=None if node_id is None else str(node_id),
                           measured=weights == MEASURED)
 
 
-AUTO = StrategyChoice()
+AUTO = StrategyChoice(spec=StrategySpec(shard_weights="auto"))  # no Selector: sharding only where nothing fits
 
 
 def resolve_strategy(choice: StrategyChoice | None, chooser: Callable[..., tuple[StrategySpec, str]],
@@ -224,6 +236,10 @@ def resolve_strategy(choice: StrategyChoice | None, chooser: Callable[..., tuple
     spec, reason = (chooser(model_path, tuple(latent_shape), float(cfg), devices, speeds=weights) if weights
                     else chooser(model_path, tuple(latent_shape), float(cfg), devices))
     overrides = {}
+    # The plan's sharding: the Selector's, where the chosen plan has ranks that hold the same blocks (auto chose
+    # it on already where nothing fits otherwise).
+    if choice.spec.shard_weights is not True or spec.shard_group > 1:
+        spec = dataclasses.replace(spec, shard_weights=spec.shard_weights or choice.spec.shard_weights)
     if choice.spec.num_pipeline_patch:
         overrides["num_pipeline_patch"] = choice.spec.num_pipeline_patch
     if choice.spec.warmup_steps != StrategySpec().warmup_steps:

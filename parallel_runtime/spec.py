@@ -33,12 +33,16 @@ class StrategySpec:
     device_weights: tuple[float, ...] = ()
     # Sharded block weights (FSDP-style, for models bigger than one device): the ranks that would each hold the same
     # blocks (across CFG, Ulysses, Ring, patch) keep 1/N of every block's bytes and gather a block just before it
-    # runs. Planning (auto) turns it on when a plan does not fit without it.
-    shard_weights: bool = False
+    # runs. "auto": the client turns it on for a job whose plan does not fit a rank without it (and fits with it).
+    shard_weights: bool | str = False
 
     def __post_init__(self):
         # JSON gives a list; a frozen spec is hashed (a Topology key, a cache key), so it must be a tuple.
         object.__setattr__(self, "device_weights", tuple(float(w) for w in (self.device_weights or ())))
+        if self.shard_weights not in (True, False, "auto"):
+            from .errors import ConfigError
+
+            raise ConfigError(f"shard_weights={self.shard_weights!r}; use on, off or auto.")
 
     @property
     def world_size(self) -> int:
@@ -59,7 +63,7 @@ class StrategySpec:
         elif self.patch_degree > 1:
             parts.append(f"w{self.warmup_steps}")
         label = "x".join(parts) or "serial"
-        if self.shard_weights:
+        if self.sharded:
             label += "+shard"
         if self.balanced:
             label += "[" + ":".join(f"{w:g}" for w in self.device_weights) + "]"
@@ -75,6 +79,11 @@ class StrategySpec:
     def stale_steps(self) -> bool:
         """Whether steps after warm-up read stale K/V (PipeFusion, displaced patch)."""
         return self.pipefusion_degree > 1 or self.patch_degree > 1
+
+    @property
+    def sharded(self) -> bool:
+        """Whether block weights are sharded (shard_weights on; "auto" is settled by the client before a job)."""
+        return self.shard_weights is True
 
     @property
     def shard_group(self) -> int:

@@ -292,9 +292,13 @@ def test_strategy_schema():
     inputs, schema = schema_inputs(ParaDiTStrategy)
     assert (schema.node_id, schema.display_name) == ("ParaDiTStrategy", "Strategy Selector")
     assert list(inputs) == ["mode", "cfg_degree", "pipefusion_degree", "ulysses_degree", "ring_degree",
-                            "num_pipeline_patch", "warmup_steps", "tensor_degree", "patch_degree", "device_weights"]
+                            "num_pipeline_patch", "warmup_steps", "tensor_degree", "patch_degree", "device_weights",
+                            "shard_weights"]
     # The newer inputs are optional: graphs saved before them still queue.
-    assert all(inputs[name][1]["optional"] is True for name in ("tensor_degree", "patch_degree", "device_weights"))
+    assert all(inputs[name][1]["optional"] is True for name in ("tensor_degree", "patch_degree", "device_weights",
+                                                                "shard_weights"))
+    assert inputs["shard_weights"][1]["options"] == ["auto", "on", "off"]
+    assert inputs["shard_weights"][1]["default"] == "auto"
     assert inputs["mode"] == ("COMBO", {**inputs["mode"][1], "options": ["auto", "manual"]})
     assert (inputs["cfg_degree"][1]["min"], inputs["cfg_degree"][1]["max"]) == (1, 2)
     for name in ("pipefusion_degree", "ulysses_degree", "ring_degree"):
@@ -375,10 +379,11 @@ def test_strategy_node_manual_and_auto(monkeypatch):
     out = node.execute("manual", 2, 1, 2, 1, 0, 1)
     choice = out.args[0]
     assert choice.mode == "manual" and choice.node_id == "7"
-    assert choice.spec == StrategySpec(cfg_degree=2, ulysses_degree=2)
+    # shard_weights 'auto' (the Selector's default): the client shards only a plan that does not fit unsharded
+    assert choice.spec == StrategySpec(cfg_degree=2, ulysses_degree=2, shard_weights="auto")
     assert "cfg2xulysses2" in out.ui.value and host.texts == [("7", out.ui.value)]
     auto = node.execute("auto", 2, 2, 2, 2, 4, 3).args[0]
-    assert auto.mode == "auto" and auto.spec == StrategySpec(num_pipeline_patch=4, warmup_steps=3)
+    assert auto.mode == "auto" and auto.spec == StrategySpec(num_pipeline_patch=4, warmup_steps=3, shard_weights="auto")
 
 
 def test_strategy_choice_rejects_out_of_range():
@@ -392,12 +397,12 @@ def test_device_weights_on_the_strategy_selector():
     # Relative speeds split in proportion (manual and auto), 'measured' times the devices at sample time, and a
     # typo is one sentence before anything runs.
     manual = convert.strategy_choice("manual", ring_degree=2, device_weights="3, 2")
-    assert manual.spec == StrategySpec(ring_degree=2, device_weights=(3.0, 2.0)) and not manual.measured
+    assert manual.spec == StrategySpec(ring_degree=2, device_weights=(3.0, 2.0), shard_weights="auto") and not manual.measured
     assert convert.resolve_strategy(manual, None, "/m", (1, 16, 8, 8), 1.0, "cpu:2") == (manual.spec, "manual")
     measured = convert.strategy_choice("manual", ulysses_degree=2, device_weights="measured")
     assert measured.measured and measured.spec.device_weights == ()
     spec, _ = convert.resolve_strategy(measured, None, "/m", (1, 16, 8, 8), 1.0, "cpu:2", lambda: (0.5, 1.0))
-    assert spec == StrategySpec(ulysses_degree=2, device_weights=(0.5, 1.0))
+    assert spec == StrategySpec(ulysses_degree=2, device_weights=(0.5, 1.0), shard_weights="auto")
     asked = []
 
     def chooser(*args, **kw):
@@ -405,11 +410,11 @@ def test_device_weights_on_the_strategy_selector():
         return StrategySpec(ring_degree=2, device_weights=kw.get("speeds", ())), "balanced"
     auto = convert.strategy_choice("auto", device_weights="measured")
     assert convert.resolve_strategy(auto, chooser, "/m", (1, 16, 8, 8), 1.0, "cpu:2", lambda: (1.0, 0.5))[0] == \
-        StrategySpec(ring_degree=2, device_weights=(1.0, 0.5))
+        StrategySpec(ring_degree=2, device_weights=(1.0, 0.5), shard_weights="auto")
     assert asked == [{"speeds": (1.0, 0.5)}]
     assert "shares 60%, 40%" in convert.strategy_text(manual.spec, "manual", "manual")
     tp = convert.strategy_choice("manual", tensor_degree=2, patch_degree=1)
-    assert tp.spec == StrategySpec(tensor_degree=2)
+    assert tp.spec == StrategySpec(tensor_degree=2, shard_weights="auto")
     with pytest.raises(ConfigError, match="device_weights '3;2' is not understood"):
         convert.strategy_choice("manual", device_weights="3;2")
     with pytest.raises(ConfigError, match="device_weights '1,-2' is not understood"):
@@ -420,17 +425,21 @@ def test_resolve_strategy():
     rt = FakeRuntime()
     manual = convert.strategy_choice("manual", ring_degree=2)
     assert convert.resolve_strategy(manual, rt.choose_strategy, "/m", (1, 16, 8, 8), 1.0, "cpu:2") == \
-        (StrategySpec(ring_degree=2), "manual")
+        (StrategySpec(ring_degree=2, shard_weights="auto"), "manual")
     assert rt.chosen == []
     spec, reason = convert.resolve_strategy(None, rt.choose_strategy, "/m", (1, 16, 8, 8), 3.5, "cpu:2")
-    assert spec == StrategySpec(ulysses_degree=2) and "Ulysses" in reason
+    assert spec == StrategySpec(ulysses_degree=2, shard_weights="auto") and "Ulysses" in reason
     assert rt.chosen == [("/m", (1, 16, 8, 8), 3.5, "cpu:2")]
+    # shard_weights on: kept where the chosen plan has replicas to shard over
+    on = convert.strategy_choice("auto", shard_weights="on")
+    assert convert.resolve_strategy(on, rt.choose_strategy, "/m", (1, 16, 8, 8), 3.5, "cpu:2")[0].sharded
+    rt.chosen.clear()
 
     def pp(*_):
         return StrategySpec(pipefusion_degree=2), "pipeline"
     knobs = convert.strategy_choice("auto", num_pipeline_patch=4, warmup_steps=2)
     assert convert.resolve_strategy(knobs, pp, "/m", (1, 16, 8, 8), 1.0, "cpu:2")[0] == \
-        StrategySpec(pipefusion_degree=2, num_pipeline_patch=4, warmup_steps=2)
+        StrategySpec(pipefusion_degree=2, num_pipeline_patch=4, warmup_steps=2, shard_weights="auto")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,7 +568,7 @@ def test_sampler_runs_job_and_reports(runtime):
     client = runtime.clients["cpu:2"]
     job = client.jobs[0]
     assert job.negative is None  # cfg 1.0: the negative is neither needed nor validated
-    assert job.strategy == StrategySpec(ulysses_degree=2)
+    assert job.strategy == StrategySpec(ulysses_degree=2, shard_weights="auto")
     assert job.sampling.seed == 42 and job.sampling.steps == 4 and job.model.weight_dtype == "bf16"
     assert job.extra == {"batch_index": [0]} and job.positive.guidance == 3.5
     assert runtime.chosen == [(job.model.path, (1, 16, 16, 16), 1.0, "cpu:2")]
@@ -580,7 +589,7 @@ def test_sampler_uses_negative_with_cfg(runtime):
     sampler_mod.sample(handle(convert.strategy_choice("manual", cfg_degree=2)), 0, 2, 3.0, "euler", "simple",
                        cond(), cond(), latent(), 1.0, host=host)
     job = runtime.clients["cpu:2"].jobs[0]
-    assert job.negative is not None and job.strategy == StrategySpec(cfg_degree=2)
+    assert job.negative is not None and job.strategy == StrategySpec(cfg_degree=2, shard_weights="auto")
     with pytest.raises(ConfigError, match="negative conditioning uses area"):
         sampler_mod.sample(handle(), 0, 2, 3.0, "euler", "simple", cond(), cond(area=(1, 1, 0, 0)), latent(),
                            1.0, host=host)

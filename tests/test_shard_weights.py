@@ -199,6 +199,59 @@ def test_memory_estimate_of_a_sharded_plan():
         assert mem["params"] < (1 / g + 0.1) * plain["params"]
 
 
+def test_auto_shards_only_where_the_model_does_not_fit():
+    """Flux.1 dev in bf16 (22 GB) on two 16 GB GPUs: the replicated splits do not fit, their sharded twins do and
+    are ranked with their gathers; with room for the whole model nothing is sharded."""
+    from parallel_runtime.bench.models import FLUX_DEV
+    from parallel_runtime.planning.auto import describe_choice, pick, rank_candidates
+
+    calib = costmodel.gpu_calibration(FLUX_DEV, 512, 4096, "PCIe")
+    kw = dict(text_len=512, steps=28, weight_dtype="bf16")
+    tight = rank_candidates(FLUX_DEV, (1, 16, 128, 128), 1.0, ["cuda:0", "cuda:1"], calib,
+                            memory_budget_bytes=16 * 2**30, **kw)
+    replicated = [c for c in tight if c.strategy.pipefusion_degree == 1 and c.strategy.tensor_degree == 1]
+    assert replicated and all(c.strategy.sharded and c.fits for c in replicated)
+    best = pick(tight)
+    assert best.fits
+    roomy = rank_candidates(FLUX_DEV, (1, 16, 128, 128), 1.0, ["cuda:0", "cuda:1"], calib,
+                            memory_budget_bytes=70 * 2**30, **kw)
+    assert not any(c.strategy.sharded for c in roomy)
+    sharded = next(c for c in replicated if c.strategy.ulysses_degree == 2)
+    text = describe_choice(sharded, tight, 100.0, 1.0, calib, 16 * 2**30)
+    assert "sharding weights: the model does not fit replicated in 16.0 GB per device" in text
+    assert sharded.projection.comm_by_op["weights"] > 0  # the gathers are in its projection
+
+
+def test_client_settles_auto_sharding_and_refuses_what_never_fits(folder):
+    """shard_weights "auto" turns on for a job that does not fit a rank unsharded and does sharded; a job that fits
+    neither way is refused before loading in one sentence that names what each lean plan would need. (A Flux of
+    18 blocks: with the tiny one's 4, two whole blocks in flight outweigh the half a rank leaves out.)"""
+    from parallel_runtime.runtime.memory import check_job_memory, job_rank_memory, settle_weight_sharding
+
+    deep = dataclasses.replace(TINY, num_layers=6, num_single_layers=12)
+    path = write_checkpoint(str(folder / "deep-flux.safetensors"), deep, seed=0)
+    job = make_job(path, S(ulysses_degree=2, shard_weights="auto"))
+    devices = ["cuda:0", "cuda:1"]
+    plain = job_rank_memory(job, devices[0], S(ulysses_degree=2))["total"]
+    sharded = job_rank_memory(job, devices[0], S(ulysses_degree=2, shard_weights=True))["total"]
+    assert sharded < plain
+
+    def reports(budget):  # a GPU worker's ping: usable = 0.9 x free
+        return [{"held_bytes": 0, "device_free": int(budget / 0.9), "host_available": 2**34}] * 2
+
+    assert settle_weight_sharding(job, devices, reports(plain * 1.01)).strategy.shard_weights is False
+    settled = settle_weight_sharding(job, devices, reports((plain + sharded) / 2))
+    assert settled.strategy.shard_weights is True and settled.strategy.label() == "ulysses2+shard"
+    check_job_memory(settled, devices, reports((plain + sharded) / 2))
+    too_small = settle_weight_sharding(job, devices, reports(sharded * 0.9))
+    with pytest.raises(ConfigError, match=r"this job needs about .* per worker .* but worker \d \(cuda:\d\) has .* "
+                                          r"available; per worker, .*PipeFusion over 2 devices about"):
+        check_job_memory(too_small, devices, reports(sharded * 0.9))
+    unsharded_job = make_job(path, S(ulysses_degree=2))
+    with pytest.raises(ConfigError, match=r"shard_weights on about"):
+        check_job_memory(unsharded_job, devices, reports(sharded * 1.2))
+
+
 # -- refusals ------------------------------------------------------------------------------------------------------
 
 

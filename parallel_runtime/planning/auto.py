@@ -102,6 +102,13 @@ def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str],
         mem = costmodel.rank_memory(s, config, text_tokens=text_len, image_tokens=image_tokens(config, h, w), batch=b,
                                     cfg=cfg, weight_bytes=e, act_bytes=e, layout=layout)
         proj = costmodel.project(s, config, calib, cfg=cfg, steps=steps, batch=b, act_bytes=e, per_call=per_call)
+        if mem["total"] > budget and s.shard_group > 1:
+            # Too big replicated: the same split with the blocks sharded over its replicas, if that fits (its
+            # gathers are in the projection), is a candidate in its place.
+            s = dataclasses.replace(s, shard_weights=True)
+            mem = costmodel.rank_memory(s, config, text_tokens=text_len, image_tokens=image_tokens(config, h, w),
+                                        batch=b, cfg=cfg, weight_bytes=e, act_bytes=e, layout=layout)
+            proj = costmodel.project(s, config, calib, cfg=cfg, steps=steps, batch=b, act_bytes=e, per_call=per_call)
         if len(set(speeds)) > 1:
             balanced = dataclasses.replace(s, device_weights=tuple(speeds))
             on_speeds = dataclasses.replace(_on_speeds(proj, speeds, True), strategy=balanced)
@@ -153,6 +160,10 @@ def describe_choice(best: Candidate, candidates: list[Candidate], serial_job_s: 
     if replicated and not any(c.fits for c in replicated):
         need = min(c.memory["total"] for c in replicated)
         notes.append(f"PipeFusion required: replicated needs {_gb(need)} per device, budget {_gb(budget)}")
+    if s.sharded:
+        notes.append(f"sharding weights: the model does not fit replicated in {_gb(budget)} per device, so each of "
+                     f"{s.shard_group} devices keeps 1/{s.shard_group} of every block ({_gb(best.memory['params'])} "
+                     f"of weights per device) and gathers a block before it runs")
     if s.pipefusion_degree == 1:
         pipe = [c for c in candidates if c.strategy.pipefusion_degree > 1 and c.fits]
         if pipe and pipe[0].projection.job_s < proj.job_s:
@@ -168,6 +179,8 @@ def _strategy_text(s: StrategySpec) -> str:
                                               ("tensor", s.tensor_degree)) if deg > 1]
     if s.pipefusion_degree > 1:
         parts.append(f"patches={s.patches}")
+    if s.sharded:
+        parts.append("shard_weights")
     if s.balanced:
         parts.append("shares " + ":".join(f"{w:g}" for w in s.device_weights))
     return " ".join(parts) or "serial"

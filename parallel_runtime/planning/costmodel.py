@@ -598,7 +598,7 @@ def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, s
     if stage_kinds is None and topo.pipefusion > 1:
         stage_kinds = stage_block_kinds(config, topo.pipefusion)
     shapes = shapes_of(config, image_tokens=n_len, text_tokens=t_len, pipefusion=topo.pipefusion, batch=batch,
-                       act_bytes=act_bytes, weight_bytes=act_bytes if strategy.shard_weights else 0.0)
+                       act_bytes=act_bytes, weight_bytes=act_bytes if strategy.sharded else 0.0)
     comm = _comm_times(strategy, shapes, calib, steps, cfg)
     comm_by_op, comm_job_extra, comm_rank = comm
 
@@ -630,7 +630,7 @@ def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, s
                                      if layer != "prompt") for name, n in all_blocks.items())
         attn_share = b_mult * self_attention / (topo.ulysses * topo.ring) * (topo.ring - 1)
         comm_s = comm_s - ring + max(ring - attn_share, 0.0)
-    if calib.overlap and strategy.shard_weights:
+    if calib.overlap and strategy.sharded:
         # The next block's gather runs while this one computes (a prefetch on its own process group).
         weights = max(c.get("weights", 0.0) for c in comm_rank)
         comm_s = comm_s - weights + max(weights - compute, 0.0)
@@ -722,7 +722,7 @@ def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_token
     if topo.pipefusion > 1:
         stages = _stages(config, topo.pipefusion)
         per_stage = []
-        g = strategy.shard_group if strategy.shard_weights else 1
+        g = strategy.shard_group if strategy.sharded else 1
         for k, chunks in enumerate(stages):
             held = [layout.blocks[i] / topo.tensor for r in chunks for i in r]
             n = sum(held) / g + (2 * max(held) if g > 1 else 0) + layout.always
@@ -737,7 +737,7 @@ def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_token
     else:
         # Tensor parallelism splits the blocks' layers (modulation included); embedders and the head are whole.
         params = layout.total - sum(layout.blocks) * (1 - 1 / topo.tensor)
-        if strategy.shard_weights:  # 1/G of each block kept, the running block and the prefetched one whole
+        if strategy.sharded:  # 1/G of each block kept, the running block and the prefetched one whole
             g = strategy.shard_group
             params -= sum(layout.blocks) / topo.tensor * (1 - 1 / g) - 2 * max(layout.blocks) / topo.tensor
         kv = 0

@@ -186,7 +186,7 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
     for rank in range(topo.world_size):
         c = topo.coords(rank)
         rt = out[rank]
-        if strategy.shard_weights:
+        if strategy.sharded:
             _weight_gathers(rt, strategy, topo, c, shapes, steps)
         if topo.pipefusion > 1:
             _pipefusion(rt, strategy, topo, c, shapes, b, x_row, steps)

@@ -38,7 +38,7 @@ import torch
 from .. import errors
 from ..spec import Job
 from .devices import auto_notice, parse_devices, pinned_cores
-from .memory import check_job_memory, keeps_other_models
+from .memory import check_job_memory, keeps_other_models, settle_weight_sharding
 from .protocol import PATCH_SETS_KEPT, Channel, encode, keep_hints, keep_recent
 from .watchdog import JobWatch, WatchdogConfig
 
@@ -266,6 +266,7 @@ class RuntimeClient:
         with self._lock:
             self.start()
             self.ping()
+            job = settle_weight_sharding(job, self.devices, self.memory_reports)
             check_job_memory(job, self.devices, self.memory_reports)
             keep = keeps_other_models(job, self.devices, self.memory_reports)
             meta = {"model": job.model.to_json(), "strategy": job.strategy.to_json(), "keep_resident": keep,

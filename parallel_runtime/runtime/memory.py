@@ -68,6 +68,20 @@ def job_rank_memory(job, device: str, strategy=None, bytes_per_parameter: float 
                        act_bytes=act)
 
 
+def settle_weight_sharding(job, devices: list[str], reports: list[dict]):
+    """The job with shard_weights "auto" settled: on where its plan does not fit the fullest rank unsharded but
+    has ranks that hold the same blocks to shard them over; else off. Sharding costs a gather per block per pass,
+    so it is never on where the weights fit."""
+    import dataclasses
+
+    s = job.strategy
+    if s.shard_weights != "auto":
+        return job
+    on = dataclasses.replace(s, shard_weights=True)
+    fits = not reports or job_rank_memory(job, devices[0])["total"] <= min(rank_budgets(devices, reports))
+    return dataclasses.replace(job, strategy=dataclasses.replace(s, shard_weights=not fits and on.shard_group > 1))
+
+
 def _smaller_plans(job, devices: list[str]) -> list[str]:
     """What the plans that hold less per rank would need: PipeFusion over every device (each holds its stage's
     blocks), and the same plan from an fp8 (1 byte per weight) or GGUF Q4_K (~0.56) file of the model."""
@@ -76,6 +90,9 @@ def _smaller_plans(job, devices: list[str]) -> list[str]:
     s, world, device = job.strategy, len(devices), devices[0]
     now = job_rank_memory(job, device)["total"]
     options = []
+    if not s.sharded and s.shard_group > 1:
+        sharded = dataclasses.replace(s, shard_weights=True)
+        options.append(("shard_weights on", job_rank_memory(job, device, sharded)["total"]))
     if s.pipefusion_degree < world:
         pp = dataclasses.replace(s, pipefusion_degree=world, ulysses_degree=1, ring_degree=1, cfg_degree=1,
                                  naive_patch_degree=1, num_pipeline_patch=0)

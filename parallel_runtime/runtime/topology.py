@@ -42,7 +42,7 @@ class Topology:
     def from_strategy(cls, s: StrategySpec) -> "Topology":
         return cls(cfg=s.cfg_degree, pipefusion=s.pipefusion_degree, naive_patch=s.naive_patch_degree,
                    patch=s.patch_degree, ring=s.ring_degree, ulysses=s.ulysses_degree, tensor=s.tensor_degree,
-                   shard_weights=s.shard_weights)
+                   shard_weights=s.sharded)
 
     @property
     def degrees(self) -> tuple[int, ...]:
@@ -155,7 +155,7 @@ def _check_combinations(s: StrategySpec) -> None:
     if s.patch_degree > 1 and (s.pipefusion_degree > 1 or s.ulysses_degree > 1 or s.ring_degree > 1):
         raise ConfigError("displaced patch parallel splits the sequence itself, so it combines with cfg and tensor "
                           "parallel only; set pipefusion, ulysses and ring degrees to 1 or patch_degree to 1.")
-    if s.shard_weights and s.shard_group == 1:
+    if s.sharded and s.shard_group == 1:
         held = "each PipeFusion stage already holds only its blocks" if s.pipefusion_degree > 1 else \
             "each tensor rank already holds only its part of every block" if s.tensor_degree > 1 else "one device holds the model"
         raise ConfigError(f"shard_weights needs ranks that hold the same blocks (CFG, Ulysses, Ring or patch ranks), but "
