@@ -136,16 +136,19 @@ class RemoteControlNet:
 
 def _check_supported(control) -> None:
     """One sentence for a ControlNet the workers cannot run, before sampling starts."""
+    import comfy.cldm.mmdit
     import comfy.controlnet
     import comfy.ldm.flux.controlnet
 
     name = type(control).__name__
     model = getattr(control, "control_model", None)
-    if type(control) is not comfy.controlnet.ControlNet or not isinstance(model, comfy.ldm.flux.controlnet.ControlNetFlux):
+    # The workers' ControlNets, by ComfyUI's class: each family's read_config checks the file against its DiT.
+    runs = (comfy.ldm.flux.controlnet.ControlNetFlux, comfy.cldm.mmdit.ControlNet)
+    if type(control) is not comfy.controlnet.ControlNet or type(model) not in runs:
         what = type(model).__name__ if model is not None else name
         raise convert.ConfigError(f"this ControlNet ({what}) does not run on the ParaDiT workers, which run Flux "
-                                  f"ControlNets (XLabs, Mistoline, InstantX); remove it or load the model with "
-                                  f"UNETLoader.")
+                                  f"ControlNets (XLabs, Mistoline, InstantX, InstantX Union) and SD3 ControlNets "
+                                  f"(InstantX's SD3 ControlNets); remove it or load the model with UNETLoader.")
     if control.strength_type != comfy.controlnet.StrengthType.CONSTANT or control.global_average_pooling:
         raise convert.ConfigError("this ControlNet scales its residuals per block, which the ParaDiT workers do "
                                   "not run; remove it or load the model with UNETLoader.")

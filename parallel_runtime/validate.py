@@ -222,7 +222,10 @@ def validate_control(name: str, c, config, job: Job) -> None:
     family = family_of(config)
     title = getattr(config, "title", family.title)
     if family.load_controlnet is None:
-        raise ConfigError(f"ControlNets for {title} do not run on the ParaDiT workers yet (Flux.1 ControlNets do); "
+        from .models.registry import families
+
+        runs = " and ".join(f.title for f in families() if f.load_controlnet is not None)
+        raise ConfigError(f"ControlNets for {title} do not run on the ParaDiT workers yet, only those for {runs}; "
                           f"remove the ControlNet node or load the model with UNETLoader.")
     if job.timestep is None:
         raise ConfigError("ControlNet runs under KSampler (or SamplerCustomAdvanced) with the parallel MODEL; "
@@ -237,7 +240,7 @@ def validate_control(name: str, c, config, job: Job) -> None:
         except (OSError, ValueError) as exc:
             raise ModelFileError(f"the ControlNet file {control.path} cannot be read ({exc}); load the ControlNet "
                                  f"again.") from None
-        if net.hidden_size != config.hidden_size or net.axes_dims_rope != config.axes_dims_rope:
+        if net.hidden_size != config.hidden_size or net.axes_dims_rope != getattr(config, "axes_dims_rope", None):
             raise ConfigError(f"the ControlNet is {net.hidden_size} wide but this {title} model is "
                               f"{config.hidden_size}; load a ControlNet made for this model.")
         _validate_union_types(control, net, job)

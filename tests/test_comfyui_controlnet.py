@@ -17,9 +17,13 @@ from comfy_host import COMFYUI_DIR
 if not COMFYUI_DIR:
     pytest.skip("COMFYUI_DIR is not set: no ComfyUI host to test against", allow_module_level=True)
 
+import os  # noqa: E402
+
 import torch  # noqa: E402
 
 import comfy_host  # noqa: E402
+from parallel_runtime.models.families.sd3 import SD3Config  # noqa: E402
+from parallel_runtime.models.tiny import write_checkpoint, write_sd3_controlnet  # noqa: E402
 from comfy_host import explain, latent_parity, serve  # noqa: E402
 from conftest import rel_err  # noqa: E402
 
@@ -32,9 +36,25 @@ ONE_WORKER_RTOL = 1e-5
 EXACT_RTOL = 1e-4
 
 
+# SD3: 4 heads of 64 (ComfyUI builds width / 64 = 4 joint blocks), SD3's text widths; its ControlNets as InstantX
+# ships them (diffusers' SD3ControlNetModel names), 2 blocks (residuals listed [0, 0, 1]) and 1 block ([0, 0, 0]).
+SD3_MINI = SD3Config(hidden_size=256, num_layers=4, pos_embed_max_size=16)
+SD3_DIT, SD3_CONTROLNETS = "sd3-mini.safetensors", ("sd3-controlnet-2.safetensors", "sd3-controlnet-1.safetensors")
+
+
+def write_files(root: str) -> None:
+    """The Flux files (comfy_host), the SD3 DiT and its two ControlNets."""
+    comfy_host.write_flux_mini_and_controlnet(root)
+    write_checkpoint(os.path.join(root, "models", "diffusion_models", SD3_DIT), SD3_MINI, seed=1,
+                     prefix="model.diffusion_model.", dtype=torch.float32)
+    for name, blocks, seed in zip(SD3_CONTROLNETS, (2, 1), (2, 3)):
+        write_sd3_controlnet(os.path.join(root, "models", "controlnet", name), SD3_MINI, blocks=blocks, seed=seed,
+                             layout="diffusers")
+
+
 @pytest.fixture(scope="module")
 def server():
-    yield from serve("paradit-comfyui-controlnet-", comfy_host.write_flux_mini_and_controlnet)
+    yield from serve("paradit-comfyui-controlnet-", write_files)
 
 
 def strategy(**degrees) -> dict:
@@ -166,3 +186,35 @@ def test_controlnet_with_kontext_references_on_two_workers_equals_unetloader(ser
     and the negative (none) in two lanes."""
     err = parity(server, graph("cpu:2", strat, chained=True, kontext=True), f"kontext, {strat['inputs']}")
     assert err <= EXACT_RTOL
+
+
+def sd3_graph(devices: str = "cpu:1", strat: dict | None = None) -> dict:
+    """graph(chained=True) on the SD3 file: SD3's conditioning widths (no guidance), the 2-block ControlNet (30) and
+    the 1-block one (31) chained, their hints encoded by the stand-in VAE (36), as SD3 ControlNets need."""
+    g = graph(devices, strat, chained=True)
+    for node in ("1", "2"):
+        g[node]["inputs"].update(width=4096, pooled=2048, guidance=-1.0)
+    g["11"]["inputs"]["unet_name"] = g["20"]["inputs"]["unet_name"] = SD3_DIT
+    g["30"]["inputs"]["control_net_name"] = SD3_CONTROLNETS[0]
+    g["31"] = {"class_type": "ControlNetLoader", "inputs": {"control_net_name": SD3_CONTROLNETS[1]}}
+    g["36"] = {"class_type": "ParaDiTTestImageVAE", "inputs": {}}
+    g["40"]["inputs"]["vae"] = g["41"]["inputs"]["vae"] = ["36", 0]
+    g["41"]["inputs"]["control_net"] = ["31", 0]
+    return g
+
+
+def test_sd3_controlnets_equal_unetloader(server):
+    """ComfyUI's comfy.cldm.mmdit ControlNets (converted from diffusers' layout on load), chained, against its MMDiT;
+    without them the image differs."""
+    assert parity(server, sd3_graph(), "sd3") <= ONE_WORKER_RTOL
+    g = sd3_graph()
+    g["21"]["inputs"].update(positive=["1", 0], negative=["2", 0])  # UNETLoader's chain without the ControlNets
+    result = server.run({k: v for k, v in g.items() if k not in ("11", "12", "13")})
+    assert result["status"] == "success", explain(result)
+    assert rel_err(server.latent(result, "22"), REFERENCES["sd3"]) > 1e-2
+
+
+@pytest.mark.parametrize("strat", [strategy(cfg=2), strategy(ulysses=2), strategy(ring=2), strategy(pp=2)],
+                         ids=["cfg2", "ulysses2", "ring2", "pp2_warm"])
+def test_sd3_controlnets_on_two_workers_equal_unetloader(server, strat):
+    assert parity(server, sd3_graph("cpu:2", strat), f"sd3, {strat['inputs']}") <= EXACT_RTOL

@@ -205,7 +205,8 @@ class DiTFamily:
     # The family's ControlNets, None where they do not run on the workers: reader -> its config (how many
     # residuals, `residual_index` over the DiT's blocks); (reader, dtype, device, attention context, tensor=None: a
     # tensor rank's split, cutting its blocks as the DiT's) -> the adapter strategies run (hint_tokens, hint_cache,
-    # embed_control_image, residuals, use_layers).
+    # embed_text, timestep_embedding, embed_control_image(x rows, hint rows, their index, latent size), residuals,
+    # use_layers, reads_types; `net`: its module, `model`: the part tensor parallelism binds).
     controlnet_config: Callable | None = None
     load_controlnet: Callable | None = None
     # Whether ComfyUI's model of this family reads the `attention_mask` extra cond (an additive bias over the

@@ -37,9 +37,14 @@ def _random_original(config, seed: int, dtype: torch.dtype) -> dict[str, torch.T
     """Random tensors for every key of the family's original (ComfyUI) layout, in a fixed order."""
     from .registry import family_of
 
+    return _random_tensors(family_of(config).checkpoint_shapes(config), seed, dtype)
+
+
+def _random_tensors(shapes: dict, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Random tensors of {key: (shape, kind)}, each kind at its scale, in the dict's order."""
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     tensors: dict[str, torch.Tensor] = {}
-    for key, (shape, kind) in family_of(config).checkpoint_shapes(config).items():
+    for key, (shape, kind) in shapes.items():
         t = torch.randn(shape, generator=gen, dtype=torch.float32)
         if kind == "weight":
             t.mul_(_WEIGHT_GAIN / shape[1] ** 0.5)
@@ -128,4 +133,31 @@ def write_controlnet(path: str | os.PathLike, config: FluxConfig, kind: str = "x
     if union_modes:
         tensors["controlnet_mode_embedder.weight"] = torch.randn(union_modes, h, generator=gen).to(dtype)
     save_file(tensors, os.fspath(path), metadata={"format": "pt", "paradit_controlnet": kind})
+    return os.fspath(path)
+
+
+def write_sd3_controlnet(path: str | os.PathLike, config, blocks: int = 1, seed: int = 0, hint_channels: int = 16,
+                         dual_attention_layers: tuple[int, ...] = (), layout: str = "comfy",
+                         dtype: torch.dtype = torch.float32) -> str:
+    """Deterministic random weights of an SD3 ControlNet of `blocks` joint blocks for the SD3 DiT `config`: in
+    ComfyUI's comfy.cldm.mmdit layout (what the host hands the workers), or `layout` "diffusers" (an
+    SD3ControlNetModel file as InstantX ships one, which ComfyUI's loader converts). Residual projections and the
+    hint embedding get a sizeable scale, so a residual added to the wrong block or rows shows."""
+    from .families import sd3_controlnet
+
+    net = sd3_controlnet.SD3ControlNetConfig(
+        dataclasses.replace(config, num_layers=blocks, dual_attention_layers=dual_attention_layers), hint_channels)
+    shapes = sd3_controlnet.controlnet_shapes(net)
+    for key, (shape, kind) in shapes.items():
+        if key.startswith(("controlnet_blocks.", "pos_embed_input.")) and kind == "weight":
+            shapes[key] = (shape, "mod")  # half the usual gain: residuals of O(0.5)
+    comfy = _random_tensors(shapes, seed, dtype)
+    if layout == "comfy":
+        tensors = comfy
+    else:
+        tensors = {}
+        for name, src in sd3_controlnet.source_map(net).items():
+            t = comfy[src.key] if src.rows is None else comfy[src.key][src.rows]
+            tensors[name] = apply_transform(t, src.transform).contiguous().clone()
+    save_file(tensors, os.fspath(path), metadata={"format": "pt", "paradit_controlnet": "sd3"})
     return os.fspath(path)

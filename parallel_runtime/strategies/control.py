@@ -75,16 +75,16 @@ class ControlPass:
     embedding are computed once per job; the hint's token table once per hint (kept by the adapter)."""
 
     def __init__(self, controlnets: ControlNets, main_config, branches, t: torch.Tensor, text_rows: range,
-                 sequence=None, shares_sequence: bool = True):
+                 hw: tuple[int, ...], sequence=None, shares_sequence: bool = True):
         """`sequence(extra)`: (this rank's prompt rows, joint attention, RoPE rows) of the ControlNet's own pass, its
         prompt `extra` tokens longer than the DiT's (a union ControlNet's type tokens) and without the DiT's
         reference rows, its image rows and their shards the DiT's (None where no strategy offers it);
         `shares_sequence`: whether an untyped pass runs on the DiT's attention and RoPE rows (no reference rows, or
-        the caller points them at the ControlNet's sequence)."""
+        the caller points them at the ControlNet's sequence); `hw`: the latent's size (for position embeddings)."""
         self.inputs, self.nets, self.branches = branches.control, controlnets.nets, branches
         self.plan = ResidualPlan([controlnets.configs[c.path] for c in self.inputs], main_config.num_layers,
                                  main_config.num_single_layers)
-        self.t, self.text_rows, self.sequence, self.shares_sequence = t, text_rows, sequence, shares_sequence
+        self.t, self.text_rows, self.hw, self.sequence, self.shares_sequence = t, text_rows, hw, sequence, shares_sequence
         self._embedded: dict[int, tuple] = {}
 
     def _embeddings(self, k: int, net, control: ControlInput) -> tuple:
@@ -113,7 +113,7 @@ class ControlPass:
             net.use_layers(k)
             hint = _batched(hint_tokens(net, control)[:, index], self.branches)
             text, temb, own = self._embeddings(k, net, control)
-            image = net.embed_control_image(x_rows, hint)
+            image = net.embed_control_image(x_rows, hint, index, self.hw)
             for residual in self._run(net, image, text, temb, rope, own):
                 out.append(residual * control.strength if control.strength != 1.0 else residual)
         return out

@@ -134,7 +134,7 @@ class ModelCallForward(Denoiser):
             return None
         sequence = None if pipeline else lambda extra: self._control_sequence(branches, extra, t.device)
         return ControlPass(self.controlnets, self.adapter.config, branches, t, self._text_rows(self.layout, branches),
-                           sequence=sequence, shares_sequence=pipeline or self.layout.ref_len == 0)
+                           self.hw, sequence=sequence, shares_sequence=pipeline or self.layout.ref_len == 0)
 
     def _control_sequence(self, branches: Branches, extra: int, device) -> tuple:
         """(this rank's prompt rows, joint attention, RoPE rows) of a ControlNet's own forward pass: its prompt is

@@ -266,7 +266,9 @@ class FluxControlNetAdapter(FluxAdapter):
         modes = self.net.mode_embedder(torch.tensor(types, device=self.device)).to(text.dtype)
         return torch.cat([modes.unsqueeze(0).expand(text.shape[0], -1, -1), text], dim=1)
 
-    def embed_control_image(self, x_tokens: torch.Tensor, hint_rows: torch.Tensor) -> torch.Tensor:
+    def embed_control_image(self, x_tokens: torch.Tensor, hint_rows: torch.Tensor, index: torch.Tensor,
+                            hw: tuple[int, int]) -> torch.Tensor:
+        """img_in(x) + the hint's rows (`index`, `hw`: where the rows sit; Flux's positions are RoPE)."""
         return self.model.x_embedder(x_tokens.to(self.device, self.dtype)) + hint_rows
 
     def residuals(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope) -> list[torch.Tensor]:

@@ -11,6 +11,9 @@ position crop and output un-patching are done here on token rows, so a rank embe
 Where diffusers and ComfyUI order work differently (diffusers joins [image, text], ComfyUI [text, image];
 ComfyUI sums the two SD3.5M attentions at once), results differ by round-off only.
 
+ControlNets (InstantX's SD3 ControlNets, ComfyUI's comfy.cldm.mmdit.ControlNet) run beside the blocks: see
+sd3_controlnet.py; `run_blocks` adds their residuals to every image row after each block, as ComfyUI's MMDiT does.
+
 Key layouts: ComfyUI/original (`joint_blocks.N.x_block...`, optionally under `model.diffusion_model.`) and
 diffusers (`transformer_blocks.N...`, `transformer.` prefix optional).
 """
@@ -144,7 +147,9 @@ def _map_attention(out: dict, dst: str, src: str, H: int, qk_norm: bool, q="to_q
         out[f"{dst}.{norm_k}.weight"] = Source(f"{src}.ln_k.weight")
 
 
-def source_map(config: SD3Config, layout: str, prefix: str = "") -> dict[str, Source]:
+def source_map(config: SD3Config, layout: str, prefix: str = "", controlnet: bool = False) -> dict[str, Source]:
+    """`controlnet`: the blocks of an SD3 ControlNet (diffusers' SD3ControlNetModel: no pre-only last block, no
+    head; its own layers are mapped by sd3_controlnet)."""
     if layout == "diffusers":
         return same_names(_diffusers_model(config).state_dict(), prefix)
     p, H = prefix, config.hidden_size
@@ -158,7 +163,7 @@ def source_map(config: SD3Config, layout: str, prefix: str = "") -> dict[str, So
     linear(out, "context_embedder", p + "context_embedder")
     for i in range(config.num_layers):
         d, x, c = f"transformer_blocks.{i}", f"{p}joint_blocks.{i}.x_block", f"{p}joint_blocks.{i}.context_block"
-        pre_only = i == config.num_layers - 1
+        pre_only = i == config.num_layers - 1 and not controlnet
         linear(out, f"{d}.norm1.linear", f"{x}.adaLN_modulation.1")
         _map_attention(out, f"{d}.attn", f"{x}.attn", H, config.qk_norm)
         linear(out, f"{d}.attn.to_out.0", f"{x}.attn.proj")
@@ -175,13 +180,15 @@ def source_map(config: SD3Config, layout: str, prefix: str = "") -> dict[str, So
         if i in config.dual_attention_layers:
             _map_attention(out, f"{d}.attn2", f"{x}.attn2", H, config.qk_norm)
             linear(out, f"{d}.attn2.to_out.0", f"{x}.attn2.proj")
-    linear(out, "norm_out.linear", p + "final_layer.adaLN_modulation.1", transform="swap_halves")
-    linear(out, "proj_out", p + "final_layer.linear")
+    if not controlnet:
+        linear(out, "norm_out.linear", p + "final_layer.adaLN_modulation.1", transform="swap_halves")
+        linear(out, "proj_out", p + "final_layer.linear")
     return out
 
 
-def checkpoint_shapes(config: SD3Config) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{original key: (shape, kind)} of an SD3 file, for writing random test checkpoints."""
+def checkpoint_shapes(config: SD3Config, controlnet: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{original key: (shape, kind)} of an SD3 file, for writing random test checkpoints; `controlnet`: the shared
+    part of an SD3 ControlNet's (every block with a whole text stream, no final layer)."""
     H, P, C = config.hidden_size, config.patch_size, config.in_channels
     out: dict[str, tuple[tuple[int, ...], str]] = {}
 
@@ -203,7 +210,7 @@ def checkpoint_shapes(config: SD3Config) -> dict[str, tuple[tuple[int, ...], str
             out[f"{name}.ln_q.weight"] = out[f"{name}.ln_k.weight"] = ((HEAD_DIM,), "norm")
 
     for i in range(config.num_layers):
-        pre_only = i == config.num_layers - 1
+        pre_only = i == config.num_layers - 1 and not controlnet
         dual = i in config.dual_attention_layers
         for stream in ("x_block", "context_block"):
             b = f"joint_blocks.{i}.{stream}"
@@ -218,8 +225,9 @@ def checkpoint_shapes(config: SD3Config) -> dict[str, tuple[tuple[int, ...], str
             if stream == "x_block" and dual:
                 attention(f"{b}.attn2")
                 lin(f"{b}.attn2.proj", H, H)
-    lin("final_layer.linear", P * P * C, H)
-    lin("final_layer.adaLN_modulation.1", 2 * H, H, "mod")
+    if not controlnet:
+        lin("final_layer.linear", P * P * C, H)
+        lin("final_layer.adaLN_modulation.1", 2 * H, H, "mod")
     return out
 
 
@@ -318,9 +326,16 @@ class SD3Adapter:
         t = t.to(self.device, torch.float32)
         return self.model.time_text_embed(t, pooled.to(self.device, self.dtype))
 
-    def run_blocks(self, image, text, temb, rope, chunk: int = 0) -> tuple:
-        for i in (i for i in self.chunks[chunk] if i not in self.skip):
-            text, image = self.model.transformer_blocks[i](hidden_states=image, encoder_hidden_states=text, temb=temb)
+    def run_blocks(self, image, text, temb, rope, chunk: int = 0, residuals=None) -> tuple:
+        """The chunk's blocks; `residuals` (strategies.control.Residuals): ControlNet residuals added to the image
+        rows after each block, as ComfyUI's MMDiT adds `control` (also after a skipped block)."""
+        for i in self.chunks[chunk]:
+            if i not in self.skip:
+                text, image = self.model.transformer_blocks[i](hidden_states=image, encoder_hidden_states=text,
+                                                               temb=temb)
+            add = residuals.get(i) if residuals is not None else None
+            if add is not None:
+                image = image + add
         return image, text
 
     def head(self, image: torch.Tensor, temb: torch.Tensor, rope=None) -> torch.Tensor:
@@ -329,8 +344,21 @@ class SD3Adapter:
                               self.latent_channels)
 
 
+def _controlnet_config(reader):
+    from . import sd3_controlnet  # it builds on this module's blocks and adapter
+
+    return sd3_controlnet.read_config(reader)
+
+
+def _load_controlnet(reader, dtype, device, context, tensor=None):
+    from . import sd3_controlnet
+
+    return sd3_controlnet.load_controlnet(reader, dtype, device, context, tensor=tensor)
+
+
 SD3 = DiTFamily(
     name="sd3", title="SD3 / SD3.5 (Medium, Large)", match=match_layout, infer_config=infer_config,
     meta_model=_diffusers_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=SD3Adapter,
     block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE,
-    comfy_layout="original", block_inputs=block_inputs)
+    comfy_layout="original", block_inputs=block_inputs, controlnet_config=_controlnet_config,
+    load_controlnet=_load_controlnet)
