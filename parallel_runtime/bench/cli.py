@@ -398,8 +398,10 @@ class BenchRun:
             if s.world_size == 1:
                 serial[round(cfg, 6)] = res
                 total_params = res["stats"][0]["param_bytes"]
+            # A sharded row's block gathers: the bench file's weights are held in the compute dtype.
             shapes = shapes_of(config, image_tokens=self.image_tokens, text_tokens=self.seq_text,
-                               pipefusion=s.pipefusion_degree, batch=shape[0], act_bytes=self.act_bytes)
+                               pipefusion=s.pipefusion_degree, batch=shape[0], act_bytes=self.act_bytes,
+                               weight_bytes=self.act_bytes if s.sharded else 0.0)
             analytic = job_traffic(s, shapes, steps=args.steps, cfg=cfg)
             ok, worst = compare([st["traffic"] for st in res["stats"]], analytic, TARGET_TRAFFIC)
             res.update(analytic=analytic, traffic_ok=ok, traffic_diff=worst)

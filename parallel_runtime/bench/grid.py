@@ -20,7 +20,7 @@ def grid(max_world: int, *, cfg: float, heads: int, num_blocks: int, latent_hw: 
         if w > max_world:
             break
         h = w // 2
-        cands = [(S(ulysses_degree=w), cfg), (S(ring_degree=w), cfg),
+        cands = [(S(ulysses_degree=w), cfg), (S(ulysses_degree=w, shard_weights=True), cfg), (S(ring_degree=w), cfg),
                  (S(pipefusion_degree=w, num_pipeline_patch=w), cfg),
                  (S(pipefusion_degree=w, num_pipeline_patch=2 * w), cfg)]
         if w == 2:

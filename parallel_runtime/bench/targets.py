@@ -11,6 +11,8 @@ TARGET_TRAFFIC = 0.10
 TARGET_AUTO = 0.10
 TARGET_TP_PARAMS = 0.6  # tensor parallel at 2: params per rank <= 0.6 x the whole model's
 TARGET_EXACT = 1e-4  # an exact strategy's latent against serial's (fp32)
+TARGET_SHARD_PARAMS = 0.55  # shard_weights at 2: weight bytes per rank <= 0.55 x the whole model's
+TARGET_SHARD_STEP = 1.25  # shard_weights at 2: Ulysses-2's step <= 1.25 x the unsharded one's
 
 _ULYSSES2 = ("Ulysses-2", lambda s: s.ulysses_degree == 2 and s.world_size == 2)
 _RING2 = ("Ring-2", lambda s: s.ring_degree == 2 and s.world_size == 2)
@@ -64,6 +66,7 @@ def measured_targets(args, results: list[dict], serial: dict, inproc: float | No
     _stale_vs_naive_target(results, target, trained=args.model not in NAMED_MODELS)
     _displaced_target(results, target, trained=args.model not in NAMED_MODELS)
     _tensor_target(results, target, total_params)
+    _shard_target(results, target, total_params)
     par = [r for r in results if r["strategy"].world_size > 1]
     if par:
         worst = max(par, key=lambda r: r["traffic_diff"])
@@ -124,6 +127,27 @@ def _tensor_target(results, target, total_params: int | None) -> None:
     ratio = max(st["param_bytes"] for st in row["stats"]) / total_params
     target(name, row["rel_err"] <= TARGET_EXACT and ratio <= TARGET_TP_PARAMS,
            f"{row['label']} error {row['rel_err']:.1e}, params/rank {ratio:.2f} x total, {row['speedup']:.2f}x serial")
+
+
+def _shard_target(results, target, total_params: int | None) -> None:
+    """shard_weights beside Ulysses-2: each rank holds about half the weights, its step within 1.25x of the unsharded
+    step (the block gathers prefetched while the block before computes), and the result unchanged."""
+    def ulysses2(sharded):
+        return [r for r in results if r["strategy"].ulysses_degree == 2 and r["strategy"].world_size == 2
+                and r["strategy"].sharded == sharded]
+    name = (f"shard_weights Ulysses-2: params/rank <= {TARGET_SHARD_PARAMS} x total, step <= {TARGET_SHARD_STEP} x "
+            f"unsharded, exact")
+    sharded, plain = ulysses2(True), ulysses2(False)
+    if not sharded or not plain or not total_params:
+        target(name, None, "no ulysses2+shard row")
+        return
+    row, base = sharded[0], plain[0]
+    ratio = max(st["param_bytes"] for st in row["stats"]) / total_params
+    slower = row["step_s"] / base["step_s"]
+    gathered = max(st["traffic"]["by_op"].get("weights", [0, 0])[1] for st in row["stats"])
+    target(name, ratio <= TARGET_SHARD_PARAMS and slower <= TARGET_SHARD_STEP and row["rel_err"] <= TARGET_EXACT,
+           f"params/rank {ratio:.2f} x total, step {row['step_s'] * 1e3:.0f} ms vs {base['step_s'] * 1e3:.0f} ms "
+           f"({slower:.2f}x), error {row['rel_err']:.1e}, gathered {gathered / 2**20:.0f} MiB per rank per job")
 
 
 def auto_target(args, results: list[dict], auto_pick, auto_reason, max_world: int, target) -> dict | None:
