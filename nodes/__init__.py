@@ -7,7 +7,8 @@ def node_list() -> list:
     from .routes import register_routes
     from .sampler import ParaDiTSampler
     from .strategy import ParaDiTStrategy
+    from .vae_decode import ParaDiTVAEDecode
 
     register_routes()
 
-    return [ParaDiTStrategy, ParaDiTLoader, ParaDiTSampler]
+    return [ParaDiTStrategy, ParaDiTLoader, ParaDiTSampler, ParaDiTVAEDecode]

@@ -49,7 +49,8 @@ def _make_fake_comfy_api():
         return t
 
     for cls, name in [("Int", "INT"), ("Float", "FLOAT"), ("String", "STRING"), ("Combo", "COMBO"),
-                      ("Conditioning", "CONDITIONING"), ("Latent", "LATENT"), ("Model", "MODEL")]:
+                      ("Conditioning", "CONDITIONING"), ("Latent", "LATENT"), ("Model", "MODEL"), ("Vae", "VAE"),
+                      ("Image", "IMAGE")]:
         setattr(io, cls, _type(name))
     io.Custom = _type
 
@@ -653,12 +654,12 @@ def _load_plugin():
     return module
 
 
-def test_entrypoint_lists_the_three_nodes(folder_paths):
+def test_entrypoint_lists_the_nodes(folder_paths):
     plugin = _load_plugin()
     assert plugin.WEB_DIRECTORY == "./web" and os.path.isfile(os.path.join(ROOT, "web", "paradit.js"))
     ext = asyncio.run(plugin.comfy_entrypoint())
     names = [n.define_schema().node_id for n in asyncio.run(ext.get_node_list())]
-    assert names == ["ParaDiTStrategy", "ParaDiTLoader", "ParaDiTSampler"]
+    assert names == ["ParaDiTStrategy", "ParaDiTLoader", "ParaDiTSampler", "ParaDiTVAEDecode"]
 
 
 def test_import_is_light():

@@ -27,12 +27,13 @@ BARRIER_TIMEOUT_S = 600.0
 def replica_for(model: nn.Module, device: torch.device | str, leave_out: tuple[str, ...] = ("encoder",)) -> nn.Module:
     """A deep copy of `model` for a band on `device`: the module tree (with any split forwards) is new; parameters
     and buffers are `model`'s own where they already live on `device`, else copied there (never via another
-    device). The children named in `leave_out` (the encoder: a decode never runs it) are None in the copy."""
+    device). The children named in `leave_out` (the encoder: a decode never runs it) are empty modules in the copy
+    (Wan 2.2's decode still counts the encoder's convolutions, finding none)."""
     device = torch.device(device)
-    memo: dict[int, object] = {id(child): None for name, child in model.named_children() if name in leave_out}
+    memo: dict[int, object] = {id(child): nn.Module() for name, child in model.named_children() if name in leave_out}
     kept = [model] + [child for name, child in model.named_children() if name not in leave_out]
     for tensor in {id(t): t for m in kept for t in _tensors(m, recurse=m is not model)}.values():
-        if _same_device(tensor.device, device):
+        if same_device(tensor.device, device):
             memo[id(tensor)] = tensor
         else:
             moved = tensor.detach().to(device, copy=True)
@@ -47,10 +48,10 @@ def _tensors(module: nn.Module, recurse: bool) -> list[torch.Tensor]:
 def on_device(model: nn.Module, device: torch.device | str) -> bool:
     """Whether every parameter and buffer of `model` is on `device` (a replica whose source moved is stale)."""
     device = torch.device(device)
-    return all(_same_device(t.device, device) for t in [*model.parameters(), *model.buffers()])
+    return all(same_device(t.device, device) for t in [*model.parameters(), *model.buffers()])
 
 
-def _same_device(a: torch.device, b: torch.device) -> bool:
+def same_device(a: torch.device, b: torch.device) -> bool:
     if a.type != b.type:
         return False
     if a.type != "cuda":
@@ -61,9 +62,15 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 def run_bands(latent: torch.Tensor, replicas: list[tuple[nn.Module, torch.device]],
               decode: Callable[[nn.Module, torch.Tensor], torch.Tensor], *, out_device: torch.device | str = "cpu",
-              out_dtype: torch.dtype | None = None, cpu_threads: int | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype | None = None, cpu_threads: int | None = None,
+              context_rows: int = 0, around: Callable[[int], contextlib.AbstractContextManager] | None = None
+              ) -> torch.Tensor:
     """Decode `latent` ([B, C, H, W] or [B, C, T, H, W]) as len(replicas) bands of its rows (dim -2), band k in
     its own thread on replicas[k]; returns the bands' outputs stacked along rows on `out_device`.
+
+    `context_rows` > 0 (a decode that is not split exactly): each band decodes that many more latent rows above
+    and below its own where the image has them, and keeps only its own rows of the output. `around(rank)`, if
+    given, is a context band `rank`'s thread decodes in (the bench's memory meter).
 
     Bands on the CPU share its cores: each gets `cpu_threads` intra-op threads (default: this thread's count
     divided among them); the previous setting is restored after."""
@@ -79,9 +86,13 @@ def run_bands(latent: torch.Tensor, replicas: list[tuple[nn.Module, torch.device
         model, device = replicas[rank]
         device = torch.device(device)
         start, stop = layout[rank]
+        first, last = max(0, start - context_rows), min(latent.shape[-2], stop + context_rows)
         try:
-            with _on(device, threads), torch.inference_mode(), exchange.joined(group.member(rank, device)):
-                out = decode(model, latent[..., start:stop, :].to(device))
+            with _on(device, threads), torch.inference_mode(), exchange.joined(group.member(rank, device)), \
+                    (around(rank) if around is not None else contextlib.nullcontext()):
+                out = decode(model, latent[..., first:last, :].to(device))
+                scale = out.shape[-2] // (last - first)  # the decoder's rows per latent row
+                out = out[..., (start - first) * scale:(stop - first) * scale, :]
                 outputs[rank] = out.to(out_device, out_dtype or out.dtype)
         except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread below
             errors.append(exc)

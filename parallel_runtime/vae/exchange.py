@@ -49,8 +49,9 @@ class BandMember:
 
     def trade_edges(self, first: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Post this band's `first` and `last` rows; return (the band above's last rows, the band below's first
-        rows) on this band's device, None at the image's top and bottom edge."""
-        edges = self.swap((first, last))
+        rows) on this band's device, None at the image's top and bottom edge. Posted as compact copies: a view
+        would keep the band's whole tensor alive in the slot until the slot is reused."""
+        edges = self.swap((first.clone(), last.clone()))
         above = edges[self.rank - 1][1].to(self.device) if self.rank > 0 else None
         below = edges[self.rank + 1][0].to(self.device) if self.rank < self.size - 1 else None
         return above, below
