@@ -133,6 +133,23 @@ def block_bytes(config) -> int:
     return 4 * sum(family_of(config).parameter_counts(config)[0])
 
 
+def test_cancel_mid_job_leaves_the_group_in_step(flux, client2):
+    """A Cancel stops every rank at the same step (a vote); the sharded walk then ends its cycle on each, so the
+    same workers run the next sharded job, exactly."""
+    from parallel_runtime.errors import Cancelled
+
+    path, serial = flux
+    pids = [p.pid for p in client2.procs] if client2.alive else None
+    seen = []
+    with pytest.raises(Cancelled):
+        client2.run(make_job(path, SHARDED[1], steps=40), progress=lambda step, total, info: seen.append(step),
+                    interrupted=lambda: len(seen) >= 2)
+    assert client2.alive and (pids is None or [p.pid for p in client2.procs] == pids)  # kept, not restarted
+    pids = [p.pid for p in client2.procs]
+    assert rel_err(client2.run(make_job(path, SHARDED[1])).latent, serial.latent) <= EXACT_RTOL
+    assert [p.pid for p in client2.procs] == pids
+
+
 # -- storage kinds and LoRA --------------------------------------------------------------------------------------
 
 
