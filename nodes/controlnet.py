@@ -68,7 +68,17 @@ class RemoteControlNet:
     # -- ComfyUI's ControlBase interface ------------------------------------------------------------------
 
     def pre_run(self, model, percent_to_timestep_function):
-        self.last.pre_run(model, percent_to_timestep_function)  # sets each member's timestep range
+        """ComfyUI's ControlNet.pre_run for each member (its timestep range, the model's sampling), one by one.
+        ControlNetSD35's own pre_run would first copy the DiT's x or y embedder into its ControlNet from the host's
+        model, which holds no DiT weights: the workers read those layers from their DiT instead."""
+        import comfy.controlnet
+
+        for c in self.chain:
+            previous, c.previous_controlnet = c.previous_controlnet, None  # each member once, not its chain again
+            try:
+                comfy.controlnet.ControlNet.pre_run(c, model, percent_to_timestep_function)
+            finally:
+                c.previous_controlnet = previous
 
     def cleanup(self):
         self.last.cleanup()
@@ -136,19 +146,23 @@ class RemoteControlNet:
 
 def _check_supported(control) -> None:
     """One sentence for a ControlNet the workers cannot run, before sampling starts."""
+    import comfy.cldm.dit_embedder
     import comfy.cldm.mmdit
     import comfy.controlnet
     import comfy.ldm.flux.controlnet
 
     name = type(control).__name__
     model = getattr(control, "control_model", None)
-    # The workers' ControlNets, by ComfyUI's class: each family's read_config checks the file against its DiT.
-    runs = (comfy.ldm.flux.controlnet.ControlNetFlux, comfy.cldm.mmdit.ControlNet)
-    if type(control) is not comfy.controlnet.ControlNet or type(model) not in runs:
+    # The workers' ControlNets, by ComfyUI's classes: each family's read_config checks the file against its DiT.
+    runs = {(comfy.controlnet.ControlNet, comfy.ldm.flux.controlnet.ControlNetFlux),
+            (comfy.controlnet.ControlNet, comfy.cldm.mmdit.ControlNet),
+            (comfy.controlnet.ControlNetSD35, comfy.cldm.dit_embedder.ControlNetEmbedder)}
+    if (type(control), type(model)) not in runs:
         what = type(model).__name__ if model is not None else name
         raise convert.ConfigError(f"this ControlNet ({what}) does not run on the ParaDiT workers, which run Flux "
-                                  f"ControlNets (XLabs, Mistoline, InstantX, InstantX Union) and SD3 ControlNets "
-                                  f"(InstantX's SD3 ControlNets); remove it or load the model with UNETLoader.")
+                                  f"ControlNets (XLabs, Mistoline, InstantX, InstantX Union) and SD3 / SD3.5 "
+                                  f"ControlNets (InstantX's, Stability's); remove it or load the model with "
+                                  f"UNETLoader.")
     if control.strength_type != comfy.controlnet.StrengthType.CONSTANT or control.global_average_pooling:
         raise convert.ConfigError("this ControlNet scales its residuals per block, which the ParaDiT workers do "
                                   "not run; remove it or load the model with UNETLoader.")

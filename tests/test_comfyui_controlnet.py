@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 import comfy_host  # noqa: E402
 from parallel_runtime.models.families.sd3 import SD3Config  # noqa: E402
-from parallel_runtime.models.tiny import write_checkpoint, write_sd3_controlnet  # noqa: E402
+from parallel_runtime.models.tiny import write_checkpoint, write_sd3_controlnet, write_sd35_controlnet  # noqa: E402
 from comfy_host import explain, latent_parity, serve  # noqa: E402
 from conftest import rel_err  # noqa: E402
 
@@ -40,6 +40,9 @@ EXACT_RTOL = 1e-4
 # ships them (diffusers' SD3ControlNetModel names), 2 blocks (residuals listed [0, 0, 1]) and 1 block ([0, 0, 0]).
 SD3_MINI = SD3Config(hidden_size=256, num_layers=4, pos_embed_max_size=16)
 SD3_DIT, SD3_CONTROLNETS = "sd3-mini.safetensors", ("sd3-controlnet-2.safetensors", "sd3-controlnet-1.safetensors")
+# Stability's SD3.5 kind as its files come (ComfyUI's names, without the DiT's layers): 2 image-only blocks, and a
+# "double y" one of 2 blocks.
+SD35_CONTROLNETS = ("sd35-controlnet.safetensors", "sd35-controlnet-double-y.safetensors")
 
 
 def write_files(root: str) -> None:
@@ -50,6 +53,9 @@ def write_files(root: str) -> None:
     for name, blocks, seed in zip(SD3_CONTROLNETS, (2, 1), (2, 3)):
         write_sd3_controlnet(os.path.join(root, "models", "controlnet", name), SD3_MINI, blocks=blocks, seed=seed,
                              layout="diffusers")
+    for name, double_y, seed in zip(SD35_CONTROLNETS, (False, True), (4, 5)):
+        write_sd35_controlnet(os.path.join(root, "models", "controlnet", name), SD3_MINI, blocks=2, double_y=double_y,
+                              seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -188,15 +194,17 @@ def test_controlnet_with_kontext_references_on_two_workers_equals_unetloader(ser
     assert err <= EXACT_RTOL
 
 
-def sd3_graph(devices: str = "cpu:1", strat: dict | None = None) -> dict:
+def sd3_graph(devices: str = "cpu:1", strat: dict | None = None,
+              controlnets: tuple[str, str] = SD3_CONTROLNETS) -> dict:
     """graph(chained=True) on the SD3 file: SD3's conditioning widths (no guidance), the 2-block ControlNet (30) and
-    the 1-block one (31) chained, their hints encoded by the stand-in VAE (36), as SD3 ControlNets need."""
+    the 1-block one (31) chained (or other `controlnets`), their hints encoded by the stand-in VAE (36), as SD3
+    ControlNets need."""
     g = graph(devices, strat, chained=True)
     for node in ("1", "2"):
         g[node]["inputs"].update(width=4096, pooled=2048, guidance=-1.0)
     g["11"]["inputs"]["unet_name"] = g["20"]["inputs"]["unet_name"] = SD3_DIT
-    g["30"]["inputs"]["control_net_name"] = SD3_CONTROLNETS[0]
-    g["31"] = {"class_type": "ControlNetLoader", "inputs": {"control_net_name": SD3_CONTROLNETS[1]}}
+    g["30"]["inputs"]["control_net_name"] = controlnets[0]
+    g["31"] = {"class_type": "ControlNetLoader", "inputs": {"control_net_name": controlnets[1]}}
     g["36"] = {"class_type": "ParaDiTTestImageVAE", "inputs": {}}
     g["40"]["inputs"]["vae"] = g["41"]["inputs"]["vae"] = ["36", 0]
     g["41"]["inputs"]["control_net"] = ["31", 0]
@@ -207,14 +215,33 @@ def test_sd3_controlnets_equal_unetloader(server):
     """ComfyUI's comfy.cldm.mmdit ControlNets (converted from diffusers' layout on load), chained, against its MMDiT;
     without them the image differs."""
     assert parity(server, sd3_graph(), "sd3") <= ONE_WORKER_RTOL
-    g = sd3_graph()
-    g["21"]["inputs"].update(positive=["1", 0], negative=["2", 0])  # UNETLoader's chain without the ControlNets
-    result = server.run({k: v for k, v in g.items() if k not in ("11", "12", "13")})
-    assert result["status"] == "success", explain(result)
-    assert rel_err(server.latent(result, "22"), REFERENCES["sd3"]) > 1e-2
+    assert rel_err(sd3_without_controlnets(server), REFERENCES["sd3"]) > 1e-2
+
+
+def sd3_without_controlnets(server) -> torch.Tensor:
+    """UNETLoader's latent of sd3_graph without its ControlNets (once per module)."""
+    if "sd3, none" not in REFERENCES:
+        g = sd3_graph()
+        g["21"]["inputs"].update(positive=["1", 0], negative=["2", 0])
+        result = server.run({k: v for k, v in g.items() if k not in ("11", "12", "13")})
+        REFERENCES["sd3, none"] = server.latent(result, "22")
+    return REFERENCES["sd3, none"]
 
 
 @pytest.mark.parametrize("strat", [strategy(cfg=2), strategy(ulysses=2), strategy(ring=2), strategy(pp=2)],
                          ids=["cfg2", "ulysses2", "ring2", "pp2_warm"])
 def test_sd3_controlnets_on_two_workers_equal_unetloader(server, strat):
     assert parity(server, sd3_graph("cpu:2", strat), f"sd3, {strat['inputs']}") <= EXACT_RTOL
+
+
+def test_sd35_controlnets_equal_unetloader(server):
+    """Stability's SD3.5 ControlNets (ComfyUI's ControlNetSD35, which copies the DiT's x or y embedder in; the
+    workers read them from their DiT), a plain one and a "double y" one chained."""
+    assert parity(server, sd3_graph(controlnets=SD35_CONTROLNETS), "sd35") <= ONE_WORKER_RTOL
+    assert rel_err(sd3_without_controlnets(server), REFERENCES["sd35"]) > 1e-2
+
+
+@pytest.mark.parametrize("strat", [strategy(cfg=2), strategy(ulysses=2), strategy(ring=2), strategy(pp=2)],
+                         ids=["cfg2", "ulysses2", "ring2", "pp2_warm"])
+def test_sd35_controlnets_on_two_workers_equal_unetloader(server, strat):
+    assert parity(server, sd3_graph("cpu:2", strat, SD35_CONTROLNETS), f"sd35, {strat['inputs']}") <= EXACT_RTOL

@@ -204,7 +204,8 @@ class DiTFamily:
     replace_keys: tuple[str, ...] = ("double_block", "single_block")
     # The family's ControlNets, None where they do not run on the workers: reader -> its config (how many
     # residuals, `residual_index` over the DiT's blocks); (reader, dtype, device, attention context, tensor=None: a
-    # tensor rank's split, cutting its blocks as the DiT's) -> the adapter strategies run (hint_tokens, hint_cache,
+    # tensor rank's split, cutting its blocks as the DiT's, dit=None: the DiT's adapter, for a ControlNet that reads
+    # some of the DiT's layers, as SD3.5's do) -> the adapter strategies run (hint_tokens, hint_cache,
     # embed_text, timestep_embedding, embed_control_image(x rows, hint rows, their index, latent size), residuals,
     # use_layers, reads_types; `net`: its module, `model`: the part tensor parallelism binds).
     controlnet_config: Callable | None = None

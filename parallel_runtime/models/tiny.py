@@ -161,3 +161,21 @@ def write_sd3_controlnet(path: str | os.PathLike, config, blocks: int = 1, seed:
             tensors[name] = apply_transform(t, src.transform).contiguous().clone()
     save_file(tensors, os.fspath(path), metadata={"format": "pt", "paradit_controlnet": "sd3"})
     return os.fspath(path)
+
+
+def write_sd35_controlnet(path: str | os.PathLike, config, blocks: int = 1, double_y: bool = False, seed: int = 0,
+                          dtype: torch.dtype = torch.float32) -> str:
+    """Deterministic random weights of a Stability SD3.5 ControlNet of `blocks` image-only blocks for the SD3 DiT
+    `config`, in ComfyUI's ControlNetEmbedder names and, as its files come, without the layers it takes from the DiT
+    (the x embedder, or for a `double_y` one the first y embedder)."""
+    from .families import sd3_controlnet
+
+    net = sd3_controlnet.SD35ControlNetConfig(config.hidden_size, blocks, double_y,
+                                              config.hidden_size if double_y else config.pooled_dim, 16)
+    shapes = sd3_controlnet.sd35_controlnet_shapes(net)
+    for key, (shape, kind) in shapes.items():
+        if key.startswith(("controlnet_blocks.", "pos_embed_input.")) and kind == "weight":
+            shapes[key] = (shape, "mod")  # half the usual gain: residuals of O(0.5)
+    save_file(_random_tensors(shapes, seed, dtype), os.fspath(path), metadata={"format": "pt",
+                                                                                "paradit_controlnet": "sd35"})
+    return os.fspath(path)

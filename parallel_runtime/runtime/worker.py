@@ -270,7 +270,7 @@ class WorkerState:
                     tensor = TensorSplit(split.index, split.degree) if split is not None else None
                     with open_checkpoint(path) as reader:
                         net = self.family.load_controlnet(reader, self.adapter.dtype, self.device, self.context,
-                                                          tensor=tensor)
+                                                          tensor=tensor, dit=self.adapter)
                     if tensor is not None:
                         parallelize_tensor(net.model, tensor)
                 self.controlnets[key] = found.nets[path] = net  # most recently used last

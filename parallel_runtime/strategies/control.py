@@ -84,7 +84,8 @@ class ControlPass:
         self.inputs, self.nets, self.branches = branches.control, controlnets.nets, branches
         self.plan = ResidualPlan([controlnets.configs[c.path] for c in self.inputs], main_config.num_layers,
                                  main_config.num_single_layers)
-        self.t, self.text_rows, self.hw, self.sequence, self.shares_sequence = t, text_rows, hw, sequence, shares_sequence
+        self.t, self.text_rows, self.hw = t, text_rows, hw
+        self.sequence, self.shares_sequence = sequence, shares_sequence
         self._embedded: dict[int, tuple] = {}
 
     def _embeddings(self, k: int, net, control: ControlInput) -> tuple:

@@ -280,9 +280,10 @@ class FluxControlNetAdapter(FluxAdapter):
         return out
 
 
-def load_controlnet(reader, dtype: torch.dtype, device, context, tensor=None) -> FluxControlNetAdapter:
+def load_controlnet(reader, dtype: torch.dtype, device, context, tensor=None, dit=None) -> FluxControlNetAdapter:
     """A Flux ControlNet file (ComfyUI's layout) built on `device`, its attention on the worker's `context`;
-    `tensor`: a tensor-parallel rank's split (strategies.tensor.TensorSplit), cutting its blocks as the DiT's."""
+    `tensor`: a tensor-parallel rank's split (strategies.tensor.TensorSplit), cutting its blocks as the DiT's;
+    `dit`: the DiT's adapter (a Flux ControlNet shares none of its layers)."""
     config = flux_controlnet.read_config(reader)
     plan = FLUX.tensor_plan_for(config.flux) if tensor is not None else None
     net = flux_controlnet.FluxControlNet(config, reader, dtype, device, tensor=tensor, tensor_plan=plan)

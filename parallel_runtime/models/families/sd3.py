@@ -350,10 +350,10 @@ def _controlnet_config(reader):
     return sd3_controlnet.read_config(reader)
 
 
-def _load_controlnet(reader, dtype, device, context, tensor=None):
+def _load_controlnet(reader, dtype, device, context, tensor=None, dit=None):
     from . import sd3_controlnet
 
-    return sd3_controlnet.load_controlnet(reader, dtype, device, context, tensor=tensor)
+    return sd3_controlnet.load_controlnet(reader, dtype, device, context, tensor=tensor, dit=dit)
 
 
 SD3 = DiTFamily(
