@@ -24,7 +24,7 @@ from parallel_runtime.vae.split_modules import install, plan_split
 pytestmark = pytest.mark.timeout(600)
 
 KNOWN = {__name__: {"Decoder", "ResnetBlock", "Upsample", "AttnBlock", "WanDecoder", "WanBlock", "AttentionBlock",
-                    "RMSNorm"}}
+                    "RMSNorm", "CausalConv3d"}}
 # fp32: the split sums GroupNorm statistics, attention and the halo rows' convolutions in another order than the
 # whole-image ops (~1e-7 per op); a few dozen ops deep.
 SPLIT_RTOL = 1e-5
@@ -281,6 +281,8 @@ class Mystery(nn.Module):
     (nn.Sequential(nn.ConvTranspose2d(4, 4, 3)), "transposed"),
     (nn.Sequential(nn.Upsample(scale_factor=2.0, mode="bilinear")), "mixes rows"),
     (nn.Sequential(Mystery()), "does not know"),
+    (nn.Sequential(type("OddConv", (nn.Conv2d,), {})(4, 4, 3, padding=1)), "does not know"),  # forward unread
+    (nn.Sequential(nn.LayerNorm(4)), "torch layer"),
 ])
 def test_vae_split_refuses_modules_that_reach_across_rows(module, why):
     plan = plan_split(module, known=KNOWN)

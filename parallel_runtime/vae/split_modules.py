@@ -37,15 +37,16 @@ from . import exchange
 KNOWN_CLASSES: dict[str, set[str]] = {
     "comfy.ldm.models.autoencoder": {"AutoencodingEngine", "AutoencodingEngineLegacy", "AutoencoderKL"},
     "comfy.ldm.modules.diffusionmodules.model": {"Decoder", "ResnetBlock", "Upsample", "AttnBlock"},
-    "comfy.ldm.wan.vae": {"WanVAE", "Decoder3d", "ResidualBlock", "Resample", "AttentionBlock", "RMS_norm"},
+    "comfy.ldm.wan.vae": {"WanVAE", "Decoder3d", "ResidualBlock", "Resample", "AttentionBlock", "RMS_norm",
+                          "CausalConv3d"},
     "comfy.ldm.wan.vae2_2": {"WanVAE", "Decoder3d", "ResidualBlock", "Resample", "Up_ResidualBlock", "DupUp3D"},
-    "torch.nn.modules.container": {"Sequential", "ModuleList", "ModuleDict"},
-    "torch.nn.modules.module": {"Module"},  # ComfyUI's Decoder groups its levels in bare nn.Module()s
 }
 ATTENTION_KINDS = {"AttnBlock": ("q", "k", "v", "proj_out", "norm"), "AttentionBlock": ("to_qkv", "proj", "norm")}
 # Children of an autoencoder that only its encode runs.
 ENCODE_ONLY = frozenset({"encoder", "quant_conv", "regularization", "loss"})
 LOCAL_TORCH_LEAVES = (nn.SiLU, nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.Dropout)
+# ComfyUI's Decoder also groups its levels in bare nn.Module()s.
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 @dataclasses.dataclass
@@ -91,6 +92,11 @@ def _decode_modules(model: nn.Module):
 def _classify(module: nn.Module, known: dict[str, set[str]]) -> tuple[str | None, str | None]:
     """(kind, None) or (None, why the module keeps the decoder from an exact row split)."""
     cls = type(module)
+    # torch's layers and ComfyUI's casting wrappers of them (comfy.ops) keep torch's maths; anything else whose
+    # forward was not read may do something else, even when it subclasses a convolution.
+    if not (cls.__module__.startswith("torch.nn.modules.") or cls.__module__ == "comfy.ops"
+            or cls.__name__ in known.get(cls.__module__, ())):
+        return None, "a block the exact split does not know (its forward may mix rows)"
     if isinstance(module, nn.modules.conv._ConvNd):
         return _classify_conv(module)
     if isinstance(module, nn.GroupNorm):
@@ -103,13 +109,13 @@ def _classify(module: nn.Module, known: dict[str, set[str]]) -> tuple[str | None
                 s is not None and float(s).is_integer() for s in scales):
             return "local", None
         return None, f"upsampling mode {module.mode!r} / scale {module.scale_factor} mixes rows"
-    if cls.__name__ not in known.get(cls.__module__, ()):
-        return None, "a block the exact split does not know (its forward may mix rows)"
     attrs = ATTENTION_KINDS.get(cls.__name__)
     if attrs is not None:
         if not all(hasattr(module, a) for a in attrs):
             return None, "an attention block without the expected projections"
         return "attention_" + ("ldm" if "q" in attrs else "wan"), None
+    if cls.__module__.startswith("torch.nn.modules.") and not (cls is nn.Module or isinstance(module, CONTAINERS)):
+        return None, "a torch layer the exact split does not know"
     return ("block" if any(True for _ in module.children()) else "local"), None
 
 
