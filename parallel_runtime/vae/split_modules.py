@@ -42,6 +42,7 @@ KNOWN_CLASSES: dict[str, set[str]] = {
     "comfy.ldm.wan.vae2_2": {"WanVAE", "Decoder3d", "ResidualBlock", "Resample", "Up_ResidualBlock", "DupUp3D"},
 }
 ATTENTION_KINDS = {"AttnBlock": ("q", "k", "v", "proj_out", "norm"), "AttentionBlock": ("to_qkv", "proj", "norm")}
+GROUP_CHUNK = 4  # GroupNorm groups widened to float32 at a time (half-precision inputs)
 # Children of an autoencoder that only its encode runs.
 ENCODE_ONLY = frozenset({"encoder", "quant_conv", "regularization", "loss"})
 LOCAL_TORCH_LEAVES = (nn.SiLU, nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.Dropout)
@@ -227,15 +228,22 @@ def _group_norm_forward(norm, x):
         mean = mean + delta * (n_b / total)
         m2 = m2 + m2_b + delta * delta * (count * n_b / total)
         count = total
-    scale = torch.rsqrt(m2 / count + norm.eps).repeat_interleave(c // groups, dim=1)  # [b, c]
+    per_group = c // groups
+    scale = torch.rsqrt(m2 / count + norm.eps).unsqueeze(-1).expand(b, groups, per_group)  # [b, groups, per_group]
     if norm.weight is not None:
-        scale = scale * norm.weight.to(device=scale.device, dtype=scale.dtype)
-    tail = (1,) * (x.ndim - 2)
-    y = (xg - mean.to(x.dtype).unsqueeze(-1)).reshape(x.shape)
-    y.mul_(scale.to(x.dtype).view(b, c, *tail))
-    if norm.bias is not None:
-        y.add_(_param(norm.bias, y).view(1, c, *tail))
-    return y
+        scale = scale * norm.weight.to(device=scale.device, dtype=scale.dtype).view(1, groups, per_group)
+    bias = None if norm.bias is None else norm.bias.to(device=x.device, dtype=torch.float32).view(groups, per_group)
+    # (x - mean) * scale + bias in float32 as torch's GroupNorm, a few groups at a time: one output of x's size.
+    xc = x.reshape(b, groups, per_group, -1)
+    y = torch.empty_like(xc)
+    for first in range(0, groups, GROUP_CHUNK):
+        part = slice(first, first + GROUP_CHUNK)
+        out = xc[:, part].float() - mean[:, part, None, None]
+        out.mul_(scale[:, part, :, None])
+        if bias is not None:
+            out.add_(bias[part, :, None])
+        y[:, part] = out
+    return y.reshape(x.shape)
 
 
 def _group_stats(xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,7 +252,7 @@ def _group_stats(xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if xg.dtype == torch.float32:
         var, mean = torch.var_mean(xg, dim=-1, correction=0)
     else:
-        pairs = [torch.var_mean(chunk.float(), dim=-1, correction=0) for chunk in xg.split(4, dim=1)]
+        pairs = [torch.var_mean(chunk.float(), dim=-1, correction=0) for chunk in xg.split(GROUP_CHUNK, dim=1)]
         var, mean = torch.cat([v for v, _ in pairs], 1), torch.cat([m for _, m in pairs], 1)
     return mean, var * xg.shape[-1]
 
