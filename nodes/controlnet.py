@@ -150,19 +150,21 @@ def _check_supported(control) -> None:
     import comfy.cldm.mmdit
     import comfy.controlnet
     import comfy.ldm.flux.controlnet
+    import comfy.ldm.qwen_image.controlnet
 
     name = type(control).__name__
     model = getattr(control, "control_model", None)
     # The workers' ControlNets, by ComfyUI's classes: each family's read_config checks the file against its DiT.
     runs = {(comfy.controlnet.ControlNet, comfy.ldm.flux.controlnet.ControlNetFlux),
             (comfy.controlnet.ControlNet, comfy.cldm.mmdit.ControlNet),
-            (comfy.controlnet.ControlNetSD35, comfy.cldm.dit_embedder.ControlNetEmbedder)}
+            (comfy.controlnet.ControlNetSD35, comfy.cldm.dit_embedder.ControlNetEmbedder),
+            (comfy.controlnet.ControlNet, comfy.ldm.qwen_image.controlnet.QwenImageControlNetModel)}
     if (type(control), type(model)) not in runs:
         what = type(model).__name__ if model is not None else name
         raise convert.ConfigError(f"this ControlNet ({what}) does not run on the ParaDiT workers, which run Flux "
-                                  f"ControlNets (XLabs, Mistoline, InstantX, InstantX Union) and SD3 / SD3.5 "
-                                  f"ControlNets (InstantX's, Stability's); remove it or load the model with "
-                                  f"UNETLoader.")
+                                  f"ControlNets (XLabs, Mistoline, InstantX, InstantX Union), SD3 / SD3.5 ControlNets "
+                                  f"(InstantX's, Stability's) and Qwen-Image ControlNets (InstantX's); remove it or "
+                                  f"load the model with UNETLoader.")
     if control.strength_type != comfy.controlnet.StrengthType.CONSTANT or control.global_average_pooling:
         raise convert.ConfigError("this ControlNet scales its residuals per block, which the ParaDiT workers do "
                                   "not run; remove it or load the model with UNETLoader.")

@@ -224,7 +224,8 @@ def validate_control(name: str, c, config, job: Job) -> None:
     if family.load_controlnet is None:
         from .models.registry import families
 
-        runs = " and ".join(f.title for f in families() if f.load_controlnet is not None)
+        *others, last = [f.title for f in families() if f.load_controlnet is not None]
+        runs = f"{', '.join(others)} and {last}" if others else last
         raise ConfigError(f"ControlNets for {title} do not run on the ParaDiT workers yet, only those for {runs}; "
                           f"remove the ControlNet node or load the model with UNETLoader.")
     if job.timestep is None:

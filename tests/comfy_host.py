@@ -227,29 +227,34 @@ class _SeededVideoEncoder:
 
 class _SeededImageEncoder:
     """A Flux VAE's shapes for a ControlNet that encodes its hint (InstantX): pixels [B, H, W, 3] -> a latent
-    [B, 16, H / 8, W / 8], seeded by the pixels so two hints give two latents."""
+    [B, 16, H / 8, W / 8], seeded by the pixels so two hints give two latents; `video`: a Wan VAE's one-frame
+    [B, 16, 1, H / 8, W / 8] (Qwen-Image's)."""
+
+    def __init__(self, video=False):
+        self.video = video
 
     def spacial_compression_encode(self):
         return 8
 
     def encode(self, pixels):
         g = torch.Generator().manual_seed(int(pixels.double().sum().item() * 1000) % (2 ** 31))
-        return torch.randn(pixels.shape[0], 16, pixels.shape[1] // 8, pixels.shape[2] // 8, generator=g)
+        latent = torch.randn(pixels.shape[0], 16, pixels.shape[1] // 8, pixels.shape[2] // 8, generator=g)
+        return latent.unsqueeze(2) if self.video else latent
 
 
 class ParaDiTTestImageVAE:
-    """A VAE stand-in for ControlNetApplyAdvanced's vae input (no Flux VAE weights here)."""
+    """A VAE stand-in for ControlNetApplyAdvanced's vae input (no Flux or Wan VAE weights here)."""
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {}}
+        return {"required": {}, "optional": {"video": ("BOOLEAN", {"default": False})}}
 
     RETURN_TYPES = ("VAE",)
     FUNCTION = "make"
     CATEGORY = "testing"
 
-    def make(self):
-        return (_SeededImageEncoder(),)
+    def make(self, video=False):
+        return (_SeededImageEncoder(video),)
 
 
 class ParaDiTTestImageToVideoInputs:

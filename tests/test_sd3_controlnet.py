@@ -261,5 +261,6 @@ def test_families_without_controlnets_name_those_with(files):
                           context_dim=32, approximator_hidden=32, approximator_layers=2)
     job = call_job(files, S(), [control(files, "one", 11)])
     with pytest.raises(ConfigError, match=r"ControlNets for Chroma do not run on the ParaDiT workers yet, only those "
-                                          r"for Flux.1 \(dev/schnell\) and SD3 / SD3.5 \(Medium, Large\); remove"):
+                                          r"for Flux.1 \(dev/schnell\), SD3 / SD3.5 \(Medium, Large\) and Qwen-Image "
+                                          r"\(and Edit\); remove"):
         validate_control("positive", job.positive, chroma, job)

@@ -179,3 +179,21 @@ def write_sd35_controlnet(path: str | os.PathLike, config, blocks: int = 1, doub
     save_file(_random_tensors(shapes, seed, dtype), os.fspath(path), metadata={"format": "pt",
                                                                                 "paradit_controlnet": "sd35"})
     return os.fspath(path)
+
+
+def write_qwen_image_controlnet(path: str | os.PathLike, config, blocks: int = 1, seed: int = 0,
+                                hint_channels: int = 64, dtype: torch.dtype = torch.float32) -> str:
+    """Deterministic random weights of an InstantX Qwen-Image ControlNet of `blocks` blocks for the Qwen-Image DiT
+    `config`, in ComfyUI's (= diffusers') names; `hint_channels` 68 for the inpainting one. Residual projections and
+    the hint embedding at half the usual gain, so a residual on the wrong block or rows shows."""
+    from .families import qwen_image_controlnet
+
+    net = qwen_image_controlnet.QwenImageControlNetConfig(dataclasses.replace(config, num_layers=blocks),
+                                                          hint_channels)
+    shapes = qwen_image_controlnet.controlnet_shapes(net)
+    for key, (shape, kind) in shapes.items():
+        if key.startswith(("controlnet_blocks.", "controlnet_x_embedder.")) and kind == "weight":
+            shapes[key] = (shape, "mod")
+    save_file(_random_tensors(shapes, seed, dtype), os.fspath(path), metadata={"format": "pt",
+                                                                                "paradit_controlnet": "qwen_image"})
+    return os.fspath(path)

@@ -6,6 +6,8 @@ block and the head; RoPE ids are centred on the image, with the text placed on t
 image's half-extent; the latent is Wan 2.1's (per-channel mean/std, 5D in ComfyUI). Edit's reference
 latents join the image stream like Kontext's, each centred on its own grid, by default at index 1, 2, ...
 
+ControlNets (InstantX's, ComfyUI's QwenImageControlNetModel) run beside the blocks: see qwen_image_controlnet.py.
+
 Blocks are diffusers' `QwenImageTransformer2DModel` blocks with our attention processor. diffusers' own
 RoPE differs from ComfyUI's (fp32 angles, and a different centre for odd grids), so the RoPE table is built
 here from ComfyUI's ids with Flux's float64 `FluxPosEmbed`. Checkpoint keys are diffusers' names in both
@@ -205,11 +207,17 @@ class QwenImageAdapter:
         t = t.to(self.device, torch.float32)
         return self.model.time_text_embed(t, torch.empty(0, dtype=self.dtype, device=self.device))
 
-    def run_blocks(self, image, text, temb, rope, chunk: int = 0) -> tuple:
-        for i in (i for i in self.chunks[chunk] if i not in self.skip):
-            text, image = self.model.transformer_blocks[i](hidden_states=image, encoder_hidden_states=text,
-                                                           encoder_hidden_states_mask=None, temb=temb,
-                                                           image_rotary_emb=rope)
+    def run_blocks(self, image, text, temb, rope, chunk: int = 0, residuals=None) -> tuple:
+        """The chunk's blocks; `residuals` (strategies.control.Residuals): ControlNet residuals added to the image
+        rows (before Edit's reference rows) after each block, as ComfyUI's Qwen-Image adds `control`."""
+        for i in self.chunks[chunk]:
+            if i not in self.skip:
+                text, image = self.model.transformer_blocks[i](hidden_states=image, encoder_hidden_states=text,
+                                                               encoder_hidden_states_mask=None, temb=temb,
+                                                               image_rotary_emb=rope)
+            add = residuals.get(i) if residuals is not None else None
+            if add is not None:
+                image = torch.cat([image[:, :add.shape[1]] + add, image[:, add.shape[1]:]], dim=1)
         return image, text
 
     def head(self, image: torch.Tensor, temb: torch.Tensor, rope=None) -> torch.Tensor:
@@ -217,8 +225,21 @@ class QwenImageAdapter:
         return self.model.proj_out(self.model.norm_out(image, temb)).float()
 
 
+def _controlnet_config(reader):
+    from . import qwen_image_controlnet  # it builds on this module's blocks and adapter
+
+    return qwen_image_controlnet.read_config(reader)
+
+
+def _load_controlnet(reader, dtype, device, context, tensor=None, dit=None):
+    from . import qwen_image_controlnet
+
+    return qwen_image_controlnet.load_controlnet(reader, dtype, device, context, tensor=tensor, dit=dit)
+
+
 QWEN_IMAGE = DiTFamily(
     name="qwen_image", title="Qwen-Image (and Edit)", match=match_layout, infer_config=infer_config,
     meta_model=_diffusers_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes,
     adapter_class=QwenImageAdapter, block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE,
-    last_stage=LAST_STAGE, comfy_layout="diffusers", block_inputs=block_inputs, tensor_plan=tensor_plan)
+    last_stage=LAST_STAGE, comfy_layout="diffusers", block_inputs=block_inputs, tensor_plan=tensor_plan,
+    controlnet_config=_controlnet_config, load_controlnet=_load_controlnet)
