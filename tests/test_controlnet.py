@@ -269,11 +269,13 @@ def test_union_types_one_worker_equals_the_reference(files, client1):
         ignored, positive=dataclasses.replace(ignored.positive, control=(control(files, "xlabs", 11),))))) < SERIAL_RTOL
 
 
-@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
-                                      S(naive_patch_degree=2)], ids=["cfg2", "ulysses2", "ring2", "naive2"])
+@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2), S(patch_degree=2),
+                                      S(naive_patch_degree=2)],
+                         ids=["cfg2", "ulysses2", "ring2", "patch2_warmup", "naive2"])
 def test_union_types_under_the_sequence_split(files, client1, client2, strategy):
     """The type token lengthens the ControlNet's prompt (7 -> 8 rows: other prompt shards than the DiT's) while
-    each rank keeps its image rows; chained after an untyped ControlNet, a different type on the negative."""
+    each rank keeps its image rows; chained after an untyped ControlNet, a different type on the negative.
+    Displaced patch gathers the ControlNet's K/V over its own sequence before attending (exact)."""
     pos = [control(files, "xlabs", 11, 0.6), typed(files, 12, (2,), 1.3)]
     neg = [typed(files, 13, (1,))]
     exact = client1.run(call_job(files, S(), pos, neg)).latent
