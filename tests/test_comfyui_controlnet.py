@@ -1,12 +1,14 @@
 """ComfyUI's own ControlNet nodes on the parallel MODEL, in a real ComfyUI host (skipped without COMFYUI_DIR):
 ControlNetLoader + ControlNetApplyAdvanced (strength, start/end percent, two chained) under KSampler, each graph
-against UNETLoader + the same stock nodes on the same files, where ComfyUI runs its own ControlNetFlux.
+against UNETLoader + the same stock nodes on the same files, where ComfyUI runs its own ControlNetFlux,
+comfy.cldm.mmdit.ControlNet (SD3) or ControlNetEmbedder (SD3.5).
 
 The files: a random Flux DiT with ComfyUI's detection shape (3072 wide, one double and one single block, fp32)
 and a random XLabs-layout Flux ControlNet of one double block (what ComfyUI's XLabs loader reads). The hint is
 an image from a seeded latent (no VAE weights here), at another size than the output, so ComfyUI's upscale of
-the hint is part of what is compared. An InstantX ControlNet needs a VAE to encode its hint, which this host
-has no weights for: tests/test_controlnet.py checks that layout against an independent reference instead.
+the hint is part of what is compared. ControlNets that encode their hint (InstantX's Flux Union, SD3's, SD3.5's)
+get it from a seeded stand-in VAE. Flux with a Kontext reference latent, and a random SD3 DiT (256 wide, 4 blocks)
+with two SD3 ControlNets in diffusers' layout and two SD3.5 ones (plain and "double y") in ComfyUI's.
 """
 from __future__ import annotations
 
