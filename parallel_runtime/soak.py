@@ -25,13 +25,13 @@ def soak_strategies(world: int, size: int, cfg: float):
     """Every strategy of the bench grid that uses exactly `world` ranks at this latent size and holds the whole model
     per rank. Tensor parallel reads another slicing of the file, which replaces the whole one (never both resident):
     mixed with the others it reloads every job, a model switch rather than a strategy switch (measured: +23 MiB per
-    worker over 240 such jobs, settling after ~150)."""
+    worker over 240 such jobs, settling after ~150). Sharded weights (shard_weights) are another slicing too."""
     from .bench.grid import grid
     from .models.tiny import TINY
 
     rows = grid(world, cfg=cfg, heads=TINY.num_heads, num_blocks=TINY.num_blocks,
                 latent_hw=(size, size))
-    return [s for s, _ in rows if s.world_size == world and s.tensor_degree == 1]
+    return [s for s, _ in rows if s.world_size == world and s.tensor_degree == 1 and not s.sharded]
 
 
 def limit_mib(jobs: int) -> float:

@@ -18,9 +18,9 @@ def families() -> list[ModelFamily]:
     from .families.hunyuan_video15 import HUNYUAN_VIDEO15
     from .families.lumina2 import LUMINA2
     from .families.pixart import PIXART
-    from .families.qwen_image import QWEN_IMAGE
+    from .families.qwen_image_controlnet import QWEN_IMAGE  # Qwen-Image's family with its ControlNets
     from .families.qwen_image21 import QWEN_IMAGE21
-    from .families.sd3 import SD3
+    from .families.sd3_controlnet import SD3  # SD3's family with its ControlNets
     from .families.wan import WAN
     from .families.z_image import Z_IMAGE
 

@@ -225,21 +225,8 @@ class QwenImageAdapter:
         return self.model.proj_out(self.model.norm_out(image, temb)).float()
 
 
-def _controlnet_config(reader):
-    from . import qwen_image_controlnet  # it builds on this module's blocks and adapter
-
-    return qwen_image_controlnet.read_config(reader)
-
-
-def _load_controlnet(reader, dtype, device, context, tensor=None, dit=None):
-    from . import qwen_image_controlnet
-
-    return qwen_image_controlnet.load_controlnet(reader, dtype, device, context, tensor=tensor, dit=dit)
-
-
 QWEN_IMAGE = DiTFamily(
     name="qwen_image", title="Qwen-Image (and Edit)", match=match_layout, infer_config=infer_config,
     meta_model=_diffusers_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes,
     adapter_class=QwenImageAdapter, block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE,
-    last_stage=LAST_STAGE, comfy_layout="diffusers", block_inputs=block_inputs, tensor_plan=tensor_plan,
-    controlnet_config=_controlnet_config, load_controlnet=_load_controlnet)
+    last_stage=LAST_STAGE, comfy_layout="diffusers", block_inputs=block_inputs, tensor_plan=tensor_plan)

@@ -14,6 +14,7 @@ block i. What diffusers' pipeline does differently: its RoPE (see qwen_image.py)
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -144,3 +145,8 @@ def load_controlnet(reader, dtype: torch.dtype, device, context, tensor=None, di
                            device=device)
     model.eval()
     return QwenImageControlNetAdapter(model, config, context)
+
+
+# The QWEN_IMAGE family with its ControlNets: declared here, not in qwen_image.py, because this module builds on that one's
+# blocks and adapter (the registry lists this one, so qwen_image.py never imports its ControlNets: no import circle).
+QWEN_IMAGE = dataclasses.replace(qwen_image.QWEN_IMAGE, controlnet_config=read_config, load_controlnet=load_controlnet)

@@ -344,21 +344,8 @@ class SD3Adapter:
                               self.latent_channels)
 
 
-def _controlnet_config(reader):
-    from . import sd3_controlnet  # it builds on this module's blocks and adapter
-
-    return sd3_controlnet.read_config(reader)
-
-
-def _load_controlnet(reader, dtype, device, context, tensor=None, dit=None):
-    from . import sd3_controlnet
-
-    return sd3_controlnet.load_controlnet(reader, dtype, device, context, tensor=tensor, dit=dit)
-
-
 SD3 = DiTFamily(
     name="sd3", title="SD3 / SD3.5 (Medium, Large)", match=match_layout, infer_config=infer_config,
     meta_model=_diffusers_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=SD3Adapter,
     block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE,
-    comfy_layout="original", block_inputs=block_inputs, controlnet_config=_controlnet_config,
-    load_controlnet=_load_controlnet)
+    comfy_layout="original", block_inputs=block_inputs)

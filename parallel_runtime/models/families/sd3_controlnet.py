@@ -27,6 +27,7 @@ workers read those layers from their DiT (`load_controlnet`'s `dit`); the host's
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -370,3 +371,8 @@ def load_controlnet(reader, dtype: torch.dtype, device, context, tensor=None, di
     if isinstance(config, SD35ControlNetConfig):
         return SD35ControlNetAdapter(model, config, context, dit)
     return SD3ControlNetAdapter(model, config, context)
+
+
+# The SD3 family with its ControlNets: declared here, not in sd3.py, because this module builds on that one's
+# blocks and adapter (the registry lists this one, so sd3.py never imports its ControlNets: no import circle).
+SD3 = dataclasses.replace(sd3.SD3, controlnet_config=read_config, load_controlnet=load_controlnet)
