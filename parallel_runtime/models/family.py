@@ -42,6 +42,27 @@ class DiTAdapter(Protocol):
     def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor: ...
 
 
+class ControlNetBlocks:
+    """What a ControlNet adapter built on its family's DiT adapter adds (Flux's, SD3's, Qwen-Image's): one chunk per
+    ControlNet block (the adapter is built with chunks [i, i + 1)) and `projections`, one per block, so a pass over
+    the blocks yields one residual per block."""
+
+    projections: list  # one output projection per ControlNet block, in block order
+
+    def embed_control_image(self, x_tokens: torch.Tensor, hint_rows: torch.Tensor, index: torch.Tensor,
+                            hw: tuple[int, int]) -> torch.Tensor:
+        """The latent's embedded rows (`index`, `hw`: where they sit, for position tables) + the hint's rows."""
+        return self.embed_image(x_tokens, index, hw) + hint_rows
+
+    def residuals(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope) -> list[torch.Tensor]:
+        """One residual per ControlNet block, for the image rows of `image`."""
+        out = []
+        for k, projection in enumerate(self.projections):
+            image, text = self.run_blocks(image, text, temb, rope, chunk=k)
+            out.append(projection(image))
+        return out
+
+
 class ModelFamily(Protocol):
     name: str  # short id used in logs, bench rows and test names: "flux"
     title: str  # what users call it: "Flux.1 (dev/schnell)"

@@ -18,7 +18,7 @@ from ...sampling import FLUX_LATENT, model_sampling_for
 from ...strategies.attention.processor import AttentionContext, ParallelFluxAttnProcessor
 from ...weights.checkpoint import open_checkpoint
 from ...weights.storage import compute_placement
-from ..family import DiTFamily
+from ..family import ControlNetBlocks, DiTFamily
 from . import flux, flux_controlnet
 from .flux import FluxConfig
 
@@ -222,7 +222,7 @@ class FluxAdapter:
         return self.model.proj_out(self.model.norm_out(image, temb)).float()
 
 
-class FluxControlNetAdapter(FluxAdapter):
+class FluxControlNetAdapter(ControlNetBlocks, FluxAdapter):
     """What the strategies call on a loaded ControlNet: the hint's tokens (once per hint), its image, text and
     time embeddings, and one pass over its blocks that returns a residual per block for this rank's image rows."""
 
@@ -270,14 +270,6 @@ class FluxControlNetAdapter(FluxAdapter):
                             hw: tuple[int, int]) -> torch.Tensor:
         """img_in(x) + the hint's rows (`index`, `hw`: where the rows sit; Flux's positions are RoPE)."""
         return self.model.x_embedder(x_tokens.to(self.device, self.dtype)) + hint_rows
-
-    def residuals(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope) -> list[torch.Tensor]:
-        """One residual per ControlNet block, for the image rows of `image` (double blocks, then single)."""
-        out = []
-        for k, projection in enumerate(self.projections):
-            image, text = self.run_blocks(image, text, temb, rope, chunk=k)
-            out.append(projection(image))
-        return out
 
 
 def load_controlnet(reader, dtype: torch.dtype, device, context, tensor=None, dit=None) -> FluxControlNetAdapter:

@@ -24,6 +24,7 @@ import torch
 from ...errors import ModelFileError
 from ...weights.keymap import block_count, same_names
 from ...weights.mapping import build_from_map
+from ..family import ControlNetBlocks
 from . import qwen_image
 from .flux_controlnet import LAYER_BASE
 
@@ -93,7 +94,7 @@ def meta_model(config: QwenImageControlNetConfig) -> torch.nn.Module:
         return QwenImageControlNetModel(**kwargs, extra_condition_channels=extra)
 
 
-class QwenImageControlNetAdapter(qwen_image.QwenImageAdapter):
+class QwenImageControlNetAdapter(ControlNetBlocks, qwen_image.QwenImageAdapter):
     """What the strategies call on a loaded Qwen-Image ControlNet: the hint's tokens (once per hint), its image, text
     and time embeddings, and one pass over its blocks that returns a residual per block for this rank's image rows."""
 
@@ -103,6 +104,7 @@ class QwenImageControlNetAdapter(qwen_image.QwenImageAdapter):
         self.net, self.control, self.context = model, config, context
         # One chunk per block, so `residuals` can project each block's output.
         super().__init__(config.qwen, model, [range(i, i + 1) for i in range(config.outputs)], context)
+        self.projections = model.controlnet_blocks
         self.hint_cache: collections.OrderedDict = collections.OrderedDict()
 
     def use_layers(self, position: int) -> None:
@@ -119,18 +121,6 @@ class QwenImageControlNetAdapter(qwen_image.QwenImageAdapter):
             hint = hint[:, :, 0]
         hint = torch.nn.functional.pad(hint, (0, (-hint.shape[-1]) % 2, 0, (-hint.shape[-2]) % 2), mode="circular")
         return self.model.controlnet_x_embedder(self.pack(hint))
-
-    def embed_control_image(self, x_tokens: torch.Tensor, hint_rows: torch.Tensor, index: torch.Tensor,
-                            hw: tuple[int, int]) -> torch.Tensor:
-        return self.embed_image(x_tokens, index, hw) + hint_rows
-
-    def residuals(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope) -> list[torch.Tensor]:
-        """One residual per ControlNet block, for the image rows of `image`."""
-        out = []
-        for k, projection in enumerate(self.model.controlnet_blocks):
-            image, text = self.run_blocks(image, text, temb, rope, chunk=k)
-            out.append(projection(image))
-        return out
 
 
 def load_controlnet(reader, dtype: torch.dtype, device, context, tensor=None, dit=None) -> QwenImageControlNetAdapter:

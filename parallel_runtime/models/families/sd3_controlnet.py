@@ -37,7 +37,7 @@ from ...errors import ModelFileError
 from ...weights.keymap import block_count, linear
 from ...weights.mapping import build_from_map
 from ...weights.storage import compute_placement
-from ..family import Match, derived_tensor_plan, modulation_plan
+from ..family import ControlNetBlocks, Match, derived_tensor_plan, modulation_plan
 from . import sd3
 from .flux_adapter import FluxAdapter, patch_conv
 from .flux_controlnet import LAYER_BASE
@@ -154,7 +154,7 @@ def hint_tokens(adapter, hint: torch.Tensor) -> torch.Tensor:
     return patch_conv(adapter.pack(hint), adapter.model.pos_embed_input.proj)
 
 
-class SD3ControlNetAdapter(sd3.SD3Adapter):
+class SD3ControlNetAdapter(ControlNetBlocks, sd3.SD3Adapter):
     """What the strategies call on a loaded SD3 ControlNet: the hint's tokens (once per hint), its image, text and
     time embeddings, and one pass over its blocks that returns a residual per block for this rank's image rows."""
 
@@ -164,6 +164,7 @@ class SD3ControlNetAdapter(sd3.SD3Adapter):
         self.net, self.control = model, config
         # One chunk per block, so `residuals` can project each block's output.
         super().__init__(config.sd3, model, [range(i, i + 1) for i in range(config.outputs)], context)
+        self.projections = model.controlnet_blocks
         self.hint_cache: collections.OrderedDict = collections.OrderedDict()  # hint key -> tokens, kept by strategies
 
     def use_layers(self, position: int) -> None:
@@ -183,18 +184,6 @@ class SD3ControlNetAdapter(sd3.SD3Adapter):
         """t_embedder(t) + y_embedder(0): ComfyUI's SD3 ControlNet zeroes its pooled input."""
         return super().timestep_embedding(t, torch.zeros_like(pooled), guidance, hw)
 
-    def embed_control_image(self, x_tokens: torch.Tensor, hint_rows: torch.Tensor, index: torch.Tensor,
-                            hw: tuple[int, int]) -> torch.Tensor:
-        """x_embedder(x) + the ControlNet's own position rows + the hint's rows."""
-        return self.embed_image(x_tokens, index, hw) + hint_rows
-
-    def residuals(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope) -> list[torch.Tensor]:
-        """One residual per ControlNet block, for the image rows of `image`."""
-        out = []
-        for k, projection in enumerate(self.model.controlnet_blocks):
-            image, text = self.run_blocks(image, text, temb, rope, chunk=k)
-            out.append(projection(image))
-        return out
 
 
 # -- Stability's SD3.5 ControlNets ---------------------------------------------------------------------------
