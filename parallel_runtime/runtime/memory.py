@@ -77,9 +77,8 @@ def settle_weight_sharding(job, devices: list[str], reports: list[dict]):
     s = job.strategy
     if s.shard_weights != "auto":
         return job
-    on = dataclasses.replace(s, shard_weights=True)
     fits = not reports or job_rank_memory(job, devices[0])["total"] <= min(rank_budgets(devices, reports))
-    return dataclasses.replace(job, strategy=dataclasses.replace(s, shard_weights=not fits and on.shard_group > 1))
+    return dataclasses.replace(job, strategy=dataclasses.replace(s, shard_weights=not fits and s.shard_group > 1))
 
 
 def _smaller_plans(job, devices: list[str]) -> list[str]:

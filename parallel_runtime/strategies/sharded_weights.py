@@ -62,12 +62,7 @@ class BlockGatherer:
         if self.comm is None:
             raise RuntimeError("a sharded model ran outside a job (no replica group bound); a ParaDiT bug")
         self.started = True
-        if self.live is not None:
-            self.cursor = self._next(self.live)
-            self._release()
-        while self.cursor != i:  # blocks skipped since the last one run: their gathers still land, in order
-            self._land(self.cursor)
-            self.cursor = self._next(self.cursor)
+        self._walk_to(i)
         self.blocks[i].install(self._land(i))
         self.live = i
         if self.gathered is not None:
@@ -79,14 +74,19 @@ class BlockGatherer:
         hold no gathered block. Every rank of the group calls it at the same point (a job's end, a Cancel)."""
         if not self.started:
             return
+        self._walk_to(0)
+        self._land(0)
+        self.started, self.thread = False, None
+
+    def _walk_to(self, i: int) -> None:
+        """Release the installed block and land (and drop) the gathers of the blocks between it and block i: those
+        skipped since, or to the cycle's end."""
         if self.live is not None:
             self.cursor = self._next(self.live)
             self._release()
-        while self.cursor != 0:
+        while self.cursor != i:
             self._land(self.cursor)
             self.cursor = self._next(self.cursor)
-        self._land(0)
-        self.started, self.thread = False, None
 
     def abandon(self) -> None:
         """A failed job: drop what is gathered or in flight without waiting (its peers may never complete it;

@@ -59,9 +59,14 @@ def _input_scale(reader, weight_key: str, device) -> torch.Tensor | None:
     return None if value.item() == 1.0 else value
 
 
+def _block_pattern(block_lists: tuple[str, ...]) -> re.Pattern:
+    """Matches a parameter name of a block: groups (block list, index)."""
+    return re.compile(r"(" + "|".join(map(re.escape, block_lists)) + r")\.(\d+)\.")
+
+
 def drop_unowned_blocks(model: torch.nn.Module, block_lists: tuple[str, ...], wanted: list[str]) -> None:
     """Replace every block that owns no wanted parameter by Identity, so it holds no (meta) tensors."""
-    pattern = re.compile(r"(" + "|".join(map(re.escape, block_lists)) + r")\.(\d+)\.")
+    pattern = _block_pattern(block_lists)
     used = {(m.group(1), int(m.group(2))) for n in wanted if (m := pattern.match(n))}
     for attr in block_lists:
         blocks = getattr(model, attr)
@@ -142,7 +147,7 @@ def _read_checked(reader, src: Source, storage: Storage, device, n: str, shape: 
 def _by_block(names: list[str], block_lists: tuple[str, ...]) -> dict[str | None, list[str]]:
     """Parameter names grouped by the block they belong to ("transformer_blocks.3"), in pipeline order (the block
     lists' order, then the index), after the non-block ones (key None)."""
-    pattern = re.compile(r"(" + "|".join(map(re.escape, block_lists)) + r")\.(\d+)\.")
+    pattern = _block_pattern(block_lists)
     groups: dict = {None: []}
     for n in names:
         m = pattern.match(n)

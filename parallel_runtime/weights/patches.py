@@ -194,14 +194,23 @@ class FileParameters:
         self._reader = None
 
     def __enter__(self) -> "FileParameters":
-        from .checkpoint import open_checkpoint
-
-        self._reader = open_checkpoint(self.path)
+        self.open()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._reader.close()
-        self._reader = None
+        self.close()
+
+    def open(self) -> None:
+        """Open the file unless it is open (a sharded model's bakes keep it open through a job)."""
+        from .checkpoint import open_checkpoint
+
+        if self._reader is None:
+            self._reader = open_checkpoint(self.path)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     def read(self, name: str, linear: str | None) -> torch.Tensor:
         """As the build stored it (`linear`: "weight"/"bias" of a linear layer): an fp8 weight in fp8."""
@@ -403,8 +412,7 @@ class RankWeightPatcher:
         keys = self.deferred.get(id(block.block))
         if not keys:
             return
-        if self.files._reader is None:
-            self.files.__enter__()
+        self.files.open()
         for key, key_patches in keys:
             self._patch(key, key_patches)
 
@@ -413,8 +421,7 @@ class RankWeightPatcher:
         parts); the next call rebuilds it. Closes the file a sharded model's bakes read."""
         for per_call in self.transients:
             per_call.drop()
-        if self.files._reader is not None:
-            self.files.__exit__(None, None, None)
+        self.files.close()
 
 
 def validate_weight_patches(patches: WeightPatches, targets: dict, what: str) -> None:
