@@ -192,21 +192,28 @@ class WorkerState:
             self.comms = {topology: Comm(topology, self.rank, self.device, pool=self.groups)}
         return self.comms[topology]
 
-    def end_job(self, keep_stale_kv: bool = False) -> None:
+    def end_job(self, job=None) -> None:
         """Free what one job built (PipeFusion's stale K/V alone is ~1.6 GB per rank at 1024^2): the
-        attention strategy holds it, so point the processors back at plain attention and return the
-        cached blocks to the device. A stock sampler's PipeFusion or displaced patch call keeps its stale K/V for the next call
-        (until a job of another kind, a failure or a release)."""
+        attention strategy holds it, so point the processors back at plain attention. `job`: the job that
+        finished (None: one that failed or was cancelled, which keeps nothing).
+
+        Between the calls of a stock sampler's run the next call follows at once, with the same shapes: its
+        PipeFusion or displaced patch stale K/V is kept for it, and the allocator's cached blocks are left to it
+        (emptying the cache per call costs a device-wide sync and fresh cudaMallocs every step). The cache goes
+        back to the device once the run is over (the host decodes next, perhaps on this GPU), after a failure (an
+        out-of-memory error) and when models are released (ensure_model, release)."""
         from ..strategies.attention import LocalAttention
 
+        run_goes_on = job is not None and job.timestep is not None and not job.call_last
+        stale = job is not None and (job.strategy.pipefusion_degree > 1 or job.strategy.patch_degree > 1)
         if self.patcher is not None:
             self.patcher.drop_transients()
         if self.context is not None:
             self.context.attention = self.context.image_attention = LocalAttention()
             self.context.input_amax.reduce = None
-            if not keep_stale_kv:
+            if not (run_goes_on and stale):
                 self.context.stale_kv.clear()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not run_goes_on:
             torch.cuda.empty_cache()
 
     def take_weight_patches(self, meta: dict | None, tensors: dict) -> None:
@@ -383,8 +390,7 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
     pulse.phase = "sampling"
     stats, latent = _denoise(state, chan, job, topology, pulse, controlnets)
     # On a failure serve() ends the job, after telling the client (and drops any stale K/V).
-    stale = job.strategy.pipefusion_degree > 1 or job.strategy.patch_degree > 1
-    state.end_job(keep_stale_kv=job.timestep is not None and stale and not job.call_last)
+    state.end_job(job)
     stats.update(loaded=loaded, load_seconds=state.last_load_seconds, patched_tensors=patched, released=state.released,
                  resident=[m["name"] for m in state.resident()])
     pulse.end_job()  # no beat may follow the result
