@@ -2,6 +2,8 @@
 process-group pool that lets strategies switch without rebuilding groups."""
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from parallel_runtime.runtime.comm import Comm, GroupPool
@@ -29,6 +31,9 @@ def test_mixed_jobs_keep_worker_memory_flat():
     assert len(record["samples"]) == 11  # after warm-up, then every 10%
 
 
+TIMEOUT = timedelta(seconds=300)
+
+
 class FakeDist:
     """new_group / destroy_process_group bookkeeping without processes (a pool's decisions are local)."""
 
@@ -37,7 +42,8 @@ class FakeDist:
     def __init__(self, rank: int):
         self.rank, self.made, self.destroyed = rank, [], []
 
-    def new_group(self, ranks, backend=None):
+    def new_group(self, ranks, timeout, backend=None):
+        assert timeout == TIMEOUT  # every group bounds its collectives as configured
         self.made.append((tuple(ranks), backend))
         return ("pg", len(self.made)) if self.rank in ranks else self.NON_MEMBER
 
@@ -46,7 +52,7 @@ class FakeDist:
 
 
 def pool_for(rank: int, spare: int) -> tuple[GroupPool, FakeDist]:
-    pool = GroupPool(spare=spare)
+    pool = GroupPool(spare=spare, timeout=TIMEOUT)
     pool._dist = FakeDist(rank)
     return pool, pool._dist
 

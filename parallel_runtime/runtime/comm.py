@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 
@@ -50,6 +51,17 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def group_timeout(pg) -> timedelta:
+    """The timeout each collective of process group `pg` runs under (torch keeps it in the backend's options)."""
+    return pg._get_backend(pg._device_types[0]).options._timeout
+
+
+def default_group_timeout() -> timedelta:
+    import torch.distributed as dist
+
+    return group_timeout(dist.group.WORLD)
+
+
 class GroupPool:
     """Process groups kept across jobs and shared by every topology that needs the same one.
 
@@ -62,20 +74,23 @@ class GroupPool:
     are destroyed: NCCL communicators hold device memory. new_group and destroy_process_group are
     collective, and every rank sees the same job sequence, so every rank makes the same hits, misses and
     evictions in the same order.
+    `timeout` bounds each collective of every group (WatchdogConfig.collective_timeout_s, as the default group's):
+    new_group does not inherit the default group's, it falls back to the backend's own (NCCL 10 min, gloo 30).
     """
 
-    def __init__(self, spare: int):
+    def __init__(self, spare: int, timeout: timedelta):
         import torch.distributed as dist
 
         self._dist = dist
         self.spare = spare
+        self.timeout = timeout
         self._groups: OrderedDict[tuple, object] = OrderedDict()  # key -> ProcessGroup (or NON_GROUP_MEMBER)
 
     def get(self, key: tuple, ranks: list[int], backend: str | None = None):
         if key in self._groups:
             self._groups.move_to_end(key)
         else:
-            self._groups[key] = self._dist.new_group(ranks, backend=backend)
+            self._groups[key] = self._dist.new_group(ranks, timeout=self.timeout, backend=backend)
         return self._groups[key]
 
     def trim(self, keep: set) -> None:
@@ -95,7 +110,7 @@ class Comm:
     def __init__(self, topology: Topology, rank: int = 0, device: torch.device | str = "cpu",
                  pool: GroupPool | None = None):
         """`pool`: where process groups come from and go back to (a worker's, shared across jobs); without
-        one the Comm makes its own and `close` destroys them."""
+        one the Comm makes its own, with the default group's timeout, and `close` destroys them."""
         self.topology = topology
         self.rank = rank
         self.device = torch.device(device)
@@ -110,7 +125,7 @@ class Comm:
 
             self._dist = dist
             if pool is None:
-                pool = self._own_pool = GroupPool(spare=0)
+                pool = self._own_pool = GroupPool(spare=0, timeout=default_group_timeout())
         used: set = set()
 
         def get(key, ranks, backend=None):

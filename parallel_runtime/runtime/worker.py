@@ -62,8 +62,10 @@ class ResidentModel:
 class WorkerState:
     """The models this worker holds and the process groups it has built, reused across jobs."""
 
-    def __init__(self, rank: int, world: int, device: torch.device):
+    def __init__(self, rank: int, world: int, device: torch.device, collective_timeout: timedelta | None = None):
+        """`collective_timeout`: every process group's (the default group's too); None for one rank, which has none."""
         self.rank, self.world, self.device = rank, world, device
+        self.collective_timeout = collective_timeout
         self.parked: collections.OrderedDict = collections.OrderedDict()  # key -> ResidentModel, least recent first
         self.released: list[str] = []  # models this job's load released to make room (its stats report them)
         self.models_lock = threading.Lock()  # the model slots, read by the control thread's ping answers
@@ -188,7 +190,7 @@ class WorkerState:
                 # between jobs reuses them instead of destroying and re-creating them each time. Idle
                 # groups kept: a few on CUDA, where each NCCL communicator holds device memory (2 keeps
                 # PipeFusion's two links of a 2-GPU runtime across a switch to another strategy and back).
-                self.groups = GroupPool(spare=2 if self.device.type == "cuda" else 16)
+                self.groups = GroupPool(spare=2 if self.device.type == "cuda" else 16, timeout=self.collective_timeout)
             self.comms = {topology: Comm(topology, self.rank, self.device, pool=self.groups)}
         return self.comms[topology]
 
@@ -631,6 +633,7 @@ def main(argv: list[str] | None = None) -> None:
     kind, meta, _ = chan.recv()
     if kind != "init":
         return
+    collective_timeout = timedelta(seconds=meta["collective_timeout_s"])  # the default group's and every other's
     if args.world > 1:
         if store is None:
             # The store's timeout bounds rendezvous and every new_group: a peer that never arrives fails
@@ -640,11 +643,11 @@ def main(argv: list[str] | None = None) -> None:
         backend = "nccl" if device.type == "cuda" else "gloo"
         # The process group's timeout bounds each collective (see WatchdogConfig.collective_timeout_s).
         dist.init_process_group(backend, store=dist.PrefixStore(meta["session"], store), rank=args.rank,
-                                world_size=args.world, timeout=timedelta(seconds=meta["collective_timeout_s"]),
+                                world_size=args.world, timeout=collective_timeout,
                                 **({"device_id": device} if device.type == "cuda" else {}))
     chan.send("ready", {"rank": args.rank})
     try:
-        serve(WorkerState(args.rank, args.world, device), chan, meta["heartbeat_s"])
+        serve(WorkerState(args.rank, args.world, device, collective_timeout), chan, meta["heartbeat_s"])
     except BaseException:  # noqa: BLE001
         # Whatever escapes (a failing cleanup, a send to a vanished client) must end the process: a live
         # worker whose main thread is gone would look healthy to pings yet never run a job.
