@@ -1,5 +1,5 @@
 """The layout shows the architecture: the import graph, walked from the source (AST, function-level imports
-included, since a lazy import is still a dependency), keeps the seams the README describes."""
+included, since a lazy import is still a dependency), keeps the seams docs/layout.md describes."""
 from __future__ import annotations
 
 import ast

@@ -391,7 +391,7 @@ def test_wan22_experts_kept_only_where_every_rank_has_room(expert_paths):
 def test_wan_memory_per_rank_for_the_released_sizes():
     """The plan's memory per rank for the released shapes (bf16, 480p x 81 frames = 32,760 tokens, cfg 5): weights
     are the whole model under Ulysses / Ring / CFG and about half of it per PipeFusion-2 stage, counted from the
-    module tree itself; the figures below go in the README's video section."""
+    module tree itself; the figures below go in docs/families.md's video section."""
     from parallel_runtime.models.families.wan import _meta_model
     from parallel_runtime.planning.costmodel import rank_memory
 
