@@ -59,16 +59,6 @@ class _Transfer:
         self.done = None  # CUDA: event after the moves
         self.error: BaseException | None = None
 
-    def tensors(self) -> list[torch.Tensor]:
-        found = []
-        for payload in self.members.values():
-            for item in payload if isinstance(payload, tuple) else (payload,):
-                if isinstance(item, torch.Tensor):
-                    found.append(item)
-                elif isinstance(item, list):
-                    found += [t for t in item if isinstance(t, torch.Tensor)]
-        return found
-
     def move(self) -> None:
         getattr(self, f"_move_{self.kind}")()
 
@@ -177,6 +167,7 @@ class Fabric:
         self._queue: list = []  # (time, n, transfer), delayed CPU transfers
         self._lane_at: dict = collections.defaultdict(float)  # group serial -> when its last transfer lands
         self._streams: dict = {}  # group serial -> CUDA side stream
+        self._held: list[_Transfer] = []  # CUDA transfers whose tensors the side streams may still use
         self._deliverer: threading.Thread | None = None
         self._stopped = False
 
@@ -282,10 +273,11 @@ class Fabric:
                 t.move()
             except BaseException as e:  # noqa: BLE001 - handed to the waiters
                 t.error = e
-            for tensor in t.tensors():  # the caching allocator may not hand them out again before the side stream is done
-                tensor.record_stream(side)
             t.done = torch.cuda.Event()
             t.done.record(side)
+        # As ProcessGroupNCCL stashes a transfer's tensors, the fabric keeps them alive until the side stream is
+        # done with them: a rank that drops one sooner cannot have its memory handed out again under the copy.
+        self._held = [h for h in self._held if not h.done.query()] + [t]
         t.landed.set()
 
     def _deliver(self) -> None:
