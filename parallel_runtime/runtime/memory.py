@@ -13,19 +13,32 @@ CPU_USABLE = 0.85  # leave room for the host process and the OS
 CPU_WORKER_OVERHEAD = 600 * 2**20  # interpreter, torch and diffusers in a CPU worker that holds nothing yet
 
 
-def worker_report(device, models: list[dict]) -> dict:
-    """A worker's memory as it reports it (runs in the worker): free and total bytes of its device, the models it
-    holds (WorkerState.resident) and their bytes, which a new job of the same model reuses and a different one
-    frees, or keeps beside it when there is room (keeps_other_models)."""
+def worker_report(device, models: list[dict], stale_kv_bytes: int = 0) -> dict:
+    """A worker's memory as it reports it (runs in the worker): free and total bytes of its device, and what it
+    holds: the models (WorkerState.resident) and their bytes, which a new job of the same model reuses and a
+    different one frees, or keeps beside it when there is room (keeps_other_models); and the stale K/V a stock
+    sampler's PipeFusion or displaced patch call keeps for the next (WorkerState.stale_kv_bytes), which the next
+    call reuses and any other job frees, so a job's need, which counts K/V buffers, must not find it spent too."""
     import psutil
-    import torch
 
-    report = {"held_bytes": sum(int(m["bytes"]) for m in models), "models": models,
+    held = sum(int(m["bytes"]) for m in models) + int(stale_kv_bytes)
+    report = {"held_bytes": held, "models": models, "stale_kv_bytes": int(stale_kv_bytes),
               "host_available": int(psutil.virtual_memory().available)}
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        report.update(device_free=int(free), device_total=int(total))
+        free, total = device_memory(device)
+        report.update(device_free=free, device_total=total)
     return report
+
+
+def device_memory(device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device, free counting what torch's caching allocator reserved but no tensor
+    uses: it serves new tensors from those blocks first, and they stay reserved after a job's activations die or
+    an out-of-memory error until empty_cache, while mem_get_info counts them as taken."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free) + int(cached), int(total)
 
 
 def rank_budgets(devices: list[str], reports: list[dict]) -> list[int]:

@@ -297,6 +297,14 @@ class WorkerState:
         """Bytes of the weights this worker holds: its models' and their ControlNets'."""
         return sum(m["bytes"] for m in self.resident())
 
+    def stale_kv_bytes(self) -> int:
+        """Bytes of the stale K/V the current model keeps between a stock sampler's calls (a parked model's went
+        with its last run). Read by the ping thread while a job may add to it, hence the copies."""
+        context = self.context
+        if context is None:
+            return 0
+        return sum(cache.nbytes() for _, caches in list(context.stale_kv.values()) for cache in caches)
+
     def current_bytes(self) -> int:
         """Bytes of the current model's weights and its ControlNets' (a job's own figure, parked models aside)."""
         return 0 if self.adapter is None else _model_bytes(self.adapter, self.controlnets)
@@ -485,9 +493,9 @@ def _error_meta(exc: BaseException, state: WorkerState, phase: str) -> dict:
         kind = "OutOfMemory"
         free = ""
         if state.device.type == "cuda":
-            free_b, total_b = torch.cuda.mem_get_info(state.device)
-            # This report precedes end_job's empty_cache: count the cached blocks no tensor uses as free.
-            free_b += torch.cuda.memory_reserved(state.device) - torch.cuda.memory_allocated(state.device)
+            from .memory import device_memory
+
+            free_b, total_b = device_memory(state.device)  # the cached blocks no tensor uses count as free
             free = f" ({free_b / 2**30:.1f} of {total_b / 2**30:.1f} GB free)"
         message = (f"rank {state.rank} ({state.device}) ran out of memory {when}{free}; lower the resolution or batch, "
                    f"pick weight_dtype bf16, or raise pipefusion_degree so each device holds fewer blocks.")
@@ -552,7 +560,8 @@ def serve(state: WorkerState, chan: Channel, heartbeat_s: float) -> None:
                 gate.put(kind)
             elif kind == "ping":  # answered here, so a busy main thread still proves the process alive
                 FAULTS.maybe("ping_fails", state.rank)
-                chan.send("pong", {"rank": state.rank, **worker_report(state.device, state.resident())})
+                report = worker_report(state.device, state.resident(), state.stale_kv_bytes())
+                chan.send("pong", {"rank": state.rank, **report})
             else:
                 if kind == "job":
                     # Cleared here, in message order, so a cancel right behind its job is never lost.

@@ -40,7 +40,8 @@ class StaleKVCache:
         return buf[0], buf[1]
 
     def nbytes(self) -> int:
-        own = sum(b.numel() * b.element_size() for b in self.buffers.values())
+        # A copy of the values: a worker's ping thread reads this while a job may be adding layers.
+        own = sum(b.numel() * b.element_size() for b in list(self.buffers.values()))
         return own + (self._companion.nbytes() if self._companion is not None else 0)
 
 
