@@ -168,5 +168,5 @@ def check_job_memory(job, devices: list[str], reports: list[dict]) -> None:
         fixes += ", or run on GPUs"
     raise ConfigError(
         f"this job needs about {gb(need['total'])} per worker (weights {gb(need['params'])}, activations "
-        f"{gb(need['activations'])}, PipeFusion K/V {gb(need['kv'])}) but worker {rank} ({devices[rank]}) has "
+        f"{gb(need['activations'])}, stale K/V {gb(need['kv'])}) but worker {rank} ({devices[rank]}) has "
         f"{gb(budgets[rank])} available; {fixes}.")
