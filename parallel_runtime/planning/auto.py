@@ -16,7 +16,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models.registry import family_of, prompt_rows, token_patch
-from ..runtime.devices import parse_devices
+from ..runtime.devices import runtime_devices
 from ..runtime.memory import CPU_USABLE, CPU_WORKER_OVERHEAD, CUDA_USABLE, weight_bytes
 from ..runtime.topology import latent_plane, validate_strategy
 from ..spec import StrategySpec
@@ -201,7 +201,7 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
     """
     from ..validate import model_config
 
-    device_list = parse_devices(devices)
+    device_list, _ = runtime_devices(devices)  # the runtime's own (without NCCL, 'auto' is one GPU)
     world = len(device_list)
     config = model_config(model_path)
     if len(latent_shape) not in (4, 5):

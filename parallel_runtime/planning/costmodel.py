@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..runtime.portability import collective_backend, loopback_interface
 from ..runtime.topology import Topology
 from ..spec import StrategySpec
 from .traffic import Shapes, branches_per_forward, job_traffic, shapes_of
@@ -304,7 +305,7 @@ def _probe(rank: int, world: int, store_dir: str, device: str) -> None:
 
     torch.set_num_threads(1)
     dev = torch.device(device)
-    backend = "nccl" if dev.type == "cuda" else "gloo"
+    backend = collective_backend(dev.type)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     store = dist.FileStore(os.path.join(store_dir, "store"), world)
@@ -385,7 +386,9 @@ def measure_link(devices: list[str], timeout_s: float = 120.0) -> LinkTiming:
     """Latency and bandwidth of all_to_all between the first two devices, in two fresh processes."""
     pair = devices[:2]
     env = dict(os.environ)
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    loopback = loopback_interface()
+    if loopback:
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
     env["OMP_NUM_THREADS"] = "1"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the plugin folder
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])

@@ -1,9 +1,9 @@
 """RuntimeClient: starts one worker per device, sends jobs, streams progress, cancels, cleans up.
 
 Lifecycle: workers start on the first job and stay alive between jobs (they keep their weights).
-The control channel is an AF_UNIX socket in a fresh 0700 directory, authenticated with a random key
-handed to each worker on its stdin. On interpreter exit (or if this process dies, which closes the
-sockets) the workers end too.
+The control channel is an AF_UNIX socket in a fresh 0700 directory (loopback TCP where Python has no AF_UNIX,
+as on Windows), authenticated with a random key handed to each worker on its stdin. On interpreter exit (or if
+this process dies, which closes the sockets) the workers end too.
 
 Nothing here waits without a bound (see watchdog.py): idle workers answer a ping before a job; busy
 workers beat; a frozen worker, a stuck collective or a Cancel the workers do not honour in time gets the
@@ -22,7 +22,6 @@ import secrets
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Listener, wait
 from typing import Callable
 
@@ -37,8 +37,9 @@ import torch
 
 from .. import errors
 from ..spec import Job
-from .devices import auto_notice, parse_devices, pinned_cores
+from .devices import pinned_cores, runtime_devices
 from .memory import check_job_memory, keeps_other_models, settle_weight_sharding
+from .portability import TIMED_OUT, loopback_interface, socket_timeout
 from .protocol import PATCH_SETS_KEPT, Channel, encode, keep_hints, keep_recent
 from .watchdog import JobWatch, WatchdogConfig
 
@@ -90,11 +91,10 @@ class RuntimeClient:
     def __init__(self, devices: str = "auto", threads_per_worker: int | None = None,
                  watchdog: WatchdogConfig | None = None):
         self.devices_spec = devices
-        self.devices = parse_devices(devices)
-        self.cores = pinned_cores(devices)
+        self.devices, self.notice = runtime_devices(devices)  # the notice: shown by the nodes before anything loads
+        self.cores = pinned_cores(devices)[:len(self.devices)]
         self._speeds: dict[tuple, tuple[float, ...]] = {}  # measure_speeds' results, for these workers
         self.world = len(self.devices)
-        self.notice = auto_notice(devices, self.devices)  # shown by the nodes before anything loads
         if threads_per_worker is None:
             cpu_workers = sum(d == "cpu" for d in self.devices)
             threads_per_worker = max(1, (os.cpu_count() or 1) // max(cpu_workers, 1)) if cpu_workers else 1
@@ -104,6 +104,7 @@ class RuntimeClient:
         self.chans: list[Channel] = []
         self._stderr_tails: list[collections.deque] = []
         self._dir = None
+        self.control_address = None  # the listener's: a socket path (AF_UNIX) or ("127.0.0.1", port)
         self._lock = threading.RLock()
         self.last_strategy = ""
         self.last_sec_per_step = None
@@ -135,15 +136,15 @@ class RuntimeClient:
             self._patches_on_workers.clear()  # fresh workers hold no patches
             self._hints_on_workers.clear()  # nor hints
             self.resident_models = []  # nor models
-            self._dir = tempfile.mkdtemp(prefix="paradit-")  # mkdtemp makes it 0700: only we can connect
-            address = os.path.join(self._dir, "control.sock")
             key = secrets.token_bytes(32)
-            listener = Listener(address, family="AF_UNIX", authkey=key)
+            listener, self._dir = _control_listener(key)
+            self.control_address = listener.address
             try:
                 for rank, device in enumerate(self.devices):
                     proc = subprocess.Popen(
                         [sys.executable, "-m", "parallel_runtime.runtime.worker", "--rank", str(rank), "--world",
-                         str(self.world), "--device", device, "--socket", address, "--threads", str(self.threads)]
+                         str(self.world), "--device", device, *_control_argument(listener.address), "--threads",
+                         str(self.threads)]
                         + ([] if self.cores[rank] is None else ["--core", str(self.cores[rank])]),
                         stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=self._worker_env(), cwd=_PACKAGE_ROOT)
                     proc.stdin.write(key.hex().encode() + b"\n")
@@ -152,10 +153,11 @@ class RuntimeClient:
                     self._stderr_tails.append(_tee_stderr(proc, rank))
                 self.chans.extend([None] * self.world)
                 hello = self._accept(listener)
-                # Every worker is connected: the socket file has done its job, and removing it now means
+                # Every worker is connected: the socket file (if any) has done its job, and removing it now means
                 # no directory is left behind even if this process is later killed without cleanup.
                 _close_quietly(listener)
-                shutil.rmtree(self._dir, ignore_errors=True)
+                if self._dir:
+                    shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
                 port = hello[0]["store_port"]
                 session = secrets.token_hex(8)
@@ -178,8 +180,10 @@ class RuntimeClient:
         if os.environ.get("PARADIT_WORKER_CUDA_ALLOC_CONF"):
             env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ["PARADIT_WORKER_CUDA_ALLOC_CONF"]
         env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        loopback = loopback_interface()
+        if loopback:
+            env.setdefault("GLOO_SOCKET_IFNAME", loopback)
+            env.setdefault("NCCL_SOCKET_IFNAME", loopback)
         # On a collective timeout or a communicator error, NCCL's watchdog ends the process instead of leaving
         # it spinning on the device; the client reports the exit. 3 (SkipCleanUp, torch 2.x's default, set so
         # an older default cannot apply) skips ncclCommAbort, which can itself hang on a stuck communicator;
@@ -197,8 +201,11 @@ class RuntimeClient:
 
         def accept_all():
             try:
-                for _ in range(self.world):
-                    accepted.append(listener.accept())
+                while len(accepted) < self.world:
+                    try:
+                        accepted.append(listener.accept())
+                    except (AuthenticationError, EOFError):
+                        continue  # a local stranger on the loopback port, without the key: dropped, never read
             except OSError:
                 pass
             done.set()
@@ -382,7 +389,7 @@ class RuntimeClient:
         for rank in range(self.world) if ranks is None else ranks:
             try:
                 self.chans[rank].send_bytes(data)
-            except BlockingIOError:
+            except TIMED_OUT:
                 self._stopped_responding(rank, "take a message")
             except OSError:
                 self._worker_died(rank)
@@ -489,7 +496,7 @@ class RuntimeClient:
     def _recv_or_die(self, rank: int):
         try:
             return self.chans[rank].recv()
-        except BlockingIOError:
+        except TIMED_OUT:
             self._stopped_responding(rank, "finish a message it began")
         except (EOFError, OSError):
             self._worker_died(rank)
@@ -634,6 +641,25 @@ def _worker_exception(meta: dict) -> errors.ParaDiTError:
     return exc_type(meta["message"])
 
 
+def _control_listener(key: bytes) -> tuple[Listener, str | None]:
+    """(the listener the workers connect to, the private directory that holds its socket file, if any).
+
+    An AF_UNIX socket in a fresh 0700 directory where the platform's Python has AF_UNIX (Windows' has not, though
+    the OS does); else a TCP socket bound to loopback only. Either way `accept` runs the HMAC challenge with `key`
+    before it returns a connection, so no message from a peer without the key is ever read."""
+    if hasattr(socket, "AF_UNIX"):
+        directory = tempfile.mkdtemp(prefix="paradit-")  # mkdtemp makes it 0700: only we can connect
+        return Listener(os.path.join(directory, "control.sock"), family="AF_UNIX", authkey=key), directory
+    return Listener(("127.0.0.1", 0), family="AF_INET", authkey=key), None
+
+
+def _control_argument(address) -> list[str]:
+    """The worker's command-line arguments naming the control listener (see worker.main)."""
+    if isinstance(address, tuple):
+        return ["--port", str(address[1])]
+    return ["--socket", address]
+
+
 def _close_quietly(listener: Listener) -> None:
     try:
         listener.close()
@@ -734,13 +760,16 @@ def _last_words(tail: collections.deque) -> str:
 
 def _bound_io(conn, seconds: float) -> None:
     """Give a control connection's socket a send and a receive timeout: a send to a worker that stopped
-    reading, or the rest of a message that never comes, then fails with BlockingIOError instead of blocking
+    reading, or the rest of a message that never comes, then fails with one of TIMED_OUT instead of blocking
     the client forever (any size of message: a full socket buffer blocks even a small one)."""
-    timeval = struct.pack("@ll", int(seconds), int(seconds % 1 * 1e6))
-    # fromfd duplicates the descriptor; the options belong to the socket, so they apply to `conn` too.
-    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        # A host's socket.setdefaulttimeout() makes fromfd switch the shared descriptor to non-blocking;
+    # A socket object over conn's own descriptor (family read from it: AF_UNIX or loopback TCP), detached after,
+    # so it never closes what conn still uses.
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, socket_timeout(seconds))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, socket_timeout(seconds))
+        # A host's socket.setdefaulttimeout() makes the new socket object switch the descriptor to non-blocking;
         # multiprocessing's Connection needs it blocking.
         sock.setblocking(True)
+    finally:
+        sock.detach()

@@ -69,6 +69,27 @@ def auto_notice(spec: str, devices: list[str]) -> str | None:
     return None
 
 
+# Why several GPUs cannot share a prompt where torch has no NCCL. Gloo could carry CUDA tensors staged through
+# host memory; measured on loopback it moves 0.2-0.9 GB/s, seconds per step for Ulysses or Ring (see README).
+NO_NCCL = ("this PyTorch has no NCCL (Windows builds ship none), which several GPUs need to work on one prompt; use "
+           "one GPU (devices 0, one prompt at a time) or CPU workers (devices cpu:N), or run ComfyUI on Linux or WSL2 "
+           "for multi-GPU")
+
+
+def runtime_devices(spec: str) -> tuple[list[str], str | None]:
+    """The devices one runtime's workers run on, and a notice for the nodes to show before anything loads. As
+    parse_devices, except where torch has no NCCL: 'auto' then takes the first GPU alone and says why, and a list
+    of several GPUs is refused in one sentence. CPU workers talk over gloo and need no NCCL."""
+    import torch.distributed as dist
+
+    devices = parse_devices(spec)
+    if sum(d.startswith("cuda") for d in devices) < 2 or dist.is_nccl_available():
+        return devices, auto_notice(spec, devices)
+    if (spec or "auto").strip().lower() == "auto":
+        return devices[:1], f"devices=auto runs on {devices[0]} alone: {NO_NCCL}."
+    raise ConfigError(f"devices {spec!r} names {len(devices)} GPUs, but {NO_NCCL}.")
+
+
 WEIGHT_DTYPES = ("default", "bf16", "fp16", "fp32", "fp8_e4m3fn", "fp8_e5m2")  # Load Parallel DiT's choices
 
 

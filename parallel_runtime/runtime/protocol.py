@@ -2,7 +2,8 @@
 
 A message is a JSON header plus an optional safetensors blob: tensors cross the channel as raw bytes
 with dtype and shape, never as pickles, so a peer can send data but never code. The channel itself is
-an authenticated AF_UNIX socket in a private directory (see client.py).
+an authenticated AF_UNIX socket in a private directory, or loopback TCP where Python has no AF_UNIX (see
+client.py).
 """
 from __future__ import annotations
 

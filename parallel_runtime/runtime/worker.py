@@ -22,13 +22,8 @@ from datetime import timedelta
 import torch
 
 from ..errors import Cancelled, ConfigError, ParaDiTError
+from .portability import collective_backend, peak_rss, pin_to_core
 from .protocol import Channel
-
-
-def _peak_rss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _device_bytes(device: torch.device) -> int | None:
@@ -433,6 +428,7 @@ def _denoise(state: WorkerState, chan: Channel, job, topology, pulse, controlnet
         chan.send("progress", {"rank": state.rank, "step": step, "total": total, "report": denoiser.reports_progress,
                                "sec_per_step": times[-1] if times else None,
                                "device_bytes": _device_bytes(state.device)})
+        peak_rss()  # samples the high-water mark where the OS keeps none
         FAULTS.maybe("stall", state.rank, step)
 
     t0 = time.perf_counter()
@@ -452,7 +448,7 @@ def _denoise(state: WorkerState, chan: Channel, job, topology, pulse, controlnet
         "rank": state.rank, "job_seconds": time.perf_counter() - t0, "step_times": denoiser.step_times,
         "traffic": comm.traffic.snapshot(), "param_bytes": state.current_bytes(), "resident_bytes": state.held_bytes(),
         "kv_cache_bytes": denoiser.cache.nbytes() if hasattr(denoiser, "cache") else 0,
-        "peak_rss_bytes": _peak_rss(),
+        "peak_rss_bytes": peak_rss(),
         "peak_device_bytes": torch.cuda.max_memory_allocated(state.device) if state.device.type == "cuda" else 0,
     }
     return stats, latent
@@ -609,12 +605,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--device", required=True)
-    ap.add_argument("--socket", required=True)
+    control = ap.add_mutually_exclusive_group(required=True)  # the client's listener (client._control_listener)
+    control.add_argument("--socket", help="its AF_UNIX socket file")
+    control.add_argument("--port", type=int, help="its port on 127.0.0.1, where Python has no AF_UNIX")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--core", type=int, default=None, help="pin this worker to one CPU core (devices cpu:K,...)")
     args = ap.parse_args(argv)
     if args.core is not None:
-        os.sched_setaffinity(0, {args.core})  # before torch starts its threads, so they inherit it
+        pin_to_core(args.core)  # before torch starts its threads, so they inherit it
 
     authkey = bytes.fromhex(sys.stdin.readline().strip())
     if args.threads:
@@ -622,7 +620,10 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    chan = Channel(Client(args.socket, family="AF_UNIX", authkey=authkey))
+    if args.socket is not None:
+        chan = Channel(Client(args.socket, family="AF_UNIX", authkey=authkey))
+    else:
+        chan = Channel(Client(("127.0.0.1", args.port), family="AF_INET", authkey=authkey))
     FAULTS.maybe("die_starting", args.rank)
 
     import torch.distributed as dist
@@ -649,11 +650,12 @@ def main(argv: list[str] | None = None) -> None:
             # the start within a minute instead of hanging it.
             store = dist.TCPStore("127.0.0.1", meta["store_port"], args.world, is_master=False,
                                   timeout=timedelta(seconds=60))
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # NCCL where torch has it (the client refuses several GPUs where it has not: devices.runtime_devices).
+        backend = collective_backend(device.type)
         # The process group's timeout bounds each collective (see WatchdogConfig.collective_timeout_s).
         dist.init_process_group(backend, store=dist.PrefixStore(meta["session"], store), rank=args.rank,
                                 world_size=args.world, timeout=collective_timeout,
-                                **({"device_id": device} if device.type == "cuda" else {}))
+                                **({"device_id": device} if backend == "nccl" else {}))
     chan.send("ready", {"rank": args.rank})
     try:
         serve(WorkerState(args.rank, args.world, device, collective_timeout), chan, meta["heartbeat_s"])

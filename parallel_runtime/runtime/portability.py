@@ -1,0 +1,68 @@
+"""What differs between the platforms ComfyUI runs on (Linux, Windows, macOS), chosen by what the platform offers
+rather than by its name wherever a capability can be tested: Windows 10+ has AF_UNIX in the OS but not in CPython,
+and some Linux builds of torch lack NCCL too."""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import sys
+
+# What a socket send or receive raises when its SO_SNDTIMEO / SO_RCVTIMEO ran out: EAGAIN on POSIX, WSAETIMEDOUT
+# (TimeoutError) on Windows.
+TIMED_OUT = (BlockingIOError, TimeoutError)
+
+
+def socket_timeout(seconds: float):
+    """SO_SNDTIMEO / SO_RCVTIMEO's value: a DWORD of milliseconds on Windows, a struct timeval on POSIX (no
+    capability to test here: the option's layout is the OS's ABI)."""
+    if os.name == "nt":
+        return max(1, round(seconds * 1000))
+    return struct.pack("@ll", int(seconds), int(seconds % 1 * 1e6))
+
+
+def collective_backend(device_type: str) -> str:
+    """The process-group backend for workers on `device_type`: NCCL for CUDA where torch has it, else gloo."""
+    import torch.distributed as dist
+
+    return "nccl" if device_type == "cuda" and dist.is_nccl_available() else "gloo"
+
+
+def loopback_interface() -> str | None:
+    """The name of the network interface that carries 127.0.0.1 ('lo' on Linux, 'lo0' on macOS, 'Loopback
+    Pseudo-Interface 1' on Windows), so gloo and NCCL bind there only; None if none does (they pick their own)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+            return name
+    return None
+
+
+def pin_to_core(core: int) -> None:
+    """Run this process on one CPU core only (call it before torch starts its threads, so they inherit it)."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {core})
+    else:  # Windows (psutil has no affinity on macOS, which has no API to pin a process)
+        import psutil
+
+        psutil.Process().cpu_affinity([core])
+
+
+_rss_high_water = 0  # where the OS keeps no peak of its own (see peak_rss)
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes: getrusage's ru_maxrss where the `resource` module exists (KiB
+    on Linux, bytes on macOS), else psutil's peak working set (Windows), else the highest RSS seen by the calls
+    so far (a worker calls this at each step)."""
+    global _rss_high_water
+    try:
+        import resource
+    except ImportError:
+        import psutil
+
+        info = psutil.Process().memory_info()
+        _rss_high_water = max(_rss_high_water, info.rss, getattr(info, "peak_wset", 0))
+        return _rss_high_water
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)

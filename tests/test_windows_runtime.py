@@ -1,0 +1,138 @@
+"""The runtime where Python has no AF_UNIX and no `resource` module, as Windows' CPython: run here on Linux by hiding
+both in this process and in the workers' interpreters (a sitecustomize the workers import first), and where torch
+has no NCCL (Windows' builds), with the CUDA probes faked."""
+from __future__ import annotations
+
+import socket
+import struct
+import sys
+
+import pytest
+import torch
+
+from conftest import make_job
+from parallel_runtime.errors import Cancelled, ConfigError
+from parallel_runtime.runtime.client import RuntimeClient
+from parallel_runtime.runtime.devices import NO_NCCL, runtime_devices
+from parallel_runtime.runtime.portability import collective_backend, loopback_interface, peak_rss
+from parallel_runtime.spec import StrategySpec as S
+
+pytestmark = pytest.mark.timeout(300)
+
+# Imported by every interpreter started with its folder on PYTHONPATH (site.py does so before any other import):
+# the workers then start as Windows' CPython would, without socket.AF_UNIX and without `resource`, and leave a file
+# named by their pid saying what they lacked.
+HIDING_SITECUSTOMIZE = """
+import os, socket, sys
+import psutil  # first: its Linux half imports resource itself (its Windows half needs none)
+del socket.AF_UNIX
+sys.modules["resource"] = None  # `import resource` raises ImportError, as where the module does not exist
+try:
+    import resource
+    lacks = "nothing"
+except ImportError:
+    lacks = "AF_UNIX resource" if not hasattr(socket, "AF_UNIX") else "resource"
+with open(os.path.join(os.environ["PARADIT_TEST_HIDDEN"], str(os.getpid())), "w") as f:
+    f.write(lacks)
+"""
+
+JOB = dict(steps=4)  # the tiny model, 2 ranks: a few steps are enough to cross the channel and the group
+
+
+@pytest.fixture(scope="module")
+def normal_path(tiny_path):
+    """The 2-worker job's latent on the normal path (AF_UNIX, resource)."""
+    client = RuntimeClient("cpu:2", threads_per_worker=1)
+    try:
+        yield client.run(make_job(tiny_path, S(ulysses_degree=2), **JOB)).latent
+    finally:
+        client.shutdown()
+
+
+@pytest.fixture
+def windows_like(tmp_path, monkeypatch):
+    """This process and the workers it starts without socket.AF_UNIX and `resource`; yields the folder where each
+    worker notes what it lacked."""
+    site, hidden = tmp_path / "site", tmp_path / "hidden"
+    site.mkdir()
+    hidden.mkdir()
+    (site / "sitecustomize.py").write_text(HIDING_SITECUSTOMIZE)
+    monkeypatch.setenv("PYTHONPATH", str(site))  # the client passes its environment on to the workers
+    monkeypatch.setenv("PARADIT_TEST_HIDDEN", str(hidden))
+    monkeypatch.delattr(socket, "AF_UNIX")
+    monkeypatch.setitem(sys.modules, "resource", None)
+    return hidden
+
+
+def test_two_workers_run_and_cancel_without_af_unix_or_resource(tiny_path, normal_path, windows_like):
+    client = RuntimeClient("cpu:2", threads_per_worker=1)
+    try:
+        out = client.run(make_job(tiny_path, S(ulysses_degree=2), **JOB))
+        # Loopback TCP, and each worker really started without AF_UNIX and resource.
+        host, port = client.control_address
+        assert host == "127.0.0.1" and port > 0
+        assert {p.name: p.read_text() for p in windows_like.iterdir()} == {
+            str(proc.pid): "AF_UNIX resource" for proc in client.procs}
+        # The same ranks run the same kernels in the same order: the channel must not change a bit of the result.
+        assert torch.equal(out.latent, normal_path)
+        # Peak RSS came from psutil: a worker that imported torch holds more than 100 MiB (about 300 here).
+        assert all(s["peak_rss_bytes"] > 100 * 2**20 for s in out.stats), [s["peak_rss_bytes"] for s in out.stats]
+        # The control sockets got their send and receive timeouts on TCP too (Linux reads them back as a timeval).
+        sock = socket.socket(fileno=client.chans[0].conn.fileno())
+        try:
+            sec, usec = struct.unpack("@ll", sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+        finally:
+            sock.detach()
+        assert sec + usec / 1e6 == pytest.approx(client.watchdog.heartbeat_timeout_s)
+
+        # Cancel mid-run: the job stops, the same workers stay and the next job on them is unchanged.
+        pids, seen = [p.pid for p in client.procs], []
+        with pytest.raises(Cancelled):
+            client.run(make_job(tiny_path, S(ulysses_degree=2), steps=40), progress=lambda s, t, i: seen.append(s),
+                       interrupted=lambda: len(seen) >= 2)
+        assert len(seen) <= 2 + 2, seen  # votes are read one step after they are cast
+        assert client.alive and [p.pid for p in client.procs] == pids
+        assert torch.equal(client.run(make_job(tiny_path, S(ulysses_degree=2), **JOB)).latent, normal_path)
+    finally:
+        client.shutdown()
+    assert all(proc.poll() is not None for proc in client.procs)
+
+
+def test_peak_rss_without_resource_is_psutil_high_water(monkeypatch):
+    import psutil
+
+    monkeypatch.setitem(sys.modules, "resource", None)
+    first = peak_rss()
+    assert first >= psutil.Process().memory_info().rss * 0.9  # RSS moves between the two reads; 10% is plenty
+    assert peak_rss() >= first  # a high-water mark never goes down
+
+
+@pytest.fixture
+def cuda_without_nccl(monkeypatch):
+    """Two visible GPUs and a torch without NCCL, as Windows' builds (only the probes are faked: nothing starts)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+
+
+def test_several_gpus_without_nccl_are_refused_in_one_sentence(cuda_without_nccl):
+    with pytest.raises(ConfigError) as info:
+        RuntimeClient("0,1")  # before any worker starts
+    message = str(info.value)
+    assert message.count(". ") == 0 and message.endswith(".")
+    assert "no NCCL" in message and "devices 0" in message and "cpu:N" in message
+    # auto takes the first GPU and says why; one GPU and CPU workers need no NCCL.
+    devices, notice = runtime_devices("auto")
+    assert devices == ["cuda:0"] and NO_NCCL in notice
+    assert runtime_devices("1") == (["cuda:1"], None)
+    assert runtime_devices("cpu:2") == (["cpu", "cpu"], None)
+    assert collective_backend("cuda") == "gloo" and collective_backend("cpu") == "gloo"
+
+
+def test_workers_bind_gloo_to_the_loopback_interface(monkeypatch):
+    # 'lo' on Linux; found by its address, so Windows' 'Loopback Pseudo-Interface 1' is found the same way.
+    assert loopback_interface() == "lo"
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert RuntimeClient("cpu:1")._worker_env()["GLOO_SOCKET_IFNAME"] == "lo"
