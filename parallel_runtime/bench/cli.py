@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from ..errors import ConfigError
 from ..planning import costmodel
 from ..planning.traffic import compare, job_traffic, shapes_of
 from ..runtime.devices import default_dtype
@@ -99,6 +100,7 @@ def parse_args(argv):
         if args.model is not None:
             ap.error("give --family or --model, not both")
         args.model = "bench" if args.family == "flux" else args.family
+    args.preset_size = args.quick and args.resolution is None  # main raises it to the family's smallest image
     defaults = QUICK if args.quick else TOY_DEFAULTS if args.model == TOY else DEFAULTS
     if args.family and BENCH_FAMILIES[args.family].video:
         defaults = dict(defaults, **(QUICK_VIDEO if args.quick else VIDEO_SIZE))
@@ -147,7 +149,9 @@ def bench_latent(config, width: int, height: int, frames: int | None) -> tuple[t
     return (1, config.latent_channels, t, rows, cols), t * (rows // p) * (cols // p)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, workers: dict | None = None) -> int:
+    """`workers`: a pool of runtime clients by device string that --quick rows run on and leave running, for a
+    caller that smoke-runs several grids (tests/test_bench_grids.py); its owner shuts them down."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--in-process-reference"]:  # internal: see runs.run_in_process
         in_process_reference(json.loads(argv[1]))
@@ -167,8 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="paradit-bench-") if args.model in NAMED_MODELS else None
     try:
         path, config, model_name, conditioning = _model(args, tmp, height, width)
+        if args.preset_size:  # PixArt has no positions below 264 px a side: the smoke preset runs at its smallest
+            side = -(-getattr(config, "min_mean_latent_side", 0) * 8 // 16) * 16
+            width, height = max(width, side), max(height, side)
         latent_shape, tokens = bench_latent(config, width, height, args.frames)
-        run = BenchRun(args, say, path, config, model_name, latent_shape, tokens, devices, conditioning, t_start)
+        run = BenchRun(args, say, path, config, model_name, latent_shape, tokens, devices, conditioning, t_start,
+                       workers)
         return run.main()
     finally:
         if tmp:
@@ -216,6 +224,7 @@ class BenchRun:
     devices: list
     conditioning: tuple | None
     t_start: float
+    workers: dict | None = None  # main's `workers`
 
     def __post_init__(self):
         self.text = self.args.text_tokens
@@ -232,6 +241,7 @@ class BenchRun:
         self.cores = costmodel.available_cores()
         self.calib = None
         self.targets: list[dict] = []
+        self.not_applicable: list[dict] = []  # grid rows this model or latent cannot run, with the reason
 
     def main(self) -> int:
         from ..models.registry import family_of
@@ -263,6 +273,7 @@ class BenchRun:
 
         headers, table, json_rows = result_rows(results, serial, args.steps, self.kind)
         record["rows"].extend(dict(row, family=family) for row in json_rows)
+        record["not_applicable"] = self.not_applicable
         say("")
         say(f"Results — {self.model_name}, {self.image_tokens} {self.tokens_name} + {self.text} text tokens{self._padded_note()}, "
             f"{args.devices} x {args.threads} thread(s)")
@@ -330,9 +341,17 @@ class BenchRun:
         """The grid's (strategy, cfg) rows, narrowed by --configs / --auto, with auto's pick among them."""
         from ..planning import auto
 
-        args, shape = self.args, self.latent_shape
-        rows = grid(self.max_world, cfg=args.cfg, heads=self.config.num_heads, num_blocks=self.config.num_blocks,
-                    latent_hw=latent_plane(shape[2:]))
+        from ..models.registry import family_of, token_patch
+
+        args, shape, config = self.args, self.latent_shape, self.config
+        skipped: list[tuple[str, str]] = []
+        rows = grid(self.max_world, cfg=args.cfg, heads=config.num_heads, num_blocks=config.num_blocks,
+                    latent_hw=latent_plane(shape[2:]), patch=token_patch(config),
+                    mlp_hidden=getattr(config, "mlp_hidden", None), tensor=bool(family_of(config).tensor_plan_for(config)),
+                    skipped=skipped)
+        self.not_applicable = [{"label": label, "reason": reason} for label, reason in skipped]
+        for label, reason in skipped:
+            self.say(f"  not applicable here: {label} ({reason})")
         auto_pick, auto_reason = None, None
         if self.calib is not None and self.max_world > 1:
             auto_pick, auto_reason = auto.choose_strategy(self.path, shape, args.cfg, args.devices, text_len=self.text,
@@ -353,6 +372,21 @@ class BenchRun:
     def _run_grid(self, rows):
         """Every row `--repeats` times, round robin (a burst of contention on a shared machine hits one run of a
         configuration, not all), keeping each row's fastest run; the in-process and per-call serial references."""
+        args = self.args
+        # --quick keeps one set of workers per device count for the whole grid (starting workers is most of a
+        # smoke row's time); the full bench starts fresh ones per row, so each row's peak RSS is its own.
+        if not args.quick or self.workers is not None:
+            return self._run_rows(rows, self.workers if args.quick else None)
+        clients: dict = {}
+        try:
+            return self._run_rows(rows, clients)
+        finally:
+            for client in clients.values():
+                client.shutdown()
+
+    def _run_rows(self, rows, clients: dict | None):
+        from ..runtime.client import RuntimeClient
+
         args, say = self.args, self.say
         best: dict[int, dict] = {}
         inproc_runs, call_runs = [], []
@@ -362,10 +396,20 @@ class BenchRun:
                 if want_inproc and idx == 0:
                     self._serial_references(rep, cfg, inproc_runs, call_runs)
                 where = subset_devices(self.devices, args.devices, s.world_size)
-                cap = cpu_capacity(s.world_size) if self.kind == "cpu" and s.world_size > 1 else None
+                probe = self.kind == "cpu" and s.world_size > 1 and not args.quick  # its probes take seconds
+                cap = cpu_capacity(s.world_size) if probe else None
                 job = make_job(self.path, self.config, s, self.latent_shape, self.text, cfg, args.steps,
                                self.conditioning)
-                res = run_config(where, job, args.threads)
+                if clients is not None and where not in clients:
+                    clients[where] = RuntimeClient(where, threads_per_worker=args.threads)
+                client = clients[where] if clients is not None else None
+                try:
+                    res = run_config(where, job, args.threads, client)
+                except ConfigError as exc:  # a row the runtime refuses is reported, and the grid goes on
+                    say(f"[{rep + 1}/{args.repeats}] {row_label(s, cfg)} on {where}: not applicable ({exc})")
+                    if rep == 0:
+                        self.not_applicable.append({"label": row_label(s, cfg), "reason": str(exc)})
+                    continue
                 res["capacity"] = cap
                 runs = best.get(idx, {}).get("runs", []) + [{"step_s": res["step_s"], "job_s": res["job_s"],
                                                               "capacity": cap}]
@@ -393,6 +437,8 @@ class BenchRun:
         args, config, shape = self.args, self.config, self.latent_shape
         results, serial, total_params = [], {}, None
         for idx, (s, cfg) in enumerate(rows):
+            if idx not in best:  # refused by the runtime (reported as not applicable)
+                continue
             res = best[idx]
             res.update(strategy=s, cfg=cfg, label=row_label(s, cfg))
             if s.world_size == 1:

@@ -9,8 +9,12 @@ from ..spec import StrategySpec
 CFG_PARALLEL_SCALE = 3.5  # cfg used for the CFG-parallel rows when the grid itself runs at cfg 1
 
 
-def grid(max_world: int, *, cfg: float, heads: int, num_blocks: int, latent_hw: tuple[int, int]) -> list[tuple[StrategySpec, float]]:
-    """(strategy, cfg) pairs: serial, pure strategies at 2/4/8 ranks, hybrids and naive patch that fit."""
+def grid(max_world: int, *, cfg: float, heads: int, num_blocks: int, latent_hw: tuple[int, int], patch: int = 2,
+         mlp_hidden: int | None = None, tensor: bool = True,
+         skipped: list[tuple[str, str]] | None = None) -> list[tuple[StrategySpec, float]]:
+    """(strategy, cfg) pairs: serial, pure strategies at 2/4/8 ranks, hybrids and naive patch that fit the model
+    (its heads, blocks, MLP width, whether its family splits layers for tensor parallel: `tensor`) and the latent.
+    `skipped` gets (label, the runtime's sentence) for each row left out."""
     cfg_rows = cfg if abs(cfg - 1.0) > 1e-9 else CFG_PARALLEL_SCALE
     rows: list[tuple[StrategySpec, float]] = [(StrategySpec(), cfg)]
     if abs(cfg - 1.0) <= 1e-9 and max_world >= 2:
@@ -39,8 +43,13 @@ def grid(max_world: int, *, cfg: float, heads: int, num_blocks: int, latent_hw: 
         for s, c in cands:
             try:
                 validate_strategy(s, world_size=s.world_size, heads=heads, num_blocks=num_blocks, latent_hw=latent_hw,
-                                  cfg_scale=c)
-            except ConfigError:
+                                  cfg_scale=c, patch=patch, mlp_hidden=mlp_hidden)
+                if s.tensor_degree > 1 and not tensor:
+                    raise ConfigError("this family does not split its layers for tensor parallelism yet; set "
+                                      "tensor_degree=1 and split it with ulysses_degree or ring_degree.")
+            except ConfigError as exc:
+                if skipped is not None:
+                    skipped.append((row_label(s, c), str(exc)))
                 continue
             rows.append((s, c))
     return rows

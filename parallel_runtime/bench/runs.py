@@ -31,11 +31,14 @@ def make_job(path: str, config, strategy: StrategySpec, latent_shape, text_token
                pos, neg if abs(cfg - 1.0) > 1e-9 else None)
 
 
-def run_config(devices: str, job: Job, threads: int) -> dict:
-    """Run `job` once on fresh workers (so peak RSS is this configuration's alone)."""
+def run_config(devices: str, job: Job, threads: int, client=None) -> dict:
+    """Run `job` once on fresh workers (so peak RSS is this configuration's alone), or on `client`'s (--quick: the
+    RSS then includes what earlier rows left)."""
     from ..runtime.client import RuntimeClient
 
-    client = RuntimeClient(devices, threads_per_worker=threads)
+    own = client is None
+    if own:
+        client = RuntimeClient(devices, threads_per_worker=threads)
     try:
         client.start()
         with RssSampler(client) as sampler:
@@ -44,7 +47,8 @@ def run_config(devices: str, job: Job, threads: int) -> dict:
             peak = list(sampler.peak)
         peak = [max(p, r) for p, r in zip(peak, sampler.rss())]
     finally:
-        client.shutdown()
+        if own:
+            client.shutdown()
     stats = result.stats
     return {"latent": result.latent, "stats": stats, "step_s": step_seconds(stats, skip_steps(job.strategy)),
             "job_s": max(st["job_seconds"] for st in stats), "client_s": result.seconds,
