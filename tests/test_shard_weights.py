@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from conftest import make_job, rel_err
 from test_comfy_quant import comfy_quant_twins
@@ -24,6 +25,7 @@ from parallel_runtime.models.tiny import TINY, write_checkpoint
 from parallel_runtime.planning import costmodel
 from parallel_runtime.planning.traffic import compare, job_traffic, shapes_of
 from parallel_runtime.spec import StrategySpec as S
+from parallel_runtime.strategies.sharded_weights import bind_weight_gatherer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -192,6 +194,123 @@ def test_lora_stack_on_sharded_blocks(folder, client1, client2, kind):
     plain = client1.run(job((name, path))).latent
     assert rel_err(client2.run(job((name, path), SHARDED[0])).latent, plain) <= EXACT_RTOL  # the LoRA is off again
     assert rel_err(client1.run(dataclasses.replace(job((name, path)), weight_patches=patches)).latent, plain) > 1e-2
+
+
+class GroupOfTwo:
+    """The replica group of two WorkerStates built in this process: gathering block i fills the buffer with both
+    ranks' kept slices of it, as the all-gather does (no process group, so every rank's state can be looked at)."""
+
+    def __init__(self, models):
+        self.slices = {}  # id(a rank's kept slice) -> both ranks' slices of that block, in rank order
+        for blocks in zip(*(m.sharded_blocks for m in models)):
+            for block in blocks:
+                self.slices[id(block.kept)] = [b.kept for b in blocks]
+
+    def group(self, name):
+        return self
+
+    def all_gather_into_async(self, out, kept, group, op):
+        out.copy_(torch.cat(self.slices[id(kept)]))
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the host data a rank moves onto its device: the tensors it reads from the file (FileParameters'
+    read_stored) and the LoRA factors it moves (`.to`/`copy_` of the job's WeightPatch tensors, kept on the host as
+    the channel delivered them). On CUDA each is a host-to-device copy; a CPU worker runs the same calls."""
+
+    def __init__(self, monkeypatch, factors):
+        super().__init__()
+        import parallel_runtime.weights.patches as patches
+
+        self.factors, self.file_reads, self.uploads = {id(t) for t in factors}, 0, 0
+        read_stored = patches.read_stored
+
+        def counted(*args, **kwargs):
+            self.file_reads += 1
+            return read_stored(*args, **kwargs)
+
+        monkeypatch.setattr(patches, "read_stored", counted)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        source = args[1] if name == "copy_" and len(args) > 1 else args[0] if args else None
+        if name in ("to", "copy_", "cuda") and id(source) in self.factors:
+            self.uploads += 1
+        return func(*args, **(kwargs or {}))
+
+    def take(self) -> tuple[int, int]:
+        counts = (self.file_reads, self.uploads)
+        self.file_reads = self.uploads = 0
+        return counts
+
+
+def gathered_pass(state, comm) -> dict[str, torch.Tensor]:
+    """One forward pass's gathers on a rank (each block entered in order, as its first module's hook enters it, then
+    the job's finish): a copy of every block tensor as gathered, by its model name."""
+    gatherer = bind_weight_gatherer(state.adapter.model, comm)
+    names = {id(m): n for n, m in state.adapter.model.named_modules()}
+    seen = {}
+    for i, block in enumerate(gatherer.blocks):
+        gatherer.enter(i)
+        seen.update({f"{names[id(block.block)]}.{n}": getattr(s.module, s.name).detach().clone()
+                     for n, s in block.names.items()})
+    gatherer.finish()
+    state.end_job()
+    return seen
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+@pytest.mark.parametrize("kind", ["fp32", "fp8_scaled"])
+def test_lora_on_sharded_blocks_reads_the_file_once_per_stack_not_per_gather(folder, monkeypatch, kind):
+    """A LoRA on a sharded model (two ranks' WorkerStates in this process, one stock-sampler job per step): the
+    patched values are formed when the stack is applied, then every pass's gathers bring them with no file read and
+    no LoRA factor moved to the device, however many steps; the gathered tensors equal an unsharded rank's with the
+    same stack bit for bit (ComfyUI's seeded stochastic rounding into fp8 included), with a second stack and off
+    again."""
+    from parallel_runtime.runtime.topology import Topology
+    from parallel_runtime.runtime.worker import WorkerState
+
+    name = "kontext"
+    if kind == "fp32":
+        path = write_checkpoint(str(folder / "reads-base.safetensors"), FAMILIES[name], seed=11)
+    else:
+        path, _ = fp8_twins(folder, name, torch.float8_e4m3fn, scaled=True)
+    spec = {"path": path, "weight_dtype": "default"}
+    ranks = [WorkerState(r, 2, torch.device("cpu")) for r in range(2)]
+    for state in ranks:
+        state.ensure_model(spec, Topology.from_strategy(SHARDED[0]))
+    serial = WorkerState(0, 1, torch.device("cpu"))
+    serial.ensure_model(spec, Topology.from_strategy(S()))
+    held = {**dict(serial.adapter.model.named_parameters()), **dict(serial.adapter.model.named_buffers())}
+    comm = GroupOfTwo([state.adapter.model for state in ranks])
+    a, b = lora_stack(name, 1, 0.8, "a")[0], lora_stack(name, 2, -0.5, "b")[0]
+    factors = [t for stack in (a, b) for ps in stack.weights.values() for p in ps for t in p.tensors.values()]
+    counted = HostReads(monkeypatch, factors)
+    lora_params = {n for k in a.weights for n, _ in ranks[0].patcher.targets[k]}  # b patches the same ones
+    for patches in (a, b, None):
+        serial.patcher.apply(patches)
+        counted.take()  # the unsharded reference's reads
+        with counted:
+            for state in ranks:
+                state.patcher.apply(patches)
+            per_pass = []
+            for step in range(4):  # one job per step: apply() finds the stack in place
+                for state in ranks:
+                    state.patcher.apply(patches)
+                gathered = [gathered_pass(state, comm) for state in ranks]
+                per_pass.append(counted.take())
+        for tensor_name, value in gathered[0].items():
+            assert torch.equal(as_bits(value), as_bits(held[tensor_name].detach())), (patches and patches.id, tensor_name)
+        assert gathered[0].keys() == gathered[1].keys()
+        assert per_pass[1:] == [(0, 0)] * 3, per_pass  # no host data moved once the stack is in place
+        # The stack's first job: at most one file read per LoRA'd parameter (the patched value formed, or the file's
+        # put back) and one move per LoRA factor, on each of the two ranks.
+        stack_factors = [t for ps in (patches.weights.values() if patches else ()) for p in ps for t in p.tensors.values()]
+        reads, uploads = per_pass[0]
+        assert 0 < reads <= 2 * len(lora_params) and uploads <= 2 * len(stack_factors), per_pass
 
 
 # -- planning -----------------------------------------------------------------------------------------------------

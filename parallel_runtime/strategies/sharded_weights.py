@@ -37,7 +37,6 @@ class BlockGatherer:
         self.cursor = 0  # the block the walk reaches next once `live` is released
         self.started = False
         self.thread = None  # the job's thread, set while a job is bound
-        self.gathered = None  # callable(ShardedBlock): runs on each gathered block (a LoRA baked into it)
         for i, block in enumerate(blocks):
             touch = functools.partial(self.touch, i)
             for module in block.block.modules():
@@ -65,8 +64,6 @@ class BlockGatherer:
         self._walk_to(i)
         self.blocks[i].install(self._land(i))
         self.live = i
-        if self.gathered is not None:
-            self.gathered(self.blocks[i])
         self._issue(self._next(i))
 
     def finish(self) -> None:

@@ -194,23 +194,15 @@ class FileParameters:
         self._reader = None
 
     def __enter__(self) -> "FileParameters":
-        self.open()
+        """Open for one application of a stack (the file is not held open between jobs)."""
+        from .checkpoint import open_checkpoint
+
+        self._reader = open_checkpoint(self.path)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
-
-    def open(self) -> None:
-        """Open the file unless it is open (a sharded model's bakes keep it open through a job)."""
-        from .checkpoint import open_checkpoint
-
-        if self._reader is None:
-            self._reader = open_checkpoint(self.path)
-
-    def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
+        self._reader.close()
+        self._reader = None
 
     def read(self, name: str, linear: str | None) -> torch.Tensor:
         """As the build stored it (`linear`: "weight"/"bias" of a linear layer): an fp8 weight in fp8."""
@@ -329,15 +321,15 @@ class RankWeightPatcher:
         self.patched: set[str] = set()  # parameters that differ from the file
         self.transients: list[PatchedPerCall] = []  # the per-call LoRAs in place
         self.applied: str | None = None  # the id of the patches in place
-        # shard_weights: a sharded block's tensors exist only while it is gathered, and its slices keep the file's
-        # values, so a LoRA baked into them is baked into each gathered copy instead (`bake_gathered`): the same
-        # arithmetic on the same file values, redone per gather, and nothing to take off.
-        self.sharded = {}  # parameter name -> id of its ShardedBlock's module
-        self.deferred: dict[int, list[tuple[str, list[WeightPatch]]]] = {}  # block module id -> its keys' patches
-        self._modules = dict(model.named_modules())
+        # shard_weights: a sharded block's tensors exist only while it is gathered, from the slices its replica
+        # group keeps. A LoRA is baked into those slices, each rank's part of the patched bytes (ShardedBlock.store),
+        # when the stack is applied: the gathers then bring the patched weights with no file read or patch per
+        # gather, and taking it off writes the file's bytes back, as for a whole tensor.
+        self.sharded = {}  # parameter name -> (its ShardedBlock, its slot there)
+        modules = dict(model.named_modules())
         for block in getattr(model, "sharded_blocks", ()):
-            prefix = next(n for n, m in self._modules.items() if m is block.block)
-            self.sharded.update({f"{prefix}.{n}": id(block.block) for n in block.names})
+            prefix = next(n for n, m in modules.items() if m is block.block)
+            self.sharded.update({f"{prefix}.{n}": (block, slot) for n, slot in block.names.items()})
 
     def apply(self, patches: WeightPatches | None) -> int:
         """Make the held weights the file's plus `patches` (None: the file's); returns how many tensors of
@@ -349,20 +341,15 @@ class RankWeightPatcher:
         self.applied = None  # half-applied until the end: a failure here makes the next job start over
         wanted = {name for key in mine for name, _ in self.targets[key]}
         with self.files:
-            self.transients, self.deferred = [], {}
+            self.transients = []
             for name in sorted(self.patched - wanted):
                 if name in self.per_call:
                     self.per_call[name].patch = None
-                elif name not in self.sharded:  # a sharded block's slices hold the file's values already
-                    self.params[name].copy_(self.files.read(name, self.linear_parts.get(name)))
+                else:
+                    self._store(name, self.files.read(name, self.linear_parts.get(name)))
                 self.patched.discard(name)
             for key, key_patches in mine.items():  # one tensor at a time: no second copy of the model
-                first = self.targets[key][0][0]
-                if first in self.sharded and first not in self.per_call:
-                    self.deferred.setdefault(self.sharded[first], []).append((key, key_patches))
-                    self.patched.update(name for name, _ in self.targets[key])
-                else:
-                    self._patch(key, key_patches)
+                self._patch(key, key_patches)
         self.applied = new_id
         return len(mine)
 
@@ -396,32 +383,23 @@ class RankWeightPatcher:
             weight = stochastic_round(weight / scale if scale is not None else weight, fp8,
                                       seed=string_to_seed(COMFY_PREFIX + key))
         for name, source in sources:
-            self._tensor(name).copy_(rows_of(weight, source, shards[name]))  # copy_ casts as ComfyUI's .to
+            self._store(name, rows_of(weight, source, shards[name]))
             self.patched.add(name)
 
-    def _tensor(self, name: str) -> torch.Tensor:
-        """The tensor a parameter name holds now (a sharded block's: the gathered view)."""
-        if name not in self.sharded:
-            return self.params[name]
-        module, _, attr = name.rpartition(".")
-        return getattr(self._modules[module], attr)
-
-    def bake_gathered(self, block) -> None:
-        """Bake the LoRA keys of a just-gathered sharded block (weights.sharded.ShardedBlock) into its views; the
-        file stays open for the job's next gathers (closed by drop_transients)."""
-        keys = self.deferred.get(id(block.block))
-        if not keys:
-            return
-        self.files.open()
-        for key, key_patches in keys:
-            self._patch(key, key_patches)
+    def _store(self, name: str, value: torch.Tensor) -> None:
+        """Make `value` what parameter `name` holds (copy_ casts as ComfyUI's .to); a sharded block's parameter:
+        this rank's part of its bytes in the block's kept slice."""
+        if name in self.sharded:
+            block, slot = self.sharded[name]
+            block.store(slot, value)
+        else:
+            self.params[name].copy_(value)
 
     def drop_transients(self) -> None:
         """Free any whole patched tensor a per-call LoRA still caches (a job stopped between a fused tensor's
-        parts); the next call rebuilds it. Closes the file a sharded model's bakes read."""
+        parts); the next call rebuilds it."""
         for per_call in self.transients:
             per_call.drop()
-        self.files.close()
 
 
 def validate_weight_patches(patches: WeightPatches, targets: dict, what: str) -> None:

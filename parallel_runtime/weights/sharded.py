@@ -6,7 +6,8 @@ ComfyUI layouts' data and block scales) is bytes; laid end to end they form one 
 of a replica group gives the flat buffer back, and the block's tensors become views into it, in their own dtypes
 and shapes; releasing puts empty tensors in their place. The compact layers keep their data as tensors and read
 them at each call (nothing derived from them is cached), so the same layer objects run on gathered views, and a
-LoRA installed per call on a layer (patches.PatchedPerCall) stays installed across gathers.
+LoRA installed per call on a layer (patches.PatchedPerCall) stays installed across gathers; a LoRA baked into a
+float or fp8 weight is baked into the ranks' slices once, when applied (`store`), so the gathers bring it.
 
 Why bytes and not torch's FSDP2 (`fully_shard`), which runs on gloo as on NCCL: fully_shard shards parameters
 only, while GGUF blocks and ComfyUI layouts are buffers, kept whole on every rank; it gathers in each module's
@@ -83,6 +84,17 @@ class ShardedBlock:
         """The block's tensors as views into the gathered `flat` bytes."""
         for s in self.slots:
             self._put(s, flat[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape))
+
+    def store(self, slot: _Slot, value: torch.Tensor) -> None:
+        """Make `value` (one of the block's tensors, cast into its dtype as copy_ casts) what the gathers bring: the
+        part of its bytes that lies in this rank's slice is written there. A LoRA changes the kept bytes once, when
+        applied, so no gather re-reads the file or re-patches."""
+        start, stop = self.index * self.chunk, (self.index + 1) * self.chunk
+        lo, hi = max(start, slot.offset), min(stop, slot.offset + slot.nbytes)
+        if lo >= hi:
+            return
+        cast = torch.empty(slot.shape, dtype=slot.dtype, device=self.kept.device).copy_(value)
+        self.kept[lo - start:hi - start].copy_(cast.reshape(-1).view(torch.uint8)[lo - slot.offset:hi - slot.offset])
 
     def release(self) -> None:
         """Empty tensors in the block's tensors' places (their dtype and device kept, so nothing that asks a
