@@ -19,6 +19,7 @@ import torch
 from parallel_runtime.errors import ConfigError
 from parallel_runtime.weights.comfy_quant import QUANTIZED_MATMUL
 from parallel_runtime.runtime.devices import WEIGHT_DTYPES  # one list for the node and the workers
+from parallel_runtime.runtime.links import P2P_SETTINGS
 from parallel_runtime.spec import Conditioning, ModelSpec, StrategySpec
 
 STRATEGY_TYPE = "PARADIT_STRATEGY"
@@ -100,6 +101,10 @@ STRATEGY_INPUTS = (
                                                     "every block and gather a block just before it runs (exact). auto: "
                                                     "only when the model does not fit otherwise. Applies in auto mode "
                                                     "too."}, optional=True),
+    InputSpec("p2p", "combo", {"options": list(P2P_SETTINGS), "default": "auto",
+                               "tooltip": "GPU peer-to-peer transfers. off starts the workers with NCCL_P2P_DISABLE=1, "
+                                          "for boards whose peer-to-peer is broken (the runtime says so at startup); "
+                                          "auto leaves it to NCCL."}, optional=True),
 )
 
 
@@ -179,6 +184,7 @@ class StrategyChoice:
     spec: StrategySpec = StrategySpec()
     node_id: str | None = None
     measured: bool = False  # device_weights 'measured': timed on the job's own shapes at sample time
+    p2p: str = "auto"  # the workers' GPU peer-to-peer setting (runtime.links.p2p_setting)
 
     def describe(self) -> str:
         if self.mode == "auto":
@@ -189,7 +195,7 @@ class StrategyChoice:
 def strategy_choice(mode: str, cfg_degree: int = 1, pipefusion_degree: int = 1, ulysses_degree: int = 1,
                     ring_degree: int = 1, num_pipeline_patch: int = 0, warmup_steps: int = 1,
                     node_id: str | None = None, tensor_degree: int = 1, patch_degree: int = 1,
-                    device_weights: str = "", shard_weights: str = "auto") -> StrategyChoice:
+                    device_weights: str = "", shard_weights: str = "auto", p2p: str = "auto") -> StrategyChoice:
     """Strategy Selector's inputs -> StrategyChoice; range errors are caught here, device fit at sample time."""
     from parallel_runtime.planning.balance import MEASURED, parse_device_weights
 
@@ -209,13 +215,15 @@ def strategy_choice(mode: str, cfg_degree: int = 1, pipefusion_degree: int = 1, 
     if shard_weights not in SHARD_WEIGHTS:
         raise ConfigError(f"shard_weights must be one of {', '.join(SHARD_WEIGHTS)}, got {shard_weights!r}.")
     shard = SHARD_WEIGHTS[shard_weights]
+    if p2p not in P2P_SETTINGS:
+        raise ConfigError(f"p2p must be one of {', '.join(P2P_SETTINGS)}, got {p2p!r}.")
     if mode == "auto":
         spec = StrategySpec(num_pipeline_patch=num_pipeline_patch, warmup_steps=warmup_steps, device_weights=fixed,
                             shard_weights=shard)
     else:
         spec = StrategySpec(**ints, device_weights=fixed, shard_weights=shard)  # device fit: at sample time
     return StrategyChoice(mode=mode, spec=spec, node_id=None if node_id is None else str(node_id),
-                          measured=weights == MEASURED)
+                          measured=weights == MEASURED, p2p=p2p)
 
 
 AUTO = StrategyChoice(spec=StrategySpec(shard_weights="auto"))  # no Selector: sharding only where nothing fits

@@ -104,7 +104,7 @@ class RemoteDiT(torch.nn.Module):
             raise convert.ConfigError(f"ParaDiT got a model call of {rows} rows in {len(labels)} chunks; this is a "
                                       f"ParaDiT bug, please report it.")
         batch = rows // len(labels)
-        client = get_client(self.handle.devices)
+        client = get_client(self.handle.devices, p2p=self.handle.strategy.p2p)
         step, last = _schedule_step(options)
         if step == 0:  # a sampling run starts: ComfyUI's models leave the workers' GPUs, as for Parallel Sampler
             HOST.free_memory_for(client.devices)

@@ -52,7 +52,7 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     worker_devices = parse_devices(model.devices)
     # ComfyUI's models leave the workers' GPUs first, so the workers' memory report (auto's budget) sees it free.
     host.free_memory_for(worker_devices)
-    client = get_client(model.devices)
+    client = get_client(model.devices, p2p=model.strategy.p2p)
     if client.notice:
         host.send_text(client.notice, node_id)
 

@@ -26,12 +26,12 @@ class ParaDiTStrategy(io.ComfyNode):
     @classmethod
     def execute(cls, mode, cfg_degree, pipefusion_degree, ulysses_degree, ring_degree,
                 num_pipeline_patch, warmup_steps, tensor_degree=1, patch_degree=1, device_weights="",
-                shard_weights="auto") -> io.NodeOutput:
+                shard_weights="auto", p2p="auto") -> io.NodeOutput:
         node_id = getattr(cls.hidden, "unique_id", None) if cls.hidden is not None else None
         choice = convert.strategy_choice(mode, cfg_degree, pipefusion_degree, ulysses_degree, ring_degree,
                                          num_pipeline_patch, warmup_steps, node_id=node_id, tensor_degree=tensor_degree,
                                          patch_degree=patch_degree, device_weights=device_weights,
-                                         shard_weights=shard_weights)
+                                         shard_weights=shard_weights, p2p=p2p)
         from .host import HOST
 
         HOST.send_text(choice.describe(), node_id)

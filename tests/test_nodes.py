@@ -192,7 +192,8 @@ class FakeRuntime:
         self.clients = {}
         self.chosen = []
 
-    def get_client(self, devices):
+    def get_client(self, devices, p2p="auto"):
+        self.p2p = getattr(self, "p2p", []) + [p2p]
         return self.clients.setdefault(devices, FakeClient(devices, self.behaviour))
 
     def choose_strategy(self, model_path, latent_shape, cfg, devices, memory_budget_bytes=None):
@@ -294,12 +295,13 @@ def test_strategy_schema():
     assert (schema.node_id, schema.display_name) == ("ParaDiTStrategy", "Strategy Selector")
     assert list(inputs) == ["mode", "cfg_degree", "pipefusion_degree", "ulysses_degree", "ring_degree",
                             "num_pipeline_patch", "warmup_steps", "tensor_degree", "patch_degree", "device_weights",
-                            "shard_weights"]
+                            "shard_weights", "p2p"]
     # The newer inputs are optional: graphs saved before them still queue.
     assert all(inputs[name][1]["optional"] is True for name in ("tensor_degree", "patch_degree", "device_weights",
-                                                                "shard_weights"))
+                                                                "shard_weights", "p2p"))
     assert inputs["shard_weights"][1]["options"] == ["auto", "on", "off"]
     assert inputs["shard_weights"][1]["default"] == "auto"
+    assert inputs["p2p"][1]["options"] == ["auto", "off"] and inputs["p2p"][1]["default"] == "auto"
     assert inputs["mode"] == ("COMBO", {**inputs["mode"][1], "options": ["auto", "manual"]})
     assert (inputs["cfg_degree"][1]["min"], inputs["cfg_degree"][1]["max"]) == (1, 2)
     for name in ("pipefusion_degree", "ulysses_degree", "ring_degree"):
@@ -583,6 +585,16 @@ def test_sampler_runs_job_and_reports(runtime):
     assert host.events[-1]["status"]["workers"][0]["rss_bytes"] == 2 ** 30
     assert host.texts[0][0] == "2" and "Ulysses" in host.texts[0][1]
     assert "ulysses2" in summary
+
+
+def test_selector_p2p_off_reaches_the_runtime(runtime):
+    """The Selector's p2p picks the runtime the sampler runs on (its workers start with NCCL_P2P_DISABLE=1)."""
+    assert convert.strategy_choice("auto").p2p == "auto"
+    sampler_mod.sample(handle(convert.strategy_choice("manual", cfg_degree=2, p2p="off")), 0, 2, 3.0, "euler",
+                       "simple", cond(), cond(), latent(), 1.0, host=FakeHost())
+    assert runtime.p2p == ["off"]
+    with pytest.raises(ConfigError, match=r"^p2p must be one of auto, off, got 'on'\.$"):
+        convert.strategy_choice("auto", p2p="on")
 
 
 def test_sampler_uses_negative_with_cfg(runtime):

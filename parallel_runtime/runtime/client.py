@@ -38,6 +38,7 @@ import torch
 from .. import errors
 from ..spec import Job
 from .devices import pinned_cores, runtime_devices
+from .links import p2p_setting, shared_memory_problem
 from .memory import check_job_memory, keeps_other_models, settle_weight_sharding
 from .portability import TIMED_OUT, loopback_interface, socket_timeout
 from .protocol import PATCH_SETS_KEPT, Channel, encode, keep_hints, keep_recent
@@ -89,9 +90,16 @@ class _JobReplies:
 
 class RuntimeClient:
     def __init__(self, devices: str = "auto", threads_per_worker: int | None = None,
-                 watchdog: WatchdogConfig | None = None):
+                 watchdog: WatchdogConfig | None = None, p2p: str = "auto"):
+        """`p2p`: 'off' starts the workers with NCCL_P2P_DISABLE=1 (as PARADIT_NCCL_P2P=off or NCCL_P2P_DISABLE in
+        this process's environment do), for boards whose GPU peer-to-peer transfers are broken; 'auto' leaves NCCL
+        to choose."""
         self.devices_spec = devices
         self.devices, self.notice = runtime_devices(devices)  # the notice: shown by the nodes before anything loads
+        self.p2p = p2p_setting(p2p)
+        problem = shared_memory_problem(self.devices, self.p2p == "off")
+        if problem:
+            raise errors.ConfigError(problem)
         self.cores = pinned_cores(devices)[:len(self.devices)]
         self._speeds: dict[tuple, tuple[float, ...]] = {}  # measure_speeds' results, for these workers
         self.world = len(self.devices)
@@ -180,6 +188,8 @@ class RuntimeClient:
         if os.environ.get("PARADIT_WORKER_CUDA_ALLOC_CONF"):
             env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ["PARADIT_WORKER_CUDA_ALLOC_CONF"]
         env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+        if self.p2p == "off":
+            env["NCCL_P2P_DISABLE"] = "1"
         loopback = loopback_interface()
         if loopback:
             env.setdefault("GLOO_SOCKET_IFNAME", loopback)
@@ -606,7 +616,7 @@ class RuntimeClient:
         return {"devices": self.devices, "workers": workers, "strategy": self.last_strategy,
                 "sec_per_step": self.last_sec_per_step, "model_loads": self.model_loads,
                 "weight_patches": list(self._patches_on_workers), "resident_models": self.resident_models,
-                "residency_note": self.last_residency_note}
+                "residency_note": self.last_residency_note, "p2p": self.p2p}
 
     def release(self) -> None:
         """Free the workers' weights but keep the processes (and their process group) alive."""
@@ -699,17 +709,18 @@ def active_clients() -> list[RuntimeClient]:
         return list(_CLIENTS.values())
 
 
-def get_client(devices: str = "auto", threads_per_worker: int | None = None) -> RuntimeClient:
-    """The process-wide client for a device set. Only one set owns devices at a time: asking for another
-    shuts the previous one down, since two clients would fight over the same GPUs."""
+def get_client(devices: str = "auto", threads_per_worker: int | None = None, p2p: str = "auto") -> RuntimeClient:
+    """The process-wide client for a device set (and p2p setting, which the workers start with). Only one owns
+    devices at a time: asking for another shuts the previous one down, since two clients would fight over the
+    same GPUs."""
     with _CLIENTS_LOCK:
-        key = devices.strip().lower()
+        key = (devices.strip().lower(), p2p_setting(p2p))
         client = _CLIENTS.get(key)
         if client is None:
             for other in list(_CLIENTS.values()):
                 other.shutdown()
             _CLIENTS.clear()
-            client = _CLIENTS[key] = RuntimeClient(devices, threads_per_worker)
+            client = _CLIENTS[key] = RuntimeClient(devices, threads_per_worker, p2p=p2p)
         return client
 
 

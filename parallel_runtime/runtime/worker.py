@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch
 
 from ..errors import Cancelled, ConfigError, ParaDiTError
+from .links import check_links
 from .portability import collective_backend, peak_rss, pin_to_core
 from .protocol import Channel
 
@@ -170,6 +171,8 @@ class WorkerState:
         adapter = family.adapter(config, model, chunks, context)
         patcher = RankWeightPatcher(model, family.weight_patch_targets(config), FileParameters(path, smap, storage,
                                                                                               self.device))
+        if key[10] is not None:  # a LoRA baked into a sharded block is baked into each gathered copy
+            model.weight_gatherer.gathered = patcher.bake_gathered
         with self.models_lock:
             self._make_current(ResidentModel(key, adapter, family, context, patcher, {}, {}))
         self.last_load_seconds = time.perf_counter() - t0
@@ -456,7 +459,8 @@ class Faults:
     """Fault injection for the watchdog's tests, off unless PARADIT_FAULT is set, e.g.
     "stall:rank=1:step=2" (rank 1's main thread hangs after step 2 while its heartbeat goes on, so its
     peers wait in a collective), "oom_load:rank=1" (rank 1 runs out of memory while loading),
-    "die_starting:rank=1" (rank 1 exits before its hello) or "ping_fails:rank=1" (answering a ping raises)."""
+    "die_starting:rank=1" (rank 1 exits before its hello), "ping_fails:rank=1" (answering a ping raises) or
+    "link_silent:rank=1" (rank 1 never takes part in the startup link check, as behind a broken link)."""
 
     def __init__(self, spec: str):
         self.kind, self.args = None, {}
@@ -467,7 +471,7 @@ class Faults:
     def maybe(self, kind: str, rank: int, step: int | None = None) -> None:
         if kind != self.kind or rank != self.args.get("rank") or (step is not None and step != self.args.get("step")):
             return
-        while kind == "stall":  # the main thread computes "forever"; the heartbeat thread beats on
+        while kind in ("stall", "link_silent"):  # the main thread computes "forever" / never joins the link check
             time.sleep(3600)
         if kind == "oom_load":
             raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 20.00 GiB")
@@ -654,6 +658,16 @@ def main(argv: list[str] | None = None) -> None:
         dist.init_process_group(backend, store=dist.PrefixStore(meta["session"], store), rank=args.rank,
                                 world_size=args.world, timeout=collective_timeout,
                                 **({"device_id": device} if backend == "nccl" else {}))
+        FAULTS.maybe("link_silent", args.rank)
+        broken = check_links(args.rank, args.world, device, backend)
+        if broken:
+            # A transfer may be stuck in the group: say why, then let the client end this process.
+            chan.send("error", {"type": "WorkerError", "message": broken, "phase": "start", "rank": args.rank})
+            try:
+                chan.recv()
+            except (EOFError, OSError):
+                pass
+            os._exit(1)
     chan.send("ready", {"rank": args.rank})
     try:
         serve(WorkerState(args.rank, args.world, device, collective_timeout), chan, meta["heartbeat_s"])
