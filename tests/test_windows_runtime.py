@@ -3,6 +3,7 @@ both in this process and in the workers' interpreters (a sitecustomize the worke
 has no NCCL (Windows' builds), with the CUDA probes faked."""
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import sys
@@ -12,6 +13,7 @@ import torch
 
 from conftest import make_job
 from parallel_runtime.errors import Cancelled, ConfigError
+from parallel_runtime.runtime import client as client_module
 from parallel_runtime.runtime.client import RuntimeClient
 from parallel_runtime.runtime.devices import NO_NCCL, runtime_devices
 from parallel_runtime.runtime.portability import collective_backend, loopback_interface, peak_rss
@@ -21,10 +23,13 @@ pytestmark = pytest.mark.timeout(300)
 
 # Imported by every interpreter started with its folder on PYTHONPATH (site.py does so before any other import):
 # the workers then start as Windows' CPython would, without socket.AF_UNIX and without `resource`, and leave a file
-# named by their pid saying what they lacked.
+# named by their pid saying what they lacked. As the portable build's embedded Python (its ._pth file ignores
+# PYTHONPATH and the current directory), the plugin folder is dropped from sys.path too (with PYTHONSAFEPATH=1,
+# which keeps the current directory out).
 HIDING_SITECUSTOMIZE = """
 import os, socket, sys
 import psutil  # first: its Linux half imports resource itself (its Windows half needs none)
+sys.path[:] = [p for p in sys.path if os.path.realpath(p) != os.environ["PARADIT_TEST_ROOT"]]
 del socket.AF_UNIX
 sys.modules["resource"] = None  # `import resource` raises ImportError, as where the module does not exist
 try:
@@ -51,14 +56,16 @@ def normal_path(tiny_path):
 
 @pytest.fixture
 def windows_like(tmp_path, monkeypatch):
-    """This process and the workers it starts without socket.AF_UNIX and `resource`; yields the folder where each
-    worker notes what it lacked."""
+    """This process and the workers it starts without socket.AF_UNIX and `resource` (the workers without the plugin
+    folder on their path too); returns the folder where each worker notes what it lacked."""
     site, hidden = tmp_path / "site", tmp_path / "hidden"
     site.mkdir()
     hidden.mkdir()
     (site / "sitecustomize.py").write_text(HIDING_SITECUSTOMIZE)
     monkeypatch.setenv("PYTHONPATH", str(site))  # the client passes its environment on to the workers
     monkeypatch.setenv("PARADIT_TEST_HIDDEN", str(hidden))
+    monkeypatch.setenv("PARADIT_TEST_ROOT", os.path.realpath(client_module._PACKAGE_ROOT))
+    monkeypatch.setenv("PYTHONSAFEPATH", "1")
     monkeypatch.delattr(socket, "AF_UNIX")
     monkeypatch.setitem(sys.modules, "resource", None)
     return hidden

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..runtime.portability import collective_backend, loopback_interface
+from ..runtime.portability import collective_backend, loopback_interface, module_command
 from ..runtime.topology import Topology
 from ..spec import StrategySpec
 from .traffic import Shapes, branches_per_forward, job_traffic, shapes_of
@@ -393,8 +393,8 @@ def measure_link(devices: list[str], timeout_s: float = 120.0) -> LinkTiming:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the plugin folder
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     with tempfile.TemporaryDirectory(prefix="paradit-probe-") as tmp:
-        procs = [subprocess.Popen([sys.executable, "-m", "parallel_runtime.planning.costmodel", "--probe", str(r),
-                                   str(len(pair)), tmp, dev],
+        procs = [subprocess.Popen(module_command("parallel_runtime.planning.costmodel", root)
+                                  + ["--probe", str(r), str(len(pair)), tmp, dev],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=root)
                  for r, dev in enumerate(pair)]
         try:

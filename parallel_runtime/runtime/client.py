@@ -40,7 +40,7 @@ from ..spec import Job
 from .devices import pinned_cores, runtime_devices
 from .links import p2p_setting, shared_memory_problem
 from .memory import check_job_memory, keeps_other_models, settle_weight_sharding
-from .portability import TIMED_OUT, loopback_interface, socket_timeout
+from .portability import TIMED_OUT, loopback_interface, module_command, socket_timeout
 from .protocol import PATCH_SETS_KEPT, Channel, encode, keep_hints, keep_recent
 from .watchdog import JobWatch, WatchdogConfig
 
@@ -150,9 +150,9 @@ class RuntimeClient:
             try:
                 for rank, device in enumerate(self.devices):
                     proc = subprocess.Popen(
-                        [sys.executable, "-m", "parallel_runtime.runtime.worker", "--rank", str(rank), "--world",
-                         str(self.world), "--device", device, *_control_argument(listener.address), "--threads",
-                         str(self.threads)]
+                        module_command("parallel_runtime.runtime.worker", _PACKAGE_ROOT)
+                        + ["--rank", str(rank), "--world", str(self.world), "--device", device,
+                           *_control_argument(listener.address), "--threads", str(self.threads)]
                         + ([] if self.cores[rank] is None else ["--core", str(self.cores[rank])]),
                         stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=self._worker_env(), cwd=_PACKAGE_ROOT)
                     proc.stdin.write(key.hex().encode() + b"\n")

@@ -13,6 +13,15 @@ import sys
 TIMED_OUT = (BlockingIOError, TimeoutError)
 
 
+def module_command(module: str, root: str) -> list[str]:
+    """The command that runs `module` as __main__ in a fresh interpreter with `root` first on sys.path (arguments
+    follow it). Not `python -m` with PYTHONPATH: the Windows portable build's embedded Python has a ._pth file,
+    which makes it ignore PYTHONPATH and the current directory."""
+    boot = (f"import runpy, sys; sys.path.insert(0, {root!r}); "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-c", boot]
+
+
 def socket_timeout(seconds: float):
     """SO_SNDTIMEO / SO_RCVTIMEO's value: a DWORD of milliseconds on Windows, a struct timeval on POSIX (no
     capability to test here: the option's layout is the OS's ABI)."""
