@@ -35,6 +35,7 @@ def balance_bench(say, args, path: str, config, latent_shape, text: int, target)
     from ..planning import auto
     from ..planning.balance import measured_weights
     from ..runtime.client import RuntimeClient
+    from ..runtime.devices import pinned_cores
 
     client = RuntimeClient(args.devices, threads_per_worker=args.threads)
     try:
@@ -42,6 +43,7 @@ def balance_bench(say, args, path: str, config, latent_shape, text: int, target)
     finally:
         client.shutdown()
     world = len(speeds)
+    shared = tuple(pinned_cores(args.devices))  # workers pinned to one core pool it (auto's pipeline projection)
     say(f"Unequal devices {args.devices}: measured speeds {', '.join(f'{v:g}' for v in speeds)} (fastest = 1)")
     serial = run_config("cpu:1", make_job(path, config, StrategySpec(), latent_shape, text, args.cfg, args.steps),
                         args.threads)
@@ -61,10 +63,17 @@ def balance_bench(say, args, path: str, config, latent_shape, text: int, target)
                          f"{serial['step_s'] / res['step_s']:.2f}x", f"{err:.1e}"])
             say(f"  {row_label(strategy, args.cfg)} ({balance}): {res['step_s'] * 1e3:.0f} ms/step, error {err:.1e}")
         gain = pair["equal"] / pair["measured"]
+        projected = auto.balance_gain(s, config, speeds, shared)
+        record["rows"][-1]["projected_gain"] = projected
         name = f"{row_label(s, args.cfg)}: measured shares >= {TARGET_BALANCE}x equal shares"
-        detail = f"{pair['equal'] * 1e3:.0f} -> {pair['measured'] * 1e3:.0f} ms/step ({gain:.2f}x)"
-        # The stated target covers the exact splits and PipeFusion; displaced patch's gain is shown, not judged.
-        target(name, gain >= TARGET_BALANCE if s.patch_degree == 1 else None, detail)
+        detail = (f"{pair['equal'] * 1e3:.0f} -> {pair['measured'] * 1e3:.0f} ms/step ({gain:.2f}x; "
+                  f"projected {projected:.2f}x)")
+        # The stated target covers the exact splits and PipeFusion where auto offers the balance (its whole-block
+        # stages can reach the speeds' shares); displaced patch's gain is shown, not judged.
+        offered = projected > 1.0
+        target(name, gain >= TARGET_BALANCE if s.patch_degree == 1 and offered else None,
+               detail if offered else f"{detail}: auto offers equal shares here ({world} stages of "
+                                      f"{config.num_blocks} whole blocks reach no better split on these speeds)")
         if s.exact:
             err = record["rows"][-1]["rel_err"]
             target(f"{row_label(s, args.cfg)} measured shares exact (<= {EXACT_RTOL:g})", err <= EXACT_RTOL,

@@ -16,11 +16,12 @@ import torch
 
 from ..errors import ConfigError
 from ..models.registry import family_of, prompt_rows, token_patch
-from ..runtime.devices import runtime_devices
+from ..runtime.devices import pinned_cores, runtime_devices
 from ..runtime.memory import CPU_USABLE, CPU_WORKER_OVERHEAD, CUDA_USABLE, weight_bytes
-from ..runtime.topology import latent_plane, validate_strategy
+from ..runtime.topology import Topology, latent_plane, stage_speeds, validate_strategy
 from ..spec import StrategySpec
 from . import costmodel
+from .stages import patch_period
 
 EXACT_PREFERENCE = 0.03  # PipeFusion must be >3% faster than the best exact strategy to be chosen
 DEFAULT_TEXT_TOKENS = 256  # T5 tokens of a typical Flux prompt as ComfyUI encodes it
@@ -82,11 +83,12 @@ def device_memory_budget(devices: list[str]) -> int:
 
 def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str], calib: costmodel.Calibration, *,
                     text_len: int, steps: int, weight_dtype: str = "default", memory_budget_bytes: int | None = None,
-                    warmup_steps: int = 1, per_call: bool = False,
-                    speeds: tuple[float, ...] = ()) -> list[Candidate]:
+                    warmup_steps: int = 1, per_call: bool = False, speeds: tuple[float, ...] = (),
+                    shared: tuple = ()) -> list[Candidate]:
     """All candidates, projected and checked against memory, fastest first. `speeds`: each device's relative speed
     (measured or the user's device_weights); where they differ every split is projected both equal and balanced
-    (device_weights = speeds)."""
+    (device_weights = speeds), and the balanced twin is offered only where it is projected faster. `shared`: per
+    rank, the device it runs on where ranks share one (a pinned core: devices.pinned_cores), else None."""
     b, _, h, w = latent_shape
     world = len(devices)
     text_len = prompt_rows(config, text_len)  # the rows the workers run (FLUX.2 pads its prompt to 512)
@@ -111,20 +113,65 @@ def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str],
             proj = costmodel.project(s, config, calib, cfg=cfg, steps=steps, batch=b, act_bytes=e, per_call=per_call)
         if len(set(speeds)) > 1:
             balanced = dataclasses.replace(s, device_weights=tuple(speeds))
-            on_speeds = dataclasses.replace(_on_speeds(proj, speeds, True), strategy=balanced)
-            out.append(Candidate(balanced, on_speeds, mem, mem["total"] <= budget))
-            proj = _on_speeds(proj, speeds, False)
+            on_speeds = dataclasses.replace(_on_speeds(proj, _slowdown(balanced, config, speeds, shared)),
+                                            strategy=balanced)
+            proj = _on_speeds(proj, _slowdown(s, config, speeds, shared))
+            if on_speeds.job_s < proj.job_s:  # a balance that does not gain is not offered
+                out.append(Candidate(balanced, on_speeds, mem, mem["total"] <= budget))
         out.append(Candidate(s, proj, mem, mem["total"] <= budget))
     out.sort(key=lambda c: c.projection.job_s)
     return out
 
 
-def _on_speeds(proj: costmodel.Projection, speeds: tuple[float, ...], balanced: bool) -> costmodel.Projection:
-    """A projection made for equal devices (calibrated on their mean speed) on devices of these speeds. Every
-    collective waits for the slowest rank: with equal shares that is the slowest device (compute x mean / min),
-    with shares in proportion to speed every rank finishes together (compute x 1). Coarse: a split's granularity
-    (heads, blocks) can keep a balanced plan from reaching its share."""
-    factor = 1.0 if balanced else (sum(speeds) / len(speeds)) / min(speeds)
+def balance_gain(s: StrategySpec, config, speeds: tuple[float, ...], shared: tuple = ()) -> float:
+    """The projected compute speed-up of `s` with shares by `speeds` over equal shares on those devices (what
+    rank_candidates weighs before offering the balanced twin; `shared` as there)."""
+    balanced = dataclasses.replace(s, device_weights=tuple(speeds))
+    equal = dataclasses.replace(s, device_weights=())
+    return _slowdown(equal, config, speeds, shared) / _slowdown(balanced, config, speeds, shared)
+
+
+def _slowdown(s: StrategySpec, config, speeds: tuple[float, ...], shared: tuple) -> float:
+    """How much longer `s`'s compute takes on devices of these speeds than on equal devices of their mean speed
+    (what the calibration measured). Every collective waits for the slowest rank: with equal shares that is the
+    slowest device (mean / min), with shares in proportion to speed every rank finishes together (1). Coarse
+    where heads bound a split; PipeFusion's stages are whole blocks, so its figure comes from the stages the
+    workers will run (`_pipeline_slowdown`)."""
+    if s.pipefusion_degree > 1:
+        return _pipeline_slowdown(s, config, speeds, shared)
+    return 1.0 if s.balanced else (sum(speeds) / len(speeds)) / min(speeds)
+
+
+def _pipeline_slowdown(s: StrategySpec, config, speeds: tuple[float, ...], shared: tuple) -> float:
+    """A full pipeline's time per patch (stages.patch_period) at the stages `s`'s workers run (by stage speed where
+    `s` is balanced), over that of the equal stages on equal devices of the mean speed. Each rank runs its stage's
+    blocks, shared with the other ranks of its stage and branch (by device weight where `s` is balanced)."""
+    t = Topology.from_strategy(s)
+    family = family_of(config)
+    ranks = range(t.world_size)
+
+    def rank_work(stages: list, weights: tuple[float, ...]) -> list[float]:
+        work = []
+        for r in ranks:
+            mine = t.coords(r)
+            mates = [q for q in ranks if all(t.coords(q)[d] == mine[d] for d in ("pipefusion", "cfg"))]
+            blocks = sum(len(chunk) for chunk in stages[mine["pipefusion"]])
+            work.append(blocks * weights[r] / sum(weights[q] for q in mates))
+        return work
+
+    equal = family.pipeline_stages(config, t.pipefusion)
+    ones = (1.0,) * t.world_size
+    if s.balanced:
+        work = rank_work(family.pipeline_stages(config, t.pipefusion, stage_speeds(s)), s.device_weights)
+    else:
+        work = rank_work(equal, ones)
+    mean = sum(speeds) / len(speeds)
+    return (patch_period(work, list(speeds), list(shared) or None)
+            / patch_period(rank_work(equal, ones), [mean] * t.world_size))
+
+
+def _on_speeds(proj: costmodel.Projection, factor: float) -> costmodel.Projection:
+    """A projection made for equal devices (calibrated on their mean speed) with its compute `factor` x longer."""
     extra = proj.compute_s * (factor - 1.0)
     step_s = proj.step_s + extra
     return dataclasses.replace(proj, step_s=step_s, compute_s=proj.compute_s * factor,
@@ -222,7 +269,8 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
     budget = device_memory_budget(device_list) if memory_budget_bytes is None else memory_budget_bytes
     candidates = rank_candidates(config, (b, latent_shape[1], h, w), cfg, device_list, calibration, text_len=text_len,
                                  steps=steps, weight_dtype=weight_dtype, memory_budget_bytes=budget,
-                                 warmup_steps=warmup_steps, per_call=per_call, speeds=speeds)
+                                 warmup_steps=warmup_steps, per_call=per_call, speeds=speeds,
+                                 shared=tuple(pinned_cores(devices)[:world]))
     best = pick(candidates)
     if best is None:
         need = min((c.memory["total"] for c in candidates), default=0)

@@ -119,6 +119,67 @@ def split_stages(compute: list[float], stages: int, memory: list[int] | None = N
     found = best(compute, memory, cap, speed)
     if found is None:
         smallest, _ = best([float(m) for m in memory], None, float("inf"), share)
-        found = best(compute, memory, smallest, speed)
+        cap = smallest
+        found = best(compute, memory, cap, speed)
     bounds = found[1]
+    if speeds:
+        bounds = _closest_to_speeds(compute, memory, [cap * v for v in share], speed, found[0]) or bounds
     return [range(bounds[k], bounds[k + 1]) for k in range(stages)]
+
+
+def _closest_to_speeds(compute: list[float], memory: list[int], caps: list[float], speeds: list[float],
+                       slowest: float) -> list[int] | None:
+    """Among the splits whose slowest stage takes `slowest` (the optimum) within the memory `caps`, the cut points
+    of the one whose stages' work is closest to their speeds' shares (least summed distance).
+
+    Whole blocks rarely split in exact proportion, so many splits tie on the slowest stage: 6 blocks at speeds
+    1 : 1 : 2 take 4 units as 1 + 1 + 4 and as 1 + 2 + 3. The proportional one is the one to keep: it stays best
+    when a measured speed is a little off, and when stages share a device (two workers pinned to one core, the
+    bench's emulation of a slow card) it is the only one that balances the device: a pipeline stage that waits
+    leaves the core to its neighbour, so there the core's total work counts (1 + 4 puts 4 blocks on the lone core
+    and 2 on the shared one; 1 + 2 + 3 puts 3 on each), see `patch_period`."""
+    n, stages = len(compute), len(speeds)
+    total, speed_sum = sum(compute), sum(speeds)
+    prefix_c, prefix_m = [0.0], [0]
+    for c, m in zip(compute, memory):
+        prefix_c.append(prefix_c[-1] + c)
+        prefix_m.append(prefix_m[-1] + m)
+    limit = slowest * (1 + 1e-9)
+    inf = float("inf")
+    value = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    value[0][0] = 0.0
+    for k in range(1, stages + 1):
+        target = total * speeds[k - 1] / speed_sum
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                work = prefix_c[i] - prefix_c[j]
+                if (value[k - 1][j] == inf or work / speeds[k - 1] > limit
+                        or prefix_m[i] - prefix_m[j] > caps[k - 1]):
+                    continue
+                v = value[k - 1][j] + abs(work - target)
+                if v < value[k][i] - 1e-12:
+                    value[k][i], cut[k][i] = v, j
+    if value[stages][n] == inf:
+        return None
+    cuts, i = [], n
+    for k in range(stages, 0, -1):
+        cuts.append(i)
+        i = cut[k][i]
+    return [0] + cuts[::-1]
+
+
+def patch_period(work: list[float], speeds: list[float], devices: list | None = None) -> float:
+    """A pipeline's time per patch once it is full: the busiest device's work over its speed. `work[r]` is what
+    rank r runs per patch (blocks), `speeds[r]` its measured speed (all ranks running at once, as measure_speeds
+    times them), `devices[r]` the device it runs on, where several ranks share one (workers pinned to one core;
+    None: its own). Ranks on one device pool their speeds: while one waits for its input the other has the whole
+    device, so the device's total work over its total measured speed is what bounds the pipeline, not each rank's
+    work over its own share."""
+    pools: dict = {}
+    for r, (w, v) in enumerate(zip(work, speeds)):
+        key = devices[r] if devices and devices[r] is not None else ("rank", r)
+        pool = pools.setdefault(key, [0.0, 0.0])
+        pool[0] += w
+        pool[1] += v
+    return max(w / v for w, v in pools.values())
