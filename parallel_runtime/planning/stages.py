@@ -77,7 +77,8 @@ def split_stages(compute: list[float], stages: int, memory: list[int] | None = N
     parameters (two weight sets) but does the same work per token. Balancing bytes alone leaves the
     single-block stages ~1.8x slower; balancing work alone puts ~1.3x the fair share of weights on one
     device. If no split meets the memory cap, the cap becomes the smallest achievable one. With `speeds` stage k's
-    time is its work / speeds[k] and its cap scales with its share of the speed (never below the equal share).
+    time is its work / speeds[k] and its cap scales with its share of the speed (never below the equal share);
+    of the splits tied on the slowest stage, the one nearest the speeds' shares (`_closest_to_speeds`).
     """
     n = len(compute)
     if not 1 <= stages <= n:
