@@ -2,17 +2,21 @@
 
 Every byte a strategy moves goes through `Comm`, so the benchmark's traffic figures are counted, not
 estimated. Counters record the bytes this rank sends to and receives from *other* ranks (the part of an
-all-to-all that stays local is not traffic). A group of one rank is a no-op, so the same strategy code
-runs serially in one process without torch.distributed at all.
+all-to-all that stays local is not traffic). Every transfer is launched asynchronously and handed out as a
+`Transfer`, so the heartbeat can tell from the transfers in flight whether this rank's device waits on a peer.
+A group of one rank is a no-op, so the same strategy code runs serially in one process without torch.distributed
+at all.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
+import threading
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 
+from .streams import StreamMark
 from .topology import DIMS, Topology
 
 
@@ -29,12 +33,73 @@ class Group:
         return len(self.ranks)
 
 
+class Transfer:
+    """One launched collective or point-to-point transfer: the handle a strategy waits on (`wait` and `is_completed`,
+    as torch's Work), and what the heartbeat reports while it is in flight."""
+
+    __slots__ = ("op", "peers", "work", "device", "waited")
+
+    def __init__(self, op: str, peers: tuple[int, ...], work, device: torch.device):
+        self.op, self.peers, self.work, self.device = op, peers, work, device
+        self.waited: StreamMark | None = None  # where the device (the host, on the CPU) started waiting on it
+
+    def wait(self) -> None:
+        """Block what comes next on this transfer: the host on gloo; on NCCL only the current stream, as torch's
+        Work.wait does (the host goes on at once)."""
+        self.waited = StreamMark(self.device)
+        self.work.wait()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def blocks(self) -> bool:
+        """The device got to a wait on this transfer and the transfer has not completed: it waits for a peer."""
+        waited = self.waited
+        return waited is not None and waited.reached() and not self.work.is_completed()
+
+    def describe(self) -> str:
+        return f"{self.op} with rank {', '.join(map(str, self.peers))}"
+
+
+class InFlight:
+    """This rank's transfers that may not have completed, oldest first; the heartbeat thread reads them.
+
+    On NCCL the host never waits in a transfer (calls return at once; waits order streams), so the host's stack
+    cannot tell a rank that waits for a peer from one that computes: every host ends up waiting for its device at
+    the step's end. What can tell them apart is asked of the device without blocking it: a rank whose device waits
+    on a transfer that never completes is waiting for a peer; a rank with none such is computing, or hung."""
+
+    def __init__(self):
+        self._items: deque[Transfer] = deque()
+        self._lock = threading.Lock()  # the main thread adds, the heartbeat thread reads
+
+    def add(self, transfer: Transfer) -> None:
+        with self._lock:
+            self._prune()
+            self._items.append(transfer)
+
+    def blocking(self) -> Transfer | None:
+        """The oldest transfer this rank's device waits on and that has not completed (None: it waits on none)."""
+        with self._lock:
+            self._prune()
+            return next((t for t in self._items if t.blocks()), None)
+
+    def prune(self) -> None:
+        """Let go of the completed transfers (a Work keeps its tensors, device memory, alive)."""
+        with self._lock:
+            self._prune()
+
+    def _prune(self) -> None:
+        self._items = deque(t for t in self._items if not t.is_completed())
+
+
 @dataclass
 class Traffic:
     sent: int = 0
     recv: int = 0
     by_op: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
     calls: int = 0  # transfers launched: heartbeats carry it, so a hang names the rank that fell behind
+    in_flight: InFlight = field(default_factory=InFlight)
 
     def add(self, op: str, sent: int, recv: int) -> None:
         self.calls += 1
@@ -173,30 +238,35 @@ class Comm:
 
     # -- collectives -------------------------------------------------------------------------------
 
+    def _launched(self, op: str, work, group: Group | None = None, peers: tuple[int, ...] = ()) -> Transfer:
+        """Keep a launched transfer in this rank's in-flight list (`peers`: the others it needs, else the group's)."""
+        if group is not None:
+            peers = tuple(r for r in group.ranks if r != self.rank)
+        transfer = Transfer(op, peers, work, self.device)
+        self.traffic.in_flight.add(transfer)
+        return transfer
+
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
                    group: Group, op: str = "all_to_all") -> torch.Tensor:
         """all_to_all_single along dim 0 with (possibly uneven) splits."""
         if group.size == 1:
             out.copy_(inp)
             return out
-        self._dist.all_to_all_single(out, inp, out_splits, in_splits, group=group.pg)
+        work = self._dist.all_to_all_single(out, inp, out_splits, in_splits, group=group.pg, async_op=True)
         row = _nbytes(inp) // max(inp.shape[0], 1)
         out_row = _nbytes(out) // max(out.shape[0], 1)
         me = group.index
         self.traffic.add(op, row * (sum(in_splits) - in_splits[me]), out_row * (sum(out_splits) - out_splits[me]))
+        self._launched(op, work, group).wait()
         return out
 
     def all_gather(self, t: torch.Tensor, group: Group, op: str = "all_gather") -> list[torch.Tensor]:
-        if group.size == 1:
-            return [t]
-        t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(group.size)]
-        self._dist.all_gather(parts, t, group=group.pg)
-        n = _nbytes(t) * (group.size - 1)
-        self.traffic.add(op, n, n)
+        work, parts = self.all_gather_async(t, group, op)
+        if work is not None:
+            work.wait()
         return parts
 
-    def all_gather_async(self, t: torch.Tensor, group: Group, op: str = "all_gather") -> tuple[object, list[torch.Tensor]]:
+    def all_gather_async(self, t: torch.Tensor, group: Group, op: str = "all_gather") -> tuple[Transfer | None, list]:
         """Start an all-gather; returns (work, parts): the parts are valid once work.wait() returned (work is None
         for a group of one). `t` must stay unchanged until then."""
         if group.size == 1:
@@ -206,9 +276,10 @@ class Comm:
         work = self._dist.all_gather(parts, t, group=group.pg, async_op=True)
         n = _nbytes(t) * (group.size - 1)
         self.traffic.add(op, n, n)
-        return work, parts
+        return self._launched(op, work, group), parts
 
-    def all_gather_into_async(self, out: torch.Tensor, t: torch.Tensor, group: Group, op: str = "all_gather"):
+    def all_gather_into_async(self, out: torch.Tensor, t: torch.Tensor, group: Group,
+                              op: str = "all_gather") -> Transfer | None:
         """Start gathering every member's `t` (equal sizes) into `out`, member by member along dim 0; returns the
         work (None for a group of one, where `out` is filled at once). `t` must stay unchanged until work.wait()."""
         if group.size == 1:
@@ -219,7 +290,7 @@ class Comm:
         work = gather(out, t, group=group.pg, async_op=True)
         n = _nbytes(t) * (group.size - 1)
         self.traffic.add(op, n, n)
-        return work
+        return self._launched(op, work, group)
 
     def all_reduce_max(self, t: torch.Tensor, group: Group, op: str = "all_reduce") -> torch.Tensor:
         """The elementwise max of every member's `t`, in place (counted as all_reduce counts)."""
@@ -233,9 +304,10 @@ class Comm:
     def _all_reduce(self, t: torch.Tensor, group: Group, op: str, reduce_op: str) -> torch.Tensor:
         if group.size == 1:
             return t
-        self._dist.all_reduce(t, op=getattr(self._dist.ReduceOp, reduce_op), group=group.pg)
+        work = self._dist.all_reduce(t, op=getattr(self._dist.ReduceOp, reduce_op), group=group.pg, async_op=True)
         n = 2 * (group.size - 1) * _nbytes(t) // group.size
         self.traffic.add(op, n, n)
+        self._launched(op, work, group).wait()
         return t
 
     def broadcast(self, t: torch.Tensor, group: Group, op: str = "broadcast") -> torch.Tensor:
@@ -243,40 +315,45 @@ class Comm:
         each other member)."""
         if group.size == 1:
             return t
-        self._dist.broadcast(t, src=group.ranks[0], group=group.pg)
+        work = self._dist.broadcast(t, src=group.ranks[0], group=group.pg, async_op=True)
         n = _nbytes(t)
         if group.index == 0:
             self.traffic.add(op, n * (group.size - 1), 0)
         else:
             self.traffic.add(op, 0, n)
+        self._launched(op, work, group).wait()
         return t
 
     # -- point to point ----------------------------------------------------------------------------
 
-    def isend(self, t: torch.Tensor, dst: int, op: str = "p2p"):
+    def isend(self, t: torch.Tensor, dst: int, op: str = "p2p") -> Transfer:
         """Send along a pipeline link (this rank -> dst), on that direction's own group."""
         self.traffic.add(op, _nbytes(t), 0)
-        return self._dist.isend(t, dst, group=self._links[(self.rank, dst)])
+        return self._launched(op, self._dist.isend(t, dst, group=self._links[(self.rank, dst)]), peers=(dst,))
 
-    def irecv(self, t: torch.Tensor, src: int, op: str = "p2p"):
+    def irecv(self, t: torch.Tensor, src: int, op: str = "p2p") -> Transfer:
         self.traffic.add(op, 0, _nbytes(t))
-        return self._dist.irecv(t, src, group=self._links[(src, self.rank)])
+        return self._launched(op, self._dist.irecv(t, src, group=self._links[(src, self.rank)]), peers=(src,))
 
-    def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, group: Group, op: str = "ring") -> list:
+    def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, group: Group, op: str = "ring") -> list[Transfer]:
         """Send to the next rank of the ring and receive from the previous one, asynchronously."""
         nxt = group.ranks[(group.index + 1) % group.size]
         prv = group.ranks[(group.index - 1) % group.size]
         ops = [self._dist.P2POp(self._dist.isend, send, nxt, group=group.pg),
                self._dist.P2POp(self._dist.irecv, recv, prv, group=group.pg)]
         self.traffic.add(op, _nbytes(send), _nbytes(recv))
-        return self._dist.batch_isend_irecv(ops)
+        return [self._launched(op, work, peers=(prv, nxt)) for work in self._dist.batch_isend_irecv(ops)]
 
     # -- control -----------------------------------------------------------------------------------
 
-    def vote_async(self, flag: bool):
+    def vote_async(self, flag: bool) -> tuple[Transfer | None, torch.Tensor]:
         """Start an all-ranks OR of `flag`; returns (work, tensor). Not counted: it is control, not data."""
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
         if self._control_pg is None:
             return None, t
         work = self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self._control_pg, async_op=True)
-        return work, t
+        others = tuple(r for r in range(self.topology.world_size) if r != self.rank)
+        # On the CPU group: its wait blocks the host, whatever the device.
+        transfer = Transfer("cancel vote", others, work, torch.device("cpu"))
+        self.traffic.in_flight.add(transfer)
+        return transfer, t

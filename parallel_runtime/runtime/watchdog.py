@@ -9,8 +9,10 @@ Two different failures look alike from the outside ("the job never ends") and ar
   each step must finish within the expected step time (measured on the job's earlier steps, or on the
   previous job of the same shape) plus `step_grace_s`.
 
-A heartbeat carries where the worker's main thread is (from its Python stack), so the client can name the
-rank that is computing or stuck while its peers merely wait for it in a collective.
+A heartbeat carries where the worker's main thread is (from its Python stack) and the transfer its device waits
+on, if any (comm.InFlight, asked without blocking the device), so the client can name the rank that is computing
+or stuck while its peers merely wait for it in a collective. The stack alone cannot tell them apart on NCCL: there
+the host launches a collective and goes on, and every rank's host ends up waiting for its device at the step's end.
 
 Workers beat only while they hold a job: between jobs nobody reads the channel, and an unread stream of
 beats would fill the socket buffer. The client checks idle workers with a ping before sending a job.
@@ -111,18 +113,28 @@ class Heartbeat:
         with self._lock:
             self._active.clear()
             self.phase = "idle"
+            if self.traffic is not None:
+                self.traffic.in_flight.prune()  # the job's last transfers: their buffers go with the job
 
     def _run(self) -> None:
         while True:
             self._active.wait()
             at, waiting = where(self._main)
+            traffic, blocked = self.traffic, None
+            if traffic is not None:  # in a job's transfers: whether the device waits on one, not where the host is
+                try:
+                    blocked = traffic.in_flight.blocking()
+                except Exception:  # noqa: BLE001 - a device in error answers no query; the main thread reports it
+                    blocked = None
+                waiting = blocked is not None
             with self._lock:
                 if not self._active.is_set():
                     continue
                 try:
                     self._send("heartbeat", {"rank": self.rank, "phase": self.phase, "step": self.step,
                                              "where": at, "waiting": waiting,
-                                             "launched": self.traffic.calls if self.traffic is not None else None})
+                                             "blocked": blocked.describe() if blocked is not None else None,
+                                             "launched": traffic.calls if traffic is not None else None})
                 except OSError:
                     return  # the client is gone; the reader thread ends the process
             time.sleep(self.interval_s)
@@ -141,6 +153,7 @@ class RankPulse:
     where: str = ""
     waiting: bool = False
     launched: int | None = None  # collectives and transfers this rank has launched in this job
+    blocked: str | None = None  # the transfer its device waits on, e.g. "all_to_all with rank 1"
 
 
 class JobWatch:
@@ -162,7 +175,7 @@ class JobWatch:
         pulse.seen = now
         if kind == "heartbeat":
             pulse.phase, pulse.where, pulse.waiting = meta["phase"], meta["where"], meta["waiting"]
-            pulse.launched = meta.get("launched")
+            pulse.launched, pulse.blocked = meta.get("launched"), meta.get("blocked")
         elif kind == "progress":
             pulse.progressed, pulse.step, pulse.phase = now, meta["step"], "sampling"
             if meta.get("sec_per_step") is not None:
@@ -248,6 +261,11 @@ class JobWatch:
         low = min(counts.values())
         return [r for r, n in counts.items() if n == low]
 
+    def _blocked_on(self, ranks) -> str:
+        """What the waiting ranks' devices wait on, where their heartbeats said."""
+        said = [f"rank {r}: {self.ranks[r].blocked}" for r in ranks if self.ranks[r].blocked]
+        return f" ({'; '.join(said)})" if said else ""
+
     def _stuck_ranks(self, ranks) -> str:
         """Name the ranks that compute (or hang) while the others wait for them in a collective."""
         ranks = sorted(ranks)
@@ -260,7 +278,8 @@ class JobWatch:
         waiting = [r for r in ranks if self.ranks[r].waiting]
         if busy and waiting:
             names = ", ".join(f"rank {r} ({self.devices[r]}) in {self.ranks[r].where or self._doing(r)}" for r in busy)
-            return f"{names} never reached the collective that rank(s) {', '.join(map(str, waiting))} wait in"
+            return (f"{names} never reached the collective that rank(s) {', '.join(map(str, waiting))} wait in"
+                    + self._blocked_on(waiting))
         if waiting:
             behind = self._fewest_launched(waiting)
             if behind:
@@ -269,6 +288,7 @@ class JobWatch:
                 names = ", ".join(f"rank {r} ({self.devices[r]}) launched {self.ranks[r].launched}" for r in behind)
                 most = max(self.ranks[r].launched for r in waiting)
                 return f"{names} of the {most} transfers its peers launched; its peers wait for it"
-            return (f"every rank waits in a collective ({', '.join(f'rank {r}: {self.ranks[r].where}' for r in waiting)})"
+            return (f"every rank waits in a collective "
+                    f"({', '.join(f'rank {r}: {self.ranks[r].blocked or self.ranks[r].where}' for r in waiting)})"
                     f" — a stuck communicator or device")
         return ", ".join(f"rank {r} ({self.devices[r]}) in {self.ranks[r].where or self._doing(r)}" for r in ranks)
