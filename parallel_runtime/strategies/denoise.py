@@ -21,6 +21,7 @@ import torch
 from ..errors import Cancelled
 from ..models.family import DiTAdapter
 from ..runtime.comm import Comm
+from ..runtime.streams import StreamMark
 from .attention import AttentionBias, LocalAttention, RingAttention, UlyssesAttention
 from .attention.processor import AttentionContext
 from .control import ControlNets, ControlPass, Residuals
@@ -410,8 +411,10 @@ class Denoiser:
         return self._is_result_rank()
 
     def _step_done(self, i: int, t0: float) -> None:
-        if self.adapter.device.type == "cuda":
-            torch.cuda.synchronize(self.adapter.device)  # time the work, not how fast it was queued
+        # Time the work, not how fast it was queued: wait until the compute stream ran the step, and for nothing
+        # else. A device-wide sync would also wait for the transfers still in flight on NCCL's streams (PipeFusion's
+        # last sends of the step), holding every stage until its peer had received them.
+        StreamMark(self.adapter.device).wait()
         self.step_times.append(time.perf_counter() - t0)
         self.progress(i + 1, len(self.sigmas) - 1)
 
