@@ -37,7 +37,7 @@ import torch
 
 from .. import errors
 from ..spec import Job
-from .devices import pinned_cores, runtime_devices
+from .devices import pinned_cores, runtime_devices, worker_threads
 from .links import p2p_setting, shared_memory_problem
 from .memory import check_job_memory, keeps_other_models, settle_weight_sharding
 from .portability import TIMED_OUT, loopback_interface, module_command, socket_timeout
@@ -103,10 +103,7 @@ class RuntimeClient:
         self.cores = pinned_cores(devices)[:len(self.devices)]
         self._speeds: dict[tuple, tuple[float, ...]] = {}  # measure_speeds' results, for these workers
         self.world = len(self.devices)
-        if threads_per_worker is None:
-            cpu_workers = sum(d == "cpu" for d in self.devices)
-            threads_per_worker = max(1, (os.cpu_count() or 1) // max(cpu_workers, 1)) if cpu_workers else 1
-        self.threads = threads_per_worker
+        self.threads = threads_per_worker or worker_threads(self.devices, self.cores)
         self.watchdog = watchdog or WatchdogConfig.from_env()
         self.procs: list[subprocess.Popen] = []
         self.chans: list[Channel] = []

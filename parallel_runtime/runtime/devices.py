@@ -60,6 +60,18 @@ def pinned_cores(spec: str) -> list[int | None]:
     return cores
 
 
+def worker_threads(devices: list[str], pinned: list[int | None]) -> int:
+    """CPU threads per worker (torch's, OMP's and MKL's): the cores this process may use shared evenly among the
+    workers, at least 1; 1 where each worker is pinned to a core. GPU workers take their share too: a load reads and
+    copies on the host, and a launch-bound step is host work."""
+    import os
+
+    if any(core is not None for core in pinned):
+        return 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, usable // max(len(devices), 1))
+
+
 def auto_notice(spec: str, devices: list[str]) -> str | None:
     """One sentence when 'auto' found no GPU and fell back to a single CPU worker, so the user is told before
     a model loads instead of waiting minutes on a slow fp32 CPU denoise (FLUX.1-dev needs ~48 GB of RAM)."""

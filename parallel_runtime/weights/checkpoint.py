@@ -181,8 +181,12 @@ class CheckpointReader:
             raise ModelFileError(
                 f"{self.path} is not a valid safetensors file (cannot read {key!r}: {exc}); re-download or re-save it."
             ) from exc
-        if dtype is not None or torch.device(device) != tensor.device:
-            tensor = tensor.to(device=device, dtype=dtype if dtype is not None else tensor.dtype)
+        # Moved in the file's dtype, then cast where it lands: one .to(device, dtype) would convert on the host
+        # before an upload (a GPU worker's one share of the cores), where the device does the same IEEE conversion.
+        if torch.device(device) != tensor.device:
+            tensor = tensor.to(device)
+        if dtype is not None:
+            tensor = tensor.to(dtype)
         if tensor.device.type == "cpu" and tensor.data_ptr() % 64:
             # safetensors hands back tensors inside a Python buffer, not 64-byte aligned. BLAS
             # kernels take different (slower, differently rounded) paths for such weights, so

@@ -111,14 +111,16 @@ class GGUFCheckpoint:
         """`key` (only `rows` of its first dimension and `cols` of its second when given), dequantized, cast and
         moved."""
         fmt, shape = self._format(key), self._shapes[key]
+        # Moved as stored, then dequantized and cast on the device (as checkpoint.CheckpointReader.read_raw).
         if fmt in _PLAIN:
             data = self._raw(key, rows, self._stored_columns(key, cols))
             value = data.view(_PLAIN[fmt]) if fmt == "BF16" else data
             value = value.reshape(self._part_shape(shape, rows, cols))
+            value = _own(value, value.to(device))
         else:
-            raw, part = self.read_quantized(key, rows, cols=cols), self._part_shape(shape, rows, cols)
+            raw, part = self.read_quantized(key, rows, device, cols), self._part_shape(shape, rows, cols)
             value = dequantize_blocks(raw, fmt, part)
-        return _own(value, value.to(device=device, dtype=dtype or value.dtype).contiguous())
+        return value.to(dtype or value.dtype).contiguous()
 
     def read_quantized(self, key: str, rows: Rows = None, device: str | torch.device = "cpu",
                        cols: tuple[slice, ...] | None = None) -> torch.Tensor:
