@@ -4,6 +4,8 @@ nothing on CPU workers and time on every GPU call, checked here without a GPU.
 - The caching allocator's blocks are returned to the device once a run is over, after a failure and on a model
   release, never between the calls of a stock sampler's run (each empty_cache is a device-wide sync, and the next
   call's cudaMallocs start over).
+- GPU workers get their share of the cores, as CPU workers do (a load's host work ran on one thread).
+- Weights travel to the device in the file's dtype and are cast there (a cast before the copy runs on the host).
 """
 from __future__ import annotations
 
