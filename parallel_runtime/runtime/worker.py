@@ -171,8 +171,6 @@ class WorkerState:
         adapter = family.adapter(config, model, chunks, context)
         patcher = RankWeightPatcher(model, family.weight_patch_targets(config), FileParameters(path, smap, storage,
                                                                                               self.device))
-        if key[10] is not None:  # a LoRA baked into a sharded block is baked into each gathered copy
-            model.weight_gatherer.gathered = patcher.bake_gathered
         with self.models_lock:
             self._make_current(ResidentModel(key, adapter, family, context, patcher, {}, {}))
         self.last_load_seconds = time.perf_counter() - t0
