@@ -1,6 +1,7 @@
-"""The runtime where Python has no AF_UNIX and no `resource` module, as Windows' CPython: run here on Linux by hiding
-both in this process and in the workers' interpreters (a sitecustomize the workers import first), and where torch
-has no NCCL (Windows' builds), with the CUDA probes faked."""
+"""The runtime where Python has no AF_UNIX and no `resource` module, as Windows' CPython, and torch no libuv, as
+Windows' wheels: run here on Linux by hiding them in this process and in the workers' interpreters (a
+sitecustomize the workers import first), and where torch has no NCCL (Windows' builds), with the CUDA probes
+faked."""
 from __future__ import annotations
 
 import os
@@ -25,7 +26,8 @@ pytestmark = pytest.mark.timeout(300)
 # the workers then start as Windows' CPython would, without socket.AF_UNIX and without `resource`, and leave a file
 # named by their pid saying what they lacked. As the portable build's embedded Python (its ._pth file ignores
 # PYTHONPATH and the current directory), the plugin folder is dropped from sys.path too (with PYTHONSAFEPATH=1,
-# which keeps the current directory out).
+# which keeps the current directory out). TCPStore refuses libuv as a torch built without it does (in its words;
+# use_libuv is True unless passed), and each refusal is added to the file.
 HIDING_SITECUSTOMIZE = """
 import os, socket, sys
 import psutil  # first: its Linux half imports resource itself (its Windows half needs none)
@@ -37,8 +39,21 @@ try:
     lacks = "nothing"
 except ImportError:
     lacks = "AF_UNIX resource" if not hasattr(socket, "AF_UNIX") else "resource"
-with open(os.path.join(os.environ["PARADIT_TEST_HIDDEN"], str(os.getpid())), "w") as f:
+NOTE = os.path.join(os.environ["PARADIT_TEST_HIDDEN"], str(os.getpid()))
+with open(NOTE, "w") as f:
     f.write(lacks)
+
+import torch.distributed as dist
+
+def tcp_store_without_libuv(*args, use_libuv=True, _store=dist.TCPStore, **kwargs):
+    if use_libuv:
+        with open(NOTE, "a") as f:
+            f.write(" libuv")
+        raise dist.DistStoreError("use_libuv was requested but PyTorch was built without libuv support, run with "
+                                  "USE_LIBUV=0 to disable it.")
+    return _store(*args, use_libuv=False, **kwargs)
+
+dist.TCPStore = tcp_store_without_libuv
 """
 
 JOB = dict(steps=4)  # the tiny model, 2 ranks: a few steps are enough to cross the channel and the group
@@ -71,15 +86,16 @@ def windows_like(tmp_path, monkeypatch):
     return hidden
 
 
-def test_two_workers_run_and_cancel_without_af_unix_or_resource(tiny_path, normal_path, windows_like):
+def test_two_workers_run_and_cancel_without_af_unix_resource_or_libuv(tiny_path, normal_path, windows_like):
     client = RuntimeClient("cpu:2", threads_per_worker=1)
     try:
         out = client.run(make_job(tiny_path, S(ulysses_degree=2), **JOB))
-        # Loopback TCP, and each worker really started without AF_UNIX and resource.
+        # Loopback TCP, and each worker really started without AF_UNIX and resource, and had its rendezvous store
+        # (rank 0's server, rank 1's client) refused libuv once, then made without it.
         host, port = client.control_address
         assert host == "127.0.0.1" and port > 0
         assert {p.name: p.read_text() for p in windows_like.iterdir()} == {
-            str(proc.pid): "AF_UNIX resource" for proc in client.procs}
+            str(proc.pid): "AF_UNIX resource libuv" for proc in client.procs}
         # The same ranks run the same kernels in the same order: the channel must not change a bit of the result.
         assert torch.equal(out.latent, normal_path)
         # Peak RSS came from psutil: a worker that imported torch holds more than 100 MiB (about 300 here).

@@ -75,3 +75,21 @@ def peak_rss() -> int:
         _rss_high_water = max(_rss_high_water, info.rss, getattr(info, "peak_wset", 0))
         return _rss_high_water
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def loopback_store(port: int, world: int, *, listen_fd: int | None = None, timeout_s: float = 60.0):
+    """A torch TCPStore on 127.0.0.1: the server when `listen_fd` (a listening socket bound there, which the store
+    then owns) is given, else a client of the one on `port`. TCPStore uses libuv by default, which some builds lack
+    (Windows' wheels: "use_libuv was requested but PyTorch was built without libuv support"); torch refuses that
+    before it touches the socket, so the store is then made again on its own backend, which takes the same fd."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dict(is_master=True, wait_for_workers=False, master_listen_fd=listen_fd) if listen_fd is not None else {}
+    try:
+        return dist.TCPStore("127.0.0.1", port, world, timeout=timedelta(seconds=timeout_s), **server)
+    except dist.DistStoreError as exc:
+        if "libuv" not in str(exc):
+            raise
+    return dist.TCPStore("127.0.0.1", port, world, timeout=timedelta(seconds=timeout_s), use_libuv=False, **server)

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import Cancelled, ConfigError, ParaDiTError
 from .links import check_links
-from .portability import collective_backend, peak_rss, pin_to_core
+from .portability import collective_backend, loopback_store, peak_rss, pin_to_core
 from .protocol import Channel
 
 
@@ -637,8 +637,8 @@ def main(argv: list[str] | None = None) -> None:
         listen = socket.socket()
         listen.bind(("127.0.0.1", 0))
         listen.listen()
-        store = dist.TCPStore("127.0.0.1", listen.getsockname()[1], args.world, is_master=True,
-                              wait_for_workers=False, timeout=timedelta(seconds=60), master_listen_fd=listen.fileno())
+        port = listen.getsockname()[1]
+        store = loopback_store(port, args.world, listen_fd=listen.detach())  # the store closes it, not Python
     chan.send("hello", {"rank": args.rank, "pid": os.getpid(), "store_port": store.port if store else None})
     kind, meta, _ = chan.recv()
     if kind != "init":
@@ -648,8 +648,7 @@ def main(argv: list[str] | None = None) -> None:
         if store is None:
             # The store's timeout bounds rendezvous and every new_group: a peer that never arrives fails
             # the start within a minute instead of hanging it.
-            store = dist.TCPStore("127.0.0.1", meta["store_port"], args.world, is_master=False,
-                                  timeout=timedelta(seconds=60))
+            store = loopback_store(meta["store_port"], args.world)
         # NCCL where torch has it (the client refuses several GPUs where it has not: devices.runtime_devices).
         backend = collective_backend(device.type)
         # The process group's timeout bounds each collective (see WatchdogConfig.collective_timeout_s).
