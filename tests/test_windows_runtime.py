@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import os
 import socket
+import shutil
 import struct
 import sys
+import threading
+from multiprocessing.connection import AuthenticationError, Client
 
 import pytest
 import torch
@@ -159,3 +162,60 @@ def test_workers_bind_gloo_to_the_loopback_interface(monkeypatch):
     assert loopback_interface() == "lo"
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     assert RuntimeClient("cpu:1")._worker_env()["GLOO_SOCKET_IFNAME"] == "lo"
+
+
+@pytest.mark.parametrize("family", ["AF_INET", "AF_UNIX"])
+def test_the_control_listener_queues_every_worker_before_it_accepts_one(monkeypatch, family):
+    """All 16 workers' connections wait in the queue while accept runs handshakes one at a time. A full queue
+    resets the next connection on Windows (which the worker's Client does not retry); on Linux, TCP drops it (the
+    connect below times out) and AF_UNIX refuses it (EAGAIN under a timeout), which is what this test sees."""
+    if family == "AF_INET":
+        monkeypatch.delattr(socket, "AF_UNIX")
+    listener, directory = client_module._control_listener(b"k" * 32, 16)
+    conns = []
+    try:
+        for _ in range(16):
+            conn = socket.socket(getattr(socket, family))
+            conns.append(conn)
+            conn.settimeout(0.5)  # a queued connect completes at once on loopback; a refused one takes >= 1 s
+            conn.connect(listener.address)
+    finally:
+        for conn in conns:
+            conn.close()
+        listener.close()
+        if directory:
+            shutil.rmtree(directory)
+
+
+def test_strangers_on_the_control_port_are_dropped_and_the_start_goes_on(monkeypatch):
+    """Before the worker connects, one local stranger answers the challenge with a wrong key and another resets
+    the connection while the listener waits for its answer: each is dropped unread, and the worker is accepted."""
+    monkeypatch.delattr(socket, "AF_UNIX")  # loopback TCP: any local process can connect
+    seen, threads = [], []
+    make_listener = client_module._control_listener
+
+    def strangers(address):
+        try:
+            Client(address, family="AF_INET", authkey=b"not the key")
+        except AuthenticationError:
+            seen.append("wrong key refused")
+        with socket.create_connection(address) as sock:
+            sock.recv(1)  # the challenge has come: the listener now reads the answer
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends a reset
+        seen.append("reset")
+
+    def listener_with_strangers(key, world):
+        listener, directory = make_listener(key, world)
+        threads.append(threading.Thread(target=strangers, args=(listener.address,)))
+        threads[0].start()  # the worker needs seconds to import torch: the strangers come first
+        return listener, directory
+
+    monkeypatch.setattr(client_module, "_control_listener", listener_with_strangers)
+    client = RuntimeClient("cpu:1", threads_per_worker=1)
+    try:
+        client.start()
+        threads[0].join(10)
+        assert seen == ["wrong key refused", "reset"]
+        assert client.alive and len(client.ping()) == 1
+    finally:
+        client.shutdown()

@@ -142,7 +142,7 @@ class RuntimeClient:
             self._hints_on_workers.clear()  # nor hints
             self.resident_models = []  # nor models
             key = secrets.token_bytes(32)
-            listener, self._dir = _control_listener(key)
+            listener, self._dir = _control_listener(key, self.world)
             self.control_address = listener.address
             try:
                 for rank, device in enumerate(self.devices):
@@ -170,8 +170,7 @@ class RuntimeClient:
                     chan.send("init", {"store_port": port, "session": session,
                                        "heartbeat_s": self.watchdog.heartbeat_s,
                                        "collective_timeout_s": self.watchdog.collective_timeout_s})
-                for chan in self.chans:
-                    self._recv(chan, STARTUP_TIMEOUT_S, expect="ready")
+                self._await_ready()
             except (EOFError, OSError) as exc:
                 _close_quietly(listener)
                 self._lost_while_starting(exc)
@@ -204,26 +203,29 @@ class RuntimeClient:
         """Accept one connection per worker, failing fast (with its exit code) if a worker dies first.
         Returns each rank's hello message."""
         accepted: list = []
-        done = threading.Event()
+        done, over = threading.Event(), threading.Event()
 
         def accept_all():
-            try:
-                while len(accepted) < self.world:
-                    try:
-                        accepted.append(listener.accept())
-                    except (AuthenticationError, EOFError):
-                        continue  # a local stranger on the loopback port, without the key: dropped, never read
-            except OSError:
-                pass
+            while len(accepted) < self.world and not over.is_set():
+                try:
+                    accepted.append(listener.accept())
+                except (AuthenticationError, EOFError, OSError):
+                    # A local stranger on the loopback port (without the key, reset, or a reply too long for the
+                    # challenge): that connection is dropped, never read, and the start goes on. Once the start
+                    # is over, the listener is closed and `over` ends the loop.
+                    continue
             done.set()
 
         threading.Thread(target=accept_all, daemon=True).start()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not done.wait(0.05):
-            self._check_procs()
-            if time.monotonic() > deadline:
-                raise errors.WorkerError(f"workers did not connect within {STARTUP_TIMEOUT_S:.0f} s; check that "
-                                         f"python can import torch in this environment.")
+        try:
+            while not done.wait(0.05):
+                self._check_procs()
+                if time.monotonic() > deadline:
+                    raise errors.WorkerError(f"workers did not connect within {STARTUP_TIMEOUT_S:.0f} s; check "
+                                             f"that python can import torch in this environment.")
+        finally:
+            over.set()  # before the caller closes the listener
         if len(accepted) != self.world:
             self._check_procs()
             raise errors.WorkerError("workers failed to connect to the control socket; retry the job.")
@@ -235,6 +237,29 @@ class RuntimeClient:
             self.chans[meta["rank"]] = chan
             hello[meta["rank"]] = meta
         return hello
+
+    def _await_ready(self) -> None:
+        """Wait for every worker's 'ready' at once and raise the first error any of them sends: in the link check,
+        the rank that got no answer says so in one sentence while the silent one says nothing, whatever its rank."""
+        waiting = {chan.conn: rank for rank, chan in enumerate(self.chans)}
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while waiting:
+            readable = wait(list(waiting), timeout=0.1)
+            for conn in readable:
+                kind, meta, _ = self.chans[waiting[conn]].recv()
+                if kind == "error":
+                    raise _worker_exception(meta)
+                if kind == "ready":
+                    del waiting[conn]
+                elif kind != "heartbeat":
+                    raise errors.WorkerError(f"worker sent {kind!r} instead of 'ready'; retry the job.")
+            if not readable:
+                self._check_procs()
+                if time.monotonic() > deadline:
+                    rank = min(waiting.values())
+                    self.kill()
+                    raise errors.WorkerError(f"worker {rank} ({self.devices[rank]}) did not answer ready within "
+                                             f"{STARTUP_TIMEOUT_S:.0f} s; the workers were restarted — retry.")
 
     def shutdown(self) -> None:
         with self._lock:
@@ -648,16 +673,20 @@ def _worker_exception(meta: dict) -> errors.ParaDiTError:
     return exc_type(meta["message"])
 
 
-def _control_listener(key: bytes) -> tuple[Listener, str | None]:
+def _control_listener(key: bytes, world: int) -> tuple[Listener, str | None]:
     """(the listener the workers connect to, the private directory that holds its socket file, if any).
 
     An AF_UNIX socket in a fresh 0700 directory where the platform's Python has AF_UNIX (Windows' has not, though
     the OS does); else a TCP socket bound to loopback only. Either way `accept` runs the HMAC challenge with `key`
-    before it returns a connection, so no message from a peer without the key is ever read."""
+    before it returns a connection, so no message from a peer without the key is ever read. The backlog holds every
+    worker: accept runs each handshake in turn, and Windows refuses (resets) a connection its full queue cannot
+    hold, which the worker's Client does not retry."""
+    backlog = max(8, world)
     if hasattr(socket, "AF_UNIX"):
         directory = tempfile.mkdtemp(prefix="paradit-")  # mkdtemp makes it 0700: only we can connect
-        return Listener(os.path.join(directory, "control.sock"), family="AF_UNIX", authkey=key), directory
-    return Listener(("127.0.0.1", 0), family="AF_INET", authkey=key), None
+        sock = os.path.join(directory, "control.sock")
+        return Listener(sock, family="AF_UNIX", backlog=backlog, authkey=key), directory
+    return Listener(("127.0.0.1", 0), family="AF_INET", backlog=backlog, authkey=key), None
 
 
 def _control_argument(address) -> list[str]:
