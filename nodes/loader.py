@@ -60,10 +60,13 @@ class ParaDiTLoader(io.ComfyNode):
     @classmethod
     def execute(cls, unet_name, weight_dtype, devices, strategy=None, quantized_matmul="auto") -> io.NodeOutput:
         import folder_paths
-        from parallel_runtime.runtime.devices import parse_devices
+        from parallel_runtime.runtime.devices import runtime_devices
 
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         handle = convert.model_handle(path, weight_dtype, devices, strategy, name=unet_name,
                                       quantized_matmul=quantized_matmul)
-        device_list = parse_devices(handle.devices)  # raises ConfigError with the fix
-        return io.NodeOutput(remote_model.parallel_model(handle), ui=ui.PreviewText(handle.describe(device_list)))
+        # The devices the runtime will take, so what it refuses (several GPUs where torch has no NCCL) is refused
+        # here, with the fix, before a prompt starts; ConfigError otherwise.
+        device_list, notice = runtime_devices(handle.devices)
+        text = handle.describe(device_list) + (f"\n{notice}" if notice else "")
+        return io.NodeOutput(remote_model.parallel_model(handle), ui=ui.PreviewText(text))

@@ -211,13 +211,18 @@ class FakeRuntime:
             raise ConfigError("devices 'bad' is not auto, a list like 0,1 or cpu:N; fix the devices field.")
         return [f"cuda:{i}" for i in devices.split(",")]
 
+    @staticmethod
+    def runtime_devices(devices):
+        return FakeRuntime.parse_devices(devices), None
+
 
 @pytest.fixture
 def runtime(monkeypatch):
     rt = FakeRuntime()
     for name, attrs in {"parallel_runtime.runtime.client": {"get_client": rt.get_client},
                         "parallel_runtime.planning.auto": {"choose_strategy": rt.choose_strategy},
-                        "parallel_runtime.runtime.devices": {"parse_devices": rt.parse_devices}}.items():
+                        "parallel_runtime.runtime.devices": {"parse_devices": rt.parse_devices,
+                                                             "runtime_devices": rt.runtime_devices}}.items():
         mod = types.ModuleType(name)
         mod.__dict__.update(attrs)
         monkeypatch.setitem(sys.modules, name, mod)
@@ -465,6 +470,31 @@ def test_loader_resolves_only_through_folder_paths(folder_paths, runtime, monkey
         ParaDiTLoader.execute("../../etc/passwd", "default", "auto")
     with pytest.raises(ConfigError, match="fix the devices field"):
         ParaDiTLoader.execute("tiny.safetensors", "default", "bad")
+
+
+
+def test_loader_refuses_several_gpus_without_nccl_before_a_prompt_starts(folder_paths, monkeypatch):
+    """Two visible GPUs and a torch without NCCL, as Windows' builds (only the probes are faked): '0,1' is refused
+    by the loader in the runtime's sentence; 'auto' shows the one GPU the runtime will take, and why."""
+    import torch
+    import torch.distributed as dist
+
+    from nodes import remote_model
+    from parallel_runtime.runtime.devices import NO_NCCL
+
+    monkeypatch.setattr(remote_model, "parallel_model", lambda h: types.SimpleNamespace(handle=h))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    with pytest.raises(ConfigError) as info:
+        ParaDiTLoader.execute("tiny.safetensors", "default", "0,1")
+    assert str(info.value) == f"devices '0,1' names 2 GPUs, but {NO_NCCL}."
+    shown = ParaDiTLoader.execute("tiny.safetensors", "default", "auto").ui.value
+    assert shown == f"tiny.safetensors (default) on cuda:0; auto: degrees are chosen at sample time\n" \
+                    f"devices=auto runs on cuda:0 alone: {NO_NCCL}."
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)  # with NCCL, both GPUs and no notice
+    assert ParaDiTLoader.execute("tiny.safetensors", "default", "0,1").ui.value.startswith(
+        "tiny.safetensors (default) on cuda:0, cuda:1; auto")
 
 
 # ---------------------------------------------------------------------------------------------
