@@ -93,6 +93,9 @@ class _Done:
     def wait(self):
         return None
 
+    def is_completed(self):
+        return True
+
 
 class _LoopbackDist:
     """torch.distributed as rank 0 of a 2-member group sees it, when the other member sends bytes like its own: the

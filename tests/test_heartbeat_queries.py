@@ -60,3 +60,40 @@ def test_a_cpu_workers_heartbeat_sets_no_cuda_device(monkeypatch):
     finally:
         pulse.end_job()
     assert calls == []
+
+
+class _Work:
+    """A transfer's work that counts how often it is asked whether it completed."""
+
+    asked = 0
+
+    def __init__(self):
+        self.completed = False
+
+    def is_completed(self) -> bool:
+        _Work.asked += 1
+        return self.completed
+
+
+def test_keeping_n_transfers_in_flight_asks_about_them_o_n_times(monkeypatch):
+    """A host ahead of its device launches a step's transfers before any completes (Ulysses on Flux: ~230 per step).
+    Sweeping the whole list on every launch asked n (n - 1) / 2 questions (79,800 at n = 400); now one per launch,
+    and one per transfer in each sweep of the heartbeat or the job's end."""
+    monkeypatch.setattr(_Work, "asked", 0)
+    n = 400
+    in_flight = InFlight()
+    works = [_Work() for _ in range(n)]
+    for work in works:
+        in_flight.add(Transfer("all_to_all", (1,), work, torch.device("cpu")))
+    assert _Work.asked == n - 1  # the head, once per add after the first
+    assert len(in_flight) == n
+    for work in works[1:]:  # the device catches up on all but the oldest (say an isend still in flight)
+        work.completed = True
+    asked = _Work.asked
+    in_flight.add(Transfer("all_to_all", (1,), _Work(), torch.device("cpu")))
+    assert _Work.asked == asked + 1 and len(in_flight) == n + 1  # the head is still in flight: nothing goes
+    assert in_flight.blocking() is None  # CPU transfers never waited on: none blocks
+    assert len(in_flight) == 2  # the heartbeat's sweep let go of the n - 1 completed ones behind the head
+    works[0].completed = True
+    in_flight.prune()
+    assert len(in_flight) == 1  # the job's end: only the last one, not completed, stays

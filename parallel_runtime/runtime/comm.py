@@ -74,12 +74,21 @@ class InFlight:
         self._lock = threading.Lock()  # the main thread adds, the heartbeat thread reads
 
     def add(self, transfer: Transfer) -> None:
+        """Keep `transfer`, letting go of the completed ones at the head only: transfers complete about in launch
+        order, and a host that runs ahead of its device launches a whole step before any completes, so a sweep on
+        every add asked O(n^2) questions per step under the lock the heartbeat takes. The heartbeat's `blocking`
+        and the job's end sweep the rest."""
         with self._lock:
-            self._prune()
+            while self._items and self._items[0].is_completed():
+                self._items.popleft()
             self._items.append(transfer)
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def blocking(self) -> Transfer | None:
-        """The oldest transfer this rank's device waits on and that has not completed (None: it waits on none)."""
+        """The oldest transfer this rank's device waits on and that has not completed (None: it waits on none).
+        Lets go of every completed one on the way."""
         with self._lock:
             self._prune()
             return next((t for t in self._items if t.blocks()), None)
