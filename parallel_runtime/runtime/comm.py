@@ -315,12 +315,25 @@ class Comm:
         if group.size == 1:
             out.copy_(t.reshape(out.shape))
             return None
-        # all_gather_single is all_gather_into_tensor's name from torch 2.13 on (the old one warns there).
-        gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
-        work = gather(out, t, group=group.pg, async_op=True)
+        work = self._all_gather_single()(out, t, group=group.pg, async_op=True)
         n = _nbytes(t) * (group.size - 1)
         self.traffic.add(op, n, n)
         return self._launched(op, work, group)
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, group: Group,
+                        op: str = "all_gather") -> torch.Tensor:
+        """all_gather_into_async's blocking twin: every member's `t` in `out`, member by member along dim 0."""
+        if group.size == 1:
+            out.copy_(t.reshape(out.shape))
+            return out
+        n = _nbytes(t) * (group.size - 1)
+        self.traffic.add(op, n, n)
+        self._blocking(op, group, self._all_gather_single(), out, t)
+        return out
+
+    def _all_gather_single(self):
+        # all_gather_single is all_gather_into_tensor's name from torch 2.13 on (the old one warns there).
+        return getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
 
     def all_reduce_max(self, t: torch.Tensor, group: Group, op: str = "all_reduce") -> torch.Tensor:
         """The elementwise max of every member's `t`, in place (counted as all_reduce counts)."""
