@@ -66,15 +66,16 @@ def _collectives(device, dtype, data, link, weights, control) -> list[str]:
     flat_out = torch.empty_like(flat_qkv)
     dist.all_to_all_single(flat_out, flat_qkv, [flat_qkv.numel()], [flat_qkv.numel()], group=data)
     check("all_to_all_single elements (ulysses uneven heads)", flat_out, flat_qkv)
-    # CFG's float32 predictions and the result gather (Comm.all_gather), displaced patch's K/V (all_gather_async).
+    # CFG's float32 predictions and the result gather (Comm.all_gather), displaced patch's K/V
+    # (all_gather_into_async, concatenated along dim 0).
     den = rand(1, 64, 64, dt=torch.float32)
     parts = [torch.empty_like(den)]
     dist.all_gather(parts, den, group=data)
     check("all_gather float32 (cfg, result)", parts[0], den)
     kv = rand(2, 1, 40, 4, 32)
-    parts = [torch.empty_like(kv)]
-    dist.all_gather(parts, kv, group=data, async_op=True).wait()
-    check("all_gather async (displaced patch)", parts[0], kv)
+    gathered = torch.empty_like(kv)  # [members * 2, ...]: one member here
+    gather(gathered, kv, group=data, async_op=True).wait()
+    check("all_gather_into_tensor async (displaced patch)", gathered, kv)
     # Tensor parallel's sums, the input amax's max (Comm._all_reduce), PipeFusion's prompt broadcast.
     partial = rand(1, 50, 128)
     want = partial.clone()

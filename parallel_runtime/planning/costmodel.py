@@ -747,12 +747,14 @@ def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_token
         sp = topo.ulysses * topo.ring * topo.naive_patch * topo.patch
         rows = s_len / sp
         if topo.patch > 1:  # the full-sequence K/V buffers of displaced patch, one per attention layer, and
-            # the one layer's all-gather in flight per kind of attention (joint, image-only), every member's
-            # shard padded to the longest (see displaced.py)
+            # the one layer's all-gather in flight per kind of attention (joint, image-only): the one tensor it
+            # lands in (every member's shard padded to the longest, see displaced.py) and this rank's shard, which
+            # the transfer reads until it completes
             kinds = len({joint for layers in config.attention_layers for joint in layers})
-            gathered = -(-s_len // topo.patch) * topo.patch
+            longest = -(-s_len // topo.patch)
+            in_flight = (topo.patch + 1) * longest
             kv = 2 * b * h * act_bytes * (s_len * sum(len(layers) for layers in config.attention_layers)
-                                          + gathered * kinds)
+                                          + in_flight * kinds)
     # One block's live tensors: hidden, q/k/v, MLP hidden (4H) and norms on this rank's rows (q/k/v, attention
     # output and MLP hidden: a tensor rank's 1/P); the gathered sequence for Ulysses/Ring attention; about 3x for
     # temporaries.

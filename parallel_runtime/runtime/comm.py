@@ -2,8 +2,9 @@
 
 Every byte a strategy moves goes through `Comm`, so the benchmark's traffic figures are counted, not
 estimated. Counters record the bytes this rank sends to and receives from *other* ranks (the part of an
-all-to-all that stays local is not traffic). Every transfer is launched asynchronously and handed out as a
-`Transfer`, so the heartbeat can tell from the transfers in flight whether this rank's device waits on a peer.
+all-to-all that stays local is not traffic). Every transfer is kept as a `Transfer` while in flight, so the heartbeat
+can tell whether this rank's device waits on a peer: an asynchronous one by its work, a blocking one by two marks on
+the current stream around the call.
 A group of one rank is a no-op, so the same strategy code runs serially in one process without torch.distributed
 at all.
 """
@@ -35,13 +36,15 @@ class Group:
 
 class Transfer:
     """One launched collective or point-to-point transfer: the handle a strategy waits on (`wait` and `is_completed`,
-    as torch's Work), and what the heartbeat reports while it is in flight."""
+    as torch's Work), and what the heartbeat reports while it is in flight. A blocking call has no work: the
+    current stream (the host, on the CPU) is past it once it reached `done`, the mark made after the call."""
 
-    __slots__ = ("op", "peers", "work", "device", "waited")
+    __slots__ = ("op", "peers", "work", "device", "waited", "done")
 
     def __init__(self, op: str, peers: tuple[int, ...], work, device: torch.device):
         self.op, self.peers, self.work, self.device = op, peers, work, device
         self.waited: StreamMark | None = None  # where the device (the host, on the CPU) started waiting on it
+        self.done: StreamMark | None = None  # a blocking call's: the current stream right after it
 
     def wait(self) -> None:
         """Block what comes next on this transfer: the host on gloo; on NCCL only the current stream, as torch's
@@ -50,12 +53,15 @@ class Transfer:
         self.work.wait()
 
     def is_completed(self) -> bool:
+        if self.work is None:
+            done = self.done
+            return done is not None and done.reached()
         return self.work.is_completed()
 
     def blocks(self) -> bool:
         """The device got to a wait on this transfer and the transfer has not completed: it waits for a peer."""
         waited = self.waited
-        return waited is not None and waited.reached() and not self.work.is_completed()
+        return waited is not None and waited.reached() and not self.is_completed()
 
     def describe(self) -> str:
         return f"{self.op} with rank {', '.join(map(str, self.peers))}"
@@ -74,12 +80,21 @@ class InFlight:
         self._lock = threading.Lock()  # the main thread adds, the heartbeat thread reads
 
     def add(self, transfer: Transfer) -> None:
+        """Keep `transfer`, letting go of the completed ones at the head only: transfers complete about in launch
+        order, and a host that runs ahead of its device launches a whole step before any completes, so a sweep on
+        every add asked O(n^2) questions per step under the lock the heartbeat takes. The heartbeat's `blocking`
+        and the job's end sweep the rest."""
         with self._lock:
-            self._prune()
+            while self._items and self._items[0].is_completed():
+                self._items.popleft()
             self._items.append(transfer)
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def blocking(self) -> Transfer | None:
-        """The oldest transfer this rank's device waits on and that has not completed (None: it waits on none)."""
+        """The oldest transfer this rank's device waits on and that has not completed (None: it waits on none).
+        Lets go of every completed one on the way."""
         with self._lock:
             self._prune()
             return next((t for t in self._items if t.blocks()), None)
@@ -246,24 +261,36 @@ class Comm:
         self.traffic.in_flight.add(transfer)
         return transfer
 
+    def _blocking(self, op: str, group: Group, collective, /, *args, **kwargs) -> None:
+        """Run `collective(*args, **kwargs)` on `group` with async_op=False, between two marks on the current stream.
+
+        On NCCL (torch >= 2.8) a blocking call runs on the current stream with no event syncs and nothing stashed,
+        where async_op=True and an immediate wait moves it to NCCL's own stream; on gloo it blocks the host. The
+        marks give the heartbeat what a Work would: the device waits in the call once it passed the first mark and
+        not yet the second (on the CPU, while the host is in the call)."""
+        transfer = self._launched(op, None, group)
+        transfer.waited = StreamMark(self.device)
+        collective(*args, group=group.pg, async_op=False, **kwargs)
+        transfer.done = StreamMark(self.device)
+
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
                    group: Group, op: str = "all_to_all") -> torch.Tensor:
         """all_to_all_single along dim 0 with (possibly uneven) splits."""
         if group.size == 1:
             out.copy_(inp)
             return out
-        work = self._dist.all_to_all_single(out, inp, out_splits, in_splits, group=group.pg, async_op=True)
         row = _nbytes(inp) // max(inp.shape[0], 1)
         out_row = _nbytes(out) // max(out.shape[0], 1)
         me = group.index
         self.traffic.add(op, row * (sum(in_splits) - in_splits[me]), out_row * (sum(out_splits) - out_splits[me]))
-        self._launched(op, work, group).wait()
+        self._blocking(op, group, self._dist.all_to_all_single, out, inp, out_splits, in_splits)
         return out
 
     def all_gather(self, t: torch.Tensor, group: Group, op: str = "all_gather") -> list[torch.Tensor]:
-        work, parts = self.all_gather_async(t, group, op)
-        if work is not None:
-            work.wait()
+        if group.size == 1:
+            return [t]
+        t, parts = self._gather_parts(t, group, op)
+        self._blocking(op, group, self._dist.all_gather, parts, t)
         return parts
 
     def all_gather_async(self, t: torch.Tensor, group: Group, op: str = "all_gather") -> tuple[Transfer | None, list]:
@@ -271,12 +298,15 @@ class Comm:
         for a group of one). `t` must stay unchanged until then."""
         if group.size == 1:
             return None, [t]
+        t, parts = self._gather_parts(t, group, op)
+        return self._launched(op, self._dist.all_gather(parts, t, group=group.pg, async_op=True), group), parts
+
+    def _gather_parts(self, t: torch.Tensor, group: Group, op: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`t` made contiguous, and one empty part per member to gather into (counted as sent and received)."""
         t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(group.size)]
-        work = self._dist.all_gather(parts, t, group=group.pg, async_op=True)
         n = _nbytes(t) * (group.size - 1)
         self.traffic.add(op, n, n)
-        return self._launched(op, work, group), parts
+        return t, [torch.empty_like(t) for _ in range(group.size)]
 
     def all_gather_into_async(self, out: torch.Tensor, t: torch.Tensor, group: Group,
                               op: str = "all_gather") -> Transfer | None:
@@ -285,12 +315,25 @@ class Comm:
         if group.size == 1:
             out.copy_(t.reshape(out.shape))
             return None
-        # all_gather_single is all_gather_into_tensor's name from torch 2.13 on (the old one warns there).
-        gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
-        work = gather(out, t, group=group.pg, async_op=True)
+        work = self._all_gather_single()(out, t, group=group.pg, async_op=True)
         n = _nbytes(t) * (group.size - 1)
         self.traffic.add(op, n, n)
         return self._launched(op, work, group)
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, group: Group,
+                        op: str = "all_gather") -> torch.Tensor:
+        """all_gather_into_async's blocking twin: every member's `t` in `out`, member by member along dim 0."""
+        if group.size == 1:
+            out.copy_(t.reshape(out.shape))
+            return out
+        n = _nbytes(t) * (group.size - 1)
+        self.traffic.add(op, n, n)
+        self._blocking(op, group, self._all_gather_single(), out, t)
+        return out
+
+    def _all_gather_single(self):
+        # all_gather_single is all_gather_into_tensor's name from torch 2.13 on (the old one warns there).
+        return getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
 
     def all_reduce_max(self, t: torch.Tensor, group: Group, op: str = "all_reduce") -> torch.Tensor:
         """The elementwise max of every member's `t`, in place (counted as all_reduce counts)."""
@@ -304,10 +347,9 @@ class Comm:
     def _all_reduce(self, t: torch.Tensor, group: Group, op: str, reduce_op: str) -> torch.Tensor:
         if group.size == 1:
             return t
-        work = self._dist.all_reduce(t, op=getattr(self._dist.ReduceOp, reduce_op), group=group.pg, async_op=True)
         n = 2 * (group.size - 1) * _nbytes(t) // group.size
         self.traffic.add(op, n, n)
-        self._launched(op, work, group).wait()
+        self._blocking(op, group, self._dist.all_reduce, t, op=getattr(self._dist.ReduceOp, reduce_op))
         return t
 
     def broadcast(self, t: torch.Tensor, group: Group, op: str = "broadcast") -> torch.Tensor:
@@ -315,13 +357,12 @@ class Comm:
         each other member)."""
         if group.size == 1:
             return t
-        work = self._dist.broadcast(t, src=group.ranks[0], group=group.pg, async_op=True)
         n = _nbytes(t)
         if group.index == 0:
             self.traffic.add(op, n * (group.size - 1), 0)
         else:
             self.traffic.add(op, 0, n)
-        self._launched(op, work, group).wait()
+        self._blocking(op, group, self._dist.broadcast, t, src=group.ranks[0])
         return t
 
     # -- point to point ----------------------------------------------------------------------------

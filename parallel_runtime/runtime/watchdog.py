@@ -93,10 +93,14 @@ def where(thread_id: int) -> tuple[str, bool]:
 
 
 class Heartbeat:
-    """Beats on a worker's channel while a job is active; the main thread updates `phase` and `step`."""
+    """Beats on a worker's channel while a job is active; the main thread updates `phase` and `step`.
 
-    def __init__(self, send, rank: int, interval_s: float):
-        self._send, self.rank, self.interval_s = send, rank, interval_s
+    `device`: the worker's. The thread asks it about its transfers (CUDA events, NCCL work), and a thread starts on
+    CUDA's device 0, whatever the main thread set: without its own set_device every worker would make a context
+    (hundreds of MiB) on GPU 0."""
+
+    def __init__(self, send, rank: int, interval_s: float, device=None):
+        self._send, self.rank, self.interval_s, self.device = send, rank, interval_s, device
         self._main = threading.main_thread().ident
         self._active = threading.Event()
         self._lock = threading.Lock()  # end_job returns only once no beat is being sent
@@ -117,6 +121,10 @@ class Heartbeat:
                 self.traffic.in_flight.prune()  # the job's last transfers: their buffers go with the job
 
     def _run(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.device)
         while True:
             self._active.wait()
             at, waiting = where(self._main)

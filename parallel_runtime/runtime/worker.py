@@ -532,7 +532,7 @@ def serve(state: WorkerState, chan: Channel, heartbeat_s: float) -> None:
 
     jobs: queue.Queue = queue.Queue()
     gate: queue.Queue = queue.Queue()  # the client's "go" / "abort" after every rank has loaded
-    pulse = Heartbeat(chan.send, state.rank, heartbeat_s)
+    pulse = Heartbeat(chan.send, state.rank, heartbeat_s, state.device)
 
     def reader() -> None:
         try:

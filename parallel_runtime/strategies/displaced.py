@@ -37,13 +37,13 @@ class DisplacedPatchAttention:
     def __call__(self, q, k, v, layer: int, masked: bool = True):
         kv = self._padded(torch.stack([k, v]))  # one message per layer instead of two
         if self.sync:
-            for j, part in enumerate(self.comm.all_gather(kv, self.group, op="patch")):
+            for j, part in enumerate(self._gather(kv, blocking=True)):
                 self._write(layer, j, part)
+            del part  # a view of the whole gather: gone before attention allocates
         else:
             self.land()  # the previous layer's buffer was read for this step: its temporaries go before ours
             self._write(layer, self.group.index, kv)
-            work, parts = self.comm.all_gather_async(kv, self.group, op="patch")
-            self.pending.append((layer, work, parts))
+            self.pending.append((layer, *self._gather(kv, blocking=False)))
         buf = self.cache.buffers[layer]
         return self.inner(q, buf[0], buf[1], layer, masked=masked)
 
@@ -57,6 +57,14 @@ class DisplacedPatchAttention:
                 if j != self.group.index:
                     self._write(layer, j, part)
         self.pending.clear()
+
+    def _gather(self, kv: torch.Tensor, blocking: bool):
+        """Every member's `kv` into one tensor, the parts its views (a list of outputs costs NCCL a flat temporary
+        as large and a copy out of it): the parts once gathered, or (work, parts) of the gather started."""
+        gathered = kv.new_empty((self.group.size * kv.shape[0], *kv.shape[1:]))  # concatenated: gloo takes no stack
+        if blocking:
+            return self.comm.all_gather_into(gathered, kv, self.group, op="patch").chunk(self.group.size)
+        return self.comm.all_gather_into_async(gathered, kv, self.group, op="patch"), gathered.chunk(self.group.size)
 
     def _padded(self, kv: torch.Tensor) -> torch.Tensor:
         """All-gather needs one shape on every member: shards that are a row short are padded (rows dropped again
