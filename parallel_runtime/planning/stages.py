@@ -90,37 +90,21 @@ def split_stages(compute: list[float], stages: int, memory: list[int] | None = N
     def best(cost: list[float], cap_on: list[int] | None, cap: float,
              divisor: list[float]) -> tuple[float, list[int]] | None:
         """Min over contiguous splits of the max segment `cost` / its stage's divisor, segments' `cap_on` sums <=
-        cap x their stage's share (DP)."""
-        prefix_c, prefix_m = [0.0], [0]
-        for c, m in zip(cost, cap_on or [0] * n):
-            prefix_c.append(prefix_c[-1] + c)
-            prefix_m.append(prefix_m[-1] + m)
-        inf = float("inf")
-        # value[k][i]: best max-cost of splitting the first i blocks into k stages; cut[k][i]: last cut.
-        value = [[inf] * (n + 1) for _ in range(stages + 1)]
-        cut = [[0] * (n + 1) for _ in range(stages + 1)]
-        value[0][0] = 0.0
-        for k in range(1, stages + 1):
-            for i in range(k, n + 1):
-                for j in range(k - 1, i):
-                    if value[k - 1][j] == inf or prefix_m[i] - prefix_m[j] > cap * share[k - 1]:
-                        continue
-                    v = max(value[k - 1][j], (prefix_c[i] - prefix_c[j]) / divisor[k - 1])
-                    if v < value[k][i]:
-                        value[k][i], cut[k][i] = v, j
-        if value[stages][n] == inf:
-            return None
-        cuts, i = [], n
-        for k in range(stages, 0, -1):
-            cuts.append(i)
-            i = cut[k][i]
-        return value[stages][n], [0] + cuts[::-1]
+        cap x their stage's share."""
+        prefix_c, prefix_m = _prefix(cost), _prefix(cap_on or [0] * n)
+
+        def segment(k: int, j: int, i: int) -> float | None:
+            if prefix_m[i] - prefix_m[j] > cap * share[k]:
+                return None
+            return (prefix_c[i] - prefix_c[j]) / divisor[k]
+
+        return _best_split(n, stages, segment, max)
 
     cap = memory_slack * sum(memory)  # x each stage's share
     found = best(compute, memory, cap, speed)
     if found is None:
         smallest, _ = best([float(m) for m in memory], None, float("inf"), share)
-        cap = smallest
+        cap = smallest * (1 + 1e-9)  # mem / share x share can round above mem
         found = best(compute, memory, cap, speed)
     bounds = found[1]
     if speeds:
@@ -141,25 +125,47 @@ def _closest_to_speeds(compute: list[float], memory: list[int], caps: list[float
     and 2 on the shared one; 1 + 2 + 3 puts 3 on each), see `patch_period`."""
     n, stages = len(compute), len(speeds)
     total, speed_sum = sum(compute), sum(speeds)
-    prefix_c, prefix_m = [0.0], [0]
-    for c, m in zip(compute, memory):
-        prefix_c.append(prefix_c[-1] + c)
-        prefix_m.append(prefix_m[-1] + m)
+    prefix_c, prefix_m = _prefix(compute), _prefix(memory)
     limit = slowest * (1 + 1e-9)
+
+    def segment(k: int, j: int, i: int) -> float | None:
+        work = prefix_c[i] - prefix_c[j]
+        if work / speeds[k] > limit or prefix_m[i] - prefix_m[j] > caps[k]:
+            return None
+        return abs(work - total * speeds[k] / speed_sum)
+
+    found = _best_split(n, stages, segment, lambda a, b: a + b, tolerance=1e-12)
+    return found and found[1]
+
+
+def _prefix(values) -> list:
+    sums = [0]
+    for v in values:
+        sums.append(sums[-1] + v)
+    return sums
+
+
+def _best_split(n: int, stages: int, segment: Callable[[int, int, int], float | None],
+                combine: Callable[[float, float], float], tolerance: float = 0.0) -> tuple[float, list[int]] | None:
+    """The cut points [0, ..., n] of n blocks into `stages` contiguous stages that minimise `combine` over the stages
+    of `segment(k, j, i)` (stage k taking blocks j..i-1; None where it may not), with that minimum; None if no split
+    is allowed. Dynamic programming over (stages, blocks); a later split replaces an earlier one only when better
+    by more than `tolerance`, so ties keep the first found."""
     inf = float("inf")
+    # value[k][i]: best combined cost of the first i blocks in k stages; cut[k][i]: where its last stage starts.
     value = [[inf] * (n + 1) for _ in range(stages + 1)]
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
     value[0][0] = 0.0
     for k in range(1, stages + 1):
-        target = total * speeds[k - 1] / speed_sum
         for i in range(k, n + 1):
             for j in range(k - 1, i):
-                work = prefix_c[i] - prefix_c[j]
-                if (value[k - 1][j] == inf or work / speeds[k - 1] > limit
-                        or prefix_m[i] - prefix_m[j] > caps[k - 1]):
+                if value[k - 1][j] == inf:
                     continue
-                v = value[k - 1][j] + abs(work - target)
-                if v < value[k][i] - 1e-12:
+                cost = segment(k - 1, j, i)
+                if cost is None:
+                    continue
+                v = combine(value[k - 1][j], cost)
+                if v < value[k][i] - tolerance:
                     value[k][i], cut[k][i] = v, j
     if value[stages][n] == inf:
         return None
@@ -167,7 +173,7 @@ def _closest_to_speeds(compute: list[float], memory: list[int], caps: list[float
     for k in range(stages, 0, -1):
         cuts.append(i)
         i = cut[k][i]
-    return [0] + cuts[::-1]
+    return value[stages][n], [0] + cuts[::-1]
 
 
 def patch_period(work: list[float], speeds: list[float], devices: list | None = None) -> float:
