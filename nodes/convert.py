@@ -295,41 +295,16 @@ def model_handle(path: str, weight_dtype: str, devices: str, strategy: StrategyC
 # CONDITIONING and LATENT.
 
 # Keys of a conditioning dict that change what the model sees in ways the runtime does not do.
-_UNSUPPORTED_COND_KEYS = {
-    "area": "area conditioning (ConditioningSetArea)",
-    "mask": "masked conditioning (ConditioningSetMask)",
-    "control": "ControlNet",
-    "gligen": "GLIGEN",
-    "hooks": "conditioning hooks / LoRA hooks",
-    "attention_mask": "an attention mask (StyleModelApply's attn_bias strength)",
-}
-_RUN_UNDER_KSAMPLER = {"area", "mask", "control", "attention_mask"}  # the parallel MODEL runs these on the workers
-
-
 def conditioning(value: Any, which: str = "positive") -> Conditioning:
-    """ComfyUI CONDITIONING ([[cond, {pooled_output, guidance, ...}], ...]) -> runtime Conditioning."""
+    """ComfyUI CONDITIONING ([[cond, {pooled_output, guidance, ...}]]) -> runtime Conditioning. Only what the
+    workers' step loop reads arrives here: route.worker_loop_gap sends any other conditioning to ComfyUI's sampler."""
     if not isinstance(value, (list, tuple)) or len(value) == 0:
         raise ConfigError(f"The {which} input is not a CONDITIONING; connect a CLIP Text Encode node to it.")
-    if len(value) > 1:
-        raise ConfigError(f"The {which} conditioning has {len(value)} entries (combined or concatenated conds); "
-                          f"ParaDiT takes one, so encode a single prompt for {which}.")
     entry = value[0]
     if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[0], torch.Tensor):
         raise ConfigError(f"The {which} input is not a CONDITIONING; connect a CLIP Text Encode node to it.")
     cond, extra = entry
     extra = extra or {}
-    for key, what in _UNSUPPORTED_COND_KEYS.items():
-        if extra.get(key) is not None:
-            fix = ("sample the parallel MODEL with KSampler, which runs it on the workers, or remove that node"
-                   if key in _RUN_UNDER_KSAMPLER else "remove that node or load the model with UNETLoader")
-            raise ConfigError(f"The {which} conditioning uses {what}, which ParaDiT does not support under "
-                              f"Parallel Sampler; {fix}.")
-    if float(extra.get("start_percent", 0.0)) > 0.0 or float(extra.get("end_percent", 1.0)) < 1.0:
-        raise ConfigError(f"The {which} conditioning is limited to a timestep range, which ParaDiT does not "
-                          f"support; remove ConditioningSetTimestepRange.")
-    if float(extra.get("strength", 1.0)) != 1.0:
-        raise ConfigError(f"The {which} conditioning has strength {extra['strength']}, which ParaDiT does not "
-                          f"support; set the strength to 1.0.")
     if cond.dim() != 3:
         raise ConfigError(f"The {which} conditioning tensor has shape {tuple(cond.shape)}, not [batch, tokens, "
                           f"channels]; encode it with CLIP Text Encode and the model's text encoder.")
@@ -379,15 +354,16 @@ def reference_latents(extra: dict, which: str) -> dict:
             "reference_method": None if method is None else str(method)}
 
 
-def latent_samples(latent: Any) -> tuple[torch.Tensor, dict]:
-    """ComfyUI LATENT -> (samples [B,16,H,W] on CPU, extra for Job.extra)."""
+def latent_samples(latent: Any, video_model: bool = False) -> tuple[torch.Tensor, dict]:
+    """ComfyUI LATENT -> (samples on CPU: [B, C, H, W], or [B, C, T, H, W] for a video model; extra for Job.extra).
+    A noise mask never gets here: route.worker_loop_gap sends such graphs to ComfyUI's sampler."""
     if not isinstance(latent, dict) or not isinstance(latent.get("samples"), torch.Tensor):
-        raise ConfigError("The latent_image input is not a LATENT; connect EmptySD3LatentImage or VAE Encode to it.")
-    samples = image_latent(latent["samples"], "latent")
+        raise ConfigError("The latent_image input is not a LATENT; connect an empty latent node (e.g. "
+                          "EmptySD3LatentImage, EmptyHunyuanLatentVideo) or VAE Encode to it.")
+    samples = latent["samples"]
+    if not (video_model and samples.dim() == 5):
+        samples = image_latent(samples, "latent")
     # Channels are the model's business: the runtime checks them against the file's family.
-    if latent.get("noise_mask") is not None:
-        raise ConfigError("The latent has a noise mask (inpainting), which ParaDiT does not support; "
-                          "remove Set Latent Noise Mask or sample with KSampler.")
     extra = {}
     if latent.get("batch_index") is not None:
         extra["batch_index"] = [int(i) for i in latent["batch_index"]]
@@ -398,10 +374,19 @@ def image_latent(samples: torch.Tensor, what: str) -> torch.Tensor:
     """[B, C, H, W], or a video VAE's one-frame [B, C, 1, H, W] (Qwen-Image's Wan latent) without its frame axis."""
     if samples.dim() == 5 and samples.shape[2] == 1:
         samples = samples[:, :, 0]
+    if samples.dim() == 5:
+        raise ConfigError(frames_for_an_image_model(samples.shape[2], f"the {what}'s model"))
     if samples.dim() != 4:
-        raise ConfigError(f"The {what} has shape {tuple(samples.shape)}, not [batch, channels, height, width]; "
-                          f"ParaDiT samples images, so use EmptySD3LatentImage.")
+        raise ConfigError(f"The {what} has shape {tuple(samples.shape)}, not [batch, channels, height, width] (an "
+                          f"image) or [batch, channels, frames, height, width] (a video); connect an empty latent "
+                          f"node or VAE Encode to it.")
     return samples
+
+
+def frames_for_an_image_model(frames: int, model: str) -> str:
+    """One sentence, the same from both nodes, for a video latent given to an image model."""
+    return (f"The latent has {frames} frames, but {model} is an image model, which samples one frame; use an image "
+            f"latent (EmptySD3LatentImage, EmptyLatentImage) or load a video model (Wan, HunyuanVideo 1.5).")
 
 
 def latent_output(latent_in: dict, samples: torch.Tensor) -> dict:

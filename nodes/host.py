@@ -1,6 +1,8 @@
-"""The few ComfyUI services the nodes use (progress bar, interrupt, freeing ComfyUI's models, status events),
-imported when first needed; tests swap in a fake."""
+"""The few ComfyUI services the nodes use (progress bar, interrupt, freeing ComfyUI's models, status events,
+KSampler's own sampling), imported when first needed; tests swap in a fake."""
 from __future__ import annotations
+
+import sys
 
 from . import convert
 
@@ -14,6 +16,25 @@ class ComfyHost:
         if convert.devices_overlap_host(worker_devices, mm.get_torch_device()):
             mm.unload_all_models()
             mm.soft_empty_cache()
+
+    def sampler_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(samplers, schedulers) KSampler offers: Parallel Sampler takes every one (those the workers' own loop
+        lacks run through ComfyUI's sampler); the runtime's own lists where ComfyUI is absent."""
+        try:
+            import comfy.samplers
+        except ImportError:
+            return convert.sampler_names(), convert.scheduler_names()
+        return tuple(comfy.samplers.KSampler.SAMPLERS), tuple(comfy.samplers.KSampler.SCHEDULERS)
+
+    def ksampler(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent, denoise):
+        """KSampler's own work on `model` (ComfyUI's common_ksampler: its noise, noise mask, preview and progress
+        bar), so a graph Parallel Sampler routes here gets KSampler's latent whatever the ComfyUI version."""
+        comfy_nodes = sys.modules.get("nodes")  # ComfyUI's nodes.py: imported before any custom node loads
+        if not hasattr(comfy_nodes, "common_ksampler"):
+            raise convert.ConfigError("This graph needs ComfyUI's own sampler, which is not loaded here; run it inside "
+                                      "ComfyUI (or headless through ComfyUI's API).")
+        return comfy_nodes.common_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
+                                           latent, denoise=denoise)[0]
 
     def progress_bar(self, total: int, node_id: str | None):
         import comfy.utils

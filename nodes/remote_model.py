@@ -40,6 +40,7 @@ class RemoteDiT(torch.nn.Module):
             self.patch_embedding = types.SimpleNamespace(weight=torch.empty(shape, dtype=dtype, device="meta"))
         self._strategies: dict = {}  # (latent shape, chunks) -> resolved StrategySpec, once per sampling setup
         self._patches = None  # (patches_uuid, WeightPatches) of the last LoRA stack seen
+        self.last_strategy = None  # the StrategySpec of the last call (Parallel Sampler's per-call status line)
 
     def __deepcopy__(self, memo):
         """ComfyUI deep-copies a diffusion model only to put a clone on another device (its MultiGPU CFG Split,
@@ -91,6 +92,8 @@ class RemoteDiT(torch.nn.Module):
         skip_blocks = skipped_blocks(options.get("patches_replace"))
         patches = self._weight_patches(getattr(self._base(), "current_patcher", None))
         video = x.ndim == 5 and not self.video_model()
+        if video and x.shape[2] > 1:
+            raise convert.ConfigError(convert.frames_for_an_image_model(x.shape[2], self.handle.name or "this model"))
         if video:  # a video VAE's latent (Qwen-Image's Wan 2.1) with one frame: the workers take [B, C, H, W]
             x = x.squeeze(2)
         # ComfyUI concatenated the model's c_concat (Fill's masked image and mask, Canny/Depth's control image) to
@@ -110,6 +113,7 @@ class RemoteDiT(torch.nn.Module):
             HOST.free_memory_for(client.devices)
         # One strategy for the whole call (its jobs then share the workers' stages: no reload between them).
         strategy = self._strategy((min(2, len(labels)) * batch, *x.shape[1:]), min(2, len(labels)), client)
+        self.last_strategy = strategy
         outputs = []
         # Up to two chunks per runtime job (ComfyUI's cond and uncond); the CFG group splits them.
         for slot, start in enumerate(range(0, len(labels), 2)):
@@ -376,28 +380,8 @@ def parallel_model(handle: convert.ParaDiTModel):
     return patcher
 
 
-def refuse_model_patches(model) -> None:
-    """Parallel Sampler runs the file with its own sampling: a patch on the MODEL's sampling (a ModelSampling
-    shift, a model function wrapper, a guidance hook such as SkipLayerGuidanceDiT's, a block patch) would be
-    silently lost there, so it is refused instead. Weight patches (LoRA) are not: they travel with the job
-    (`weight_patches_of`)."""
-    options = getattr(model, "model_options", None) or {}
-    hooks = sorted(getattr(model, "object_patches", None) or {})
-    hooks += [k for k in SAMPLER_HOOKS if options.get(k)]
-    hooks += [k for k in ("patches", "patches_replace") if (options.get("transformer_options") or {}).get(k)]
-    if hooks:
-        raise convert.ConfigError(f"Parallel Sampler samples with the model's own settings, and this MODEL is patched "
-                                  f"({', '.join(hooks)}, as ModelSampling and guidance nodes such as "
-                                  f"SkipLayerGuidanceDiT set); sample it with KSampler, which applies the patch, or "
-                                  f"remove the patch node.")
-
-
-# ComfyUI's model_options entries that change how a sampler calls or combines the model.
-SAMPLER_HOOKS = ("model_function_wrapper", "sampler_cfg_function", "sampler_pre_cfg_function",
-                 "sampler_post_cfg_function", "sampler_calc_cond_batch_function")
-
-
-def _remote_dit(model) -> RemoteDiT | None:
+def remote_dit(model) -> RemoteDiT | None:
+    """The RemoteDiT inside a parallel MODEL, else None."""
     inner = getattr(getattr(model, "model", None), "diffusion_model", None)
     return inner if isinstance(inner, RemoteDiT) else None
 
@@ -406,13 +390,13 @@ def handle_of(model) -> convert.ParaDiTModel | None:
     """The ParaDiT handle behind a MODEL from Load Parallel DiT (or the handle itself), else None."""
     if isinstance(model, convert.ParaDiTModel):
         return model
-    inner = _remote_dit(model)
+    inner = remote_dit(model)
     return inner.handle if inner is not None else None
 
 
 def parameter_shapes(model) -> dict:
     """ComfyUI's parameter name (no prefix) -> shape of the file behind a parallel MODEL ({} for a handle)."""
-    inner = _remote_dit(model)
+    inner = remote_dit(model)
     return inner.parameter_shapes() if inner is not None else {}
 
 

@@ -6,7 +6,7 @@ import time
 
 from comfy_api.latest import io, ui
 
-from . import convert, remote_model
+from . import convert, remote_model, route
 from .host import HOST
 from .weight_patches import weight_patches_of
 
@@ -24,7 +24,7 @@ class ParaDiTSampler(io.ComfyNode):
             category=convert.CATEGORY,
             description="Denoises the latent like KSampler, split over the devices of Load Parallel DiT. "
                         "Connect its LATENT to VAE Decode as usual.",
-            inputs=convert.build_inputs(io, convert.sampler_inputs(convert.sampler_names(), convert.scheduler_names())),
+            inputs=convert.build_inputs(io, convert.sampler_inputs(*HOST.sampler_names())),
             outputs=[io.Latent.Output(tooltip="The denoised latent.")],
             hidden=[io.Hidden.unique_id],
         )
@@ -40,26 +40,54 @@ class ParaDiTSampler(io.ComfyNode):
 
 def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise=1.0,
            *, node_id=None, host=None) -> tuple[dict, str]:
-    """The node's work, apart from ComfyUI's io: returns (LATENT, one-line summary)."""
+    """The node's work, apart from ComfyUI's io: returns (LATENT, one-line summary). The workers run the whole
+    step loop where they can (route.worker_loop_gap); any other graph is sampled as KSampler samples it."""
+    host = host or HOST
+    handle = remote_model.handle_of(model)
+    if handle is None:
+        raise convert.ConfigError("Parallel Sampler needs the MODEL of a Load Parallel DiT node, not an ordinary one "
+                                  "(e.g. from UNETLoader); load the file with Load Parallel DiT, or sample this model "
+                                  "with KSampler.")
+    remote = remote_model.remote_dit(model)
+    # A bare handle (headless, tests) has no BaseModel to ask: the workers check a video latent against the file.
+    video = remote.video_model() if remote is not None else _has_frames(latent_image)
+    gap = route.worker_loop_gap(model, cfg, sampler_name, scheduler, positive, negative, latent_image, video)
+    args = (model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise)
+    if gap is None:
+        return _sample_on_workers(*args, handle=handle, video=video, node_id=node_id, host=host)
+    if remote is None:
+        raise convert.ConfigError(f"This graph has {gap}, which Parallel Sampler runs through ComfyUI's sampler on "
+                                  f"the MODEL output of Load Parallel DiT; connect that output to the model input.")
+    return _sample_per_call(*args, gap=gap, remote=remote, node_id=node_id, host=host)
+
+
+def _has_frames(latent) -> bool:
+    samples = latent.get("samples") if isinstance(latent, dict) else None
+    return getattr(samples, "ndim", 0) == 5 and samples.shape[2] > 1
+
+
+def _sample_on_workers(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,
+                       *, handle, video, node_id, host) -> tuple[dict, str]:
+    """The whole denoise as one runtime job: the workers' own step loop (PipeFusion pipelines across steps)."""
     from parallel_runtime.runtime.client import get_client
     from parallel_runtime.runtime.devices import parse_devices
 
-    host = host or HOST
     base = getattr(model, "model", None)  # ComfyUI's BaseModel behind a parallel MODEL (None for a bare handle)
-    model, lora = _parallel_model(model)
-    job = _validated_job(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise)
+    lora = weight_patches_of(model, remote_model.parameter_shapes(model))
+    job = _validated_job(handle, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
+                         denoise, video)
     job = _with_concat(base, job, positive, negative)
-    worker_devices = parse_devices(model.devices)
+    worker_devices = parse_devices(handle.devices)
     # ComfyUI's models leave the workers' GPUs first, so the workers' memory report (auto's budget) sees it free.
     host.free_memory_for(worker_devices)
-    client = get_client(model.devices, p2p=model.strategy.p2p)
+    client = get_client(handle.devices, p2p=handle.strategy.p2p)
     if client.notice:
         host.send_text(client.notice, node_id)
 
-    choice = model.strategy
-    strategy, reason = _plan(choice, model, job, cfg, client, host)
+    choice = handle.strategy
+    strategy, reason = _plan(choice, handle, job, cfg, client, host)
     status = _JobStatus(host, client, dict(node_id=node_id, strategy=strategy, reason=reason, mode=choice.mode,
-                                           strategy_node=choice.node_id, devices=model.devices))
+                                           strategy_node=choice.node_id, devices=handle.devices))
     status.start(int(steps), node_id)
     job = dataclasses.replace(job, strategy=strategy, weight_patches=lora)
     out = _run_job(client, job, status, host)
@@ -72,16 +100,33 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
     return result, summary
 
 
-def _parallel_model(model):
-    """(the Load Parallel DiT handle behind a MODEL, its LoRA-style weight patches); refuses any other MODEL."""
-    from parallel_runtime.errors import ConfigError
-
-    remote_model.refuse_model_patches(model)
-    handle = remote_model.handle_of(model)
-    if handle is None:
-        raise ConfigError("Parallel Sampler needs the MODEL of a Load Parallel DiT node, not an ordinary one (e.g. "
-                          "from UNETLoader); load the file with Load Parallel DiT, or sample this model with KSampler.")
-    return handle, weight_patches_of(model, remote_model.parameter_shapes(model))
+def _sample_per_call(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,
+                     *, gap, remote, node_id, host) -> tuple[dict, str]:
+    """KSampler's own sampling (ComfyUI's sampler calls the workers once per model evaluation): the result is
+    KSampler's by construction. PipeFusion then pipelines within each call, not across steps."""
+    for name, value in (("cfg", cfg), ("denoise", denoise)):  # refused before anything runs, as on the workers' path
+        if not route.finite(value):
+            raise convert.ConfigError(f"{name}={value} is not a finite number; set a finite {name}.")
+    choice = remote.handle.strategy
+    line = f"per-call pipeline: the graph has {gap}"
+    common = dict(node_id=node_id, mode=choice.mode, strategy_node=choice.node_id, devices=remote.handle.devices,
+                  reason=line)
+    host.send_text(line, node_id)
+    host.send(convert.status_payload(state="starting", strategy=None, step=0, total=int(steps), **common))
+    started = time.monotonic()
+    try:
+        out = host.ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
+                            denoise)
+    except BaseException as e:
+        cancelled = host.is_interrupt(e)
+        host.send(convert.status_payload(state="cancelled" if cancelled else "error", strategy=remote.last_strategy,
+                                         message="Cancelled." if cancelled else str(e), **common))
+        raise
+    elapsed = time.monotonic() - started
+    strategy = remote.last_strategy
+    host.send(convert.status_payload(state="done", strategy=strategy, step=int(steps), total=int(steps), **common))
+    label = f"{strategy.label()} on {strategy.world_size} worker(s)" if strategy is not None else "ParaDiT"
+    return out, f"{label}, one runtime job per model call ({line}): {int(steps)} steps in {elapsed:.1f} s"
 
 
 def _with_concat(base, job, positive, negative):
@@ -104,26 +149,27 @@ def _with_concat(base, job, positive, negative):
     return dataclasses.replace(job, positive=pos, negative=neg)
 
 
-def _validated_job(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise):
+def _validated_job(handle, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,
+                   video):
     """The node's inputs as a Job (strategy not yet chosen), its numbers checked."""
     from parallel_runtime.sampling import cfg_uses_uncond
     from parallel_runtime.spec import Job, SamplingSpec, StrategySpec
     from parallel_runtime.validate import validate_numbers
 
-    samples, extra = convert.latent_samples(latent_image)
+    samples, extra = convert.latent_samples(latent_image, video)
     pos = convert.conditioning(positive, "positive")
     # ComfyUI skips the negative branch at cfg 1.0; so does the runtime (and so it isn't validated).
     neg = convert.conditioning(negative, "negative") if cfg_uses_uncond(float(cfg)) else None
     sampling = SamplingSpec(seed=int(seed), steps=int(steps), cfg=float(cfg), sampler_name=sampler_name,
                             scheduler=scheduler, denoise=float(denoise))
-    job = Job(model=model.model, strategy=StrategySpec(), sampling=sampling, latent=samples, positive=pos,
+    job = Job(model=handle.model, strategy=StrategySpec(), sampling=sampling, latent=samples, positive=pos,
               negative=neg, extra=extra)
     # NaN/Inf settings are refused before anything is freed, started or planned with them.
     validate_numbers(job)
     return job
 
 
-def _plan(choice, model, job, cfg, client, host):
+def _plan(choice, handle, job, cfg, client, host):
     """(StrategySpec, reason): the Strategy Selector's choice resolved (auto plans it), shown on that node."""
     def choose_strategy(*args, **kw):  # imported only in auto mode
         from parallel_runtime.planning.auto import choose_strategy
@@ -133,11 +179,11 @@ def _plan(choice, model, job, cfg, client, host):
     def measure():  # device_weights 'measured'
         from parallel_runtime.planning.balance import measured_weights
 
-        return measured_weights(client, model.model.path, tuple(job.latent.shape), job.positive.cond.shape[1],
-                                model.model.weight_dtype)
+        return measured_weights(client, handle.model.path, tuple(job.latent.shape), job.positive.cond.shape[1],
+                                handle.model.weight_dtype)
 
-    strategy, reason = convert.resolve_strategy(choice, choose_strategy, model.model.path, tuple(job.latent.shape),
-                                                cfg, model.devices, measure)
+    strategy, reason = convert.resolve_strategy(choice, choose_strategy, handle.model.path, tuple(job.latent.shape),
+                                                cfg, handle.devices, measure)
     host.send_text(convert.strategy_text(strategy, reason, choice.mode), choice.node_id)
     return strategy, reason
 

@@ -1,0 +1,120 @@
+"""Which of the runtime's two loops samples a graph: the one place that decides.
+
+Parallel Sampler and KSampler take the same inputs on Load Parallel DiT's MODEL. The workers can run the whole
+step loop themselves (one job: PipeFusion pipelines across steps, nothing crosses the host between steps), but
+that loop knows only the runtime's samplers, schedulers and conditioning. Every other graph is sampled by
+ComfyUI's own sampler, calling the workers once per model evaluation, exactly as under KSampler. `worker_loop_gap`
+names the first thing in a graph the worker loop would not reproduce (None: it runs the graph), so both nodes
+share one decision and one set of sentences; what the per-call path cannot run either is refused by the model
+call itself (remote_model), whichever node asked.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Conditioning keys the worker loop reads (convert.conditioning, sampler._with_concat), with the values at which
+# a key changes nothing. Any other key (area, mask, ControlNet, hooks, CLIP-vision tokens, 2026's new keys, ...)
+# routes the graph to ComfyUI's sampler, which hands the key to the model call as it does under KSampler.
+_READ_KEYS = {"pooled_output", "guidance", "width", "height", "aspect_ratio", "reference_latents",
+              "reference_latents_method", "concat_latent_image", "concat_mask"}
+_NEUTRAL = {"start_percent": 0.0, "end_percent": 1.0, "strength": 1.0}
+
+# What each routed key is, for the status line ("per-call pipeline: the graph has ...").
+_KEY_NAMES = {
+    "area": "area conditioning (ConditioningSetArea)",
+    "mask": "masked conditioning (ConditioningSetMask)",
+    "control": "a ControlNet",
+    "gligen": "GLIGEN",
+    "hooks": "conditioning hooks (LoRA hooks)",
+    "attention_mask": "an attention mask (StyleModelApply)",
+    "clip_vision_output": "CLIP-vision tokens of a start image",
+    "start_percent": "a timestep range (ConditioningSetTimestepRange)",
+    "end_percent": "a timestep range (ConditioningSetTimestepRange)",
+    "strength": "a conditioning strength other than 1",
+}
+
+# ComfyUI's model_options entries that change how a sampler calls or combines the model.
+SAMPLER_HOOKS = ("model_function_wrapper", "sampler_cfg_function", "sampler_pre_cfg_function",
+                 "sampler_post_cfg_function", "sampler_calc_cond_batch_function")
+_HOOK_NAMES = {"model_function_wrapper": "a model function wrapper", "sampler_cfg_function": "a CFG function",
+               "sampler_pre_cfg_function": "a pre-CFG function", "sampler_post_cfg_function": "a post-CFG function",
+               "sampler_calc_cond_batch_function": "a cond-batch function"}
+
+
+def worker_loop_gap(model, cfg: float, sampler_name: str, scheduler: str, positive, negative, latent,
+                    video_model: bool) -> str | None:
+    """What in this graph the worker-side step loop does not run, as a phrase ("a noise mask"); None when it
+    runs all of it. `model`: the MODEL (its patches are read), `video_model`: whether the file is a video model
+    (whose latents keep their frame axis)."""
+    from parallel_runtime.sampling import SAMPLERS, SCHEDULERS, cfg_uses_uncond
+
+    if sampler_name not in SAMPLERS:
+        return f"the sampler {sampler_name}"
+    if scheduler not in SCHEDULERS:
+        return f"the scheduler {scheduler}"
+    gap = _model_patch_gap(model) or _latent_gap(latent, video_model) or _conditioning_gap(positive, "positive")
+    if gap is None and finite(cfg) and cfg_uses_uncond(float(cfg)):  # at cfg 1 both loops skip the negative
+        gap = _conditioning_gap(negative, "negative")
+    return gap
+
+
+def finite(value) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _model_patch_gap(model) -> str | None:
+    """A patch on the MODEL's sampling (ModelSampling shift, guidance hooks such as SkipLayerGuidanceDiT's
+    post-CFG function, block patches): the worker loop samples with the file's own settings."""
+    options = getattr(model, "model_options", None) or {}
+    patched = sorted(getattr(model, "object_patches", None) or {})
+    if patched:
+        return f"a patched model ({', '.join(patched)}, as ModelSampling nodes set)"
+    for hook in SAMPLER_HOOKS:
+        if options.get(hook):
+            return f"{_HOOK_NAMES[hook]} ({hook})"
+    transformer = options.get("transformer_options") or {}
+    for kind in ("patches_replace", "patches"):
+        if transformer.get(kind):
+            return f"block patches ({kind}, as SkipLayerGuidance nodes set)"
+    return None
+
+
+def _latent_gap(latent, video_model: bool) -> str | None:
+    if not isinstance(latent, dict):
+        return None  # not a LATENT: convert.latent_samples says so in one sentence
+    if latent.get("noise_mask") is not None:
+        return "a noise mask (inpainting, or an image-to-video latent's first frames)"
+    samples = latent.get("samples")
+    if isinstance(samples, torch.Tensor) and samples.dim() == 5 and samples.shape[2] > 1 and not video_model:
+        # The model call refuses it (remote_model), so both nodes give that one sentence.
+        return f"a {samples.shape[2]}-frame video latent"
+    return None
+
+
+def _conditioning_gap(value, which: str) -> str | None:
+    if not isinstance(value, (list, tuple)) or not value:
+        return None  # not a CONDITIONING: convert.conditioning says so in one sentence
+    if len(value) > 1:
+        return f"{len(value)} combined {which} conditionings"
+    entry = value[0]
+    if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+        return None
+    for key, v in (entry[1] or {}).items():
+        if v is None or key in _READ_KEYS:
+            continue
+        if key in _NEUTRAL and _is_neutral(v, _NEUTRAL[key]):
+            continue
+        return f"{_KEY_NAMES.get(key, repr(key))} in the {which} conditioning"
+    return None
+
+
+def _is_neutral(value, neutral: float) -> bool:
+    try:
+        return float(value) == neutral
+    except (TypeError, ValueError):
+        return False

@@ -1,0 +1,161 @@
+"""Parallel Sampler's one decision (nodes/route.py): the workers' own step loop where it reproduces the graph,
+ComfyUI's sampler (KSampler's own code, one runtime job per model evaluation) for everything else.
+
+Without a ComfyUI host the MODEL is a stand-in carrying a real RemoteDiT, and ComfyUI's common_ksampler is a
+recording fake: these tests pin which path a graph takes, what the node says, and that Cancel and errors reach
+ComfyUI. That the per-call path equals KSampler's latent is shown in the host tests (test_comfyui_*), where the
+same common_ksampler runs."""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from test_nodes import FakeHost, Interrupt, cond, handle, latent, runtime  # noqa: F401 - runtime is a fixture
+
+from nodes import convert, remote_model, route
+from nodes import sampler as sampler_mod
+from parallel_runtime.errors import ConfigError
+from parallel_runtime.spec import StrategySpec
+
+
+class _Base:  # what RemoteDiT reads of ComfyUI's BaseModel (held weakly, so a class, not a SimpleNamespace)
+    latent_format = types.SimpleNamespace(latent_channels=16)
+
+
+def parallel_model(video=False, **options):
+    """A stand-in for Load Parallel DiT's MODEL: a ModelPatcher-like object whose BaseModel holds a RemoteDiT."""
+    base = _Base()
+    remote = remote_model.RemoteDiT(handle(convert.strategy_choice("manual", pipefusion_degree=2)), torch.float32,
+                                    base, {})
+    remote._video_model = video
+    base.diffusion_model = remote
+    return types.SimpleNamespace(model=base, model_options=dict(options), object_patches={}, _keep=base)
+
+
+@dataclass
+class RecordingHost(FakeHost):
+    """FakeHost plus ComfyUI's common_ksampler, recorded; the remote's last strategy set as a model call would."""
+    calls: list = field(default_factory=list)
+    fail: BaseException | None = None
+
+    def ksampler(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent, denoise):
+        self.calls.append(dict(seed=seed, steps=steps, cfg=cfg, sampler_name=sampler_name, scheduler=scheduler,
+                               denoise=denoise, latent=latent))
+        if self.fail is not None:
+            raise self.fail
+        model.model.diffusion_model.last_strategy = StrategySpec(pipefusion_degree=2)
+        return dict(latent, samples=latent["samples"] * 2)
+
+
+def gap(model=None, cfg=3.0, sampler="euler", scheduler="simple", positive=None, negative=None, lat=None,
+        video=False):
+    return route.worker_loop_gap(model if model is not None else parallel_model(video), cfg, sampler, scheduler,
+                                 positive if positive is not None else cond(),
+                                 negative if negative is not None else cond(),
+                                 lat if lat is not None else latent(), video)
+
+
+def test_the_worker_loop_runs_plain_graphs_images_and_videos():
+    assert gap() is None
+    assert gap(positive=cond(guidance=3.5, reference_latents=[torch.randn(1, 16, 8, 8)])) is None
+    assert gap(lat={"samples": torch.randn(1, 16, 3, 10, 16)}, video=True) is None  # Wan T2V: cross-step
+    assert gap(positive=cond(start_percent=0.0, end_percent=1.0, strength=1.0)) is None  # defaults change nothing
+
+
+@pytest.mark.parametrize("change,phrase", [
+    (dict(sampler="dpmpp_2m_sde"), "the sampler dpmpp_2m_sde"),
+    (dict(scheduler="karras"), "the scheduler karras"),
+    (dict(lat=latent(noise_mask=torch.ones(1, 1, 16, 16))), "a noise mask"),
+    (dict(lat={"samples": torch.randn(1, 16, 3, 8, 8)}), "a 3-frame video latent"),
+    (dict(positive=cond() + cond()), "2 combined positive conditionings"),
+    (dict(positive=cond(area=(8, 8, 0, 0))), "area conditioning (ConditioningSetArea) in the positive"),
+    (dict(negative=cond(mask=torch.ones(1, 8, 8))), "masked conditioning (ConditioningSetMask) in the negative"),
+    (dict(positive=cond(control=object())), "a ControlNet in the positive conditioning"),
+    (dict(positive=cond(start_percent=0.5)), "a timestep range (ConditioningSetTimestepRange)"),
+    (dict(positive=cond(strength=0.5)), "a conditioning strength other than 1"),
+    (dict(positive=cond(clip_vision_output=object())), "CLIP-vision tokens of a start image"),
+    (dict(positive=cond(some_2027_key=1)), "'some_2027_key' in the positive conditioning"),
+    (dict(model=parallel_model(sampler_post_cfg_function=[lambda a: a["denoised"]])),
+     "a post-CFG function (sampler_post_cfg_function)"),
+    (dict(model=parallel_model(transformer_options={"patches_replace": {"dit": {("double_block", 1): None}}})),
+     "block patches (patches_replace, as SkipLayerGuidance nodes set)"),
+])
+def test_what_the_worker_loop_lacks_is_named(change, phrase):
+    found = gap(**change)
+    assert found is not None and phrase in found
+
+
+def test_cfg_1_ignores_the_negative_in_both_loops():
+    assert gap(cfg=1.0, negative=cond(area=(8, 8, 0, 0))) is None
+    assert gap(cfg=3.0, negative=cond(area=(8, 8, 0, 0))) is not None
+
+
+def test_a_patched_model_sampling_routes_to_comfyuis_sampler():
+    model = parallel_model()
+    model.object_patches = {"model_sampling": object()}  # ModelSamplingFlux / ModelSamplingSD3's shift
+    assert gap(model=model) == "a patched model (model_sampling, as ModelSampling nodes set)"
+
+
+def test_a_routed_graph_runs_comfyuis_sampler_and_says_so(runtime):
+    host = RecordingHost()
+    model = parallel_model()
+    lat = latent(noise_mask=torch.ones(1, 1, 16, 16))
+    out, summary = sampler_mod.sample(model, 7, 4, 3.5, "euler", "simple", cond(), cond(), lat, 0.8, node_id="9",
+                                      host=host)
+    assert [(c["seed"], c["steps"], c["cfg"], c["denoise"]) for c in host.calls] == [(7, 4, 3.5, 0.8)]
+    assert host.calls[0]["latent"] is lat  # the LATENT as given: ComfyUI's sampler applies its noise mask
+    assert torch.equal(out["samples"], lat["samples"] * 2)
+    assert runtime.clients == {}  # no worker-loop job
+    line = "per-call pipeline: the graph has a noise mask (inpainting, or an image-to-video latent's first frames)"
+    assert host.texts == [("9", line)]
+    assert [e["state"] for e in host.events] == ["starting", "done"]
+    assert host.events[-1]["strategy"] == "pp2xM2w1" and host.events[-1]["reason"] == line
+    assert summary.startswith("pp2xM2w1 on 2 worker(s), one runtime job per model call (" + line + "): 4 steps in ")
+
+
+def test_a_plain_graph_on_a_parallel_model_is_one_worker_job(runtime):
+    host = RecordingHost()
+    out, summary = sampler_mod.sample(parallel_model(), 1, 3, 1.0, "euler", "simple", cond(), cond(), latent(), 1.0,
+                                      host=host)
+    assert host.calls == [] and len(runtime.clients["cpu:2"].jobs) == 1
+    assert "per model call" not in summary
+
+
+def test_a_video_latent_reaches_the_worker_loop_with_its_frames(runtime):
+    video = {"samples": torch.randn(1, 16, 3, 10, 16)}
+    sampler_mod.sample(parallel_model(video=True), 1, 2, 1.0, "euler", "simple", cond(), cond(), video, 1.0,
+                       host=RecordingHost())
+    job = runtime.clients["cpu:2"].jobs[0]
+    assert tuple(job.latent.shape) == (1, 16, 3, 10, 16)
+
+
+def test_cancel_and_errors_on_the_per_call_path_reach_comfyui(runtime):
+    lat = latent(noise_mask=torch.ones(1, 1, 16, 16))
+    host = RecordingHost(fail=Interrupt())
+    with pytest.raises(Interrupt):
+        sampler_mod.sample(parallel_model(), 0, 2, 1.0, "euler", "simple", cond(), cond(), lat, 1.0, host=host)
+    assert host.events[-1]["state"] == "cancelled" and host.events[-1]["message"] == "Cancelled."
+    host = RecordingHost(fail=ConfigError("the model call carries inputs ParaDiT does not run (x)."))
+    with pytest.raises(ConfigError, match="inputs ParaDiT does not run"):
+        sampler_mod.sample(parallel_model(), 0, 2, 1.0, "euler", "simple", cond(), cond(), lat, 1.0, host=host)
+    assert host.events[-1]["state"] == "error" and "inputs ParaDiT does not run" in host.events[-1]["message"]
+
+
+@pytest.mark.parametrize("cfg,denoise,name", [(float("nan"), 1.0, "cfg"), (3.0, float("inf"), "denoise")])
+def test_nan_settings_are_refused_before_comfyuis_sampler_runs(runtime, cfg, denoise, name):
+    host = RecordingHost()
+    lat = latent(noise_mask=torch.ones(1, 1, 16, 16))
+    with pytest.raises(ConfigError, match=rf"^{name}=(nan|inf) is not a finite number; set a finite {name}\.$"):
+        sampler_mod.sample(parallel_model(), 0, 2, cfg, "euler", "simple", cond(), cond(), lat, denoise, host=host)
+    assert host.calls == [] and host.events == []
+
+
+def test_a_video_latent_for_an_image_model_gets_one_sentence_from_the_model_call():
+    """Routed to ComfyUI's sampler (as KSampler would run it), the model call refuses it with the same sentence
+    the worker loop's conversion gives."""
+    remote = parallel_model(video=False).model.diffusion_model
+    with pytest.raises(ConfigError, match=r"^The latent has 3 frames, but tiny is an image model"):
+        remote(torch.zeros(1, 16, 3, 8, 8), torch.zeros(1), context=torch.zeros(1, 4, 8))
