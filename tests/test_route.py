@@ -13,12 +13,15 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from test_nodes import FakeHost, Interrupt, cond, handle, latent, runtime  # noqa: F401 - runtime is a fixture
+import test_nodes
+from test_nodes import FakeHost, Interrupt, cond, handle, latent
 
 from nodes import convert, remote_model, route
 from nodes import sampler as sampler_mod
 from parallel_runtime.errors import ConfigError
 from parallel_runtime.spec import StrategySpec
+
+runtime = test_nodes.runtime  # the fake runtime fixture (client, auto, devices)
 
 
 class _Base:  # what RemoteDiT reads of ComfyUI's BaseModel (held weakly, so a class, not a SimpleNamespace)
