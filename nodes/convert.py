@@ -111,7 +111,8 @@ STRATEGY_INPUTS = (
 def loader_inputs(unet_names: list[str]) -> tuple[InputSpec, ...]:
     return (
         InputSpec("unet_name", "combo", {"options": list(unet_names),
-                                         "tooltip": "A Flux checkpoint in models/diffusion_models."}),
+                                         "tooltip": "A DiT file in models/diffusion_models: Flux, SD3, Qwen-Image, "
+                                                    "Wan, HunyuanVideo 1.5 or another family in ParaDiT's README."}),
         InputSpec("weight_dtype", "combo", {"options": list(WEIGHT_DTYPES), "default": "default"}),
         InputSpec("devices", "string", {"default": "auto",
                                         "tooltip": "auto: every visible GPU; 0,1,2,3: those GPUs; cpu:N: N CPU workers."}),
