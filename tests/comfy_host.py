@@ -414,6 +414,32 @@ def latent_parity(server: "Server", g: dict, what: str, parallel: str = "13", re
     return err, par, ref
 
 
+def with_parallel_sampler(g: dict, ksampler: str = "12", node: str = "50", save: str = "51") -> dict:
+    """`g` plus Parallel Sampler (`node` -> SaveLatent `save`) with the inputs of KSampler `ksampler` (on Load
+    Parallel DiT's MODEL): the two entrances on one MODEL, seed and settings."""
+    g[node] = {"class_type": "ParaDiTSampler", "inputs": dict(g[ksampler]["inputs"])}
+    g[save] = {"class_type": "SaveLatent", "inputs": {"samples": [node, 0], "filename_prefix": f"ps/{save}"}}
+    return g
+
+
+def entrance_parity(server: "Server", g: dict, what: str, twin: str = "51", ksampler: str = "13",
+                    reference: str = "22", node: str = "50") -> tuple[float, float, str]:
+    """Run `g` (with_parallel_sampler applied) once: (rel. L2 of Parallel Sampler's latent against KSampler's on
+    the same parallel MODEL, rel. L2 of Parallel Sampler's against UNETLoader + KSampler's, Parallel Sampler's
+    summary line), the figures printed with the summary."""
+    from conftest import rel_err
+
+    result = server.run(g)
+    assert result["status"] == "success", explain(result)
+    par, ks, ref = (server.latent(result, n) for n in (twin, ksampler, reference))
+    assert par.shape == ks.shape == ref.shape
+    same_model, unet = rel_err(par, ks), rel_err(par, ref)
+    summary = " ".join(result["outputs"].get(node, {}).get("text", []))
+    print(f"\n{what}: Parallel Sampler vs KSampler on the same MODEL {same_model:.2e}, vs UNETLoader {unet:.2e}"
+          f" [{summary}]")
+    return same_model, unet, summary
+
+
 def stop_group(proc: subprocess.Popen) -> None:
     """Ctrl-C the server (so its atexit hooks shut the ParaDiT workers down cleanly), then SIGTERM and
     SIGKILL its whole process group (server + workers) for whatever is left."""

@@ -131,9 +131,9 @@ def test_strength_zero_is_refused_where_comfyui_samples_nan(server):
         result["error"]["exception_message"]
 
 
-def test_parallel_sampler_refuses_a_mask_in_one_sentence(server):
-    g = graph(parallel_sampler=True)
-    result = server.run({k: v for k, v in g.items() if k not in ("20", "21", "22")})
-    assert result["status"] == "error", explain(result)
-    assert ("uses an attention mask (StyleModelApply's attn_bias strength), which ParaDiT does not support under "
-            "Parallel Sampler; sample the parallel MODEL with KSampler") in result["error"]["exception_message"]
+def test_parallel_sampler_runs_a_style_mask_as_ksampler_does(server):
+    """StyleModelApply's attention mask routes Parallel Sampler to ComfyUI's sampler: KSampler's latent."""
+    g = comfy_host.with_parallel_sampler(graph())
+    same, unet, summary = comfy_host.entrance_parity(server, g, "style mask, Parallel Sampler")
+    assert same <= ONE_WORKER_RTOL and unet <= ONE_WORKER_RTOL
+    assert "per-call pipeline: the graph has " in summary

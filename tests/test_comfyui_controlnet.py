@@ -145,11 +145,14 @@ def test_chained_controlnets_on_two_workers_equal_unetloader(server, strat):
     assert err <= EXACT_RTOL
 
 
-def test_controlnet_under_parallel_sampler_is_refused_in_one_sentence(server):
-    g = graph(parallel_sampler=True)
-    result = server.run({k: v for k, v in g.items() if k not in ("20", "21", "22")})
-    assert result["status"] == "error", explain(result)
-    assert "ControlNet, which ParaDiT does not support under Parallel Sampler" in result["error"]["exception_message"]
+@pytest.mark.parametrize("strat", [strategy(ulysses=2), strategy(pp=2)], ids=["ulysses2", "pp2_warm"])
+def test_chained_controlnets_under_parallel_sampler_equal_ksampler(server, strat):
+    """Parallel Sampler routes a ControlNet graph to ComfyUI's sampler (KSampler's own code, the ControlNets on the
+    workers): KSampler's latent on the same MODEL, and it says why in its summary."""
+    g = comfy_host.with_parallel_sampler(graph("cpu:2", strat, chained=True))
+    same, unet, summary = comfy_host.entrance_parity(server, g, f"2 ControlNets, Parallel Sampler {strat['inputs']}")
+    assert same <= ONE_WORKER_RTOL and unet <= EXACT_RTOL  # the same model calls as KSampler's: round-off at most
+    assert "per-call pipeline: the graph has a ControlNet in the positive conditioning" in summary
 
 
 def union_graph(devices: str = "cpu:1", strat: dict | None = None,

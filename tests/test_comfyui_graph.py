@@ -131,9 +131,13 @@ def test_a_code_block_patch_is_refused_in_one_sentence(server):
     assert "load the model with UNETLoader" in message
 
 
-def test_skip_layer_guidance_under_parallel_sampler_is_refused_in_one_sentence(server):
-    message = failure(server, graph("canny", patch=SLG, parallel_sampler=True))
-    assert "sampler_post_cfg_function" in message and "sample it with KSampler" in message
+@pytest.mark.parametrize("strat", [strategy(ulysses=2), strategy(pp=2)], ids=["ulysses2", "pp2_warm"])
+def test_skip_layer_guidance_under_parallel_sampler_equals_ksampler(server, strat):
+    """SkipLayerGuidanceDiT's post-CFG function and block patches: Parallel Sampler runs ComfyUI's sampler."""
+    g = comfy_host.with_parallel_sampler(graph("canny", "cpu:2", strat, patch=SLG))
+    same, unet, summary = comfy_host.entrance_parity(server, g, f"SLG, Parallel Sampler {strat['inputs']}")
+    assert same <= ONE_WORKER_RTOL and unet <= EXACT_RTOL
+    assert "per-call pipeline: the graph has a post-CFG function (sampler_post_cfg_function)" in summary
 
 
 def test_multigpu_cfg_split_copy_is_refused_in_one_sentence(server):
@@ -214,3 +218,21 @@ def test_inpainting_equals_unetloader(server, differential, denoise, devices, st
     bound = ONE_WORKER_RTOL if devices == "cpu:1" else EXACT_RTOL
     g = inpainting(graph("fill", devices, strat), differential, denoise)
     assert parity(server, g, f"inpainting differential={differential} {devices}") <= bound
+
+
+@pytest.mark.parametrize("case", ["regional", "inpainting_differential", "canny_plain"])
+def test_parallel_sampler_runs_what_ksampler_runs(server, case):
+    """Area + mask + timestep-range conditioning, and a Fill inpaint with SetLatentNoiseMask + DifferentialDiffusion
+    at denoise 0.7, under Parallel Sampler on 2 workers: KSampler's latent on the same MODEL (routed to ComfyUI's
+    sampler); a plain concat graph stays in the workers' own loop (round-off against KSampler's per-call run)."""
+    if case == "regional":
+        g = regional(graph("canny", "cpu:2", strategy(ulysses=2)), "mask bounds")
+    elif case == "inpainting_differential":
+        g = inpainting(graph("fill", "cpu:2", strategy(pp=2)), True, 0.7)
+    else:
+        g = graph("canny", "cpu:2", strategy(ring=2))
+    same, unet, summary = comfy_host.entrance_parity(server, comfy_host.with_parallel_sampler(g), case)
+    assert same <= ONE_WORKER_RTOL and unet <= EXACT_RTOL
+    routed = {"regional": "per-call pipeline: the graph has 4 combined positive conditionings",
+              "inpainting_differential": "per-call pipeline: the graph has a noise mask"}.get(case)
+    assert (routed in summary) if routed else ("per model call" not in summary)

@@ -243,3 +243,41 @@ def test_wan22_distilled_two_experts_at_cfg1_equal_unetloader(server, strat):
     err, plain, _ = latent_parity(server, two_experts_graph("cpu:2", strat, cfg=1.0), "the same without the LoRAs")
     assert err <= EXACT_RTOL
     assert rel_err(with_loras, plain) > 1e-2  # the LoRAs change the video (deltas ~5% of the weights they touch)
+
+
+# Parallel Sampler on the same MODEL as KSampler. The workers' own loop (plain text-to-video, a start image's
+# concat without CLIP vision) differs from KSampler's per-call run only by where the sampler's float32 update is
+# computed (the workers vs the host): round-off, ~1e-7 per step; the graphs routed to ComfyUI's sampler (a noise
+# mask, CLIP-vision tokens) run KSampler's own code on the same workers.
+ENTRANCE_RTOL = 1e-5
+TWO_WORKERS = [("cpu:1", None), ("cpu:2", comfy_host.strategy(cfg=2, warmup=3)),
+               ("cpu:2", comfy_host.strategy(ulysses=2, warmup=3)), ("cpu:2", comfy_host.strategy(ring=2, warmup=3)),
+               ("cpu:2", comfy_host.strategy(pp=2, patches=5, warmup=3))]
+TWO_WORKER_IDS = ["serial", "cfg2", "ulysses2", "ring2", "pp2_warm"]
+
+
+@pytest.mark.parametrize("devices, strat", TWO_WORKERS, ids=TWO_WORKER_IDS)
+def test_wan_t2v_parallel_sampler_equals_ksampler(server, devices, strat):
+    g = comfy_host.with_parallel_sampler(graph(devices, strat))
+    same, unet, summary = comfy_host.entrance_parity(server, g, f"Wan T2V Parallel Sampler {devices} {strat}")
+    assert same <= ENTRANCE_RTOL and unet <= (ONE_WORKER_RTOL if devices == "cpu:1" else EXACT_RTOL)
+    assert "per model call" not in summary  # the workers' own step loop: PipeFusion pipelines across steps
+
+
+@pytest.mark.parametrize("what, g, routed", [
+    ("Wan 2.2 TI2V start image (noise mask)", lambda: ti2v_graph("cpu:2", comfy_host.strategy(pp=2, patches=5, warmup=3)),
+     "a noise mask"),
+    ("Wan 2.2 TI2V text only", lambda: ti2v_graph("cpu:2", comfy_host.strategy(ulysses=2, warmup=3),
+                                                   start_image=False), None),
+    ("Wan 2.1 I2V with CLIP vision", lambda: i2v_graph(DIT21_I2V, "cpu:2", comfy_host.strategy(ring=2, warmup=3)),
+     "CLIP-vision tokens"),
+    ("Wan 2.1 I2V without CLIP vision", lambda: i2v_graph(DIT21_I2V, "cpu:2", comfy_host.strategy(cfg=2, warmup=3),
+                                                          clip=False), None),
+], ids=["ti2v_mask", "ti2v_text", "i2v_clip", "i2v_concat"])
+def test_wan_image_to_video_parallel_sampler_equals_ksampler(server, what, g, routed):
+    same, unet, summary = comfy_host.entrance_parity(server, comfy_host.with_parallel_sampler(g()), what)
+    assert same <= ENTRANCE_RTOL and unet <= EXACT_RTOL
+    if routed:
+        assert f"per-call pipeline: the graph has {routed}" in summary
+    else:
+        assert "per model call" not in summary
