@@ -8,11 +8,10 @@ Nothing here imports ComfyUI, so all of it is unit-tested without a host:
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -228,34 +227,6 @@ def strategy_choice(mode: str, cfg_degree: int = 1, pipefusion_degree: int = 1, 
 
 
 AUTO = StrategyChoice(spec=StrategySpec(shard_weights="auto"))  # no Selector: sharding only where nothing fits
-
-
-def resolve_strategy(choice: StrategyChoice | None, chooser: Callable[..., tuple[StrategySpec, str]],
-                     model_path: str, latent_shape: tuple, cfg: float, devices: str,
-                     measure: Callable[[], tuple[float, ...]] | None = None) -> tuple[StrategySpec, str]:
-    """The StrategySpec to run and why. `chooser` is parallel_runtime.planning.auto.choose_strategy; `measure`
-    gives the devices' measured speeds (planning.balance.measured_weights), asked only for device_weights
-    'measured'."""
-    choice = choice or AUTO
-    weights = choice.spec.device_weights
-    if choice.measured and measure is not None:
-        weights = measure()
-    if choice.mode == "manual":
-        return dataclasses.replace(choice.spec, device_weights=weights), "manual"
-    spec, reason = (chooser(model_path, tuple(latent_shape), float(cfg), devices, speeds=weights) if weights
-                    else chooser(model_path, tuple(latent_shape), float(cfg), devices))
-    overrides = {}
-    # The plan's sharding: the Selector's, where the chosen plan has ranks that hold the same blocks (auto chose
-    # it on already where nothing fits otherwise).
-    if choice.spec.shard_weights is not True or spec.shard_group > 1:
-        spec = dataclasses.replace(spec, shard_weights=spec.shard_weights or choice.spec.shard_weights)
-    if choice.spec.num_pipeline_patch:
-        overrides["num_pipeline_patch"] = choice.spec.num_pipeline_patch
-    if choice.spec.warmup_steps != StrategySpec().warmup_steps:
-        overrides["warmup_steps"] = choice.spec.warmup_steps
-    if overrides and spec.pipefusion_degree > 1:
-        spec = dataclasses.replace(spec, **overrides)
-    return spec, reason
 
 
 @dataclass(frozen=True)

@@ -139,29 +139,16 @@ class RemoteDiT(torch.nn.Module):
         return self._patches[1]
 
     def _strategy(self, shape: tuple, chunks: int, client):
-        """The handle's strategy for calls of this shape: manual as set, auto decided once per shape (for
-        per-call runs: PipeFusion's pipeline drains every call, and the workers' free memory is the budget)."""
+        """The handle's strategy for calls of this shape, planned by the runtime once per shape (per call:
+        PipeFusion's pipeline drains every call, and the call's latent may be an area's crop)."""
+        from parallel_runtime.runtime.entrance import plan
+
         key = (shape, chunks)
         if key not in self._strategies:
-            def choose(*args, **kw):
-                from parallel_runtime.planning.auto import choose_strategy
-
-                return choose_strategy(*args, memory_budget_bytes=client.memory_budget(), per_call=True, **kw)
-
-            def measure():  # device_weights 'measured', at a typical prompt length (the shape is per call)
-                from parallel_runtime.planning.auto import DEFAULT_TEXT_TOKENS
-                from parallel_runtime.planning.balance import measured_weights
-
-                return measured_weights(client, self.handle.model.path, per_image, DEFAULT_TEXT_TOKENS,
-                                        self.handle.model.weight_dtype)
-
             cfg = 2.0 if chunks == 2 else 1.0  # a second chunk is ComfyUI's uncond: CFG parallel can take it
-            from parallel_runtime.runtime.topology import fit_to_latent, latent_plane
-
             per_image = (shape[0] // chunks, *shape[1:])
-            strategy = convert.resolve_strategy(self.handle.strategy, choose, self.handle.model.path, per_image, cfg,
-                                                self.handle.devices, measure)[0]
-            strategy, note = fit_to_latent(strategy, latent_plane(shape[2:]), self.patch_size)
+            strategy, _, note = plan(client, self.handle.strategy, self.handle.model, per_image, cfg,
+                                     self.handle.devices, per_call=True, patch=self.patch_size)
             if note:
                 log.warning("ParaDiT: %s.", note)
             self._strategies[key] = strategy

@@ -170,20 +170,12 @@ def _validated_job(handle, seed, steps, cfg, sampler_name, scheduler, positive, 
 
 
 def _plan(choice, handle, job, cfg, client, host):
-    """(StrategySpec, reason): the Strategy Selector's choice resolved (auto plans it), shown on that node."""
-    def choose_strategy(*args, **kw):  # imported only in auto mode
-        from parallel_runtime.planning.auto import choose_strategy
+    """(StrategySpec, reason): the Strategy Selector's choice resolved by the runtime (auto plans it), shown on
+    that node."""
+    from parallel_runtime.runtime.entrance import plan
 
-        return choose_strategy(*args, memory_budget_bytes=client.memory_budget(), **kw)
-
-    def measure():  # device_weights 'measured'
-        from parallel_runtime.planning.balance import measured_weights
-
-        return measured_weights(client, handle.model.path, tuple(job.latent.shape), job.positive.cond.shape[1],
-                                handle.model.weight_dtype)
-
-    strategy, reason = convert.resolve_strategy(choice, choose_strategy, handle.model.path, tuple(job.latent.shape),
-                                                cfg, handle.devices, measure)
+    strategy, reason, _ = plan(client, choice, handle.model, tuple(job.latent.shape), cfg, handle.devices,
+                               text_tokens=job.positive.cond.shape[1])
     host.send_text(convert.strategy_text(strategy, reason, choice.mode), choice.node_id)
     return strategy, reason
 

@@ -406,20 +406,8 @@ def test_device_weights_on_the_strategy_selector():
     # typo is one sentence before anything runs.
     manual = convert.strategy_choice("manual", ring_degree=2, device_weights="3, 2")
     assert manual.spec == StrategySpec(ring_degree=2, device_weights=(3.0, 2.0), shard_weights="auto") and not manual.measured
-    assert convert.resolve_strategy(manual, None, "/m", (1, 16, 8, 8), 1.0, "cpu:2") == (manual.spec, "manual")
     measured = convert.strategy_choice("manual", ulysses_degree=2, device_weights="measured")
-    assert measured.measured and measured.spec.device_weights == ()
-    spec, _ = convert.resolve_strategy(measured, None, "/m", (1, 16, 8, 8), 1.0, "cpu:2", lambda: (0.5, 1.0))
-    assert spec == StrategySpec(ulysses_degree=2, device_weights=(0.5, 1.0), shard_weights="auto")
-    asked = []
-
-    def chooser(*args, **kw):
-        asked.append(kw)
-        return StrategySpec(ring_degree=2, device_weights=kw.get("speeds", ())), "balanced"
-    auto = convert.strategy_choice("auto", device_weights="measured")
-    assert convert.resolve_strategy(auto, chooser, "/m", (1, 16, 8, 8), 1.0, "cpu:2", lambda: (1.0, 0.5))[0] == \
-        StrategySpec(ring_degree=2, device_weights=(1.0, 0.5), shard_weights="auto")
-    assert asked == [{"speeds": (1.0, 0.5)}]
+    assert measured.measured and measured.spec.device_weights == ()  # timed at sample time (test_entrance)
     assert "shares 60%, 40%" in convert.strategy_text(manual.spec, "manual", "manual")
     tp = convert.strategy_choice("manual", tensor_degree=2, patch_degree=1)
     assert tp.spec == StrategySpec(tensor_degree=2, shard_weights="auto")
@@ -427,27 +415,6 @@ def test_device_weights_on_the_strategy_selector():
         convert.strategy_choice("manual", device_weights="3;2")
     with pytest.raises(ConfigError, match="device_weights '1,-2' is not understood"):
         convert.strategy_choice("manual", device_weights="1,-2")
-
-
-def test_resolve_strategy():
-    rt = FakeRuntime()
-    manual = convert.strategy_choice("manual", ring_degree=2)
-    assert convert.resolve_strategy(manual, rt.choose_strategy, "/m", (1, 16, 8, 8), 1.0, "cpu:2") == \
-        (StrategySpec(ring_degree=2, shard_weights="auto"), "manual")
-    assert rt.chosen == []
-    spec, reason = convert.resolve_strategy(None, rt.choose_strategy, "/m", (1, 16, 8, 8), 3.5, "cpu:2")
-    assert spec == StrategySpec(ulysses_degree=2, shard_weights="auto") and "Ulysses" in reason
-    assert rt.chosen == [("/m", (1, 16, 8, 8), 3.5, "cpu:2")]
-    # shard_weights on: kept where the chosen plan has replicas to shard over
-    on = convert.strategy_choice("auto", shard_weights="on")
-    assert convert.resolve_strategy(on, rt.choose_strategy, "/m", (1, 16, 8, 8), 3.5, "cpu:2")[0].sharded
-    rt.chosen.clear()
-
-    def pp(*_):
-        return StrategySpec(pipefusion_degree=2), "pipeline"
-    knobs = convert.strategy_choice("auto", num_pipeline_patch=4, warmup_steps=2)
-    assert convert.resolve_strategy(knobs, pp, "/m", (1, 16, 8, 8), 1.0, "cpu:2")[0] == \
-        StrategySpec(pipefusion_degree=2, num_pipeline_patch=4, warmup_steps=2, shard_weights="auto")
 
 
 # ---------------------------------------------------------------------------------------------
