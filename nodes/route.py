@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from .controlnet import WRAPPER_KEY as CONTROLNET_WRAPPER
+
 # Conditioning keys the worker loop reads (convert.conditioning, sampler._with_concat), with the values at which
 # a key changes nothing. Any other key (area, mask, ControlNet, hooks, CLIP-vision tokens, 2026's new keys, ...)
 # routes the graph to ComfyUI's sampler, which hands the key to the model call as it does under KSampler.
@@ -35,12 +37,13 @@ _KEY_NAMES = {
     "strength": "a conditioning strength other than 1",
 }
 
-# ComfyUI's model_options entries that change how a sampler calls or combines the model.
-SAMPLER_HOOKS = ("model_function_wrapper", "sampler_cfg_function", "sampler_pre_cfg_function",
-                 "sampler_post_cfg_function", "sampler_calc_cond_batch_function")
+# What ComfyUI's model_options entries that change how a sampler calls or combines the model are, for the status
+# line; any other non-empty entry routes too, named by its key.
 _HOOK_NAMES = {"model_function_wrapper": "a model function wrapper", "sampler_cfg_function": "a CFG function",
                "sampler_pre_cfg_function": "a pre-CFG function", "sampler_post_cfg_function": "a post-CFG function",
-               "sampler_calc_cond_batch_function": "a cond-batch function"}
+               "sampler_calc_cond_batch_function": "a cond-batch function",
+               "denoise_mask_function": "a denoise mask function (DifferentialDiffusion)"}
+
 
 
 def worker_loop_gap(model, cfg: float, sampler_name: str, scheduler: str, positive, negative, latent,
@@ -68,19 +71,27 @@ def finite(value) -> bool:
 
 
 def _model_patch_gap(model) -> str | None:
-    """A patch on the MODEL's sampling (ModelSampling shift, guidance hooks such as SkipLayerGuidanceDiT's
-    post-CFG function, block patches): the worker loop samples with the file's own settings."""
-    options = getattr(model, "model_options", None) or {}
+    """Anything set on the MODEL that ComfyUI's sampler would apply and the worker loop would not: a ModelSampling
+    patch, a guidance hook (SkipLayerGuidanceDiT's post-CFG function, CFG-Zero*), DifferentialDiffusion's denoise
+    mask function, block patches, another node's wrappers or callbacks. Only ParaDiT's own ControlNet wrapper
+    (which acts only on conditionings carrying a ControlNet, routed anyway) is no reason."""
     patched = sorted(getattr(model, "object_patches", None) or {})
     if patched:
         return f"a patched model ({', '.join(patched)}, as ModelSampling nodes set)"
-    for hook in SAMPLER_HOOKS:
-        if options.get(hook):
-            return f"{_HOOK_NAMES[hook]} ({hook})"
-    transformer = options.get("transformer_options") or {}
-    for kind in ("patches_replace", "patches"):
-        if transformer.get(kind):
-            return f"block patches ({kind}, as SkipLayerGuidance nodes set)"
+    options = getattr(model, "model_options", None) or {}
+    for key, value in options.items():
+        if key != "transformer_options" and value:
+            return f"{_HOOK_NAMES[key]} ({key})" if key in _HOOK_NAMES else f"a model option ({key})"
+    for key, value in (options.get("transformer_options") or {}).items():
+        if key in ("patches_replace", "patches") and value:
+            return f"block patches ({key}, as SkipLayerGuidance nodes set)"
+        if key == "wrappers":
+            others = sorted(name for kind in (value or {}).values() for name in (kind or {})
+                            if name != CONTROLNET_WRAPPER)
+            if others:
+                return f"a model wrapper ({', '.join(others)})"
+        elif value:
+            return f"a transformer option ({key})"
     return None
 
 

@@ -91,6 +91,18 @@ def test_what_the_worker_loop_lacks_is_named(change, phrase):
     assert found is not None and phrase in found
 
 
+def test_model_options_route_unless_empty_or_paradits_own_wrapper():
+    assert gap(model=parallel_model(transformer_options={"wrappers": {"outer_sample": {
+        "paradit_controlnet": [print]}}, "callbacks": {}}, disable_cfg1_optimization=False)) is None
+    assert gap(model=parallel_model(denoise_mask_function=print)) == \
+        "a denoise mask function (DifferentialDiffusion) (denoise_mask_function)"
+    assert gap(model=parallel_model(transformer_options={"wrappers": {"outer_sample": {"easycache": [print]}}})) == \
+        "a model wrapper (easycache)"
+    assert gap(model=parallel_model(transformer_options={"callbacks": {"on_pre_run": {"x": [print]}}})) == \
+        "a transformer option (callbacks)"
+    assert gap(model=parallel_model(some_2027_option=1)) == "a model option (some_2027_option)"
+
+
 def test_cfg_1_ignores_the_negative_in_both_loops():
     assert gap(cfg=1.0, negative=cond(area=(8, 8, 0, 0))) is None
     assert gap(cfg=3.0, negative=cond(area=(8, 8, 0, 0))) is not None
