@@ -467,11 +467,44 @@ def stop_group(proc: subprocess.Popen) -> None:
     assert not _group_alive(pgid), f"processes of group {pgid} survived SIGKILL"
 
 
+ROOT_PREFIX = "paradit-host-"  # every server root: tens of GB of model files on the machine's disk
+OWNER_FILE = "owner.pid"
+
+
+def _sweep_dead_roots() -> None:
+    """Remove the server roots of test runs that were killed before their cleanup ran (a timeout's SIGKILL skips
+    `finally`): three of them once filled the disk the CI's venv is built on. A root is dead when the pytest
+    process that made it is gone; a root without an owner file is mid-setup and kept."""
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        path = os.path.join(base, name)
+        if not name.startswith(ROOT_PREFIX) or not os.path.isdir(path):
+            continue
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                owner = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if owner != os.getpid() and not _pid_alive(owner):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def serve(prefix: str, prepare: Callable[[str], None] | None = None) -> Iterator[Server]:
     """A ComfyUI server for one test module: a temporary root with its own models (`prepare(root)` writes them
     before the start: ComfyUI lists model folders once), custom_nodes (ParaDiT and the test-only nodes), output,
     input, temp and user folders; yields when it answers, stops its whole process group after."""
-    root = tempfile.mkdtemp(prefix=prefix)
+    _sweep_dead_roots()
+    root = tempfile.mkdtemp(prefix=ROOT_PREFIX + prefix)
     proc = None
     try:
         for d in (*(os.path.join("models", m) for m in MODEL_FOLDERS), "custom_nodes", "output", "input", "temp",
@@ -488,6 +521,8 @@ def serve(prefix: str, prepare: Callable[[str], None] | None = None) -> Iterator
         with open(yaml, "w") as f:
             f.write(f"paradit_test:\n    base_path: {root}\n    custom_nodes: custom_nodes\n"
                     + "".join(f"    {m}: models/{m}\n" for m in MODEL_FOLDERS))
+        with open(os.path.join(root, OWNER_FILE), "w") as f:  # whose root this is, for _sweep_dead_roots
+            f.write(str(os.getpid()))
         proc, srv = _start(root, yaml)
         yield srv
         assert proc.poll() is None, f"ComfyUI died during the tests:\n{srv.log_tail()}"
