@@ -414,16 +414,17 @@ def latent_parity(server: "Server", g: dict, what: str, parallel: str = "13", re
     return err, par, ref
 
 
-def with_parallel_sampler(g: dict, ksampler: str = "12", node: str = "50", save: str = "51") -> dict:
+def with_parallel_sampler(g: dict, ksampler: str = "12", node: str = "98", save: str = "99") -> dict:
     """`g` plus Parallel Sampler (`node` -> SaveLatent `save`) with the inputs of KSampler `ksampler` (on Load
     Parallel DiT's MODEL): the two entrances on one MODEL, seed and settings."""
+    assert node not in g and save not in g, f"the graph already has nodes {node} / {save}"
     g[node] = {"class_type": "ParaDiTSampler", "inputs": dict(g[ksampler]["inputs"])}
     g[save] = {"class_type": "SaveLatent", "inputs": {"samples": [node, 0], "filename_prefix": f"ps/{save}"}}
     return g
 
 
-def entrance_parity(server: "Server", g: dict, what: str, twin: str = "51", ksampler: str = "13",
-                    reference: str = "22", node: str = "50") -> tuple[float, float, str]:
+def entrance_parity(server: "Server", g: dict, what: str, twin: str = "99", ksampler: str = "13",
+                    reference: str = "22", node: str = "98") -> tuple[float, float, str]:
     """Run `g` (with_parallel_sampler applied) once: (rel. L2 of Parallel Sampler's latent against KSampler's on
     the same parallel MODEL, rel. L2 of Parallel Sampler's against UNETLoader + KSampler's, Parallel Sampler's
     summary line), the figures printed with the summary."""
