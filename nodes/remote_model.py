@@ -152,7 +152,7 @@ class RemoteDiT(torch.nn.Module):
                                         self.handle.model.weight_dtype)
 
             cfg = 2.0 if chunks == 2 else 1.0  # a second chunk is ComfyUI's uncond: CFG parallel can take it
-            from parallel_runtime.runtime.topology import fit_to_latent, latent_plane
+            from parallel_runtime.distributed.topology import fit_to_latent, latent_plane
 
             per_image = (shape[0] // chunks, *shape[1:])
             strategy = convert.resolve_strategy(self.handle.strategy, choose, self.handle.model.path, per_image, cfg,
@@ -432,7 +432,7 @@ def _host_dtypes(handle, sd: dict, quantized: bool, config, mm) -> tuple[torch.d
     the model's input to it before each call, as for a model it holds. A ComfyUI-quantized file's stored dtypes
     say nothing of its compute dtype: ComfyUI's loader then passes no weight dtype, and casts from none."""
     import comfy.utils
-    from parallel_runtime.runtime.devices import named_dtype
+    from parallel_runtime.distributed.devices import named_dtype
 
     dtype = named_dtype(handle.model.weight_dtype)
     if dtype is None:

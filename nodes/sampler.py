@@ -42,7 +42,7 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
            *, node_id=None, host=None) -> tuple[dict, str]:
     """The node's work, apart from ComfyUI's io: returns (LATENT, one-line summary)."""
     from parallel_runtime.runtime.client import get_client
-    from parallel_runtime.runtime.devices import parse_devices
+    from parallel_runtime.distributed.devices import parse_devices
 
     host = host or HOST
     base = getattr(model, "model", None)  # ComfyUI's BaseModel behind a parallel MODEL (None for a bare handle)
