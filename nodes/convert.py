@@ -17,7 +17,7 @@ import torch
 
 from parallel_runtime.errors import ConfigError
 from parallel_runtime.weights.comfy_quant import QUANTIZED_MATMUL
-from parallel_runtime.runtime.devices import WEIGHT_DTYPES  # one list for the node and the workers
+from parallel_runtime.distributed.devices import WEIGHT_DTYPES  # one list for the node and the workers
 from parallel_runtime.runtime.links import P2P_SETTINGS
 from parallel_runtime.spec import Conditioning, ModelSpec, StrategySpec
 

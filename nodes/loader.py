@@ -60,7 +60,7 @@ class ParaDiTLoader(io.ComfyNode):
     @classmethod
     def execute(cls, unet_name, weight_dtype, devices, strategy=None, quantized_matmul="auto") -> io.NodeOutput:
         import folder_paths
-        from parallel_runtime.runtime.devices import runtime_devices
+        from parallel_runtime.distributed.devices import runtime_devices
 
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         handle = convert.model_handle(path, weight_dtype, devices, strategy, name=unet_name,

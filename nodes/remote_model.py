@@ -403,7 +403,7 @@ def _host_dtypes(handle, sd: dict, quantized: bool, config, mm) -> tuple[torch.d
     the model's input to it before each call, as for a model it holds. A ComfyUI-quantized file's stored dtypes
     say nothing of its compute dtype: ComfyUI's loader then passes no weight dtype, and casts from none."""
     import comfy.utils
-    from parallel_runtime.runtime.devices import named_dtype
+    from parallel_runtime.distributed.devices import named_dtype
 
     dtype = named_dtype(handle.model.weight_dtype)
     if dtype is None:

@@ -70,7 +70,7 @@ def _sample_on_workers(model, seed, steps, cfg, sampler_name, scheduler, positiv
                        *, handle, video, node_id, host) -> tuple[dict, str]:
     """The whole denoise as one runtime job: the workers' own step loop (PipeFusion pipelines across steps)."""
     from parallel_runtime.runtime.client import get_client
-    from parallel_runtime.runtime.devices import parse_devices
+    from parallel_runtime.distributed.devices import parse_devices
 
     base = getattr(model, "model", None)  # ComfyUI's BaseModel behind a parallel MODEL (None for a bare handle)
     lora = weight_patches_of(model, remote_model.parameter_shapes(model))

@@ -103,7 +103,7 @@ def band_devices(spec: str) -> list:
     import torch
 
     from parallel_runtime.runtime.client import active_clients
-    from parallel_runtime.runtime.devices import parse_devices
+    from parallel_runtime.distributed.devices import parse_devices
 
     spec = (spec or "").strip()
     if spec:

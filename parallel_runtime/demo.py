@@ -18,8 +18,8 @@ import torch
 
 from .bench.grid import grid
 from .bench.measure import cpu_capacity, rel_err, skip_steps, step_seconds
+from .distributed.devices import parse_devices
 from .runtime.client import RuntimeClient
-from .runtime.devices import parse_devices
 from .spec import Job, ModelSpec, SamplingSpec, StrategySpec
 from .toy import DEFAULT_PROMPT, MODEL_PATH, TOY_FLUX, load_companions
 

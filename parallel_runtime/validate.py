@@ -7,9 +7,9 @@ from functools import lru_cache
 
 import torch
 
+from .distributed.topology import latent_plane, validate_strategy
 from .errors import ConfigError, ModelFileError
 from .models.registry import token_patch
-from .runtime.topology import latent_plane, validate_strategy
 from .sampling import SAMPLERS, SCHEDULERS, cfg_uses_uncond
 from .spec import REFERENCE_METHODS, Job
 

@@ -32,8 +32,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed
 
-from parallel_runtime.runtime.comm import Comm, GroupPool
-from parallel_runtime.runtime.topology import Topology, stage_speeds
+from parallel_runtime.distributed.comm import Comm, GroupPool
+from parallel_runtime.distributed.topology import Topology, stage_speeds
 
 WAIT_S = 120.0  # a transfer whose peers never post fails the run with its name instead of hanging the suite
 COLLECTIVE_TIMEOUT = timedelta(seconds=77)  # the runtime's configured one, as the client sends it to every worker

@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from parallel_runtime.runtime.comm import GroupPool, group_timeout
+from parallel_runtime.distributed.comm import GroupPool, group_timeout
 
 # What each strategy sends through comm.py, by the call it makes.
 WEIGHTS = torch.uint8  # sharded blocks: their raw bytes (weights/sharded.py), all_gather_single / _into_tensor

@@ -9,7 +9,7 @@ from parallel_runtime.planning import auto, costmodel
 from parallel_runtime.errors import ConfigError
 from parallel_runtime.models.tiny import TINY, write_checkpoint
 from parallel_runtime.spec import StrategySpec as S
-from parallel_runtime.runtime.topology import validate_strategy
+from parallel_runtime.distributed.topology import validate_strategy
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,7 +14,7 @@ import pytest
 from parallel_runtime.bench.models import BENCH_FLUX
 from parallel_runtime.models.registry import family_of
 from parallel_runtime.planning import auto, costmodel
-from parallel_runtime.planning.stages import balanced_stages, patch_period, split_stages
+from parallel_runtime.distributed.stages import balanced_stages, patch_period, split_stages
 
 SPEEDS = (0.5, 0.5, 1.0)  # two workers on one core beside one alone, as measure_speeds times them
 CORES = [0, 0, 1]  # devices.pinned_cores("cpu:0,cpu:0,cpu:1")

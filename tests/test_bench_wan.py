@@ -10,7 +10,7 @@ import pytest
 from parallel_runtime.bench.cli import bench_latent, main, parse_args
 from parallel_runtime.bench.grid import grid, row_label
 from parallel_runtime.bench.models import BENCH_FAMILIES, RELEASE_SHAPES, RELEASE_VIDEO_SIZES
-from parallel_runtime.runtime.topology import latent_plane
+from parallel_runtime.distributed.topology import latent_plane
 from parallel_runtime.spec import StrategySpec as S
 
 WAN = BENCH_FAMILIES["wan"]

@@ -23,8 +23,8 @@ RANK = r"""
 import json, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
-from parallel_runtime.runtime.comm import group_timeout
-from parallel_runtime.runtime.topology import Topology
+from parallel_runtime.distributed.comm import group_timeout
+from parallel_runtime.distributed.topology import Topology
 from parallel_runtime.runtime.worker import WorkerState
 
 rank, store_path, seconds = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])

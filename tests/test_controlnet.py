@@ -313,7 +313,7 @@ def test_an_area_too_small_for_the_strategy_runs_as_whole_image_stages(files, cl
     """A ConditioningSetArea crop can be smaller than the degrees (1 token for 2 ranks) or have rows PipeFusion's
     patches outnumber: stock KSampler raises nothing there, so the call runs as exact whole-image stages. Rows the
     patch count does not divide are no reason (patches are near-equal token runs)."""
-    from parallel_runtime.runtime.topology import fit_to_latent
+    from parallel_runtime.distributed.topology import fit_to_latent
 
     odd = S(pipefusion_degree=2, num_pipeline_patch=2)
     assert fit_to_latent(odd, (6, 4)) == (odd, None)  # 3 token rows, 2 patches of 3 tokens

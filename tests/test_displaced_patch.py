@@ -21,8 +21,8 @@ from parallel_runtime.models.families.flux_adapter import FluxAdapter, pipeline_
 from parallel_runtime.models.tiny import TINY
 from parallel_runtime.planning.costmodel import rank_memory
 from parallel_runtime.runtime.client import RuntimeClient
-from parallel_runtime.runtime.comm import Comm
-from parallel_runtime.runtime.topology import Topology
+from parallel_runtime.distributed.comm import Comm
+from parallel_runtime.distributed.topology import Topology
 from parallel_runtime.spec import StrategySpec as S
 from parallel_runtime.strategies.attention.processor import AttentionContext
 from parallel_runtime.strategies.denoise import Denoiser

@@ -67,7 +67,7 @@ def test_planning_asks_the_family():
     assert costmodel.stage_block_kinds(TINY, 2) == expected
 
 
-STRATEGY_MODULES = [os.path.join("runtime", "topology.py"), os.path.join("runtime", "comm.py"),
+STRATEGY_MODULES = [os.path.join("distributed", "topology.py"), os.path.join("distributed", "comm.py"),
                     os.path.join("planning", "traffic.py"),
                     *(os.path.relpath(os.path.join(d, f), ROOT)
                       for d, _, fs in os.walk(os.path.join(ROOT, "strategies")) for f in fs if f.endswith(".py"))]

@@ -22,17 +22,16 @@ from conftest import make_job, rel_err
 from gpu.numerics import LSE_ATOL, OUT_RTOL, attention_bias, errors, inputs
 from parallel_runtime.strategies.attention.local import lse_kernel
 from parallel_runtime.strategies.attention.processor import AttentionContext
-from parallel_runtime.runtime.comm import Group
+from parallel_runtime.distributed.comm import Group
 from parallel_runtime.strategies.denoise import Denoiser
-from parallel_runtime.runtime.devices import default_dtype
+from parallel_runtime.distributed.devices import default_dtype, resolve_dtype
 from parallel_runtime.errors import ConfigError
 from parallel_runtime.models.families.flux_adapter import load_flux
 from parallel_runtime.models.families.flux_adapter import FluxAdapter, pipeline_stages
 from parallel_runtime.models.tiny import TINY
 from parallel_runtime.sampling import SAMPLERS, calculate_sigmas, make_sampler, model_sampling_for
 from parallel_runtime.spec import StrategySpec as S
-from parallel_runtime.runtime.topology import DIMS, Topology
-from parallel_runtime.runtime.worker import resolve_dtype
+from parallel_runtime.distributed.topology import DIMS, Topology
 
 # -- time inputs ----------------------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from parallel_runtime.runtime.comm import InFlight, Transfer
+from parallel_runtime.distributed.comm import InFlight, Transfer
 from parallel_runtime.runtime.watchdog import Heartbeat
 
 pytestmark = pytest.mark.timeout(60)

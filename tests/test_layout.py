@@ -86,7 +86,7 @@ def _under(*folders: str) -> set[str]:
 def test_the_walk_sees_the_package():
     # A walk that finds nothing would pass everything below: the seams it checks must be there.
     assert {f"{PACKAGE}.models.family", f"{PACKAGE}.models.registry", f"{PACKAGE}.weights.mapping",
-            f"{PACKAGE}.planning.stages", f"{PACKAGE}.bench.cli"} <= set(MODULES)
+            f"{PACKAGE}.distributed.stages", f"{PACKAGE}.bench.cli"} <= set(MODULES)
     assert f"{PACKAGE}.models.families.flux_adapter" in GRAPH[f"{PACKAGE}.models.registry"]
     assert f"{PACKAGE}.weights.storage" in GRAPH[f"{PACKAGE}.weights.mapping"]
 
@@ -119,7 +119,7 @@ def test_only_the_registry_imports_the_families_from_outside_their_folder():
 
 
 def test_the_seam_and_weights_import_no_family_and_no_strategy():
-    seam = {f"{PACKAGE}.models.family"} | _under("weights") | {f"{PACKAGE}.planning.stages"}
+    seam = {f"{PACKAGE}.models.family"} | _under("weights") | {f"{PACKAGE}.distributed.stages"}
     forbidden = _under("models.families", "strategies", "runtime")
     offenders = {m: sorted(GRAPH[m] & forbidden) for m in seam if GRAPH[m] & forbidden}
     assert offenders == {}

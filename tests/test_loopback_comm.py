@@ -16,7 +16,7 @@ import torch
 
 from conftest import make_job, rel_err
 from loopback import Fabric, LoopbackRanks, loopback_comm, on_ranks
-from parallel_runtime.runtime.topology import Topology
+from parallel_runtime.distributed.topology import Topology
 from parallel_runtime.spec import StrategySpec as S
 
 pytestmark = pytest.mark.timeout(300)

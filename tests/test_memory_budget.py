@@ -1,4 +1,4 @@
-"""What a worker reports it holds and has free, and the budget the client plans a job with (runtime/memory.py).
+"""What a worker reports it holds and has free, and the budget the client plans a job with (planning/memory.py).
 
 - The stale K/V a stock sampler's displaced patch (or PipeFusion) call keeps for the next call is held, as the
   weights are: the next call's need counts its K/V buffers, so the budget must not count them as spent too.
@@ -18,7 +18,7 @@ import torch
 
 from conftest import make_job
 from parallel_runtime.models.tiny import TINY
-from parallel_runtime.runtime.memory import rank_budgets, worker_report
+from parallel_runtime.planning.memory import rank_budgets, worker_report
 from parallel_runtime.spec import StrategySpec as S
 
 pytestmark = pytest.mark.timeout(300)

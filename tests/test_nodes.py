@@ -221,8 +221,8 @@ def runtime(monkeypatch):
     rt = FakeRuntime()
     for name, attrs in {"parallel_runtime.runtime.client": {"get_client": rt.get_client},
                         "parallel_runtime.planning.auto": {"choose_strategy": rt.choose_strategy},
-                        "parallel_runtime.runtime.devices": {"parse_devices": rt.parse_devices,
-                                                             "runtime_devices": rt.runtime_devices}}.items():
+                        "parallel_runtime.distributed.devices": {"parse_devices": rt.parse_devices,
+                                                                 "runtime_devices": rt.runtime_devices}}.items():
         mod = types.ModuleType(name)
         mod.__dict__.update(attrs)
         monkeypatch.setitem(sys.modules, name, mod)
@@ -447,7 +447,7 @@ def test_loader_refuses_several_gpus_without_nccl_before_a_prompt_starts(folder_
     import torch.distributed as dist
 
     from nodes import remote_model
-    from parallel_runtime.runtime.devices import NO_NCCL
+    from parallel_runtime.distributed.devices import NO_NCCL
 
     monkeypatch.setattr(remote_model, "parallel_model", lambda h: types.SimpleNamespace(handle=h))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

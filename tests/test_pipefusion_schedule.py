@@ -19,11 +19,11 @@ from parallel_runtime.models.families.flux_adapter import FluxAdapter
 from parallel_runtime.sampling import FLUX_LATENT, model_sampling_for
 
 from parallel_runtime.strategies.attention.processor import AttentionContext
-from parallel_runtime.runtime.comm import Group
+from parallel_runtime.distributed.comm import Group
 from parallel_runtime.strategies.denoise import Denoiser
 from parallel_runtime.errors import Cancelled
 from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
-from parallel_runtime.runtime.topology import DIMS, Topology
+from parallel_runtime.distributed.topology import DIMS, Topology
 
 
 class RecordingComm:

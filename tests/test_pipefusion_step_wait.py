@@ -18,8 +18,8 @@ from test_pipefusion_schedule import IdentityFlux, RecordingComm
 from parallel_runtime.strategies import denoise
 from parallel_runtime.strategies.attention.processor import AttentionContext
 from parallel_runtime.strategies.denoise import Denoiser
-from parallel_runtime.runtime.streams import StreamMark
-from parallel_runtime.runtime.topology import Topology
+from parallel_runtime.distributed.streams import StreamMark
+from parallel_runtime.distributed.topology import Topology
 from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
 
 

@@ -20,8 +20,8 @@ ck_tensor = pytest.importorskip("comfy_kitchen.tensor")
 from conftest import rel_err  # noqa: E402
 from test_comfy_quant import FORMATS, _matmul_job, _one_layer_file, _one_worker_latents, comfy_quant_twins  # noqa: E402
 from test_families import job  # noqa: E402
-from parallel_runtime.runtime.comm import Group  # noqa: E402
-from parallel_runtime.runtime.topology import Topology  # noqa: E402
+from parallel_runtime.distributed.comm import Group  # noqa: E402
+from parallel_runtime.distributed.topology import Topology  # noqa: E402
 from parallel_runtime.spec import StrategySpec as S  # noqa: E402
 from parallel_runtime.strategies.forward_amax import forward_amax_reduce  # noqa: E402
 from parallel_runtime.weights.checkpoint import open_checkpoint  # noqa: E402

@@ -270,7 +270,7 @@ def test_lora_on_sharded_blocks_reads_the_file_once_per_stack_not_per_gather(fol
     no LoRA factor moved to the device, however many steps; the gathered tensors equal an unsharded rank's with the
     same stack bit for bit (ComfyUI's seeded stochastic rounding into fp8 included), with a second stack and off
     again."""
-    from parallel_runtime.runtime.topology import Topology
+    from parallel_runtime.distributed.topology import Topology
     from parallel_runtime.runtime.worker import WorkerState
 
     name = "kontext"
@@ -362,7 +362,7 @@ def test_client_settles_auto_sharding_and_refuses_what_never_fits(folder):
     """shard_weights "auto" turns on for a job that does not fit a rank unsharded and does sharded; a job that fits
     neither way is refused before loading in one sentence that names what each lean plan would need. (A Flux of
     18 blocks: with the tiny one's 4, two whole blocks in flight outweigh the half a rank leaves out.)"""
-    from parallel_runtime.runtime.memory import check_job_memory, job_rank_memory, settle_weight_sharding
+    from parallel_runtime.planning.memory import check_job_memory, job_rank_memory, settle_weight_sharding
 
     deep = dataclasses.replace(TINY, num_layers=6, num_single_layers=12)
     path = write_checkpoint(str(folder / "deep-flux.safetensors"), deep, seed=0)

@@ -6,9 +6,9 @@ from datetime import timedelta
 
 import pytest
 
-from parallel_runtime.runtime.comm import Comm, GroupPool
+from parallel_runtime.distributed.comm import Comm, GroupPool
 from parallel_runtime.soak import TARGET_MIB_PER_1000_JOBS, run_soak, soak_strategies
-from parallel_runtime.runtime.topology import Topology
+from parallel_runtime.distributed.topology import Topology
 
 pytestmark = pytest.mark.timeout(300)
 

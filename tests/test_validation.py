@@ -6,12 +6,12 @@ import torch
 
 from conftest import make_job
 from parallel_runtime.runtime.client import RuntimeClient
-from parallel_runtime.runtime.devices import parse_devices
+from parallel_runtime.distributed.devices import parse_devices
 from parallel_runtime.errors import ConfigError, ModelFileError
 from parallel_runtime.runtime.protocol import decode, encode
 from parallel_runtime.spec import StrategySpec as S
-from parallel_runtime.runtime.topology import Topology, stage_speeds, validate_strategy
-from parallel_runtime.planning.stages import balanced_stages, split_stages
+from parallel_runtime.distributed.topology import Topology, stage_speeds, validate_strategy
+from parallel_runtime.distributed.stages import balanced_stages, split_stages
 from parallel_runtime.validate import validate_job
 from parallel_runtime.strategies.layout import TokenLayout, split_range, weighted_counts
 
@@ -148,7 +148,7 @@ def test_protocol_carries_tensors_without_pickle():
 
 
 def test_pipeline_stages_balance_work_within_the_memory_cap():
-    from parallel_runtime.planning.stages import split_stages
+    from parallel_runtime.distributed.stages import split_stages
 
     # Real Flux-dev: 19 double blocks (36 h^2 of weights) then 38 single (15 h^2); equal work per block.
     memory = [36] * 19 + [15] * 38
@@ -242,7 +242,7 @@ def test_nan_and_inf_inputs_are_refused_before_any_worker_starts(tiny_path):
 
 
 def test_a_job_that_does_not_fit_a_worker_is_refused_before_allocation_with_the_figures(tiny_path, monkeypatch):
-    from parallel_runtime.runtime import memory
+    from parallel_runtime.planning import memory
 
     client = RuntimeClient("cpu:2", threads_per_worker=1)
     try:
@@ -268,7 +268,7 @@ def test_a_job_that_does_not_fit_a_worker_is_refused_before_allocation_with_the_
 
 
 def test_memory_budget_counts_what_a_worker_already_holds():
-    from parallel_runtime.runtime.memory import CPU_USABLE, CUDA_USABLE, rank_budgets
+    from parallel_runtime.planning.memory import CPU_USABLE, CUDA_USABLE, rank_budgets
 
     gib = 2**30
     cuda = rank_budgets(["cuda:0", "cuda:1"], [{"held_bytes": 10 * gib, "host_available": 0, "device_free": 20 * gib},
@@ -279,7 +279,7 @@ def test_memory_budget_counts_what_a_worker_already_holds():
 
 
 def test_devices_auto_without_a_gpu_says_so_in_one_sentence_before_loading():
-    from parallel_runtime.runtime.devices import auto_notice
+    from parallel_runtime.distributed.devices import auto_notice
 
     notice = auto_notice("auto", ["cpu"])
     assert notice.startswith("no GPU is visible") and "48 GB" in notice and one_sentence(notice)

@@ -369,7 +369,7 @@ def test_wan_another_slicing_of_the_same_file_is_never_kept_beside_it(expert_pat
 
 def test_wan22_experts_kept_only_where_every_rank_has_room(expert_paths):
     """keeps_other_models on reported memory: 2 GB free + a 1 GB other expert per rank against a job's estimate."""
-    from parallel_runtime.runtime.memory import job_rank_memory, keeps_other_models
+    from parallel_runtime.planning.memory import job_rank_memory, keeps_other_models
 
     high, low = expert_paths
     job = call_job(low, S(ulysses_degree=2))

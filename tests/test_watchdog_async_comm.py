@@ -18,9 +18,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-from parallel_runtime.runtime import comm as comm_module
-from parallel_runtime.runtime.comm import Comm
-from parallel_runtime.runtime.topology import Topology
+from parallel_runtime.distributed import comm as comm_module
+from parallel_runtime.distributed.comm import Comm
+from parallel_runtime.distributed.topology import Topology
 from parallel_runtime.runtime.watchdog import Heartbeat, JobWatch, WatchdogConfig
 
 pytestmark = pytest.mark.timeout(60)

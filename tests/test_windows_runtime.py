@@ -19,8 +19,8 @@ from conftest import make_job
 from parallel_runtime.errors import Cancelled, ConfigError
 from parallel_runtime.runtime import client as client_module
 from parallel_runtime.runtime.client import RuntimeClient
-from parallel_runtime.runtime.devices import NO_NCCL, runtime_devices
-from parallel_runtime.runtime.portability import collective_backend, loopback_interface, peak_rss
+from parallel_runtime.distributed.devices import NO_NCCL, runtime_devices
+from parallel_runtime.distributed.portability import collective_backend, loopback_interface, peak_rss
 from parallel_runtime.spec import StrategySpec as S
 
 pytestmark = pytest.mark.timeout(300)

@@ -33,7 +33,7 @@ from conftest import load_queue_script
 from nodes import convert
 from parallel_runtime.models.families.wan import HEAD_DIM as WAN_HEAD_DIM
 from parallel_runtime.spec import StrategySpec
-from parallel_runtime.runtime.topology import latent_plane, validate_strategy
+from parallel_runtime.distributed.topology import latent_plane, validate_strategy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WF_DIR = os.path.join(REPO, "workflows")

@@ -5,7 +5,7 @@ token counts), then auto's pick given those speeds. A balanced run must stay exa
 from __future__ import annotations
 
 from ..errors import ConfigError
-from ..runtime.topology import latent_plane, validate_strategy
+from ..distributed.topology import latent_plane, validate_strategy
 from ..spec import StrategySpec
 from .grid import row_label
 from .measure import rel_err
@@ -35,7 +35,7 @@ def balance_bench(say, args, path: str, config, latent_shape, text: int, target)
     from ..planning import auto
     from ..planning.balance import measured_weights
     from ..runtime.client import RuntimeClient
-    from ..runtime.devices import pinned_cores
+    from ..distributed.devices import pinned_cores
 
     client = RuntimeClient(args.devices, threads_per_worker=args.threads)
     try:

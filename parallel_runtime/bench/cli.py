@@ -34,8 +34,8 @@ import torch
 from ..errors import ConfigError
 from ..planning import costmodel
 from ..planning.traffic import compare, job_traffic, shapes_of
-from ..runtime.devices import default_dtype
-from ..runtime.topology import latent_plane
+from ..distributed.devices import default_dtype
+from ..distributed.topology import latent_plane
 from ..toy.text import TEXT_TOKENS
 from .controlnet import controlnet_row
 from .grid import CFG_PARALLEL_SCALE, grid, row_label, subset_devices
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None, workers: dict | None = None) -> int:
         print(text, file=out_stream, flush=True)
 
     import diffusers  # noqa: F401 - fail early if diffusers is missing
-    from ..runtime.devices import parse_devices
+    from ..distributed.devices import parse_devices
 
     t_start = time.perf_counter()
     width, height = parse_resolution(args.resolution)

@@ -3,7 +3,7 @@ hybrids and naive patch that fit the model and the devices."""
 from __future__ import annotations
 
 from ..errors import ConfigError
-from ..runtime.topology import validate_strategy
+from ..distributed.topology import validate_strategy
 from ..spec import StrategySpec
 
 CFG_PARALLEL_SCALE = 3.5  # cfg used for the CFG-parallel rows when the grid itself runs at cfg 1

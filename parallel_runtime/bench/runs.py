@@ -129,8 +129,8 @@ def run_in_process(path: str, latent_shape, text_tokens: int, cfg: float, steps:
 
 def in_process_reference(spec: dict) -> None:
     from ..models.registry import read_model
-    from ..runtime.comm import Comm
-    from ..runtime.topology import Topology
+    from ..distributed.comm import Comm
+    from ..distributed.topology import Topology
     from ..strategies.attention.processor import AttentionContext
     from ..strategies.denoise import Denoiser
     from ..weights.checkpoint import open_checkpoint

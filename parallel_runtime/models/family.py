@@ -268,12 +268,12 @@ class DiTFamily:
         return {**modulation_plan(model, self.block_lists), **plan} if plan else {}
 
     def pipeline_stages(self, config, stages: int, speeds: tuple[float, ...] = ()) -> list[list[range]]:
-        from ..planning.stages import balanced_stages
+        from ..distributed.stages import balanced_stages
 
         return balanced_stages(self.parameter_counts(config), stages, speeds)
 
     def stage_ownership(self, config, chunks: list[range], first: bool, last: bool) -> Callable[[str], bool]:
-        from ..planning.stages import prefix_ownership
+        from ..distributed.stages import prefix_ownership
 
         return prefix_ownership(self.block_lists, _block_list_sizes(self, config), chunks, self.always_owned,
                                 self.first_stage if first else (), self.last_stage if last else ())

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..distributed.devices import pinned_cores, resolve_dtype, runtime_devices
+from ..distributed.stages import patch_period
+from ..distributed.topology import Topology, latent_plane, stage_speeds, validate_strategy
 from ..errors import ConfigError
 from ..models.registry import family_of, prompt_rows, token_patch
-from ..runtime.devices import pinned_cores, runtime_devices
-from ..runtime.memory import CPU_USABLE, CPU_WORKER_OVERHEAD, CUDA_USABLE, weight_bytes
-from ..runtime.topology import Topology, latent_plane, stage_speeds, validate_strategy
 from ..spec import StrategySpec
 from . import costmodel
-from .stages import patch_period
+from .memory import CPU_USABLE, CPU_WORKER_OVERHEAD, CUDA_USABLE, weight_bytes
 
 EXACT_PREFERENCE = 0.03  # PipeFusion must be >3% faster than the best exact strategy to be chosen
 DEFAULT_TEXT_TOKENS = 256  # T5 tokens of a typical Flux prompt as ComfyUI encodes it
@@ -261,8 +261,6 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
     if threads is None:
         threads = max(1, costmodel.available_cores() // world) if device_list[0] == "cpu" else 1
     if calibration is None:
-        from ..runtime.worker import resolve_dtype
-
         dtype = resolve_dtype(weight_dtype, torch.device(device_list[0]))
         calibration = costmodel.calibrate(config, text_len, image_tokens(config, h, w), device_list, threads=threads,
                                           dtype=dtype, refresh=refresh)

@@ -32,7 +32,7 @@ def measured_weights(client, model_path: str, latent_shape: tuple, text_len: int
                      weight_dtype: str = "default") -> tuple[float, ...]:
     """Each worker's relative speed on this job's model and token counts (RuntimeClient.measure_speeds)."""
     from ..models.registry import prompt_rows, token_patch
-    from ..runtime.topology import latent_plane
+    from ..distributed.topology import latent_plane
     from ..validate import model_config
 
     config = model_config(model_path)

@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..runtime.portability import collective_backend, loopback_interface, module_command
-from ..runtime.topology import Topology
+from ..distributed.portability import collective_backend, loopback_interface, module_command
+from ..distributed.topology import Topology
 from ..spec import StrategySpec
 from .traffic import Shapes, branches_per_forward, job_traffic, shapes_of
 
@@ -443,7 +443,7 @@ def calibrate(config, text_tokens: int, image_tokens: int, devices: list[str], *
     device = devices[0]
     kind = "cuda" if device.startswith("cuda") else "cpu"
     if dtype is None:  # the workers' "default" (fp16 on GPUs below compute capability 8.0)
-        from ..runtime.devices import default_dtype
+        from ..distributed.devices import default_dtype
 
         dtype = default_dtype(kind, torch.cuda.get_device_capability(device) if kind == "cuda" else None)
     try:

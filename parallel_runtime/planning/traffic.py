@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..runtime.topology import Topology
+from ..distributed.topology import Topology
 from ..spec import StrategySpec
 
 X_BYTES = 4  # the sampler state x is float32 on every device

@@ -1,1 +1,1 @@
-"""The runtime: worker processes, their control channel and watchdog, ranks and the process groups between them."""
+"""The runtime: the client, the worker processes, their control channel, link checks and watchdog."""

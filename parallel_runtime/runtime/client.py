@@ -36,11 +36,11 @@ from typing import Callable
 import torch
 
 from .. import errors
+from ..distributed.devices import pinned_cores, runtime_devices, worker_threads
+from ..distributed.portability import TIMED_OUT, loopback_interface, module_command, socket_timeout
+from ..planning.memory import check_job_memory, keeps_other_models, settle_weight_sharding
 from ..spec import Job
-from .devices import pinned_cores, runtime_devices, worker_threads
 from .links import p2p_setting, shared_memory_problem
-from .memory import check_job_memory, keeps_other_models, settle_weight_sharding
-from .portability import TIMED_OUT, loopback_interface, module_command, socket_timeout
 from .protocol import PATCH_SETS_KEPT, Channel, encode, keep_hints, keep_recent
 from .watchdog import JobWatch, WatchdogConfig
 
@@ -659,7 +659,7 @@ class RuntimeClient:
 
     def memory_budget(self) -> int:
         """Bytes the tightest worker may use for a job, as the workers report it (starts them if needed)."""
-        from .memory import rank_budgets
+        from ..planning.memory import rank_budgets
 
         with self._lock:
             return min(rank_budgets(self.devices, self.ping()))

@@ -48,7 +48,7 @@ def plan(client, request: StrategyRequest, model: ModelSpec, latent_shape: tuple
         spec, reason = _auto(client, request, model, latent_shape, cfg, devices, weights, per_call)
     if not per_call:
         return Plan(spec, reason)
-    from .topology import fit_to_latent, latent_plane
+    from ..distributed.topology import fit_to_latent, latent_plane
 
     fitted, note = fit_to_latent(spec, latent_plane(tuple(latent_shape)[2:]), patch)
     return Plan(fitted, reason, note)

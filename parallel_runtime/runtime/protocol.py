@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ..strategies.control import HINTS_KEPT
+
 _HEADER = struct.Struct("<I")
 
 
@@ -79,7 +81,6 @@ class Channel:
 # LoRA stacks (WeightPatches) the workers keep by id: one per resident model, so the two experts of a Wan 2.2 graph,
 # each with its own step-distillation LoRA, take turns without the client re-sending either stack.
 PATCH_SETS_KEPT = 2
-HINTS_KEPT = 8  # ControlNet hints the workers keep between jobs (and hint token tables each ControlNet keeps)
 
 
 def keep_hints(kept: OrderedDict, named: list[str], new: dict) -> None:

@@ -67,7 +67,9 @@ class WatchdogConfig:
 
 # -- worker side -------------------------------------------------------------------------------------
 
-_WAIT_HINTS = ("comm.py", os.sep + "distributed" + os.sep)
+# Our comm layer and torch.distributed's own files; not every file under a "distributed" folder, since
+# parallel_runtime/distributed/ also holds the rank layout and stage arithmetic, where no rank waits.
+_WAIT_HINTS = ("comm.py", os.sep + os.path.join("torch", "distributed", ""))
 
 
 def where(thread_id: int) -> tuple[str, bool]:

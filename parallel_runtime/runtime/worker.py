@@ -21,9 +21,10 @@ from datetime import timedelta
 
 import torch
 
+from ..distributed.devices import resolve_dtype
+from ..distributed.portability import collective_backend, loopback_store, peak_rss, pin_to_core
 from ..errors import Cancelled, ConfigError, ParaDiTError
 from .links import check_links
-from .portability import collective_backend, loopback_store, peak_rss, pin_to_core
 from .protocol import Channel
 
 
@@ -176,7 +177,7 @@ class WorkerState:
         self.last_load_seconds = time.perf_counter() - t0
 
     def comm_for(self, topology):
-        from .comm import Comm, GroupPool
+        from ..distributed.comm import Comm, GroupPool
 
         if topology not in self.comms:
             if self.groups is None and self.world > 1:
@@ -320,17 +321,6 @@ def weight_shard(topology, rank: int) -> tuple[int, int] | None:
     return (group.index(rank), len(group)) if len(group) > 1 else None
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The dtype layers compute in for the loader's weight_dtype (fp8 weights compute in the default one)."""
-    from .devices import WEIGHT_DTYPES, default_dtype, named_dtype
-
-    if name not in WEIGHT_DTYPES or (name != "default" and named_dtype(name) is None):
-        raise ConfigError(f"weight_dtype {name!r} is unknown; choose one of {', '.join(WEIGHT_DTYPES)}.")
-    if name == "default" or name.startswith("fp8"):
-        return default_dtype(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
-    return named_dtype(name)
-
-
 def resolve_storage(name: str, device: torch.device, quantized_matmul: str = "auto"):
     """How the rank stores the weights (`Storage.for_weight_dtype`, the rule the memory estimate shares) on this
     device: whether it computes in fp8, and which ComfyUI-quantized formats multiply in their layout."""
@@ -376,7 +366,7 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
 
     Nothing before the go touches a process group, so a rank that fails to load leaves its peers idle and
     the group intact; the client aborts the others and keeps every worker."""
-    from .topology import Topology, stage_speeds
+    from ..distributed.topology import Topology, stage_speeds
 
     job = _job_from_message(meta, tensors)
     topology = Topology.from_strategy(job.strategy)
@@ -489,7 +479,7 @@ def _error_meta(exc: BaseException, state: WorkerState, phase: str) -> dict:
         kind = "OutOfMemory"
         free = ""
         if state.device.type == "cuda":
-            from .memory import device_memory
+            from ..planning.memory import device_memory
 
             free_b, total_b = device_memory(state.device)  # the cached blocks no tensor uses count as free
             free = f" ({free_b / 2**30:.1f} of {total_b / 2**30:.1f} GB free)"
@@ -527,7 +517,7 @@ def measure_speed(device: torch.device, meta: dict) -> float:
 
 
 def serve(state: WorkerState, chan: Channel, heartbeat_s: float) -> None:
-    from .memory import worker_report
+    from ..planning.memory import worker_report
     from .watchdog import Heartbeat
 
     jobs: queue.Queue = queue.Queue()

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..runtime.protocol import HINTS_KEPT
 from ..spec import ControlInput
+
+HINTS_KEPT = 8  # ControlNet hints the workers keep between jobs (and hint token tables each ControlNet keeps)
 
 
 @dataclass

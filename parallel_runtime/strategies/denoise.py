@@ -18,10 +18,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ..distributed.comm import Comm
+from ..distributed.streams import StreamMark
+from ..distributed.topology import Topology, latent_plane, validate_strategy
 from ..errors import Cancelled
 from ..models.family import DiTAdapter
-from ..runtime.comm import Comm
-from ..runtime.streams import StreamMark
 from .attention import AttentionBias, LocalAttention, RingAttention, UlyssesAttention
 from .attention.processor import AttentionContext
 from .control import ControlNets, ControlPass, Residuals
@@ -31,7 +32,6 @@ from .layout import TokenLayout, weighted_counts
 from .pipefusion import StaleKVAttention, StaleKVCache
 from ..sampling import (cfg_combine, cfg_uses_uncond, final_latent, ksampler_sigmas, make_sampler, prepare_noise,
                        start_latent)
-from ..runtime.topology import Topology, latent_plane, validate_strategy
 from ..spec import Conditioning, Job
 from ..validate import validate_branches
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.comm import Comm, Group
+from ..distributed.comm import Comm, Group
 from .pipefusion import StaleKVCache
 
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from ..runtime.comm import Comm
+from ..distributed.comm import Comm
 from ..spec import Job
 
 SPLIT_DIMS = ("sp", "naive_patch", "patch", "tensor")  # "sp": Ring x Ulysses, one group

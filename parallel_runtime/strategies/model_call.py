@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ..runtime.topology import latent_plane, validate_strategy
+from ..distributed.topology import latent_plane, validate_strategy
 from ..spec import Job
 from .attention import LocalAttention
 from .control import ControlPass

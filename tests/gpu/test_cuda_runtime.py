@@ -16,15 +16,14 @@ import torch
 from conftest import make_job, rel_err
 from parallel_runtime.strategies.attention.processor import AttentionContext
 from parallel_runtime.runtime.client import RuntimeClient
-from parallel_runtime.runtime.comm import Comm
+from parallel_runtime.distributed.comm import Comm
 from parallel_runtime.strategies.denoise import Denoiser
-from parallel_runtime.runtime.devices import default_dtype, parse_devices
+from parallel_runtime.distributed.devices import default_dtype, parse_devices, resolve_dtype
 from parallel_runtime.errors import ConfigError, OutOfMemory
 from parallel_runtime.models.families.flux_adapter import load_flux
 from parallel_runtime.models.families.flux_adapter import FluxAdapter
 from parallel_runtime.sampling import SAMPLERS
-from parallel_runtime.runtime.topology import Topology
-from parallel_runtime.runtime.worker import resolve_dtype
+from parallel_runtime.distributed.topology import Topology
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -107,7 +106,7 @@ def test_out_of_memory_names_rank_and_device_and_leaves_no_orphan(gpu, tiny_path
     any work; with that check off, the worker itself runs out of memory. Either way the message names the
     rank and its device, and no worker process outlives the client."""
     import parallel_runtime.runtime.client as client_module
-    import parallel_runtime.runtime.memory as memory_module
+    import parallel_runtime.planning.memory as memory_module
 
     if not preflight:
         for module in (client_module, memory_module):
@@ -146,7 +145,7 @@ def test_device_strings(gpu):
     capability = torch.cuda.get_device_capability(gpu)
     assert resolve_dtype("default", torch.device(gpu)) == default_dtype("cuda", capability)
     # With no GPU visible, 'auto' is one CPU worker and a GPU index is refused with the fix.
-    code = ("from parallel_runtime.runtime.devices import parse_devices\n"
+    code = ("from parallel_runtime.distributed.devices import parse_devices\n"
             "print(parse_devices('auto'))\n"
             "try:\n    parse_devices('0')\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ...runtime.comm import Comm, Group
+from ...distributed.comm import Comm, Group
 from .local import attention_with_lse, dead_queries, merge_partials
 
 

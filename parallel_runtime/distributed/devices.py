@@ -123,3 +123,14 @@ def default_dtype(device_type: str, capability: tuple[int, int] | None = None):
     if device_type != "cuda":
         return torch.float32
     return torch.bfloat16 if capability is None or tuple(capability) >= (8, 0) else torch.float16
+
+
+def resolve_dtype(name: str, device):
+    """The dtype layers compute in for the loader's weight_dtype (fp8 weights compute in the default one)."""
+    import torch
+
+    if name not in WEIGHT_DTYPES or (name != "default" and named_dtype(name) is None):
+        raise ConfigError(f"weight_dtype {name!r} is unknown; choose one of {', '.join(WEIGHT_DTYPES)}.")
+    if name == "default" or name.startswith("fp8"):
+        return default_dtype(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+    return named_dtype(name)

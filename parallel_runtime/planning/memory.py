@@ -64,10 +64,10 @@ def weight_bytes(weight_dtype: str, device: str) -> int:
 def job_rank_memory(job, device: str, strategy=None, bytes_per_parameter: float | None = None) -> dict:
     """Estimated peak bytes on the fullest rank of `job` (parameters, KV buffers, activations); `strategy` and
     `bytes_per_parameter` ask what another plan or another file of the same model would need."""
+    from ..distributed.topology import latent_plane
     from ..models.registry import token_patch
-    from ..planning.costmodel import rank_memory
     from ..validate import model_config, stored_bytes_per_parameter
-    from .topology import latent_plane
+    from .costmodel import rank_memory
 
     config = model_config(job.model.path)
     b, _, *spatial = job.latent.shape
