@@ -368,6 +368,8 @@ def latent_output(latent_in: dict, samples: torch.Tensor) -> dict:
     expected = tuple(latent_in["samples"].shape)
     if isinstance(samples, torch.Tensor) and samples.dim() == 5 and len(expected) == 4:
         expected = expected[:2] + (1,) + expected[2:]
+    if isinstance(samples, torch.Tensor) and samples.dim() == 4 and len(expected) == 5 and expected[2] == 1:
+        samples = samples.unsqueeze(2)  # a one-frame [B, C, 1, H, W] latent for an image model comes back so
     if not isinstance(samples, torch.Tensor) or tuple(samples.shape) != expected:
         got = tuple(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
         raise ConfigError(f"The runtime returned a latent of shape {got} for an input of shape {expected}; "

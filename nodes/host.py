@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 from . import convert
 
 
@@ -35,6 +37,17 @@ class ComfyHost:
                                       "ComfyUI (or headless through ComfyUI's API).")
         return comfy_nodes.common_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
                                            latent, denoise=denoise)[0]
+
+    def fixed_latent(self, model, latent: dict) -> dict:
+        """The LATENT as KSampler samples it: ComfyUI's fix_empty_latent_channels widens an empty latent to the
+        model's channels (Empty Latent Image's 4 for Flux's 16) and gives a video-format model its frame axis."""
+        import comfy.sample
+
+        samples = latent.get("samples") if isinstance(latent, dict) else None
+        if not isinstance(samples, torch.Tensor):
+            return latent  # not a LATENT: the conversion says so in one sentence
+        fixed = comfy.sample.fix_empty_latent_channels(model, samples)
+        return latent if fixed is samples else dict(latent, samples=fixed)
 
     def progress_bar(self, total: int, node_id: str | None):
         import comfy.utils

@@ -30,7 +30,7 @@ _KEY_NAMES = {
     "control": "a ControlNet",
     "gligen": "GLIGEN",
     "hooks": "conditioning hooks (LoRA hooks)",
-    "attention_mask": "an attention mask (StyleModelApply)",
+    "attention_mask": "an attention mask (StyleModelApply's, or a padded prompt's)",
     "clip_vision_output": "CLIP-vision tokens of a start image",
     "start_percent": "a timestep range (ConditioningSetTimestepRange)",
     "end_percent": "a timestep range (ConditioningSetTimestepRange)",
@@ -73,26 +73,47 @@ def finite(value) -> bool:
 def _model_patch_gap(model) -> str | None:
     """Anything set on the MODEL that ComfyUI's sampler would apply and the worker loop would not: a ModelSampling
     patch, a guidance hook (SkipLayerGuidanceDiT's post-CFG function, CFG-Zero*), DifferentialDiffusion's denoise
-    mask function, block patches, another node's wrappers or callbacks. Only ParaDiT's own ControlNet wrapper
-    (which acts only on conditionings carrying a ControlNet, routed anyway) is no reason."""
+    mask function, block patches, another node's wrappers, callbacks, injections or attachments (on the patcher
+    itself: ComfyUI copies them into transformer_options only inside the sampler's clone). Only ParaDiT's own
+    ControlNet wrapper (which acts only on conditionings carrying a ControlNet, routed anyway) is no reason."""
     patched = sorted(getattr(model, "object_patches", None) or {})
     if patched:
         return f"a patched model ({', '.join(patched)}, as ModelSampling nodes set)"
     options = getattr(model, "model_options", None) or {}
     for key, value in options.items():
-        if key != "transformer_options" and value:
+        if key != "transformer_options" and _present(value):
             return f"{_HOOK_NAMES[key]} ({key})" if key in _HOOK_NAMES else f"a model option ({key})"
-    for key, value in (options.get("transformer_options") or {}).items():
-        if key in ("patches_replace", "patches") and value:
+    transformer = options.get("transformer_options") or {}
+    for key in ("patches_replace", "patches"):
+        if _present(transformer.get(key)):
             return f"block patches ({key}, as SkipLayerGuidance nodes set)"
-        if key == "wrappers":
-            others = sorted(name for kind in (value or {}).values() for name in (kind or {})
-                            if name != CONTROLNET_WRAPPER)
-            if others:
-                return f"a model wrapper ({', '.join(others)})"
-        elif value:
+    for where in (transformer, vars(model) if hasattr(model, "__dict__") else {}):
+        for kind in ("wrappers", "callbacks"):
+            named = sorted(key for per_type in (where.get(kind) or {}).values() for key, fns in (per_type or {}).items()
+                           if key != CONTROLNET_WRAPPER and _present(fns))
+            if named:
+                return f"a model {kind[:-1]} ({', '.join(named)})"
+    for key, value in transformer.items():
+        if key not in ("patches_replace", "patches", "wrappers", "callbacks") and _present(value):
             return f"a transformer option ({key})"
+    for kind in ("injections", "attachments"):
+        if _present(getattr(model, kind, None)):
+            return f"model {kind} ({', '.join(sorted(map(str, getattr(model, kind))))})"
     return None
+
+
+def _present(value) -> bool:
+    """Whether an option is set: a tensor always is (its truth value is ambiguous), a container when any of its
+    entries is, anything else by its truth."""
+    if value is None:
+        return False
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_present(v) for v in value.values())
+    if isinstance(value, (list, tuple, set)):
+        return any(_present(v) for v in value)
+    return bool(value)
 
 
 def _latent_gap(latent, video_model: bool) -> str | None:
@@ -120,8 +141,16 @@ def _conditioning_gap(value, which: str) -> str | None:
             continue
         if key in _NEUTRAL and _is_neutral(v, _NEUTRAL[key]):
             continue
+        if key == "attention_mask" and _hides_nothing(v):
+            continue
         return f"{_KEY_NAMES.get(key, repr(key))} in the {which} conditioning"
     return None
+
+
+def _hides_nothing(mask) -> bool:
+    """A prompt mask [B, L] of all ones (Lumina 2's and Z-Image's encoders always attach one): ComfyUI's
+    extra_conds drops it, and the worker loop runs the unpadded prompt it describes."""
+    return isinstance(mask, torch.Tensor) and mask.ndim == 2 and bool((mask == 1).all())
 
 
 def _is_neutral(value, neutral: float) -> bool:

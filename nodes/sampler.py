@@ -49,6 +49,8 @@ def sample(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
                                   "(e.g. from UNETLoader); load the file with Load Parallel DiT, or sample this model "
                                   "with KSampler.")
     remote = remote_model.remote_dit(model)
+    if remote is not None:  # KSampler's own first step: an empty latent widened to the model's channels and frames
+        latent_image = host.fixed_latent(model, latent_image)
     # A bare handle (headless, tests) has no BaseModel to ask: the workers check a video latent against the file.
     video = remote.video_model() if remote is not None else _has_frames(latent_image)
     gap = route.worker_loop_gap(model, cfg, sampler_name, scheduler, positive, negative, latent_image, video)
@@ -114,6 +116,7 @@ def _sample_per_call(model, seed, steps, cfg, sampler_name, scheduler, positive,
     host.send_text(line, node_id)
     host.send(convert.status_payload(state="starting", strategy=None, step=0, total=int(steps), **common))
     started = time.monotonic()
+    remote.last_strategy = None  # set by this run's first model call (none where denoise leaves no step)
     try:
         out = host.ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                             denoise)

@@ -514,7 +514,7 @@ def test_video_vae_image_latents_lose_and_regain_their_frame_axis():
     assert convert.latent_output(four, four["samples"].unsqueeze(2))["samples"].shape == (1, 16, 1, 16, 16)
     assert convert.latent_output(four, four["samples"])["samples"].shape == (1, 16, 16, 16)
     with pytest.raises(ConfigError, match="bug"):
-        convert.latent_output(five, samples)
+        convert.latent_output(five, samples[:, :, :4])
 
 
 def test_reference_latents_travel_with_their_method():
@@ -536,6 +536,15 @@ def test_reference_latents_travel_with_their_method():
 def test_latent_errors(value, match):
     with pytest.raises(ConfigError, match=match):
         convert.latent_samples(value)
+
+
+def test_a_one_frame_video_latent_for_an_image_model_comes_back_with_its_frame_axis():
+    """EmptyHunyuanLatentVideo at length 1 on Flux: sampled as [B, C, H, W], returned [B, C, 1, H, W] as KSampler
+    returns it (RemoteDiT squeezes and unsqueezes the frame axis per call)."""
+    one = {"samples": torch.zeros(1, 16, 1, 8, 8)}
+    samples, _ = convert.latent_samples(one)
+    assert samples.shape == (1, 16, 8, 8)
+    assert convert.latent_output(one, torch.ones(1, 16, 8, 8))["samples"].shape == (1, 16, 1, 8, 8)
 
 
 def test_a_video_latent_keeps_its_frames_for_a_video_model():

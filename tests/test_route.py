@@ -43,13 +43,22 @@ class RecordingHost(FakeHost):
     """FakeHost plus ComfyUI's common_ksampler, recorded; the remote's last strategy set as a model call would."""
     calls: list = field(default_factory=list)
     fail: BaseException | None = None
+    sets_strategy: bool = True
+
+    def fixed_latent(self, model, latent):
+        """ComfyUI's fix_empty_latent_channels for a 16-channel model: an empty 4-channel latent is widened."""
+        samples = latent["samples"]
+        if samples.shape[1] == 4 and not samples.any():
+            return dict(latent, samples=samples.repeat(1, 4, *([1] * (samples.ndim - 2))))
+        return latent
 
     def ksampler(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent, denoise):
         self.calls.append(dict(seed=seed, steps=steps, cfg=cfg, sampler_name=sampler_name, scheduler=scheduler,
                                denoise=denoise, latent=latent))
         if self.fail is not None:
             raise self.fail
-        model.model.diffusion_model.last_strategy = StrategySpec(pipefusion_degree=2)
+        if self.sets_strategy:  # as the run's first model call does
+            model.model.diffusion_model.last_strategy = StrategySpec(pipefusion_degree=2)
         return dict(latent, samples=latent["samples"] * 2)
 
 
@@ -83,7 +92,7 @@ def test_the_worker_loop_runs_plain_graphs_images_and_videos():
     (dict(positive=cond(some_2027_key=1)), "'some_2027_key' in the positive conditioning"),
     (dict(model=parallel_model(sampler_post_cfg_function=[lambda a: a["denoised"]])),
      "a post-CFG function (sampler_post_cfg_function)"),
-    (dict(model=parallel_model(transformer_options={"patches_replace": {"dit": {("double_block", 1): None}}})),
+    (dict(model=parallel_model(transformer_options={"patches_replace": {"dit": {("double_block", 1): print}}})),
      "block patches (patches_replace, as SkipLayerGuidance nodes set)"),
 ])
 def test_what_the_worker_loop_lacks_is_named(change, phrase):
@@ -99,8 +108,35 @@ def test_model_options_route_unless_empty_or_paradits_own_wrapper():
     assert gap(model=parallel_model(transformer_options={"wrappers": {"outer_sample": {"easycache": [print]}}})) == \
         "a model wrapper (easycache)"
     assert gap(model=parallel_model(transformer_options={"callbacks": {"on_pre_run": {"x": [print]}}})) == \
-        "a transformer option (callbacks)"
+        "a model callback (x)"
     assert gap(model=parallel_model(some_2027_option=1)) == "a model option (some_2027_option)"
+    assert gap(model=parallel_model(some_tensor_option=torch.zeros(3))) == "a model option (some_tensor_option)"
+
+
+def test_wrappers_and_callbacks_on_the_patcher_itself_route():
+    """ComfyUI keeps add_wrapper_with_key / add_callback_with_key entries on the ModelPatcher and copies them into
+    transformer_options only in the sampler's own clone: the route reads the patcher's."""
+    model = parallel_model()
+    model.wrappers = {"outer_sample": {"paradit_controlnet": [print]}, "predict_noise": {}}
+    model.callbacks = {"on_pre_run": {}}
+    assert gap(model=model) is None
+    model.wrappers["predict_noise"]["lazycache"] = [print]
+    assert gap(model=model) == "a model wrapper (lazycache)"
+    model = parallel_model()
+    model.callbacks = {"on_cleanup": {"some_node": [print]}}
+    assert gap(model=model) == "a model callback (some_node)"
+    model = parallel_model()
+    model.injections = {"some_node": [object()]}
+    assert gap(model=model) == "model injections (some_node)"
+
+
+def test_a_prompt_mask_that_hides_nothing_keeps_the_worker_loop():
+    """Lumina 2's and Z-Image's encoders attach an all-ones mask; ComfyUI drops it, the worker loop runs that
+    prompt unpadded. A mask that hides padding routes (and the model call refuses padding in one sentence)."""
+    assert gap(positive=cond(attention_mask=torch.ones(1, 8))) is None
+    padded = torch.ones(1, 8)
+    padded[0, 6:] = 0
+    assert "attention mask" in gap(positive=cond(attention_mask=padded))
 
 
 def test_cfg_1_ignores_the_negative_in_both_loops():
@@ -145,6 +181,25 @@ def test_a_video_latent_reaches_the_worker_loop_with_its_frames(runtime):
                        host=RecordingHost())
     job = runtime.clients["cpu:2"].jobs[0]
     assert tuple(job.latent.shape) == (1, 16, 3, 10, 16)
+
+
+def test_an_empty_latent_is_widened_as_ksampler_widens_it(runtime):
+    """Empty Latent Image's 4 channels for a 16-channel model: KSampler's fix_empty_latent_channels first, then the
+    worker loop, and the output has the widened shape, as KSampler's."""
+    empty = {"samples": torch.zeros(1, 4, 16, 16)}
+    out, _ = sampler_mod.sample(parallel_model(), 1, 2, 1.0, "euler", "simple", cond(), cond(), empty, 1.0,
+                                host=RecordingHost())
+    assert tuple(runtime.clients["cpu:2"].jobs[0].latent.shape) == (1, 16, 16, 16)
+    assert tuple(out["samples"].shape) == (1, 16, 16, 16)
+
+
+def test_the_summary_never_shows_an_earlier_prompts_strategy(runtime):
+    model = parallel_model()
+    model.model.diffusion_model.last_strategy = StrategySpec(ring_degree=2)  # a KSampler run before this one
+    host = RecordingHost(sets_strategy=False)  # denoise leaves no step: no model call
+    _, summary = sampler_mod.sample(model, 0, 2, 1.0, "euler", "simple", cond(), cond(),
+                                    latent(noise_mask=torch.ones(1, 1, 16, 16)), 0.0, host=host)
+    assert summary.startswith("ParaDiT, one runtime job per model call") and host.events[-1]["strategy"] is None
 
 
 def test_cancel_and_errors_on_the_per_call_path_reach_comfyui(runtime):
