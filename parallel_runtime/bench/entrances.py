@@ -10,9 +10,10 @@ is as old as the cross-step pipeline's: one evaluation), so any larger differenc
 
 Times, host wall clock, the model load the workers report left out: `run` is the whole sampling run over its
 steps (what a user waits, warm-up steps included); `steady` is the median step after warm-up (Parallel Sampler:
-the slowest rank's own step times; per call: the host's time per call). Each entrance keeps its best of
-`--repeats`: contention on a shared machine only ever adds time, so the fastest run is the closest to the cost
-itself, and the entrances alternate which goes first so that neither always runs after the other.
+the slowest rank's own step times; per call: the host's time per call); `cpu` is the work done (_Clock). Each
+entrance keeps its best of `--repeats`: contention on a shared machine only ever adds time, so the fastest run is
+the closest to the cost itself, and the entrances alternate which goes first so that neither always runs after the
+other.
 """
 from __future__ import annotations
 
