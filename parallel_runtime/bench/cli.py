@@ -94,6 +94,10 @@ def parse_args(argv):
     ap.add_argument("--balance", action="store_true",
                     help="unequal devices (e.g. --devices cpu:0,cpu:0,cpu:1): each strategy over all of them with "
                          "equal shares and with shares by measured speed, then auto's pick on those speeds")
+    ap.add_argument("--entrances", action="store_true",
+                    help="Parallel Sampler's job against KSampler's way in (one job per model call, the sampler loop "
+                         "here) on the same warm workers: serial, CFG-2, Ulysses-2, Ring-2, PipeFusion-2 (or "
+                         "--configs), --repeats each; the latents must agree (exit 1 if not)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
     args = ap.parse_args(argv)
     if args.family:
@@ -265,6 +269,15 @@ class BenchRun:
             self._report_targets()
             record["targets"] = self.targets
             return self._finish(record)
+        if args.entrances:
+            from .entrances import entrances_bench
+
+            record["entrances"] = entrances_bench(self.say, args, self.path, self.config, self.latent_shape, self.text,
+                                                  self.devices, self.target, self.workers, self.conditioning)
+            self._report_targets()
+            record["targets"] = self.targets
+            status = self._finish(record)
+            return status if record["entrances"]["latents_agree"] else 1  # a wrong result is no timing noise
         if not args.no_auto:
             record["calibration"] = self._calibrate()
         rows, auto_pick, auto_reason = self._rows()
@@ -316,9 +329,11 @@ class BenchRun:
             size = f"{args.frames} frames of {size}"
         say(f"ParaDiT bench — model {self.model_name}")
         say(f"  {size} -> latent {'x'.join(map(str, shape[2:]))} -> {self.image_tokens} {self.tokens_name} tokens + "
-            f"{self.text} text tokens{self._padded_note()}; {args.steps} steps (euler/simple), seconds per step = median after warm-up, "
-            f"slowest rank, best of {args.repeats}; no VAE in any DiT time"
-            + ("; the VAE decode is timed apart after the grid" if self.video else ""))
+            f"{self.text} text tokens{self._padded_note()}; {args.steps} steps (euler/simple), "
+            + ("both entrances per strategy, each its fastest of " if args.entrances else
+               "seconds per step = median after warm-up, slowest rank, best of ")
+            + f"{args.repeats}; no VAE in any DiT time"
+            + ("; the VAE decode is timed apart after the grid" if self.video and not args.entrances else ""))
         say(f"  devices {args.devices} ({self.max_world} worker(s)), {args.threads} thread(s) per worker, "
             f"{self.cores} core(s) here")
         say("")
