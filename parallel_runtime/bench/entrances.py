@@ -24,7 +24,7 @@ import time
 import torch
 
 from ..errors import ConfigError
-from ..runtime.topology import latent_plane
+from ..distributed.topology import latent_plane
 from ..sampling import cfg_combine, final_latent, ksampler_sigmas, make_sampler, prepare_noise, start_latent
 from ..spec import Job, SamplingSpec, StrategySpec
 from .grid import grid, row_label, subset_devices
