@@ -220,19 +220,27 @@ def test_inpainting_equals_unetloader(server, differential, denoise, devices, st
     assert parity(server, g, f"inpainting differential={differential} {devices}") <= bound
 
 
-@pytest.mark.parametrize("case", ["regional", "inpainting_differential", "canny_plain"])
+MODEL_SAMPLING = {"class_type": "ModelSamplingFlux", "inputs": {"max_shift": 2.0, "base_shift": 0.3, "width": 160,
+                                                                  "height": 128}}
+
+
+@pytest.mark.parametrize("case", ["regional", "inpainting_differential", "model_sampling", "canny_plain"])
 def test_parallel_sampler_runs_what_ksampler_runs(server, case):
-    """Area + mask + timestep-range conditioning, and a Fill inpaint with SetLatentNoiseMask + DifferentialDiffusion
-    at denoise 0.7, under Parallel Sampler on 2 workers: KSampler's latent on the same MODEL (routed to ComfyUI's
-    sampler); a plain concat graph stays in the workers' own loop (round-off against KSampler's per-call run)."""
+    """Area + mask + timestep-range conditioning, a Fill inpaint with SetLatentNoiseMask + DifferentialDiffusion at
+    denoise 0.7, and a ModelSamplingFlux shift, under Parallel Sampler on 2 workers: KSampler's latent on the same
+    MODEL (routed to ComfyUI's sampler); a plain concat graph stays in the workers' own loop (round-off against
+    KSampler's per-call run)."""
     if case == "regional":
         g = regional(graph("canny", "cpu:2", strategy(ulysses=2)), "mask bounds")
     elif case == "inpainting_differential":
         g = inpainting(graph("fill", "cpu:2", strategy(pp=2)), True, 0.7)
+    elif case == "model_sampling":
+        g = graph("canny", "cpu:2", strategy(ring=2), patch=MODEL_SAMPLING)
     else:
         g = graph("canny", "cpu:2", strategy(ring=2))
     same, unet, summary = comfy_host.entrance_parity(server, comfy_host.with_parallel_sampler(g), case)
     assert same <= ONE_WORKER_RTOL and unet <= EXACT_RTOL
     routed = {"regional": "per-call pipeline: the graph has 4 combined positive conditionings",
-              "inpainting_differential": "per-call pipeline: the graph has a noise mask"}.get(case)
+              "inpainting_differential": "per-call pipeline: the graph has a noise mask",
+              "model_sampling": "per-call pipeline: the graph has a patched model (model_sampling"}.get(case)
     assert (routed in summary) if routed else ("per model call" not in summary)

@@ -1117,24 +1117,6 @@ def test_swapping_loras_between_prompts_repatches_without_reloading(server):
     assert _model_loads(server) == loads
 
 
-def test_parallel_sampler_keeps_a_model_sampling_patch_as_ksampler_does(server):
-    """A ModelSampling shift on the MODEL: Parallel Sampler runs ComfyUI's sampler (which applies it), so its
-    latent is KSampler's on the same patched MODEL, and its summary says why."""
-    graph = parallel_graph(tag="patched-model-sampling")
-    graph["30"] = {"class_type": "ModelSamplingFlux", "inputs": {"model": ["11", 0], "max_shift": 2.0,
-                                                                 "base_shift": 0.3, "width": 128, "height": 128}}
-    graph["12"]["inputs"]["model"] = ["30", 0]
-    graph["14"] = {"class_type": "KSampler", "inputs": dict(graph["12"]["inputs"])}
-    graph["15"] = {"class_type": "SaveLatent", "inputs": {"samples": ["14", 0], "filename_prefix": "shift/15"}}
-    result = server.run(graph)
-    assert result["status"] == "success", explain(result)
-    err = rel_err(server.latent(result, "13"), server.latent(result, "15"))
-    print(f"\nModelSamplingFlux: Parallel Sampler vs KSampler on the same MODEL {err:.2e}")
-    assert err <= 1e-6  # the same host sampler calling the same workers: identical model calls
-    summary = " ".join(result["outputs"]["12"].get("text", []))
-    assert "per-call pipeline: the graph has a patched model (model_sampling" in summary
-
-
 # ---------------------------------------------------------------------------------------------------
 # (k) Quantized files: fp8 with LoRAs as ComfyUI bakes them, and GGUF as ComfyUI-GGUF runs it (that node is
 # compared against where it is installed in the host, e.g. in ComfyUI's custom_nodes; else the GGUF file is
