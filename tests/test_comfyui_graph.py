@@ -241,6 +241,6 @@ def test_parallel_sampler_runs_what_ksampler_runs(server, case):
     same, unet, summary = comfy_host.entrance_parity(server, comfy_host.with_parallel_sampler(g), case)
     assert same <= ONE_WORKER_RTOL and unet <= EXACT_RTOL
     routed = {"regional": "per-call pipeline: the graph has 4 combined positive conditionings",
-              "inpainting_differential": "per-call pipeline: the graph has a noise mask",
+              "inpainting_differential": "per-call pipeline: the graph has a denoise mask function",
               "model_sampling": "per-call pipeline: the graph has a patched model (model_sampling"}.get(case)
     assert (routed in summary) if routed else ("per model call" not in summary)
