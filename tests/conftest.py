@@ -114,8 +114,8 @@ def apply_comfy_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="session")
 def _runtimes():
     """One RuntimeClient per worker count for the whole session, started on first use and shared by the modules'
-    client1/client2/client4: a cold worker spends ~5 s of CPU importing torch and diffusers before its first job,
-    which on 2 cores made starting workers most of the suite's time."""
+    client1/client2/client4 and the bench tests' pool: a cold worker spends ~6 CPU-s importing torch and diffusers
+    before its first job, which on 2 cores made starting workers most of the suite's time."""
     clients: dict = {}
     yield clients
     for client in clients.values():
@@ -125,13 +125,23 @@ def _runtimes():
 def _cpu_client(runtimes: dict, n: int):
     from parallel_runtime.runtime.client import RuntimeClient
 
-    if n not in runtimes:
-        runtimes[n] = RuntimeClient(f"cpu:{n}", threads_per_worker=1)  # 1 thread each: 2-4 workers share 2 cores
-    client = runtimes[n]
+    where = f"cpu:{n}"  # keyed as the bench's pool is (bench_workers)
+    if where not in runtimes:
+        runtimes[where] = RuntimeClient(where, threads_per_worker=1)  # 1 thread each: 2-4 workers share 2 cores
+    client = runtimes[where]
     yield client
     # The next module finds the same processes holding no model, as a fresh client's would (a test that killed
     # them leaves a client that starts new ones at its next job).
     client.release()
+
+
+@pytest.fixture(scope="module")
+def bench_workers(_runtimes):
+    """The session's clients as the bench's `workers` pool (bench.cli.main): --quick rows run on them (1 thread per
+    worker, as the quick preset's) and leave them running; released at the module's end like client1..4."""
+    yield _runtimes
+    for client in _runtimes.values():
+        client.release()
 
 
 @pytest.fixture(scope="module")
