@@ -111,40 +111,59 @@ def apply_comfy_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return (f[..., 0] * x_[..., 0] + f[..., 1] * x_[..., 1]).reshape(*x.shape).type_as(x)
 
 
-def _cpu_client(n: int):
-    from parallel_runtime.runtime.client import RuntimeClient
-
-    client = RuntimeClient(f"cpu:{n}", threads_per_worker=1)  # 1 thread each: 2-4 workers share 2 cores
-    yield client
-    client.shutdown()
-
-
-@pytest.fixture(scope="module")
-def serial(tiny_path):
-    """make_job's default job on the tiny model at one worker: the reference of the modules that split it (a module
-    with other references defines its own `serial`)."""
-    from parallel_runtime.runtime.client import RuntimeClient
-
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        yield client.run(make_job(tiny_path)).latent
-    finally:
+@pytest.fixture(scope="session")
+def _runtimes():
+    """One RuntimeClient per worker count for the whole session, started on first use and shared by the modules'
+    client1/client2/client4 and the bench tests' pool: a cold worker spends ~6 CPU-s importing torch and diffusers
+    before its first job, which on 2 cores made starting workers most of the suite's time."""
+    clients: dict = {}
+    yield clients
+    for client in clients.values():
         client.shutdown()
 
 
-@pytest.fixture(scope="module")
-def client1():
-    yield from _cpu_client(1)
+def _cpu_client(runtimes: dict, n: int):
+    from parallel_runtime.runtime.client import RuntimeClient
+
+    where = f"cpu:{n}"  # keyed as the bench's pool is (bench_workers)
+    if where not in runtimes:
+        runtimes[where] = RuntimeClient(where, threads_per_worker=1)  # 1 thread each: 2-4 workers share 2 cores
+    client = runtimes[where]
+    yield client
+    # The next module finds the same processes holding no model, as a fresh client's would (a test that killed
+    # them leaves a client that starts new ones at its next job).
+    client.release()
 
 
 @pytest.fixture(scope="module")
-def client2():
-    yield from _cpu_client(2)
+def bench_workers(_runtimes):
+    """The session's clients as the bench's `workers` pool (bench.cli.main): --quick rows run on them (1 thread per
+    worker, as the quick preset's) and leave them running; released at the module's end like client1..4."""
+    yield _runtimes
+    for client in _runtimes.values():
+        client.release()
 
 
 @pytest.fixture(scope="module")
-def client4():
-    yield from _cpu_client(4)
+def serial(tiny_path, client1):
+    """make_job's default job on the tiny model at one worker: the reference of the modules that split it (a module
+    with other references defines its own `serial`)."""
+    return client1.run(make_job(tiny_path)).latent
+
+
+@pytest.fixture(scope="module")
+def client1(_runtimes):
+    yield from _cpu_client(_runtimes, 1)
+
+
+@pytest.fixture(scope="module")
+def client2(_runtimes):
+    yield from _cpu_client(_runtimes, 2)
+
+
+@pytest.fixture(scope="module")
+def client4(_runtimes):
+    yield from _cpu_client(_runtimes, 4)
 
 
 def load_queue_script():

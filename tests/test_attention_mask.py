@@ -134,7 +134,7 @@ def test_controlnet_blocks_run_without_the_mask(files, client1, client2):
     DiT's blocks only; serial and Ulysses equal it, and so differ from a masked ControlNet by far more than
     round-off."""
     g = torch.Generator().manual_seed(9)
-    control = ControlInput(files["xlabs"], "hint-9", 0.8, torch.rand(1, 3, 8 * H, 8 * W, generator=g))
+    control = ControlInput(files["xlabs"], "mask-hint-9", 0.8, torch.rand(1, 3, 8 * H, 8 * W, generator=g))
     job = call_job(files, S(), make_mask(6), negative=False, control=[control])
     ref = reference_call(files, job)
     without = dataclasses.replace(job, positive=dataclasses.replace(job.positive, control=()))

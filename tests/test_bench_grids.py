@@ -29,11 +29,8 @@ EXACT_RTOL = 1e-4  # exact strategies differ from serial by float summation orde
 
 
 @pytest.fixture(scope="module")
-def workers():
-    pool: dict = {}
-    yield pool
-    for client in pool.values():
-        client.shutdown()
+def workers(bench_workers):
+    return bench_workers
 
 
 @pytest.mark.parametrize("family", sorted(BENCH_FAMILIES))

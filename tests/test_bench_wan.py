@@ -101,7 +101,7 @@ def test_wan_projection_is_14b_at_480p_and_720p_beside_xdits_figures():
     assert "no Wan figures" in lines[-1]
 
 
-def test_wan_bench_quick_grid_runs_end_to_end(tmp_path, monkeypatch):
+def test_wan_bench_quick_grid_runs_end_to_end(bench_workers, tmp_path, monkeypatch):
     """The CLI wiring on a 512-token video: exact strategies stay exact, bytes match traffic.py, the VAE line and
     record are there (decoding a tiny latent instead of the bench's, which takes seconds per frame)."""
     from parallel_runtime.bench import vae
@@ -111,7 +111,7 @@ def test_wan_bench_quick_grid_runs_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("PARADIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "bench.json"
     assert main(["--quick", "--family", "wan", "--configs", "serial,ulysses2,ring2", "--no-auto", "--no-overhead",
-                 "--json", str(out)]) == 0
+                 "--json", str(out)], workers=bench_workers) == 0
     record = json.loads(out.read_text())
     assert record["family"] == "wan" and record["latent_shape"] == [1, 16, 2, 32, 32] and record["frames"] == 5
     assert record["image_tokens"] == 512 and {r["label"] for r in record["rows"]} == {"serial", "ulysses2", "ring2"}

@@ -25,7 +25,6 @@ from parallel_runtime.errors import ModelFileError  # noqa: E402
 from parallel_runtime.bench.storage import analytic_rank_bytes  # noqa: E402
 from parallel_runtime.weights.checkpoint import open_checkpoint  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
-from parallel_runtime.runtime.client import RuntimeClient  # noqa: E402
 from parallel_runtime.spec import ModelSpec  # noqa: E402
 from parallel_runtime.spec import StrategySpec as S  # noqa: E402
 
@@ -90,15 +89,11 @@ CASES = [pytest.param(name, fmt, id=f"{name}-comfy_quant-{fmt}") for name in NAM
 
 
 @pytest.mark.parametrize("name,fmt", CASES)
-def test_comfy_quant_file_equals_its_fp32_twin_and_stays_quantized(tmp_path, name, fmt):
+def test_comfy_quant_file_equals_its_fp32_twin_and_stays_quantized(client1, tmp_path, name, fmt):
     quant, meant = comfy_quant_twins(tmp_path, name, fmt)
     with open_checkpoint(quant) as reader:
         assert {c["format"] for c in reader.quant_layers().values()} == {fmt.replace("_convrot", "_tensorwise")}
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        got, ref = client.run(job((name, quant))), client.run(job((name, meant)))
-    finally:
-        client.shutdown()
+    got, ref = client1.run(job((name, quant))), client1.run(job((name, meant)))
     assert torch.isfinite(ref.latent).all()
     assert rel_err(got.latent, ref.latent) <= QUANT_RTOL
     held = got.stats[0]["param_bytes"]
@@ -107,27 +102,23 @@ def test_comfy_quant_file_equals_its_fp32_twin_and_stays_quantized(tmp_path, nam
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS), ids=lambda f: f"comfy_quant-{f}")
-def test_comfy_quant_ulysses_and_pipefusion_at_two_workers_equal_one(tmp_path, client2, fmt):
+def test_comfy_quant_ulysses_and_pipefusion_at_two_workers_equal_one(client1, tmp_path, client2, fmt):
     name = "kontext"
     quant, _ = comfy_quant_twins(tmp_path, name, fmt)
     for strategy in (S(ulysses_degree=2), S(pipefusion_degree=2, warmup_steps=6)):
-        assert_two_workers_equal_one(client2, name, quant, strategy, analytic_bytes)
+        assert_two_workers_equal_one(client1, client2, name, quant, strategy, analytic_bytes)
 
 
-def test_comfy_quant_header_spelling_equals_per_layer_spelling_nvfp4(tmp_path):
+def test_comfy_quant_header_spelling_equals_per_layer_spelling_nvfp4(client1, tmp_path):
     name = "qwen_image"
     per_layer, _ = comfy_quant_twins(tmp_path, name, "nvfp4")
     header, _ = comfy_quant_twins(tmp_path, name, "nvfp4", header=True)
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        a, b = client.run(job((name, per_layer))), client.run(job((name, header)))
-    finally:
-        client.shutdown()
+    a, b = client1.run(job((name, per_layer))), client1.run(job((name, header)))
     assert torch.equal(a.latent, b.latent)
     assert a.stats[0]["param_bytes"] == b.stats[0]["param_bytes"]
 
 
-def test_comfy_quant_unsupported_format_fails_in_one_sentence(tmp_path):
+def test_comfy_quant_unsupported_format_fails_in_one_sentence(client1, tmp_path):
     name = "kontext"
     quant, meant = comfy_quant_twins(tmp_path, name, "nvfp4")
     sd = load_file(quant)
@@ -135,18 +126,14 @@ def test_comfy_quant_unsupported_format_fails_in_one_sentence(tmp_path):
     sd[layer + ".comfy_quant"] = torch.tensor(list(b'{"format": "awq_w4a16"}'), dtype=torch.uint8)
     odd = str(tmp_path / "awq.safetensors")
     save_file(sd, odd)
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        with pytest.raises(ModelFileError, match=f"awq.safetensors: layer '{layer}' is stored as 'awq_w4a16'") as info:
-            client.run(job((name, odd)))
-        assert "\n" not in str(info.value)
-        assert torch.isfinite(client.run(job((name, meant))).latent).all()
-    finally:
-        client.shutdown()
+    with pytest.raises(ModelFileError, match=f"awq.safetensors: layer '{layer}' is stored as 'awq_w4a16'") as info:
+        client1.run(job((name, odd)))
+    assert "\n" not in str(info.value)
+    assert torch.isfinite(client1.run(job((name, meant))).latent).all()
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "int8_convrot"], ids=lambda f: f"comfy_quant-{f}")
-def test_comfy_quant_lora_is_added_per_call_and_equals_the_merged_twin(tmp_path, client2, fmt):
+def test_comfy_quant_lora_is_added_per_call_and_equals_the_merged_twin(client1, tmp_path, client2, fmt):
     """A LoRA stack on quantized layers: each layer dequantizes its rows, adds the patches in float32 and casts
     back when it runs (ComfyUI's dynamic-VRAM path), so the result is the fp32 twin with the deltas merged, at one
     worker and under Ulysses and PipeFusion at two, and the rank still holds only the quantized rows."""
@@ -154,10 +141,10 @@ def test_comfy_quant_lora_is_added_per_call_and_equals_the_merged_twin(tmp_path,
     quant, twin = comfy_quant_twins(tmp_path, name, fmt)
     patches, deltas = stacked(lora_stack(name, 1, 0.8, "a"), lora_stack(name, 2, -0.5, "b"))
     merged = merged_twin(twin, str(tmp_path / "merged.safetensors"), deltas)
-    assert_lora_on_file(client2, name, quant, merged, patches, QUANT_RTOL)
+    assert_lora_on_file(client1, client2, name, quant, merged, patches, QUANT_RTOL)
 
 
-def test_comfy_quant_pre_quant_scale_multiplies_the_input_nvfp4(tmp_path):
+def test_comfy_quant_pre_quant_scale_multiplies_the_input_nvfp4(client1, tmp_path):
     """An AWQ-style layer (`pre_quant_scale` per input channel): the weight was quantized as W / s, the input is
     multiplied by s, so the layer means dequant(W / s) * s; the fp32 twin holds that product."""
     name = "kontext"
@@ -172,12 +159,8 @@ def test_comfy_quant_pre_quant_scale_multiplies_the_input_nvfp4(tmp_path):
     meant[key] = qt.dequantize().float() * s.to(torch.bfloat16).float()
     save_file(sd, str(tmp_path / "awq-style.safetensors"))
     save_file(meant, str(tmp_path / "awq-style-fp32.safetensors"))
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        got = client.run(job((name, str(tmp_path / "awq-style.safetensors")))).latent
-        ref = client.run(job((name, str(tmp_path / "awq-style-fp32.safetensors")))).latent
-    finally:
-        client.shutdown()
+    got = client1.run(job((name, str(tmp_path / "awq-style.safetensors")))).latent
+    ref = client1.run(job((name, str(tmp_path / "awq-style-fp32.safetensors")))).latent
     assert rel_err(got, ref) <= QUANT_RTOL
 
 
@@ -194,17 +177,13 @@ def test_comfy_quant_without_comfy_kitchen_is_one_sentence(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "int8_convrot"], ids=lambda f: f"comfy_quant-{f}")
-def test_comfy_quant_under_weight_dtype_fp8_casts_the_dequantized_weights(tmp_path, fmt):
+def test_comfy_quant_under_weight_dtype_fp8_casts_the_dequantized_weights(client1, tmp_path, fmt):
     """weight_dtype fp8_e4m3fn on a quantized file: its layers dequantize to float32 at load and are cast to fp8
     like any full-precision file's (the same numbers as the fp32 twin under that setting), 1 byte per weight."""
     name = "kontext"
     quant, twin = comfy_quant_twins(tmp_path, name, fmt)
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        runs = [client.run(dataclasses.replace(job((name, path)), model=ModelSpec(path, weight_dtype="fp8_e4m3fn")))
-                for path in (quant, twin)]
-    finally:
-        client.shutdown()
+    runs = [client1.run(dataclasses.replace(job((name, path)), model=ModelSpec(path, weight_dtype="fp8_e4m3fn")))
+            for path in (quant, twin)]
     assert rel_err(runs[0].latent, runs[1].latent) <= QUANT_RTOL
     assert runs[0].stats[0]["param_bytes"] == runs[1].stats[0]["param_bytes"]
 
@@ -331,16 +310,12 @@ def _matmul_job(name: str, path: str, mode: str, strategy=None, steps: int = 6):
     return dataclasses.replace(job((name, path), strategy, steps=steps), model=ModelSpec(path, quantized_matmul=mode))
 
 
-def _one_worker_latents(name: str, path: str, modes: tuple[str, ...], steps: int = 6) -> list[torch.Tensor]:
+def _one_worker_latents(client1, name: str, path: str, modes: tuple[str, ...], steps: int = 6) -> list[torch.Tensor]:
     """The latent of `path` at one worker under each quantized_matmul mode."""
-    one = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        return [one.run(_matmul_job(name, path, mode, steps=steps)).latent for mode in modes]
-    finally:
-        one.shutdown()
+    return [client1.run(_matmul_job(name, path, mode, steps=steps)).latent for mode in modes]
 
 
-def test_comfy_quant_kernel_path_runs_on_every_rank_int8_convrot(tmp_path, client2):
+def test_comfy_quant_kernel_path_runs_on_every_rank_int8_convrot(client1, tmp_path, client2):
     """quantized_matmul "kernel" on int8_convrot (comfy-kitchen's eager int8 linear: W8A8, inputs quantized per
     row). It differs from dequantize-then-matmul by the input's quantization (measured 6.5e-3 after 6 steps),
     so it runs; under PipeFusion (synchronous steps here) it equals one worker exactly. Ulysses and CFG parallel
@@ -348,7 +323,7 @@ def test_comfy_quant_kernel_path_runs_on_every_rank_int8_convrot(tmp_path, clien
     noise (measured 7.2e-3 / 6.7e-3), not to round-off; "dequantize" keeps them exact (the tests above)."""
     name = "kontext"
     quant, _ = comfy_quant_twins(tmp_path, name, "int8_convrot")
-    kernel, plain, auto = _one_worker_latents(name, quant, ("kernel", "dequantize", "auto"))
+    kernel, plain, auto = _one_worker_latents(client1, name, quant, ("kernel", "dequantize", "auto"))
     assert torch.equal(auto, plain)  # a CPU has no int8 kernel in ComfyUI's rule
     # Bounds: 3x the measured activation-quantization noise; a broken kernel call is off by O(1).
     assert 1e-4 < rel_err(kernel, plain) <= 2e-2
@@ -358,7 +333,7 @@ def test_comfy_quant_kernel_path_runs_on_every_rank_int8_convrot(tmp_path, clien
         assert rel_err(client2.run(_matmul_job(name, quant, "kernel", strategy)).latent, kernel) <= 2e-2
 
 
-def test_comfy_quant_kernel_path_nvfp4_quantizes_inputs_like_comfyui(tmp_path, client2):
+def test_comfy_quant_kernel_path_nvfp4_quantizes_inputs_like_comfyui(client1, tmp_path, client2):
     """nvfp4 on the kernel path quantizes every input to 4 bits (per 16 values, at one global scale from the amax
     of the whole input), as ComfyUI does on Blackwell: the result moves from dequantize-then-matmul by that
     quantization (measured 0.11 on this tiny random model after 6 steps). Each rank takes that amax over the whole
@@ -368,24 +343,20 @@ def test_comfy_quant_kernel_path_nvfp4_quantizes_inputs_like_comfyui(tmp_path, c
     from step to step (0.1 after 6 steps whatever the amax), so the split is measured on one step."""
     name = "kontext"
     quant, _ = comfy_quant_twins(tmp_path, name, "nvfp4")
-    kernel, plain = _one_worker_latents(name, quant, ("kernel", "dequantize"))
+    kernel, plain = _one_worker_latents(client1, name, quant, ("kernel", "dequantize"))
     assert torch.isfinite(kernel).all()
     assert 1e-2 < rel_err(kernel, plain) <= 0.3  # ~3x the measured 4-bit input noise; garbage is O(1)
-    one_step = _one_worker_latents(name, quant, ("kernel",), steps=1)[0]
+    one_step = _one_worker_latents(client1, name, quant, ("kernel",), steps=1)[0]
     for strategy in (S(ulysses_degree=2), S(ring_degree=2)):
         split = client2.run(_matmul_job(name, quant, "kernel", strategy, steps=1)).latent
         # 3e-2: the order int8's kernel path agrees to (7e-3 above); flips gave 8e-3, a per-rank amax 0.16
         assert rel_err(split, one_step) <= 3e-2, strategy
 
 
-def test_comfy_quant_unknown_quantized_matmul_is_refused_before_work(tmp_path):
+def test_comfy_quant_unknown_quantized_matmul_is_refused_before_work(client1, tmp_path):
     from parallel_runtime.errors import ConfigError
 
     quant, meant = comfy_quant_twins(tmp_path, "kontext", "nvfp4")
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        with pytest.raises(ConfigError, match="quantized_matmul 'fast' is unknown; choose one of auto, dequantize"):
-            client.run(_matmul_job("kontext", quant, "fast"))
-        assert torch.isfinite(client.run(job(("kontext", meant))).latent).all()  # the runtime still serves
-    finally:
-        client.shutdown()
+    with pytest.raises(ConfigError, match="quantized_matmul 'fast' is unknown; choose one of auto, dequantize"):
+        client1.run(_matmul_job("kontext", quant, "fast"))
+    assert torch.isfinite(client1.run(job(("kontext", meant))).latent).all()  # the runtime still serves

@@ -54,7 +54,7 @@ def hint_for(kind: str, seed: int) -> torch.Tensor:
 
 
 def control(files, kind: str, seed: int, strength: float = 1.0) -> ControlInput:
-    return ControlInput(files[kind], f"{kind}-{seed}", strength, hint_for(kind, seed))
+    return ControlInput(files[kind], f"flux-{kind}-{seed}", strength, hint_for(kind, seed))
 
 
 def call_job(files, strategy: S, pos_control=(), neg_control=(), negative=True) -> Job:
@@ -298,7 +298,7 @@ def test_refusals(files, client1, tmp_path):
         client1.run(sd3_like)
     wide = dataclasses.replace(TINY, hidden_size=256, head_dim=64, axes_dims_rope=None)
     other = write_controlnet(tmp_path / "wide.safetensors", wide, "xlabs", double=1)
-    job = call_job(files, S(), [ControlInput(other, "w", 1.0, hint_for("xlabs", 1))])
+    job = call_job(files, S(), [ControlInput(other, "flux-w", 1.0, hint_for("xlabs", 1))])
     with pytest.raises(ConfigError, match="ControlNet is 256 wide but this Flux.1 dev model is 128"):
         client1.run(job)
     whole = dataclasses.replace(call_job(files, S(), [control(files, "xlabs", 11)]), timestep=None)

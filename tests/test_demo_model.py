@@ -8,7 +8,6 @@ import torch
 from safetensors import safe_open
 
 from parallel_runtime.bench.measure import rel_err
-from parallel_runtime.runtime.client import RuntimeClient
 from parallel_runtime.spec import Job, ModelSpec, SamplingSpec, StrategySpec
 from parallel_runtime.toy import MODEL_PATH, TOY_FLUX, load_companions
 from parallel_runtime.validate import model_config
@@ -26,10 +25,8 @@ def companions():
 
 
 @pytest.fixture(scope="module")
-def serial():
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    yield client
-    client.shutdown()
+def serial(client1):
+    return client1
 
 
 def job(text, prompt: str, strategy: StrategySpec | None = None) -> Job:

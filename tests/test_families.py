@@ -23,7 +23,6 @@ from parallel_runtime.models.families.qwen_image import QwenImageConfig
 from parallel_runtime.models.families.sd3 import SD3Config
 from parallel_runtime.models.tiny import write_checkpoint
 from parallel_runtime.planning.traffic import job_traffic, shapes_of
-from parallel_runtime.runtime.client import RuntimeClient
 from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec
 from parallel_runtime.spec import StrategySpec as S
 
@@ -100,14 +99,10 @@ def job(family, strategy=None, steps: int = 6, cfg: float = 2.0, **sampling) -> 
                positive, negative)
 
 
-def assert_two_workers_equal_one(client2, name: str, path: str, strategy, stage_bytes) -> None:
+def assert_two_workers_equal_one(client1, client2, name: str, path: str, strategy, stage_bytes) -> None:
     """`path` under `strategy` on 2 workers equals 1 worker within EXACT_RTOL; under PipeFusion each stage holds
     its blocks: within 5% of `stage_bytes(path, stage, stages)`."""
-    one = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        serial = one.run(job((name, path))).latent
-    finally:
-        one.shutdown()
+    serial = client1.run(job((name, path))).latent
     result = client2.run(job((name, path), strategy))
     assert rel_err(result.latent, serial) <= EXACT_RTOL
     if strategy.pipefusion_degree > 1:
@@ -116,12 +111,8 @@ def assert_two_workers_equal_one(client2, name: str, path: str, strategy, stage_
 
 
 @pytest.fixture(scope="module")
-def serial(family):
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        yield client.run(job(family)).latent
-    finally:
-        client.shutdown()
+def serial(family, client1):
+    return client1.run(job(family)).latent
 
 
 def test_detected_from_its_keys(family):
@@ -185,13 +176,9 @@ def test_measured_bytes_match_analytic(family, client2, strategy):
 
 
 @pytest.fixture(scope="module")
-def serial_unequal(family):
+def serial_unequal(family, client1):
     """cfg 2 with a negative prompt of another length (T5-only encoders do not pad): two forward passes."""
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        yield client.run(unequal(family, S())).latent
-    finally:
-        client.shutdown()
+    return client1.run(unequal(family, S())).latent
 
 
 def unequal(family, strategy) -> Job:
@@ -233,13 +220,9 @@ def kontext_job(kontext, strategy=None, method=None, negative_refs=True) -> Job:
 
 
 @pytest.fixture(scope="module")
-def kontext_serial(kontext):
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        yield {(method, neg): client.run(kontext_job(kontext, method=method, negative_refs=neg)).latent
-               for method in (None, "index", "uxo") for neg in (True, False)}
-    finally:
-        client.shutdown()
+def kontext_serial(kontext, client1):
+    return {(method, neg): client1.run(kontext_job(kontext, method=method, negative_refs=neg)).latent
+            for method in (None, "index", "uxo") for neg in (True, False)}
 
 
 def test_kontext_reference_methods_and_refless_negative_change_the_result(kontext_serial):
@@ -275,17 +258,13 @@ def test_references_are_refused_by_families_that_do_not_read_them(name, tmp_path
         validate_job(dataclasses.replace(j, positive=dataclasses.replace(j.positive, references=refs)), 1)
 
 
-def test_pixart_size_conditioning_reaches_every_strategy(client2, tmp_path):
+def test_pixart_size_conditioning_reaches_every_strategy(client1, client2, tmp_path):
     """PixArt-α embeds the (height, width, aspect) a text encode node attached (CLIPTextEncodePixArtAlpha) per
     branch; it survives the control channel and every strategy, and it changes the sample."""
     path = write_checkpoint(str(tmp_path / "pixart.safetensors"), FAMILIES["pixart"], seed=1)
     plain = job(("pixart", path), steps=3)
     sized = dataclasses.replace(plain, positive=dataclasses.replace(plain.positive, image_size=(768.0, 1024.0, 0.75)))
-    serial_client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        ref, ref_plain = serial_client.run(sized).latent, serial_client.run(plain).latent
-    finally:
-        serial_client.shutdown()
+    ref, ref_plain = client1.run(sized).latent, client1.run(plain).latent
     assert rel_err(ref, ref_plain) > 1e-3
     for strategy in (S(cfg_degree=2), S(ulysses_degree=2), S(pipefusion_degree=2, warmup_steps=3)):
         assert rel_err(client2.run(dataclasses.replace(sized, strategy=strategy)).latent, ref) <= EXACT_RTOL

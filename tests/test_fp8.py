@@ -21,7 +21,6 @@ from parallel_runtime.bench.storage import analytic_rank_bytes
 from parallel_runtime.weights.storage import FP8_DTYPES
 from parallel_runtime.weights.patches import stochastic_round, string_to_seed
 from parallel_runtime.models.tiny import write_checkpoint
-from parallel_runtime.runtime.client import RuntimeClient
 from parallel_runtime.spec import ModelSpec
 from parallel_runtime.spec import StrategySpec as S
 
@@ -82,14 +81,10 @@ def family_files(request, tmp_path_factory):
 
 @pytest.mark.parametrize("fp8,scaled", [(FP8_DTYPES[0], False), (FP8_DTYPES[1], False), (FP8_DTYPES[0], True)],
                          ids=["e4m3fn", "e5m2", "e4m3fn-scaled"])
-def test_fp8_file_equals_its_fp32_twin_and_stays_fp8(family_files, fp8, scaled):
+def test_fp8_file_equals_its_fp32_twin_and_stays_fp8(client1, family_files, fp8, scaled):
     name, folder = family_files
     quant, meant = fp8_twins(folder, name, fp8, scaled)
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        got, ref = client.run(job((name, quant))), client.run(job((name, meant)))
-    finally:
-        client.shutdown()
+    got, ref = client1.run(job((name, quant))), client1.run(job((name, meant)))
     assert rel_err(got.latent, ref.latent) <= FP8_RTOL
     held = got.stats[0]["param_bytes"]
     assert held == analytic_bytes(quant)  # every linear weight 1 byte, exactly
@@ -98,27 +93,24 @@ def test_fp8_file_equals_its_fp32_twin_and_stays_fp8(family_files, fp8, scaled):
 
 @pytest.mark.parametrize("strategy", [S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2),
                                       S(pipefusion_degree=2, warmup_steps=6)], ids=lambda s: s.label())
-def test_fp8_exact_strategies_at_two_workers_equal_one(family_files, client2, strategy):
+def test_fp8_exact_strategies_at_two_workers_equal_one(client1, family_files, client2, strategy):
     name, folder = family_files
     quant, _ = fp8_twins(folder, name, FP8_DTYPES[0], True)
-    assert_two_workers_equal_one(client2, name, quant, strategy, lambda p, r, n: analytic_bytes(p, "default", r, n))
+    assert_two_workers_equal_one(client1, client2, name, quant, strategy,
+                                 lambda p, r, n: analytic_bytes(p, "default", r, n))
 
 
-def test_fp8_weight_dtype_casts_a_full_precision_file_at_load(tmp_path):
+def test_fp8_weight_dtype_casts_a_full_precision_file_at_load(client1, tmp_path):
     """weight_dtype fp8_e4m3fn, as UNETLoader's: every linear weight stored in fp8, every other tensor rounded
     through fp8 as ComfyUI's fp8-typed layers store it, all computed in fp32."""
     name = "kontext"
     base_path = write_checkpoint(str(tmp_path / "base.safetensors"), FAMILIES[name], seed=11, prefix=PREFIX)
     rounded = {k: t.to(FP8_DTYPES[0]).float() for k, t in load_file(base_path).items()}
     save_file(rounded, str(tmp_path / "rounded.safetensors"))
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        cast = client.run(dataclasses.replace(job((name, base_path)),
-                                              model=ModelSpec(base_path, weight_dtype="fp8_e4m3fn")))
-        ref = client.run(job((name, str(tmp_path / "rounded.safetensors"))))
-        plain = client.run(job((name, base_path)))
-    finally:
-        client.shutdown()
+    cast = client1.run(dataclasses.replace(job((name, base_path)),
+                                          model=ModelSpec(base_path, weight_dtype="fp8_e4m3fn")))
+    ref = client1.run(job((name, str(tmp_path / "rounded.safetensors"))))
+    plain = client1.run(job((name, base_path)))
     assert rel_err(cast.latent, ref.latent) <= FP8_RTOL
     assert rel_err(cast.latent, plain.latent) > 1e-3  # the cast really happened
     assert cast.stats[0]["param_bytes"] == analytic_bytes(base_path, "fp8_e4m3fn")
@@ -171,7 +163,7 @@ def baked_fp8_file(quant: str, path: str, deltas: list[dict]) -> str:
 
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["e4m3fn", "e4m3fn-scaled"])
-def test_fp8_lora_lands_as_comfyui_lands_it(tmp_path, client2, scaled):
+def test_fp8_lora_lands_as_comfyui_lands_it(client1, tmp_path, client2, scaled):
     """A LoRA on an fp8 model, the rank still holding fp8. ComfyUI holds a scaled-fp8 model in fp8, so each patched
     tensor is rebuilt whole, patched in float32 and baked back with ComfyUI's seeded stochastic rounding: equal to
     a file holding those baked fp8 numbers. A plain fp8 file ComfyUI upcasts at load on a device without fp8
@@ -182,22 +174,18 @@ def test_fp8_lora_lands_as_comfyui_lands_it(tmp_path, client2, scaled):
     patches, deltas = stacked(lora_stack(name, 1, 0.8, "a"), lora_stack(name, 2, -0.5, "b"))
     expected = (baked_fp8_file(quant, str(tmp_path / "baked.safetensors"), deltas) if scaled else
                 merged_file(twin, str(tmp_path / "merged.safetensors"), deltas))
-    assert_lora_on_file(client2, name, quant, expected, patches, FP8_RTOL)
+    assert_lora_on_file(client1, client2, name, quant, expected, patches, FP8_RTOL)
 
 
-def test_a_truncated_fp8_file_fails_in_one_sentence_and_the_next_job_runs(tmp_path):
+def test_a_truncated_fp8_file_fails_in_one_sentence_and_the_next_job_runs(client1, tmp_path):
     name = "kontext"
     quant, meant = fp8_twins(tmp_path, name, FP8_DTYPES[0], True)
     data = open(quant, "rb").read()
     bad = tmp_path / "truncated-fp8.safetensors"
     bad.write_bytes(data[: len(data) // 2])
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        with pytest.raises(ModelFileError, match="truncated-fp8.safetensors is not a valid safetensors file"):
-            client.run(job((name, str(bad))))
-        assert client.run(job((name, meant))).latent.abs().sum() > 0
-    finally:
-        client.shutdown()
+    with pytest.raises(ModelFileError, match="truncated-fp8.safetensors is not a valid safetensors file"):
+        client1.run(job((name, str(bad))))
+    assert client1.run(job((name, meant))).latent.abs().sum() > 0
 
 
 def test_fp8_scaled_file_multiplies_in_fp8_where_comfyui_does(tmp_path):
@@ -245,7 +233,7 @@ def test_fp8_scaled_file_multiplies_in_fp8_where_comfyui_does(tmp_path):
     assert not layer(marker, unscaled=True).kernel
 
 
-def test_fp8_scaled_file_kernel_path_at_two_workers(tmp_path, client2):
+def test_fp8_scaled_file_kernel_path_at_two_workers(client1, tmp_path, client2):
     """quantized_matmul "kernel" on a scaled-fp8 model: the fp8 input quantization moves the result from
     dequantize-then-matmul (measured 3.9e-2 after 6 steps on this tiny random model), and Ulysses-2 agrees with
     one worker to that noise (2.5e-2: round-off flips fp8 roundings of the inputs), not to round-off."""
@@ -257,11 +245,7 @@ def test_fp8_scaled_file_kernel_path_at_two_workers(tmp_path, client2):
         j = job((name, quant), strategy)
         return client.run(dataclasses.replace(j, model=ModelSpec(quant, quantized_matmul=mode))).latent
 
-    one = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        kernel, plain = run(one, "kernel"), run(one, "dequantize")
-    finally:
-        one.shutdown()
+    kernel, plain = run(client1, "kernel"), run(client1, "dequantize")
     assert 1e-4 < rel_err(kernel, plain) <= 0.1  # ~3x the fp8 input noise; a broken fp8 matmul is off by O(1)
     assert rel_err(run(client2, "kernel", S(ulysses_degree=2)), kernel) <= 0.1
 

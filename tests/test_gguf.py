@@ -70,7 +70,6 @@ from parallel_runtime.weights.gguf_file import dequantize_blocks  # noqa: E402
 from parallel_runtime.bench.storage import analytic_rank_bytes  # noqa: E402
 from parallel_runtime.weights.checkpoint import open_checkpoint  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
-from parallel_runtime.runtime.client import RuntimeClient  # noqa: E402
 from parallel_runtime.spec import StrategySpec as S  # noqa: E402
 
 # Both sides compute in fp32 from the same numbers (the GGUF side dequantizes them per layer): equal up to BLAS
@@ -141,16 +140,12 @@ def gguf_files(request, tmp_path_factory):
     return (request.param, *gguf_twins(folder, request.param))
 
 
-def test_gguf_file_equals_its_fp32_twin_and_stays_quantized(gguf_files):
+def test_gguf_file_equals_its_fp32_twin_and_stays_quantized(client1, gguf_files):
     name, quant, meant = gguf_files
     with open_checkpoint(quant) as reader:
         formats = {reader.quant_format(k) for k in reader.keys()}
     assert {"Q8_0", "Q4_0", "Q4_K"} <= formats  # the file really mixes block formats
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        got, ref = client.run(job((name, quant))), client.run(job((name, meant)))
-    finally:
-        client.shutdown()
+    got, ref = client1.run(job((name, quant))), client1.run(job((name, meant)))
     assert torch.isfinite(ref.latent).all() and ref.latent.abs().sum() > 0
     assert rel_err(got.latent, ref.latent) <= GGUF_RTOL
     held = got.stats[0]["param_bytes"]
@@ -162,9 +157,9 @@ def test_gguf_file_equals_its_fp32_twin_and_stays_quantized(gguf_files):
 
 @pytest.mark.parametrize("strategy", [S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2),
                                       S(pipefusion_degree=2, warmup_steps=6)], ids=lambda s: s.label())
-def test_gguf_exact_strategies_at_two_workers_equal_one(gguf_files, client2, strategy):
+def test_gguf_exact_strategies_at_two_workers_equal_one(client1, gguf_files, client2, strategy):
     name, quant, _ = gguf_files
-    assert_two_workers_equal_one(client2, name, quant, strategy, analytic_bytes)
+    assert_two_workers_equal_one(client1, client2, name, quant, strategy, analytic_bytes)
 
 
 def write_gguf(path, arch: str | None, tensors: dict) -> str:
@@ -181,7 +176,7 @@ def write_gguf(path, arch: str | None, tensors: dict) -> str:
     return str(path)
 
 
-def test_gguf_bad_files_fail_in_one_sentence_and_the_next_job_runs(tmp_path):
+def test_gguf_bad_files_fail_in_one_sentence_and_the_next_job_runs(client1, tmp_path):
     name = "kontext"
     quant, meant = gguf_twins(tmp_path, name)
     data = open(quant, "rb").read()
@@ -196,15 +191,11 @@ def test_gguf_bad_files_fail_in_one_sentence_and_the_next_job_runs(tmp_path):
              str(garbage): "garbage.gguf is not a valid GGUF file",
              llm: "text-encoder.gguf is a GGUF of a 'llama' model .*not a diffusion transformer",
              odd: "q8k.gguf stores 'img_in.weight' as GGUF type Q8_K, which ParaDiT cannot read"}
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        for path, message in cases.items():
-            with pytest.raises(ModelFileError, match=message) as info:
-                client.run(job((name, path)))
-            assert "\n" not in str(info.value)
-        assert torch.isfinite(client.run(job((name, quant))).latent).all()
-    finally:
-        client.shutdown()
+    for path, message in cases.items():
+        with pytest.raises(ModelFileError, match=message) as info:
+            client1.run(job((name, path)))
+        assert "\n" not in str(info.value)
+    assert torch.isfinite(client1.run(job((name, quant))).latent).all()
 
 
 def test_gguf_without_architecture_is_read_by_its_keys(tmp_path):
@@ -240,39 +231,31 @@ def merged_twin(twin: str, path: str, deltas: list[dict]) -> str:
 
 @pytest.mark.parametrize("strategy", [S(), S(ulysses_degree=2), S(pipefusion_degree=2, warmup_steps=6)],
                          ids=lambda s: s.label())
-def test_gguf_lora_stack_equals_the_merged_twin_and_holds_no_dense_copy(gguf_files, client2, strategy):
+def test_gguf_lora_stack_equals_the_merged_twin_and_holds_no_dense_copy(gguf_files, client1, client2, strategy):
     """Each GGUF layer dequantizes its blocks and adds the patches in float32 when it runs (ComfyUI-GGUF's
     order): the same numbers as a file holding the merged weights. The rank still holds only the blocks."""
     name, quant, twin = gguf_files
     patches, deltas = stacked(lora_stack(name, 1, 0.8, "a"), lora_stack(name, 2, -0.5, "b"))
     merged = merged_twin(twin, twin.replace(".safetensors", f"-merged-{strategy.label()}.safetensors"), deltas)
     world = strategy.world_size
-    client = client2 if world == 2 else RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        reference = client.run(job((name, merged), strategy)).latent
-        plain = client.run(job((name, quant), strategy))
-        result = client.run(dataclasses.replace(job((name, quant), strategy), weight_patches=patches))
-    finally:
-        if world == 1:
-            client.shutdown()
+    client = client2 if world == 2 else client1
+    reference = client.run(job((name, merged), strategy)).latent
+    plain = client.run(job((name, quant), strategy))
+    result = client.run(dataclasses.replace(job((name, quant), strategy), weight_patches=patches))
     assert rel_err(reference, plain.latent) > 1e-2  # the LoRAs really change the image
     assert rel_err(result.latent, reference) <= (GGUF_RTOL if world == 1 else EXACT_RTOL)
     assert [s["param_bytes"] for s in result.stats] == [s["param_bytes"] for s in plain.stats]
 
 
-def test_gguf_lora_swap_and_removal_repatch_without_reloading(tmp_path):
+def test_gguf_lora_swap_and_removal_repatch_without_reloading(client1, tmp_path):
     name = "kontext"
     quant, twin = gguf_twins(tmp_path, name)
     a, b = lora_stack(name, 1, 0.8, "a"), lora_stack(name, 2, -0.5, "b")
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        expected = {tag: client.run(job((name, merged_twin(twin, str(tmp_path / f"{tag}.safetensors"), deltas)))).latent
-                    for tag, deltas in (("a", [a[1]]), ("b", [b[1]]), ("none", []))}
-        loads = None
-        for tag, patches in (("a", a[0]), ("b", b[0]), ("none", None), ("a", a[0])):
-            result = client.run(dataclasses.replace(job((name, quant)), weight_patches=patches))
-            assert rel_err(result.latent, expected[tag]) <= GGUF_RTOL, tag
-            loads = loads if loads is not None else client.model_loads
-        assert client.model_loads == loads  # every swap only re-patched
-    finally:
-        client.shutdown()
+    expected = {tag: client1.run(job((name, merged_twin(twin, str(tmp_path / f"{tag}.safetensors"), deltas)))).latent
+                for tag, deltas in (("a", [a[1]]), ("b", [b[1]]), ("none", []))}
+    loads = None
+    for tag, patches in (("a", a[0]), ("b", b[0]), ("none", None), ("a", a[0])):
+        result = client1.run(dataclasses.replace(job((name, quant)), weight_patches=patches))
+        assert rel_err(result.latent, expected[tag]) <= GGUF_RTOL, tag
+        loads = loads if loads is not None else client1.model_loads
+    assert client1.model_loads == loads  # every swap only re-patched

@@ -75,27 +75,19 @@ def host_loop(client: RuntimeClient, name: str, path: str, adapter, strategy: S)
 
 
 @pytest.fixture(scope="module")
-def parallel_sampler(family):
+def parallel_sampler(client1, family):
     """Parallel Sampler's own loop (the whole denoise on the workers) at one worker: the reference."""
     name, path, _ = family
     positive, negative = prompts(name)
     job = Job(ModelSpec(path), S(), SamplingSpec(seed=SEED, steps=STEPS, cfg=CFG), latent_of(name), positive,
               negative)
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        out = client.run(job).latent
-    finally:
-        client.shutdown()
+    out = client1.run(job).latent
     return out.squeeze(2) if out.ndim == 5 else out
 
 
-def test_host_loop_of_calls_equals_parallel_sampler_at_one_worker(family, parallel_sampler):
+def test_host_loop_of_calls_equals_parallel_sampler_at_one_worker(client1, family, parallel_sampler):
     name, path, adapter = family
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        got = host_loop(client, name, path, adapter, S())
-    finally:
-        client.shutdown()
+    got = host_loop(client1, name, path, adapter, S())
     assert rel_err(got, parallel_sampler) <= CALL_RTOL
 
 

@@ -50,12 +50,8 @@ def _in_bf16(job):
 
 
 @pytest.fixture(scope="module")
-def serial_bf16(tiny_path):
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        yield client.run(_in_bf16(make_job(tiny_path))).latent
-    finally:
-        client.shutdown()
+def serial_bf16(client1, tiny_path):
+    return client1.run(_in_bf16(make_job(tiny_path))).latent
 
 
 @pytest.mark.parametrize("strategy", [
@@ -87,30 +83,22 @@ def test_stale_kv_is_twice_as_close_as_naive_patch(client4, tiny_path, serial):
 
 @pytest.mark.parametrize("sampler,scheduler", [("euler_ancestral", "normal"), ("dpmpp_2m", "beta"),
                                                ("euler", "sgm_uniform")])
-def test_samplers_and_schedulers_match_serial_under_ulysses_pipefusion(client4, tiny_path, sampler, scheduler):
+def test_samplers_and_schedulers_match_serial_under_ulysses_pipefusion(client1, client4, tiny_path, sampler, scheduler):
     """Per-patch sampler updates (history, ancestral noise) equal whole-latent ones."""
     job = lambda s: make_job(tiny_path, s, steps=6, sampler=sampler, scheduler=scheduler)  # noqa: E731
-    one = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        ref = one.run(job(S())).latent
-    finally:
-        one.shutdown()
+    ref = client1.run(job(S())).latent
     for strategy in (S(pipefusion_degree=2, ulysses_degree=2, warmup_steps=6), S(ulysses_degree=4)):
         assert rel_err(client4.run(job(strategy)).latent, ref) <= EXACT_RTOL
 
 
-def test_img2img_denoise_and_cfg1(client2, tiny_path):
+def test_img2img_denoise_and_cfg1(client1, client2, tiny_path):
     """denoise < 1 starts from the given latent; cfg = 1 runs no uncond branch (so CFG-2 is refused)."""
     g = torch.Generator().manual_seed(5)
     latent = torch.randn(1, 16, 16, 16, generator=g)
-    one = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        ref = one.run(make_job(tiny_path, steps=6, cfg=1.0, denoise=0.5, latent=latent)).latent
-        other = one.run(make_job(tiny_path, steps=6, cfg=1.0, denoise=0.5, latent=-latent)).latent
-        txt2img = one.run(make_job(tiny_path, steps=6, cfg=1.0, latent=latent)).latent
-        txt2img_other = one.run(make_job(tiny_path, steps=6, cfg=1.0, latent=-latent)).latent
-    finally:
-        one.shutdown()
+    ref = client1.run(make_job(tiny_path, steps=6, cfg=1.0, denoise=0.5, latent=latent)).latent
+    other = client1.run(make_job(tiny_path, steps=6, cfg=1.0, denoise=0.5, latent=-latent)).latent
+    txt2img = client1.run(make_job(tiny_path, steps=6, cfg=1.0, latent=latent)).latent
+    txt2img_other = client1.run(make_job(tiny_path, steps=6, cfg=1.0, latent=-latent)).latent
     out = client2.run(make_job(tiny_path, S(ulysses_degree=2), steps=6, cfg=1.0, denoise=0.5, latent=latent))
     assert rel_err(out.latent, ref) <= EXACT_RTOL
     # img2img keeps the image: at denoise 0.5 the input latent shapes the result; at denoise 1 it is
@@ -273,12 +261,8 @@ UNEVEN = dict(latent=torch.zeros(2, 16, 18, 14))
 
 
 @pytest.fixture(scope="module")
-def serial_uneven(tiny_path):
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        yield client.run(make_job(tiny_path, **UNEVEN)).latent
-    finally:
-        client.shutdown()
+def serial_uneven(client1, tiny_path):
+    return client1.run(make_job(tiny_path, **UNEVEN)).latent
 
 
 @pytest.mark.parametrize("strategy", [

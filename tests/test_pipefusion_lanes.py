@@ -53,13 +53,9 @@ CASES = {"prompts_7_11": unequal_prompts, "reference_on_positive_only": referenc
 
 
 @pytest.fixture(scope="module")
-def serial(tiny_path):
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        yield {name: client.run(case(tiny_path)).latent for name, case in CASES.items()} | {
-            "same_layout": client.run(make_job(tiny_path, steps=STEPS)).latent}
-    finally:
-        client.shutdown()
+def serial(client1, tiny_path):
+    return {name: client1.run(case(tiny_path)).latent for name, case in CASES.items()} | {
+        "same_layout": client1.run(make_job(tiny_path, steps=STEPS)).latent}
 
 
 def test_the_cases_really_differ_in_layout(serial):

@@ -38,13 +38,9 @@ def warm(strategy: S, steps: int = 8) -> S:
 
 
 @pytest.fixture(scope="module")
-def serial(tiny_path):
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        yield {"square": client.run(make_job(tiny_path)).latent,
-               "uneven": client.run(make_job(tiny_path, latent=UNEVEN)).latent}
-    finally:
-        client.shutdown()
+def serial(client1, tiny_path):
+    return {"square": client1.run(make_job(tiny_path)).latent,
+            "uneven": client1.run(make_job(tiny_path, latent=UNEVEN)).latent}
 
 
 @pytest.mark.parametrize("strategy,latent", [
@@ -72,14 +68,10 @@ def test_stale_steps_are_closer_than_naive_patch(client4, tiny_path, serial):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_token_layouts_run_as_two_lanes(client4, tiny_path, case):
+def test_two_token_layouts_run_as_two_lanes(client1, client4, tiny_path, case):
     """Prompts of 7 and 11 tokens, or a reference latent on the positive only: each layout its own lane, its own
     ring buffers."""
-    one = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        ref = one.run(CASES[case](tiny_path)).latent
-    finally:
-        one.shutdown()
+    ref = client1.run(CASES[case](tiny_path)).latent
     err = rel_err(client4.run(CASES[case](tiny_path, PP_RING, warmup=STEPS)).latent, ref)
     print(f"\n{case}, pp2 x ring2 (all warm-up): {err:.2e}")
     assert err <= EXACT_RTOL

@@ -131,7 +131,7 @@ def test_the_amax_spans_the_ranks_of_one_forward_pass(strategy, batched, groups)
         assert comm.reduced == groups
 
 
-def test_one_forward_pass_under_cfg_and_displaced_patch_equals_one_worker(tmp_path, client2):
+def test_one_forward_pass_under_cfg_and_displaced_patch_equals_one_worker(client1, tmp_path, client2):
     """One step of a mixed nvfp4 file on the kernel path: CFG-2 (the branches one device batches) and displaced
     patch-2 (a warm-up step) equal one worker (measured 0; 0.15 for CFG-2 while each rank took its own amax). Each
     rank reduces at most once per quantized layer of the file (q, k and v share one input, as ComfyUI's fused qkv
@@ -140,7 +140,7 @@ def test_one_forward_pass_under_cfg_and_displaced_patch_equals_one_worker(tmp_pa
     quant, _ = comfy_quant_twins(tmp_path, name, "nvfp4")
     with open_checkpoint(quant) as reader:
         layers = len(reader.quant_layers())
-    serial = _one_worker_latents(name, quant, ("kernel",), steps=1)[0]
+    serial = _one_worker_latents(client1, name, quant, ("kernel",), steps=1)[0]
     for strategy in (S(cfg_degree=2), S(patch_degree=2, warmup_steps=1)):
         result = client2.run(_matmul_job(name, quant, "kernel", strategy, steps=1))
         assert rel_err(result.latent, serial) <= 1e-4, strategy  # EXACT_RTOL: the same arithmetic per row

@@ -52,7 +52,7 @@ def control(files, kind: str, seed: int, strength: float = 1.0) -> ControlInput:
     inpainting ControlNet its mask channel."""
     channels = 17 if kind == "inpaint" else 16
     hint = torch.randn(1, channels, 1, H, W, generator=torch.Generator().manual_seed(seed))
-    return ControlInput(files[kind], f"{kind}-{seed}", strength, hint)
+    return ControlInput(files[kind], f"qwen-{kind}-{seed}", strength, hint)
 
 
 def conditioning(seed: int, references=()) -> Conditioning:
@@ -196,11 +196,11 @@ def test_refusals(files, client1, tmp_path):
 
     flux = write_controlnet(tmp_path / "flux.safetensors", TINY, "xlabs", double=1)
     with pytest.raises(ModelFileError, match="is not a Qwen-Image ControlNet"):
-        client1.run(call_job(files, S(), [ControlInput(flux, "f", 1.0, torch.rand(1, 3, 8 * H, 8 * W))]))
+        client1.run(call_job(files, S(), [ControlInput(flux, "qwen-f", 1.0, torch.rand(1, 3, 8 * H, 8 * W))]))
     wide = write_qwen_image_controlnet(tmp_path / "wide.safetensors", dataclasses.replace(DIT, hidden_size=256,
                                                                                            num_heads=4))
     with pytest.raises(ConfigError, match="ControlNet is 256 wide but this Qwen-Image model is 128"):
-        client1.run(call_job(files, S(), [ControlInput(wide, "w", 1.0, torch.randn(1, 16, 1, H, W))]))
+        client1.run(call_job(files, S(), [ControlInput(wide, "qwen-w", 1.0, torch.randn(1, 16, 1, H, W))]))
 
 
 def test_pipefusion_keeps_the_controlnets_stale_kv(files, client4):

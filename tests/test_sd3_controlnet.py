@@ -58,7 +58,7 @@ def control(files, kind: str, seed: int, strength: float = 1.0) -> ControlInput:
     inpainting ControlNet its mask channel."""
     channels = 17 if kind == "inpaint" else 16
     hint = torch.randn(1, channels, H, W, generator=torch.Generator().manual_seed(seed))
-    return ControlInput(files[kind], f"{kind}-{seed}", strength, hint)
+    return ControlInput(files[kind], f"sd3-{kind}-{seed}", strength, hint)
 
 
 def call_job(files, strategy: S, pos_control=(), neg_control=(), negative: bool = True) -> Job:
@@ -243,11 +243,11 @@ def test_pipefusion_keeps_the_controlnets_stale_kv(files, client4):
 
 def test_refusals(files, client1, tmp_path):
     flux = write_controlnet(tmp_path / "flux.safetensors", TINY, "xlabs", double=1)
-    job = call_job(files, S(), [ControlInput(flux, "f", 1.0, torch.rand(1, 3, 8 * H, 8 * W))])
+    job = call_job(files, S(), [ControlInput(flux, "sd3-f", 1.0, torch.rand(1, 3, 8 * H, 8 * W))])
     with pytest.raises(ModelFileError, match="is not an SD3 ControlNet"):
         client1.run(job)
     narrow = write_sd3_controlnet(tmp_path / "narrow.safetensors", dataclasses.replace(DIT, hidden_size=128))
-    job = call_job(files, S(), [ControlInput(narrow, "n", 1.0, torch.randn(1, 16, H, W))])
+    job = call_job(files, S(), [ControlInput(narrow, "sd3-n", 1.0, torch.randn(1, 16, H, W))])
     with pytest.raises(ConfigError, match="ControlNet is 128 wide but this SD3.5 Medium model is 256"):
         client1.run(job)
 

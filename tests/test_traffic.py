@@ -117,12 +117,12 @@ def test_serial_moves_nothing():
 # -- the bench's smoke preset ----------------------------------------------------------------------------
 
 
-def test_bench_quick_preset(tmp_path, monkeypatch):
+def test_bench_quick_preset(bench_workers, tmp_path, monkeypatch):
     from parallel_runtime.bench.cli import main
 
     monkeypatch.setenv("PARADIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "bench.json"
-    assert main(["--quick", "--repeats", "1", "--json", str(out)]) == 0
+    assert main(["--quick", "--repeats", "1", "--json", str(out)], workers=bench_workers) == 0
     record = json.loads(out.read_text())
     labels = {r["label"] for r in record["rows"]}
     assert {"serial", "cfg2@cfg3.5", "ulysses2", "ring2", "pp2xM2w1", "pp2xM4w1", "naive2"} <= labels
@@ -136,7 +136,7 @@ def test_bench_quick_preset(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["chroma", "sd35_medium"])
-def test_bench_family_rows_name_their_family(tmp_path, monkeypatch, family):
+def test_bench_family_rows_name_their_family(bench_workers, tmp_path, monkeypatch, family):
     """`bench --family`: the grid runs on that family's bench model; exact strategies stay exact."""
     from parallel_runtime.bench.cli import main
     from parallel_runtime.bench.models import BENCH_FAMILIES
@@ -144,7 +144,7 @@ def test_bench_family_rows_name_their_family(tmp_path, monkeypatch, family):
     monkeypatch.setenv("PARADIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "bench.json"
     assert main(["--quick", "--family", family, "--configs", "serial,ulysses2,ring2", "--no-auto",
-                       "--no-overhead", "--json", str(out)]) == 0
+                       "--no-overhead", "--json", str(out)], workers=bench_workers) == 0
     record = json.loads(out.read_text())
     expected = BENCH_FAMILIES[family].family
     assert record["family"] == expected and {r["family"] for r in record["rows"]} == {expected}

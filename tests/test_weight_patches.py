@@ -134,34 +134,26 @@ def merged_file(base: str, path: str, deltas: list[dict]) -> str:
 
 
 @pytest.fixture(scope="module", params=NAMES)
-def patched(request, tmp_path_factory):
+def patched(client1, request, tmp_path_factory):
     """(family, the base file, two stacked LoRAs at 0.8 and -0.5, the merged twin's serial latent)."""
     name = request.param
     folder = tmp_path_factory.mktemp(name)
     base = write_checkpoint(str(folder / f"{name}.safetensors"), FAMILIES[name], seed=11, prefix=PREFIX)
     patches, deltas = stacked(lora_stack(name, 1, 0.8, "a"), lora_stack(name, 2, -0.5, "b"))
     merged = merged_file(base, str(folder / f"{name}-merged.safetensors"), deltas)
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        reference = client.run(job((name, merged))).latent
-        plain = client.run(job((name, base))).latent
-    finally:
-        client.shutdown()
+    reference = client1.run(job((name, merged))).latent
+    plain = client1.run(job((name, base))).latent
     assert rel_err(reference, plain) > 1e-2  # the LoRAs really change the image
     return name, base, patches, reference
 
 
-def assert_lora_on_file(client2, name: str, path: str, reference_path: str, patches, rtol: float) -> None:
+def assert_lora_on_file(client1, client2, name: str, path: str, reference_path: str, patches, rtol: float) -> None:
     """A LoRA stack on the file at `path` equals the plain run of `reference_path` (the LoRA's effect written into
     a file) within `rtol` at one worker, with the same bytes per rank as without it, and within EXACT_RTOL under
     Ulysses-2 and PipeFusion-2 (each stage patches its blocks); taking it off restores the file's result."""
-    one = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        plain = one.run(job((name, path)))
-        reference = one.run(job((name, reference_path))).latent
-        got = one.run(with_patches(job((name, path)), patches))
-    finally:
-        one.shutdown()
+    plain = client1.run(job((name, path)))
+    reference = client1.run(job((name, reference_path))).latent
+    got = client1.run(with_patches(job((name, path)), patches))
     assert rel_err(reference, plain.latent) > 1e-2  # the LoRAs really change the image
     assert rel_err(got.latent, reference) <= rtol
     assert got.stats[0]["param_bytes"] == plain.stats[0]["param_bytes"]  # no dense copy held
@@ -175,13 +167,9 @@ def with_patches(family_job, patches):
     return dataclasses.replace(family_job, weight_patches=patches)
 
 
-def test_lora_stack_at_one_worker_equals_the_merged_file(patched):
+def test_lora_stack_at_one_worker_equals_the_merged_file(client1, patched):
     name, base, patches, reference = patched
-    client = RuntimeClient("cpu:1", threads_per_worker=1)
-    try:
-        result = client.run(with_patches(job((name, base)), patches))
-    finally:
-        client.shutdown()
+    result = client1.run(with_patches(job((name, base)), patches))
     assert rel_err(result.latent, reference) <= PATCH_RTOL
     assert result.stats[0]["patched_tensors"] == len(patches.weights)
 

@@ -3,6 +3,7 @@ loads. Pure arithmetic on a family's per-block parameter counts; it imports noth
 model seam, the cost model and the strategies all plan from here."""
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Callable
@@ -26,12 +27,20 @@ def balanced_stages(counts: tuple, stages: int, speeds: tuple[float, ...] = ()) 
     PIPELINE_MEMORY_SLACK x its speed's share).
     """
     per_block, always, first, last = counts
+    return [list(rank) for rank in _balanced_stages((tuple(per_block), always, first, last), stages, tuple(speeds))]
+
+
+@functools.lru_cache(maxsize=64)
+def _balanced_stages(counts: tuple, stages: int, speeds: tuple[float, ...]) -> tuple[tuple[range, ...], ...]:
+    """balanced_stages, once per family shape and stage count: the cost model and `auto` ask for the same split
+    once per candidate strategy, and a few thousand scored layouts each time took most of a projection's time."""
+    per_block, always, first, last = counts
     # The first and last stage's own modules ride with the first and last block, wherever those land.
     memory = list(per_block)
     memory[0] += first
     memory[-1] += last
     if len(set(speeds)) > 1:
-        return [[chunk] for chunk in split_stages([1.0] * len(memory), stages, memory=memory, speeds=speeds)]
+        return tuple((chunk,) for chunk in split_stages([1.0] * len(memory), stages, memory=memory, speeds=speeds))
     fair = (sum(memory) + always) / stages
 
     def score(ranks: list[list[range]]) -> tuple:
@@ -41,7 +50,7 @@ def balanced_stages(counts: tuple, stages: int, speeds: tuple[float, ...] = ()) 
         return (not fits, work if fits else held, len(ranks[0]))
 
     layouts = [layout for chunks in (1, 2) for layout in _stage_layouts(memory, stages, chunks)]
-    return min(layouts, key=score)
+    return tuple(tuple(rank) for rank in min(layouts, key=score))
 
 
 def _stage_layouts(memory: list[int], stages: int, chunks: int, exhaustive: int = 20000) -> list[list[list[range]]]:

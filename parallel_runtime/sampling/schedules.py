@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import numpy
-import scipy.stats
 import torch
 
 from ..errors import ConfigError
@@ -54,6 +53,8 @@ def normal_scheduler(model_sampling, steps: int, sgm: bool = False) -> torch.Ten
 def beta_scheduler(model_sampling, steps: int, alpha: float = 0.6, beta: float = 0.6) -> torch.Tensor:
     # Table indices at beta-distribution quantiles (arXiv 2407.12173). Repeated
     # indices are dropped, so a schedule may come out shorter than `steps`.
+    import scipy.stats  # here, not at the top: it costs every worker 1.5 s of start-up, and only beta needs it
+
     total_timesteps = len(model_sampling.sigmas) - 1
     ts = 1 - numpy.linspace(0, 1, steps, endpoint=False)
     ts = numpy.rint(scipy.stats.beta.ppf(ts, alpha, beta) * total_timesteps)
