@@ -21,14 +21,10 @@ ROWS = {"serial", "cfg2@cfg3.5", "ulysses2", "ring2", "pp2xM2w1"}
 
 
 @pytest.fixture(scope="module")
-def record(tmp_path_factory):
+def record(tmp_path_factory, bench_workers):
+    """One run on the session's workers (conftest bench_workers: no worker starts of its own)."""
     out = tmp_path_factory.mktemp("entrances") / "bench.json"
-    pool: dict = {}
-    try:
-        assert main([*TINY_VIDEO, "--json", str(out)], workers=pool) == 0
-    finally:
-        for client in pool.values():
-            client.shutdown()
+    assert main([*TINY_VIDEO, "--json", str(out)], workers=bench_workers) == 0
     return json.loads(out.read_text())
 
 
