@@ -170,3 +170,28 @@ def test_lumina2_padded_prompt_is_refused_in_one_sentence(server):
     assert result["status"] == "error", comfy_host.explain(result)
     message = comfy_host.explain(result)
     assert "attention mask hides 3 padding token(s)" in message, message
+
+
+@pytest.mark.parametrize("sampler, routed", [("euler", None), ("res_multistep", "the sampler res_multistep")],
+                         ids=["worker_loop", "per_call"])
+def test_lumina2_parallel_sampler_equals_ksampler(server, sampler, routed):
+    """Parallel Sampler on the same MODEL as KSampler. Gemma's all-ones prompt mask keeps the workers' own loop
+    (euler); the template's res_multistep, which that loop lacks, runs ComfyUI's sampler. The worker loop's float32
+    sampler update differs from the host's by round-off at most."""
+    g = graph("cpu:2", comfy_host.strategy(ulysses=2, warmup=3))
+    for node in ("12", "21"):
+        g[node]["inputs"]["sampler_name"] = sampler
+    same, unet, summary = comfy_host.entrance_parity(server, comfy_host.with_parallel_sampler(g),
+                                                     f"Lumina 2, Parallel Sampler, {sampler}")
+    assert same <= ONE_WORKER_RTOL and unet < EXACT_RTOL
+    assert (f"per-call pipeline: the graph has {routed}" in summary) if routed else ("per model call" not in summary)
+
+
+def test_lumina2_padded_prompt_gets_the_same_sentence_from_parallel_sampler(server):
+    g = graph(padding=3)
+    for node in ("20", "21", "22"):
+        g.pop(node)
+    g["12"]["class_type"] = "ParaDiTSampler"
+    result = server.run(g)
+    assert result["status"] == "error", comfy_host.explain(result)
+    assert "attention mask hides 3 padding token(s)" in comfy_host.explain(result)
