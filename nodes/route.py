@@ -58,12 +58,12 @@ def worker_loop_gap(model, cfg: float, sampler_name: str, scheduler: str, positi
     if scheduler not in SCHEDULERS:
         return f"the scheduler {scheduler}"
     gap = _model_patch_gap(model) or _latent_gap(latent, video_model) or _conditioning_gap(positive, "positive")
-    if gap is None and finite(cfg) and cfg_uses_uncond(float(cfg)):  # at cfg 1 both loops skip the negative
+    if gap is None and _finite(cfg) and cfg_uses_uncond(float(cfg)):  # at cfg 1 both loops skip the negative
         gap = _conditioning_gap(negative, "negative")
     return gap
 
 
-def finite(value) -> bool:
+def _finite(value) -> bool:
     try:
         return math.isfinite(float(value))
     except (TypeError, ValueError):

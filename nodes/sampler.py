@@ -106,9 +106,10 @@ def _sample_per_call(model, seed, steps, cfg, sampler_name, scheduler, positive,
                      *, gap, remote, node_id, host) -> tuple[dict, str]:
     """KSampler's own sampling (ComfyUI's sampler calls the workers once per model evaluation): the result is
     KSampler's by construction. PipeFusion then pipelines within each call, not across steps."""
+    from parallel_runtime.validate import check_setting
+
     for name, value in (("cfg", cfg), ("denoise", denoise)):  # refused before anything runs, as on the workers' path
-        if not route.finite(value):
-            raise convert.ConfigError(f"{name}={value} is not a finite number; set a finite {name}.")
+        check_setting(name, value)
     choice = remote.handle.strategy
     line = f"per-call pipeline: the graph has {gap}"
     common = dict(node_id=node_id, mode=choice.mode, strategy_node=choice.node_id, devices=remote.handle.devices,

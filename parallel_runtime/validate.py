@@ -91,6 +91,15 @@ def _finite_number(name: str, value, fix: str) -> None:
         raise ConfigError(f"{name}={value!r} is not a finite number; {fix}.")
 
 
+# The sampler settings both nodes check before anything runs, each with its fix.
+SETTING_FIXES = {"cfg": "set cfg to a number such as 1.0 (Flux dev) or 3.5", "denoise": "set denoise between 0 and 1"}
+
+
+def check_setting(name: str, value) -> None:
+    """One sentence for a NaN / Inf / non-numeric sampler setting (cfg, denoise), the same from both nodes."""
+    _finite_number(name, value, SETTING_FIXES[name])
+
+
 def _finite_tensor(name: str, t: torch.Tensor | None, fix: str) -> None:
     if t is None or not t.is_floating_point():
         return
@@ -102,8 +111,8 @@ def _finite_tensor(name: str, t: torch.Tensor | None, fix: str) -> None:
 def validate_numbers(job: Job) -> None:
     """NaN or Inf anywhere in the job's settings or tensors would silently sample garbage: refuse it."""
     sp = job.sampling
-    _finite_number("cfg", sp.cfg, "set cfg to a number such as 1.0 (Flux dev) or 3.5")
-    _finite_number("denoise", sp.denoise, "set denoise between 0 and 1")
+    check_setting("cfg", sp.cfg)
+    check_setting("denoise", sp.denoise)
     upstream = "it comes from the node feeding it (often a half-precision overflow): re-run that node in fp32 or bf16"
     _finite_tensor("latent", job.latent, "re-create it (an empty latent, or VAE Encode of a valid image); " + upstream)
     for name, c in (("positive", job.positive), ("negative", job.negative)):
