@@ -41,6 +41,7 @@ class RemoteDiT(torch.nn.Module):
         self._strategies: dict = {}  # (latent shape, chunks) -> resolved StrategySpec, once per sampling setup
         self._patches = None  # (patches_uuid, WeightPatches) of the last LoRA stack seen
         self.last_strategy = None  # the StrategySpec of the last call (Parallel Sampler's per-call status line)
+        self.on_call = None  # Parallel Sampler's per-call status: (schedule step, strategy, client) after each call
 
     def __deepcopy__(self, memo):
         """ComfyUI deep-copies a diffusion model only to put a clone on another device (its MultiGPU CFG Split,
@@ -125,6 +126,8 @@ class RemoteDiT(torch.nn.Module):
                       chunks[1] if len(chunks) > 1 else None, timestep=timesteps[sl].detach().float().cpu(),
                       weight_patches=patches, call_step=step, call_slot=slot, call_last=last, skip_blocks=skip_blocks)
             outputs.append(_run(client, job))
+        if self.on_call is not None:
+            self.on_call(step, strategy, client)
         out = torch.cat(outputs).to(x.device)
         return out.unsqueeze(2) if video else out
 

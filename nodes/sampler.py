@@ -118,6 +118,7 @@ def _sample_per_call(model, seed, steps, cfg, sampler_name, scheduler, positive,
     host.send(convert.status_payload(state="starting", strategy=None, step=0, total=int(steps), **common))
     started = time.monotonic()
     remote.last_strategy = None  # set by this run's first model call (none where denoise leaves no step)
+    remote.on_call = _CallStatus(host, common, int(steps)).after_call
     try:
         out = host.ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                             denoise)
@@ -126,6 +127,8 @@ def _sample_per_call(model, seed, steps, cfg, sampler_name, scheduler, positive,
         host.send(convert.status_payload(state="cancelled" if cancelled else "error", strategy=remote.last_strategy,
                                          message="Cancelled." if cancelled else str(e), **common))
         raise
+    finally:
+        remote.on_call = None
     elapsed = time.monotonic() - started
     strategy = remote.last_strategy
     host.send(convert.status_payload(state="done", strategy=strategy, step=int(steps), total=int(steps), **common))
@@ -182,6 +185,29 @@ def _plan(choice, handle, job, cfg, client, host):
                                text_tokens=job.positive.cond.shape[1])
     host.send_text(convert.strategy_text(strategy, reason, choice.mode), choice.node_id)
     return strategy, reason
+
+
+class _CallStatus:
+    """Parallel Sampler's "running" events while ComfyUI's sampler calls the workers (at most one per
+    STATUS_INTERVAL_S, as for a worker-loop job: the same worker status the node draws); the progress bar is
+    ComfyUI's own there."""
+
+    def __init__(self, host, common: dict, steps: int):
+        self.host, self.common, self.steps = host, common, steps
+        self.last_sent = 0.0
+
+    def after_call(self, step: int | None, strategy, client) -> None:
+        now = time.monotonic()
+        if now - self.last_sent < STATUS_INTERVAL_S:
+            return
+        self.last_sent = now
+        try:
+            status = client.status()
+        except Exception as e:  # status is decoration: never let it fail a job
+            status = {"error": str(e)}
+        done = None if step is None else min(step + 1, self.steps)
+        self.host.send(convert.status_payload(state="running", strategy=strategy, step=done, total=self.steps,
+                                              status=status, **self.common))
 
 
 class _JobStatus:

@@ -57,9 +57,17 @@ class RecordingHost(FakeHost):
                                denoise=denoise, latent=latent))
         if self.fail is not None:
             raise self.fail
-        if self.sets_strategy:  # as the run's first model call does
-            model.model.diffusion_model.last_strategy = StrategySpec(pipefusion_degree=2)
+        if self.sets_strategy:  # as the run's model calls do
+            remote = model.model.diffusion_model
+            remote.last_strategy = StrategySpec(pipefusion_degree=2)
+            for step in range(steps):
+                remote.on_call(step, remote.last_strategy, _StatusClient())
         return dict(latent, samples=latent["samples"] * 2)
+
+
+class _StatusClient:
+    def status(self):
+        return {"workers": [{"rank": 0, "alive": True}]}
 
 
 def gap(model=None, cfg=3.0, sampler="euler", scheduler="simple", positive=None, negative=None, lat=None,
@@ -162,7 +170,10 @@ def test_a_routed_graph_runs_comfyuis_sampler_and_says_so(runtime):
     assert runtime.clients == {}  # no worker-loop job
     line = "per-call pipeline: the graph has a noise mask (inpainting, or an image-to-video latent's first frames)"
     assert host.texts == [("9", line)]
-    assert [e["state"] for e in host.events] == ["starting", "done"]
+    # One "running" event with the workers' status (later calls within STATUS_INTERVAL_S send none).
+    assert [e["state"] for e in host.events] == ["starting", "running", "done"]
+    assert host.events[1]["step"] == 1 and host.events[1]["total"] == 4 and host.events[1]["status"]["workers"]
+    assert model.model.diffusion_model.on_call is None  # unhooked after the run
     assert host.events[-1]["strategy"] == "pp2xM2w1" and host.events[-1]["reason"] == line
     assert summary.startswith("pp2xM2w1 on 2 worker(s), one runtime job per model call (" + line + "): 4 steps in ")
 
@@ -205,9 +216,11 @@ def test_the_summary_never_shows_an_earlier_prompts_strategy(runtime):
 def test_cancel_and_errors_on_the_per_call_path_reach_comfyui(runtime):
     lat = latent(noise_mask=torch.ones(1, 1, 16, 16))
     host = RecordingHost(fail=Interrupt())
+    model = parallel_model()
     with pytest.raises(Interrupt):
-        sampler_mod.sample(parallel_model(), 0, 2, 1.0, "euler", "simple", cond(), cond(), lat, 1.0, host=host)
+        sampler_mod.sample(model, 0, 2, 1.0, "euler", "simple", cond(), cond(), lat, 1.0, host=host)
     assert host.events[-1]["state"] == "cancelled" and host.events[-1]["message"] == "Cancelled."
+    assert model.model.diffusion_model.on_call is None  # a later KSampler run on this MODEL sends no events
     host = RecordingHost(fail=ConfigError("the model call carries inputs ParaDiT does not run (x)."))
     with pytest.raises(ConfigError, match="inputs ParaDiT does not run"):
         sampler_mod.sample(parallel_model(), 0, 2, 1.0, "euler", "simple", cond(), cond(), lat, 1.0, host=host)
