@@ -201,13 +201,17 @@ class _CallStatus:
         if now - self.last_sent < STATUS_INTERVAL_S:
             return
         self.last_sent = now
-        try:
-            status = client.status()
-        except Exception as e:  # status is decoration: never let it fail a job
-            status = {"error": str(e)}
         done = None if step is None else min(step + 1, self.steps)
         self.host.send(convert.status_payload(state="running", strategy=strategy, step=done, total=self.steps,
-                                              status=status, **self.common))
+                                              status=_worker_status(client), **self.common))
+
+
+def _worker_status(client) -> dict:
+    """The workers' status for a "paradit.status" event; status is decoration: never let it fail a job."""
+    try:
+        return client.status()
+    except Exception as e:
+        return {"error": str(e)}
 
 
 class _JobStatus:
@@ -220,10 +224,7 @@ class _JobStatus:
 
     def send(self, state, *, status=None, **kw):
         if status is None:
-            try:
-                status = self.client.status()
-            except Exception as e:  # status is decoration: never let it fail a job
-                status = {"error": str(e)}
+            status = _worker_status(self.client)
         self.host.send(convert.status_payload(state=state, status=status, **self.common, **kw))
 
     def start(self, steps: int, node_id) -> None:

@@ -343,8 +343,13 @@ def _free_port() -> int:
 
 
 def _group_alive(pgid: int) -> bool:
+    return _signal_reaches(os.killpg, pgid)
+
+
+def _signal_reaches(kill, target: int) -> bool:
+    """Whether `kill(target, 0)` finds a process (one owned by another user counts)."""
     try:
-        os.killpg(pgid, 0)
+        kill(target, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
@@ -491,13 +496,7 @@ def _sweep_dead_roots() -> None:
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return _signal_reaches(os.kill, pid)
 
 
 def serve(prefix: str, prepare: Callable[[str], None] | None = None) -> Iterator[Server]:
