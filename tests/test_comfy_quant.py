@@ -207,8 +207,25 @@ def _one_layer_file(folder, fmt: str, w: torch.Tensor, b: torch.Tensor, **extra)
 KERNEL_FORMATS = ["float8_e4m3fn", "int8_tensorwise", "int8_convrot", "nvfp4"]  # comfy-kitchen has no CPU mxfp8 mm
 
 
+def scaled_mm_with_cudas_shape_rule(monkeypatch) -> list[tuple[int, int]]:
+    """comfy-kitchen's fp8 matmul made to refuse what torch._scaled_mm refuses on CUDA, an fp8 weight with a
+    dimension 16 does not divide (an H200 raised "mat2 shape (1024x200) must be divisible by 16" for a rank's 200
+    rows), so the CPU shows what a GPU would raise. Returns the weight shapes it multiplied."""
+    fp8 = pytest.importorskip("comfy_kitchen.tensor.fp8")
+    real, seen = fp8._fp8_scaled_mm, []
+
+    def checked(a, b, *args, **kwargs):
+        if b.shape[0] % 16 or b.shape[1] % 16:
+            raise ValueError(f"mat2 shape ({b.shape[0]}x{b.shape[1]}) must be divisible by 16")
+        seen.append(tuple(b.shape))
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(fp8, "_fp8_scaled_mm", checked)
+    return seen
+
+
 @pytest.mark.parametrize("fmt", KERNEL_FORMATS, ids=lambda f: f"comfy_quant-{f}")
-def test_comfy_quant_kernel_layer_rows_equal_comfy_kitchens_linear(tmp_path, fmt):
+def test_comfy_quant_kernel_layer_rows_equal_comfy_kitchens_linear(tmp_path, fmt, monkeypatch):
     """On the kernel path a rank's rows of a layer give exactly those columns of what ComfyUI computes with the
     whole layer (F.linear on comfy-kitchen's QuantizedTensor: the input quantized to the weight's layout for
     fp8 (at scale 1, ComfyUI's fp8 layout without an input_scale) and nvfp4, int8's per-row kernel), including
@@ -228,8 +245,9 @@ def test_comfy_quant_kernel_layer_rows_equal_comfy_kitchens_linear(tmp_path, fmt
     else:
         whole = torch.nn.functional.linear(x, qt, b)
     storage = Storage(torch.float32, kernel_formats=frozenset({fmt.replace("_convrot", "_tensorwise")}))
+    fp8_matmuls = scaled_mm_with_cudas_shape_rule(monkeypatch)
     with open_checkpoint(path) as reader:
-        for rows in (slice(0, 200), slice(48, 112), slice(100, 200)):
+        for rows in (slice(0, 200), slice(48, 112), slice(100, 200)):  # 200 and 100 rows: not multiples of 16
             layer = reader.read_kept("l.weight", rows, None, "cpu").linear(b[rows], storage)
             assert layer.kernel
             assert rel_err(layer(x), whole[..., rows]) <= 1e-6
@@ -238,6 +256,26 @@ def test_comfy_quant_kernel_layer_rows_equal_comfy_kitchens_linear(tmp_path, fmt
         assert not plain.kernel
         assert rel_err(plain(x), torch.nn.functional.linear(x, qt.dequantize(), b)) <= 1e-6
         assert rel_err(plain(x), whole) > 1e-4
+    assert bool(fp8_matmuls) == (fmt == "float8_e4m3fn")  # fp8's kernel ran, on 16-aligned weights only
+
+
+def test_fp8_kernel_pads_uneven_rows_and_columns_to_what_scaled_mm_takes(monkeypatch):
+    """A plain fp8 file's rank shard of 50 rows x 120 input columns (tensor parallelism cuts both) on the kernel
+    path: torch gets a 64 x 128 weight, and every kept output is the fp8 arithmetic's own: the input quantized to
+    e4m3 at the file's input scale, times the fp8 weight, times both scales, plus the bias (fp32 reference on the
+    CPU; only the summation order differs, 1e-6)."""
+    from parallel_runtime.weights.fp8 import Fp8Linear
+
+    seen = scaled_mm_with_cudas_shape_rule(monkeypatch)
+    torch.manual_seed(2)
+    weight, bias = torch.randn(50, 120).to(torch.float8_e4m3fn), torch.randn(50)
+    scale, input_scale, x = torch.tensor(0.5), torch.tensor(0.25), torch.randn(3, 5, 120)
+    layer = Fp8Linear(weight, bias, scale, input_scale, kernel=True)
+    out = layer(x)
+    x_fp8 = (x / input_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * input_scale
+    expected = torch.nn.functional.linear(x_fp8, weight.float() * scale, bias)
+    assert seen == [(128, 64)] and out.shape == (3, 5, 50)  # the weight reaches torch transposed: K x N
+    assert rel_err(out, expected) <= 1e-6
 
 
 def test_comfy_quant_kernel_uses_the_files_input_scale_and_full_precision_flag(tmp_path):

@@ -238,6 +238,32 @@ def kernel_linear(x: torch.Tensor, weight, fmt: str, input_scale: torch.Tensor |
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+# torch._scaled_mm on CUDA takes an fp8 weight only with both dimensions divisible by 16 ("mat2 shape (1024x200)
+# must be divisible by 16"). A whole layer of a real model always is; a rank's rows or columns of it need not be
+# (tensor parallelism over 3 ranks, rows weighted by device speed), so fp8_kernel_linear pads those with zeros.
+SCALED_MM_ALIGN = 16
+
+
+def fp8_kernel_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None,
+                      input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """ComfyUI's fp8 matmul (kernel_linear on a TensorCoreFP8Layout weight) of `x` by this rank's fp8 rows `data`
+    at the per-tensor `scale`. Rows and input columns that do not fill SCALED_MM_ALIGN are padded with zeros:
+    a zero input column adds nothing to any output, and a zero row's output column is sliced off, so every kept
+    column is the same dot product, quantized input included (the input's scale is per tensor, never per row).
+    Only such an uneven shard pays the copy of its weight per call."""
+    out_features, in_features = data.shape
+    pad_rows, pad_cols = -out_features % SCALED_MM_ALIGN, -in_features % SCALED_MM_ALIGN
+    if pad_rows or pad_cols:
+        data = F.pad(data.view(torch.uint8), (0, pad_cols, 0, pad_rows)).view(data.dtype)
+        x = F.pad(x, (0, pad_cols))
+        bias = F.pad(bias, (0, pad_rows)) if bias is not None else None
+    quantized_tensor, get_layout_class, _ = kitchen()
+    params = get_layout_class("TensorCoreFP8Layout").Params(scale=scale, orig_dtype=x.dtype,
+                                                            orig_shape=tuple(data.shape))
+    out = kernel_linear(x, quantized_tensor(data, "TensorCoreFP8Layout", params), "float8_e4m3fn", input_scale, bias)
+    return out[..., :out_features].contiguous() if pad_rows else out
+
+
 class ComfyQuantLinear(KeptLinear):
     """A Linear whose weight stays in a ComfyUI quantized layout on the rank. Each call rebuilds comfy-kitchen's
     QuantizedTensor from the rows it holds and, as ComfyUI's mixed-precision Linear: multiplies in the layout
@@ -283,6 +309,8 @@ class ComfyQuantLinear(KeptLinear):
             return F.linear(x, self.patch(self, x.dtype), bias)
         if not self.kernel:
             return F.linear(x, self.dequantized(x.dtype), bias)
+        if self.fmt == "float8_e4m3fn":
+            return fp8_kernel_linear(x, self.weight_data, self.weight_scale, self._input_scale(x), bias)
         return kernel_linear(x, self.quantized(x.dtype), self.fmt, self._input_scale(x), bias)
 
     def _input_scale(self, x: torch.Tensor) -> torch.Tensor | None:

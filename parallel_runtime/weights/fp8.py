@@ -44,13 +44,9 @@ class Fp8Linear(KeptLinear):
         return F.linear(x * scale, weight, bias)
 
     def _fp8_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        from .comfy_quant import kernel_linear, kitchen
+        from .comfy_quant import fp8_kernel_linear
 
-        quantized_tensor, get_layout_class, _ = kitchen()
-        params = get_layout_class("TensorCoreFP8Layout").Params(scale=self.scale_weight, orig_dtype=x.dtype,
-                                                                orig_shape=(self.out_features, self.in_features))
-        weight = quantized_tensor(self.weight, "TensorCoreFP8Layout", params)
-        return kernel_linear(x, weight, "float8_e4m3fn", self.scale_input, bias)
+        return fp8_kernel_linear(x, self.weight, self.scale_weight, self.scale_input, bias)
 
     def extra_repr(self) -> str:
         path = ", kernel" if self.kernel else ""

@@ -43,5 +43,9 @@ def test_each_family_on_the_gpu_matches_the_cpu_in_fp32_and_bf16(gpu, clients, t
     fp32, bf16 = rel_err(out["gpu", "fp32"], out["cpu", "fp32"]), rel_err(out["gpu", "bf16"], out["cpu", "bf16"])
     gap_gpu, gap_cpu = rel_err(out["gpu", "bf16"], out["gpu", "fp32"]), rel_err(out["cpu", "bf16"], out["cpu", "fp32"])
     print(f"\n{name}: GPU vs CPU fp32 {fp32:.2e}, bf16 {bf16:.2e}; bf16 vs fp32 GPU {gap_gpu:.2e}, CPU {gap_cpu:.2e}")
-    assert fp32 <= FP32_RTOL and bf16 <= BF16_RTOL
+    # The job's own conditioning: bf16's round-off (unit 2^-9) moves this family's latent by gap_cpu, and fp32's
+    # (2^-24) is 2^15 smaller, so kernels that sum in another order move it by about gap_cpu / 2^15 per unit of
+    # round-off they differ by. Allow 64 units: chroma's tiny config, whose random modulation amplifies round-off
+    # ~300x (bf16 moves it 0.63), measured 16 units (3.1e-4) on an H200; a dtype or device mix-up is 1e-2 or more.
+    assert fp32 <= max(FP32_RTOL, 64 * gap_cpu / 2**15) and bf16 <= BF16_RTOL
     assert gap_gpu <= gap_cpu + BF16_RTOL

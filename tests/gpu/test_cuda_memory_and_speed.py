@@ -28,6 +28,9 @@ MEMORY_CONFIG = FluxConfig(hidden_size=1024, num_heads=8, head_dim=128, num_laye
 SPEED_CONFIG = FluxConfig(hidden_size=3072, num_heads=24, head_dim=128, num_layers=4, num_single_layers=8,
                           context_dim=4096, pooled_dim=768)
 ALLOC_ROUNDING = 512  # torch's caching allocator rounds every tensor up to a multiple of 512 bytes
+# The allocator also hands a request a cached block up to 1 MiB (kSmallSize) larger without splitting it, so a block
+# freed by the load's temporaries and reused counts that much above its tensor: measured 516 KiB on an H200.
+ALLOC_UNSPLIT = 2 << 20
 SPEED_SLACK = 1.05  # seconds per step within 5% of plain diffusers
 
 
@@ -51,14 +54,19 @@ def test_pipefusion_stage_memory_matches_the_analytic_split(gpu, memory_flux, st
             model = FLUX.build(MEMORY_CONFIG, reader, match(reader.keys()), dtype=torch.bfloat16, device=gpu,
                                owned=stage_ownership(MEMORY_CONFIG, chunks, first=is_first, last=is_last))
         used = torch.cuda.memory_allocated(gpu) - before
+        on_gpu = [t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cuda"]
+        # What the stage's tensors keep alive: whole storages, so a weight that is a view into a larger load
+        # (a fused qkv kept whole behind its slice) counts in full.
+        held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in on_gpu}.values())
         params = (sum(per_block[i] for chunk in chunks for i in chunk) + always + (first if is_first else 0)
                   + (last if is_last else 0))
-        tensors = sum(1 for p in model.parameters() if p.device.type == "cuda")
         measured.append(used)
         analytic.append(2 * params)
-        assert 2 * params <= used <= 2 * params + ALLOC_ROUNDING * tensors, (stage, used, 2 * params)
-        del model
+        tensors = len(on_gpu)
+        del model, on_gpu
         torch.cuda.empty_cache()
+        assert held == 2 * params, (stage, held, 2 * params)
+        assert held <= used <= held + ALLOC_ROUNDING * tensors + ALLOC_UNSPLIT, (stage, used, held)
     print(f"\nPipeFusion-{stages}: bytes per stage {measured} (analytic {analytic})")
     # Together the stages hold every block once and the time embedding on each stage.
     assert sum(analytic) == 2 * (sum(per_block) + first + last + stages * always)
