@@ -11,7 +11,7 @@ import torch
 
 @dataclass(frozen=True)
 class StrategySpec:
-    """How one job is split. world = cfg * pipefusion * naive_patch * patch * ring * ulysses * tensor."""
+    """How one job is split. world = batch * cfg * pipefusion * naive_patch * patch * ring * ulysses * tensor."""
 
     cfg_degree: int = 1
     pipefusion_degree: int = 1
@@ -35,6 +35,10 @@ class StrategySpec:
     # blocks (across CFG, Ulysses, Ring, patch) keep 1/N of every block's bytes and gather a block just before it
     # runs. "auto": the client turns it on for a job whose plan does not fit a rank without it (and fits with it).
     shard_weights: bool | str = False
+    # Batch parallel (data parallel over the latent batch): each group of world / batch_degree ranks denoises its
+    # share of the images, the shares in proportion to the groups' device_weights. No per-step traffic between
+    # groups; outermost, so every other degree splits one group's images.
+    batch_degree: int = 1
 
     def __post_init__(self):
         # JSON gives a list; a frozen spec is hashed (a Topology key, a cache key), so it must be a tuple.
@@ -46,7 +50,7 @@ class StrategySpec:
 
     @property
     def world_size(self) -> int:
-        return (self.cfg_degree * self.pipefusion_degree * self.naive_patch_degree * self.patch_degree
+        return (self.batch_degree * self.cfg_degree * self.pipefusion_degree * self.naive_patch_degree * self.patch_degree
                 * self.ring_degree * self.ulysses_degree * self.tensor_degree)
 
     @property
@@ -55,7 +59,7 @@ class StrategySpec:
 
     def label(self) -> str:
         parts = [f"{name}{deg}" for name, deg in (
-            ("cfg", self.cfg_degree), ("pp", self.pipefusion_degree), ("ulysses", self.ulysses_degree),
+            ("batch", self.batch_degree), ("cfg", self.cfg_degree), ("pp", self.pipefusion_degree), ("ulysses", self.ulysses_degree),
             ("ring", self.ring_degree), ("naive", self.naive_patch_degree), ("patch", self.patch_degree),
             ("tp", self.tensor_degree)) if deg > 1]
         if self.pipefusion_degree > 1:

@@ -77,8 +77,9 @@ def validate_branches(job: Job) -> None:
     if uses_uncond and job.negative is None:
         raise ConfigError("cfg > 1 needs a negative conditioning; connect one or set cfg to 1.")
     batch_index = job.extra.get("batch_index")
-    if batch_index is not None and len(batch_index) != job.latent.shape[0]:
-        raise ConfigError(f"the latent's batch_index lists {len(batch_index)} entries for {job.latent.shape[0]} "
+    images = job.extra["batch_rows"][2] if "batch_rows" in job.extra else job.latent.shape[0]  # batch parallel: all
+    if batch_index is not None and len(batch_index) != images:
+        raise ConfigError(f"the latent's batch_index lists {len(batch_index)} entries for {images} "
                           f"image(s); re-create the batch with ComfyUI's latent batch nodes.")
 
 
@@ -382,7 +383,7 @@ def validate_job(job: Job, world_size: int) -> None:
     validate_strategy(job.strategy, world_size=world_size, heads=config.num_heads,
                       num_blocks=config.num_blocks, latent_hw=latent_plane(lat.shape[2:]),
                       cfg_scale=sp.cfg if job.timestep is None else None, steps=sp.steps,
-                      patch=token_patch(config), mlp_hidden=getattr(config, "mlp_hidden", None))
+                      patch=token_patch(config), mlp_hidden=getattr(config, "mlp_hidden", None), batch=job.batch)
     if job.strategy.tensor_degree > 1 and not family_of(config).tensor_plan_for(config):
         raise ConfigError(f"{getattr(config, 'title', family_of(config).title)} does not split its layers for tensor "
                           f"parallelism yet; set tensor_degree=1 and split it with ulysses_degree or ring_degree.")

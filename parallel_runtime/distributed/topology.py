@@ -1,9 +1,9 @@
 """Topology: how the world's ranks are laid out over the parallel dimensions.
 
-world = cfg x pipefusion x naive_patch x patch x ring x ulysses x tensor, with `tensor` innermost
+world = batch x cfg x pipefusion x naive_patch x patch x ring x ulysses x tensor, with `tensor` innermost
 (fastest-varying) because it all-reduces twice per block and so should sit on the closest devices, then
-`ulysses` (its all-to-all moves the most bytes of the sequence splits), and `cfg` outermost because it
-exchanges one small tensor per step. For 8 ranks with cfg=2, pipefusion=2,
+`ulysses` (its all-to-all moves the most bytes of the sequence splits), `cfg` because it exchanges one small
+tensor per step, and `batch` outermost because its groups exchange nothing until the result. For 8 ranks with cfg=2, pipefusion=2,
 ulysses=2 the layout is:
 
     rank:        0 1 2 3 4 5 6 7
@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from ..spec import StrategySpec
 
-DIMS = ("cfg", "pipefusion", "naive_patch", "patch", "ring", "ulysses", "tensor")  # outermost -> innermost
+DIMS = ("batch", "cfg", "pipefusion", "naive_patch", "patch", "ring", "ulysses", "tensor")  # outermost -> innermost
 
 
 @dataclass(frozen=True)
 class Topology:
+    batch: int = 1
     cfg: int = 1
     pipefusion: int = 1
     naive_patch: int = 1
@@ -40,7 +41,7 @@ class Topology:
 
     @classmethod
     def from_strategy(cls, s: StrategySpec) -> "Topology":
-        return cls(cfg=s.cfg_degree, pipefusion=s.pipefusion_degree, naive_patch=s.naive_patch_degree,
+        return cls(batch=s.batch_degree, cfg=s.cfg_degree, pipefusion=s.pipefusion_degree, naive_patch=s.naive_patch_degree,
                    patch=s.patch_degree, ring=s.ring_degree, ulysses=s.ulysses_degree, tensor=s.tensor_degree,
                    shard_weights=s.sharded)
 
@@ -85,9 +86,9 @@ class Topology:
     def sp_groups(self) -> list[list[int]]:
         """Groups spanning ring x ulysses (the whole sequence-parallel group)."""
         out = []
-        for c, p, n, d, t in itertools.product(range(self.cfg), range(self.pipefusion), range(self.naive_patch),
-                                               range(self.patch), range(self.tensor)):
-            out.append([self.rank_of(cfg=c, pipefusion=p, naive_patch=n, patch=d, ring=r, ulysses=u, tensor=t)
+        for b, c, p, n, d, t in itertools.product(range(self.batch), range(self.cfg), range(self.pipefusion),
+                                                  range(self.naive_patch), range(self.patch), range(self.tensor)):
+            out.append([self.rank_of(batch=b, cfg=c, pipefusion=p, naive_patch=n, patch=d, ring=r, ulysses=u, tensor=t)
                         for r in range(self.ring) for u in range(self.ulysses)])
         return out
 
@@ -102,17 +103,22 @@ class Topology:
         return c["ring"] * self.ulysses + c["ulysses"]
 
 
-DEGREES = ("cfg_degree", "pipefusion_degree", "ulysses_degree", "ring_degree", "naive_patch_degree", "patch_degree",
+DEGREES = ("batch_degree", "cfg_degree", "pipefusion_degree", "ulysses_degree", "ring_degree", "naive_patch_degree", "patch_degree",
            "tensor_degree")
 
 
 def validate_strategy(s: StrategySpec, *, world_size: int, heads: int | None = None,
                       num_blocks: int | None = None, latent_hw: tuple[int, int] | None = None,
                       cfg_scale: float | None = None, steps: int | None = None, patch: int = 2,
-                      mlp_hidden: int | None = None) -> None:
+                      mlp_hidden: int | None = None, batch: int | None = None) -> None:
     """Raise ConfigError (one sentence naming the fix) for any request the runtime cannot split; `patch`: the
-    family's latent pixels per token side (2 for Flux's 2x2 patches, 1 for FLUX.2; a token is 16 px in both)."""
+    family's latent pixels per token side (2 for Flux's 2x2 patches, 1 for FLUX.2; a token is 16 px in both);
+    `batch`: the latent's images (one chunk's rows of a model call)."""
     _check_degrees(s, world_size)
+    if batch is not None and s.batch_degree > batch:
+        raise ConfigError(f"batch_degree={s.batch_degree} splits images, but the latent holds {batch}; set the Empty "
+                          f"Latent's batch_size to {s.batch_degree} or more, or lower batch_degree (auto picks it only "
+                          f"where the batch is large enough).")
     _check_combinations(s)
     _check_weights(s)
     if heads is not None:

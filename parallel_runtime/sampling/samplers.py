@@ -42,8 +42,11 @@ class RegionSampler:
 
     def __init__(self, sigmas: torch.Tensor, seed: int, latent_shape: Sequence[int],
                  to_state: Callable[[torch.Tensor], torch.Tensor] = _identity,
-                 noise_device: torch.device | str | None = None):
+                 noise_device: torch.device | str | None = None, batch_rows: slice | None = None):
         self.sigmas = torch.as_tensor(sigmas, dtype=torch.float32).detach().cpu()
+        # Batch parallel: x holds these rows of a latent_shape batch. Noise ComfyUI draws for the whole batch (an
+        # ancestral step's) is drawn whole and cut, so each image gets what it gets in the whole batch.
+        self.batch_rows = batch_rows
         self.num_steps = len(self.sigmas) - 1
         self.seed = seed
         self.latent_shape = tuple(int(n) for n in latent_shape)
@@ -145,7 +148,9 @@ class EulerAncestralRFSampler(RegionSampler):
                 # default_noise_sampler seeds its generator on x's device.
                 device = like.device if self.noise_device is None else self.noise_device
                 self._noise = StepNoise(self.seed, self.latent_shape, sigmas=self.sigmas, device=device, dtype=like.dtype)
-            self._noise_state[i] = self.to_state(self._noise.at(i)).to(device=like.device, dtype=like.dtype)
+            noise = self._noise.at(i)
+            noise = noise if self.batch_rows is None else noise[self.batch_rows]
+            self._noise_state[i] = self.to_state(noise).to(device=like.device, dtype=like.dtype)
         return self._noise_state[i]
 
     def _update(self, i, x, denoised, a, b, sigmas):
@@ -235,7 +240,8 @@ _CLASSES = {cls.name: cls for cls in (EulerSampler, EulerAncestralRFSampler, DPM
 
 def make_sampler(name: str, sigmas: torch.Tensor, seed: int, latent_shape: Sequence[int],
                  to_state: Callable[[torch.Tensor], torch.Tensor] = _identity,
-                 noise_device: torch.device | str | None = None, prediction: str = "const") -> RegionSampler:
+                 noise_device: torch.device | str | None = None, prediction: str = "const",
+                 batch_rows: slice | None = None) -> RegionSampler:
     """A region-wise sampler for a model of this `prediction` ("const": rectified flow as Flux; "eps").
 
     seed is KSampler's seed (ancestral noise uses it, as ComfyUI's does);
@@ -247,4 +253,4 @@ def make_sampler(name: str, sigmas: torch.Tensor, seed: int, latent_shape: Seque
     cls = _CLASSES[name]
     if cls is EulerAncestralRFSampler and prediction != "const":  # as k_diffusion picks by model_sampling
         cls = EulerAncestralSampler
-    return cls(sigmas, seed, latent_shape, to_state=to_state, noise_device=noise_device)
+    return cls(sigmas, seed, latent_shape, to_state=to_state, noise_device=noise_device, batch_rows=batch_rows)

@@ -25,12 +25,13 @@ from ..errors import Cancelled
 from ..models.family import DiTAdapter
 from .attention import AttentionBias, LocalAttention, RingAttention, UlyssesAttention
 from .attention.processor import AttentionContext
+from .batch import batch_rows, batch_shares, cut_job, gather_batch, group_speeds, job_noise, whole_batch
 from .control import ControlNets, ControlPass, Residuals
 from .forward_amax import forward_amax_reduce
 from .displaced import DisplacedPatchAttention
 from .layout import TokenLayout, weighted_counts
 from .pipefusion import StaleKVAttention, StaleKVCache
-from ..sampling import (cfg_combine, cfg_uses_uncond, final_latent, ksampler_sigmas, make_sampler, prepare_noise,
+from ..sampling import (cfg_combine, cfg_uses_uncond, final_latent, ksampler_sigmas, make_sampler,
                        start_latent)
 from ..spec import Conditioning, Job
 from ..validate import validate_branches
@@ -69,11 +70,15 @@ def reference_tokens(adapter: DiTAdapter, references: tuple[torch.Tensor, ...], 
 class Branches:
     """The CFG branches this rank evaluates, batched into one forward pass."""
 
-    def __init__(self, conds: list[Conditioning], batch: int, adapter: DiTAdapter):
+    def __init__(self, conds: list[Conditioning], batch: int, adapter: DiTAdapter, batch_rows: slice | None = None,
+                 whole_batch: int | None = None):
         # The Denoiser batches only branches with the same token layout (Conditioning.signature). Everything
         # moves to the worker's device once per job, not once per step (each blocking upload is a sync on CUDA).
         self.count = len(conds)
         self.batch = batch
+        # Batch parallel: these `batch` images are rows `batch_rows` of `whole_batch` (what a ControlNet hint of
+        # several images is tiled to before it is cut; the conditionings arrive cut: batch.cut_job).
+        self.batch_rows, self.whole_batch = batch_rows, whole_batch or batch
         device = adapter.device
 
         def rep(t):  # ComfyUI repeats a batch-1 conditioning over the latent batch
@@ -175,12 +180,26 @@ class Denoiser:
         self.context.input_amax.reduce = self._amax_exact = forward_amax_reduce(self.comm, job, prompt)
         self._amax_stale = forward_amax_reduce(self.comm, job, prompt, skip=("patch",))  # displaced patch's stale steps
         try:
-            return self._run(job)
+            if self.topology.batch == 1:
+                return self._run(job)
+            return self._run_batch_group(job)
         finally:
             # The worker's callbacks close over this Denoiser: dropping them breaks the cycle, so the
             # Denoiser (and the model and K/V it references) dies with its last reference instead of
             # waiting for a full GC — which, after a model reload, came ~80 jobs later (+0.9 MiB per job).
             self.progress = self.cancel_requested = None
+
+    def _run_batch_group(self, job: Job) -> torch.Tensor | None:
+        """Batch parallel (strategies/batch.py): this rank's group runs its images, whose rows the group result
+        ranks then gather; the whole batch's result comes back from group 0's."""
+        validate_strategy(job.strategy, world_size=self.topology.world_size, batch=job.batch)
+        shares = batch_shares(job.batch, group_speeds(job.strategy))
+        group = self.coords["batch"]
+        part = self._run(cut_job(job, shares[group]))
+        if part is None:
+            return None
+        whole = gather_batch(self.comm, part, job, shares, group)
+        return whole if group == 0 else None
 
     def _run(self, job: Job) -> torch.Tensor | None:
         s, sp = job.strategy, job.sampling
@@ -196,7 +215,7 @@ class Denoiser:
         sigmas = ksampler_sigmas(self.adapter.model_sampling, sp.scheduler, sp.steps, sp.denoise)
         if len(sigmas) <= 1:  # denoise 0: KSampler returns the input untouched
             return self._comfy_shape(job.latent.clone()) if self._is_result_rank() else None
-        noise = prepare_noise(job.latent, sp.seed, job.extra.get("batch_index"))
+        noise = job_noise(job)
         # The sampler state lives on the worker's device, in float32 as in ComfyUI.
         ms = self.adapter.model_sampling
         x = self.adapter.pack(start_latent(job.latent.float(), noise, sigmas[0], self.adapter.latent_format, ms))
@@ -206,8 +225,8 @@ class Denoiser:
         # The time embedding's input: the model's own timestep units (ComfyUI's model_sampling.timestep(sigma)
         # .float(), as model_base passes it), so a stock sampler's call and our loop feed the same number.
         self.timesteps_on_device = self.adapter.model_sampling.timestep(self.sigmas_on_device).float()
-        self.sampler = make_sampler(sp.sampler_name, sigmas, sp.seed, job.latent.shape, to_state=self.adapter.pack,
-                                    prediction=ms.prediction)
+        self.sampler = make_sampler(sp.sampler_name, sigmas, sp.seed, (whole_batch(job), *job.latent.shape[1:]),
+                                    to_state=self.adapter.pack, prediction=ms.prediction, batch_rows=batch_rows(job))
 
         conds = [job.positive] + ([job.negative] if cfg_uses_uncond(sp.cfg) else [])
         if s.cfg_degree == 2:
@@ -216,7 +235,8 @@ class Denoiser:
         # as ComfyUI runs them (T5-only encoders such as Chroma's do not pad prompts; a Kontext negative
         # often has no reference latent).
         same_layout = len({c.signature(getattr(self.adapter, "prompt_tokens", 0)) for c in conds}) == 1
-        self.groups = [Branches(group, b, self.adapter) for group in ([conds] if same_layout else [[c] for c in conds])]
+        self.groups = [Branches(group, b, self.adapter, batch_rows(job), whole_batch(job))
+                       for group in ([conds] if same_layout else [[c] for c in conds])]
         self.branches = self.groups[0]  # PipeFusion runs one pipeline lane per group through the same stages
         self.cfg_scale = sp.cfg
         self.uses_uncond = cfg_uses_uncond(sp.cfg)
@@ -408,7 +428,7 @@ class Denoiser:
 
     @property
     def reports_progress(self) -> bool:
-        return self._is_result_rank()
+        return self._is_result_rank() and self.coords["batch"] == 0
 
     def _step_done(self, i: int, t0: float) -> None:
         # Time the work, not how fast it was queued: wait until the compute stream ran the step, and for nothing

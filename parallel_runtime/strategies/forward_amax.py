@@ -28,7 +28,8 @@ import torch
 from ..distributed.comm import Comm
 from ..spec import Job
 
-SPLIT_DIMS = ("sp", "naive_patch", "patch", "tensor")  # "sp": Ring x Ulysses, one group
+# "sp": Ring x Ulysses, one group; "batch": one device's pass holds the whole batch (batch parallel cuts it)
+SPLIT_DIMS = ("sp", "naive_patch", "patch", "tensor", "batch")
 
 
 def forward_amax_reduce(comm: Comm, job: Job, prompt_tokens: int = 0,
