@@ -170,3 +170,36 @@ def test_unequal_devices_get_a_balanced_plan(tiny_path):
     plain = auto.rank_candidates(TINY, (1, 16, 48, 48), 1.0, ["cpu"] * 3, calib(), text_len=TEXT, steps=20,
                                  memory_budget_bytes=BIG, speeds=(1.0, 1.0, 1.0))
     assert all(not c.strategy.device_weights for c in plain)
+
+
+def test_auto_picks_batch_parallel_when_the_batch_has_an_image_per_device(tiny_path):
+    """Batch 4 on 2 devices: the batch split moves nothing per step, so it beats every sequence split (which all
+    pay their collectives) and CFG parallel (one gather a step), and the reason says so; batch 1 never gets it."""
+    spec, reason = choose(tiny_path, cfg=3.5, latent=(4, 16, 32, 32))
+    assert spec == S(batch_degree=2)
+    assert "batch=2" in reason and "batch parallel: 2 groups of 1 device(s) each denoise up to 2 of the 4 images" in reason
+    cands = auto.candidate_strategies(2, 3.5, heads=TINY.num_heads, num_blocks=4, latent_hw=(32, 32), batch=4)
+    assert S(batch_degree=2) in cands
+    one = auto.candidate_strategies(2, 3.5, heads=TINY.num_heads, num_blocks=4, latent_hw=(32, 32), batch=1)
+    assert all(c.batch_degree == 1 for c in one)
+    # 3 images at cfg 3.5 on 2 devices: the batch split runs 2 and 1 images (4 forwards of a branch on the fuller
+    # device), CFG parallel 3 and 3 (one gather a step): CFG's is the even split, and auto takes it.
+    spec, reason = choose(tiny_path, cfg=3.5, latent=(3, 16, 32, 32))
+    assert spec == S(cfg_degree=2)
+    # Batch 2 on 4 devices: batch 2 x another split of each pair.
+    spec, _ = choose(tiny_path, cfg=3.5, devices="cpu:4", latent=(2, 16, 32, 32))
+    assert spec.batch_degree == 2 and spec.world_size == 4
+
+
+def test_batch_projection_runs_the_fullest_groups_images():
+    from parallel_runtime.models.tiny import TINY as config
+
+    c = calib()
+    serial4 = costmodel.project(S(), config, c, cfg=3.5, steps=10, batch=4)
+    serial2 = costmodel.project(S(), config, c, cfg=3.5, steps=10, batch=2)
+    batch2 = costmodel.project(S(batch_degree=2), config, c, cfg=3.5, steps=10, batch=4)
+    assert batch2.compute_s == pytest.approx(serial2.compute_s) and batch2.compute_s < serial4.compute_s
+    mem = costmodel.rank_memory(S(batch_degree=2), config, text_tokens=TEXT, image_tokens=256, batch=4, cfg=3.5,
+                                weight_bytes=4, act_bytes=4)
+    assert mem == costmodel.rank_memory(S(), config, text_tokens=TEXT, image_tokens=256, batch=2, cfg=3.5,
+                                        weight_bytes=4, act_bytes=4)

@@ -20,6 +20,7 @@ from ..distributed.topology import Topology, latent_plane, stage_speeds, validat
 from ..errors import ConfigError
 from ..models.registry import family_of, prompt_rows, token_patch
 from ..spec import StrategySpec
+from ..strategies.batch import largest_share
 from . import costmodel
 from .memory import CPU_USABLE, CPU_WORKER_OVERHEAD, CUDA_USABLE, weight_bytes
 
@@ -42,23 +43,25 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_strategies(world: int, cfg: float, *, heads: int, num_blocks: int, latent_hw: tuple[int, int],
                          warmup_steps: int = 1, patch: int = 2, mlp_hidden: int | None = None,
-                         tensor: bool = False) -> list[StrategySpec]:
-    """Every valid (cfg x pipefusion x ring x ulysses x tensor) split of `world`, PipeFusion with M = P and 2P;
-    tensor splits only where the family splits its layers (`tensor`)."""
+                         tensor: bool = False, batch: int = 1) -> list[StrategySpec]:
+    """Every valid (batch x cfg x pipefusion x ring x ulysses x tensor) split of `world`, PipeFusion with M = P and
+    2P; tensor splits only where the family splits its layers (`tensor`), batch groups only as many as the
+    latent's `batch` has images."""
     out = []
     uses_uncond = abs(cfg - 1.0) > 1e-9
-    for c, p, r, t in itertools.product((1, 2), _divisors(world), _divisors(world), _divisors(world)):
-        if world % (c * p * r * t) or (t > 1 and not tensor):
+    for bd, c, p, r, t in itertools.product(_divisors(world), (1, 2), _divisors(world), _divisors(world),
+                                            _divisors(world)):
+        if world % (bd * c * p * r * t) or (t > 1 and not tensor) or bd > batch:
             continue
-        u = world // (c * p * r * t)
+        u = world // (bd * c * p * r * t)
         if c == 2 and not uses_uncond:
             continue
         for m in ((p, 2 * p) if p > 1 else (0,)):
-            s = StrategySpec(cfg_degree=c, pipefusion_degree=p, ulysses_degree=u, ring_degree=r, tensor_degree=t,
-                             num_pipeline_patch=m if p > 1 else 0, warmup_steps=warmup_steps)
+            s = StrategySpec(batch_degree=bd, cfg_degree=c, pipefusion_degree=p, ulysses_degree=u, ring_degree=r,
+                             tensor_degree=t, num_pipeline_patch=m if p > 1 else 0, warmup_steps=warmup_steps)
             try:
                 validate_strategy(s, world_size=world, heads=heads, num_blocks=num_blocks, latent_hw=latent_hw,
-                                  cfg_scale=cfg, patch=patch, mlp_hidden=mlp_hidden)
+                                  cfg_scale=cfg, patch=patch, mlp_hidden=mlp_hidden, batch=batch)
             except ConfigError:
                 continue
             out.append(s)
@@ -100,7 +103,7 @@ def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str],
     for s in candidate_strategies(world, cfg, heads=config.num_heads,
                                   num_blocks=config.num_blocks, latent_hw=(h, w),
                                   warmup_steps=warmup_steps, patch=token_patch(config),
-                                  mlp_hidden=getattr(config, "mlp_hidden", None), tensor=tensor):
+                                  mlp_hidden=getattr(config, "mlp_hidden", None), tensor=tensor, batch=b):
         mem = costmodel.rank_memory(s, config, text_tokens=text_len, image_tokens=image_tokens(config, h, w), batch=b,
                                     cfg=cfg, weight_bytes=e, act_bytes=e, layout=layout)
         proj = costmodel.project(s, config, calib, cfg=cfg, steps=steps, batch=b, act_bytes=e, per_call=per_call)
@@ -195,7 +198,7 @@ def _gb(n: float) -> str:
 
 
 def describe_choice(best: Candidate, candidates: list[Candidate], serial_job_s: float, cfg: float,
-                    calib: costmodel.Calibration, budget: int) -> str:
+                    calib: costmodel.Calibration, budget: int, batch: int = 1) -> str:
     s, proj = best.strategy, best.projection
     label = _strategy_text(s)
     speedup = serial_job_s / proj.job_s if proj.job_s > 0 else float("nan")
@@ -211,6 +214,10 @@ def describe_choice(best: Candidate, candidates: list[Candidate], serial_job_s: 
         notes.append(f"sharding weights: the model does not fit replicated in {_gb(budget)} per device, so each of "
                      f"{s.shard_group} devices keeps 1/{s.shard_group} of every block ({_gb(best.memory['params'])} "
                      f"of weights per device) and gathers a block before it runs")
+    if s.batch_degree > 1:
+        notes.append(f"batch parallel: {s.batch_degree} groups of {s.world_size // s.batch_degree} device(s) each "
+                     f"denoise up to {largest_share(s, batch)} of the {batch} images, with no traffic between groups "
+                     f"until the result")
     if s.pipefusion_degree == 1:
         pipe = [c for c in candidates if c.strategy.pipefusion_degree > 1 and c.fits]
         if pipe and pipe[0].projection.job_s < proj.job_s:
@@ -221,7 +228,8 @@ def describe_choice(best: Candidate, candidates: list[Candidate], serial_job_s: 
 
 
 def _strategy_text(s: StrategySpec) -> str:
-    parts = [f"{name}={deg}" for name, deg in (("cfg", s.cfg_degree), ("pipefusion", s.pipefusion_degree),
+    parts = [f"{name}={deg}" for name, deg in (("batch", s.batch_degree), ("cfg", s.cfg_degree),
+                                              ("pipefusion", s.pipefusion_degree),
                                               ("ulysses", s.ulysses_degree), ("ring", s.ring_degree),
                                               ("tensor", s.tensor_degree)) if deg > 1]
     if s.pipefusion_degree > 1:
@@ -278,4 +286,4 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
     serial = costmodel.project(StrategySpec(), config, calibration, cfg=cfg, steps=steps, batch=b,
                                act_bytes=weight_bytes(weight_dtype, device_list[0]))
     # The serial reference runs alone: no contention from other workers.
-    return best.strategy, describe_choice(best, candidates, serial.job_s, cfg, calibration, budget)
+    return best.strategy, describe_choice(best, candidates, serial.job_s, cfg, calibration, budget, b)

@@ -39,6 +39,7 @@ import torch
 from ..distributed.portability import collective_backend, loopback_interface, module_command
 from ..distributed.topology import Topology
 from ..spec import StrategySpec
+from ..strategies.batch import largest_share
 from .traffic import Shapes, branches_per_forward, job_traffic, shapes_of
 
 CACHE_VERSION = 4  # 4: block timings per family block kind
@@ -584,6 +585,7 @@ def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, s
     t_len, n_len = bt.text_tokens, bt.image_tokens
     if act_bytes is None:
         act_bytes = 2 if calib.device == "cuda" else 4
+    batch = largest_share(strategy, batch)  # batch parallel: the fullest group's images set the step
     b_mult = batch * branches_per_forward(strategy, cfg)
     world = topo.world_size
     slow = 1.0
@@ -720,7 +722,7 @@ def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_token
     """Estimated peak bytes on the fullest rank: parameters, KV buffers and transient activations."""
     layout = layout or param_layout(config)
     topo = Topology.from_strategy(strategy)
-    b = batch * branches_per_forward(strategy, cfg)
+    b = largest_share(strategy, batch) * branches_per_forward(strategy, cfg)  # batch parallel: the fullest group
     h, s_len = config.hidden_size, text_tokens + image_tokens
     if topo.pipefusion > 1:
         stages = _stages(config, topo.pipefusion)

@@ -119,3 +119,11 @@ def gather_batch(comm: Comm, part: torch.Tensor, job: Job, shares: list[range], 
     for rows, got in zip(shares, parts):
         out[call_rows(job, rows)] = got[:len(rows) * chunks]
     return out
+
+
+def largest_share(s: StrategySpec, batch: int) -> int:
+    """The most images one batch group denoises: what sets its time and memory (the whole batch without batch
+    parallel)."""
+    if s.batch_degree == 1 or batch < s.batch_degree:
+        return batch
+    return max(len(r) for r in batch_shares(batch, group_speeds(s)))
