@@ -98,6 +98,9 @@ def parse_args(argv):
                     help="Parallel Sampler's job against KSampler's way in (one job per model call, the sampler loop "
                          "here) on the same warm workers: serial, CFG-2, Ulysses-2, Ring-2, PipeFusion-2 (or "
                          "--configs), --repeats each; the latents must agree (exit 1 if not)")
+    ap.add_argument("--batch", type=int, default=None, metavar="N",
+                    help="a batch of N images per strategy: serial, batch parallel, Ulysses, Ring (and CFG x Ulysses "
+                         "at --cfg > 1) on --devices, images per minute and every image against serial's")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
     args = ap.parse_args(argv)
     if args.family:
@@ -111,6 +114,8 @@ def parse_args(argv):
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.batch is not None and args.batch < 2:
+        raise SystemExit("--batch needs at least 2 images")
     if args.steps < 2 or args.repeats < 1:
         raise SystemExit("--steps must be at least 2 (the first step is left out) and --repeats at least 1")
     if args.vae_frames not in (None, "all") and not args.vae_frames.isdigit():
@@ -266,6 +271,14 @@ class BenchRun:
 
             record["balance"] = balance_bench(self.say, args, self.path, self.config, self.latent_shape, self.text,
                                               self.target)
+            self._report_targets()
+            record["targets"] = self.targets
+            return self._finish(record)
+        if args.batch:
+            from .batch import batch_bench
+
+            record["batch"] = batch_bench(self.say, args, self.path, self.config, self.latent_shape, self.text,
+                                          self.devices, self.target, self.workers, self.conditioning)
             self._report_targets()
             record["targets"] = self.targets
             return self._finish(record)
