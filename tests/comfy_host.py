@@ -396,10 +396,11 @@ def explain(result: dict) -> str:
 
 
 def strategy(mode="manual", cfg=1, pp=1, ulysses=1, ring=1, patches=0, warmup=1, tensor=None, patch=None,
-             weights=None) -> dict:
+             weights=None, batch=None) -> dict:
     """A Strategy Selector node (API format); its optional inputs only where given, as a graph saved before them."""
     optional = {name: value for name, value in (("tensor_degree", tensor), ("patch_degree", patch),
-                                                ("device_weights", weights)) if value is not None}
+                                                ("device_weights", weights), ("batch_degree", batch))
+                if value is not None}
     return {"class_type": "ParaDiTStrategy",
             "inputs": {"mode": mode, "cfg_degree": cfg, "pipefusion_degree": pp, "ulysses_degree": ulysses,
                        "ring_degree": ring, "num_pipeline_patch": patches, "warmup_steps": warmup, **optional}}

@@ -52,14 +52,14 @@ def strategy(**degrees) -> dict:
 
 
 def graph(kind: str, devices: str = "cpu:1", strat: dict | None = None, patch: dict | None = None,
-          parallel_sampler: bool = False, steps: int = 3) -> dict:
+          parallel_sampler: bool = False, steps: int = 3, images: int = 1) -> dict:
     """Seeded prompts with the file kind's concat conditioning (1, 2 -> 5, 6), a 160x128 latent (4), and the same
     sampling chain on Load Parallel DiT (11 -> 12 -> 13) and on UNETLoader (20 -> 21 -> 22); `patch` (a node
     taking "model") goes between each loader and its sampler."""
     filename, _, mask = FILES[kind]
     g = {"1": {"class_type": "ParaDiTTestConditioning", "inputs": {"seed": 1, "tokens": 8, "guidance": 3.5}},
          "2": {"class_type": "ParaDiTTestConditioning", "inputs": {"seed": 2, "tokens": 8, "guidance": 3.5}},
-         "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 160, "height": 128, "batch_size": 1}},
+         "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 160, "height": 128, "batch_size": images}},
          "10": strat or strategy(),
          "11": {"class_type": "ParaDiTLoader", "inputs": {"unet_name": filename, "weight_dtype": "default",
                                                           "devices": devices, "strategy": ["10", 0]}},
@@ -244,3 +244,17 @@ def test_parallel_sampler_runs_what_ksampler_runs(server, case):
               "inpainting_differential": "per-call pipeline: the graph has a denoise mask function",
               "model_sampling": "per-call pipeline: the graph has a patched model (model_sampling"}.get(case)
     assert (routed in summary) if routed else ("per model call" not in summary)
+
+
+@pytest.mark.parametrize("images", [2, 3], ids=["batch2", "batch3-uneven"])
+def test_batch_degree_2_under_ksampler_and_parallel_sampler_equals_unetloader(server, images):
+    """A batch of images split over two workers (batch_degree 2): KSampler hands each model call the whole batch's
+    cond and uncond chunks, which the workers cut per group; Parallel Sampler's own loop cuts the job. Both give
+    UNETLoader's latent, image for image."""
+    g = comfy_host.with_parallel_sampler(graph("canny", "cpu:2", strategy(batch=2), images=images))
+    same, unet, summary = comfy_host.entrance_parity(server, g, f"canny, batch {images}, batch_degree 2")
+    assert same <= EXACT_RTOL and unet <= EXACT_RTOL
+    assert "batch2" in summary
+    err, par, ref = latent_parity(server, graph("canny", "cpu:2", strategy(batch=2), images=images),
+                                  f"canny, batch {images}, KSampler, batch_degree 2")
+    assert par.shape == (images, 16, 16, 20) and err <= EXACT_RTOL
