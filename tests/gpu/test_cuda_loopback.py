@@ -74,6 +74,18 @@ def test_transfers_on_a_sleeping_side_stream_equal_prompt_ones(gpu, tiny_path, s
         assert rel_err(prompt, serial_fp32) <= EXACT_RTOL
 
 
+@pytest.mark.parametrize("strategy", [S(batch_degree=2), S(batch_degree=2, ulysses_degree=2)], ids=lambda s: s.label())
+def test_batch_groups_on_sleeping_side_streams_equal_serial_per_image(gpu, tiny_path, strategy):
+    """Batch parallel on one GPU: 3 images over 2 groups (2 and 1), the result rows gathered over a late side
+    stream; every image equals one rank's run of the whole batch (measured on the CPU loopback: 0 to 3.9e-7)."""
+    job = _in(dataclasses.replace(make_job(tiny_path, strategy, steps=STEPS), latent=torch.zeros(3, 16, 16, 16)), "fp32")
+    serial = _run(dataclasses.replace(job, strategy=S()), 1)
+    late = _run(job, strategy.world_size, SLEEP_CYCLES)
+    errors = [rel_err(late[k], serial[k]) for k in range(3)]
+    print(f"\n{strategy.label()}: per image vs one rank {', '.join(f'{e:.2e}' for e in errors)}")
+    assert late.shape == serial.shape and max(errors) <= EXACT_RTOL
+
+
 # -- hidden host-device syncs ----------------------------------------------------------------------------------
 
 
