@@ -1,5 +1,5 @@
 """`bench --batch N`: a batch per strategy on the same workers. Run end to end on the tiny model; the times are the
-bench's business (`python -m parallel_runtime bench --model demo --batch 4`), the numbers checked here are the
+bench's business (`python -m parallel_runtime bench --model toy --batch 4`), the numbers checked here are the
 record's shape, each image against serial's, and the targets' lines."""
 from __future__ import annotations
 
