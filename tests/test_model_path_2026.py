@@ -436,7 +436,8 @@ def model_call(patcher, x: torch.Tensor, sigma: float, chunks: list[dict],
     """BaseModel._apply_model on one batch of chunks (cond, uncond: one latent row each) as ComfyUI's sampler makes
     it: each chunk's extra_conds concatenated along the batch (tensors; lists element by element; constants, which
     ComfyUI batches only when equal, once), c_concat joined to the input-scaled latent, the timestep in the model's
-    units. Returns the diffusion model's output."""
+    units; `wrappers`: the call's transformer_options["wrappers"] (as the sampler copies them from the patcher).
+    Returns the diffusion model's output."""
     base = patcher.model
     conds = [base.extra_conds(noise=x[k:k + 1], **chunk) for k, chunk in enumerate(chunks)]
     kwargs = {}
