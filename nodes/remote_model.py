@@ -20,6 +20,11 @@ from .host import HOST
 
 log = logging.getLogger(__name__)
 
+# ComfyUI's BaseModel classes whose diffusion model never runs DIFFUSION_MODEL wrappers (SD3's MMDiT, PixArt's
+# PixArtMS): a wrapper such as EasyCache's does nothing on UNETLoader's model there, so it does nothing here either.
+_UNWRAPPED_MODELS = {"SD3", "PixArt"}
+
+
 class RemoteDiT(torch.nn.Module):
     """The diffusion model of a parallel MODEL: no parameters; `forward` runs on the workers."""
 
@@ -34,6 +39,7 @@ class RemoteDiT(torch.nn.Module):
         self.latent_channels = base.latent_format.latent_channels  # x's channels past these are c_concat
         self._video_model: bool | None = None  # read from the file's header at the first call
         self._base = weakref.ref(base)  # not a submodule: read for its current patcher
+        self._runs_wrappers = type(base).__name__ not in _UNWRAPPED_MODELS
         self._keys = keys
         if "patch_embedding.weight" in keys:  # Wan's concat_cond reads the input channels off this weight
             shape, dtype = keys["patch_embedding.weight"]
@@ -84,6 +90,21 @@ class RemoteDiT(torch.nn.Module):
 
     def forward(self, x, timesteps, context=None, y=None, guidance=None, control=None, transformer_options=None,
                 **kwargs):
+        """The model call, inside ComfyUI's DIFFUSION_MODEL wrappers where the host's own class for this file runs
+        them (EasyCache's): they run here on the host, so a step a wrapper answers from its cache never reaches
+        the workers, and every rank sees only the calls that happen."""
+        wrappers = (transformer_options or {}).get("wrappers") if self._runs_wrappers else None
+        if not wrappers:
+            return self._forward(x, timesteps, context, y, guidance, control, transformer_options, **kwargs)
+        import comfy.patcher_extension as extension
+
+        wrappers = extension.get_all_wrappers(extension.WrappersMP.DIFFUSION_MODEL, transformer_options)
+        # Positional, as ComfyUI's models pass them: EasyCache reads transformer_options as the last argument.
+        return extension.WrapperExecutor.new_class_executor(self._forward, self, wrappers).execute(
+            x, timesteps, context, y, guidance, control, transformer_options, **kwargs)
+
+    def _forward(self, x, timesteps, context=None, y=None, guidance=None, control=None, transformer_options=None,
+                 **kwargs):
         from parallel_runtime.runtime.client import get_client
         from parallel_runtime.spec import Job, SamplingSpec
 

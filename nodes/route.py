@@ -89,8 +89,9 @@ def _model_patch_gap(model) -> str | None:
             return f"block patches ({key}, as SkipLayerGuidance nodes set)"
     for where in (transformer, vars(model) if hasattr(model, "__dict__") else {}):
         for kind in ("wrappers", "callbacks"):
-            named = sorted(key for per_type in (where.get(kind) or {}).values() for key, fns in (per_type or {}).items()
-                           if key != CONTROLNET_WRAPPER and _present(fns))
+            # One key per node: EasyCache's "easycache" wraps three stages (outer sample, cond batch, model).
+            named = sorted({key for per_type in (where.get(kind) or {}).values()
+                            for key, fns in (per_type or {}).items() if key != CONTROLNET_WRAPPER and _present(fns)})
             if named:
                 return f"a model {kind[:-1]} ({', '.join(named)})"
     for key, value in transformer.items():

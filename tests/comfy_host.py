@@ -211,6 +211,30 @@ class ParaDiTTestStyleModel:
         return (comfy.sd.StyleModel(proj), output)
 
 
+class ParaDiTTestNaivePatch:
+    """Load Parallel DiT's MODEL again, its file on the same devices split by naive patch parallelism (the
+    baseline every approximate strategy is measured against, which the Strategy Selector does not offer):
+    `degree` patches that attend only to themselves."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "degree": ("INT", {"default": 2, "min": 2, "max": 8})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, model, degree):
+        import dataclasses
+        import sys
+
+        remote = model.model.diffusion_model
+        handle = remote.handle
+        naive = type(handle.strategy.spec)(naive_patch_degree=degree)
+        strategy = dataclasses.replace(handle.strategy, mode="manual", spec=naive)
+        return (sys.modules[type(remote).__module__].parallel_model(dataclasses.replace(handle, strategy=strategy)),)
+
+
 class _SeededVideoEncoder:
     """encode(pixels [F, H, W, 3]) -> a seeded [1, C, (F - 1) // 4 + 1, H / s, W / s] latent: the Wan 2.1 VAE's shapes
     (C 16, s 8) or Wan 2.2's (C 48, s 16)."""
@@ -280,7 +304,7 @@ class ParaDiTTestImageToVideoInputs:
 
 
 NODE_CLASS_MAPPINGS = {"ParaDiTTestImageVAE": ParaDiTTestImageVAE, "ParaDiTTestConcat": ParaDiTTestConcat, "ParaDiTTestImageToVideoInputs": ParaDiTTestImageToVideoInputs, "ParaDiTTestStyleModel": ParaDiTTestStyleModel,
-                       "ParaDiTTestDeepClone": ParaDiTTestDeepClone,
+                       "ParaDiTTestDeepClone": ParaDiTTestDeepClone, "ParaDiTTestNaivePatch": ParaDiTTestNaivePatch,
                        "ParaDiTTestCodePatch": ParaDiTTestCodePatch,
                        "ParaDiTTestConditioning": ParaDiTTestConditioning,
                        "ParaDiTTestLatentToImage": ParaDiTTestLatentToImage,

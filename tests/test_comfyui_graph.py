@@ -1,6 +1,7 @@
 """The rest of a real graph on the parallel MODEL, in a real ComfyUI host (skipped without COMFYUI_DIR): Flux Fill
-and Canny/Depth-shaped files with their concat conditioning, SkipLayerGuidance, and the patches and nodes the
-workers refuse, each against UNETLoader + the same stock nodes on the same file.
+and Canny/Depth-shaped files with their concat conditioning, SkipLayerGuidance, ComfyUI's step caches (EasyCache,
+LazyCache), and the patches and nodes the workers refuse, each against UNETLoader + the same stock nodes on the same
+file.
 
 The files are random Flux models with ComfyUI's detection shape (3072 wide, one double and one single block,
 fp32), their input widened as Fill's (96 channels: latent, masked image, 64-channel mask) and Canny/Depth's (32).
@@ -21,6 +22,7 @@ import torch  # noqa: E402
 
 import comfy_host  # noqa: E402
 from comfy_host import explain, latent_parity, serve  # noqa: E402
+from conftest import rel_err  # noqa: E402
 from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
@@ -258,3 +260,104 @@ def test_batch_degree_2_under_ksampler_and_parallel_sampler_equals_unetloader(se
     err, par, ref = latent_parity(server, graph("canny", "cpu:2", strategy(batch=2), images=images),
                                   f"canny, batch {images}, KSampler, batch_degree 2")
     assert par.shape == (images, 16, 16, 20) and err <= EXACT_RTOL
+
+
+# ComfyUI's step caches (EasyCache: a DIFFUSION_MODEL wrapper; LazyCache: a PREDICT_NOISE wrapper) decide on the
+# host whether a step reuses its cached residual; a skipped step never reaches the workers. 6 steps at threshold
+# 1.0 from the first step on: on this file EasyCache computes steps 0, 1, 3, 5 and skips 2, 4 (a computed step after
+# each skip), LazyCache computes 0, 1, 3 and skips 2, 4, 5; the cumulative change rates clear or miss 1.0 by >= 0.1,
+# far beyond the strategies' round-off, so every chain takes the same decisions.
+CACHE_STEPS = 6
+CACHE_SETTINGS = {"reuse_threshold": 1.0, "start_percent": 0.0, "end_percent": 1.0, "verbose": False}
+CACHES = {"easycache": {"class_type": "EasyCache", "inputs": CACHE_SETTINGS},
+          "lazycache": {"class_type": "LazyCache", "inputs": CACHE_SETTINGS}}
+CACHE_SKIPS = {"easycache": ("EasyCache", 2, CACHE_STEPS), "lazycache": ("LazyCache", 3, CACHE_STEPS)}
+CACHE_STRATEGIES = {"ulysses2": dict(ulysses=2), "ring2": dict(ring=2), "cfg2": dict(cfg=2), "pp2_warm": dict(pp=2)}
+
+
+def cached_run(server, g: dict) -> tuple[dict, list[tuple[str, int, int]]]:
+    """Run `g`: (its result, the (cache, skipped, steps) each of its sampling runs logged, as in "EasyCache -
+    skipped 2/6 steps": the cache node's own count of the model calls it answered instead of the model). A chain
+    whose inputs an earlier prompt ran is ComfyUI's cached output and logs nothing."""
+    import re
+
+    start = os.path.getsize(server.log)
+    result = server.run(g)
+    assert result["status"] == "success", explain(result)
+    with open(server.log, errors="replace") as f:
+        f.seek(start)
+        lines = f.read()
+    return result, [(name, int(n), int(m)) for name, n, m in
+                    re.findall(r"(EasyCache|LazyCache) - skipped (\d+)/(\d+) steps", lines)]
+
+
+def cache_graph(cache: str, degrees: dict, warmup: int = CACHE_STEPS) -> dict:
+    return graph("canny", "cpu:2", comfy_host.strategy(warmup=warmup, **degrees), patch=CACHES[cache],
+                 steps=CACHE_STEPS)
+
+
+@pytest.mark.parametrize("degrees", list(CACHE_STRATEGIES.values()), ids=list(CACHE_STRATEGIES))
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_step_cache_on_the_parallel_model_equals_unetloader(server, cache, degrees):
+    """EasyCache / LazyCache between each loader and KSampler: the same steps skipped, the same latent (PipeFusion
+    with warmup_steps = steps: every computed step runs the whole image, exact)."""
+    result, skips = cached_run(server, cache_graph(cache, degrees))
+    par, ref = server.latent(result, "13"), server.latent(result, "22")
+    err = rel_err(par, ref)
+    print(f"\n{cache} {degrees}: rel. L2 {err:.2e} vs UNETLoader; skipped {skips}")
+    # The parallel chain always runs (its strategy is new), UNETLoader's the first time only: each run skipped the
+    # steps this file's cache skips (a cache whose wrapper never ran would log 0 skipped).
+    assert 1 <= len(skips) <= 2 and set(skips) == {CACHE_SKIPS[cache]}, skips
+    assert err <= ONE_WORKER_RTOL
+
+
+def test_step_cache_under_parallel_sampler_equals_ksampler(server):
+    """Parallel Sampler on the EasyCache'd MODEL routes the graph to ComfyUI's sampler (the cache's wrappers are
+    the host's): KSampler's latent on the same MODEL and UNETLoader's, the same steps skipped."""
+    g = comfy_host.with_parallel_sampler(cache_graph("easycache", dict(ulysses=2)))
+    result, skips = cached_run(server, g)
+    same, unet = (rel_err(server.latent(result, "99"), server.latent(result, other)) for other in ("13", "22"))
+    summary = " ".join(result["outputs"]["98"].get("text", []))
+    print(f"\nEasyCache, Parallel Sampler, Ulysses 2: vs KSampler on the same MODEL {same:.2e}, vs UNETLoader "
+          f"{unet:.2e}; skipped {skips} [{summary}]")
+    assert same <= ONE_WORKER_RTOL and unet <= ONE_WORKER_RTOL
+    assert "per-call pipeline: the graph has a model wrapper (easycache)" in summary
+    # Parallel Sampler's run logs (KSampler's and UNETLoader's chains ran in an earlier prompt when the module runs
+    # whole: ComfyUI's cache).
+    assert 1 <= len(skips) <= 3 and set(skips) == {CACHE_SKIPS["easycache"]}, skips
+
+
+def test_pipefusion_beyond_warmup_with_a_step_cache_next_to_naive_patch(server):
+    """PipeFusion 2 with one warm-up step under EasyCache: each computed step after the first reads the other
+    patch's K/V as the last computed step left them (two schedule steps old after a skip; the skipped step
+    reaches no worker and leaves them as they were). Its error against UNETLoader + EasyCache, next to naive patch 2
+    + EasyCache's and next to both without the cache (same file, steps and seed), printed for the docs."""
+    g = cache_graph("easycache", dict(pp=2), warmup=1)
+    chains = {"naive_cached": ("50", True), "pp_plain": ("11", False), "naive_plain": ("50", False),
+              "unet_plain": ("20", False)}
+    g["50"] = {"class_type": "ParaDiTTestNaivePatch", "inputs": {"model": ["11", 0], "degree": 2}}
+    for n, (name, (model, cached)) in enumerate(chains.items()):
+        sampler, save, patched = (str(60 + 3 * n + k) for k in range(3))
+        if cached:
+            g[patched] = {"class_type": "EasyCache", "inputs": dict(CACHE_SETTINGS, model=[model, 0])}
+            model = patched
+        g[sampler] = {"class_type": "KSampler", "inputs": dict(g["12"]["inputs"], model=[model, 0])}
+        g[save] = {"class_type": "SaveLatent", "inputs": {"samples": [sampler, 0], "filename_prefix": f"c/{save}"}}
+    result, skips = cached_run(server, g)
+    latent = {name: server.latent(result, str(61 + 3 * n)) for n, name in enumerate(chains)}
+    latent.update(pp_cached=server.latent(result, "13"), unet_cached=server.latent(result, "22"))
+    errors = {"pipefusion2 + EasyCache": rel_err(latent["pp_cached"], latent["unet_cached"]),
+              "naive patch2 + EasyCache": rel_err(latent["naive_cached"], latent["unet_cached"]),
+              "pipefusion2": rel_err(latent["pp_plain"], latent["unet_plain"]),
+              "naive patch2": rel_err(latent["naive_plain"], latent["unet_plain"]),
+              "EasyCache itself (serial)": rel_err(latent["unet_cached"], latent["unet_plain"])}
+    print("\n" + "; ".join(f"{k} {v:.2e}" for k, v in errors.items()) + f"; skipped {skips}")
+    # The cached chains skip the same steps (2 and 4): PipeFusion's and naive patch's differences from UNETLoader's
+    # outputs (~1e-2) move the change rates far less than their 0.1 margin to the threshold. (Both parallel chains
+    # are new to this prompt; UNETLoader's logs only when no earlier prompt ran it.)
+    assert 2 <= len(skips) <= 3 and set(skips) == {CACHE_SKIPS["easycache"]}, skips
+    # The skip leaves the stale K/V as the last computed step left them, two steps old: PipeFusion's error grows a
+    # little (measured 1.14e-2 with EasyCache vs 9.62e-3 without), far from a corrupted buffer's (zero or another
+    # step's layout), and stays well below naive patch's with the same cache (4.47e-2).
+    assert errors["pipefusion2 + EasyCache"] <= 2 * errors["pipefusion2"]
+    assert errors["pipefusion2 + EasyCache"] <= 0.5 * errors["naive patch2 + EasyCache"]

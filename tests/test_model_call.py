@@ -181,3 +181,34 @@ def test_pipefusion_jobs_of_one_call_keep_their_own_stale_kv(family, client2):
         return x
 
     assert rel_err(run(pairs), run(pairs[:1])) <= CALL_RTOL
+
+
+def test_pipefusion_call_after_a_cache_skipped_step_reads_the_last_computed_calls_kv(family, client2):
+    """A step cache (ComfyUI's EasyCache) answers step 2 on the host: the workers get calls for steps 0, 1 and 3
+    only, each job keyed by its schedule step. Step 3 then attends to the other patch's K/V as step 1's call left
+    them: where step 1 ran the same input exactly (its warm-up), step 3 is exact too, and after a step 1 of
+    another input it is not (the stale K/V really are step 1's). Where step 3 is itself below warmup_steps it runs
+    the whole image (exact) whatever came before."""
+    name, path, adapter = family
+    positive, negative = prompts(name)
+    g = torch.Generator().manual_seed(4)
+    x_a, x_b = (torch.randn(latent_of(name).shape, generator=g).repeat(2, 1, 1, 1) for _ in range(2))
+    t = adapter.model_sampling.timestep(torch.full((x_a.shape[0],), 0.6)).float()
+
+    def calls(warmup: int, inputs: dict) -> torch.Tensor:
+        """The calls of `inputs` (schedule step -> latent) in order; the last call's output."""
+        strategy = S(pipefusion_degree=2, warmup_steps=warmup, num_pipeline_patch=2)
+        for step, x in inputs.items():
+            out = client2.run(Job(ModelSpec(path), strategy, SamplingSpec(steps=1), x, positive, negative,
+                                  timestep=t, call_step=step, call_last=False)).latent
+        return out
+
+    exact = calls(warmup=1, inputs={0: x_b})  # a warm-up call: the whole image at once
+    fresh = calls(warmup=2, inputs={0: x_a, 1: x_b, 3: x_b})
+    stale = calls(warmup=2, inputs={0: x_a, 1: x_a, 3: x_b})
+    warm = calls(warmup=4, inputs={0: x_a, 1: x_a, 3: x_b})
+    print(f"\n{name}: after a skipped step {rel_err(fresh, exact):.1e} (step 1 same input), "
+          f"{rel_err(stale, exact):.1e} (another), {rel_err(warm, exact):.1e} (warm-up)")
+    assert rel_err(fresh, exact) <= CALL_RTOL
+    assert rel_err(stale, exact) > 10 * CALL_RTOL
+    assert rel_err(warm, exact) <= CALL_RTOL

@@ -374,6 +374,31 @@ class FakePatcher:
         self.wrappers[(kind, key)] = fn
 
 
+def get_all_wrappers(kind: str, transformer_options: dict) -> list:
+    """comfy.patcher_extension.get_all_wrappers: transformer_options["wrappers"][kind] holds {key: [wrapper, ...]}."""
+    return [fn for fns in (transformer_options.get("wrappers") or {}).get(kind, {}).values() for fn in fns]
+
+
+class WrapperExecutor:
+    """comfy.patcher_extension.WrapperExecutor: wrapper i gets (executor, *args, **kwargs); calling the executor
+    runs wrapper i + 1, the last one the original; `class_obj` is the object the original is a method of."""
+
+    def __init__(self, original, class_obj, wrappers: list, idx: int):
+        self.original, self.class_obj, self.wrappers, self.idx = original, class_obj, list(wrappers), idx
+
+    @classmethod
+    def new_class_executor(cls, original, class_obj, wrappers: list, idx: int = 0):
+        return cls(original, class_obj, wrappers, idx)
+
+    def execute(self, *args, **kwargs):
+        if self.idx == len(self.wrappers):
+            return self.original(*args, **kwargs)
+        return self.wrappers[self.idx](self, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return WrapperExecutor(self.original, self.class_obj, self.wrappers, self.idx + 1).execute(*args, **kwargs)
+
+
 @pytest.fixture
 def comfy(monkeypatch):
     detection = types.ModuleType("comfy.model_detection")
@@ -394,7 +419,9 @@ def comfy(monkeypatch):
     patcher = types.ModuleType("comfy.model_patcher")
     patcher.ModelPatcher = FakePatcher
     extension = types.ModuleType("comfy.patcher_extension")
-    extension.WrappersMP = types.SimpleNamespace(OUTER_SAMPLE="outer_sample")
+    extension.WrappersMP = types.SimpleNamespace(OUTER_SAMPLE="outer_sample", DIFFUSION_MODEL="diffusion_model")
+    extension.get_all_wrappers = get_all_wrappers
+    extension.WrapperExecutor = WrapperExecutor
     package = types.ModuleType("comfy")
     for name, module in (("model_detection", detection), ("utils", utils), ("model_management", mm),
                          ("model_patcher", patcher), ("patcher_extension", extension)):
@@ -404,11 +431,13 @@ def comfy(monkeypatch):
     return package
 
 
-def model_call(patcher, x: torch.Tensor, sigma: float, chunks: list[dict]) -> torch.Tensor:
+def model_call(patcher, x: torch.Tensor, sigma: float, chunks: list[dict],
+               wrappers: dict | None = None) -> torch.Tensor:
     """BaseModel._apply_model on one batch of chunks (cond, uncond: one latent row each) as ComfyUI's sampler makes
     it: each chunk's extra_conds concatenated along the batch (tensors; lists element by element; constants, which
     ComfyUI batches only when equal, once), c_concat joined to the input-scaled latent, the timestep in the model's
-    units. Returns the diffusion model's output."""
+    units; `wrappers`: the call's transformer_options["wrappers"] (as the sampler copies them from the patcher).
+    Returns the diffusion model's output."""
     base = patcher.model
     conds = [base.extra_conds(noise=x[k:k + 1], **chunk) for k, chunk in enumerate(chunks)]
     kwargs = {}
@@ -426,7 +455,7 @@ def model_call(patcher, x: torch.Tensor, sigma: float, chunks: list[dict]) -> to
     if "c_concat" in kwargs:
         xc = torch.cat([xc, kwargs.pop("c_concat")], dim=1)
     t = base.model_sampling.timestep(sigmas).float()
-    options = {"cond_or_uncond": list(range(len(chunks))), "sigmas": sigmas}
+    options = {"cond_or_uncond": list(range(len(chunks))), "sigmas": sigmas, "wrappers": wrappers or {}}
     return base.diffusion_model(xc, t, context=kwargs.pop("c_crossattn"), control=None, transformer_options=options,
                                 **kwargs)
 
@@ -743,3 +772,45 @@ def test_the_parallel_models_token_patch_is_an_int_for_every_family_kind(tmp_pat
                                                                          text_dim=64), seed=0)
     dit = types.SimpleNamespace(_patch_size=None, handle=types.SimpleNamespace(model=types.SimpleNamespace(path=path)))
     assert RemoteDiT.patch_size.fget(dit) == 2
+
+
+def test_a_step_cache_wrapper_runs_on_the_host_and_a_skipped_call_never_reaches_the_workers(files, comfy, client1,
+                                                                                          monkeypatch):
+    """ComfyUI's DIFFUSION_MODEL wrappers (EasyCache's step cache) run around the parallel MODEL's call as they run
+    around ComfyUI's own diffusion model: a call the wrapper answers from its cache sends no job to the workers,
+    and a call it passes on returns the workers' output. (Before, RemoteDiT ran no wrapper: EasyCache silently
+    never skipped a step on the parallel MODEL.)"""
+    jobs = []
+
+    class CountingClient:
+        def __getattr__(self, name):
+            return getattr(client1, name)
+
+        def run(self, job, **kw):
+            jobs.append(job.call_step)
+            return client1.run(job, **kw)
+
+    seen, cached = [], {}
+
+    def step_cache(executor, *args, **kwargs):
+        """Computes the first call and answers every later one with the first's output, as a cache would."""
+        seen.append((type(executor.class_obj).__name__, isinstance(args[-1], dict) and "sigmas" in args[-1]))
+        if "out" in cached:
+            return cached["out"].clone()
+        cached["out"] = executor(*args, **kwargs)
+        return cached["out"]
+
+    case = CASES["flux2"]
+    g = torch.Generator().manual_seed(11)
+    chunks = [case.chunk(g, k) for k in range(2)]
+    x = _randn(g, 2, *case.latent)
+    monkeypatch.setattr("parallel_runtime.runtime.client.get_client", lambda d, *a, **k: CountingClient())
+    model = _model(files["flux2"])
+    plain = model_call(model, x, 0.7, chunks)
+    wrappers = {"diffusion_model": {"easycache": [step_cache]}}
+    first, second = (model_call(model, x, sigma, chunks, wrappers) for sigma in (0.7, 0.6))
+    # The wrapper saw RemoteDiT and ComfyUI's transformer_options (positional, as EasyCache reads them) twice;
+    # the workers got the unwrapped call and the wrapper's first, not its cached second.
+    assert seen == [("RemoteDiT", True)] * 2
+    assert len(jobs) == 2
+    assert torch.equal(first, plain) and torch.equal(second, plain)

@@ -130,6 +130,9 @@ def test_wrappers_and_callbacks_on_the_patcher_itself_route():
     assert gap(model=model) is None
     model.wrappers["predict_noise"]["lazycache"] = [print]
     assert gap(model=model) == "a model wrapper (lazycache)"
+    model = parallel_model()  # EasyCache's three wrappers under one key: named once
+    model.wrappers = {kind: {"easycache": [print]} for kind in ("outer_sample", "calc_cond_batch", "diffusion_model")}
+    assert gap(model=model) == "a model wrapper (easycache)"
     model = parallel_model()
     model.callbacks = {"on_cleanup": {"some_node": [print]}}
     assert gap(model=model) == "a model callback (some_node)"
