@@ -1,0 +1,87 @@
+"""The runtime's First-Block Cache (strategies/step_cache.py, StrategySpec.cache), decided across ranks.
+
+Each rank sees only its rows of a step (a sequence shard, one CFG branch), so a cache decided per rank would
+skip on one rank and compute on another; the runtime all-reduces the first block's change over the ranks holding
+different rows, so every rank skips the same steps, those of the serial run, and the cached parallel run equals
+the cached serial one at fp32 round-off.
+
+On the tiny model (make_job: 8 steps, cfg 2) the first block's relative change between steps is 0.51-0.81, so a
+threshold of 0.65 skips steps 1, 2 and 4 (the closest change to it, 0.629 and 0.694, is 2e-2 away: far more than
+the ~1e-6 a rank count moves a float64 sum of float32 rows).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from conftest import make_job, rel_err
+from parallel_runtime.distributed.topology import validate_strategy
+from parallel_runtime.errors import ConfigError
+from parallel_runtime.spec import StrategySpec as S
+
+pytestmark = pytest.mark.timeout(600)
+
+EXACT_RTOL = 1e-4  # exact strategies reorder float32 sums (~1e-7 per op); a cached step adds one more sum
+THRESHOLD = 0.65
+SKIPPED = [1, 2, 4]  # the tiny job's skipped steps at THRESHOLD (see the module docstring)
+
+
+def cached(path: str, strategy: S = S(), **cache) -> object:
+    settings = dict(cache="first_block", cache_threshold=THRESHOLD) | cache
+    return make_job(path, dataclasses.replace(strategy, **settings))
+
+
+def skipped_per_rank(result) -> list[list[int]]:
+    return [stats["cache_skipped"] for stats in result.stats]
+
+
+@pytest.fixture(scope="module")
+def serial_cached(tiny_path, client1):
+    return client1.run(cached(tiny_path))
+
+
+def test_cache_threshold_zero_equals_the_uncached_run_bit_for_bit(tiny_path, client1, serial):
+    # Threshold 0 never skips, and the first block and the rest run as the same ops as one pass: identical.
+    result = client1.run(cached(tiny_path, cache_threshold=0.0))
+    assert skipped_per_rank(result) == [[]]
+    assert result.latent.equal(serial)
+
+
+def test_cache_serial_skips_the_steps_under_the_threshold_within_its_window(tiny_path, client1, serial,
+                                                                            serial_cached):
+    assert skipped_per_rank(serial_cached) == [SKIPPED]
+    err = rel_err(serial_cached.latent, serial)
+    assert 1e-3 < err < 0.5, err  # a skipped step changes the result, by less than the whole latent
+    # Steps outside [start, end) of the schedule always compute: 0.3 <= i / 8 < 0.45 leaves step 3 alone, whose
+    # change after computed steps 0-2 is 0.614 (steps 1 and 2, at 0.580 and 0.510, would skip without the window).
+    window = client1.run(cached(tiny_path, cache_start=0.3, cache_end=0.45))
+    assert skipped_per_rank(window) == [[3]]
+
+
+@pytest.mark.parametrize("strategy", [S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2), S(tensor_degree=2)],
+                         ids=lambda s: s.label())
+def test_cache_decisions_agree_on_every_rank_and_equal_serial(tiny_path, client2, serial_cached, strategy):
+    result = client2.run(cached(tiny_path, strategy))
+    assert skipped_per_rank(result) == [SKIPPED, SKIPPED]
+    err = rel_err(result.latent, serial_cached.latent)
+    assert err < EXACT_RTOL, err
+
+
+@pytest.mark.parametrize("settings, words", [
+    (dict(cache_threshold=math.nan), "cache_threshold=nan"),
+    (dict(cache_threshold=-0.1), "cache_threshold=-0.1"),
+    (dict(cache_start=0.8, cache_end=0.2), "cache_start=0.8 is after cache_end=0.2"),
+    (dict(cache_end=1.5), "cache_end=1.5"),
+    (dict(cache="teacache"), "cache='teacache'"),
+])
+def test_cache_bad_settings_get_one_sentence(settings, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(")) as caught:
+        S(**{"cache": "first_block", **settings})
+    assert str(caught.value).count(". ") == 0 and str(caught.value).endswith(".")
+
+
+def test_cache_under_pipefusion_is_refused_before_work():
+    with pytest.raises(ConfigError, match="PipeFusion"):
+        validate_strategy(S(pipefusion_degree=2, cache="first_block"), world_size=2)
