@@ -114,6 +114,7 @@ class StrategySpec:
 
 
 CACHE_MODES = ("off", "first_block")
+CACHE_FIELDS = ("cache", "cache_threshold", "cache_start", "cache_end")  # StrategySpec's step-cache settings
 
 
 def _check_cache(s: StrategySpec) -> None:
