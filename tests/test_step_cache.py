@@ -65,6 +65,14 @@ def test_cache_serial_skips_the_steps_under_the_threshold_within_its_window(tiny
 def test_cache_decisions_agree_on_every_rank_and_equal_serial(tiny_path, client2, serial_cached, strategy):
     result = client2.run(cached(tiny_path, strategy))
     assert skipped_per_rank(result) == [SKIPPED, SKIPPED]
+    # Each decision read the whole step's change, serial's up to float32 round-off of the rows (~1e-6 relative);
+    # a rank's own rows (half the sequence, one CFG branch) differ from it by 1e-3 or more.
+    serial_changes = serial_cached.stats[0]["cache_changes"]
+    assert len(serial_changes) == 7  # steps 1-7 (step 0 has no step before it to compare with)
+    for stats in result.stats:
+        assert [step for step, _ in stats["cache_changes"]] == [step for step, _ in serial_changes]
+        for (_, change), (_, reference) in zip(stats["cache_changes"], serial_changes):
+            assert abs(change - reference) < 1e-5 * reference, (stats["rank"], change, reference)
     err = rel_err(result.latent, serial_cached.latent)
     assert err < EXACT_RTOL, err
 
@@ -85,3 +93,23 @@ def test_cache_bad_settings_get_one_sentence(settings, words):
 def test_cache_under_pipefusion_is_refused_before_work():
     with pytest.raises(ConfigError, match="PipeFusion"):
         validate_strategy(S(pipefusion_degree=2, cache="first_block"), world_size=2)
+
+
+def test_cache_bench_rows_agree_on_decisions_and_stay_exact(bench_workers, tmp_path):
+    """`bench --cache` on the session's workers: serial and each exact strategy at 2 workers, off and on."""
+    import json
+
+    from parallel_runtime.bench.cli import main
+
+    out = tmp_path / "cache.json"
+    assert main(["--quick", "--cache", str(THRESHOLD), "--steps", "6", "--json", str(out)],
+                workers=bench_workers) == 0
+    record = json.loads(out.read_text())["cache"]
+    rows = {row["strategy"]: row for row in record["rows"]}
+    assert set(rows) == {"serial", "cfg2", "ulysses2", "ring2", "tp2"} and record["threshold"] == THRESHOLD
+    assert rows["serial"]["skipped"], "the bench's job must skip some steps, or it measures nothing"
+    for label, row in rows.items():
+        assert row["ranks_agree"] and row["skipped"] == rows["serial"]["skipped"], label
+        assert row["cached_vs_serial_cached"] < EXACT_RTOL, (label, row["cached_vs_serial_cached"])
+        assert row["uncached_error"] < EXACT_RTOL, (label, row["uncached_error"])
+        assert row["cache_gain"] > 0 and row["speedup"] > 0

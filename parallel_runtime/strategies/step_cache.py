@@ -55,6 +55,7 @@ class FirstBlockCache:
         self.residual: dict[Hashable, torch.Tensor] = {}  # key -> first block's residual of the last computed step
         self.delta: dict[Hashable, torch.Tensor] = {}  # key -> remaining blocks' output - input, same step
         self.skipped: list[int] = []
+        self.changes: list[tuple[int, float]] = []  # (step, the whole step's relative change it was decided on)
         self._sums: list[torch.Tensor] = []  # this step's [changed, previous] L1 sums, one pair per pass
 
     def in_window(self, i: int) -> bool:
@@ -75,7 +76,11 @@ class FirstBlockCache:
         if not self.in_window(i) or any(k not in self.delta for k in keys):
             return False
         total = self.comm.all_reduce(torch.stack(sums).sum(0), self.group, op="cache").tolist()
-        skip = total[1] > 0 and total[0] / total[1] < self.threshold
+        if total[1] <= 0:  # the first block added nothing last time: nothing to measure against
+            return False
+        change = total[0] / total[1]
+        self.changes.append((i, change))
+        skip = change < self.threshold
         if skip:
             self.skipped.append(i)
         return skip
