@@ -544,12 +544,14 @@ class BenchRun:
             stated = "the trained demo model"
             if args.model != TOY:
                 conditions.append(f"model {self.model_name.split(' (')[0]}, not the trained demo model (--model toy)")
-        elif args.model not in ("bench", *BENCH_FAMILIES) or args.blocks:
-            blocks = " with --blocks " + args.blocks if args.blocks else ""
-            conditions.append(f"model {self.model_name.split(' (')[0]}{blocks}, not a family's bench model")
+        else:
+            stated = f"the family's bench model, {stated}"
+            if args.model not in ("bench", *BENCH_FAMILIES) or args.blocks:
+                blocks = " with --blocks " + args.blocks if args.blocks else ""
+                conditions.append(f"model {self.model_name.split(' (')[0]}{blocks}, not a family's bench model")
         self.say("")
         self.say("Targets" + (f" (conditions differ from the stated ones: {'; '.join(conditions)})" if conditions else
-                              f" (2-core CPU, 1 thread per worker, the family's bench model, {stated})") + ":")
+                              f" (2-core CPU, 1 thread per worker, {stated})") + ":")
         for t in self.targets:
             self.say(f"  [{t['status']:4}] {t['target']}: {t['detail']}")
 
