@@ -114,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         client.shutdown()
 
     ref = rows[0][1]
-    print(f"\n{'strategy':<24}{'seconds':>9}{'s/step':>9}{'speed-up':>10}{'rel. error':>12}")
+    print(f"\n{'strategy':<28}{'seconds':>9}{'s/step':>9}{'speed-up':>10}{'rel. error':>12}")
     for strategy, r in rows:
         r["speedup"], r["error"] = ref["seconds"] / r["seconds"], rel_err(r["latent"], ref["latent"])
-        print(f"{strategy.label():<24}{r['seconds']:>9.2f}{r['step_s']:>9.3f}{r['speedup']:>9.2f}x{r['error']:>12.1e}")
+        print(f"{strategy.label():<28}{r['seconds']:>9.2f}{r['step_s']:>9.3f}{r['speedup']:>9.2f}x{r['error']:>12.1e}")
 
     images = [codec.decode_comfy_latent(r["latent"])[0] for _, r in rows]
     sheet = _sheet(images, rows, args)
