@@ -19,7 +19,7 @@ from parallel_runtime.errors import ConfigError
 from parallel_runtime.weights.comfy_quant import QUANTIZED_MATMUL
 from parallel_runtime.distributed.devices import WEIGHT_DTYPES  # one list for the node and the workers
 from parallel_runtime.runtime.links import P2P_SETTINGS
-from parallel_runtime.spec import Conditioning, ModelSpec, StrategySpec
+from parallel_runtime.spec import CACHE_MODES, Conditioning, ModelSpec, StrategySpec
 
 STRATEGY_TYPE = "PARADIT_STRATEGY"
 MODEL_TYPE = "MODEL"  # ComfyUI's own: KSampler and every model node take Load Parallel DiT's output
@@ -109,6 +109,23 @@ STRATEGY_INPUTS = (
                                                  "devices, in proportion to their speed; no traffic between groups "
                                                  "until the end (exact). The fastest split when the batch has at "
                                                  "least as many images as devices; auto picks it there."},
+              optional=True),
+    InputSpec("cache", "combo", {"options": list(CACHE_MODES), "default": "off",
+                                 "tooltip": "Parallel Sampler's step cache: first_block runs the first block each "
+                                            "step and, where its output changed by less than cache_threshold "
+                                            "(relative, over the whole image and both CFG branches), reuses the "
+                                            "other blocks' last output instead of running them. Every device takes "
+                                            "the same decision; not under PipeFusion. KSampler: use ComfyUI's "
+                                            "EasyCache instead."}, optional=True),
+    InputSpec("cache_threshold", "float", {"default": 0.1, "min": 0.0, "max": 10.0, "step": 0.01,
+                                           "tooltip": "Relative change of the first block's output under which "
+                                                      "a step is skipped: higher skips more steps, with more error; "
+                                                      "0 never skips."}, optional=True),
+    InputSpec("cache_start", "float", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01,
+                                       "tooltip": "Fraction of the steps before which every step is computed."},
+              optional=True),
+    InputSpec("cache_end", "float", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01,
+                                     "tooltip": "Fraction of the steps from which every step is computed."},
               optional=True),
 )
 
@@ -202,7 +219,8 @@ def strategy_choice(mode: str, cfg_degree: int = 1, pipefusion_degree: int = 1, 
                     ring_degree: int = 1, num_pipeline_patch: int = 0, warmup_steps: int = 1,
                     node_id: str | None = None, tensor_degree: int = 1, patch_degree: int = 1,
                     device_weights: str = "", shard_weights: str = "auto", p2p: str = "auto",
-                    batch_degree: int = 1) -> StrategyChoice:
+                    batch_degree: int = 1, cache: str = "off", cache_threshold: float = 0.1, cache_start: float = 0.0,
+                    cache_end: float = 1.0) -> StrategyChoice:
     """Strategy Selector's inputs -> StrategyChoice; range errors are caught here, device fit at sample time."""
     from parallel_runtime.planning.balance import MEASURED, parse_device_weights
 
@@ -224,11 +242,12 @@ def strategy_choice(mode: str, cfg_degree: int = 1, pipefusion_degree: int = 1, 
     shard = SHARD_WEIGHTS[shard_weights]
     if p2p not in P2P_SETTINGS:
         raise ConfigError(f"p2p must be one of {', '.join(P2P_SETTINGS)}, got {p2p!r}.")
+    step_cache = dict(cache=cache, cache_threshold=cache_threshold, cache_start=cache_start, cache_end=cache_end)
     if mode == "auto":
         spec = StrategySpec(num_pipeline_patch=num_pipeline_patch, warmup_steps=warmup_steps, device_weights=fixed,
-                            shard_weights=shard)
+                            shard_weights=shard, **step_cache)
     else:
-        spec = StrategySpec(**ints, device_weights=fixed, shard_weights=shard)  # device fit: at sample time
+        spec = StrategySpec(**ints, device_weights=fixed, shard_weights=shard, **step_cache)  # device fit: at sample time
     return StrategyChoice(mode=mode, spec=spec, node_id=None if node_id is None else str(node_id),
                           measured=weights == MEASURED, p2p=p2p)
 

@@ -16,7 +16,7 @@ class ParaDiTStrategy(io.ComfyNode):
             display_name="Strategy Selector",
             category=convert.CATEGORY,
             description="Chooses how the Parallel Sampler splits each step over the workers: batch, CFG, "
-                        "PipeFusion, Ulysses, Ring, tensor and displaced patch degrees, device weights for unequal devices, and sharded weights for models bigger than one device. In auto mode the runtime chooses at sample time and writes its "
+                        "PipeFusion, Ulysses, Ring, tensor and displaced patch degrees, device weights for unequal devices, sharded weights for models bigger than one device, and a step cache. In auto mode the runtime chooses at sample time and writes its "
                         "choice and reason on this node.",
             inputs=convert.build_inputs(io, convert.STRATEGY_INPUTS),
             outputs=[StrategyType.Output(display_name="strategy")],
@@ -26,12 +26,14 @@ class ParaDiTStrategy(io.ComfyNode):
     @classmethod
     def execute(cls, mode, cfg_degree, pipefusion_degree, ulysses_degree, ring_degree,
                 num_pipeline_patch, warmup_steps, tensor_degree=1, patch_degree=1, device_weights="",
-                shard_weights="auto", p2p="auto", batch_degree=1) -> io.NodeOutput:
+                shard_weights="auto", p2p="auto", batch_degree=1, cache="off", cache_threshold=0.1, cache_start=0.0,
+                cache_end=1.0) -> io.NodeOutput:
         node_id = getattr(cls.hidden, "unique_id", None) if cls.hidden is not None else None
         choice = convert.strategy_choice(mode, cfg_degree, pipefusion_degree, ulysses_degree, ring_degree,
                                          num_pipeline_patch, warmup_steps, node_id=node_id, tensor_degree=tensor_degree,
                                          patch_degree=patch_degree, device_weights=device_weights,
-                                         shard_weights=shard_weights, p2p=p2p, batch_degree=batch_degree)
+                                         shard_weights=shard_weights, p2p=p2p, batch_degree=batch_degree, cache=cache,
+                                         cache_threshold=cache_threshold, cache_start=cache_start, cache_end=cache_end)
         from .host import HOST
 
         HOST.send_text(choice.describe(), node_id)

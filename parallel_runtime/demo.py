@@ -10,6 +10,7 @@ half-pictures that do not fit together.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 import time
@@ -43,7 +44,12 @@ def parse_args(argv):
     ap.add_argument("--cfg", type=float, default=CFG)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "paradit-demo.png"), help="the PNG to write")
+    ap.add_argument("--cache", nargs="?", type=float, const=0.12, default=None, metavar="THRESHOLD",
+                    help="also run serial and each exact strategy with the runtime's First-Block Cache (threshold "
+                         "default 0.12; it skips more the more steps there are, e.g. --steps 50)")
     args = ap.parse_args(argv)
+    if args.cache is not None and not args.cache >= 0:
+        raise SystemExit(f"--cache {args.cache}: give a threshold of 0 or more")
     if args.size % 16 or args.size <= 0:
         raise SystemExit(f"--size {args.size}: use a positive multiple of 16 pixels")
     return args
@@ -55,6 +61,15 @@ def strategies(world: int, cfg: float, size: int) -> list[StrategySpec]:
                 latent_hw=(size // 8, size // 8))
     return [s for s, _ in rows if s.world_size == world
             and (s.pipefusion_degree == 1 or s.num_pipeline_patch == s.pipefusion_degree)]
+
+
+def with_cache(rows: list[StrategySpec], threshold: float | None) -> list[StrategySpec]:
+    """`rows`, each followed by its First-Block-Cache twin where a threshold is given and the strategy takes the
+    cache (not PipeFusion)."""
+    if threshold is None:
+        return rows
+    cached = dict(cache="first_block", cache_threshold=threshold)
+    return [t for s in rows for t in ([s, dataclasses.replace(s, **cached)] if s.pipefusion_degree == 1 else [s])]
 
 
 def timed(client: RuntimeClient, job: Job) -> dict:
@@ -87,21 +102,22 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     serial_client = RuntimeClient("cpu:1" if cpu else args.devices.split(",")[0], threads_per_worker=1)
     try:
-        rows.append((StrategySpec(), timed(serial_client, job(StrategySpec()))))
+        for strategy in with_cache([StrategySpec()], args.cache):
+            rows.append((strategy, timed(serial_client, job(strategy))))
     finally:
         serial_client.shutdown()
     client = RuntimeClient(args.devices, threads_per_worker=1)
     try:
-        for strategy in strategies(client.world, args.cfg, args.size):
+        for strategy in with_cache(strategies(client.world, args.cfg, args.size), args.cache):
             rows.append((strategy, timed(client, job(strategy))))
     finally:
         client.shutdown()
 
     ref = rows[0][1]
-    print(f"\n{'strategy':<14}{'seconds':>9}{'s/step':>9}{'speed-up':>10}{'rel. error':>12}")
+    print(f"\n{'strategy':<28}{'seconds':>9}{'s/step':>9}{'speed-up':>10}{'rel. error':>12}")
     for strategy, r in rows:
         r["speedup"], r["error"] = ref["seconds"] / r["seconds"], rel_err(r["latent"], ref["latent"])
-        print(f"{strategy.label():<14}{r['seconds']:>9.2f}{r['step_s']:>9.3f}{r['speedup']:>9.2f}x{r['error']:>12.1e}")
+        print(f"{strategy.label():<28}{r['seconds']:>9.2f}{r['step_s']:>9.3f}{r['speedup']:>9.2f}x{r['error']:>12.1e}")
 
     images = [codec.decode_comfy_latent(r["latent"])[0] for _, r in rows]
     sheet = _sheet(images, rows, args)

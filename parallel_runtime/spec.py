@@ -4,6 +4,7 @@ Tensors never live here; they travel beside the JSON header (see protocol.py).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -39,6 +40,15 @@ class StrategySpec:
     # share of the images, the shares in proportion to the groups' device_weights. No per-step traffic between
     # groups; outermost, so every other degree splits one group's images.
     batch_degree: int = 1
+    # A step cache in the workers' own step loop (strategies/step_cache.py): "off", or "first_block" (First-Block
+    # Cache: a step whose first block's residual changed by less than `cache_threshold`, relative L1 over the whole
+    # sequence, both CFG branches and the batch, reuses the rest of the blocks' output delta of the last computed
+    # step). It may skip only at steps i with cache_start <= i / steps < cache_end; every rank takes the same
+    # decisions.
+    cache: str = "off"
+    cache_threshold: float = 0.1
+    cache_start: float = 0.0
+    cache_end: float = 1.0
 
     def __post_init__(self):
         # JSON gives a list; a frozen spec is hashed (a Topology key, a cache key), so it must be a tuple.
@@ -47,6 +57,7 @@ class StrategySpec:
             from .errors import ConfigError
 
             raise ConfigError(f"shard_weights={self.shard_weights!r}; use on, off or auto.")
+        _check_cache(self)
 
     @property
     def world_size(self) -> int:
@@ -71,6 +82,8 @@ class StrategySpec:
             label += "+shard"
         if self.balanced:
             label += "[" + ":".join(f"{w:g}" for w in self.device_weights) + "]"
+        if self.cache != "off":
+            label += f"+fbcache{self.cache_threshold:g}"
         return label
 
     @property
@@ -102,6 +115,27 @@ class StrategySpec:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+CACHE_MODES = ("off", "first_block")
+CACHE_FIELDS = ("cache", "cache_threshold", "cache_start", "cache_end")  # StrategySpec's step-cache settings
+
+
+def _check_cache(s: StrategySpec) -> None:
+    """One sentence for cache settings the step cache cannot follow (before any work: the spec is built)."""
+    from .errors import ConfigError
+
+    if s.cache not in CACHE_MODES:
+        raise ConfigError(f"cache={s.cache!r}; use one of {', '.join(CACHE_MODES)}.")
+    threshold = s.cache_threshold
+    if not isinstance(threshold, (int, float)) or not math.isfinite(threshold) or threshold < 0:
+        raise ConfigError(f"cache_threshold={threshold!r}; use a number of 0 or more (0 never skips a step).")
+    for name in ("cache_start", "cache_end"):
+        value = getattr(s, name)
+        if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{name}={value!r}; use a fraction of the schedule from 0 to 1.")
+    if s.cache_start > s.cache_end:
+        raise ConfigError(f"cache_start={s.cache_start} is after cache_end={s.cache_end}; set start at or before end.")
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,9 @@ def _collectives(device, dtype, data, link, weights, control) -> list[str]:
     want = amax.clone()
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=data)
     check("all_reduce max float32 (input amax)", amax, want)
+    sums = torch.tensor([3.25, 7.5], dtype=torch.float64, device=device)  # the step cache's two L1 sums
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=data)
+    check("all_reduce sum float64 (step cache decision)", sums, torch.tensor([3.25, 7.5], dtype=torch.float64))
     text = rand(1, 7, 128)
     want = text.clone()
     dist.broadcast(text, src=0, group=data)

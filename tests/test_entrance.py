@@ -71,3 +71,16 @@ def test_a_model_call_too_small_for_the_degrees_runs_whole_image_stages(chooser)
     small = plan(Client(), request("manual", ulysses_degree=2), MODEL, (1, 16, 2, 2), 1.0, "cpu:2", per_call=True)
     assert small.strategy.pipefusion_degree == 2 and small.strategy.ulysses_degree == 1
     assert "too small for ulysses2" in small.note
+
+
+def test_the_selectors_cache_rides_on_auto_and_a_model_call_runs_uncached_with_a_note(chooser):
+    cache = dict(cache="first_block", cache_threshold=0.08, cache_start=0.1, cache_end=0.9)
+    picked = plan(Client(), request(**cache), MODEL, (1, 16, 8, 8), 3.5, "cpu:2")
+    assert picked.strategy == StrategySpec(ulysses_degree=2, **cache) and picked.note is None
+    chooser.pick = StrategySpec(pipefusion_degree=2)  # not under PipeFusion yet: off, and the reason says so
+    piped = plan(Client(), request(**cache), MODEL, (1, 16, 8, 8), 3.5, "cpu:2")
+    assert piped.strategy.cache == "off" and "cache stays off" in piped.reason
+    # A stock sampler's model call is one step of the host's loop: the cache is the host's (EasyCache), not ours.
+    call = plan(Client(), request("manual", ulysses_degree=2, **cache), MODEL, (1, 16, 8, 8), 1.0, "cpu:2",
+                per_call=True)
+    assert call.strategy == StrategySpec(ulysses_degree=2) and "EasyCache" in call.note

@@ -300,12 +300,15 @@ def test_strategy_schema():
     assert (schema.node_id, schema.display_name) == ("ParaDiTStrategy", "Strategy Selector")
     assert list(inputs) == ["mode", "cfg_degree", "pipefusion_degree", "ulysses_degree", "ring_degree",
                             "num_pipeline_patch", "warmup_steps", "tensor_degree", "patch_degree", "device_weights",
-                            "shard_weights", "p2p", "batch_degree"]
+                            "shard_weights", "p2p", "batch_degree", "cache", "cache_threshold", "cache_start",
+                            "cache_end"]
     # The newer inputs are optional, and come last: graphs saved before them still queue with their values in place.
     assert all(inputs[name][1]["optional"] is True for name in ("tensor_degree", "patch_degree", "device_weights",
-                                                                "shard_weights", "p2p", "batch_degree"))
+                                                                "shard_weights", "p2p", "batch_degree", "cache",
+                                                                "cache_threshold", "cache_start", "cache_end"))
     assert (inputs["batch_degree"][1]["min"], inputs["batch_degree"][1]["max"], inputs["batch_degree"][1]["default"]) \
         == (1, 8, 1)
+    assert inputs["cache"][1]["options"] == ["off", "first_block"] and inputs["cache"][1]["default"] == "off"
     assert inputs["shard_weights"][1]["options"] == ["auto", "on", "off"]
     assert inputs["shard_weights"][1]["default"] == "auto"
     assert inputs["p2p"][1]["options"] == ["auto", "off"] and inputs["p2p"][1]["default"] == "auto"

@@ -37,6 +37,7 @@ from ..planning.traffic import compare, job_traffic, shapes_of
 from ..distributed.devices import default_dtype
 from ..distributed.topology import latent_plane
 from ..toy.text import TEXT_TOKENS
+from .cache import DEFAULT_STEPS as DEFAULT_CACHE_STEPS, DEFAULT_THRESHOLD as DEFAULT_CACHE_THRESHOLD
 from .controlnet import controlnet_row
 from .grid import CFG_PARALLEL_SCALE, grid, row_label, subset_devices
 from .measure import cpu_capacity
@@ -101,12 +102,23 @@ def parse_args(argv):
     ap.add_argument("--batch", type=int, default=None, metavar="N",
                     help="a batch of N images per strategy: serial, batch parallel, Ulysses, Ring (and CFG x Ulysses "
                          "at --cfg > 1) on --devices, images per minute and every image against serial's")
+    ap.add_argument("--cache", nargs="?", type=float, const=DEFAULT_CACHE_THRESHOLD, default=None,
+                    metavar="THRESHOLD",
+                    help=f"the runtime's First-Block Cache off and on (threshold default {DEFAULT_CACHE_THRESHOLD:g}) "
+                         f"for serial and each exact strategy on the same warm workers: speed-ups, the cache's gain "
+                         f"and its error against the uncached serial latent (default {DEFAULT_CACHE_STEPS} steps; "
+                         f"--model toy is the trained demo model)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
     args = ap.parse_args(argv)
     if args.family:
         if args.model is not None:
             ap.error("give --family or --model, not both")
         args.model = "bench" if args.family == "flux" else args.family
+    if args.cache is not None:
+        if not args.cache >= 0:  # also NaN
+            raise SystemExit(f"--cache {args.cache}: give a threshold of 0 or more")
+        if args.steps is None:
+            args.steps = DEFAULT_CACHE_STEPS
     args.preset_size = args.quick and args.resolution is None  # main raises it to the family's smallest image
     defaults = QUICK if args.quick else TOY_DEFAULTS if args.model == TOY else DEFAULTS
     if args.family and BENCH_FAMILIES[args.family].video:
@@ -291,6 +303,14 @@ class BenchRun:
             record["targets"] = self.targets
             status = self._finish(record)
             return status if record["entrances"]["latents_agree"] else 1  # a wrong result is no timing noise
+        if args.cache is not None:
+            from .cache import cache_bench
+
+            record["cache"] = cache_bench(self.say, args, self.path, self.config, self.latent_shape, self.text,
+                                          self.devices, self.target, self.workers, self.conditioning)
+            self._report_targets()
+            record["targets"] = self.targets
+            return self._finish(record)
         if not args.no_auto:
             record["calibration"] = self._calibrate()
         rows, auto_pick, auto_reason = self._rows()
@@ -526,18 +546,25 @@ class BenchRun:
 
     def _report_targets(self) -> None:
         args, conditions = self.args, []
-        # The targets' stated sizes: 4096 image tokens (1024x1024); a video's >= 8,000 tokens (long sequences).
+        # The targets' stated sizes: 4096 image tokens (1024x1024); a video's >= 8,000 tokens (long sequences); the
+        # cache's are stated on the trained demo model at any size.
         stated = ">= 8000 video tokens" if self.video else "4096 image tokens"
-        if (self.image_tokens < 8000) if self.video else (self.image_tokens != 4096):
+        if args.cache is None and ((self.image_tokens < 8000) if self.video else (self.image_tokens != 4096)):
             conditions.append(f"{self.image_tokens} {self.tokens_name} tokens, not {stated}")
         if self.kind != "cpu" or args.threads != 1:
             conditions.append("not CPU workers with 1 thread")
-        if args.model not in ("bench", *BENCH_FAMILIES) or args.blocks:
-            blocks = " with --blocks " + args.blocks if args.blocks else ""
-            conditions.append(f"model {self.model_name.split(' (')[0]}{blocks}, not a family's bench model")
+        if args.cache is not None:
+            stated = "the trained demo model"
+            if args.model != TOY:
+                conditions.append(f"model {self.model_name.split(' (')[0]}, not the trained demo model (--model toy)")
+        else:
+            stated = f"the family's bench model, {stated}"
+            if args.model not in ("bench", *BENCH_FAMILIES) or args.blocks:
+                blocks = " with --blocks " + args.blocks if args.blocks else ""
+                conditions.append(f"model {self.model_name.split(' (')[0]}{blocks}, not a family's bench model")
         self.say("")
         self.say("Targets" + (f" (conditions differ from the stated ones: {'; '.join(conditions)})" if conditions else
-                              f" (2-core CPU, 1 thread per worker, the family's bench model, {stated})") + ":")
+                              f" (2-core CPU, 1 thread per worker, {stated})") + ":")
         for t in self.targets:
             self.say(f"  [{t['status']:4}] {t['target']}: {t['detail']}")
 

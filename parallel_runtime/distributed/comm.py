@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 
 from .streams import StreamMark
-from .topology import DIMS, Topology
+from .topology import DIMS, STEP_ROW_DIMS, Topology
 
 
 @dataclass
@@ -213,7 +213,8 @@ class Comm:
             return pool.get(key, ranks, backend)
 
         # Every rank must create every group, in the same order, even groups it is not part of.
-        named = [(d, topology.groups(d)) for d in DIMS] + [("sp", topology.sp_groups())]
+        named = [(d, topology.groups(d)) for d in DIMS] + [("sp", topology.sp_groups()),
+                                                          ("step_rows", topology.spanning_groups(STEP_ROW_DIMS))]
         for name, groups in named:
             for ranks in groups:
                 # Keyed by ranks: e.g. "sp" equals "ulysses" when ring is 1, one communicator for both.

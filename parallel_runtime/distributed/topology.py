@@ -24,6 +24,10 @@ from ..errors import ConfigError
 from ..spec import StrategySpec
 
 DIMS = ("batch", "cfg", "pipefusion", "naive_patch", "patch", "ring", "ulysses", "tensor")  # outermost -> innermost
+# The dimensions whose ranks hold different rows of one step's activations (branches, batch, sequence): every other
+# rank holds the same rows (tensor ranks: replicated hidden states) or other blocks of them (pipeline stages). A
+# statistic of the whole step sums over these and no others (the step cache's decision).
+STEP_ROW_DIMS = tuple(d for d in DIMS if d not in ("pipefusion", "tensor"))
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,17 @@ class Topology:
             out.append([self.rank_of(**base, **{dim: i}) for i in range(getattr(self, dim))])
         return out
 
+    def spanning_groups(self, dims: tuple[str, ...]) -> list[list[int]]:
+        """Every group of ranks that differ only in `dims` (all of them together), in a fixed order all ranks agree
+        on."""
+        fixed_dims = [d for d in DIMS if d not in dims]
+        out = []
+        for fixed in itertools.product(*(range(getattr(self, d)) for d in fixed_dims)):
+            base = dict(zip(fixed_dims, fixed))
+            out.append([r for r in range(self.world_size)
+                        if all(self.coords(r)[d] == base[d] for d in fixed_dims)])
+        return out
+
     def sp_groups(self) -> list[list[int]]:
         """Groups spanning ring x ulysses (the whole sequence-parallel group)."""
         out = []
@@ -126,6 +141,9 @@ def validate_strategy(s: StrategySpec, *, world_size: int, heads: int | None = N
     if mlp_hidden is not None and mlp_hidden % s.tensor_degree:
         raise ConfigError(f"tensor_degree={s.tensor_degree} does not divide the model's MLP width of {mlp_hidden}; "
                           f"pick a divisor of both it and the head count.")
+    if num_blocks is not None and s.cache != "off" and num_blocks < 2:
+        raise ConfigError(f"cache={s.cache!r} needs a model of 2 or more blocks (it runs the first and skips the rest); "
+                          f"set cache off.")
     if num_blocks is not None and s.pipefusion_degree > num_blocks:
         raise ConfigError(f"pipefusion_degree={s.pipefusion_degree} exceeds the model's {num_blocks} transformer blocks; "
                           f"use at most {num_blocks} stages.")
@@ -166,6 +184,10 @@ def _check_combinations(s: StrategySpec) -> None:
             "each tensor rank already holds only its part of every block" if s.tensor_degree > 1 else "one device holds the model"
         raise ConfigError(f"shard_weights needs ranks that hold the same blocks (CFG, Ulysses, Ring or patch ranks), but "
                           f"in {s.label()} {held}; set shard_weights off, or add such a degree.")
+    if s.cache != "off" and s.pipefusion_degree > 1:
+        raise ConfigError("the runtime's first-block cache does not run under PipeFusion yet (its stages would need "
+                          "the whole step's first-block change before the first patch leaves stage 0); set cache off "
+                          "or use Ulysses, Ring, CFG, tensor or patch parallel with it.")
     if (s.pipefusion_degree > 1 or s.patch_degree > 1) and s.warmup_steps < 1:
         what = "PipeFusion" if s.pipefusion_degree > 1 else "Displaced patch parallel"
         raise ConfigError(f"{what} needs warmup_steps >= 1 to fill its KV buffers; set warmup_steps to 1 or more.")

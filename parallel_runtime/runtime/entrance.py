@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple, Protocol
 
-from ..spec import ModelSpec, StrategySpec
+from ..spec import CACHE_FIELDS, ModelSpec, StrategySpec
 
 
 class StrategyRequest(Protocol):
@@ -51,7 +51,15 @@ def plan(client, request: StrategyRequest, model: ModelSpec, latent_shape: tuple
     from ..distributed.topology import fit_to_latent, latent_plane
 
     fitted, note = fit_to_latent(spec, latent_plane(tuple(latent_shape)[2:]), patch)
+    if fitted.cache != "off":
+        # A model call is one step of the host's sampler: the step loop, and so the cache, is the host's.
+        fitted = dataclasses.replace(fitted, **{f: getattr(StrategySpec(), f) for f in CACHE_FIELDS})
+        note = "; ".join(filter(None, [note, CALL_CACHE_NOTE]))
     return Plan(fitted, reason, note)
+
+
+CALL_CACHE_NOTE = ("the Strategy Selector's cache runs in Parallel Sampler's own step loop only, so this KSampler "
+                   "runs uncached: put ComfyUI's EasyCache or LazyCache on the MODEL for a cache there")
 
 
 def _auto(client, request: StrategyRequest, model: ModelSpec, latent_shape: tuple, cfg: float, devices: str,
@@ -77,4 +85,9 @@ def _auto(client, request: StrategyRequest, model: ModelSpec, latent_shape: tupl
         overrides["warmup_steps"] = asked.warmup_steps
     if overrides and spec.pipefusion_degree > 1:
         spec = dataclasses.replace(spec, **overrides)
+    if asked.cache != "off":  # the Selector's cache rides on any pick it runs with (not PipeFusion yet)
+        if spec.pipefusion_degree > 1:
+            reason += "; the cache stays off under this PipeFusion plan"
+        else:
+            spec = dataclasses.replace(spec, **{f: getattr(asked, f) for f in CACHE_FIELDS})
     return spec, reason

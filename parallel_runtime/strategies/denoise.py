@@ -31,6 +31,7 @@ from .forward_amax import forward_amax_reduce
 from .displaced import DisplacedPatchAttention
 from .layout import TokenLayout, weighted_counts
 from .pipefusion import StaleKVAttention, StaleKVCache
+from .step_cache import FIRST_BLOCKS, FirstBlockCache, run_block_range
 from ..sampling import (cfg_combine, cfg_uses_uncond, final_latent, ksampler_sigmas, make_sampler,
                        start_latent)
 from ..spec import Conditioning, Job
@@ -169,6 +170,7 @@ class Denoiser:
         self.coords = topology.coords(self.rank)
         self._vote = None
         self.step_times: list[float] = []
+        self.step_cache: FirstBlockCache | None = None  # the runtime's step cache of the current job (spec.cache)
 
     # -- entry -----------------------------------------------------------------------------------------
 
@@ -242,6 +244,7 @@ class Denoiser:
         self.uses_uncond = cfg_uses_uncond(sp.cfg)
 
         self._set_layout(self.branches, x.shape[1], s.patches if self.topology.pipefusion > 1 else 1)
+        self.step_cache = FirstBlockCache(s, len(sigmas) - 1, self.comm) if s.cache != "off" else None
         self.hw = tuple(spatial)
         try:
             if self.topology.pipefusion > 1:
@@ -477,17 +480,55 @@ class Denoiser:
             if i and getattr(self.adapter, "prompt_reads_timestep", False):  # this step's embedded prompt
                 forwards = [self._forward_setup(branches, x.device, i) for branches in self.groups]
             x_rows = x[:, rows]
-            den: tuple[torch.Tensor, ...] = ()
-            for branches, (attention, image_attention, rope, text, refs) in zip(self.groups, forwards):
-                self.context.attention, self.context.image_attention = attention, image_attention
-                temb = self._temb(i, branches)
-                image = self._image_stream(i, x_rows, index, refs, branches)
-                with self._displaced(attention, image_attention, sync=i < self.warmup_steps):
-                    image, _ = self.adapter.run_blocks(image, text, temb, rope)
-                den += self._branch_denoised(i, x_rows, image[:, :len(index)], temb, rope, branches)
-            x[:, rows] = self.sampler.step(i, x_rows, self._cfg(den), region=rows)
+            predict = self._predictions if self.step_cache is None else self._cached_predictions
+            x[:, rows] = self.sampler.step(i, x_rows, self._cfg(predict(i, x_rows, index, forwards)), region=rows)
             self._step_done(i, t0)
         return x
+
+    def _predictions(self, i: int, x_rows: torch.Tensor, index: torch.Tensor,
+                     forwards: list[tuple]) -> tuple[torch.Tensor, ...]:
+        """Step i's per-branch predictions of this rank's rows: one forward pass per branch group."""
+        den: tuple[torch.Tensor, ...] = ()
+        for branches, (attention, image_attention, rope, text, refs) in zip(self.groups, forwards):
+            self.context.attention, self.context.image_attention = attention, image_attention
+            temb = self._temb(i, branches)
+            image = self._image_stream(i, x_rows, index, refs, branches)
+            with self._displaced(attention, image_attention, sync=i < self.warmup_steps):
+                image, _ = self.adapter.run_blocks(image, text, temb, rope)
+            den += self._branch_denoised(i, x_rows, image[:, :len(index)], temb, rope, branches)
+        return den
+
+    def _cached_predictions(self, i: int, x_rows: torch.Tensor, index: torch.Tensor,
+                            forwards: list[tuple]) -> tuple[torch.Tensor, ...]:
+        """_predictions under the First-Block Cache (step_cache.py): every group's first block,
+        one decision for the whole step (all ranks), then every group's remaining blocks or their cached delta."""
+        cache, blocks = self.step_cache, self.adapter.chunks[0]
+        first_blocks, rest = (range(blocks.start, blocks.start + FIRST_BLOCKS),
+                              range(blocks.start + FIRST_BLOCKS, blocks.stop))
+        passes = []
+        for k, (branches, (attention, image_attention, rope, text, refs)) in enumerate(zip(self.groups, forwards)):
+            self.context.attention, self.context.image_attention = attention, image_attention
+            temb = self._temb(i, branches)
+            image = self._image_stream(i, x_rows, index, refs, branches)
+            with self._displaced(attention, image_attention, sync=i < self.warmup_steps):
+                first, first_text = run_block_range(self.adapter, first_blocks, image, text, temb, rope)
+            residual = first - image
+            cache.measure(k, residual)
+            passes.append((temb, first, first_text, residual))
+        skip = cache.decide(i, list(range(len(passes))))
+        den: tuple[torch.Tensor, ...] = ()
+        for k, (branches, forward, (temb, first, first_text, residual)) in enumerate(zip(self.groups, forwards,
+                                                                                      passes)):
+            attention, image_attention, rope = forward[:3]
+            if skip:
+                image = cache.reuse(k, first)
+            else:
+                self.context.attention, self.context.image_attention = attention, image_attention
+                with self._displaced(attention, image_attention, sync=i < self.warmup_steps):
+                    image, _ = run_block_range(self.adapter, rest, first, first_text, temb, rope)
+                cache.refresh(k, residual, first, image)
+            den += self._branch_denoised(i, x_rows, image[:, :len(index)], temb, rope, branches)
+        return den
 
     @contextlib.contextmanager
     def _displaced(self, *attentions, sync: bool):

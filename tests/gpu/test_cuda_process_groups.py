@@ -26,4 +26,4 @@ def test_one_nccl_rank_runs_every_collective_under_the_configured_timeout(gpu, d
     print(f"\n{dtype}: {found}")
     assert not dist.is_initialized()
     assert len(found["timeouts"]) == 5 and set(found["timeouts"].values()) == {CONFIGURED}, found["timeouts"]
-    assert len(found["checked"]) == 11, found["checked"]  # the gloo run's 9 and Ring's and PipeFusion's self-sends
+    assert len(found["checked"]) == 12, found["checked"]  # the gloo run's 10 and Ring's and PipeFusion's self-sends
