@@ -90,3 +90,19 @@ def test_batch_group_cuts_a_controlnet_hint_of_several_images():
     assert _batched(tokens, group).flatten().tolist() == [2.0, 0.0, 2.0, 0.0]  # rows 2, 3, once per branch
     one = SimpleNamespace(batch=2, whole_batch=4, batch_rows=slice(2, 4), count=1)
     assert _batched(tokens[:1], one).flatten().tolist() == [0.0, 0.0]
+
+
+def test_batch_groups_take_the_step_caches_decisions_of_the_whole_batch(tiny_path, client1, client2):
+    """The First-Block Cache's change is measured over the whole batch, as serial measures it in one pass: both
+    groups skip serial's steps, having read serial's change of each step (a group's own images alone differ from
+    it by 1e-2 or more), and every image equals serial's cached image."""
+    cache = dict(cache="first_block", cache_threshold=0.65)
+    serial = client1.run(_images_job(tiny_path, S(**cache), 3))
+    result = client2.run(_images_job(tiny_path, S(batch_degree=2, **cache), 3))
+    skipped = serial.stats[0]["cache_skipped"]
+    assert skipped and [stats["cache_skipped"] for stats in result.stats] == [skipped, skipped]
+    reference = serial.stats[0]["cache_changes"]
+    for stats in result.stats:
+        for (step, change), (ref_step, ref) in zip(stats["cache_changes"], reference, strict=True):
+            assert step == ref_step and abs(change - ref) < 1e-5 * ref  # float32 sums of other row orders: ~1e-7
+    assert max(rel_err(result.latent[k], serial.latent[k]) for k in range(3)) <= EXACT_RTOL
