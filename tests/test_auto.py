@@ -203,3 +203,14 @@ def test_batch_projection_runs_the_fullest_groups_images():
                                 weight_bytes=4, act_bytes=4)
     assert mem == costmodel.rank_memory(S(), config, text_tokens=TEXT, image_tokens=256, batch=2, cfg=3.5,
                                         weight_bytes=4, act_bytes=4)
+
+
+def test_the_step_cache_kept_tensors_count_in_a_ranks_memory():
+    """Two hidden tensors of the rank's rows (the first block's residual, the rest's delta) per branch batch."""
+    from parallel_runtime.models.tiny import TINY as config
+
+    kw = dict(text_tokens=TEXT, image_tokens=256, batch=1, cfg=3.5, weight_bytes=4, act_bytes=4)
+    for s, rows in ((S(), TEXT + 256), (S(ulysses_degree=2), (TEXT + 256) / 2)):
+        off = costmodel.rank_memory(s, config, **kw)
+        on = costmodel.rank_memory(dataclasses.replace(s, cache="first_block"), config, **kw)
+        assert on["total"] - off["total"] == int(2 * 2 * rows * config.hidden_size * 4)  # 2 branches at cfg 3.5

@@ -763,6 +763,8 @@ def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_token
     tp = topo.tensor
     act = 3 * b * rows * (4 * h + (4 * h + config.mlp_hidden) / tp) * act_bytes
     act += 3 * b * s_len * (h // (topo.ulysses * tp)) * act_bytes if (topo.ulysses > 1 or topo.ring > 1) else 0
+    if strategy.cache != "off":  # the step cache keeps two hidden tensors of this rank's rows (step_cache.py)
+        act += 2 * b * rows * h * act_bytes
     return {"params": int(params * weight_bytes), "kv": kv, "activations": int(act),
             "total": int(params * weight_bytes) + kv + int(act)}
 
