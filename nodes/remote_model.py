@@ -137,7 +137,10 @@ class RemoteDiT(torch.nn.Module):
         strategy = self._strategy((min(2, len(labels)) * batch, *x.shape[1:]), min(2, len(labels)), client)
         self.last_strategy = strategy
         outputs = []
-        # Up to two chunks per runtime job (ComfyUI's cond and uncond); the CFG group splits them.
+        # Up to two chunks per runtime job (ComfyUI's cond and uncond); the CFG group splits them. The job's slot keys
+        # the stale K/V the workers keep for the next call: which job of the call, and whether it starts with the
+        # uncond, since ComfyUI runs cond and uncond as separate calls where their shapes differ (T5-only prompts
+        # of other lengths, area conditionings), and those must not read each other's K/V.
         for slot, start in enumerate(range(0, len(labels), 2)):
             ks = list(range(start, min(start + 2, len(labels))))
             sl = slice(ks[0] * batch, (ks[-1] + 1) * batch)
@@ -145,7 +148,8 @@ class RemoteDiT(torch.nn.Module):
                       for k in ks]
             job = Job(self.handle.model, strategy, SamplingSpec(steps=1), x[sl].detach().float().cpu(), chunks[0],
                       chunks[1] if len(chunks) > 1 else None, timestep=timesteps[sl].detach().float().cpu(),
-                      weight_patches=patches, call_step=step, call_slot=slot, call_last=last, skip_blocks=skip_blocks)
+                      weight_patches=patches, call_step=step, call_slot=2 * slot + int(labels[ks[0]] != 0),
+                      call_last=last, skip_blocks=skip_blocks)
             outputs.append(_run(client, job))
         if self.on_call is not None:
             self.on_call(step, strategy, client)

@@ -286,7 +286,8 @@ class Job:
     # negative = the second); the result is the model output, not a denoised latent.
     timestep: torch.Tensor | None = None
     # A model call's place in the host sampler's run: its step in the schedule (None: unknown; PipeFusion warms
-    # up on the first steps), which of the call's jobs this is (a call of more than two chunks is several jobs),
+    # up on the first steps), its slot (which of the call's jobs this is, a call of more than two chunks being
+    # several jobs, and whether it starts with the uncond: the key of the stale K/V kept for the next call),
     # and whether the run's last step (the workers then drop what they kept for the next call).
     call_step: int | None = None
     call_slot: int = 0

@@ -183,6 +183,41 @@ def test_pipefusion_jobs_of_one_call_keep_their_own_stale_kv(family, client2):
     assert rel_err(run(pairs), run(pairs[:1])) <= CALL_RTOL
 
 
+def test_pipefusion_cond_and_uncond_in_separate_calls_equal_one_call_of_both(family, client2):
+    """Where ComfyUI runs cond and uncond as separate calls, each job's slot (nodes/remote_model.py: 0 for the cond,
+    1 for the uncond) keeps its own stale K/V: the run equals the one that batches both into one call. Sharing a
+    slot, the uncond's patches would attend to the cond's keys of the step before (3e-2 off on most families)."""
+    name, path, adapter = family
+    ms, lf = adapter.model_sampling, adapter.latent_format
+    strategy = S(pipefusion_degree=2, warmup_steps=1, num_pipeline_patch=2)
+    pos, neg = conditioning(FAMILIES[name], 1), conditioning(FAMILIES[name], 2)
+
+    def run(slots):
+        latent = latent_of(name)
+        sigmas = ksampler_sigmas(ms, "simple", STEPS)
+        x = start_latent(latent, prepare_noise(latent, SEED), sigmas[0], lf, ms)
+        for i in range(STEPS):
+            sigma = sigmas[i]
+            x_in, t = ms.calculate_input(sigma, x), ms.timestep(sigma.expand(latent.shape[0])).float()
+            last = i == STEPS - 1  # the step's last job ends the run (the workers then drop their stale K/V)
+            if slots is None:  # one call of both chunks
+                both = client2.run(Job(ModelSpec(path), strategy, SamplingSpec(steps=1), x_in.repeat(2, 1, 1, 1), pos,
+                                       neg, timestep=t.repeat(2), call_step=i, call_last=last)).latent.chunk(2)
+            else:
+                both = [client2.run(Job(ModelSpec(path), strategy, SamplingSpec(steps=1), x_in, c, None, timestep=t,
+                                        call_step=i, call_slot=slot, call_last=last and c is neg)).latent
+                        for c, slot in zip((pos, neg), slots)]
+            cond, uncond = (ms.calculate_denoised(sigma, o, x) for o in both)
+            x = x + (x - cfg_combine(cond, uncond, CFG)) / sigma * (sigmas[i + 1] - sigma)
+        return x
+
+    together = run(None)
+    apart, shared = run((0, 1)), run((0, 0))
+    print(f"\n{name}: separate calls {rel_err(apart, together):.1e}, sharing one slot {rel_err(shared, together):.1e}")
+    assert rel_err(apart, together) <= CALL_RTOL
+    assert rel_err(shared, together) > 10 * CALL_RTOL
+
+
 def test_pipefusion_call_after_a_cache_skipped_step_reads_the_last_computed_calls_kv(family, client2):
     """A step cache (ComfyUI's EasyCache) answers step 2 on the host: the workers get calls for steps 0, 1 and 3
     only, each job keyed by its schedule step. Step 3 then attends to the other patch's K/V as step 1's call left

@@ -432,7 +432,7 @@ def comfy(monkeypatch):
 
 
 def model_call(patcher, x: torch.Tensor, sigma: float, chunks: list[dict],
-               wrappers: dict | None = None) -> torch.Tensor:
+               wrappers: dict | None = None, labels: list[int] | None = None) -> torch.Tensor:
     """BaseModel._apply_model on one batch of chunks (cond, uncond: one latent row each) as ComfyUI's sampler makes
     it: each chunk's extra_conds concatenated along the batch (tensors; lists element by element; constants, which
     ComfyUI batches only when equal, once), c_concat joined to the input-scaled latent, the timestep in the model's
@@ -455,7 +455,7 @@ def model_call(patcher, x: torch.Tensor, sigma: float, chunks: list[dict],
     if "c_concat" in kwargs:
         xc = torch.cat([xc, kwargs.pop("c_concat")], dim=1)
     t = base.model_sampling.timestep(sigmas).float()
-    options = {"cond_or_uncond": list(range(len(chunks))), "sigmas": sigmas, "wrappers": wrappers or {}}
+    options = {"cond_or_uncond": labels or list(range(len(chunks))), "sigmas": sigmas, "wrappers": wrappers or {}}
     return base.diffusion_model(xc, t, context=kwargs.pop("c_crossattn"), control=None, transformer_options=options,
                                 **kwargs)
 
@@ -814,3 +814,28 @@ def test_a_step_cache_wrapper_runs_on_the_host_and_a_skipped_call_never_reaches_
     assert seen == [("RemoteDiT", True)] * 2
     assert len(jobs) == 2
     assert torch.equal(first, plain) and torch.equal(second, plain)
+
+
+def test_cond_and_uncond_in_separate_calls_keep_separate_stale_kv_slots(files, comfy, client1, monkeypatch):
+    """ComfyUI runs cond and uncond as two calls where their shapes differ: each job's slot says which it carries,
+    so PipeFusion's stale K/V of the one is never read by the other (before, both were slot 0)."""
+    slots = []
+
+    class RecordingClient:
+        def __getattr__(self, name):
+            return getattr(client1, name)
+
+        def run(self, job, **kw):
+            slots.append(job.call_slot)
+            return client1.run(job, **kw)
+
+    case = CASES["flux2"]
+    g = torch.Generator().manual_seed(12)
+    cond, uncond = (case.chunk(g, k) for k in range(2))
+    x = _randn(g, 1, *case.latent)
+    monkeypatch.setattr("parallel_runtime.runtime.client.get_client", lambda d, *a, **k: RecordingClient())
+    model = _model(files["flux2"])
+    model_call(model, x, 0.7, [cond], labels=[0])
+    model_call(model, x, 0.7, [uncond], labels=[1])
+    model_call(model, x.repeat(2, 1, 1, 1), 0.7, [cond, uncond], labels=[0, 1])
+    assert slots == [0, 1, 0]  # cond alone, uncond alone, both in one job (one more job of the call: 2, 3, ...)
