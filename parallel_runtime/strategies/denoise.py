@@ -888,7 +888,7 @@ class _PipeFusionStage:
             skip = cache.decide(i, keys)
             flag = torch.full((1,), int(skip), dtype=torch.int32, device=self.x.device)
         else:
-            flag = self.denoiser._recv(torch.empty(1, dtype=torch.int32, device=self.x.device), self.before,
+            flag = self.denoiser._recv(torch.zeros(1, dtype=torch.int32, device=self.x.device), self.before,
                                        "pipefusion")
             skip = bool(flag.item())
             if skip:  # stage 0's decide() keeps its own list
