@@ -115,7 +115,7 @@ STRATEGY_INPUTS = (
                                             "step and, where its output changed by less than cache_threshold "
                                             "(relative, over the whole image and both CFG branches), reuses the "
                                             "other blocks' last output instead of running them. Every device takes "
-                                            "the same decision; not under PipeFusion. KSampler: use ComfyUI's "
+                                            "the same decision (under PipeFusion one step late). KSampler: use ComfyUI's "
                                             "EasyCache instead."}, optional=True),
     InputSpec("cache_threshold", "float", {"default": 0.1, "min": 0.0, "max": 10.0, "step": 0.01,
                                            "tooltip": "Relative change of the first block's output under which "

@@ -77,9 +77,9 @@ def test_the_selectors_cache_rides_on_auto_and_a_model_call_runs_uncached_with_a
     cache = dict(cache="first_block", cache_threshold=0.08, cache_start=0.1, cache_end=0.9)
     picked = plan(Client(), request(**cache), MODEL, (1, 16, 8, 8), 3.5, "cpu:2")
     assert picked.strategy == StrategySpec(ulysses_degree=2, **cache) and picked.note is None
-    chooser.pick = StrategySpec(pipefusion_degree=2)  # not under PipeFusion yet: off, and the reason says so
+    chooser.pick = StrategySpec(pipefusion_degree=2)  # PipeFusion too (stage 0 decides, one step late)
     piped = plan(Client(), request(**cache), MODEL, (1, 16, 8, 8), 3.5, "cpu:2")
-    assert piped.strategy.cache == "off" and "cache stays off" in piped.reason
+    assert piped.strategy == StrategySpec(pipefusion_degree=2, **cache) and "cache" not in piped.reason
     # A stock sampler's model call is one step of the host's loop: the cache is the host's (EasyCache), not ours.
     call = plan(Client(), request("manual", ulysses_degree=2, **cache), MODEL, (1, 16, 8, 8), 1.0, "cpu:2",
                 per_call=True)

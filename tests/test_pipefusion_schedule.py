@@ -23,7 +23,7 @@ from parallel_runtime.distributed.comm import Group
 from parallel_runtime.strategies.denoise import Denoiser
 from parallel_runtime.errors import Cancelled
 from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
-from parallel_runtime.distributed.topology import DIMS, Topology
+from parallel_runtime.distributed.topology import DIMS, STEP_ROW_DIMS, Topology
 
 
 class RecordingComm:
@@ -31,7 +31,8 @@ class RecordingComm:
         self.topology, self.rank, self.device = topology, rank, torch.device("cpu")
         self.log: list[tuple] = []
         self._groups = {}
-        for name, groups in [(d, topology.groups(d)) for d in DIMS] + [("sp", topology.sp_groups())]:
+        for name, groups in [(d, topology.groups(d)) for d in DIMS] + [("sp", topology.sp_groups()),
+                                                                        ("step_rows", topology.spanning_groups(STEP_ROW_DIMS))]:
             for ranks in groups:
                 if rank in ranks:
                     self._groups[name] = Group(ranks, ranks.index(rank))
@@ -53,6 +54,9 @@ class RecordingComm:
 
     def all_gather(self, t, group, op=""):
         return [t] * group.size  # CFG exchange between identical pipelines: not a p2p link
+
+    def all_reduce(self, t, group, op=""):
+        return t  # the step cache's sums over stage 0's row peers: not a p2p link
 
     def vote_async(self, flag):
         return None, torch.tensor([int(flag)])
@@ -90,9 +94,9 @@ class IdentityFlux:
         return torch.zeros(image.shape[0], image.shape[1], 64)
 
 
-def record(stages, chunks, patches, warmup, steps, cfg_degree=1, cancel_after=None):
+def record(stages, chunks, patches, warmup, steps, cfg_degree=1, cancel_after=None, cache="off"):
     strategy = StrategySpec(cfg_degree=cfg_degree, pipefusion_degree=stages, num_pipeline_patch=patches,
-                            warmup_steps=warmup)
+                            warmup_steps=warmup, cache=cache)
     topology = Topology.from_strategy(strategy)
     cond = Conditioning(torch.zeros(1, 5, 16), torch.zeros(1, 8), 3.5)
     job = Job(ModelSpec("unused"), strategy, SamplingSpec(steps=steps, cfg=2.0 if cfg_degree == 2 else 1.0),
@@ -167,6 +171,19 @@ def test_schedule_completes_on_in_order_links(stages, chunks, patches, warmup, s
     logs = record(stages, chunks, patches, warmup, steps, cfg_degree)
     assert links_pair_up(logs)
     assert replay_completes(logs)
+
+
+@pytest.mark.parametrize("stages,chunks", [(2, 1), (2, 2), (3, 2)])
+def test_cache_decisions_relayed_between_stages_complete_on_in_order_links(stages, chunks):
+    """The step cache's decision goes stage to stage ahead of each step's hidden rows (a skipped step sends the
+    same rows, so the schedule does not depend on the decision): one more message per link and step."""
+    logs = record(stages, chunks, 2, 1, 5, cache="first_block")
+    assert links_pair_up(logs)
+    assert replay_completes(logs)
+    plain = record(stages, chunks, 2, 1, 5)
+    for rank in logs:  # stages 0 .. stages-2 send the decision of each of the 5 steps to the next stage
+        sent = [e for e in logs[rank] if e[0] == "send"]
+        assert len(sent) - len([e for e in plain[rank] if e[0] == "send"]) == (5 if rank < stages - 1 else 0)
 
 
 @pytest.mark.parametrize("cancel_after", [1, 2, 3])

@@ -93,9 +93,52 @@ def test_cache_bad_settings_get_one_sentence(settings, words):
     assert str(caught.value).count(". ") == 0 and str(caught.value).endswith(".")
 
 
-def test_cache_under_pipefusion_is_refused_before_work():
-    with pytest.raises(ConfigError, match="PipeFusion"):
-        validate_strategy(S(pipefusion_degree=2, cache="first_block"), world_size=2)
+PIPEFUSION = S(pipefusion_degree=2, num_pipeline_patch=2, warmup_steps=1)
+# Stage 0 decides step i on step i-1's change of both patches, against the last computed step: step 1 is the first
+# patch step (nothing to compare), step 2's change (0.502) decides step 3, step 3's (0.595) step 4, step 4's (0.610,
+# still against step 2) step 5; then 0.795 and 0.973 compute. The nearest change is 4e-2 from THRESHOLD.
+PIPEFUSION_SKIPPED = [3, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def pipefusion_uncached(tiny_path, client2):
+    return client2.run(make_job(tiny_path, PIPEFUSION)).latent
+
+
+def test_cache_under_pipefusion_every_stage_skips_the_steps_stage_0_decided(tiny_path, client2):
+    validate_strategy(dataclasses.replace(PIPEFUSION, cache="first_block"), world_size=2)  # once refused
+    result = client2.run(cached(tiny_path, PIPEFUSION))
+    assert skipped_per_rank(result) == [PIPEFUSION_SKIPPED, PIPEFUSION_SKIPPED]
+    decided = result.stats[0]["cache_changes"]  # stage 0's: the later stage only receives the decisions
+    assert [step for step, _ in decided] == [3, 4, 5, 6, 7]
+    assert [step for step, change in decided if change < THRESHOLD] == PIPEFUSION_SKIPPED
+
+
+def test_cache_under_pipefusion_threshold_zero_equals_uncached_bit_for_bit(tiny_path, client2, pipefusion_uncached):
+    # The first block and the rest of stage 0's chunk run as the same ops as one pass, and nothing skips.
+    result = client2.run(cached(tiny_path, PIPEFUSION, cache_threshold=0.0))
+    assert skipped_per_rank(result) == [[], []]
+    assert result.latent.equal(pipefusion_uncached)
+
+
+def test_cache_under_pipefusion_all_warm_up_computes_every_step_and_equals_serial(tiny_path, client2, serial):
+    # Warm-up steps always compute (they fill the stale K/V every later patch reads): with every step a warm-up
+    # step the cache never skips, and PipeFusion stays exact against serial's uncached run (not its cached one).
+    result = client2.run(cached(tiny_path, dataclasses.replace(PIPEFUSION, warmup_steps=8)))
+    assert skipped_per_rank(result) == [[], []]
+    err = rel_err(result.latent, serial)
+    assert err < EXACT_RTOL, err
+
+
+def test_cache_under_pipefusion_stays_nearer_serial_cached_than_naive_patch(tiny_path, client2, serial,
+                                                                            serial_cached, pipefusion_uncached):
+    """Approximate twice over: PipeFusion's stale K/V after warm-up (uncached: 1.0e-2 from serial), and decisions
+    one step late, skipped steps [3, 4, 5] against serial's [1, 2, 4], with no stale K/V refreshed by a skipped
+    step's skipped blocks. Cached: 5.9e-2 from serial's cached run; naive patch cached at the same settings: 6.4e-2."""
+    assert rel_err(pipefusion_uncached, serial) < 1.5e-2  # measured 1.05e-2: PipeFusion's own staleness
+    err = rel_err(client2.run(cached(tiny_path, PIPEFUSION)).latent, serial_cached.latent)
+    naive = rel_err(client2.run(cached(tiny_path, S(naive_patch_degree=2))).latent, serial_cached.latent)
+    assert 4e-2 < err < naive, (err, naive)  # measured 5.9e-2 < 6.4e-2; a late decision costs more than 4e-2 here
 
 
 def test_cache_bench_rows_agree_on_decisions_and_stay_exact(bench_workers, tmp_path):

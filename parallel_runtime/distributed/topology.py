@@ -184,10 +184,6 @@ def _check_combinations(s: StrategySpec) -> None:
             "each tensor rank already holds only its part of every block" if s.tensor_degree > 1 else "one device holds the model"
         raise ConfigError(f"shard_weights needs ranks that hold the same blocks (CFG, Ulysses, Ring or patch ranks), but "
                           f"in {s.label()} {held}; set shard_weights off, or add such a degree.")
-    if s.cache != "off" and s.pipefusion_degree > 1:
-        raise ConfigError("the runtime's first-block cache does not run under PipeFusion yet (its stages would need "
-                          "the whole step's first-block change before the first patch leaves stage 0); set cache off "
-                          "or use Ulysses, Ring, CFG, tensor or patch parallel with it.")
     if (s.pipefusion_degree > 1 or s.patch_degree > 1) and s.warmup_steps < 1:
         what = "PipeFusion" if s.pipefusion_degree > 1 else "Displaced patch parallel"
         raise ConfigError(f"{what} needs warmup_steps >= 1 to fill its KV buffers; set warmup_steps to 1 or more.")

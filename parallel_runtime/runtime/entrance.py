@@ -85,9 +85,6 @@ def _auto(client, request: StrategyRequest, model: ModelSpec, latent_shape: tupl
         overrides["warmup_steps"] = asked.warmup_steps
     if overrides and spec.pipefusion_degree > 1:
         spec = dataclasses.replace(spec, **overrides)
-    if asked.cache != "off":  # the Selector's cache rides on any pick it runs with (not PipeFusion yet)
-        if spec.pipefusion_degree > 1:
-            reason += "; the cache stays off under this PipeFusion plan"
-        else:
-            spec = dataclasses.replace(spec, **{f: getattr(asked, f) for f in CACHE_FIELDS})
+    if asked.cache != "off":  # the Selector's cache rides on any pick it runs with
+        spec = dataclasses.replace(spec, **{f: getattr(asked, f) for f in CACHE_FIELDS})
     return spec, reason

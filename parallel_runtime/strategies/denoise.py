@@ -526,7 +526,7 @@ class Denoiser:
                 self.context.attention, self.context.image_attention = attention, image_attention
                 with self._displaced(attention, image_attention, sync=i < self.warmup_steps):
                     image, _ = run_block_range(self.adapter, rest, first, first_text, temb, rope)
-                cache.refresh(k, residual, first, image)
+                cache.refresh(k, first, image, residual)
             den += self._branch_denoised(i, x_rows, image[:, :len(index)], temb, rope, branches)
         return den
 
@@ -843,7 +843,7 @@ class _PipeFusionStage:
             n_text = lane.n_text
             txt, image = (incoming[:, :n_text], incoming[:, n_text:]) if self.joint else (lane.text, incoming)
         extra = {"residuals": Residuals(res, self.control.plan)} if self.control is not None else {}
-        image, txt = self.adapter.run_blocks(image, txt, lane.temb, rope, chunk=chunk, **extra)
+        image, txt = self._blocks(i, chunk, patches, lane, image, txt, rope, extra)
         if not self._is_last(chunk):
             self._send(torch.cat(([txt] if self.joint else []) + [image] + res, dim=1).contiguous(), self.after,
                        "pipefusion")
@@ -856,6 +856,46 @@ class _PipeFusionStage:
         if lane is self.lanes[-1]:  # every branch has predicted these rows: CFG, then the sampler step
             den, self.den = self.denoiser._cfg(self.den), ()
             self._sample_patches(i, patches, idx, den)
+
+    def _blocks(self, i, chunk, patches, lane: _Lane, image, txt, rope, extra):
+        """One chunk's blocks on one token set. Under the step cache (patch steps only), the very first chunk's
+        first block measures this step's change of the patch, and a skipped step adds each chunk's cached delta of
+        the patch instead of running its blocks (so it refreshes none of their stale K/V)."""
+        cache = self.denoiser.step_cache
+        if cache is None or i < self.warmup:
+            return self.adapter.run_blocks(image, txt, lane.temb, rope, chunk=chunk, **extra)
+        key, blocks, residual = (self.lanes.index(lane), patches[0], chunk), self.adapter.chunks[chunk], None
+        first = image
+        if self._is_first(chunk):
+            head, blocks = range(blocks.start, blocks.start + FIRST_BLOCKS), range(blocks.start + FIRST_BLOCKS,
+                                                                                    blocks.stop)
+            first, txt = run_block_range(self.adapter, head, image, txt, lane.temb, rope, **extra)
+            residual = first - image
+            cache.measure(key, residual)
+        if self.skip:
+            return cache.reuse(key, first), txt
+        out, txt = run_block_range(self.adapter, blocks, first, txt, lane.temb, rope, **extra)
+        cache.refresh(key, first, out, residual)
+        return out, txt
+
+    def _cache_decision(self, i: int) -> bool:
+        """Whether step i skips, the same on every rank: stage 0 decides from step i-1's change over every patch
+        (all-reduced over its row peers), and each stage sends the decision on to the next ahead of the step's
+        hidden rows, which it waits for anyway."""
+        cache = self.denoiser.step_cache
+        if self.stage == 0:
+            keys = [(k, p, c) for k in range(len(self.lanes)) for p in self.all_patches for c in range(self.chunks)]
+            skip = cache.decide(i, keys)
+            flag = torch.full((1,), int(skip), dtype=torch.int32, device=self.x.device)
+        else:
+            flag = self.denoiser._recv(torch.zeros(1, dtype=torch.int32, device=self.x.device), self.before,
+                                       "pipefusion")
+            skip = bool(flag.item())
+            if skip:  # stage 0's decide() keeps its own list
+                cache.skipped.append(i)
+        if self.stage + 1 < self.stages:
+            self._send(flag, self.after, "pipefusion")
+        return skip
 
     def _sample_patches(self, i, patches, idx, den) -> None:
         """The last chunk's sampler step on this rank's rows of `patches` (CFG-combined prediction `den`), sent
@@ -906,6 +946,7 @@ class _PipeFusionStage:
         d = self.denoiser
         t0 = time.perf_counter()
         d._check_cancel()
+        self.skip = d.step_cache is not None and self._cache_decision(i)
         for lane in self.lanes:
             lane.temb = d._temb(i, lane.branches)
             if i and self.stage == 0 and getattr(self.adapter, "prompt_reads_timestep", False):  # this step's prompt

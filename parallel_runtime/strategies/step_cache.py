@@ -12,6 +12,13 @@ shards; tensor ranks hold the same rows and pipeline stages other blocks, so nei
 whole step's, and every rank takes the same decision. The sums are float64, so a rank count changes them only at
 round-off.
 
+Under PipeFusion the first patch leaves stage 0 before the step's last patch has run the first block, so stage 0
+decides step i from the change measured at step i-1 over all its patches (against the last computed step, as
+above), and each stage passes the decision on to the next ahead of the step's hidden rows. Each stage caches the
+delta its own blocks add to each patch, so a skipped step adds them stage by stage: together, serial's delta.
+Warm-up steps always compute (they fill the stale K/V every patch reads afterwards), so the first step that may
+skip is warmup_steps + 2 (the first patch step has no earlier patch step to compare with).
+
 Blocks are split generically over the family seam: an adapter runs `self.chunks[chunk]` in `run_blocks`, so the
 first block and the rest run as two one-chunk passes (`run_block_range`), for every family alike.
 """
@@ -73,7 +80,7 @@ class FirstBlockCache:
         Outside the window, or before every pass has a cache, the step computes (and no rank waits for a sum):
         both are the same on every rank, which run the same steps."""
         sums, self._sums = self._sums, []
-        if not self.in_window(i) or any(k not in self.delta for k in keys):
+        if not self.in_window(i) or not sums or any(k not in self.delta for k in keys):
             return False
         total = self.comm.all_reduce(torch.stack(sums).sum(0), self.group, op="cache").tolist()
         if total[1] <= 0:  # the first block added nothing last time: nothing to measure against
@@ -85,9 +92,12 @@ class FirstBlockCache:
             self.skipped.append(i)
         return skip
 
-    def refresh(self, key: Hashable, residual: torch.Tensor, first_out: torch.Tensor, final: torch.Tensor) -> None:
-        """A computed step's residual and remaining-block delta of one pass."""
-        self.residual[key] = residual
+    def refresh(self, key: Hashable, first_out: torch.Tensor, final: torch.Tensor,
+                residual: torch.Tensor | None = None) -> None:
+        """A computed step's remaining-block delta of one pass, and its first-block residual where this rank ran
+        the first block (a PipeFusion stage past the first keeps only its own blocks' delta)."""
+        if residual is not None:
+            self.residual[key] = residual
         self.delta[key] = final - first_out
 
     def reuse(self, key: Hashable, first_out: torch.Tensor) -> torch.Tensor:
