@@ -94,8 +94,9 @@ def batch_rows(job: Job) -> slice | None:
 
 
 def whole_batch(job: Job) -> int:
+    """The images of the whole batch (one chunk's rows of a model call), of which a cut job holds batch_rows."""
     rows = job.extra.get("batch_rows")
-    return job.latent.shape[0] if rows is None else rows[2]
+    return job.batch if rows is None else rows[2]
 
 
 def job_noise(job: Job) -> torch.Tensor:
