@@ -49,6 +49,26 @@ from .targets import TARGET_OVERHEAD, TARGET_TRAFFIC, auto_target, measured_targ
 from .vae import CPU_LATENT_FRAMES, latent_frames
 
 
+def _mode_arguments(ap) -> None:
+    """The flags that run one focused bench instead of the grid (BenchRun._mode_bench)."""
+    ap.add_argument("--balance", action="store_true",
+                    help="unequal devices (e.g. --devices cpu:0,cpu:0,cpu:1): each strategy over all of them with "
+                         "equal shares and with shares by measured speed, then auto's pick on those speeds")
+    ap.add_argument("--entrances", action="store_true",
+                    help="Parallel Sampler's job against KSampler's way in (one job per model call, the sampler loop "
+                         "here) on the same warm workers: serial, CFG-2, Ulysses-2, Ring-2, PipeFusion-2 (or "
+                         "--configs), --repeats each; the latents must agree (exit 1 if not)")
+    ap.add_argument("--batch", type=int, default=None, metavar="N",
+                    help="a batch of N images per strategy: serial, batch parallel, Ulysses, Ring (and CFG x Ulysses "
+                         "at --cfg > 1) on --devices, images per minute and every image against serial's")
+    ap.add_argument("--cache", nargs="?", type=float, const=DEFAULT_CACHE_THRESHOLD, default=None,
+                    metavar="THRESHOLD",
+                    help=f"the runtime's First-Block Cache off and on (threshold default {DEFAULT_CACHE_THRESHOLD:g}) "
+                         f"for serial and each exact strategy on the same warm workers: speed-ups, the cache's gain "
+                         f"and its error against the uncached serial latent (default {DEFAULT_CACHE_STEPS} steps; "
+                         f"--model toy is the trained demo model)")
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m parallel_runtime bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,22 +112,7 @@ def parse_args(argv):
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                     help="write a machine-readable record to PATH, or to stdout with no PATH (the table then "
                          "goes to stderr)")
-    ap.add_argument("--balance", action="store_true",
-                    help="unequal devices (e.g. --devices cpu:0,cpu:0,cpu:1): each strategy over all of them with "
-                         "equal shares and with shares by measured speed, then auto's pick on those speeds")
-    ap.add_argument("--entrances", action="store_true",
-                    help="Parallel Sampler's job against KSampler's way in (one job per model call, the sampler loop "
-                         "here) on the same warm workers: serial, CFG-2, Ulysses-2, Ring-2, PipeFusion-2 (or "
-                         "--configs), --repeats each; the latents must agree (exit 1 if not)")
-    ap.add_argument("--batch", type=int, default=None, metavar="N",
-                    help="a batch of N images per strategy: serial, batch parallel, Ulysses, Ring (and CFG x Ulysses "
-                         "at --cfg > 1) on --devices, images per minute and every image against serial's")
-    ap.add_argument("--cache", nargs="?", type=float, const=DEFAULT_CACHE_THRESHOLD, default=None,
-                    metavar="THRESHOLD",
-                    help=f"the runtime's First-Block Cache off and on (threshold default {DEFAULT_CACHE_THRESHOLD:g}) "
-                         f"for serial and each exact strategy on the same warm workers: speed-ups, the cache's gain "
-                         f"and its error against the uncached serial latent (default {DEFAULT_CACHE_STEPS} steps; "
-                         f"--model toy is the trained demo model)")
+    _mode_arguments(ap)
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
     args = ap.parse_args(argv)
     if args.family:
@@ -278,39 +283,9 @@ class BenchRun:
                         "image_tokens": self.image_tokens, "text_tokens": self.text, "steps": args.steps,
                         "devices": args.devices, "threads": args.threads, "repeats": args.repeats,
                         "cores": self.cores, "rows": []}
-        if args.balance:
-            from .balance import balance_bench
-
-            record["balance"] = balance_bench(self.say, args, self.path, self.config, self.latent_shape, self.text,
-                                              self.target)
-            self._report_targets()
-            record["targets"] = self.targets
-            return self._finish(record)
-        if args.batch:
-            from .batch import batch_bench
-
-            record["batch"] = batch_bench(self.say, args, self.path, self.config, self.latent_shape, self.text,
-                                          self.devices, self.target, self.workers, self.conditioning)
-            self._report_targets()
-            record["targets"] = self.targets
-            return self._finish(record)
-        if args.entrances:
-            from .entrances import entrances_bench
-
-            record["entrances"] = entrances_bench(self.say, args, self.path, self.config, self.latent_shape, self.text,
-                                                  self.devices, self.target, self.workers, self.conditioning)
-            self._report_targets()
-            record["targets"] = self.targets
-            status = self._finish(record)
-            return status if record["entrances"]["latents_agree"] else 1  # a wrong result is no timing noise
-        if args.cache is not None:
-            from .cache import cache_bench
-
-            record["cache"] = cache_bench(self.say, args, self.path, self.config, self.latent_shape, self.text,
-                                          self.devices, self.target, self.workers, self.conditioning)
-            self._report_targets()
-            record["targets"] = self.targets
-            return self._finish(record)
+        mode = self._mode_bench(record)
+        if mode is not None:
+            return mode
         if not args.no_auto:
             record["calibration"] = self._calibrate()
         rows, auto_pick, auto_reason = self._rows()
@@ -346,6 +321,36 @@ class BenchRun:
         if self.calib is not None:
             self._report_auto(auto_pick, auto_reason, record)
         return self._finish(record)
+
+    def _mode_bench(self, record: dict) -> int | None:
+        """The bench of a mode flag (--balance, --batch, --entrances, --cache) into `record`, and its exit status;
+        None without one (the grid runs)."""
+        args = self.args
+        common = (self.say, args, self.path, self.config, self.latent_shape, self.text)
+        if args.balance:
+            from .balance import balance_bench
+
+            record["balance"] = balance_bench(*common, self.target)
+        elif args.batch:
+            from .batch import batch_bench
+
+            record["batch"] = batch_bench(*common, self.devices, self.target, self.workers, self.conditioning)
+        elif args.entrances:
+            from .entrances import entrances_bench
+
+            record["entrances"] = entrances_bench(*common, self.devices, self.target, self.workers, self.conditioning)
+        elif args.cache is not None:
+            from .cache import cache_bench
+
+            record["cache"] = cache_bench(*common, self.devices, self.target, self.workers, self.conditioning)
+        else:
+            return None
+        self._report_targets()
+        record["targets"] = self.targets
+        status = self._finish(record)
+        if args.entrances and not record["entrances"]["latents_agree"]:
+            return 1  # a wrong result is no timing noise
+        return status
 
     def target(self, name: str, ok: bool | None, detail: str) -> None:
         self.targets.append({"target": name, "status": "n/a" if ok is None else ("PASS" if ok else "FAIL"),
