@@ -82,9 +82,10 @@ def test_idle_groups_beyond_spare_are_destroyed_least_recently_used_first_and_ra
     # Same calls in the same order on every rank (new_group and destroy are collective).
     assert all(log == logs[0] for log in logs)
     # (made, destroyed, held) after each job. pp4: data + 4 links + control. uly4 reuses data and control;
-    # of the 4 idle links the 2 least recently used go. cfg2 x uly2 makes 4 data groups; 3 idle, 1 goes.
-    # uly4 again makes nothing; 5 idle, 3 go.
-    assert logs[0][1] == [(6, 0, 6), (6, 2, 4), (10, 3, 7), (10, 6, 4)]
+    # of the 4 idle links the 2 least recently used go. cfg2 x uly2 makes 4 data groups and uses the 4 ranks' group
+    # too (its step_rows: CFG x Ulysses, the step cache's decision); 2 idle, none goes. uly4 again makes nothing;
+    # 6 idle, 4 go.
+    assert logs[0][1] == [(6, 0, 6), (6, 2, 4), (10, 2, 8), (10, 6, 4)]
 
 
 def test_a_finished_denoiser_is_freed_without_the_cycle_collector(tiny_path):
