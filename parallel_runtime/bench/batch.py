@@ -17,7 +17,7 @@ from .entrances import _timed_job
 from .grid import subset_devices
 from .measure import cpu_capacity, rel_err
 from .report import fmt_table
-from .runs import make_job
+from .runs import WarmClients, make_job
 
 TARGET_BATCH_SPEEDUP = 1.9  # batch 2 over serial at >= 2 images (the issue's target; 2.0 is the ideal)
 EXACT_RTOL = 1e-4  # every image as serial gives it, to fp32 round-off (a swapped row or wrong noise is ~1)
@@ -36,26 +36,21 @@ def batch_bench(say, args, path: str, config, latent_shape, text: int, devices: 
                 workers: dict | None = None, conditioning=None) -> dict:
     """Each row `args.repeats` times on warm workers (`workers`: a caller's pool, left running). Prints the table
     and the targets' lines; returns the JSON record."""
-    from ..runtime.client import RuntimeClient
-
     images = args.batch
     shape = (images, *latent_shape[1:])
     probe = devices[0] == "cpu" and not args.quick and len(devices) > 1
     record = {"images": images, "steps": args.steps, "cfg": args.cfg, "repeats": args.repeats,
               "best_of": "fastest run", "rows": [], "not_applicable": [],
               "cores_before": cpu_capacity(len(devices)) if probe else None}
-    clients = workers if workers is not None else {}
     serial = None
-    try:
+    with WarmClients(workers, args.threads) as clients:
         for s in batch_rows(len(devices), args.cfg):
             where = subset_devices(devices, args.devices, s.world_size)
-            if where not in clients:
-                clients[where] = RuntimeClient(where, threads_per_worker=args.threads)
-            clients[where].start()
+            client = clients.get(where)
             job = make_job(path, config, s, shape, text, args.cfg, args.steps, conditioning)
             try:
-                clients[where].run(dataclasses.replace(job, sampling=dataclasses.replace(job.sampling, steps=1)))
-                runs = [_timed_job(clients[where], job) for _ in range(args.repeats)]
+                client.run(dataclasses.replace(job, sampling=dataclasses.replace(job.sampling, steps=1)))
+                runs = [_timed_job(client, job) for _ in range(args.repeats)]
             except ConfigError as exc:
                 say(f"  {s.label()}: not applicable ({exc})")
                 record["not_applicable"].append({"label": s.label(), "reason": str(exc)})
@@ -70,10 +65,6 @@ def batch_bench(say, args, path: str, config, latent_shape, text: int, devices: 
                                    "images_per_min": 60.0 * images / (best["run_s"] * args.steps),
                                    "max_image_rel_err_vs_serial": worst})
             say(f"  {s.label()}: {best['run_s'] * 1e3:.0f} ms/step for {images} images")
-    finally:
-        if workers is None:
-            for client in clients.values():
-                client.shutdown()
     record["cores_after"] = cpu_capacity(len(devices)) if probe else None
     _report(say, record, target)
     return record

@@ -30,7 +30,7 @@ from ..spec import Job, SamplingSpec, StrategySpec
 from .grid import grid, row_label, subset_devices
 from .measure import cpu_capacity, rel_err, skip_steps, step_seconds
 from .report import fmt_table
-from .runs import make_job
+from .runs import WarmClients, make_job
 
 TARGET_SAME_STRATEGY = 0.02  # Parallel Sampler at most 2% slower than the per-call loop on the same strategy
 TARGET_PIPEFUSION = 1.08  # PipeFusion's cross-step pipeline at least 1.08x faster per step than its per-call one
@@ -144,29 +144,24 @@ def entrances_bench(say, args, path: str, config, latent_shape, text: int, devic
                     workers: dict | None = None, conditioning=None) -> dict:
     """Both entrances per row, `args.repeats` times each, on one set of warm workers per device count (`workers`:
     a caller's pool, left running; else started here and shut down). Prints the table and the targets' lines."""
-    from ..runtime.client import RuntimeClient
-
     sampling = host_sampling(config)
     rows = entrance_rows(args, config, latent_shape, len(devices))
     probe = devices[0] == "cpu" and not args.quick and len(devices) > 1
     record = {"steps": args.steps, "sampler": "euler", "scheduler": "simple", "repeats": args.repeats,
               "best_of": "fastest run per entrance", "rows": [], "not_applicable": [],
               "cores_before": cpu_capacity(len(devices)) if probe else None}
-    clients = workers if workers is not None else {}
     serial: dict[float, torch.Tensor] = {}  # Parallel Sampler's serial latent by cfg: how far each row is from exact
-    try:
+    with WarmClients(workers, args.threads) as clients:
         for s, cfg in rows:
             where = subset_devices(devices, args.devices, s.world_size)
-            if where not in clients:
-                clients[where] = RuntimeClient(where, threads_per_worker=args.threads)
-            clients[where].start()  # the workers' start-up is in neither entrance's time
+            client = clients.get(where)  # the workers' start-up is in neither entrance's time
             job = make_job(path, config, s, latent_shape, text, cfg, args.steps, conditioning)
             try:
                 # One untimed model evaluation loads the model under this strategy and builds its process groups,
                 # so the row's first timed run, whichever entrance it is, starts as warm as the others.
-                sample_by_calls(clients[where], dataclasses.replace(job, sampling=dataclasses.replace(
+                sample_by_calls(client, dataclasses.replace(job, sampling=dataclasses.replace(
                     job.sampling, steps=1)), *sampling)
-                row = _measure_row(say, clients[where], job, sampling, args.repeats)
+                row = _measure_row(say, client, job, sampling, args.repeats)
             except ConfigError as exc:  # a row the runtime refuses is reported, and the others go on
                 say(f"  {row_label(s, cfg)}: not applicable ({exc})")
                 record["not_applicable"].append({"label": row_label(s, cfg), "reason": str(exc)})
@@ -178,10 +173,6 @@ def entrances_bench(say, args, path: str, config, latent_shape, text: int, devic
             record["rows"].append(dict(row, label=row_label(s, cfg), strategy=s.to_json(), cfg=cfg,
                                        ranks=s.world_size, exact=s.exact, devices=where,
                                        rel_err_vs_serial=rel_err(latent, ref) if ref is not None else None))
-    finally:
-        if workers is None:
-            for client in clients.values():
-                client.shutdown()
     record["cores_after"] = cpu_capacity(len(devices)) if probe else None
     _report(say, record, target)
     return record

@@ -31,6 +31,30 @@ def make_job(path: str, config, strategy: StrategySpec, latent_shape, text_token
                pos, neg if abs(cfg - 1.0) > 1e-9 else None)
 
 
+class WarmClients:
+    """Runtime clients by device string for a bench's rows: a caller's pool (`workers`, left running) or clients
+    made here and shut down when the bench ends. `get` starts a row's workers outside its timed runs."""
+
+    def __init__(self, workers: dict | None, threads: int):
+        self.clients, self.own, self.threads = (workers if workers is not None else {}), workers is None, threads
+
+    def get(self, where: str):
+        from ..runtime.client import RuntimeClient
+
+        if where not in self.clients:
+            self.clients[where] = RuntimeClient(where, threads_per_worker=self.threads)
+        self.clients[where].start()
+        return self.clients[where]
+
+    def __enter__(self) -> "WarmClients":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.own:
+            for client in self.clients.values():
+                client.shutdown()
+
+
 def run_config(devices: str, job: Job, threads: int, client=None) -> dict:
     """Run `job` once on fresh workers (so peak RSS is this configuration's alone), or on `client`'s (--quick: the
     RSS then includes what earlier rows left)."""
