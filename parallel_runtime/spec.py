@@ -304,6 +304,20 @@ class Job:
         chunks = 2 if self.timestep is not None and self.negative is not None else 1
         return self.latent.shape[0] // chunks
 
+    @property
+    def batch_rows(self) -> slice | None:
+        """Batch parallel: this job's images as rows of the whole batch (`extra["batch_rows"]`, which
+        strategies/batch.cut_job writes: start, stop, whole batch); None where the job holds the whole batch."""
+        rows = self.extra.get("batch_rows")
+        return None if rows is None else slice(rows[0], rows[1])
+
+    @property
+    def images(self) -> int:
+        """The whole batch's images (one chunk's rows of a model call), of which a batch group's job holds
+        `batch_rows`."""
+        rows = self.extra.get("batch_rows")
+        return self.batch if rows is None else rows[2]
+
 
 # What a LoRA-style weight patch may hold, per kind (ComfyUI's weight adapters and plain patch tuples).
 PATCH_SLOTS = {

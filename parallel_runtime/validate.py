@@ -77,9 +77,8 @@ def validate_branches(job: Job) -> None:
     if uses_uncond and job.negative is None:
         raise ConfigError("cfg > 1 needs a negative conditioning; connect one or set cfg to 1.")
     batch_index = job.extra.get("batch_index")
-    images = job.extra["batch_rows"][2] if "batch_rows" in job.extra else job.latent.shape[0]  # batch parallel: all
-    if batch_index is not None and len(batch_index) != images:
-        raise ConfigError(f"the latent's batch_index lists {len(batch_index)} entries for {images} "
+    if batch_index is not None and len(batch_index) != job.images:  # a batch group's job: the whole batch's
+        raise ConfigError(f"the latent's batch_index lists {len(batch_index)} entries for {job.images} "
                           f"image(s); re-create the batch with ComfyUI's latent batch nodes.")
 
 

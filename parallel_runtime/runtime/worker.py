@@ -439,8 +439,8 @@ def _denoise(state: WorkerState, chan: Channel, job, topology, pulse, controlnet
         "kv_cache_bytes": denoiser.cache.nbytes() if hasattr(denoiser, "cache") else 0,
         "peak_rss_bytes": peak_rss(),
         # The steps the runtime's step cache skipped on this rank (the same on every rank: one decision per step).
-        "cache_skipped": list(denoiser.step_cache.skipped) if getattr(denoiser, "step_cache", None) else [],
-        "cache_changes": list(denoiser.step_cache.changes) if getattr(denoiser, "step_cache", None) else [],
+        "cache_skipped": list(denoiser.step_cache.skipped) if denoiser.step_cache else [],
+        "cache_changes": list(denoiser.step_cache.changes) if denoiser.step_cache else [],
         "peak_device_bytes": torch.cuda.max_memory_allocated(state.device) if state.device.type == "cuda" else 0,
     }
     return stats, latent

@@ -50,14 +50,21 @@ def group_speeds(s: StrategySpec) -> tuple[float, ...]:
                  for g in range(s.batch_degree))
 
 
+def repeat_to_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
+    """comfy.utils.repeat_to_batch_size: a conditioning tensor tiled (or cut) to the latent's batch."""
+    if t.shape[0] > batch:
+        return t[:batch]
+    if t.shape[0] < batch:
+        return t.repeat(-(-batch // t.shape[0]), *([1] * (t.ndim - 1)))[:batch]
+    return t
+
+
 def _cut(t: torch.Tensor | None, rows: range, batch: int) -> torch.Tensor | None:
     """A conditioning tensor's rows for these images: one row stays (every image reads it); more are repeated to
     the batch first, as comfy.utils.repeat_to_batch_size does."""
     if t is None or t.shape[0] == 1:
         return t
-    if t.shape[0] != batch:
-        t = t.repeat(-(-batch // t.shape[0]), *([1] * (t.ndim - 1)))[:batch]
-    return t[rows.start:rows.stop]
+    return repeat_to_batch(t, batch)[rows.start:rows.stop]
 
 
 def _cut_conditioning(c: Conditioning | None, rows: range, batch: int) -> Conditioning | None:
@@ -87,24 +94,12 @@ def cut_job(job: Job, rows: range) -> Job:
                                negative=_cut_conditioning(job.negative, rows, job.batch))
 
 
-def batch_rows(job: Job) -> slice | None:
-    """A cut job's rows of the whole batch (None: the job holds the whole batch)."""
-    rows = job.extra.get("batch_rows")
-    return None if rows is None else slice(rows[0], rows[1])
-
-
-def whole_batch(job: Job) -> int:
-    """The images of the whole batch (one chunk's rows of a model call), of which a cut job holds batch_rows."""
-    rows = job.extra.get("batch_rows")
-    return job.batch if rows is None else rows[2]
-
-
 def job_noise(job: Job) -> torch.Tensor:
     """comfy.sample.prepare_noise for the job's images: drawn for the whole batch, then cut to this job's rows."""
-    rows = batch_rows(job)
+    rows = job.batch_rows
     if rows is None:
         return prepare_noise(job.latent, job.sampling.seed, job.extra.get("batch_index"))
-    whole = job.latent.new_empty((whole_batch(job), *job.latent.shape[1:]))  # its shape and dtype are what count
+    whole = job.latent.new_empty((job.images, *job.latent.shape[1:]))  # its shape and dtype are what count
     return prepare_noise(whole, job.sampling.seed, job.extra.get("batch_index"))[rows]
 
 

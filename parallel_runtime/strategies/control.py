@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..spec import ControlInput
+from .batch import repeat_to_batch
 
 HINTS_KEPT = 8  # ControlNet hints the workers keep between jobs (and hint token tables each ControlNet keeps)
 
@@ -151,9 +152,7 @@ def hint_tokens(net, control: ControlInput) -> torch.Tensor:
 def _batched(tokens: torch.Tensor, branches) -> torch.Tensor:
     """Hint tokens of one latent batch tiled as ComfyUI's broadcast_image_to tiles them: to the batch, then
     once per branch."""
-    batch = branches.whole_batch
-    if tokens.shape[0] != batch:  # comfy.utils.repeat_to_batch_size: tiled, or cut, to the batch
-        tokens = tokens.repeat(-(-batch // tokens.shape[0]), 1, 1)[:batch]
+    tokens = repeat_to_batch(tokens, branches.whole_batch)
     if branches.batch_rows is not None:  # batch parallel: this group's images of the whole batch
         tokens = tokens[branches.batch_rows]
     return tokens.repeat(branches.count, 1, 1) if branches.count > 1 else tokens

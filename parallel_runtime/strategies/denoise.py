@@ -25,26 +25,17 @@ from ..errors import Cancelled
 from ..models.family import DiTAdapter
 from .attention import AttentionBias, LocalAttention, RingAttention, UlyssesAttention
 from .attention.processor import AttentionContext
-from .batch import batch_rows, batch_shares, cut_job, gather_batch, group_speeds, job_noise, whole_batch
+from .batch import batch_shares, cut_job, gather_batch, group_speeds, job_noise, repeat_to_batch
 from .control import ControlNets, ControlPass, Residuals
 from .forward_amax import forward_amax_reduce
 from .displaced import DisplacedPatchAttention
 from .layout import TokenLayout, weighted_counts
 from .pipefusion import StaleKVAttention, StaleKVCache
-from .step_cache import FIRST_BLOCKS, FirstBlockCache, run_block_range
+from .step_cache import FirstBlockCache, run_block_range, split_first
 from ..sampling import (cfg_combine, cfg_uses_uncond, final_latent, ksampler_sigmas, make_sampler,
                        start_latent)
 from ..spec import Conditioning, Job
 from ..validate import validate_branches
-
-
-def repeat_to_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
-    """comfy.utils.repeat_to_batch_size: a conditioning tensor tiled (or cut) to the latent's batch."""
-    if t.shape[0] > batch:
-        return t[:batch]
-    if t.shape[0] < batch:
-        return t.repeat(-(-batch // t.shape[0]), *([1] * (t.ndim - 1)))[:batch]
-    return t
 
 
 def pad_prompt(cond: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -227,8 +218,8 @@ class Denoiser:
         # The time embedding's input: the model's own timestep units (ComfyUI's model_sampling.timestep(sigma)
         # .float(), as model_base passes it), so a stock sampler's call and our loop feed the same number.
         self.timesteps_on_device = self.adapter.model_sampling.timestep(self.sigmas_on_device).float()
-        self.sampler = make_sampler(sp.sampler_name, sigmas, sp.seed, (whole_batch(job), *job.latent.shape[1:]),
-                                    to_state=self.adapter.pack, prediction=ms.prediction, batch_rows=batch_rows(job))
+        self.sampler = make_sampler(sp.sampler_name, sigmas, sp.seed, (job.images, *job.latent.shape[1:]),
+                                    to_state=self.adapter.pack, prediction=ms.prediction, batch_rows=job.batch_rows)
 
         conds = [job.positive] + ([job.negative] if cfg_uses_uncond(sp.cfg) else [])
         if s.cfg_degree == 2:
@@ -237,7 +228,7 @@ class Denoiser:
         # as ComfyUI runs them (T5-only encoders such as Chroma's do not pad prompts; a Kontext negative
         # often has no reference latent).
         same_layout = len({c.signature(getattr(self.adapter, "prompt_tokens", 0)) for c in conds}) == 1
-        self.groups = [Branches(group, b, self.adapter, batch_rows(job), whole_batch(job))
+        self.groups = [Branches(group, b, self.adapter, job.batch_rows, job.images)
                        for group in ([conds] if same_layout else [[c] for c in conds])]
         self.branches = self.groups[0]  # PipeFusion runs one pipeline lane per group through the same stages
         self.cfg_scale = sp.cfg
@@ -502,9 +493,8 @@ class Denoiser:
                             forwards: list[tuple]) -> tuple[torch.Tensor, ...]:
         """_predictions under the First-Block Cache (step_cache.py): every group's first block,
         one decision for the whole step (all ranks), then every group's remaining blocks or their cached delta."""
-        cache, blocks = self.step_cache, self.adapter.chunks[0]
-        first_blocks, rest = (range(blocks.start, blocks.start + FIRST_BLOCKS),
-                              range(blocks.start + FIRST_BLOCKS, blocks.stop))
+        cache = self.step_cache
+        first_blocks, rest = split_first(self.adapter.chunks[0])
         passes = []
         for k, (branches, (attention, image_attention, rope, text, refs)) in enumerate(zip(self.groups, forwards)):
             self.context.attention, self.context.image_attention = attention, image_attention
@@ -867,8 +857,7 @@ class _PipeFusionStage:
         key, blocks, residual = (self.lanes.index(lane), patches[0], chunk), self.adapter.chunks[chunk], None
         first = image
         if self._is_first(chunk):
-            head, blocks = range(blocks.start, blocks.start + FIRST_BLOCKS), range(blocks.start + FIRST_BLOCKS,
-                                                                                    blocks.stop)
+            head, blocks = split_first(blocks)
             first, txt = run_block_range(self.adapter, head, image, txt, lane.temb, rope, **extra)
             residual = first - image
             cache.measure(key, residual)

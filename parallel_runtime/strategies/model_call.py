@@ -21,7 +21,6 @@ import torch
 from ..distributed.topology import latent_plane, validate_strategy
 from ..spec import Job
 from .attention import LocalAttention
-from .batch import batch_rows, whole_batch
 from .control import ControlPass
 from .denoise import Branches, Denoiser, control_caches, stale_caches
 from .displaced import DisplacedPatchAttention
@@ -57,7 +56,7 @@ class ModelCallForward(Denoiser):
             self.context.stale_kv.clear()  # a new sampling run: nothing of the last one is stale K/V of this one
         for group in groups:
             idx = torch.cat([torch.arange(k * batch, (k + 1) * batch) for k in group])
-            branches = Branches([chunks[k] for k in group], batch, self.adapter, batch_rows(job), whole_batch(job))
+            branches = Branches([chunks[k] for k in group], batch, self.adapter, job.batch_rows, job.images)
             if self.topology.pipefusion > 1:
                 part = self._pipeline(x[idx], t[idx.to(t.device)], branches, job, (job.call_slot, tuple(group)))
             else:

@@ -46,6 +46,11 @@ def block_range(adapter, blocks: range):
         adapter.chunks = chunks
 
 
+def split_first(blocks: range) -> tuple[range, range]:
+    """A run of blocks as (the FIRST_BLOCKS that measure the change, the rest a skipped step reuses)."""
+    return range(blocks.start, blocks.start + FIRST_BLOCKS), range(blocks.start + FIRST_BLOCKS, blocks.stop)
+
+
 def run_block_range(adapter, blocks: range, image, text, temb, rope, **extra):
     with block_range(adapter, blocks):
         return adapter.run_blocks(image, text, temb, rope, **extra)
