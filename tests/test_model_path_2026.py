@@ -774,6 +774,20 @@ def test_the_parallel_models_token_patch_is_an_int_for_every_family_kind(tmp_pat
     assert RemoteDiT.patch_size.fget(dit) == 2
 
 
+class RecordingClient:
+    """A runtime client that hands each job it runs to `record` first, then runs it on `client`."""
+
+    def __init__(self, client, record):
+        self._client, self._record = client, record
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def run(self, job, **kw):
+        self._record(job)
+        return self._client.run(job, **kw)
+
+
 def test_a_step_cache_wrapper_runs_on_the_host_and_a_skipped_call_never_reaches_the_workers(files, comfy, client1,
                                                                                           monkeypatch):
     """ComfyUI's DIFFUSION_MODEL wrappers (EasyCache's step cache) run around the parallel MODEL's call as they run
@@ -781,14 +795,6 @@ def test_a_step_cache_wrapper_runs_on_the_host_and_a_skipped_call_never_reaches_
     and a call it passes on returns the workers' output. (Before, RemoteDiT ran no wrapper: EasyCache silently
     never skipped a step on the parallel MODEL.)"""
     jobs = []
-
-    class CountingClient:
-        def __getattr__(self, name):
-            return getattr(client1, name)
-
-        def run(self, job, **kw):
-            jobs.append(job.call_step)
-            return client1.run(job, **kw)
 
     seen, cached = [], {}
 
@@ -804,7 +810,8 @@ def test_a_step_cache_wrapper_runs_on_the_host_and_a_skipped_call_never_reaches_
     g = torch.Generator().manual_seed(11)
     chunks = [case.chunk(g, k) for k in range(2)]
     x = _randn(g, 2, *case.latent)
-    monkeypatch.setattr("parallel_runtime.runtime.client.get_client", lambda d, *a, **k: CountingClient())
+    counting = RecordingClient(client1, lambda job: jobs.append(job.call_step))
+    monkeypatch.setattr("parallel_runtime.runtime.client.get_client", lambda d, *a, **k: counting)
     model = _model(files["flux2"])
     plain = model_call(model, x, 0.7, chunks)
     wrappers = {"diffusion_model": {"easycache": [step_cache]}}
@@ -821,19 +828,12 @@ def test_cond_and_uncond_in_separate_calls_keep_separate_stale_kv_slots(files, c
     so PipeFusion's stale K/V of the one is never read by the other (before, both were slot 0)."""
     slots = []
 
-    class RecordingClient:
-        def __getattr__(self, name):
-            return getattr(client1, name)
-
-        def run(self, job, **kw):
-            slots.append(job.call_slot)
-            return client1.run(job, **kw)
-
     case = CASES["flux2"]
     g = torch.Generator().manual_seed(12)
     cond, uncond = (case.chunk(g, k) for k in range(2))
     x = _randn(g, 1, *case.latent)
-    monkeypatch.setattr("parallel_runtime.runtime.client.get_client", lambda d, *a, **k: RecordingClient())
+    recording = RecordingClient(client1, lambda job: slots.append(job.call_slot))
+    monkeypatch.setattr("parallel_runtime.runtime.client.get_client", lambda d, *a, **k: recording)
     model = _model(files["flux2"])
     model_call(model, x, 0.7, [cond], labels=[0])
     model_call(model, x, 0.7, [uncond], labels=[1])

@@ -18,7 +18,8 @@ import dataclasses
 from ..spec import StrategySpec
 from .measure import cpu_capacity, rel_err
 from .report import fmt_table
-from .runs import make_job
+from .grid import subset_devices
+from .runs import WarmClients, make_job
 
 DEFAULT_THRESHOLD = 0.12
 DEFAULT_STEPS = 50  # FBCache skips more where steps are closer: on the demo model 24/50 at 0.12 vs 7/28
@@ -43,9 +44,10 @@ def cache_bench(say, args, path: str, config, latent_shape, text_tokens: int, de
     strategies = cache_strategies(len(devices))
     say(f"First-Block Cache at threshold {threshold:g}: {args.steps} steps, cfg {cfg:g}, {args.devices} x "
         f"{args.threads} thread(s), best of {args.repeats}; parallel rows on {len(devices)} workers")
-    clients, own = _clients(args, devices, workers)
     runs: dict = {}
-    try:
+    with WarmClients(workers, args.threads) as warm:
+        # Warm clients by world size: 1 for serial, all devices for the strategies.
+        clients = {n: warm.get(subset_devices(devices, args.devices, n)) for n in sorted({1, len(devices)})}
         for rep in range(args.repeats):
             order = [(s, c) for s in strategies for c in (False, True)]
             for s, on in (order if rep % 2 == 0 else order[::-1]):  # alternate who runs first
@@ -61,30 +63,10 @@ def cache_bench(say, args, path: str, config, latent_shape, text_tokens: int, de
                     runs[key] = {"seconds": seconds, "latent": result.latent,
                                  "skipped": [st["cache_skipped"] for st in result.stats]}
         cores = cpu_capacity(len(devices)) if devices[0] == "cpu" and len(devices) > 1 else None
-    finally:
-        for client in own:
-            client.shutdown()
     rows = _rows(strategies, runs, args.steps)
     _report(say, rows, threshold, cores)
     _targets(rows, target)
     return {"threshold": threshold, "steps": args.steps, "cfg": cfg, "cores": cores, "rows": rows}
-
-
-def _clients(args, devices: list, workers: dict | None):
-    """Warm clients by world size (1: serial, all devices: the strategies), from the caller's pool where it has
-    them."""
-    from ..runtime.client import RuntimeClient
-    from .grid import subset_devices
-
-    clients, own = {}, []
-    for n in sorted({1, len(devices)}):
-        where = subset_devices(devices, args.devices, n)
-        if workers is not None and where in workers:
-            clients[n] = workers[where]
-        else:
-            clients[n] = RuntimeClient(where, threads_per_worker=args.threads)
-            own.append(clients[n])
-    return clients, own
 
 
 def _rows(strategies: list[StrategySpec], runs: dict, steps: int) -> list[dict]:
