@@ -40,10 +40,16 @@ def collective_backend(device_type: str) -> str:
 def loopback_interface() -> str | None:
     """The name of the network interface that carries 127.0.0.1 ('lo' on Linux, 'lo0' on macOS, 'Loopback
     Pseudo-Interface 1' on Windows), so gloo and NCCL bind there only; None if none does (they pick their own)."""
+    return interface_of("127.0.0.1")
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that carries the IPv4 `address` (the one a multi-machine runtime's
+    transfers must use, so gloo and NCCL bind there and nowhere else); None if none does."""
     import psutil
 
     for name, addresses in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+        if any(a.family == socket.AF_INET and a.address == address for a in addresses):
             return name
     return None
 

@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import logging
 import os
+import queue
 import secrets
 import shutil
 import signal
@@ -37,9 +38,11 @@ import torch
 
 from .. import errors
 from ..distributed.devices import pinned_cores, runtime_devices, worker_threads
-from ..distributed.portability import TIMED_OUT, loopback_interface, module_command, socket_timeout
+from ..distributed.portability import (TIMED_OUT, interface_of, loopback_interface, loopback_store, module_command,
+                                       socket_timeout)
 from ..planning.memory import check_job_memory, keeps_other_models, settle_weight_sharding
 from ..spec import Job
+from .cluster import LOCAL, RankPlace, RemoteProcess, front_door, names_remote, place_ranks
 from .links import p2p_setting, shared_memory_problem
 from .protocol import PATCH_SETS_KEPT, Channel, encode, keep_hints, keep_recent
 from .watchdog import JobWatch, WatchdogConfig
@@ -95,21 +98,19 @@ class RuntimeClient:
         this process's environment do), for boards whose GPU peer-to-peer transfers are broken; 'auto' leaves NCCL
         to choose."""
         self.devices_spec = devices
-        self.devices, self.notice = runtime_devices(devices)  # the notice: shown by the nodes before anything loads
         self.p2p = p2p_setting(p2p)
-        problem = shared_memory_problem(self.devices, self.p2p == "off")
-        if problem:
-            raise errors.ConfigError(problem)
-        self.cores = pinned_cores(devices)[:len(self.devices)]
+        self._threads_asked = threads_per_worker
+        self._place()
         self._speeds: dict[tuple, tuple[float, ...]] = {}  # measure_speeds' results, for these workers
-        self.world = len(self.devices)
-        self.threads = threads_per_worker or worker_threads(self.devices, self.cores)
         self.watchdog = watchdog or WatchdogConfig.from_env()
         self.procs: list[subprocess.Popen] = []
         self.chans: list[Channel] = []
         self._stderr_tails: list[collections.deque] = []
         self._dir = None
         self.control_address = None  # the listener's: a socket path (AF_UNIX) or ("127.0.0.1", port)
+        self._remote_paths: dict[tuple, str] = {}  # (host, path, mtime, size) -> that host's path of the file
+        self._store = None  # the rendezvous store, here where ranks run on other machines (else rank 0 holds it)
+        self._session = None  # the front door's session of those workers (cluster.Session)
         self._lock = threading.RLock()
         self.last_strategy = ""
         self.last_sec_per_step = None
@@ -124,6 +125,31 @@ class RuntimeClient:
         # Runs when the client is collected and at interpreter exit; it takes no lock, so exit never waits
         # for a running job.
         self._finalizer = weakref.finalize(self, _kill_all, self.procs, self.chans)
+
+    def _place(self) -> None:
+        """Where each rank runs: this machine's devices (as `devices` names them) and, where it names other
+        machines, those their agents lent (cluster.place_ranks: a host that has not joined is one sentence)."""
+        if names_remote(self.devices_spec):
+            self.places = place_ranks(self.devices_spec, front_door())
+            self.notice = None
+            local = [p.device for p in self.places if p.host == LOCAL]
+            self.cores = [None] * len(self.places)
+        else:
+            local, self.notice = runtime_devices(self.devices_spec)  # the notice: shown by the nodes before loading
+            self.places = [RankPlace(LOCAL, d) for d in local]
+            self.cores = pinned_cores(self.devices_spec)[:len(local)]
+        problem = shared_memory_problem(local, self.p2p == "off")
+        if problem:
+            raise errors.ConfigError(problem)
+        self.devices = [p.device for p in self.places]  # each rank's device on its own host
+        self.hosts = tuple(p.host for p in self.places)
+        self.labels = [p.label for p in self.places]  # what messages call each rank's device ("box2 cuda:0")
+        self.world = len(self.places)
+        self.threads = self._threads_asked or worker_threads(local or self.devices, self.cores[:len(local) or None])
+
+    @property
+    def remote(self) -> bool:
+        return any(h != LOCAL for h in self.hosts)
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -141,34 +167,24 @@ class RuntimeClient:
             self._patches_on_workers.clear()  # fresh workers hold no patches
             self._hints_on_workers.clear()  # nor hints
             self.resident_models = []  # nor models
+            if self.remote:
+                self._place()  # the hosts that are joined now (a lost one is named before anything starts)
             key = secrets.token_bytes(32)
             listener, self._dir = _control_listener(key, self.world)
             self.control_address = listener.address
+            session = secrets.token_hex(8)
             try:
-                for rank, device in enumerate(self.devices):
-                    proc = subprocess.Popen(
-                        module_command("parallel_runtime.runtime.worker", _PACKAGE_ROOT)
-                        + ["--rank", str(rank), "--world", str(self.world), "--device", device,
-                           *_control_argument(listener.address), "--threads", str(self.threads)]
-                        + ([] if self.cores[rank] is None else ["--core", str(self.cores[rank])]),
-                        stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=self._worker_env(), cwd=_PACKAGE_ROOT)
-                    proc.stdin.write(key.hex().encode() + b"\n")
-                    proc.stdin.close()
-                    self.procs.append(proc)
-                    self._stderr_tails.append(_tee_stderr(proc, rank))
-                self.chans.extend([None] * self.world)
-                hello = self._accept(listener)
+                store_ports = self._start_workers(listener, key, session)
+                hello = self._accept(listener, session)
                 # Every worker is connected: the socket file (if any) has done its job, and removing it now means
                 # no directory is left behind even if this process is later killed without cleanup.
                 _close_quietly(listener)
                 if self._dir:
                     shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
-                port = hello[0]["store_port"]
-                session = secrets.token_hex(8)
-                for chan in self.chans:
-                    chan.send("init", {"store_port": port, "session": session,
-                                       "heartbeat_s": self.watchdog.heartbeat_s,
+                for rank, chan in enumerate(self.chans):
+                    chan.send("init", {"store_port": store_ports.get(self.hosts[rank], hello[0]["store_port"]),
+                                       "session": session, "heartbeat_s": self.watchdog.heartbeat_s,
                                        "collective_timeout_s": self.watchdog.collective_timeout_s})
                 self._await_ready()
             except (EOFError, OSError) as exc:
@@ -179,6 +195,43 @@ class RuntimeClient:
                 self.shutdown()
                 raise
 
+    def _start_workers(self, listener: Listener, key: bytes, session: str) -> dict[str, int]:
+        """Start every rank: this machine's as subprocesses, other machines' through their agents. Returns the port
+        each host's workers reach the rendezvous store on (none for a one-machine runtime: its rank 0 makes it)."""
+        ports = {}
+        if self.remote:
+            # The store lives here, on loopback: other machines' workers reach it only through the front door's
+            # authenticated relay (cluster.py); rank 0 may itself be on another machine.
+            listen = socket.socket()
+            listen.bind(("127.0.0.1", 0))
+            listen.listen()
+            port = listen.getsockname()[1]
+            self._store = loopback_store(port, self.world, listen_fd=listen.detach())
+            self._session = front_door().open_session(session, port)
+            ports[LOCAL] = port
+        for rank, place in enumerate(self.places):
+            if place.host != LOCAL:
+                continue
+            proc = subprocess.Popen(
+                module_command("parallel_runtime.runtime.worker", _PACKAGE_ROOT)
+                + ["--rank", str(rank), "--world", str(self.world), "--device", place.device,
+                   *_control_argument(listener.address), "--threads", str(self.threads)]
+                + ([] if self.cores[rank] is None else ["--core", str(self.cores[rank])]),
+                stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=self._worker_env(), cwd=_PACKAGE_ROOT)
+            proc.stdin.write(key.hex().encode() + b"\n")
+            proc.stdin.close()
+            self.procs.append(proc)
+            self._stderr_tails.append(_tee_stderr(proc, rank))
+        for host in dict.fromkeys(h for h in self.hosts if h != LOCAL):
+            agent = front_door().agent(host)
+            ranks = [(r, p.device) for r, p in enumerate(self.places) if p.host == host]
+            procs, ports[host] = agent.spawn(session, ranks, self.world, threads=0)
+            for rank, proc in sorted(procs.items()):
+                self.procs.insert(rank, proc)
+                self._stderr_tails.insert(rank, proc.tail)
+        self.chans.extend([None] * self.world)
+        return ports
+
     def _worker_env(self) -> dict:
         env = {k: v for k, v in os.environ.items() if k not in _HOST_ONLY_ENV}
         if os.environ.get("PARADIT_WORKER_CUDA_ALLOC_CONF"):
@@ -186,10 +239,15 @@ class RuntimeClient:
         env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
         if self.p2p == "off":
             env["NCCL_P2P_DISABLE"] = "1"
-        loopback = loopback_interface()
-        if loopback:
-            env.setdefault("GLOO_SOCKET_IFNAME", loopback)
-            env.setdefault("NCCL_SOCKET_IFNAME", loopback)
+        # The transfers bind to loopback, or (with ranks on other machines) to the front door's interface only.
+        interface = interface_of(front_door().address[0]) if self.remote else loopback_interface()
+        if self.remote:
+            env["PARADIT_CLIENT_STORE"] = "1"
+            if interface:
+                env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = interface
+        elif interface:
+            env.setdefault("GLOO_SOCKET_IFNAME", interface)
+            env.setdefault("NCCL_SOCKET_IFNAME", interface)
         # On a collective timeout or a communicator error, NCCL's watchdog ends the process instead of leaving
         # it spinning on the device; the client reports the exit. 3 (SkipCleanUp, torch 2.x's default, set so
         # an older default cannot apply) skips ncclCommAbort, which can itself hang on a stuck communicator;
@@ -199,20 +257,27 @@ class RuntimeClient:
             env[var] = str(self.threads)
         return env
 
-    def _accept(self, listener: Listener) -> dict[int, dict]:
-        """Accept one connection per worker, failing fast (with its exit code) if a worker dies first.
+    def _accept(self, listener: Listener, session: str) -> dict[int, dict]:
+        """Accept one connection per worker, failing fast (with its exit code) if a worker dies first: this
+        machine's on `listener`, other machines' through the front door (already authenticated there).
         Returns each rank's hello message."""
         accepted: list = []
         done, over = threading.Event(), threading.Event()
+        local = self.hosts.count(LOCAL)
 
         def accept_all():
-            while len(accepted) < self.world and not over.is_set():
+            while len(accepted) < local and not over.is_set():
                 try:
                     accepted.append(listener.accept())
                 except (AuthenticationError, EOFError, OSError):
                     # A local stranger on the loopback port (without the key, reset, or a reply too long for the
                     # challenge): that connection is dropped, never read, and the start goes on. Once the start
                     # is over, the listener is closed and `over` ends the loop.
+                    continue
+            while self.remote and len(accepted) < self.world and not over.is_set():
+                try:
+                    accepted.append(self._session.connections.get(timeout=0.1))
+                except queue.Empty:
                     continue
             done.set()
 
@@ -258,7 +323,7 @@ class RuntimeClient:
                 if time.monotonic() > deadline:
                     rank = min(waiting.values())
                     self.kill()
-                    raise errors.WorkerError(f"worker {rank} ({self.devices[rank]}) did not answer ready within "
+                    raise errors.WorkerError(f"worker {rank} ({self.labels[rank]}) did not answer ready within "
                                              f"{STARTUP_TIMEOUT_S:.0f} s; the workers were restarted — retry.")
 
     def shutdown(self) -> None:
@@ -283,6 +348,9 @@ class RuntimeClient:
             _kill_all(self.procs, self.chans)
             self.procs.clear()
             self.chans.clear()
+            if self._session is not None:
+                front_door().close_session(self._session.token)
+            self._session = self._store = None
             self._stderr_tails.clear()
             self.memory_reports = []
             if self._dir:
@@ -332,9 +400,9 @@ class RuntimeClient:
             # What a step costs depends on the model and its dtype too (and on whether cfg adds a branch).
             key = (job.model.path, job.model.weight_dtype, job.model.quantized_matmul, job.strategy,
                    tuple(job.latent.shape), job.sampling.steps, job.negative is not None)
-            watch = JobWatch(self.watchdog, self.devices, self._step_estimates.get(key))
+            watch = JobWatch(self.watchdog, self.labels, self._step_estimates.get(key))
             t0 = time.perf_counter()
-            self._send_all(encode("job", meta, tensors))
+            self._send_per_host(self._messages_per_host("job", meta, tensors))
             if job.weight_patches is not None:
                 keep_recent(self._patches_on_workers, job.weight_patches.id, None, PATCH_SETS_KEPT)
             keep_hints(self._hints_on_workers, meta.get("hints", []), new_hints)
@@ -388,9 +456,9 @@ class RuntimeClient:
                 if silent is None:
                     return self.memory_reports
                 log.warning("ParaDiT: worker %d (%s) did not answer within %.0f s; restarting the workers.",
-                            silent, self.devices[silent], self.watchdog.heartbeat_timeout_s)
+                            silent, self.labels[silent], self.watchdog.heartbeat_timeout_s)
                 self.kill()
-            raise errors.WorkerError(f"worker {silent} ({self.devices[silent]}) did not answer twice in a row, even "
+            raise errors.WorkerError(f"worker {silent} ({self.labels[silent]}) did not answer twice in a row, even "
                                      f"freshly started; check that device and the console output above.")
 
     def _ping_once(self) -> int | None:
@@ -414,6 +482,38 @@ class RuntimeClient:
                     reports[rank] = meta
         self.memory_reports = [reports[r] for r in range(self.world)]
         return None
+
+    def _messages_per_host(self, kind: str, meta: dict, tensors: dict | None = None) -> dict[str, bytes]:
+        """One encoding of a message per host: another machine's workers read the model from their own disk, so
+        its path there replaces this host's (cluster: found by name, checked by header), before anything is sent."""
+        out = {LOCAL: encode(kind, meta, tensors)} if LOCAL in self.hosts else {}
+        for host in dict.fromkeys(h for h in self.hosts if h != LOCAL):
+            if meta.get("positive_control") or meta.get("negative_control"):
+                raise errors.ConfigError(f"ControlNets run on this machine's devices only, but devices names {host}: "
+                                         f"drop {host} from devices for this graph (or its ControlNet).")
+            there = dict(meta)
+            if "model" in there:
+                there["model"] = dict(there["model"], path=self._remote_path(host, there["model"]["path"]))
+            if "path" in there:
+                there["path"] = self._remote_path(host, there["path"])
+            out[host] = encode(kind, there, tensors)
+        return out
+
+    def _send_per_host(self, messages: dict[str, bytes]) -> None:
+        for host, data in messages.items():
+            self._send_all(data, ranks=[r for r, h in enumerate(self.hosts) if h == host])
+
+    def _remote_path(self, host: str, path: str) -> str:
+        """Where `host` keeps the file this host has at `path` (asked of its agent once per file version)."""
+        from .agent import header_digest
+
+        stat = os.stat(path)
+        key = (host, path, stat.st_mtime_ns, stat.st_size)
+        if key not in self._remote_paths:
+            digest = header_digest(path)
+            self._remote_paths[key] = front_door().agent(host).request(
+                "resolve", {"name": os.path.basename(path), "digest": digest})["path"]
+        return self._remote_paths[key]
 
     def _send_all(self, data: bytes, ranks=None) -> None:
         """Send one encoded message to each rank. A worker that stops reading makes the send time out (see
@@ -537,7 +637,7 @@ class RuntimeClient:
         """A send or receive timed out: the stream is cut mid-message, so only fresh workers are usable."""
         self.kill()
         raise errors.WorkerError(
-            f"worker {rank} ({self.devices[rank]}) stopped responding: it did not {what} within "
+            f"worker {rank} ({self.labels[rank]}) stopped responding: it did not {what} within "
             f"{self.watchdog.heartbeat_timeout_s:.0f} s (the process is frozen, swapped out or stuck in the device "
             f"driver); the workers were restarted and the next prompt runs on fresh ones.")
 
@@ -561,9 +661,9 @@ class RuntimeClient:
             code = None
         tail = _last_words(self._stderr_tails[rank]) if rank < len(self._stderr_tails) else ""
         self.kill()
-        raise errors.WorkerError(
-            f"worker {rank} ({self.devices[rank]}) {describe_exit(code)} during the job{tail}; the workers were "
-            f"stopped and the next job starts fresh ones.")
+        how = getattr(proc, "reason", "") or f"{describe_exit(code)} during the job{tail}"
+        raise errors.WorkerError(f"worker {rank} ({self.labels[rank]}) {how}; the workers were stopped and the next "
+                                 f"job starts fresh ones.")
 
     def _check_procs(self, during_job: bool = False) -> None:
         for rank, proc in enumerate(self.procs):
@@ -582,10 +682,11 @@ class RuntimeClient:
                                  f"the workers were stopped — retry.") from exc
 
     def _startup_failed(self, rank: int):
-        code = self.procs[rank].returncode
+        proc = self.procs[rank]
         tail = _last_words(self._stderr_tails[rank]) if rank < len(self._stderr_tails) else ""
+        how = getattr(proc, "reason", "") or f"{describe_exit(proc.returncode)} while starting{tail}"
         self.kill()
-        raise errors.WorkerError(f"worker {rank} ({self.devices[rank]}) {describe_exit(code)} while starting{tail}; "
+        raise errors.WorkerError(f"worker {rank} ({self.labels[rank]}) {how}; "
                                  f"fix that (its full output is in the console above) and retry.")
 
     def _recv(self, chan: Channel, timeout: float, expect: str | None = None):
@@ -619,7 +720,7 @@ class RuntimeClient:
             self.start()
             meta = {"path": key[0], "text_tokens": text_tokens, "image_tokens": image_tokens,
                     "weight_dtype": weight_dtype, "seconds": seconds}
-            self._send_all(encode("calibrate", meta))
+            self._send_per_host(self._messages_per_host("calibrate", meta))
             timeout = seconds + 10 * self.watchdog.heartbeat_timeout_s  # a block's first call may compile kernels
             speeds = [self._recv(chan, timeout, expect="speed")[1]["calls_per_s"] for chan in self.chans]
             fastest = max(speeds)
@@ -631,11 +732,13 @@ class RuntimeClient:
     def status(self) -> dict:
         """Safe to call from another thread while a job runs (it takes no lock)."""
         procs = list(self.procs)
-        workers = [{"rank": rank, "device": device, "alive": rank < len(procs) and procs[rank].poll() is None,
-                    "rss_bytes": _rss(procs, rank),
+        workers = [{"rank": rank, "device": self.labels[rank], "host": self.hosts[rank],
+                    "alive": rank < len(procs) and procs[rank].poll() is None, "rss_bytes": _rss(procs, rank),
                     "device_bytes": self.device_bytes.get(rank)}
-                   for rank, device in enumerate(self.devices)]
-        return {"devices": self.devices, "workers": workers, "strategy": self.last_strategy,
+                   for rank in range(self.world)]
+        door = front_door() if self.remote else None
+        return {"devices": self.labels, "workers": workers, "strategy": self.last_strategy,
+                "cluster": door.status() if door is not None else None,
                 "sec_per_step": self.last_sec_per_step, "model_loads": self.model_loads,
                 "weight_patches": list(self._patches_on_workers), "resident_models": self.resident_models,
                 "residency_note": self.last_residency_note, "p2p": self.p2p}
@@ -707,6 +810,8 @@ def _rss(procs, rank) -> int | None:
     try:
         import psutil
 
+        if isinstance(procs[rank], RemoteProcess):
+            return None  # a worker on another machine: its pid means nothing here
         return psutil.Process(procs[rank].pid).memory_info().rss
     except Exception:  # noqa: BLE001 - a dead or unknown process has no RSS
         return None

@@ -601,6 +601,9 @@ def main(argv: list[str] | None = None) -> None:
     control = ap.add_mutually_exclusive_group(required=True)  # the client's listener (client._control_listener)
     control.add_argument("--socket", help="its AF_UNIX socket file")
     control.add_argument("--port", type=int, help="its port on 127.0.0.1, where Python has no AF_UNIX")
+    control.add_argument("--join", help="a host's front door, ADDRESS:PORT (a worker its agent started: cluster.py)")
+    ap.add_argument("--session", default="", help="with --join: the runtime start this worker belongs to")
+    ap.add_argument("--parent-pid", type=int, default=None, help="with --join: its agent, whose end ends it too")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--core", type=int, default=None, help="pin this worker to one CPU core (devices cpu:K,...)")
     args = ap.parse_args(argv)
@@ -615,6 +618,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(device)
     if args.socket is not None:
         chan = Channel(Client(args.socket, family="AF_UNIX", authkey=authkey))
+    elif args.join is not None:
+        from .cluster import connect_to
+
+        _end_with_parent(args.parent_pid)
+        chan = Channel(connect_to(args.join, authkey))
+        chan.send("worker", {"session": args.session, "rank": args.rank})
     else:
         chan = Channel(Client(("127.0.0.1", args.port), family="AF_INET", authkey=authkey))
     FAULTS.maybe("die_starting", args.rank)
@@ -622,7 +631,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     store = None
-    if args.world > 1 and args.rank == 0:
+    # A runtime with ranks on other machines keeps its store in the client (see client.start): none is made here.
+    if args.world > 1 and args.rank == 0 and args.join is None and not os.environ.get("PARADIT_CLIENT_STORE"):
         # Rendezvous on loopback only: TCPStore given a host still listens on every interface, so hand it a
         # socket already bound to 127.0.0.1. The port reaches the other ranks over the control channel.
         import socket
@@ -669,6 +679,20 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(1)
     chan.close()
     os._exit(0)  # skip interpreter teardown: process-group destructors can block on dead peers
+
+
+def _end_with_parent(parent: int | None) -> None:
+    """End this process when its agent does: a worker on another machine must never outlive what started it."""
+    if parent is None:
+        return
+    import psutil
+
+    def watch():
+        while os.getppid() == parent and psutil.pid_exists(parent):
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="paradit-parent-watch").start()
 
 
 if __name__ == "__main__":
