@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from ..models.registry import family_of, prompt_rows, token_patch
 from ..spec import StrategySpec
 from ..strategies.batch import largest_share
-from . import costmodel
+from . import costmodel, placement
 from .memory import CPU_USABLE, CPU_WORKER_OVERHEAD, CUDA_USABLE, weight_bytes
 
 EXACT_PREFERENCE = 0.03  # PipeFusion must be >3% faster than the best exact strategy to be chosen
@@ -35,6 +35,10 @@ class Candidate:
     projection: costmodel.Projection
     memory: dict
     fits: bool
+    # Heavy dims whose groups cross a host link slower than the local one (placement.heavy_crossings), and the job's
+    # projection had every link been the local one: what says a plan lost because it crossed.
+    slow_crossing: tuple[str, ...] = ()
+    one_link_job_s: float | None = None
 
 
 def _divisors(n: int) -> list[int]:
@@ -87,17 +91,36 @@ def device_memory_budget(devices: list[str]) -> int:
 def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str], calib: costmodel.Calibration, *,
                     text_len: int, steps: int, weight_dtype: str = "default", memory_budget_bytes: int | None = None,
                     warmup_steps: int = 1, per_call: bool = False, speeds: tuple[float, ...] = (),
-                    shared: tuple = ()) -> list[Candidate]:
+                    shared: tuple = (), hosts: tuple[str, ...] = (), host_links: dict | None = None) -> list[Candidate]:
     """All candidates, projected and checked against memory, fastest first. `speeds`: each device's relative speed
     (measured or the user's device_weights); where they differ every split is projected both equal and balanced
     (device_weights = speeds), and the balanced twin is offered only where it is projected faster. `shared`: per
-    rank, the device it runs on where ranks share one (a pinned core: devices.pinned_cores), else None."""
+    rank, the device it runs on where ranks share one (a pinned core: devices.pinned_cores), else None. `hosts`:
+    per rank, the host it runs on (contiguous, as the runtime places them); each op whose groups span hosts is
+    projected on the slowest `host_links` link it crosses, and on equal projections a plan that keeps the heavy
+    dims off links slower than the local one ranks first."""
     b, _, h, w = latent_shape
     world = len(devices)
     text_len = prompt_rows(config, text_len)  # the rows the workers run (FLUX.2 pads its prompt to 512)
     e = weight_bytes(weight_dtype, devices[0])
     budget = device_memory_budget(devices) if memory_budget_bytes is None else memory_budget_bytes
     layout = costmodel.param_layout(config)
+    host_links = host_links or {}
+    local_bw = calib.link.bandwidth if calib.link is not None else float("inf")
+
+    def projected(s: StrategySpec) -> tuple[costmodel.Projection, costmodel.Projection]:
+        """`s` on its links across hosts, and on the local link alone."""
+        one_link = costmodel.project(s, config, calib, cfg=cfg, steps=steps, batch=b, act_bytes=e, per_call=per_call)
+        links = placement.links_by_op(s, hosts, host_links)
+        if not links:
+            return one_link, one_link
+        return costmodel.project(s, config, calib, cfg=cfg, steps=steps, batch=b, act_bytes=e, per_call=per_call,
+                                 links=links), one_link
+
+    def candidate(s: StrategySpec, proj, one_link, mem) -> Candidate:
+        slow = tuple(placement.heavy_crossings(s, hosts, host_links, slower_than=local_bw))
+        return Candidate(s, proj, mem, mem["total"] <= budget, slow, one_link.job_s)
+
     out = []
     tensor = bool(family_of(config).tensor_plan_for(config))
     for s in candidate_strategies(world, cfg, heads=config.num_heads,
@@ -106,24 +129,31 @@ def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str],
                                   mlp_hidden=getattr(config, "mlp_hidden", None), tensor=tensor, batch=b):
         mem = costmodel.rank_memory(s, config, text_tokens=text_len, image_tokens=image_tokens(config, h, w), batch=b,
                                     cfg=cfg, weight_bytes=e, act_bytes=e, layout=layout)
-        proj = costmodel.project(s, config, calib, cfg=cfg, steps=steps, batch=b, act_bytes=e, per_call=per_call)
+        proj, one_link = projected(s)
         if mem["total"] > budget and s.shard_group > 1:
             # Too big replicated: the same split with the blocks sharded over its replicas, if that fits (its
             # gathers are in the projection), is a candidate in its place.
             s = dataclasses.replace(s, shard_weights=True)
             mem = costmodel.rank_memory(s, config, text_tokens=text_len, image_tokens=image_tokens(config, h, w),
                                         batch=b, cfg=cfg, weight_bytes=e, act_bytes=e, layout=layout)
-            proj = costmodel.project(s, config, calib, cfg=cfg, steps=steps, batch=b, act_bytes=e, per_call=per_call)
+            proj, one_link = projected(s)
         if len(set(speeds)) > 1:
             balanced = dataclasses.replace(s, device_weights=tuple(speeds))
-            on_speeds = dataclasses.replace(_on_speeds(proj, _slowdown(balanced, config, speeds, shared)),
-                                            strategy=balanced)
-            proj = _on_speeds(proj, _slowdown(s, config, speeds, shared))
+            gain = _slowdown(balanced, config, speeds, shared)
+            on_speeds = dataclasses.replace(_on_speeds(proj, gain), strategy=balanced)
+            slowdown = _slowdown(s, config, speeds, shared)
+            proj, one_link, balanced_one_link = (_on_speeds(proj, slowdown), _on_speeds(one_link, slowdown),
+                                                 _on_speeds(one_link, gain))
             if on_speeds.job_s < proj.job_s:  # a balance that does not gain is not offered
-                out.append(Candidate(balanced, on_speeds, mem, mem["total"] <= budget))
-        out.append(Candidate(s, proj, mem, mem["total"] <= budget))
-    out.sort(key=lambda c: c.projection.job_s)
+                out.append(candidate(balanced, on_speeds, balanced_one_link, mem))
+        out.append(candidate(s, proj, one_link, mem))
+    out.sort(key=rank_key)
     return out
+
+
+def rank_key(c: Candidate) -> tuple:
+    """Fastest projected first; on a tie, the plan whose heavy traffic stays off slow host links."""
+    return c.projection.job_s, len(c.slow_crossing)
 
 
 def balance_gain(s: StrategySpec, config, speeds: tuple[float, ...], shared: tuple = ()) -> float:
@@ -186,7 +216,9 @@ def pick(candidates: list[Candidate]) -> Candidate | None:
     if not fitting:
         return None
     best = fitting[0]
-    exact = [c for c in fitting if c.strategy.pipefusion_degree == 1]
+    # An exact plan whose heavy traffic crosses a slow host link is not preferred over a faster one that keeps it
+    # inside the hosts.
+    exact = [c for c in fitting if c.strategy.pipefusion_degree == 1 and not c.slow_crossing]
     if best.strategy.pipefusion_degree > 1 and exact:
         if exact[0].projection.job_s <= best.projection.job_s * (1 + EXACT_PREFERENCE):
             best = exact[0]
@@ -198,7 +230,8 @@ def _gb(n: float) -> str:
 
 
 def describe_choice(best: Candidate, candidates: list[Candidate], serial_job_s: float, cfg: float,
-                    calib: costmodel.Calibration, budget: int, batch: int = 1) -> str:
+                    calib: costmodel.Calibration, budget: int, batch: int = 1, hosts: tuple[str, ...] = (),
+                    host_links: dict | None = None) -> str:
     s, proj = best.strategy, best.projection
     label = _strategy_text(s)
     speedup = serial_job_s / proj.job_s if proj.job_s > 0 else float("nan")
@@ -223,8 +256,29 @@ def describe_choice(best: Candidate, candidates: list[Candidate], serial_job_s: 
         if pipe and pipe[0].projection.job_s < proj.job_s:
             notes.append(f"{_strategy_text(pipe[0].strategy)} projected {proj.job_s / pipe[0].projection.job_s:.2f}x "
                          f"faster but inexact (stale KV); kept the exact strategy")
+    notes.extend(_placement_notes(best, candidates, hosts, host_links or {}))
     notes.append(f"measured: {calib.describe()}")
     return "; ".join(parts + notes)
+
+
+def _placement_notes(best: Candidate, candidates: list[Candidate], hosts: tuple[str, ...],
+                     host_links: dict) -> list[str]:
+    """The pick's heavy traffic on a slow host link (placement_warning's sentence), or the faster-on-one-host plan
+    it beat because that one's heavy traffic would cross a slow link."""
+    if best.slow_crossing:
+        return [placement.placement_warning(best.strategy, hosts, host_links).rstrip(".")]  # one of the "; " notes
+    crossed = sorted((c for c in candidates if c.fits and c.slow_crossing
+                      and c.one_link_job_s is not None and c.one_link_job_s < best.projection.job_s),
+                     key=lambda c: c.one_link_job_s)
+    if not crossed:
+        return []
+    lost = crossed[0]
+    crossing = placement.heavy_crossings(lost.strategy, hosts, host_links)
+    pair, link = min(crossing.values(), key=lambda pl: pl[1].bandwidth)
+    dims = " and ".join(d for d in placement.HEAVY_DIMS if d in crossing)
+    return [f"kept {dims} inside each host: {placement.link_text(pair, link)} ({_strategy_text(lost.strategy)} "
+            f"projected {lost.projection.job_s:.3g} s across it against {lost.one_link_job_s:.3g} s on one host's "
+            f"link; this plan {best.projection.job_s:.3g} s)"]
 
 
 def _strategy_text(s: StrategySpec) -> str:
@@ -246,9 +300,15 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
                     weight_dtype: str = "default", memory_budget_bytes: int | None = None,
                     calibration: costmodel.Calibration | None = None, warmup_steps: int = 1,
                     refresh: bool = False, per_call: bool = False,
-                    speeds: tuple[float, ...] = ()) -> tuple[StrategySpec, str]:
+                    speeds: tuple[float, ...] = (), hosts: tuple[str, ...] = (), host_links: dict | None = None,
+                    device_list: list[str] | None = None) -> tuple[StrategySpec, str]:
     """The strategy to run a job on `devices`, and a one-line reason. `per_call`: for a stock sampler's model
     calls (PipeFusion drains its pipeline every call).
+
+    Across hosts the runtime gives `device_list` (each rank's bare device name, as `devices` names remote ones this
+    host cannot resolve), `hosts` (each rank's host: contiguous, this host's first) and `host_links` (the measured
+    link per sorted host pair): traffic that crosses hosts is projected on its link (see rank_candidates), and
+    threads and the memory budget are this host's.
 
     Calibration (block compute at this job's token count, link between the workers) is measured on first
     use and cached on disk; pass `calibration` to reuse one, `memory_budget_bytes` to override the
@@ -256,8 +316,14 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
     """
     from ..validate import model_config
 
-    device_list, _ = runtime_devices(devices)  # the runtime's own (without NCCL, 'auto' is one GPU)
+    remote = device_list is not None
+    if not remote:
+        device_list, _ = runtime_devices(devices)  # the runtime's own (without NCCL, 'auto' is one GPU)
     world = len(device_list)
+    if hosts and len(hosts) != world:
+        raise ConfigError(f"the runtime names the host of {len(hosts)} rank(s) for {world} device(s); give one host "
+                          f"per device.")
+    local = hosts.count(hosts[0]) if hosts else world  # ranks on this host: its cores and memory are measured here
     config = model_config(model_path)
     if len(latent_shape) not in (4, 5):
         raise ConfigError(f"latent shape {tuple(latent_shape)} is not [batch, channels, (frames,) height/8, width/8].")
@@ -267,16 +333,17 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
     if world == 1:
         return StrategySpec(), "one device: serial"
     if threads is None:
-        threads = max(1, costmodel.available_cores() // world) if device_list[0] == "cpu" else 1
+        threads = max(1, costmodel.available_cores() // local) if device_list[0] == "cpu" else 1
     if calibration is None:
         dtype = resolve_dtype(weight_dtype, torch.device(device_list[0]))
         calibration = costmodel.calibrate(config, text_len, image_tokens(config, h, w), device_list, threads=threads,
                                           dtype=dtype, refresh=refresh)
-    budget = device_memory_budget(device_list) if memory_budget_bytes is None else memory_budget_bytes
+    budget = device_memory_budget(device_list[:local]) if memory_budget_bytes is None else memory_budget_bytes
     candidates = rank_candidates(config, (b, latent_shape[1], h, w), cfg, device_list, calibration, text_len=text_len,
                                  steps=steps, weight_dtype=weight_dtype, memory_budget_bytes=budget,
                                  warmup_steps=warmup_steps, per_call=per_call, speeds=speeds,
-                                 shared=tuple(pinned_cores(devices)[:world]))
+                                 shared=() if remote else tuple(pinned_cores(devices)[:world]), hosts=hosts,
+                                 host_links=host_links)
     best = pick(candidates)
     if best is None:
         need = min((c.memory["total"] for c in candidates), default=0)
@@ -286,4 +353,5 @@ def choose_strategy(model_path: str, latent_shape: tuple, cfg: float, devices: s
     serial = costmodel.project(StrategySpec(), config, calibration, cfg=cfg, steps=steps, batch=b,
                                act_bytes=weight_bytes(weight_dtype, device_list[0]))
     # The serial reference runs alone: no contention from other workers.
-    return best.strategy, describe_choice(best, candidates, serial.job_s, cfg, calibration, budget, b)
+    return best.strategy, describe_choice(best, candidates, serial.job_s, cfg, calibration, budget, b, hosts=hosts,
+                                          host_links=host_links)

@@ -577,9 +577,10 @@ def kind_seconds(kind, timing: KindTiming, rows: Rows, text_tokens: int, image_t
 
 def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, steps: int, batch: int = 1,
             act_bytes: int | None = None, stage_kinds: list[dict[str, int]] | None = None,
-            per_call: bool = False) -> Projection:
+            per_call: bool = False, links: dict[str, LinkTiming] | None = None) -> Projection:
     """Seconds per step and per job of `strategy` under `calib`. `per_call`: a stock sampler calls the model
-    once per step, so PipeFusion's pipeline fills and drains within every step."""
+    once per step, so PipeFusion's pipeline fills and drains within every step. `links`: {op: link} for the ops
+    whose groups cross a slower link than the calibration's (placement.links_by_op: groups across hosts)."""
     topo = Topology.from_strategy(strategy)
     bt = calib.blocks
     t_len, n_len = bt.text_tokens, bt.image_tokens
@@ -604,7 +605,7 @@ def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, s
         stage_kinds = stage_block_kinds(config, topo.pipefusion)
     shapes = shapes_of(config, image_tokens=n_len, text_tokens=t_len, pipefusion=topo.pipefusion, batch=batch,
                        act_bytes=act_bytes, weight_bytes=act_bytes if strategy.sharded else 0.0)
-    comm = _comm_times(strategy, shapes, calib, steps, cfg)
+    comm = _comm_times(strategy, shapes, calib, steps, cfg, links or {})
     comm_by_op, comm_job_extra, comm_rank = comm
 
     if topo.pipefusion > 1:
@@ -667,8 +668,10 @@ def _pipeline_projection(strategy: StrategySpec, calib: Calibration, steps: int,
     return Projection(strategy, step, job, compute, max(step - compute, 0.0), comm_by_op)
 
 
-def _comm_times(strategy: StrategySpec, shapes: Shapes, calib: Calibration, steps: int, cfg: float):
-    """Per rank {op: seconds per step}, the slowest rank's per-op figures, and the one-off result gather."""
+def _comm_times(strategy: StrategySpec, shapes: Shapes, calib: Calibration, steps: int, cfg: float,
+                links: dict[str, LinkTiming]):
+    """Per rank {op: seconds per step}, the slowest rank's per-op figures, and the one-off result gather; each op
+    on its link in `links`, else the calibration's."""
     topo = Topology.from_strategy(strategy)
     if topo.world_size == 1 or calib.link is None:
         return {}, 0.0, [{} for _ in range(topo.world_size)]
@@ -678,7 +681,7 @@ def _comm_times(strategy: StrategySpec, shapes: Shapes, calib: Calibration, step
     for rt in traffic:
         ops = {}
         for op, (sent, recv, msgs) in rt.ops.items():
-            lat, bw = link.for_op(op)
+            lat, bw = links.get(op, link).for_op(op)
             t = msgs * lat + max(sent, recv) / bw
             if op == "result":
                 result = max(result, t)
