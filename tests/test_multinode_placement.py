@@ -98,7 +98,9 @@ def test_multinode_fast_link_lets_heavy_dims_cross():
     assert [g[0] for g in heavy_crossing(best.strategy, HOSTS)] == ["ulysses"]
     assert best.slow_crossing == ()
     text = auto.describe_choice(best, on_hosts, 10.0, 1.0, calib(), BIG, hosts=HOSTS, host_links=FAST)
-    assert "across hosts" not in text and "inside each host" not in text
+    # No warning and no "kept ... inside": only which dimension crosses, over which measured link.
+    assert "kept" not in text and "inside each host" not in text
+    assert "ulysses across hosts (the box2↔local link measured 16 Gbit/s)" in text
 
 
 def test_multinode_cfg_one_slow_link_puts_only_light_dims_across(tiny_path):

@@ -271,7 +271,7 @@ def _placement_notes(best: Candidate, candidates: list[Candidate], hosts: tuple[
                       and c.one_link_job_s is not None and c.one_link_job_s < best.projection.job_s),
                      key=lambda c: c.one_link_job_s)
     if not crossed:
-        return []
+        return _across_hosts_note(best.strategy, hosts, host_links)
     lost = crossed[0]
     crossing = placement.heavy_crossings(lost.strategy, hosts, host_links)
     pair, link = min(crossing.values(), key=lambda pl: pl[1].bandwidth)
@@ -279,6 +279,22 @@ def _placement_notes(best: Candidate, candidates: list[Candidate], hosts: tuple[
     return [f"kept {dims} inside each host: {placement.link_text(pair, link)} ({_strategy_text(lost.strategy)} "
             f"projected {lost.projection.job_s:.3g} s across it against {lost.one_link_job_s:.3g} s on one host's "
             f"link; this plan {best.projection.job_s:.3g} s)"]
+
+
+def _across_hosts_note(s: StrategySpec, hosts: tuple[str, ...], host_links: dict) -> list[str]:
+    """Which of the pick's dimensions cross hosts, over which measured link: what a user with several machines
+    checks first (nothing heavy crosses here, or the pick would carry placement_warning's sentence)."""
+    if len(set(hosts)) < 2:
+        return []
+    crossing = placement.crossing_groups(Topology.from_strategy(s), hosts)
+    dims = list(dict.fromkeys(dim for dim, _, _ in crossing))
+    pairs = sorted({pair for _, _, spanned in crossing for pair in itertools.combinations(sorted(spanned), 2)
+                    if pair in host_links})
+    links = ", ".join(placement.link_text(pair, host_links[pair]) for pair in pairs)
+    inside = [d for d in placement.HEAVY_DIMS if getattr(s, f"{d}_degree") > 1 and d not in dims]
+    where = f"{' and '.join(dims)} across hosts" if dims else "every group inside one host"
+    return [f"{where}{f' ({links})' if links else ''}" + (f", {' and '.join(inside)} inside each" if inside and dims
+                                                          else "")]
 
 
 def _strategy_text(s: StrategySpec) -> str:

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -256,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ParaDiT agent: {exc}", file=sys.stderr)
         return 2
     folders = model_folders(args.comfyui, args.models)
+    # A stop request (a service manager's SIGTERM) unwinds through serve(), which ends this agent's workers first.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     while True:
         agent = Agent(args.join, key, name, devices, folders, args.threads)
         try:

@@ -727,6 +727,23 @@ class RuntimeClient:
             self._speeds[key] = tuple(round(v / fastest, 2) for v in speeds)
             return self._speeds[key]
 
+    def host_links(self) -> dict:
+        """The links between this runtime's hosts, keyed by the sorted pair of host names, for the planner
+        (planning/placement.py): each other machine's link to this one, measured once per agent (cluster.AgentLink.
+        measure_link); between two other machines, the slower of their links to this one (not measured: stated
+        in its source)."""
+        from itertools import combinations
+
+        from ..planning.costmodel import LinkTiming
+
+        measured = {h: front_door().agent(h).measure_link() for h in dict.fromkeys(self.hosts) if h != LOCAL}
+        links = {tuple(sorted((LOCAL, h))): LinkTiming(lat, bw, source=f"measured {LOCAL}<->{h}")
+                 for h, (lat, bw) in measured.items()}
+        for a, b in combinations(sorted(measured), 2):
+            lat, bw = max(measured[a][0], measured[b][0]), min(measured[a][1], measured[b][1])
+            links[(a, b)] = LinkTiming(lat, bw, source=f"assumed {a}<->{b}: the slower of their links to {LOCAL}")
+        return links
+
     # -- status and memory ---------------------------------------------------------------------------
 
     def status(self) -> dict:

@@ -38,7 +38,7 @@ PROTOCOL = 1  # bumped when agents and hosts stop understanding each other's mes
 AGENT_PING_S = 2.0  # how often the host pings each agent, and the agent answers
 AGENT_SILENCE_S = 10.0  # silence after which either side calls the other lost (a frozen host, a pulled cable)
 HANDSHAKE_S = 10.0  # the longest a connection may take to prove its key and say what it is
-PROBE_BYTES = 8 * 2**20  # sent once per agent to measure the link (large enough to leave TCP's slow start)
+PROBE_BYTES = 4 * 2**20  # sent twice per agent to measure the link (the first opens TCP's window)
 LOCAL = "local"  # the host name of this machine's ranks
 RESERVED_NAMES = {"local", "all", "auto", "cpu", "cuda"}
 NAME = re.compile(r"[a-z][a-z0-9.-]{0,62}")
@@ -227,7 +227,7 @@ class AgentLink:
         log.warning("ParaDiT: lost the host %s (%s): %s.", self.name, self.peer, reason)
         self.chan.close()
         for proc in list(self.processes.values()):
-            proc.end(None, f"the host {self.name} was lost: {reason}")
+            proc.end(None, f"was lost with its host {self.name} ({reason})")
         for slot in list(self._replies.values()):
             slot[0].set()
 
@@ -236,8 +236,8 @@ class AgentLink:
             self.send("ping")
             time.sleep(AGENT_PING_S)
             if time.monotonic() - self.heard > AGENT_SILENCE_S:
-                self.lose(f"it stopped answering for {AGENT_SILENCE_S:.0f} s (the machine froze, lost power or "
-                          f"dropped off the network)")
+                self.lose(f"it stopped answering for {AGENT_SILENCE_S:.0f} s: the machine froze, lost power or "
+                          f"dropped off the network")
 
     def _read(self) -> None:
         while self.alive:
