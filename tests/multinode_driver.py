@@ -4,7 +4,7 @@ command on stdout (a running job also prints {"event": "progress"} lines, so a t
 
 Commands: {"op": "wait_agents", "names": [...], "timeout": s} · {"op": "run", "devices": str, "strategy": {...},
 "steps": n, "images": n, "model": path | null, "reference": "cpu:N" | null} (the result's relative error from the same job on this host's CPU workers,
-or the error sentence, and the seconds) · {"op": "auto", "devices": str, "cfg": x} · {"op": "status"} · {"op": "shutdown"} (every runtime's workers end) · {"op": "exit"}.
+or the error sentence, and the seconds) · {"op": "plan", "devices": str, "cfg": x, "mode": "auto"|"manual", "strategy": {...}} · {"op": "status"} · {"op": "shutdown"} (every runtime's workers end) · {"op": "exit"}.
 """
 from __future__ import annotations
 
@@ -70,15 +70,17 @@ class Driver:
             out.update(err=rel_err(result.latent, ref.latent), reference_seconds=ref.seconds)
         return out
 
-    def auto(self, devices: str, cfg: float) -> dict:
-        from parallel_runtime.planning.auto import choose_strategy
+    def plan(self, devices: str, cfg: float, mode: str = "auto", strategy: dict | None = None) -> dict:
+        """The Strategy Selector's way in (runtime/entrance.plan): auto's pick on these hosts, or a manual plan's."""
+        from types import SimpleNamespace
 
-        client = self.client(devices)
-        client.start()
-        spec, reason = choose_strategy(self.model, (1, 16, 16, 16), cfg, devices, device_list=client.devices,
-                                       hosts=client.hosts, host_links=client.host_links(),
-                                       memory_budget_bytes=client.memory_budget())
-        return {"ok": True, "strategy": spec.to_json(), "label": spec.label(), "reason": reason}
+        from parallel_runtime.runtime.entrance import plan
+        from parallel_runtime.spec import ModelSpec
+
+        request = SimpleNamespace(mode=mode, spec=StrategySpec(**(strategy or {})), measured=False)
+        chosen = plan(self.client(devices), request, ModelSpec(self.model), (1, 16, 16, 16), cfg, devices)
+        return {"ok": True, "strategy": chosen.strategy.to_json(), "label": chosen.strategy.label(),
+                "reason": chosen.reason}
 
     def serve(self) -> None:
         say(event="listening", listen=self.door.listen)

@@ -253,15 +253,21 @@ def test_multinode_auto_keeps_all_to_all_inside_a_host_over_a_slowed_link(cluste
 
     cluster.net.slow(1, "20mbit")
     try:
-        answer = cluster.host0.ask("auto", devices="cpu:2,box-b:cpu:2", cfg=3.5)
+        answer = cluster.host0.ask("plan", devices="cpu:2,box-b:cpu:2", cfg=3.5)
+        manual = cluster.host0.ask("plan", devices="cpu:2,box-b:cpu:2", cfg=3.5, mode="manual",
+                                   strategy=dict(ulysses_degree=4))
     finally:
         cluster.net.unslow(1)
     assert answer["ok"], answer
     strategy = StrategySpec(**answer["strategy"])
     hosts = ("local", "local", "box-b", "box-b")
     assert not [g for g in crossing_groups(Topology.from_strategy(strategy), hosts) if g[0] in HEAVY_DIMS], answer
-    assert "MB/s" in answer["reason"] and "box-b" in answer["reason"], answer["reason"]
+    # The measured link (20 Mbit/s = 2.5 MB/s less TCP's overhead) is named.
+    assert "box-b↔local link measured 2." in answer["reason"] and "MB/s" in answer["reason"], answer["reason"]
     print(f"auto over a 20 Mbit/s link: {answer['label']}: {answer['reason']}")
+    # A manual plan that puts Ulysses' all-to-all on that link runs as asked, with the warning in its reason.
+    assert manual["label"] == "ulysses4" and "ulysses" in manual["reason"] and "MB/s" in manual["reason"], manual
+    print(f"manual ulysses4 over it: {manual['reason']}")
 
 
 # -- faults --------------------------------------------------------------------------------------------------------

@@ -44,6 +44,9 @@ def plan(client, request: StrategyRequest, model: ModelSpec, latent_shape: tuple
                                    model.weight_dtype)
     if request.mode == "manual":
         spec, reason = dataclasses.replace(request.spec, device_weights=weights), "manual"
+        warning = _placement_warning(client, spec)
+        if warning:  # run as asked (the user may know better), but say what the slow link will cost
+            reason = f"manual; {warning}"
     else:
         spec, reason = _auto(client, request, model, latent_shape, cfg, devices, weights, per_call)
     if not per_call:
@@ -58,6 +61,22 @@ def plan(client, request: StrategyRequest, model: ModelSpec, latent_shape: tuple
     return Plan(fitted, reason, note)
 
 
+def _placement_warning(client, spec: StrategySpec) -> str | None:
+    """placement.placement_warning's sentence for a manual plan whose all-to-all or tensor traffic crosses from one
+    machine to another (a network link, far slower than the links inside a machine: its measured speed is in the
+    sentence); None on one machine or where nothing heavy crosses."""
+    if not getattr(client, "remote", False) or spec.world_size != client.world:
+        return None  # one machine; or degrees that do not fit the devices, which validation refuses next
+    import logging
+
+    from ..planning import placement
+
+    warning = placement.placement_warning(spec, client.hosts, client.host_links())
+    if warning:
+        logging.getLogger("paradit").warning("ParaDiT: %s", warning)
+    return warning
+
+
 CALL_CACHE_NOTE = ("the Strategy Selector's cache runs in Parallel Sampler's own step loop only, so this KSampler "
                    "runs uncached: put ComfyUI's EasyCache or LazyCache on the MODEL for a cache there")
 
@@ -68,6 +87,8 @@ def _auto(client, request: StrategyRequest, model: ModelSpec, latent_shape: tupl
     from ..planning.auto import choose_strategy
 
     kw = dict(memory_budget_bytes=client.memory_budget())
+    if getattr(client, "remote", False):  # ranks on other machines: their devices and the links between the hosts
+        kw.update(device_list=client.devices, hosts=client.hosts, host_links=client.host_links())
     if per_call:
         kw["per_call"] = True
     if weights:
