@@ -26,7 +26,7 @@ OTHER_KEY = bytes(range(1, 33))
 GREETING = len(auth.MAGIC) + auth.NONCE_BYTES  # what the host sends first
 RESPONSE = len(auth.MAGIC) + auth.NONCE_BYTES + auth.MAC_BYTES  # what the agent answers
 VERDICT = len(auth.VERDICT_OK) + auth.MAC_BYTES  # the host's OK and its proof
-FRAME_HEAD = 8 + auth.MAC_BYTES
+FRAME_BYTES = 8 + auth.MAC_BYTES  # length and tag around the payload
 JOIN_S = 10  # a thread still running after this is a hang, which is the failure
 
 
@@ -193,8 +193,8 @@ def test_multinode_auth_tampered_frame_is_dropped(relay):
     relayed = relay()
     server, client = handshaken(relayed)
     client.send_bytes(b"hello")
-    frame = bytearray(recv_exactly(relayed[2], FRAME_HEAD + 5))
-    frame[-1] ^= 1
+    frame = bytearray(recv_exactly(relayed[2], FRAME_BYTES + 5))
+    frame[8] ^= 1  # the payload's first byte
     relayed[1].sendall(frame)
     with pytest.raises(AuthRefused) as refused:
         server.recv_bytes()
@@ -207,7 +207,7 @@ def test_multinode_auth_replayed_and_reordered_frames_are_dropped(relay, order):
     server, client = handshaken(relayed)
     client.send_bytes(b"first")
     client.send_bytes(b"second")
-    frames = recv_exactly(relayed[2], FRAME_HEAD + 5), recv_exactly(relayed[2], FRAME_HEAD + 6)
+    frames = recv_exactly(relayed[2], FRAME_BYTES + 5), recv_exactly(relayed[2], FRAME_BYTES + 6)
     relayed[1].sendall(frames[order[0]] + frames[order[1]])
     if order == (0, 0):
         assert server.recv_bytes() == b"first"
@@ -220,7 +220,7 @@ def test_multinode_auth_reflected_frame_is_dropped(relay):
     relayed = relay()
     server, client = handshaken(relayed)
     client.send_bytes(b"hello")
-    relayed[2].sendall(recv_exactly(relayed[2], FRAME_HEAD + 5))  # back to the agent, which expects seq 0 as well
+    relayed[2].sendall(recv_exactly(relayed[2], FRAME_BYTES + 5))  # back to the agent, which expects seq 0 as well
     with pytest.raises(AuthRefused) as refused:
         client.recv_bytes()
     assert refused.value.reason == "replayed_or_forged"
@@ -235,11 +235,12 @@ def test_multinode_auth_absurd_frame_length_is_refused_before_allocating(relay):
     assert refused.value.reason == "replayed_or_forged" and str(1 << 62) in str(refused.value)
 
 
-def test_multinode_auth_peer_closing_mid_frame_is_eof_and_socket_timeouts_pass_through(relay):
+@pytest.mark.parametrize("cut", [4, 10, -2], ids=["in_length", "in_payload", "in_tag"])
+def test_multinode_auth_peer_closing_mid_frame_is_eof_and_socket_timeouts_pass_through(relay, cut):
     relayed = relay()
     server, client = handshaken(relayed)
     client.send_bytes(b"hello")
-    relayed[1].sendall(recv_exactly(relayed[2], FRAME_HEAD + 5)[:-2])
+    relayed[1].sendall(recv_exactly(relayed[2], FRAME_BYTES + 5)[:cut])
     relayed[1].shutdown(socket.SHUT_WR)
     with pytest.raises(EOFError):
         server.recv_bytes()

@@ -28,8 +28,10 @@ NONCE_BYTES = 32
 MAC_BYTES = hashlib.sha256().digest_size
 VERDICT_OK, VERDICT_REFUSED = b"OK", b"NO"
 MAX_FRAME_BYTES = 8 << 30  # refused before allocating: no honest message comes near it
-_FRAME = struct.Struct("<Q")  # payload length; the tag follows
+_LENGTH = struct.Struct("<Q")  # a frame's payload length; the payload and its tag follow
+_CHUNK_BYTES = 4 << 20  # a large payload is hashed and sent chunk by chunk
 _SEQ = struct.Struct("<Q")
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
 _FROM_CLIENT, _FROM_SERVER = b"client->server", b"server->client"
 
 
@@ -119,9 +121,11 @@ def connect_handshake(sock: socket.socket, key: bytes, *, timeout_s: float = 10.
 
 
 class SecureConnection:
-    """A handshaken socket with multiprocessing Connection's byte API. Frame: length (u64) + HMAC-SHA256 tag of
-    (direction, sequence number, payload) under the session key + payload. Nothing is buffered past the frame being
-    read, so poll() and multiprocessing.connection.wait() stay truthful. Callers serialize sends; one thread reads."""
+    """A handshaken socket with multiprocessing Connection's byte API. Frame: length (u64), payload, then its tag:
+    HMAC-SHA256 of (direction, sequence number, payload) under the session key. The tag trails so that the sender
+    hashes a large payload while its first chunks are on the wire; a payload is returned only once its tag checks.
+    Nothing is buffered past the frame being read, so poll() and multiprocessing.connection.wait() stay truthful.
+    Callers serialize sends; one thread reads."""
 
     def __init__(self, sock: socket.socket, peer: str, session_key: bytes, *, server: bool):
         sock.settimeout(None)  # blocking, no Python timeout: the runtime's SO_SNDTIMEO/SO_RCVTIMEO bound each call
@@ -134,31 +138,36 @@ class SecureConnection:
         if payload.nbytes > MAX_FRAME_BYTES:
             raise ConfigError(f"a message of {payload.nbytes} bytes is over the channel's {MAX_FRAME_BYTES >> 30} GiB "
                               f"frame limit: send it in parts")
-        head = _FRAME.pack(payload.nbytes) + self._tag(self._send_label, self._send_seq, payload)
+        mac = self._frame_mac(self._send_label, self._send_seq)
         self._send_seq += 1
-        if payload.nbytes <= 1 << 16:  # one write: a small message never waits on Nagle behind its header
-            self._sock.sendall(head + payload)
-        else:
-            self._sock.sendall(head)
-            self._sock.sendall(payload)
+        if payload.nbytes <= _CHUNK_BYTES // 64:  # one write: a small message never waits on Nagle behind its length
+            mac.update(payload)
+            self._sock.sendall(_LENGTH.pack(payload.nbytes) + payload + mac.digest())
+            return
+        self._sock.sendall(_LENGTH.pack(payload.nbytes))
+        for start in range(0, payload.nbytes, _CHUNK_BYTES):
+            chunk = payload[start:start + _CHUNK_BYTES]
+            mac.update(chunk)
+            self._sock.sendall(chunk)
+        self._sock.sendall(mac.digest())
 
     def recv_bytes(self) -> bytes:
-        head = self._read(_FRAME.size + MAC_BYTES)
-        (n,) = _FRAME.unpack_from(head)
+        (n,) = _LENGTH.unpack(self._read(_LENGTH.size))
         if n > MAX_FRAME_BYTES:
             self._drop(f"it announced a frame of {n} bytes")
-        payload = self._read(n)
-        if not hmac.compare_digest(bytes(head[_FRAME.size:]), self._tag(self._recv_label, self._recv_seq, payload)):
+        mac = self._frame_mac(self._recv_label, self._recv_seq)
+        payload = self._read(n, mac)
+        if not hmac.compare_digest(mac.digest(), self._read(MAC_BYTES)):
             self._drop("a frame failed its authentication tag (tampered, replayed, reordered or reflected)")
         self._recv_seq += 1
-        return bytes(payload)
+        return payload
 
     def poll(self, timeout: float = 0.0) -> bool:
         if hasattr(select, "poll"):  # no FD_SETSIZE limit
             poller = select.poll()
             poller.register(self._sock.fileno(), select.POLLIN)
             return bool(poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
-        return bool(select.select([self._sock], [], [], timeout)[0])
+        return bool(select.select([self._sock], [], [], None if timeout is None else max(0.0, timeout))[0])
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -166,20 +175,22 @@ class SecureConnection:
     def close(self) -> None:
         self._sock.close()
 
-    def _tag(self, label: bytes, seq: int, payload) -> bytes:
-        mac = hmac.new(self._key, label + _SEQ.pack(seq), hashlib.sha256)
-        mac.update(payload)
-        return mac.digest()
+    def _frame_mac(self, label: bytes, seq: int):
+        return hmac.new(self._key, label + _SEQ.pack(seq), hashlib.sha256)
 
-    def _read(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
+    def _read(self, n: int, mac=None) -> bytes:
+        # Straight into one bytes object of the frame's size (MSG_WAITALL): no zeroed buffer, no copy after; a read
+        # cut short (a signal, the runtime's SO_RCVTIMEO, a platform without MSG_WAITALL) continues or raises.
+        parts, got = [], 0
         while got < n:
-            k = self._sock.recv_into(view[got:])
-            if k == 0:
-                raise EOFError(f"{self.peer} closed the connection" + (" mid-message" if got else ""))
-            got += k
-        return buf
+            part = self._sock.recv(n - got, _WAITALL)
+            if not part:
+                raise EOFError(f"{self.peer} closed the connection" + (" mid-message" if got or mac else ""))
+            if mac is not None:
+                mac.update(part)
+            parts.append(part)
+            got += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _drop(self, what: str):
         self.close()
@@ -218,9 +229,9 @@ class _Handshake:
         try:
             self.sock.settimeout(max(1e-3, self.deadline - time.monotonic()))
             return io()
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:  # socket.timeout is this class since Python 3.10
             self._refuse("timeout")
-        except (ConnectionError, OSError) as e:
+        except OSError as e:
             self._refuse("closed", detail=e)
 
     def _refuse(self, reason: str, got: bytes = b"", detail: OSError | None = None):
