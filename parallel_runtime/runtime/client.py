@@ -367,6 +367,9 @@ class RuntimeClient:
         """Validate, send the job to every worker, stream progress, return the latent and per-rank stats."""
         from ..validate import validate_job
 
+        with self._lock:
+            if self.remote and not self.alive:
+                self._place()  # 'all', or after a host was lost: the machines joined now, before validation
         validate_job(job, self.world)
         # Workers run in the plugin folder: a relative path must mean what it meant here.
         job = dataclasses.replace(job, model=dataclasses.replace(job.model, path=os.path.abspath(job.model.path)))
