@@ -134,10 +134,14 @@ def test_multinode_a_port_scan_sees_only_the_front_door(cluster):
     assert all(address in ("127.0.0.1", "::1") for address, _ in cluster.net.listening(1))
     answer = cluster.host0.ask("run", devices="cpu:1,box-b:cpu:1", strategy=dict(cfg_degree=2), steps=2)
     assert answer["ok"], answer
-    live = cluster.net.scan(2, 0)
-    print(f"port scan of host 0 while a job's workers live: {len(live)} open ports ({live})")
+    live, agent_live = cluster.net.scan(2, 0), cluster.net.scan(2, 1)
+    print(f"port scan while a job's workers live: host 0 {len(live)} open ports ({live}), the agent's machine "
+          f"{len(agent_live)} ({agent_live})")
     assert port in live
+    # The agent's machine shows only its worker's process-group listeners, which end with the workers (below).
+    assert agent_live and port not in agent_live
     assert cluster.host0.ask("shutdown")["ok"]
+    assert cluster.net.scan(2, 1) == []
 
 
 # -- placement -----------------------------------------------------------------------------------------------------
