@@ -43,8 +43,9 @@ class ParaDiTVAEDecode(io.ComfyNode):
             inputs=[io.Latent.Input("samples", tooltip="The latent to decode."),
                     io.Vae.Input("vae", tooltip="The VAE to decode with."),
                     io.String.Input("devices", default="", optional=True,
-                                    tooltip="Devices for the bands, e.g. 0,1 (GPUs) or cpu:2. Empty: the running "
-                                            "Parallel DiT's devices on this machine, else every GPU, else two CPU bands.")],
+                                    tooltip="Devices of this machine for the bands, e.g. 0,1 (GPUs) or cpu:2. Empty: "
+                                            "the running Parallel DiT's devices here, else every GPU, else two CPU "
+                                            "bands.")],
             outputs=[io.Image.Output(tooltip="The decoded image(s), as VAE Decode gives them."),
                      io.String.Output(display_name="status", tooltip="Bands, devices, exact split or tiled.")],
         )
