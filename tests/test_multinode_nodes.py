@@ -23,7 +23,8 @@ from parallel_runtime.errors import ConfigError
 from parallel_runtime.runtime import cluster
 from parallel_runtime.runtime.agent import Agent
 from parallel_runtime.runtime.auth import new_key_file, read_key_file
-from test_nodes import _load_plugin, folder_paths  # noqa: F401 - the fake comfy_api, and folder_paths' fixture
+from test_nodes import FakeHost, _load_plugin, cond, folder_paths, handle, latent, runtime  # noqa: F401 - the fake
+from test_nodes import sampler_mod  # comfy_api, the fixtures and fakes of ComfyUI and of the runtime
 
 from nodes import front_door  # noqa: E402 - after test_nodes put the fake comfy_api in place
 from nodes.loader import ParaDiTLoader  # noqa: E402
@@ -248,6 +249,15 @@ def test_multinode_only_this_machines_devices_leave_comfyuis_models(user_dir):
     assert convert.local_devices("gpu-box-2:0,1") == []
     client = types.SimpleNamespace(devices=["cpu", "cuda:0", "cuda:1"], hosts=("local", "gpu-box-2", "gpu-box-2"))
     assert convert.client_devices_here(client) == ["cpu"]
+
+
+def test_multinode_parallel_sampler_frees_only_this_machines_devices(runtime):  # noqa: F811 - test_nodes' fixture
+    """Parallel Sampler on 'cpu:1,box-b:cpu:2' (the runtime faked, as in test_nodes.py): ComfyUI's models leave
+    this machine's one CPU device, not box-b's (the parse of the whole string used to refuse it)."""
+    host = FakeHost()
+    sampler_mod.sample(handle(devices="cpu:1,box-b:cpu:2"), 42, 2, 1.0, "euler", "simple", cond(), cond(pooled=False),
+                       latent(), 1.0, node_id="9", host=host)
+    assert host.freed == [["cpu"]] and list(runtime.clients) == ["cpu:1,box-b:cpu:2"]
 
 
 def test_multinode_parallel_vae_decode_refuses_other_machines(user_dir):
