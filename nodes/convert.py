@@ -130,9 +130,9 @@ STRATEGY_INPUTS = (
 )
 
 
-DEVICES_TOOLTIP = ("auto: every visible GPU; 0,1,2,3: those GPUs; cpu:N: N CPU workers. Other machines whose agent "
-                   "has joined: NAME: starts that machine's entries, e.g. 0,1,gpu-box-2:0,1 (GPUs 0 and 1 here and on "
-                   "gpu-box-2) or cpu:2,box-b:cpu:2; all: every GPU here and every joined machine's devices.")
+DEVICES_TOOLTIP = ("auto: every visible GPU; 0,1,2,3: those GPUs; cpu:N: N CPU workers. Other machines (their agent "
+                   "joined): NAME: starts that machine's entries, e.g. 0,1,gpu-box-2:0,1 (GPUs 0 and 1 here and on "
+                   "gpu-box-2) or cpu:2,box-b:cpu:2; all: every GPU here and all of each joined machine's devices.")
 
 
 def loader_inputs(unet_names: list[str]) -> tuple[InputSpec, ...]:
