@@ -1,7 +1,9 @@
 """ParaDiT: ComfyUI entry point.
 
 Light on purpose: nothing here starts workers, touches torch.distributed or loads a model. ComfyUI
-calls `comfy_entrypoint()` once at start-up for the node list; the workers start at sample time.
+calls `comfy_entrypoint()` once at start-up for the node list; the workers start at sample time. The one thing
+that starts with the node list is the front door other machines' agents join, where the user configured one
+(nodes/front_door.py), so they can join before the first prompt.
 """
 import os
 import sys

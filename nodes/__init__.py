@@ -3,6 +3,7 @@
 
 
 def node_list() -> list:
+    from . import front_door
     from .loader import ParaDiTLoader
     from .routes import register_routes
     from .sampler import ParaDiTSampler
@@ -10,5 +11,6 @@ def node_list() -> list:
     from .vae_decode import ParaDiTVAEDecode
 
     register_routes()
+    front_door.open_at_load()  # other machines' agents may join before the first prompt (where one is configured)
 
     return [ParaDiTStrategy, ParaDiTLoader, ParaDiTSampler, ParaDiTVAEDecode]

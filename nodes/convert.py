@@ -130,14 +130,18 @@ STRATEGY_INPUTS = (
 )
 
 
+DEVICES_TOOLTIP = ("auto: every visible GPU; 0,1,2,3: those GPUs; cpu:N: N CPU workers. Other machines (their agent "
+                   "joined): NAME: starts that machine's entries, e.g. 0,1,gpu-box-2:0,1 (GPUs 0 and 1 here and on "
+                   "gpu-box-2) or cpu:2,box-b:cpu:2; all: every GPU here and all of each joined machine's devices.")
+
+
 def loader_inputs(unet_names: list[str]) -> tuple[InputSpec, ...]:
     return (
         InputSpec("unet_name", "combo", {"options": list(unet_names),
                                          "tooltip": "A DiT file in models/diffusion_models: Flux, SD3, Qwen-Image, "
                                                     "Wan, HunyuanVideo 1.5 or another family in ParaDiT's README."}),
         InputSpec("weight_dtype", "combo", {"options": list(WEIGHT_DTYPES), "default": "default"}),
-        InputSpec("devices", "string", {"default": "auto",
-                                        "tooltip": "auto: every visible GPU; 0,1,2,3: those GPUs; cpu:N: N CPU workers."}),
+        InputSpec("devices", "string", {"default": "auto", "tooltip": DEVICES_TOOLTIP}),
         InputSpec("strategy", STRATEGY_TYPE, {"tooltip": "From Strategy Selector; auto when left unconnected."},
                   optional=True),
         InputSpec("quantized_matmul", "combo", {
@@ -268,6 +272,25 @@ class ParaDiTModel:
     def describe(self, device_list: list[str] | None = None) -> str:
         where = ", ".join(device_list) if device_list else self.devices
         return f"{self.name or self.model.path} ({self.model.weight_dtype}) on {where}; {self.strategy.describe()}"
+
+
+def local_devices(devices: str) -> list[str]:
+    """The devices of this machine a devices string names (ComfyUI's models leave those before a prompt): every one
+    where it names no other machine, none where it names only others (another machine's cuda:0 is not ours)."""
+    from parallel_runtime.distributed.devices import parse_devices
+    from parallel_runtime.runtime.cluster import names_remote, split_devices
+
+    if not names_remote(devices):
+        return parse_devices(devices)
+    here = split_devices(devices)[0]
+    return parse_devices(here) if here else []
+
+
+def client_devices_here(client) -> list[str]:
+    """The devices of a runtime client's ranks that run on this machine (another machine's cuda:0 is not ours)."""
+    from parallel_runtime.runtime.cluster import LOCAL
+
+    return [device for device, host in zip(client.devices, client.hosts) if host == LOCAL]
 
 
 def normalize_devices(devices: str) -> str:

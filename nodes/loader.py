@@ -5,7 +5,7 @@ import os
 
 from comfy_api.latest import io, ui
 
-from . import convert, remote_model
+from . import convert, front_door, remote_model
 
 
 # folder -> ({directory: mtime} as walked, its .gguf files): a walk is redone only when a directory changed, as
@@ -60,13 +60,22 @@ class ParaDiTLoader(io.ComfyNode):
     @classmethod
     def execute(cls, unet_name, weight_dtype, devices, strategy=None, quantized_matmul="auto") -> io.NodeOutput:
         import folder_paths
-        from parallel_runtime.distributed.devices import runtime_devices
 
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         handle = convert.model_handle(path, weight_dtype, devices, strategy, name=unet_name,
                                       quantized_matmul=quantized_matmul)
-        # The devices the runtime will take, so what it refuses (several GPUs where torch has no NCCL) is refused
-        # here, with the fix, before a prompt starts; ConfigError otherwise.
-        device_list, notice = runtime_devices(handle.devices)
-        text = handle.describe(device_list) + (f"\n{notice}" if notice else "")
+        labels, notice = rank_labels(handle.devices)
+        text = handle.describe(labels) + (f"\n{notice}" if notice else "")
         return io.NodeOutput(remote_model.parallel_model(handle), ui=ui.PreviewText(text))
+
+
+def rank_labels(devices: str) -> tuple[list[str], str | None]:
+    """Each rank's device as the runtime will place it ('cuda:0' here, 'gpu-box-2 cuda:0' on a joined machine) and
+    a notice to show before anything loads. What the runtime refuses is refused here, in its sentence and before a
+    prompt starts: several GPUs where torch has no NCCL, a machine whose agent has not joined."""
+    from parallel_runtime.distributed.devices import runtime_devices
+    from parallel_runtime.runtime.cluster import names_remote, place_ranks
+
+    if not names_remote(devices):
+        return runtime_devices(devices)
+    return [place.label for place in place_ranks(devices, front_door.door())], None

@@ -132,7 +132,7 @@ class RemoteDiT(torch.nn.Module):
         client = get_client(self.handle.devices, p2p=self.handle.strategy.p2p)
         step, last = _schedule_step(options)
         if step == 0:  # a sampling run starts: ComfyUI's models leave the workers' GPUs, as for Parallel Sampler
-            HOST.free_memory_for(client.devices)
+            HOST.free_memory_for(convert.client_devices_here(client))
         # One strategy for the whole call (its jobs then share the workers' stages: no reload between them).
         strategy = self._strategy((min(2, len(labels)) * batch, *x.shape[1:]), min(2, len(labels)), client)
         self.last_strategy = strategy

@@ -24,7 +24,7 @@ def register_routes() -> None:
     async def status(request):
         from parallel_runtime.runtime.client import active_clients
 
-        return web.json_response({"clients": [c.status() for c in active_clients()]})
+        return web.json_response({"clients": [c.status() for c in active_clients()], "cluster": _cluster_status()})
 
     @routes.post("/paradit/release")
     async def release(request):
@@ -46,3 +46,15 @@ async def _each_client(action) -> dict:
     # The client's lock waits for a running job to finish; keep the event loop free meanwhile.
     await asyncio.gather(*(asyncio.to_thread(action, c) for c in clients))
     return {"clients": len(clients)}
+
+
+def _cluster_status() -> dict | None:
+    """The front door's address, its agents and its last refusals, also before any prompt (None where none is
+    open: a failed one is logged, and repeated by the loader)."""
+    from parallel_runtime.runtime import cluster
+
+    try:
+        door = cluster.front_door()
+    except Exception:  # the loader's sentence says why; status must not fail on it
+        return None
+    return door.status() if door is not None else None

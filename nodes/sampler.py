@@ -72,16 +72,15 @@ def _sample_on_workers(model, seed, steps, cfg, sampler_name, scheduler, positiv
                        *, handle, video, node_id, host) -> tuple[dict, str]:
     """The whole denoise as one runtime job: the workers' own step loop (PipeFusion pipelines across steps)."""
     from parallel_runtime.runtime.client import get_client
-    from parallel_runtime.distributed.devices import parse_devices
 
     base = getattr(model, "model", None)  # ComfyUI's BaseModel behind a parallel MODEL (None for a bare handle)
     lora = weight_patches_of(model, remote_model.parameter_shapes(model))
     job = _validated_job(handle, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                          denoise, video)
     job = _with_concat(base, job, positive, negative)
-    worker_devices = parse_devices(handle.devices)
-    # ComfyUI's models leave the workers' GPUs first, so the workers' memory report (auto's budget) sees it free.
-    host.free_memory_for(worker_devices)
+    # ComfyUI's models leave the workers' GPUs on this machine first, so the workers' memory report (auto's budget)
+    # sees it free.
+    host.free_memory_for(convert.local_devices(handle.devices))
     client = get_client(handle.devices, p2p=handle.strategy.p2p)
     if client.notice:
         host.send_text(client.notice, node_id)

@@ -43,8 +43,9 @@ class ParaDiTVAEDecode(io.ComfyNode):
             inputs=[io.Latent.Input("samples", tooltip="The latent to decode."),
                     io.Vae.Input("vae", tooltip="The VAE to decode with."),
                     io.String.Input("devices", default="", optional=True,
-                                    tooltip="Devices for the bands, e.g. 0,1 (GPUs) or cpu:2. Empty: the running "
-                                            "Parallel DiT's devices, else every GPU, else two CPU bands.")],
+                                    tooltip="Devices of this machine for the bands, e.g. 0,1 (GPUs) or cpu:2. Empty: "
+                                            "the running Parallel DiT's devices here, else every GPU, else two CPU "
+                                            "bands.")],
             outputs=[io.Image.Output(tooltip="The decoded image(s), as VAE Decode gives them."),
                      io.String.Output(display_name="status", tooltip="Bands, devices, exact split or tiled.")],
         )
@@ -103,14 +104,19 @@ def band_devices(spec: str) -> list:
     import torch
 
     from parallel_runtime.runtime.client import active_clients
+    from parallel_runtime.runtime.cluster import names_remote
     from parallel_runtime.distributed.devices import parse_devices
 
     spec = (spec or "").strip()
+    if spec and names_remote(spec):
+        raise convert.ConfigError(f"devices {spec!r} names other machines, but Parallel VAE Decode runs in this "
+                                  f"ComfyUI process, on this machine's devices; name only those (e.g. 0,1 or cpu:2), "
+                                  f"or leave devices empty.")
     if spec:
         names = parse_devices(spec)
-    else:
-        running = active_clients()
-        names = running[0].devices if running else parse_devices("auto")
+    else:  # the running runtime's ranks on this machine (another machine's cuda:0 is not ours)
+        running = [convert.client_devices_here(c) for c in active_clients()]
+        names = running[0] if running and running[0] else parse_devices("auto")
         if names == ["cpu"]:
             names = ["cpu", "cpu"]
     return [torch.device(name) for name in names]
@@ -166,7 +172,7 @@ def _make_room(vae, devices, band_bytes: float) -> list[str]:
         if torch.cuda.mem_get_info(device)[0] >= need:
             continue
         for client in active_clients():
-            if str(device) in client.devices and client.resident_models:
+            if str(device) in convert.client_devices_here(client) and client.resident_models:
                 client.release()
                 notes.append(f"released the DiT workers' weights to make room on {device} (the next sample "
                              f"reloads them)")

@@ -1,5 +1,6 @@
 // ParaDiT frontend: draws the live "paradit.status" events of the Parallel Sampler onto the ParaDiT
-// nodes: strategy (and why, in auto mode), per-device worker state and memory, seconds per step.
+// nodes: strategy (and why, in auto mode), per-device worker state and memory (each rank with its host),
+// seconds per step, and other machines' agents where the workers run on them.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -35,17 +36,31 @@ function samplerLines(d) {
   for (const w of s.workers || []) {
     // Before the first job the pool is not spawned yet: "starting", not a dead worker.
     const pending = !w.alive && d.state === "starting";
+    // w.device is the rank's label: "cuda:0" here, "box-b cpu" on another machine (w.host names it).
     const parts = [`rank ${w.rank} ${w.device}: ${w.alive ? "up" : pending ? "starting" : "DOWN"}`];
     if (w.rss_bytes !== null && w.rss_bytes !== undefined) parts.push(`RAM ${gib(w.rss_bytes)}`);
     // CPU workers have no device memory of their own (always 0): leave it out there.
-    const cpu = String(w.device ?? "").startsWith("cpu");
+    const cpu = /(^| )cpu(:\d+)?$/.test(String(w.device ?? ""));
     if (w.device_bytes !== null && w.device_bytes !== undefined && !cpu) parts.push(`dev ${gib(w.device_bytes)}`);
     lines.push({
       text: parts.join(" · "),
       color: w.alive ? "#ccc" : pending ? "#aaa" : COLORS.error,
     });
   }
+  lines.push(...clusterLines(s.cluster));
   if (d.message) lines.push({ text: d.message, color: COLORS[d.state] ?? "#ccc" });
+  return lines;
+}
+
+// Other machines' agents (status "cluster", where ranks run on them): one line each, and the last refusal.
+function clusterLines(c) {
+  if (!c) return [];
+  const lines = (c.agents || []).map((a) => a.alive
+    ? { text: `host ${a.name} (${a.peer}): joined` + (typeof a.link_mb_s === "number" ? ` · ${a.link_mb_s} MB/s` : ""),
+        color: "#ccc" }
+    : { text: `host ${a.name}: LOST (${a.lost})`, color: COLORS.error });
+  const refused = (c.refusals || []).at(-1);
+  if (refused) lines.push({ text: `front door: ${refused}`, color: COLORS.cancelled });
   return lines;
 }
 
