@@ -232,7 +232,8 @@ def test_multinode_key_holder_stalling_or_flooding_its_first_message_is_dropped(
         raw.settimeout(JOIN_S)
         assert raw.recv(1) == b""  # and the host closed the connection
     sentence = door.refusals[-1][1]
-    assert sentence.startswith("dropped a connection from 127.0.0.1:") and f" after its handshake: {fragment}" in sentence
+    assert sentence.startswith("dropped a connection from 127.0.0.1:")
+    assert f" after its handshake: {fragment}" in sentence
     assert sentence.endswith(": run the same ParaDiT version on both machines")
     conn.close()
 
@@ -294,9 +295,12 @@ def test_multinode_place_ranks_sentences(door, raw_agents):
             place_ranks(f"gpu-box-2:{entry}", door)
         assert str(missing.value) == offered.format(entry)
     with pytest.raises(errors.ConfigError) as no_door:
-        place_ranks("cpu:1,box-b:0", None)
-    assert str(no_door.value).startswith("devices 'cpu:1,box-b:0' names other machines, but this host has no front door "
-                                         "for their agents: set PARADIT_LISTEN")
+        place_ranks("cpu:1,atuo", None)  # a typo of 'auto' reads as a machine's name: the sentence says both
+    assert str(no_door.value) == (
+        "devices 'cpu:1,atuo' names other machines (atuo), but this host has no front door for their agents: fix "
+        "devices if that was meant as this machine's ('auto', GPU indices like 0,1, or cpu:N), else set PARADIT_LISTEN "
+        "(this machine's private address and a port, e.g. 192.168.1.10:29600) and PARADIT_KEY_FILE, then restart "
+        "ComfyUI.")
 
 
 # -- the front door's settings -----------------------------------------------------------------------------------

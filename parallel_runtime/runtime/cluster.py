@@ -118,9 +118,13 @@ def place_ranks(spec: str, door: "FrontDoor | None") -> list[RankPlace]:
     if not wanted:
         return places
     if door is None:
-        raise errors.ConfigError(f"devices {spec!r} names other machines, but this host has no front door for their "
-                                 f"agents: set PARADIT_LISTEN (this machine's private address and a port, e.g. "
-                                 f"192.168.1.10:29600) and PARADIT_KEY_FILE, then restart ComfyUI.")
+        # Names both causes: a bare word (a typo of 'auto', say) reads as a machine's name too.
+        named = ", ".join(n for n in wanted if n != "*") or "every joined machine"
+        raise errors.ConfigError(f"devices {spec!r} names other machines ({named}), but this host has no front door "
+                                 f"for their agents: fix devices if that was meant as this machine's ('auto', GPU "
+                                 f"indices like 0,1, or cpu:N), else set PARADIT_LISTEN (this machine's private "
+                                 f"address and a port, e.g. 192.168.1.10:29600) and PARADIT_KEY_FILE, then restart "
+                                 f"ComfyUI.")
     if "*" in wanted:
         return places + [RankPlace(a.name, d) for a in door.live_agents() for d in a.devices]
     for name, entries in wanted.items():
