@@ -368,6 +368,7 @@ class FrontDoor:
         self.refusals: collections.deque = collections.deque(maxlen=20)  # (time, sentence), newest last
         self._closed = False
         self._lock = threading.Lock()
+        self._joining: set[str] = set()  # names being welcomed: reserved, not yet published in self.agents
         threading.Thread(target=self._accept_loop, daemon=True, name="paradit-front-door").start()
 
     @property
@@ -499,11 +500,13 @@ class FrontDoor:
                            f"({_printable(str(devices), 80)}): run the same ParaDiT version on both machines")
             else:
                 old = self.agents.get(name)
-                if old is not None and old.alive and time.monotonic() - old.heard < AGENT_SILENCE_S:
-                    problem = (f"a second agent named {name!r} tried to join from {peer} while the one at {old.peer} "
+                if name in self._joining or (old is not None and old.alive
+                                             and time.monotonic() - old.heard < AGENT_SILENCE_S):
+                    where = old.peer if old is not None and old.alive else "another address"
+                    problem = (f"a second agent named {name!r} tried to join from {peer} while the one at {where} "
                                f"is connected: give each machine's agent its own --name")
                 else:
-                    agent = self.agents[name] = AgentLink(self, chan, dict(hello, name=name), peer)
+                    self._joining.add(name)
         if problem:
             self.refuse(problem)
             try:
@@ -512,14 +515,22 @@ class FrontDoor:
                 pass
             chan.close()
             return
-        if old is not None:
-            old.lose(f"a new agent of that name joined from {peer}")
+        # Published only once welcomed and read: a request sent to it before its welcome (a prompt starting right
+        # then) reached the agent first, which took it for a refusal.
+        agent = AgentLink(self, chan, dict(hello, name=name), peer)
         try:
+            if old is not None:
+                old.lose(f"a new agent of that name joined from {peer}")
             chan.send("welcome", {"host": socket.gethostname(), "listen": self.listen})
-        except OSError as exc:  # else registered, alive, and never read: requests to it would wait their timeout
+            agent.start()
+            with self._lock:
+                self.agents[name] = agent
+        except OSError as exc:
             agent.lose(f"its connection broke as it joined ({exc})")
             return
-        agent.start()
+        finally:
+            with self._lock:
+                self._joining.discard(name)
         log.info("ParaDiT: the host %s joined from %s with %s.", name, peer, ", ".join(agent.devices))
 
     def status(self) -> dict:
