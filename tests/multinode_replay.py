@@ -29,7 +29,7 @@ def main(listen: str, key_file: str) -> None:
     sock = RecordingSocket(socket.AF_INET, socket.SOCK_STREAM)
     sock.connect((host, int(port)))
     chan = Channel(connect_handshake(sock, read_key_file(key_file)))
-    chan.send("agent", {"name": "replayer", "protocol": PROTOCOL, "agent_id": "r", "devices": [], "address": host})
+    chan.send("agent", {"name": "replayer", "protocol": PROTOCOL, "agent_id": "r", "devices": ["cpu"], "address": host})
     first, _, _ = chan.recv()
     recorded = sock.sent
     chan.close()

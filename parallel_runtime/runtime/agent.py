@@ -25,29 +25,41 @@ from .. import errors
 from ..distributed.devices import parse_devices, worker_threads
 from ..distributed.portability import interface_of, module_command
 from .auth import AuthRefused, new_key_file, read_key_file
-from .cluster import AGENT_SILENCE_S, PROTOCOL, check_agent_name, connect_to
+from .cluster import AGENT_SILENCE_S, PROBE_BYTES, PROTOCOL, bound_io, check_agent_name, connect_to
 from .protocol import Channel
 
 RETRY_S = 2.0  # between attempts to reach the host
 MODEL_FOLDERS = ("diffusion_models", "unet", "checkpoints", "controlnet")  # ComfyUI's, under its models/ folder
+HOST_MESSAGE_BYTES = PROBE_BYTES + 2**20  # the host's largest message to an agent: a link probe
+DIGEST_SAMPLES, DIGEST_SAMPLE_BYTES = 16, 2**16  # the weights read to tell two files of one header apart
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 log = logging.getLogger("paradit.agent")
 
 
 def header_digest(path: str) -> str:
-    """What identifies a model file without reading its weights: SHA-256 of a safetensors file's header (every tensor's
-    name, dtype, shape and offset), else of a file's first MiB (a GGUF's header and tensor table), with its size."""
+    """What identifies a model file without reading all its weights: SHA-256 of a safetensors file's header (every
+    tensor's name, dtype, shape and offset), else of a file's first MiB (a GGUF's header and tensor table), then of
+    DIGEST_SAMPLES slices spread over the rest, with its size. The samples: two fine-tunes of one model (the same
+    name on two machines, say) share every header field, and only their weights tell them apart."""
     import json
 
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        body = None
         if path.endswith(".safetensors") and 0 < n < 100 * 2**20:
-            # Parsed and re-dumped with sorted keys: a writer's key order (metadata is a dict) is not the content.
-            body = json.dumps(json.loads(f.read(n)), sort_keys=True).encode()
-        else:
-            body = head + f.read(2**20 - 8)
-    return hashlib.sha256(body).hexdigest()[:32] + f"-{os.path.getsize(path)}"
+            try:  # parsed and re-dumped with sorted keys: a writer's key order (metadata is a dict) is not content
+                body, start = json.dumps(json.loads(f.read(n)), sort_keys=True).encode(), 8 + n
+            except ValueError:  # a damaged header: identified by its bytes like any other file, not an exception
+                f.seek(8)
+        if body is None:
+            body, start = head + f.read(2**20 - 8), min(size, 2**20)
+        digest = hashlib.sha256(body)
+        for i in range(DIGEST_SAMPLES):
+            f.seek(start + (size - start) * i // DIGEST_SAMPLES)
+            digest.update(f.read(DIGEST_SAMPLE_BYTES))
+    return digest.hexdigest()[:32] + f"-{size}"
 
 
 class Agent:
@@ -68,36 +80,44 @@ class Agent:
         """Join and serve; returns why it ended ('lost', 'refused: ...')."""
         conn = connect_to(self.join, self.key)
         self.chan = Channel(conn)
-        address = _local_address(conn)
-        self.chan.send("agent", {"name": self.name, "protocol": PROTOCOL, "agent_id": self.agent_id,
-                                 "devices": self.devices, "address": address})
-        if not conn.poll(AGENT_SILENCE_S):
-            return "lost: the host did not answer the join"
-        kind, meta, _ = self.chan.recv()
-        if kind != "welcome":
-            return f"refused: {meta.get('message', kind)}"
-        log.warning("ParaDiT agent %s: joined %s with %s.", self.name, self.join, ", ".join(self.devices))
-        self.heard = time.monotonic()
+        # Every send and every rest of a frame bounded: a frozen host (SIGSTOP, a pulled cable) fills the socket's
+        # buffer, and an unbounded send from a worker's output thread held the channel's lock, the pongs behind it
+        # and this loop's silence check forever, the workers with it.
+        bound_io(conn, AGENT_SILENCE_S)
         try:
+            address = _local_address(conn)
+            self.chan.send("agent", {"name": self.name, "protocol": PROTOCOL, "agent_id": self.agent_id,
+                                     "devices": self.devices, "address": address})
+            if not conn.poll(AGENT_SILENCE_S):
+                return "lost: the host did not answer the join"
+            kind, meta, _ = self.chan.recv(maxlength=HOST_MESSAGE_BYTES)
+            if kind != "welcome":
+                return f"refused: {meta.get('message', kind)}"
+            log.warning("ParaDiT agent %s: joined %s with %s.", self.name, self.join, ", ".join(self.devices))
+            self.heard = time.monotonic()
             while True:
                 if time.monotonic() - self.heard > AGENT_SILENCE_S:
                     return f"lost: the host sent nothing for {AGENT_SILENCE_S:.0f} s"
                 if not conn.poll(0.5):
                     continue
-                kind, meta, tensors = self.chan.recv()
+                kind, meta, tensors = self.chan.recv(maxlength=HOST_MESSAGE_BYTES)
                 self.heard = time.monotonic()
                 self._handle(kind, meta, tensors, address)
-        except (EOFError, OSError, errors.ParaDiTError) as exc:
+        except (EOFError, OSError, errors.ParaDiTError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            # ValueError and the rest: a message this agent cannot read (another version): the connection is over,
+            # never this process (it would leave its workers to their parent watch and stop rejoining).
             return f"lost: {type(exc).__name__}: {exc}" if str(exc) else "lost: the host closed the connection"
         finally:
             self.end_all()
-            self.chan.close()
+            self.chan.close()  # on every path (a refusal too): no socket waits for the garbage collector
 
     def _send(self, kind: str, meta: dict) -> None:
         try:
             self.chan.send(kind, meta)
         except OSError:
-            pass  # the host is gone: serve() notices on its next read
+            # A send that timed out may have left half a frame: the stream is unusable. Shutting it down makes
+            # serve() read the end at once (its next poll), end the workers and join again.
+            self.chan.conn.shutdown()
 
     def _handle(self, kind: str, meta: dict, tensors: dict, address: str) -> None:
         if kind == "ping":
@@ -110,7 +130,7 @@ class Agent:
                 self._kill(meta)
                 return
             elif kind == "resolve":
-                reply = {"path": self._resolve(meta["name"], meta["digest"])}
+                reply = {"path": self._resolve(str(meta["name"]), str(meta["digest"]))}
             elif kind == "probe":
                 reply = {"bytes": sum(t.numel() for t in tensors.values())}
             else:
@@ -119,30 +139,44 @@ class Agent:
             self._send("reply", dict(reply, id=meta.get("id")))
         except errors.ParaDiTError as exc:
             self._send("error", {"id": meta.get("id"), "message": str(exc)})
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            # A request that fails here (a spawn the OS refuses, a request of another version) is an answer
+            # naming this machine, not a lost connection: that ended every worker and rejoined.
+            self._send("error", {"id": meta.get("id"), "message": f"the host {self.name} could not do {kind!r} "
+                                 f"({type(exc).__name__}: {exc}): see its agent's log, fix that and retry."})
 
     # -- workers -------------------------------------------------------------------------------------
 
     def _spawn(self, meta: dict, address: str) -> dict:
         from .relay import StoreRelay
 
-        session = meta["session"]
-        relay = self.relays.get(session) or StoreRelay(lambda: self._store_connection(session))
-        self.relays[session] = relay
+        session = str(meta["session"])
         threads = self.threads or meta["threads"] or worker_threads([d for _, d in meta["ranks"]],
                                                                     [None] * len(meta["ranks"]))
         env = _worker_env(address, threads)
+        relay = self.relays.get(session) or StoreRelay(lambda: self._store_connection(session))
+        self.relays[session] = relay
         pids = []
-        for rank, device in meta["ranks"]:
-            proc = subprocess.Popen(
-                module_command("parallel_runtime.runtime.worker", _PACKAGE_ROOT)
-                + ["--rank", str(rank), "--world", str(meta["world"]), "--device", device, "--join", self.join,
-                   "--session", session, "--threads", str(threads), "--parent-pid", str(os.getpid())],
-                stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=_PACKAGE_ROOT)
-            proc.stdin.write(self.key.hex().encode() + b"\n")
-            proc.stdin.close()
-            self.procs[(session, rank)] = proc
-            threading.Thread(target=self._watch, args=(session, rank, proc), daemon=True).start()
-            pids.append([rank, proc.pid])
+        try:
+            for rank, device in meta["ranks"]:
+                proc = subprocess.Popen(
+                    module_command("parallel_runtime.runtime.worker", _PACKAGE_ROOT)
+                    + ["--rank", str(int(rank)), "--world", str(int(meta["world"])), "--device", str(device),
+                       "--join", self.join, "--session", str(session), "--threads", str(threads),
+                       "--parent-pid", str(os.getpid())],
+                    stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=_PACKAGE_ROOT)
+                self.procs[(session, rank)] = proc
+                threading.Thread(target=self._watch, args=(session, rank, proc), daemon=True).start()
+                proc.stdin.write(self.key.hex().encode() + b"\n")
+                proc.stdin.close()
+                pids.append([rank, proc.pid])
+        except BaseException:
+            # The ranks started before the failure would wait for a start the host has given up: end them now
+            # (their last exit closes the relay; with none started, close it here).
+            self._kill({"session": session})
+            if not any(s == session for s, _ in list(self.procs)):
+                self.relays.pop(session, relay).close()
+            raise
         return {"pids": pids, "relay_port": relay.port}
 
     def _store_connection(self, session: str):
@@ -160,6 +194,12 @@ class Agent:
             self._send("output", {"session": session, "rank": rank, "line": line[:500]})
         code = proc.wait()
         self.procs.pop((session, rank), None)
+        if not any(s == session for s, _ in list(self.procs)):
+            # The session's last worker here ended: its relay's port would otherwise stay open (and its thread
+            # run) until the host is lost, one more for every start of the runtime.
+            relay = self.relays.pop(session, None)
+            if relay is not None:
+                relay.close()
         self._send("exited", {"session": session, "rank": rank, "code": code, "tail": list(tail)})
 
     def _kill(self, meta: dict) -> None:
@@ -178,9 +218,10 @@ class Agent:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 pass
-        for relay in self.relays.values():
-            relay.close()
-        self.relays.clear()
+        for session in list(self.relays):
+            relay = self.relays.pop(session, None)
+            if relay is not None:  # a worker's _watch may have closed it meanwhile
+                relay.close()
 
     # -- model files ---------------------------------------------------------------------------------
 
@@ -188,9 +229,16 @@ class Agent:
         """The path of the file called `name` in this machine's model folders whose header matches the host's."""
         found = [os.path.join(root, name) for folder in self.folders for root, _, files in os.walk(folder)
                  if name in files]
+        unreadable = []
         for path in found:
-            if header_digest(path) == digest:
-                return path
+            try:
+                if header_digest(path) == digest:
+                    return path
+            except OSError as exc:  # one unreadable copy must not hide a good one elsewhere
+                unreadable.append(f"{path} ({exc.strerror or exc})")
+        if unreadable and len(unreadable) == len(found):
+            raise errors.ConfigError(f"the host {self.name} cannot read {', '.join(unreadable)}: let its agent's user "
+                                     f"read the file there.")
         if found:
             raise errors.ConfigError(f"the host {self.name} has {found[0]}, but it differs from this host's {name} "
                                      f"(another version or a damaged copy): copy the same file to {self.name}.")
@@ -264,8 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             why = agent.serve()
         except AuthRefused as exc:
-            log.error("ParaDiT agent %s: %s", name, exc)
-            return 2
+            if exc.reason in ("wrong_key", "replayed_or_forged", "not_paradit"):  # retrying cannot mend these
+                log.error("ParaDiT agent %s: %s", name, exc)
+                return 2
+            # A handshake that timed out or was cut (a host busy, restarting or frozen a moment): the agent exited
+            # for good here, so an agent "that comes back" needed a person after every host hiccup.
+            why = f"cannot join {args.join}: {exc}"
         except (OSError, EOFError) as exc:
             why = f"cannot reach {args.join} ({type(exc).__name__}: {exc})"
         # Refused (a namesake still connected, or another protocol): the host's sentence is in both logs; a

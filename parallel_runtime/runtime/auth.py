@@ -151,10 +151,16 @@ class SecureConnection:
             self._sock.sendall(chunk)
         self._sock.sendall(mac.digest())
 
-    def recv_bytes(self) -> bytes:
+    def recv_bytes(self, maxlength: int | None = None) -> bytes:
+        """The next frame's payload. `maxlength` (as multiprocessing's Connection): a frame announcing more is
+        refused before anything is allocated and the connection closed, so a peer that holds the key still cannot
+        make a reader that expects small messages allocate gigabytes."""
         (n,) = _LENGTH.unpack(self._read(_LENGTH.size))
         if n > MAX_FRAME_BYTES:
             self._drop(f"it announced a frame of {n} bytes")
+        if maxlength is not None and n > maxlength:
+            self.close()
+            raise OSError(f"it announced a message of {n} bytes where at most {maxlength} are expected")
         mac = self._frame_mac(self._recv_label, self._recv_seq)
         payload = self._read(n, mac)
         if not hmac.compare_digest(mac.digest(), self._read(MAC_BYTES)):
@@ -172,7 +178,18 @@ class SecureConnection:
     def fileno(self) -> int:
         return self._sock.fileno()
 
+    def shutdown(self) -> None:
+        """End the connection both ways, waking a thread blocked on it, without closing the descriptor (which another
+        thread may still be using; a closed one's number could be reused)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # never connected, already shut down, or closed
+
     def close(self) -> None:
+        # shutdown first: on Linux close() alone leaves another thread's blocked recv or sendall waiting forever
+        # (and the connection open); shutdown wakes it with end-of-stream or an error.
+        self.shutdown()
         self._sock.close()
 
     def _frame_mac(self, label: bytes, seq: int):

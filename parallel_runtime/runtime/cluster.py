@@ -31,6 +31,7 @@ import time
 import torch
 
 from .. import errors
+from ..distributed.portability import TIMED_OUT
 from .auth import AuthRefused, accept_handshake, connect_handshake
 from .protocol import Channel
 
@@ -39,10 +40,16 @@ AGENT_PING_S = 2.0  # how often the host pings each agent, and the agent answers
 AGENT_SILENCE_S = 10.0  # silence after which either side calls the other lost (a frozen host, a pulled cable)
 HANDSHAKE_S = 10.0  # the longest a connection may take to prove its key and say what it is
 PROBE_BYTES = 4 * 2**20  # sent twice per agent to measure the link (the first opens TCP's window)
+FIRST_MESSAGE_BYTES = 64 * 2**10  # what a connection says it is: a few names; more is refused unread
+AGENT_MESSAGE_BYTES = 2**20  # an agent's messages to the host (replies, output lines, exits) carry no tensors
+OUTPUT_LINE_CHARS = 500  # a worker output line as the host logs it
 LOCAL = "local"  # the host name of this machine's ranks
-RESERVED_NAMES = {"local", "all", "auto", "cpu", "cuda"}
+RESERVED_NAMES = {"local", "all", "auto", "cpu", "cuda", "gpu", "mps", "xpu"}  # device words, never host names
+DEVICE = re.compile(r"cpu|cuda:\d{1,3}")  # what an agent may offer (agent.py: parse_devices)
 NAME = re.compile(r"[a-z][a-z0-9.-]{0,62}")
 log = logging.getLogger("paradit")
+_FROZEN = (f"it stopped taking or finishing messages for {AGENT_SILENCE_S:.0f} s: the machine froze, lost power or "
+           f"dropped off the network")
 
 
 def check_agent_name(name: str) -> str:
@@ -68,7 +75,8 @@ class RankPlace:
 def split_devices(spec: str) -> tuple[str, dict[str, list[str]]]:
     """The local part of a devices string and each named host's entries, in order: '0,1,gpu-box-2:0,1' ->
     ('0,1', {'gpu-box-2': ['0', '1']}). An entry 'name:rest' switches to that host; the entries after it are that
-    host's until the next switch. 'all' is every joined host's every device (the local ones: 'auto')."""
+    host's until the next switch; a bare 'name' is that host's every device ('box-b' -> {'box-b': []}). 'all' is
+    every joined host's every device (the local ones: 'auto')."""
     local: list[str] = []
     hosts: dict[str, list[str]] = {}
     current = None
@@ -82,6 +90,11 @@ def split_devices(spec: str) -> tuple[str, dict[str, list[str]]]:
         if m and m.group(1) not in RESERVED_NAMES:
             current = m.group(1)
             entry = m.group(2)
+        elif NAME.fullmatch(entry) and entry not in RESERVED_NAMES:
+            # A host named alone: without this it fell to the local parser, whose sentence knows no hosts.
+            current = entry
+            hosts.setdefault(current, [])
+            continue
         if current is None:
             local.append(entry)
         else:
@@ -105,9 +118,13 @@ def place_ranks(spec: str, door: "FrontDoor | None") -> list[RankPlace]:
     if not wanted:
         return places
     if door is None:
-        raise errors.ConfigError(f"devices {spec!r} names other machines, but this host has no front door for their "
-                                 f"agents: set PARADIT_LISTEN (this machine's private address and a port, e.g. "
-                                 f"192.168.1.10:29600) and PARADIT_KEY_FILE, then restart ComfyUI.")
+        # Names both causes: a bare word (a typo of 'auto', say) reads as a machine's name too.
+        named = ", ".join(n for n in wanted if n != "*") or "every joined machine"
+        raise errors.ConfigError(f"devices {spec!r} names other machines ({named}), but this host has no front door "
+                                 f"for their agents: fix devices if that was meant as this machine's ('auto', GPU "
+                                 f"indices like 0,1, or cpu:N), else set PARADIT_LISTEN (this machine's private "
+                                 f"address and a port, e.g. 192.168.1.10:29600) and PARADIT_KEY_FILE, then restart "
+                                 f"ComfyUI.")
     if "*" in wanted:
         return places + [RankPlace(a.name, d) for a in door.live_agents() for d in a.devices]
     for name, entries in wanted.items():
@@ -144,7 +161,8 @@ class RemoteProcess:
         return self.poll()
 
     def kill(self) -> None:
-        self.agent.send("kill", {"session": self.session, "rank": self.rank})
+        if not self.ended.is_set():
+            self.agent.send("kill", {"session": self.session, "rank": self.rank})
 
 
 class AgentLink:
@@ -154,8 +172,8 @@ class AgentLink:
         self.door, self.chan, self.peer = door, chan, peer
         self.name = hello["name"]
         self.devices: list[str] = list(hello["devices"])
-        self.address = hello["address"]  # the agent's own address on the link to this host (its transfers bind there)
-        self.agent_id = hello["agent_id"]
+        self.address = str(hello.get("address", ""))  # the agent's address on the link to this host
+        self.agent_id = str(hello.get("agent_id", ""))
         self.joined = time.monotonic()
         self.heard = time.monotonic()
         self.lost_reason = ""
@@ -170,6 +188,9 @@ class AgentLink:
         return not self.lost_reason
 
     def start(self) -> None:
+        # Every send and every rest of a frame is bounded: a frozen agent (SIGSTOP, a pulled cable) must not hold a
+        # request's big send, or the channel's lock and with it the pings that would notice, forever.
+        bound_io(self.chan.conn, AGENT_SILENCE_S)
         threading.Thread(target=self._read, daemon=True, name=f"paradit-agent-{self.name}").start()
         threading.Thread(target=self._ping, daemon=True, name=f"paradit-agent-ping-{self.name}").start()
 
@@ -178,7 +199,7 @@ class AgentLink:
             try:
                 self.chan.send(kind, meta, tensors)
             except OSError as exc:
-                self.lose(f"its connection broke ({type(exc).__name__})")
+                self.lose(_FROZEN if isinstance(exc, TIMED_OUT) else f"its connection broke ({type(exc).__name__})")
 
     def request(self, kind: str, meta: dict | None = None, tensors: dict | None = None,
                 timeout_s: float = 60.0) -> dict:
@@ -189,16 +210,16 @@ class AgentLink:
             slot = self._replies[rid] = [threading.Event(), None]
         self.send(kind, dict(meta or {}, id=rid), tensors)
         deadline = time.monotonic() + timeout_s
-        while not slot[0].wait(0.1):
-            if not self.alive or time.monotonic() > deadline:
-                self._replies.pop(rid, None)
-                why = self.lost_reason or f"it did not answer {kind!r} within {timeout_s:.0f} s"
-                raise errors.WorkerError(f"the host {self.name} ({self.peer}) is unreachable: {why}; check that "
-                                         f"machine and its agent, then retry.")
+        while not slot[0].wait(0.1) and self.alive and time.monotonic() < deadline:
+            pass
         self._replies.pop(rid, None)
+        if slot[1] is None:  # lost (lose() wakes every waiting request) or timed out: no reply to unpack
+            why = self.lost_reason or f"it did not answer {kind!r} within {timeout_s:.0f} s"
+            raise errors.WorkerError(f"the host {self.name} ({self.peer}) is unreachable: {why}; check that "
+                                     f"machine and its agent, then retry.")
         reply_kind, reply = slot[1]
         if reply_kind == "error":
-            raise errors.ConfigError(reply["message"])
+            raise errors.ConfigError(_printable(str(reply.get("message")), 2000))
         return reply
 
     def pick_devices(self, entries: list[str]) -> list[str]:
@@ -210,7 +231,8 @@ class AgentLink:
                 picked += self.devices
             elif entry.isdigit() and f"cuda:{entry}" in self.devices:
                 picked.append(f"cuda:{entry}")
-            elif re.fullmatch(r"cpu(:\d+)?", entry):
+            elif re.fullmatch(r"cpu(:\d+)?", entry) and "cpu" in self.devices:
+                # An agent lends only what its --devices names: a GPU box lending its GPUs lends no CPU workers.
                 picked += ["cpu"] * int(entry.partition(":")[2] or 1)
             else:
                 raise errors.ConfigError(f"devices names {self.name}:{entry}, but {self.name}'s agent offers "
@@ -244,37 +266,57 @@ class AgentLink:
             try:
                 if not self.chan.poll(0.5):
                     continue
-                kind, meta, tensors = self.chan.recv()
-            except (EOFError, OSError, errors.ParaDiTError) as exc:
-                self.lose("its agent closed the connection" if isinstance(exc, EOFError)
-                          else f"its connection broke ({exc})")
+                kind, meta, tensors = self.chan.recv(maxlength=AGENT_MESSAGE_BYTES)
+                self.heard = time.monotonic()
+                self._handle(kind, meta)
+            except EOFError:
+                self.lose("its agent closed the connection")
                 return
-            self.heard = time.monotonic()
-            self._handle(kind, meta)
+            except (OSError, errors.ParaDiTError) as exc:
+                self.lose(_FROZEN if isinstance(exc, TIMED_OUT) else f"its connection broke ({exc})")
+                return
+            except Exception as exc:  # noqa: BLE001 - a message this host cannot read must not end the reader
+                # silently (the agent would look alive, unheard, for AGENT_SILENCE_S and its replies be lost).
+                self.lose(f"it sent a message this host cannot read ({type(exc).__name__}: {exc}): run the same "
+                          f"ParaDiT version on both machines")
+                return
 
     def _handle(self, kind: str, meta: dict) -> None:
-        if kind in ("reply", "error") and meta.get("id") in self._replies:
-            slot = self._replies[meta["id"]]
-            slot[1] = (kind, meta)
-            slot[0].set()
+        if kind in ("reply", "error"):
+            # .get: the request may have timed out and dropped its slot since this message was sent.
+            slot = self._replies.get(meta.get("id")) if isinstance(meta.get("id"), int) else None
+            if slot is not None:
+                slot[1] = (kind, meta)
+                slot[0].set()
         elif kind == "exited":
-            proc = self.processes.get((meta["session"], meta["rank"]))
+            # Popped: a runtime restarted many times must not keep every earlier worker's handle here.
+            proc = self.processes.pop((meta["session"], meta["rank"]), None)
             if proc is not None:
-                proc.tail.extend(meta.get("tail", ()))
-                proc.end(meta["code"])
+                proc.tail.extend(_printable(str(line), OUTPUT_LINE_CHARS) for line in list(meta.get("tail", ()))[-20:])
+                proc.end(int(meta["code"]))
         elif kind == "output":
+            line = _printable(str(meta["line"]), OUTPUT_LINE_CHARS)
             proc = self.processes.get((meta["session"], meta["rank"]))
             if proc is not None:
-                proc.tail.append(meta["line"])
-            log.info("[%s rank %s] %s", self.name, meta["rank"], meta["line"])
+                proc.tail.append(line)
+            log.info("[%s rank %s] %s", self.name, _printable(str(meta["rank"]), 8), line)
 
     def spawn(self, session: str, ranks: list[tuple[int, str]], world: int, threads: int) -> dict[int, RemoteProcess]:
         """Start this host's worker ranks for `session`; they connect back through the front door."""
-        reply = self.request("spawn", {"session": session, "world": world, "threads": threads,
-                                       "ranks": [[r, d] for r, d in ranks]})
-        procs = {}
+        # Registered before asking: a worker that dies at once can report its exit before the spawn's reply
+        # arrives, and an exit nobody waits for left the start waiting STARTUP_TIMEOUT_S for its connection.
+        procs = {rank: RemoteProcess(self, session, rank, None) for rank, _ in ranks}
+        self.processes.update({(session, rank): proc for rank, proc in procs.items()})
+        try:
+            reply = self.request("spawn", {"session": session, "world": world, "threads": threads,
+                                           "ranks": [[r, d] for r, d in ranks]})
+        except errors.ParaDiTError as exc:
+            for rank, proc in procs.items():
+                self.processes.pop((session, rank), None)
+                proc.end(None, str(exc))
+            raise
         for rank, pid in reply["pids"]:
-            procs[rank] = self.processes[(session, rank)] = RemoteProcess(self, session, rank, pid)
+            procs[rank].pid = pid
         return procs, reply["relay_port"]
 
     def measure_link(self) -> tuple[float, float]:
@@ -307,7 +349,7 @@ class FrontDoor:
 
     def __init__(self, listen: str, key: bytes):
         host, _, port = listen.rpartition(":")
-        if not host or not port.isdigit():
+        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:  # bind() raised OverflowError past 65535
             raise errors.ConfigError(f"PARADIT_LISTEN={listen!r} is not ADDRESS:PORT; name this machine's address on "
                                      f"the private network and a port, e.g. 192.168.1.10:29600.")
         self.key = key
@@ -326,6 +368,7 @@ class FrontDoor:
         self.refusals: collections.deque = collections.deque(maxlen=20)  # (time, sentence), newest last
         self._closed = False
         self._lock = threading.Lock()
+        self._joining: set[str] = set()  # names being welcomed: reserved, not yet published in self.agents
         threading.Thread(target=self._accept_loop, daemon=True, name="paradit-front-door").start()
 
     @property
@@ -334,15 +377,16 @@ class FrontDoor:
 
     def close(self) -> None:
         self._closed = True
-        try:
-            self.sock.close()
+        try:  # shutdown wakes the accept loop: after close() alone, Linux keeps the port listening until one more
+            self.sock.shutdown(socket.SHUT_RDWR)  # connection arrives, and admits that one
         except OSError:
             pass
+        self.sock.close()
         for agent in list(self.agents.values()):
             agent.lose("this host closed its front door")
 
     def live_agents(self) -> list[AgentLink]:
-        return [a for a in self.agents.values() if a.alive]
+        return [a for a in list(self.agents.values()) if a.alive]  # list(): _join may add one meanwhile
 
     def agent(self, name: str) -> AgentLink:
         """The joined agent `name`, or one sentence saying it has not joined (and what was last refused)."""
@@ -365,7 +409,9 @@ class FrontDoor:
         return session
 
     def close_session(self, token: str) -> None:
-        self.sessions.pop(token, None)
+        session = self.sessions.pop(token, None)
+        while session is not None and not session.connections.empty():
+            session.connections.get().close()  # workers that connected after their start was given up
 
     # -- connections ---------------------------------------------------------------------------------
 
@@ -375,6 +421,9 @@ class FrontDoor:
                 sock, addr = self.sock.accept()
             except OSError:
                 return
+            if self._closed:
+                sock.close()
+                return
             threading.Thread(target=self._admit, args=(sock, f"{addr[0]}:{addr[1]}"), daemon=True,
                              name="paradit-admit").start()
 
@@ -382,51 +431,82 @@ class FrontDoor:
         """Authenticate, read the one message that says what the connection is, hand it on (else close it)."""
         try:
             conn = accept_handshake(sock, self.key, timeout_s=HANDSHAKE_S)
-            chan = Channel(conn)
-            if not conn.poll(HANDSHAKE_S):
-                raise EOFError("said nothing after the handshake")
-            kind, meta, _ = chan.recv()
         except AuthRefused as exc:
             self.refuse(str(exc))
             sock.close()
             return
-        except (EOFError, OSError, ValueError, KeyError) as exc:
-            self.refuse(f"dropped a connection from {peer}: {type(exc).__name__} during its handshake")
-            sock.close()
+        chan = Channel(conn)
+        try:
+            # The first message too must arrive whole within the bound and be small: poll() alone let a peer that
+            # sent half a frame hold this thread forever, and one announcing gigabytes have them allocated.
+            bound_io(conn, HANDSHAKE_S)
+            if not conn.poll(HANDSHAKE_S):
+                raise TimeoutError(f"it said nothing within {HANDSHAKE_S:g} s of its handshake")
+            kind, meta, tensors = chan.recv(maxlength=FIRST_MESSAGE_BYTES)
+            if not isinstance(meta, dict) or tensors:
+                raise ValueError("its first message is not one a ParaDiT agent or worker sends")
+        except Exception as exc:  # noqa: BLE001 - whatever a peer sends ends in one refusal, never a dead thread
+            if isinstance(exc, TIMED_OUT) and not str(exc).startswith("it said"):  # SO_RCVTIMEO mid-frame
+                what = f"it sent only part of its first message within {HANDSHAKE_S:g} s"
+            else:
+                what = str(exc) if str(exc).startswith("it ") else f"{type(exc).__name__}: {exc}"
+            self.refuse(f"dropped a connection from {peer} after its handshake: {what}: run the same ParaDiT version "
+                        f"on both machines")
+            chan.close()
+            return
+        if self._closed:
+            chan.close()
             return
         try:
+            session = self.sessions.get(meta.get("session")) if isinstance(meta.get("session"), str) else None
             if kind == "agent":
                 self._join(chan, meta, peer)
-            elif kind == "worker" and meta.get("session") in self.sessions:
-                self.sessions[meta["session"]].connections.put(conn)
-            elif kind == "store" and meta.get("session") in self.sessions:
+            elif kind == "worker" and session is not None:
+                session.connections.put(conn)  # the client bounds its sends and reads (client._bound_io)
+            elif kind == "store" and session is not None:
                 from .relay import splice
 
-                store = socket.create_connection(("127.0.0.1", self.sessions[meta["session"]].store_port), timeout=10)
+                bound_io(conn, None)  # a store connection idles for the whole session: no receive timeout
+                store = socket.create_connection(("127.0.0.1", session.store_port), timeout=10)
                 store.settimeout(None)
                 splice(store, conn)
             else:
-                self.refuse(f"refused a {kind!r} connection from {peer}: it names no session this host runs (a stale "
-                            f"worker of an earlier start)")
+                self.refuse(f"refused a {_printable(str(kind), 40)!r} connection from {peer}: it names no session "
+                            f"this host runs (a stale worker of an earlier start, or another ParaDiT version)")
                 chan.close()
-        except (OSError, KeyError, TypeError) as exc:
-            self.refuse(f"dropped a {kind!r} connection from {peer}: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - as above
+            self.refuse(f"dropped a {_printable(str(kind), 40)!r} connection from {peer}: {type(exc).__name__}: {exc}")
             chan.close()
 
     def _join(self, chan: Channel, hello: dict, peer: str) -> None:
         """Register an agent, or refuse it in one sentence that reaches both sides' logs."""
-        problem = None
-        name = str(hello.get("name", ""))
-        if hello.get("protocol") != PROTOCOL:
-            problem = (f"the agent {name!r} at {peer} speaks ParaDiT protocol {hello.get('protocol')}, this host "
-                       f"{PROTOCOL}: run the same ParaDiT version on both machines")
-        else:
-            old = self.agents.get(name)
-            if old is not None and old.alive and time.monotonic() - old.heard < AGENT_SILENCE_S:
-                problem = (f"a second agent named {name!r} tried to join from {peer} while the one at {old.peer} is "
-                           f"connected: give each machine's agent its own --name")
-            elif old is not None:
-                old.lose(f"a new agent of that name joined from {peer}")
+        problem, old = None, None
+        name = _printable(str(hello.get("name", "")), 63)
+        devices = hello.get("devices")
+        # Under the lock: two namesakes joining at once both found no live one, and the first's link was orphaned
+        # (its threads and connection kept, its agent believing it had joined).
+        with self._lock:
+            if hello.get("protocol") != PROTOCOL:
+                problem = (f"the agent {name!r} at {peer} speaks ParaDiT protocol "
+                           f"{_printable(str(hello.get('protocol')), 20)}, this host {PROTOCOL}: run the same ParaDiT "
+                           f"version on both machines")
+            elif not NAME.fullmatch(name) or name in RESERVED_NAMES:
+                # The agent checks its own name; the host must too: 'local' or a name with ':' or spaces would make
+                # its devices unnameable or land on this machine's ranks.
+                problem = f"the agent at {peer} calls itself {name!r}, which cannot name a host: start it with --name"
+            elif not (isinstance(devices, list) and devices and all(isinstance(d, str) and DEVICE.fullmatch(d)
+                                                                     for d in devices)):
+                problem = (f"the agent {name!r} at {peer} offers no devices this host understands "
+                           f"({_printable(str(devices), 80)}): run the same ParaDiT version on both machines")
+            else:
+                old = self.agents.get(name)
+                if name in self._joining or (old is not None and old.alive
+                                             and time.monotonic() - old.heard < AGENT_SILENCE_S):
+                    where = old.peer if old is not None and old.alive else "another address"
+                    problem = (f"a second agent named {name!r} tried to join from {peer} while the one at {where} "
+                               f"is connected: give each machine's agent its own --name")
+                else:
+                    self._joining.add(name)
         if problem:
             self.refuse(problem)
             try:
@@ -435,18 +515,30 @@ class FrontDoor:
                 pass
             chan.close()
             return
-        agent = AgentLink(self, chan, hello, peer)
-        chan.send("welcome", {"host": socket.gethostname(), "listen": self.listen})
-        with self._lock:
-            self.agents[name] = agent
-        agent.start()
+        # Published only once welcomed and read: a request sent to it before its welcome (a prompt starting right
+        # then) reached the agent first, which took it for a refusal.
+        agent = AgentLink(self, chan, dict(hello, name=name), peer)
+        try:
+            if old is not None:
+                old.lose(f"a new agent of that name joined from {peer}")
+            chan.send("welcome", {"host": socket.gethostname(), "listen": self.listen})
+            agent.start()
+            with self._lock:
+                self.agents[name] = agent
+        except OSError as exc:
+            agent.lose(f"its connection broke as it joined ({exc})")
+            return
+        finally:
+            with self._lock:
+                self._joining.discard(name)
         log.info("ParaDiT: the host %s joined from %s with %s.", name, peer, ", ".join(agent.devices))
 
     def status(self) -> dict:
         return {"listen": self.listen,
                 "agents": [{"name": a.name, "peer": a.peer, "devices": a.devices, "alive": a.alive,
                             "lost": a.lost_reason or None,
-                            "link_mb_s": round(a.link[1] / 1e6, 1) if a.link else None} for a in self.agents.values()],
+                            "link_mb_s": round(a.link[1] / 1e6, 1) if a.link else None}
+                           for a in list(self.agents.values())],
                 "refusals": [sentence for _, sentence in list(self.refusals)[-5:]]}
 
 
@@ -487,6 +579,27 @@ def close_front_door() -> None:
         if _DOOR is not None:
             _DOOR.close()
         _DOOR = None
+
+
+def bound_io(conn, seconds: float | None) -> None:
+    """Bound each send and each read on a connection's socket to `seconds` without progress (None: unbounded):
+    SO_SNDTIMEO / SO_RCVTIMEO, as client._bound_io does for the workers' channels."""
+    from ..distributed.portability import socket_timeout
+
+    value = socket_timeout(seconds) if seconds else (0 if os.name == "nt" else socket_timeout(0))
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        sock.setblocking(True)  # a host's socket.setdefaulttimeout() would make the new object non-blocking
+    finally:
+        sock.detach()
+
+
+def _printable(text: str, limit: int) -> str:
+    """`text` as one log line of at most `limit` characters: an agent's output or message may hold newlines or
+    terminal escapes, which must not forge lines in this host's log."""
+    return "".join(c if c.isprintable() else " " for c in text[:limit])
 
 
 def connect_to(address: str, key: bytes, timeout_s: float = HANDSHAKE_S):

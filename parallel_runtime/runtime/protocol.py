@@ -65,8 +65,9 @@ class Channel:
         with self._lock:
             self.conn.send_bytes(data)
 
-    def recv(self) -> tuple[str, dict, dict]:
-        return decode(self.conn.recv_bytes())
+    def recv(self, maxlength: int | None = None) -> tuple[str, dict, dict]:
+        """The next message; with `maxlength`, a longer one is refused unread (a reader that expects small ones)."""
+        return decode(self.conn.recv_bytes() if maxlength is None else self.conn.recv_bytes(maxlength))
 
     def poll(self, timeout: float = 0.0) -> bool:
         return self.conn.poll(timeout)

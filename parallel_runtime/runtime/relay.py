@@ -17,6 +17,12 @@ def splice(plain: socket.socket, secure) -> None:
     """Copy bytes both ways between a plain socket and an authenticated connection until either side closes; returns
     at once (two daemon threads do the copying)."""
     def close_both():
+        # shutdown before close: the other direction's thread may be blocked in recv or sendall on either end, and
+        # Linux wakes it only for a shutdown (secure.close() shuts down too), so no relay thread outlives its pair.
+        try:
+            plain.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         for end in (plain, secure):
             try:
                 end.close()
@@ -37,7 +43,9 @@ def splice(plain: socket.socket, secure) -> None:
     def secure_to_plain():
         try:
             while True:
-                plain.sendall(secure.recv_bytes())
+                # Both ends' relays send at most CHUNK per frame: a longer one is refused unread (the key's holder
+                # still cannot make this side allocate gigabytes).
+                plain.sendall(secure.recv_bytes(CHUNK))
         except (OSError, EOFError, ValueError, RuntimeError):
             pass  # a closed end, or a frame that failed its check (AuthRefused): either way the relay ends
         close_both()
@@ -65,6 +73,9 @@ class StoreRelay:
                 local, _ = self.sock.accept()
             except OSError:
                 return
+            if self._closed:
+                local.close()
+                return
             try:
                 splice(local, self.connect())
             except (OSError, EOFError, RuntimeError, ValueError):
@@ -72,7 +83,8 @@ class StoreRelay:
 
     def close(self) -> None:
         self._closed = True
-        try:
-            self.sock.close()
+        try:  # shutdown wakes the accept loop; close() alone left the port listening until one more connection
+            self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self.sock.close()
