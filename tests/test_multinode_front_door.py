@@ -563,3 +563,18 @@ def test_multinode_big_request_to_a_frozen_agent_ends_in_its_sentence(door, raw_
     assert str(frozen.value).startswith(f"the host box-b ({link.peer}) is unreachable: it stopped ")
     assert str(frozen.value).endswith(": the machine froze, lost power or dropped off the network; check that machine "
                                       "and its agent, then retry.")
+
+
+def test_multinode_a_broken_link_across_machines_names_the_network_not_the_gpus(monkeypatch):
+    """The startup link check's sentence on a runtime spanning machines (PARADIT_MULTIHOST, set by the client and the
+    agents) points at the machines' firewalls and the ports page, and names the rank by its machine."""
+    import torch
+
+    from parallel_runtime.runtime import links
+
+    monkeypatch.setenv("PARADIT_MULTIHOST", "1")
+    sentence = links._broken_link(2, "box-b cuda:0", "nccl", "got no answer within 30 s")
+    assert sentence.startswith("at startup, rank 2 (box-b cuda:0) got no answer within 30 s")
+    assert "firewalls" in sentence and "docs/multinode.md" in sentence and "P2P" not in sentence
+    monkeypatch.delenv("PARADIT_MULTIHOST")
+    assert "NCCL_P2P_DISABLE" in links._broken_link(2, torch.device("cuda", 0), "nccl", "got no answer")

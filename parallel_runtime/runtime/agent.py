@@ -163,7 +163,7 @@ class Agent:
                     module_command("parallel_runtime.runtime.worker", _PACKAGE_ROOT)
                     + ["--rank", str(int(rank)), "--world", str(int(meta["world"])), "--device", str(device),
                        "--join", self.join, "--session", str(session), "--threads", str(threads),
-                       "--parent-pid", str(os.getpid())],
+                       "--parent-pid", str(os.getpid()), "--host", self.name],
                     stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=_PACKAGE_ROOT)
                 self.procs[(session, rank)] = proc
                 threading.Thread(target=self._watch, args=(session, rank, proc), daemon=True).start()
@@ -265,6 +265,7 @@ def _worker_env(address: str, threads: int) -> dict:
     if interface:  # the process group's transfers bind to the link towards the host, nowhere else
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = interface
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    env["PARADIT_MULTIHOST"] = "1"  # a broken link is then the machines' network (runtime/links.py)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(threads)
     return env

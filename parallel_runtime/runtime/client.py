@@ -242,7 +242,7 @@ class RuntimeClient:
         # The transfers bind to loopback, or (with ranks on other machines) to the front door's interface only.
         interface = interface_of(front_door().address[0]) if self.remote else loopback_interface()
         if self.remote:
-            env["PARADIT_CLIENT_STORE"] = "1"
+            env["PARADIT_CLIENT_STORE"] = env["PARADIT_MULTIHOST"] = "1"
             if interface:
                 env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = interface
         elif interface:

@@ -40,7 +40,8 @@ def p2p_disabled() -> bool:
     return os.environ.get("NCCL_P2P_DISABLE", "0").strip() not in ("", "0")
 
 
-def check_links(rank: int, world: int, device: torch.device, backend: str, timeout_s: float = CHECK_TIMEOUT_S):
+def check_links(rank: int, world: int, device: torch.device, backend: str, timeout_s: float = CHECK_TIMEOUT_S,
+                label: str | None = None):
     """Exchange PROBE_BYTES with every other rank (one all_to_all_single on the default group) and check what
     arrived; returns None, or the sentence that says why the workers cannot run a job and what to do."""
     import torch.distributed as dist
@@ -53,17 +54,20 @@ def check_links(rank: int, world: int, device: torch.device, backend: str, timeo
     deadline = time.monotonic() + timeout_s
     while not work.is_completed():
         if time.monotonic() > deadline:
-            return _broken_link(rank, device, backend, f"got no answer within {timeout_s:g} s")
+            return _broken_link(rank, label or device, backend, f"got no answer within {timeout_s:g} s")
         time.sleep(0.005)
     work.wait()
     expected = (torch.arange(world, device=device, dtype=torch.float32) * world + rank).repeat_interleave(n)
     if not torch.equal(recv, expected):
-        return _broken_link(rank, device, backend, "received corrupted data")
+        return _broken_link(rank, label or device, backend, "received corrupted data")
     return None
 
 
-def _broken_link(rank: int, device: torch.device, backend: str, what: str) -> str:
+def _broken_link(rank: int, device, backend: str, what: str) -> str:
     start = f"at startup, rank {rank} ({device}) {what} in a {PROBE_BYTES // 1024} KiB test exchange with its peers"
+    if os.environ.get("PARADIT_MULTIHOST"):  # ranks on several machines (set by the client and the agents)
+        return (f"{start} across the machines' network: check that their firewalls let the workers connect to each "
+                f"other on the runtime's interfaces (docs/multinode.md, 'What listens, where'), then retry.")
     if backend != "nccl":
         return (f"{start} over loopback TCP (127.0.0.1): check that no firewall, VPN or security tool blocks local "
                 f"connections between Python processes, then retry.")

@@ -59,9 +59,12 @@ class ResidentModel:
 class WorkerState:
     """The models this worker holds and the process groups it has built, reused across jobs."""
 
-    def __init__(self, rank: int, world: int, device: torch.device, collective_timeout: timedelta | None = None):
-        """`collective_timeout`: every process group's (the default group's too); None for one rank, which has none."""
+    def __init__(self, rank: int, world: int, device: torch.device, collective_timeout: timedelta | None = None,
+                 label: str | None = None):
+        """`collective_timeout`: every process group's (the default group's too); None for one rank, which has none.
+        `label`: what messages call the device ("box-b cuda:0" on another machine; the device itself here)."""
         self.rank, self.world, self.device = rank, world, device
+        self.label = label or str(device)
         self.collective_timeout = collective_timeout
         self.parked: collections.OrderedDict = collections.OrderedDict()  # key -> ResidentModel, least recent first
         self.released: list[str] = []  # models this job's load released to make room (its stats report them)
@@ -486,12 +489,12 @@ def _error_meta(exc: BaseException, state: WorkerState, phase: str) -> dict:
 
             free_b, total_b = device_memory(state.device)  # the cached blocks no tensor uses count as free
             free = f" ({free_b / 2**30:.1f} of {total_b / 2**30:.1f} GB free)"
-        message = (f"rank {state.rank} ({state.device}) ran out of memory {when}{free}; lower the resolution or batch, "
+        message = (f"rank {state.rank} ({state.label}) ran out of memory {when}{free}; lower the resolution or batch, "
                    f"pick weight_dtype bf16, or raise pipefusion_degree so each device holds fewer blocks.")
     elif isinstance(exc, ParaDiTError):
         kind, message = type(exc).__name__, str(exc)
     else:
-        kind, message = "WorkerError", f"rank {state.rank} ({state.device}) failed {when}: {type(exc).__name__}: {exc}"
+        kind, message = "WorkerError", f"rank {state.rank} ({state.label}) failed {when}: {type(exc).__name__}: {exc}"
     return {"type": kind, "message": message, "phase": phase, "rank": state.rank,
             "traceback": traceback.format_exc(limit=20)}
 
@@ -604,9 +607,11 @@ def main(argv: list[str] | None = None) -> None:
     control.add_argument("--join", help="a host's front door, ADDRESS:PORT (a worker its agent started: cluster.py)")
     ap.add_argument("--session", default="", help="with --join: the runtime start this worker belongs to")
     ap.add_argument("--parent-pid", type=int, default=None, help="with --join: its agent, whose end ends it too")
+    ap.add_argument("--host", default=None, help="with --join: this machine's name in the runtime, for messages")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--core", type=int, default=None, help="pin this worker to one CPU core (devices cpu:K,...)")
     args = ap.parse_args(argv)
+    label = f"{args.host} {args.device}" if args.host else args.device
     if args.core is not None:
         pin_to_core(args.core)  # before torch starts its threads, so they inherit it
 
@@ -659,7 +664,7 @@ def main(argv: list[str] | None = None) -> None:
                                 world_size=args.world, timeout=collective_timeout,
                                 **({"device_id": device} if backend == "nccl" else {}))
         FAULTS.maybe("link_silent", args.rank)
-        broken = check_links(args.rank, args.world, device, backend)
+        broken = check_links(args.rank, args.world, device, backend, label=label)
         if broken:
             # A transfer may be stuck in the group: say why, then let the client end this process.
             chan.send("error", {"type": "WorkerError", "message": broken, "phase": "start", "rank": args.rank})
@@ -670,7 +675,7 @@ def main(argv: list[str] | None = None) -> None:
             os._exit(1)
     chan.send("ready", {"rank": args.rank})
     try:
-        serve(WorkerState(args.rank, args.world, device, collective_timeout), chan, meta["heartbeat_s"])
+        serve(WorkerState(args.rank, args.world, device, collective_timeout, label), chan, meta["heartbeat_s"])
     except BaseException:  # noqa: BLE001
         # Whatever escapes (a failing cleanup, a send to a vanished client) must end the process: a live
         # worker whose main thread is gone would look healthy to pings yet never run a job.
