@@ -74,8 +74,17 @@ def rank_labels(devices: str) -> tuple[list[str], str | None]:
     a notice to show before anything loads. What the runtime refuses is refused here, in its sentence and before a
     prompt starts: several GPUs where torch has no NCCL, a machine whose agent has not joined."""
     from parallel_runtime.distributed.devices import runtime_devices
-    from parallel_runtime.runtime.cluster import names_remote, place_ranks
+    from parallel_runtime.errors import ConfigError
+    from parallel_runtime.runtime.cluster import names_a_machine, names_remote, place_ranks
 
     if not names_remote(devices):
         return runtime_devices(devices)
-    return [place.label for place in place_ranks(devices, front_door.door())], None
+    try:
+        door = front_door.door()
+    except ConfigError:
+        if not names_a_machine(devices):
+            # Only bare words and no front door: a typo of this machine's devices ('atuo') is what that most likely
+            # is, and the local parser's sentence says what is valid here.
+            return runtime_devices(devices)
+        raise
+    return [place.label for place in place_ranks(devices, door)], None

@@ -106,6 +106,16 @@ def names_remote(spec: str) -> bool:
     return bool(split_devices(spec)[1])
 
 
+def names_a_machine(spec: str) -> bool:
+    """Whether a devices string names another machine beyond doubt ('NAME:...' or 'all'), rather than only by a
+    bare word, which may as well be a typo of this machine's devices ('atuo')."""
+    for entry in [e.strip() for e in (spec or "").strip().lower().split(",")]:
+        m = re.fullmatch(r"([a-z][a-z0-9.-]*):(.+)", entry)
+        if entry == "all" or (m and m.group(1) not in RESERVED_NAMES):
+            return True
+    return False
+
+
 def place_ranks(spec: str, door: "FrontDoor | None") -> list[RankPlace]:
     """Every rank's place for a devices string: the local devices first (as the local runtime parses them), then
     each named host's, from what its agent reported when it joined. A host that has not joined is one sentence."""

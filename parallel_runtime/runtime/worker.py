@@ -594,9 +594,7 @@ def serve(state: WorkerState, chan: Channel, heartbeat_s: float) -> None:
                 state.end_job()
 
 
-def main(argv: list[str] | None = None) -> None:
-    from multiprocessing.connection import Client
-
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="ParaDiT worker (started by the runtime client)")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
@@ -610,7 +608,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default=None, help="with --join: this machine's name in the runtime, for messages")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--core", type=int, default=None, help="pin this worker to one CPU core (devices cpu:K,...)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _control_channel(args: argparse.Namespace, authkey: bytes) -> Channel:
+    """The authenticated channel to the client: its AF_UNIX socket or loopback port, or (a worker on another
+    machine) the host's front door, which hands the connection to the session's client."""
+    from multiprocessing.connection import Client
+
+    if args.socket is not None:
+        return Channel(Client(args.socket, family="AF_UNIX", authkey=authkey))
+    if args.join is not None:
+        from .cluster import connect_to
+
+        _end_with_parent(args.parent_pid)
+        chan = Channel(connect_to(args.join, authkey))
+        chan.send("worker", {"session": args.session, "rank": args.rank})
+        return chan
+    return Channel(Client(("127.0.0.1", args.port), family="AF_INET", authkey=authkey))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _arguments(argv)
     label = f"{args.host} {args.device}" if args.host else args.device
     if args.core is not None:
         pin_to_core(args.core)  # before torch starts its threads, so they inherit it
@@ -621,16 +640,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if args.socket is not None:
-        chan = Channel(Client(args.socket, family="AF_UNIX", authkey=authkey))
-    elif args.join is not None:
-        from .cluster import connect_to
-
-        _end_with_parent(args.parent_pid)
-        chan = Channel(connect_to(args.join, authkey))
-        chan.send("worker", {"session": args.session, "rank": args.rank})
-    else:
-        chan = Channel(Client(("127.0.0.1", args.port), family="AF_INET", authkey=authkey))
+    chan = _control_channel(args, authkey)
     FAULTS.maybe("die_starting", args.rank)
 
     import torch.distributed as dist
