@@ -1,0 +1,225 @@
+"""MiniMax-H3 on the workers' family seam: detection and refusals, the packed sequence against diffusers' own layout
+builder, the serial model against diffusers' MiniMaxH3Transformer3DModel on the same file (both layouts), and the
+exact sequence splits (Ulysses, Ring, their hybrid) of the packed [text | conditioning | audio | video] sequence on
+loopback ranks, with the audio and the video rows split together.
+
+The reference is diffusers' own model, loaded through diffusers' own single-file converter
+(convert_minimax_h3_transformer_checkpoint_to_diffusers), and fed the layout diffusers' modular pipeline builds
+(MiniMaxH3PrepareLayoutStep.build_packed_sequence, MiniMaxH3SetTimestepsStep.build_row_timesteps), so it shares nothing with the family module
+but the file.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import pathlib
+import types
+
+import numpy
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import rel_err
+from loopback import Fabric, loopback_comm, on_ranks
+from parallel_runtime.errors import ModelFileError
+from parallel_runtime.models.families import minimax_h3 as h3
+from parallel_runtime.models.registry import detect_family
+from parallel_runtime.models.tiny import write_checkpoint
+from parallel_runtime.strategies.attention.processor import AttentionContext
+from parallel_runtime.validate import model_config
+
+pytestmark = pytest.mark.timeout(600)
+
+# 4 heads of 128 (every H3's head size; 4 x 128 wider than the residual's 96, as the real 56 x 128 over 5376), 2
+# blocks, the refiner's 2, 16 rotary frequencies per axis (96 of the 128 head channels rotate, as in the real one).
+TINY = h3.MiniMaxH3Config(hidden_size=96, num_layers=2, num_heads=4, head_dim=128, ffn_dim=160, text_dim=48,
+                          freq_dim=32, time_embed_hidden=64, time_embed_dim=48)
+T, H, W = 3, 4, 6  # latent frames x height x width: 3 x 2 x 3 = 18 video rows
+AUDIO_T = 5  # audio latent frames: 10 audio rows (two channels)
+TEXT_LEN = 7
+SIGMA = 0.7
+# One fp32 forward in another op order than the reference: ~1e-7 measured; exact strategies reorder sums the same way.
+SERIAL_RTOL, EXACT_RTOL = 1e-5, 1e-5
+
+
+@pytest.fixture(scope="module")
+def h3_path(tmp_path_factory):
+    return write_checkpoint(str(tmp_path_factory.mktemp("h3") / "minimax_h3_tiny.safetensors"), TINY, seed=1,
+                            layout="minimax")
+
+
+@pytest.fixture(scope="module")
+def diffusers_path(h3_path, tmp_path_factory):
+    """The same numbers in diffusers' names, written by diffusers' own converter."""
+    from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
+
+    sd = convert_minimax_h3_transformer_checkpoint_to_diffusers(load_file(h3_path), TINY.diffusers_kwargs())
+    path = str(tmp_path_factory.mktemp("h3-diffusers") / "transformer.safetensors")
+    save_file({"transformer." + k: v.contiguous() for k, v in sd.items()}, path)
+    return path
+
+
+def inputs(seed: int = 0, batch: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, TEXT_LEN, TINY.text_dim, generator=g), torch.randn(batch, 24, T, H, W, generator=g),
+            torch.randn(batch, 32, 2, AUDIO_T, generator=g), torch.randn(1, 24, 1, H, W, generator=g))
+
+
+# -- the reference: diffusers' model on diffusers' layout -------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def diffusers_layout() -> types.SimpleNamespace:
+    """diffusers' own layout code (modular_pipelines/minimax_h3/before_denoise.py: the module-level grid helpers and
+    the two static builders), read from its source: the package imports transformers' pipeline pieces this venv
+    lacks, the builders themselves only numpy and torch."""
+    import diffusers
+
+    path = pathlib.Path(diffusers.__file__).parent / "modular_pipelines" / "minimax_h3" / "before_denoise.py"
+    tree = ast.parse(path.read_text())
+    keep = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and all(getattr(t, "id", "").startswith("_ROPE_") for t in node.targets):
+            keep.append(node)
+        elif isinstance(node, ast.FunctionDef):
+            keep.append(node)
+        elif isinstance(node, ast.ClassDef) and node.name in ("MiniMaxH3PrepareLayoutStep",
+                                                             "MiniMaxH3SetTimestepsStep"):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name in ("build_packed_sequence", "build_row_timesteps"):
+                    item.decorator_list = []
+                    keep.append(item)
+    namespace = {"np": numpy, "torch": torch}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(path), "exec"), namespace)  # noqa: S102 - diffusers' code
+    assert {"build_packed_sequence", "build_row_timesteps", "patchify_video_latents"} <= set(namespace)
+    return types.SimpleNamespace(**namespace)
+
+
+
+@torch.no_grad()
+def diffusers_call(path: str, cond, video, audio, keyframe=None, text_tags=None, sigma: float = SIGMA) -> dict:
+    from diffusers import MiniMaxH3Transformer3DModel
+    from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
+    layout = diffusers_layout()
+    model = MiniMaxH3Transformer3DModel(**TINY.diffusers_kwargs()).eval()
+    sd = convert_minimax_h3_transformer_checkpoint_to_diffusers(load_file(path), TINY.diffusers_kwargs())
+    model.load_state_dict(sd, strict=True)
+    tags = torch.ones(TEXT_LEN, dtype=torch.long) if text_tags is None else text_tags
+    anchors = ("first",) if keyframe is not None else ()
+    pos, token_tags, vid_idx, aud_idx, txt_idx, cond_rows, _ = layout.build_packed_sequence(
+        tags, T, H, W, AUDIO_T, (1, 2, 2), 2, 2, 0, keyframe_anchors=anchors)
+    t_v, t_a = 1.0 - sigma, 1.0 - float(h3.time_shift(torch.tensor(sigma, dtype=torch.float64), 12.0, 3.0))
+    timestep, t_idx = layout.build_row_timesteps(
+        vid_idx, aud_idx, cond_rows, 0, TEXT_LEN, t_v, t_a, max(t_v, 0.999), 1.0)
+    rows = layout.patchify_video_latents(video, (1, 2, 2)).reshape(video.shape[0], -1, 96)
+    if keyframe is not None:
+        rows = torch.cat([layout.patchify_video_latents(keyframe, (1, 2, 2))[None].expand(video.shape[0], -1, -1), rows], 1)
+    audio_rows = audio.permute(0, 2, 3, 1).reshape(audio.shape[0], -1, 32)  # channel-major stereo rows
+    out = model(hidden_states=rows, audio_hidden_states=audio_rows, encoder_hidden_states=cond, timestep=timestep,
+                timestep_indices=t_idx, token_tags=token_tags, position_ids=pos, video_indices=vid_idx,
+                audio_indices=aud_idx, text_indices=txt_idx)
+    return {"video": out.sample[:, cond_rows:], "audio": out.audio_sample}
+
+
+def build_adapter(path: str, context: AttentionContext | None = None):
+    from parallel_runtime.weights.checkpoint import open_checkpoint
+
+    with open_checkpoint(path) as reader:
+        family, match = detect_family(reader.keys())
+        config = family.infer_config(reader, match, "h3")
+        model = family.build(config, reader, match, lambda name: True, torch.float32, torch.device("cpu"))
+    return family.adapter(config, model, [range(config.num_layers)], context or AttentionContext())
+
+
+def sequence(keyframe=None, text_tags=None) -> h3.PackedSequence:
+    keyframes = (h3.Keyframe(keyframe, 0),) if keyframe is not None else ()
+    return h3.pack_sequence(TEXT_LEN, (T, H, W), AUDIO_T, keyframes=keyframes, text_tags=text_tags)
+
+
+@torch.no_grad()
+def serial_call(adapter, seq, cond, video, audio) -> dict:
+    out = adapter.forward_rows(seq, torch.arange(seq.seq_len), cond, video, audio, h3.call_timesteps(SIGMA))
+    assert torch.equal(out["video_index"], torch.arange(T * 6)) and torch.equal(out["audio_index"], torch.arange(10))
+    return out
+
+
+# -- detection and refusals ------------------------------------------------------------------------------------
+
+
+def test_files_are_detected_in_both_layouts(h3_path, diffusers_path):
+    from parallel_runtime.weights.checkpoint import open_checkpoint
+
+    for path, layout, prefix in ((h3_path, "minimax", ""), (diffusers_path, "diffusers", "transformer.")):
+        with open_checkpoint(path) as reader:
+            family, match = detect_family(reader.keys())
+        assert (family.name, match.layout, match.prefix) == ("minimax_h3", layout, prefix)
+        assert model_config(path) == TINY
+    assert TINY.title == "MiniMax-H3 96-wide" and TINY.video_patch_dim == 96
+
+
+def test_pruned_and_pdd_files_are_refused_in_one_sentence(h3_path, tmp_path):
+    sd = load_file(h3_path)
+    pruned = {k: v for k, v in sd.items() if not k.startswith("time_embedder.")}
+    pruned["adaln_t_table"] = torch.zeros(1025, TINY.time_embed_dim)
+    save_file(pruned, str(tmp_path / "minimax_h3_fl2va_pruned_int8_convrot.safetensors"))
+    with pytest.raises(ModelFileError, match=r"^minimax_h3_fl2va_pruned_int8_convrot.safetensors is a curve-form "
+                                             r"\(pruned\) MiniMax-H3 file, .* UNETLoader or choose an unpruned"):
+        model_config(str(tmp_path / "minimax_h3_fl2va_pruned_int8_convrot.safetensors"))
+    pdd = dict(sd)
+    pdd["final_layer.video_out.weight"] = torch.zeros(4 * 96, 96)
+    save_file(pdd, str(tmp_path / "fasth3_pdd.safetensors"))
+    with pytest.raises(ModelFileError, match=r"PDD head bank \(4 stacked output heads"):
+        model_config(str(tmp_path / "fasth3_pdd.safetensors"))
+
+
+# -- the packed sequence ------------------------------------------------------------------------------------------
+
+
+def test_packed_sequence_equals_diffusers_layout_builder():
+    """Positions, tags and timesteps per row as diffusers' modular pipeline builds them (t2va and fl2va)."""
+    layout = diffusers_layout()
+    keyframe = torch.zeros(1, 24, 1, H, W)
+    tags = torch.tensor([1, 1, 0, 0, 1, 1, 1])  # a keyframe's vision tokens in the prompt carry the video's tag
+    for kf, anchors in ((None, ()), (keyframe, ("first",))):
+        seq = sequence(kf, text_tags=tags)
+        pos, token_tags, vid_idx, aud_idx, _, cond_rows, _ = layout.build_packed_sequence(
+            tags, T, H, W, AUDIO_T, (1, 2, 2), 2, 2, 0, keyframe_anchors=anchors)
+        # ComfyUI's grid (followed here) is arange * (ratio / n) + left, diffusers' numpy's linspace: 1 ulp apart
+        # at some w (4e-15), gone in the float32 RoPE angles both compute.
+        assert torch.allclose(seq.positions, pos, rtol=0, atol=1e-13) and torch.equal(seq.modality, token_tags)
+        assert torch.equal(seq.target["audio"], aud_idx) and torch.equal(seq.target["video"], vid_idx[cond_rows:])
+        class_t = h3.call_timesteps(SIGMA)
+        distinct, mod_rows, t_index = h3.modulation_rows(seq, class_t)
+        theirs, their_index = layout.build_row_timesteps(
+            vid_idx, aud_idx, cond_rows, 0, TEXT_LEN, *class_t[:3].tolist(), 1.0)
+        assert torch.allclose(distinct.float(), theirs) and torch.equal(t_index, their_index)
+        assert torch.equal(mod_rows, their_index * 3 + token_tags)
+
+
+# -- one worker = diffusers --------------------------------------------------------------------------------------
+
+
+def test_one_worker_equals_diffusers_in_both_layouts(h3_path, diffusers_path):
+    cond, video, audio, _ = inputs()
+    reference = diffusers_call(h3_path, cond, video, audio)
+    assert torch.isfinite(reference["video"]).all() and reference["video"].abs().mean() > 0.1
+    for path in (h3_path, diffusers_path):
+        out = serial_call(build_adapter(path), sequence(), cond, video, audio)
+        for stream in ("video", "audio"):
+            err = rel_err(out[stream], reference[stream])
+            print(f"\n{path.rsplit('/', 1)[1]} {stream}: rel L2 {err:.1e}")
+            assert err < SERIAL_RTOL, (path, stream)
+
+
+def test_first_frame_keyframe_and_mixed_text_tags_equal_diffusers(h3_path):
+    """fl2va: the keyframe's rows before the audio at the conditioning timestep, read by no head; the prompt's
+    vision-token rows modulated as video."""
+    cond, video, audio, keyframe = inputs(seed=2)
+    tags = torch.tensor([1, 1, 0, 0, 1, 1, 1])
+    reference = diffusers_call(h3_path, cond, video, audio, keyframe=keyframe, text_tags=tags)
+    out = serial_call(build_adapter(h3_path), sequence(keyframe, tags), cond, video, audio)
+    plain = serial_call(build_adapter(h3_path), sequence(), cond, video, audio)
+    for stream in ("video", "audio"):
+        assert rel_err(out[stream], reference[stream]) < SERIAL_RTOL, stream
+        assert rel_err(out[stream], plain[stream]) > 1e-2  # the keyframe and the tags matter
