@@ -223,3 +223,80 @@ def test_first_frame_keyframe_and_mixed_text_tags_equal_diffusers(h3_path):
     for stream in ("video", "audio"):
         assert rel_err(out[stream], reference[stream]) < SERIAL_RTOL, stream
         assert rel_err(out[stream], plain[stream]) > 1e-2  # the keyframe and the tags matter
+
+
+# -- the exact sequence splits ------------------------------------------------------------------------------------
+
+# 40 audio rows beside 18 video rows in a 71-row sequence: 2 shards cut the audio rows, 4 the audio and the video rows.
+LONG_AUDIO_T = 20
+
+
+@pytest.fixture
+def one_thread_per_rank():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def split_call(path: str, topology, seq, cond, video, audio) -> dict:
+    """Every rank of `topology` (Ulysses x Ring, on loopback ranks over the real Comm) runs the model on its contiguous
+    shard of the packed sequence, as the Denoiser orders shards (ring-major, then Ulysses); the target rows gathered."""
+    from parallel_runtime.strategies.attention import LocalAttention, RingAttention, UlyssesAttention
+
+    shards = torch.arange(seq.seq_len).tensor_split(topology.sp)
+    lengths = [len(s) for s in shards]
+    adapters = [build_adapter(path) for _ in range(topology.world_size)]
+    fabric = Fabric(topology.world_size)
+
+    def rank(r: int) -> dict:
+        comm = loopback_comm(fabric, topology, r, "cpu")
+        coords, u = topology.coords(r), topology.ulysses
+        ring_members = [sum(lengths[k * u:(k + 1) * u]) for k in range(topology.ring)]
+        attention = RingAttention(comm, comm.group("ring"), ring_members) if topology.ring > 1 else LocalAttention()
+        if u > 1:
+            mine = lengths[coords["ring"] * u:(coords["ring"] + 1) * u]
+            attention = UlyssesAttention(comm, comm.group("ulysses"), mine, attention)
+        adapters[r].context.attention = attention
+        with torch.no_grad():
+            return adapters[r].forward_rows(seq, shards[coords["ring"] * u + coords["ulysses"]], cond, video, audio,
+                                            h3.call_timesteps(SIGMA))
+
+    try:
+        parts = on_ranks(fabric, rank)
+    finally:
+        fabric.close()
+    out = {}
+    for stream, n in (("video", T * 6), ("audio", 2 * seq.audio_frames)):
+        whole = torch.full((video.shape[0], n, parts[0][stream].shape[-1]), float("nan"))
+        held = torch.zeros(n, dtype=torch.long)
+        for part in parts:
+            whole[:, part[f"{stream}_index"]] = part[stream]
+            held[part[f"{stream}_index"]] += 1
+        assert torch.equal(held, torch.ones(n, dtype=torch.long)), stream  # every row on one rank: none replicated
+        holders = sum(len(part[f"{stream}_index"]) > 0 for part in parts)
+        assert holders >= -(-n // max(lengths)), stream  # a stream longer than a shard is cut
+        out[stream] = whole
+    return out
+
+
+@pytest.mark.parametrize("degrees", [dict(ulysses=2), dict(ring=2), dict(ulysses=2, ring=2)],
+                         ids=["ulysses2", "ring2", "ulysses2xring2"])
+def test_sequence_splits_equal_serial(h3_path, degrees, one_thread_per_rank):
+    """The packed sequence cut in contiguous shards (uneven: 71 rows), a stream longer than a shard over several; each shard's rows read their own RoPE and modulation rows; fl2va's keyframe rows and video-tagged
+    prompt rows included."""
+    from parallel_runtime.distributed.topology import Topology
+
+    g = torch.Generator().manual_seed(4)
+    cond, video, _, keyframe = inputs(seed=3)
+    audio = torch.randn(1, 32, 2, LONG_AUDIO_T, generator=g)
+    seq = h3.pack_sequence(TEXT_LEN, (T, H, W), LONG_AUDIO_T, keyframes=(h3.Keyframe(keyframe, 0),),
+                           text_tags=torch.tensor([1, 1, 0, 0, 1, 1, 1]))
+    serial = build_adapter(h3_path)
+    with torch.no_grad():
+        reference = serial.forward_rows(seq, torch.arange(seq.seq_len), cond, video, audio, h3.call_timesteps(SIGMA))
+    out = split_call(h3_path, Topology(**degrees), seq, cond, video, audio)
+    for stream in ("video", "audio"):
+        err = rel_err(out[stream], reference[stream])
+        print(f"\n{degrees} {stream}: rel L2 {err:.1e}")
+        assert err < EXACT_RTOL, stream
