@@ -122,13 +122,22 @@ def diffusers_call(path: str, cond, video, audio, keyframe=None, text_tags=None,
     return {"video": out.sample[:, cond_rows:], "audio": out.audio_sample}
 
 
-def build_adapter(path: str, context: AttentionContext | None = None):
+def build_adapter(path: str, context: AttentionContext | None = None, tensor=None, shard=None):
+    """The family's adapter over the whole model as a worker builds it: `tensor` a tensor rank's TensorSplit, `shard`
+    (index, degree) of shard_weights."""
+    from parallel_runtime.strategies.sharded_weights import parallelize_sharded
+    from parallel_runtime.strategies.tensor import parallelize_tensor
     from parallel_runtime.weights.checkpoint import open_checkpoint
 
     with open_checkpoint(path) as reader:
         family, match = detect_family(reader.keys())
         config = family.infer_config(reader, match, "h3")
-        model = family.build(config, reader, match, lambda name: True, torch.float32, torch.device("cpu"))
+        model = family.build(config, reader, match, lambda name: True, torch.float32, torch.device("cpu"),
+                             tensor=tensor, shard=shard)
+    if shard is not None:
+        parallelize_sharded(model)
+    if tensor is not None:
+        parallelize_tensor(model, tensor)
     return family.adapter(config, model, [range(config.num_layers)], context or AttentionContext())
 
 
@@ -244,13 +253,26 @@ def split_call(path: str, topology, seq, cond, video, audio) -> dict:
     shard of the packed sequence, as the Denoiser orders shards (ring-major, then Ulysses); the target rows gathered."""
     from parallel_runtime.strategies.attention import LocalAttention, RingAttention, UlyssesAttention
 
+    from parallel_runtime.runtime.worker import weight_shard
+    from parallel_runtime.strategies.sharded_weights import bind_weight_gatherer
+    from parallel_runtime.strategies.tensor import TensorSplit, bind_tensor_group
+
     shards = torch.arange(seq.seq_len).tensor_split(topology.sp)
     lengths = [len(s) for s in shards]
-    adapters = [build_adapter(path) for _ in range(topology.world_size)]
+    tensor = [TensorSplit(topology.coords(r)["tensor"], topology.tensor) if topology.tensor > 1 else None
+              for r in range(topology.world_size)]
+    adapters = [build_adapter(path, tensor=tensor[r], shard=weight_shard(topology, r))
+                for r in range(topology.world_size)]
+    block = adapters[0].model.transformer_blocks[0]
+    assert block.attn.to_q.out_features == TINY.num_heads * TINY.head_dim // topology.tensor  # heads really split
+    assert block.ff.net[0].proj.out_features == 2 * TINY.ffn_dim // topology.tensor  # [value; gate] halves split
+    assert hasattr(adapters[0].model, "sharded_blocks") == (weight_shard(topology, 0) is not None)
     fabric = Fabric(topology.world_size)
 
     def rank(r: int) -> dict:
         comm = loopback_comm(fabric, topology, r, "cpu")
+        bind_tensor_group(adapters[r].model, comm)
+        gatherer = bind_weight_gatherer(adapters[r].model, comm)
         coords, u = topology.coords(r), topology.ulysses
         ring_members = [sum(lengths[k * u:(k + 1) * u]) for k in range(topology.ring)]
         attention = RingAttention(comm, comm.group("ring"), ring_members) if topology.ring > 1 else LocalAttention()
@@ -259,8 +281,11 @@ def split_call(path: str, topology, seq, cond, video, audio) -> dict:
             attention = UlyssesAttention(comm, comm.group("ulysses"), mine, attention)
         adapters[r].context.attention = attention
         with torch.no_grad():
-            return adapters[r].forward_rows(seq, shards[coords["ring"] * u + coords["ulysses"]], cond, video, audio,
-                                            h3.call_timesteps(SIGMA))
+            out = adapters[r].forward_rows(seq, shards[coords["ring"] * u + coords["ulysses"]], cond, video, audio,
+                                           h3.call_timesteps(SIGMA))
+        if gatherer is not None:
+            gatherer.finish()
+        return out
 
     try:
         parts = on_ranks(fabric, rank)
@@ -270,19 +295,20 @@ def split_call(path: str, topology, seq, cond, video, audio) -> dict:
     for stream, n in (("video", T * 6), ("audio", 2 * seq.audio_frames)):
         whole = torch.full((video.shape[0], n, parts[0][stream].shape[-1]), float("nan"))
         held = torch.zeros(n, dtype=torch.long)
-        for part in parts:
+        for part in parts[::topology.tensor]:  # a tensor group's ranks hold the same rows
             whole[:, part[f"{stream}_index"]] = part[stream]
             held[part[f"{stream}_index"]] += 1
         assert torch.equal(held, torch.ones(n, dtype=torch.long)), stream  # every row on one rank: none replicated
-        holders = sum(len(part[f"{stream}_index"]) > 0 for part in parts)
+        holders = sum(len(part[f"{stream}_index"]) > 0 for part in parts[::topology.tensor])
         assert holders >= -(-n // max(lengths)), stream  # a stream longer than a shard is cut
         out[stream] = whole
     return out
 
 
-@pytest.mark.parametrize("degrees", [dict(ulysses=2), dict(ring=2), dict(ulysses=2, ring=2)],
-                         ids=["ulysses2", "ring2", "ulysses2xring2"])
-def test_sequence_splits_equal_serial(h3_path, degrees, one_thread_per_rank):
+@pytest.mark.parametrize("degrees", [dict(ulysses=2), dict(ring=2), dict(ulysses=2, ring=2), dict(tensor=2),
+                                     dict(ulysses=2, shard_weights=True), dict(ring=2, tensor=2)],
+                         ids=["ulysses2", "ring2", "ulysses2xring2", "tensor2", "ulysses2_sharded", "ring2xtensor2"])
+def test_exact_strategies_equal_serial(h3_path, degrees, one_thread_per_rank):
     """The packed sequence cut in contiguous shards (uneven: 71 rows), a stream longer than a shard over several; each shard's rows read their own RoPE and modulation rows; fl2va's keyframe rows and video-tagged
     prompt rows included."""
     from parallel_runtime.distributed.topology import Topology
