@@ -399,3 +399,19 @@ def test_stale_kv_is_exact_in_warmup_and_beats_naive_patch_on_a_multistep_run(h3
         assert errors[0] < EXACT_RTOL
         assert errors[1] > 10 * EXACT_RTOL  # the stale K/V really was read
         assert errors[1] < errors[2] / 2
+
+
+def test_jobs_are_refused_in_one_sentence_until_a_door_carries_the_audio(h3_path):
+    """ComfyUI's latent for H3 is a NestedTensor (video, audio): neither door's Job carries the audio yet, so a job
+    (and Load Parallel DiT, which calls the same check) stops before any work, naming the nodes and the fix."""
+    from parallel_runtime.errors import ConfigError
+    from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
+    from parallel_runtime.validate import validate_job
+
+    cond, video, _, _ = inputs()
+    job = Job(ModelSpec(h3_path), StrategySpec(), SamplingSpec(steps=2), video, Conditioning(cond, torch.zeros(1, 0)))
+    with pytest.raises(ConfigError, match=r"^minimax_h3_tiny.safetensors is a MiniMax-H3 audio-video model, whose "
+                                          r"\(video, audio\) latent from EmptyMiniMaxH3LatentAV .* load it with "
+                                          r"UNETLoader\.$") as refused:
+        validate_job(job, 1)
+    assert ". " not in str(refused.value)

@@ -82,6 +82,11 @@ class MiniMaxH3Config(OneBlockListConfig):
     patch_size = PATCH
     latent_downscale = 16
     latent_channels = LATENT_CHANNELS
+    # Why no job runs yet (validate_job and Load Parallel DiT refuse with it): ComfyUI's latent for this model is a
+    # NestedTensor (video, audio), which neither door's Job carries to the workers.
+    jobs_refused = ("a MiniMax-H3 audio-video model, whose (video, audio) latent from EmptyMiniMaxH3LatentAV or "
+                    "MiniMaxH3ImageToVideo neither Load Parallel DiT's model calls nor Parallel Sampler carry to the "
+                    "workers yet; load it with UNETLoader")
 
     def __post_init__(self):
         if 6 * self.rope_freq_dim > self.head_dim or self.head_dim % 2:
