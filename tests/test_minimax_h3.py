@@ -108,7 +108,7 @@ def diffusers_call(path: str, cond, video, audio, keyframe=None, text_tags=None,
     tags = torch.ones(TEXT_LEN, dtype=torch.long) if text_tags is None else text_tags
     anchors = ("first",) if keyframe is not None else ()
     pos, token_tags, vid_idx, aud_idx, txt_idx, cond_rows, _ = layout.build_packed_sequence(
-        tags, T, H, W, AUDIO_T, (1, 2, 2), 2, 2, 0, keyframe_anchors=anchors)
+        tags, T, H, W, audio.shape[-1], (1, 2, 2), 2, 2, 0, keyframe_anchors=anchors)
     t_v, t_a = 1.0 - sigma, 1.0 - float(h3.time_shift(torch.tensor(sigma, dtype=torch.float64), 12.0, 3.0))
     timestep, t_idx = layout.build_row_timesteps(
         vid_idx, aud_idx, cond_rows, 0, TEXT_LEN, t_v, t_a, max(t_v, 0.999), 1.0)
@@ -415,3 +415,77 @@ def test_jobs_are_refused_in_one_sentence_until_a_door_carries_the_audio(h3_path
                                           r"UNETLoader\.$") as refused:
         validate_job(job, 1)
     assert ". " not in str(refused.value)
+
+
+# -- the runtime: one model call with its audio latent, every strategy -------------------------------------------
+
+
+def call_job(path: str, strategy, seed: int = 7, audio_frames: int = LONG_AUDIO_T):
+    """One stock-sampler call of cond and uncond (prompts of 7 tokens each): the video x and the audio x of both
+    chunks, at the video's sigma 0.7 (t = 700, as ComfyUI's model_base passes it)."""
+    from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec
+
+    g = torch.Generator().manual_seed(seed)
+    pos, neg = (Conditioning(torch.randn(1, TEXT_LEN, TINY.text_dim, generator=g), torch.zeros(1, 0)) for _ in "pn")
+    return Job(ModelSpec(path), strategy, SamplingSpec(steps=1), torch.randn(2, 24, T, H, W, generator=g), pos, neg,
+               timestep=torch.full((2,), SIGMA * 1000), audio=torch.randn(2, 32, 2, audio_frames, generator=g))
+
+
+def diffusers_model_call(path: str, job) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each chunk through diffusers' model, in ComfyUI's output convention (MiniMaxH3Model returns the negated
+    prediction) and the call's shapes."""
+    videos, audios = [], []
+    for k, branch in enumerate((job.positive, job.negative)):
+        out = diffusers_call(path, branch.cond, job.latent[k:k + 1], job.audio[k:k + 1],
+                             sigma=float(job.timestep[k]) / 1000)
+        videos.append(-h3.unpatchify_video(out["video"], T, H // 2, W // 2))
+        audios.append(-h3.unpack_audio(out["audio"]))
+    return torch.cat(videos), torch.cat(audios)
+
+
+def test_model_call_one_worker_equals_diffusers(h3_path, diffusers_path, client1):
+    from parallel_runtime.spec import StrategySpec
+
+    for path in (h3_path, diffusers_path):
+        job = call_job(path, StrategySpec())
+        video, audio = diffusers_model_call(h3_path, job)
+        result = client1.run(job)
+        assert result.latent.shape == (2, 24, T, H, W) and result.audio.shape == (2, 32, 2, LONG_AUDIO_T)
+        errors = rel_err(result.latent, video), rel_err(result.audio, audio)
+        print(f"\n{path.rsplit('/', 1)[1]} model call, 1 worker: video {errors[0]:.1e}, audio {errors[1]:.1e}")
+        assert max(errors) < SERIAL_RTOL
+
+
+def _assert_call_equals(client, path: str, strategy, reference=None) -> tuple[float, float]:
+    from parallel_runtime.spec import StrategySpec
+
+    job = call_job(path, strategy)
+    video, audio = reference if reference is not None else diffusers_model_call(path, job)
+    result = client.run(job)
+    errors = rel_err(result.latent, video), rel_err(result.audio, audio)
+    print(f"\n{StrategySpec.label(strategy)} model call: video {errors[0]:.1e}, audio {errors[1]:.1e}")
+    assert max(errors) < EXACT_RTOL
+    return errors
+
+
+@pytest.mark.parametrize("strategy", [
+    dict(cfg_degree=2), dict(ulysses_degree=2), dict(ring_degree=2), dict(tensor_degree=2),
+    dict(ulysses_degree=2, shard_weights=True), dict(pipefusion_degree=2, num_pipeline_patch=3),
+], ids=["cfg2", "ulysses2", "ring2", "tensor2", "ulysses2_sharded", "pp2_warmup"])
+def test_model_call_exact_strategies_equal_diffusers(h3_path, client2, strategy):
+    """The call's [prompt | audio | video] rows (7 + 40 + 18) split by every exact strategy: the audio and video
+    rows cut as one image stream (contiguous runs: Ulysses and Ring give each rank part of the audio rows); the
+    tensor split runs the released [gate; value] MLP halves; PipeFusion's 3 patches of [audio | video] rows (a call
+    with no schedule step is its warm-up: exact)."""
+    from parallel_runtime.spec import StrategySpec
+
+    _assert_call_equals(client2, h3_path, StrategySpec(**strategy))
+
+
+@pytest.mark.parametrize("strategy", [dict(ulysses_degree=2, ring_degree=2), dict(cfg_degree=2, ulysses_degree=2),
+                                      dict(ring_degree=2, tensor_degree=2)],
+                         ids=["ulysses2xring2", "cfg2xulysses2", "ring2xtensor2"])
+def test_model_call_hybrids_on_four_equal_diffusers(h3_path, client4, strategy):
+    from parallel_runtime.spec import StrategySpec
+
+    _assert_call_equals(client4, h3_path, StrategySpec(**strategy))

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import ModelFileError
+from ...sampling.flow import FluxModelSampling, VideoLatentFormat
 from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import DiTFamily, Match, OneBlockListConfig
@@ -57,6 +58,8 @@ BLOCK_LISTS = ("transformer_blocks",)
 ALWAYS_OWNED = ("time_embedder.", "time_proj.", "rope.")  # every stage modulates its rows from the timesteps
 FIRST_STAGE = ("proj_in.", "audio_proj_in.", "context_embedder.", "token_refiner.")
 LAST_STAGE = ("norm_out.", "proj_out.", "audio_proj_out.")
+# The video latent as the model reads it (ComfyUI's MiniMax-H3 latent format; the audio's is the audio VAE's own).
+H3_LATENT = VideoLatentFormat("minimax_h3", 1.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class MiniMaxH3Config(OneBlockListConfig):
     patch_size = PATCH
     latent_downscale = 16
     latent_channels = LATENT_CHANNELS
+    latent_format = H3_LATENT
     # Why no job runs yet (validate_job and Load Parallel DiT refuse with it): ComfyUI's latent for this model is a
     # NestedTensor (video, audio), which neither door's Job carries to the workers.
     jobs_refused = ("a MiniMax-H3 audio-video model, whose (video, audio) latent from EmptyMiniMaxH3LatentAV or "
@@ -497,6 +501,79 @@ class MiniMaxH3Adapter:
         self.config, self.model, self.chunks, self.context = config, model, chunks, context
         self.dtype, self.device = compute_placement(model.time_embedder)
 
+    # -- the runtime's view: the sampler's rows are [audio | video], the prompt rows joint in front ----------
+    # A model call's x is the video latent and the audio latent (job.audio); their rows form one token tensor
+    # [audio rows | video rows] of the video rows' width (the audio's 32 features zero-padded), which every strategy
+    # cuts like any image stream. `hw` is (T, H, W, audio frames). The per-row tables the blocks read (RoPE, the
+    # modulation row, which head reads the row) ride in `rope`, which the strategies index per rank like RoPE.
+
+    latent_format = H3_LATENT
+    model_sampling = FluxModelSampling(SIGMA_SHIFT_VIDEO, 1000.0, kind="discrete_flow")
+    default_guidance = 0.0
+
+    @staticmethod
+    def pack(latent: torch.Tensor) -> torch.Tensor:
+        return patchify_video(latent)
+
+    @staticmethod
+    def unpack(tokens: torch.Tensor, t: int, h: int, w: int) -> torch.Tensor:
+        return unpatchify_video(tokens, t, h // 2, w // 2)
+
+    def pack_av(self, video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        """[B, 2 Ta + T h w, C*4]: the audio rows (zero-padded to the video rows' width), then the video rows."""
+        rows = patchify_video(video)
+        audio_rows = F.pad(pack_audio(audio), (0, rows.shape[-1] - audio.shape[1]))
+        return torch.cat([audio_rows, rows], dim=1)
+
+    def unpack_av(self, tokens: torch.Tensor, t: int, h: int, w: int, audio_frames: int) -> tuple:
+        n = AUDIO_STEREO * audio_frames
+        audio = unpack_audio(tokens[:, :n, :self.config.audio_channels])
+        return unpatchify_video(tokens[:, n:], t, h // 2, w // 2), audio
+
+    def rope(self, text_len: int, t: int, h: int, w: int, audio_frames: int, references=(), method=None):
+        """Per row of the canonical sequence [prompt, audio, video]: RoPE's cos and sin, its modulation row
+        (time class x 3 + modality; classes as call_timesteps orders them) and which head reads it (0 none, 1 the
+        audio's, 2 the video's)."""
+        seq = pack_sequence(text_len, (t, h, w), audio_frames)
+        order = torch.cat([torch.arange(text_len), seq.target["audio"], seq.target["video"]])
+        cos, sin = rope_tables(seq.positions[order], self.config.rope_freq_dim, self.device)
+        mod = (seq.time_class * MODALITIES + seq.modality)[order]
+        reader = torch.zeros_like(mod)
+        reader[text_len:text_len + len(seq.target["audio"])] = 1
+        reader[text_len + len(seq.target["audio"]):] = 2
+        return cos, sin, mod.to(self.device), reader.to(self.device)
+
+    def embed_image(self, tokens: torch.Tensor, index: torch.Tensor, hw) -> torch.Tensor:
+        """Rows `index` of [audio | video]: the audio rows through audio_proj_in (their first 32 features), the
+        video rows through proj_in."""
+        tokens = tokens.to(self.device, self.dtype)
+        audio = (index < AUDIO_STEREO * hw[3]).to(tokens.device)
+        out = self.model.proj_in(tokens)
+        if audio.any():
+            out[:, audio] = self.model.audio_proj_in(tokens[:, audio, :self.config.audio_channels])
+        return out
+
+    def timestep_embedding(self, t: torch.Tensor, pooled, guidance, hw=None) -> torch.Tensor:
+        """[B, 4, D]: per batch row, the time MLP of its four time classes at its video sigma (t: sigma x 1000, as
+        ComfyUI passes it)."""
+        classes = torch.stack([call_timesteps(float(s) / 1000.0) for s in t.flatten().cpu()])
+        return self.timestep_embedding_of(classes.flatten()).unflatten(0, classes.shape)
+
+    def head(self, image: torch.Tensor, temb: torch.Tensor, rope) -> torch.Tensor:
+        """The model output of the rank's [audio | video] rows, as ComfyUI's MiniMaxH3Model returns it (negated),
+        the audio rows' 32 features zero-padded to the video rows' width; float32."""
+        cos, sin, mod, reader = rope
+        rows = reader > 0
+        t_class, reader = mod[rows] // MODALITIES, reader[rows]
+        shift, scale = self.model.norm_out.linear(F.silu(temb)).chunk(2, dim=-1)  # [B, 4, D] each
+        x = self.model.norm_out.norm(image)
+        x = torch.addcmul(shift[:, t_class], x, 1 + scale[:, t_class])
+        out = x.new_zeros(*x.shape[:2], self.config.video_patch_dim, dtype=torch.float32)
+        video, audio = reader == 2, reader == 1
+        out[:, video] = self.model.proj_out(x[:, video]).float()
+        out[:, audio, :self.config.audio_channels] = self.model.audio_proj_out(x[:, audio]).float()
+        return -out
+
     # -- inputs ----------------------------------------------------------------------------------------
 
     def shard_inputs(self, seq: PackedSequence, index: torch.Tensor, class_t: torch.Tensor) -> ShardInputs:
@@ -504,9 +581,9 @@ class MiniMaxH3Adapter:
         distinct, mod_rows, t_index = modulation_rows(seq, class_t)
         rope = rope_tables(seq.positions[index], self.config.rope_freq_dim, self.device)
         return ShardInputs(index.to(self.device), rope, mod_rows[index].to(self.device),
-                           t_index[index].to(self.device), self.timestep_embedding(distinct))
+                           t_index[index].to(self.device), self.timestep_embedding_of(distinct))
 
-    def timestep_embedding(self, t: torch.Tensor) -> torch.Tensor:
+    def timestep_embedding_of(self, t: torch.Tensor) -> torch.Tensor:
         """The time MLP of each distinct timestep (t in [0, 1], unscaled): cos before sin, float32 sinusoid."""
         half = self.config.freq_dim // 2
         freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half).to(self.device)
@@ -543,6 +620,13 @@ class MiniMaxH3Adapter:
     def run_blocks(self, hidden: torch.Tensor, text, shard: ShardInputs, rope=None, chunk: int = 0) -> tuple:
         """The seam's block call on a single-stream sequence: `hidden` holds every kind of row (so `text` is None,
         and comes back None), `shard` the rows' per-row conditioning (modulation rows, RoPE, time embedding)."""
+        if not isinstance(shard, ShardInputs):  # the runtime's view: the prompt rows joint in front of the image's
+            shard = ShardInputs(None, rope[:2], rope[2], rope[2] // MODALITIES, shard)
+            hidden = torch.cat([text, hidden], dim=1)
+            for i in self.chunks[chunk]:
+                if i not in self.skip:
+                    hidden = self._block(i, hidden, shard)
+            return hidden[:, text.shape[1]:], hidden[:, :text.shape[1]]
         for i in self.chunks[chunk]:
             if i not in self.skip:
                 hidden = self._block(i, hidden, shard)
@@ -551,8 +635,10 @@ class MiniMaxH3Adapter:
     def _block(self, i: int, x: torch.Tensor, shard: ShardInputs) -> torch.Tensor:
         """Pre-norm attention and SwiGLU MLP, each modulated (shift, scale, gate) by the row's own table row."""
         block = self.model.transformer_blocks[i]
-        table = block.adaln_proj.linear(F.silu(shard.temb)).view(-1, 6 * self.config.hidden_size)
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = table.index_select(0, shard.mod_rows).chunk(6, dim=-1)
+        table = block.adaln_proj.linear(F.silu(shard.temb))  # [M, 3 x 6D], or per batch row [B, M, 3 x 6D]
+        table = table.unflatten(-1, (MODALITIES, 6 * self.config.hidden_size)).flatten(-3, -2)
+        rows = table.index_select(-2, shard.mod_rows)
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = rows.chunk(6, dim=-1)
         h = torch.addcmul(shift_a, block.norm1(x), 1 + scale_a)
         x = torch.addcmul(x, self._attention(block.attn, h, shard.rope, layer=i), gate_a)
         h = torch.addcmul(shift_m, block.norm2(x), 1 + scale_m)
@@ -574,7 +660,7 @@ class MiniMaxH3Adapter:
             out = self.context.attention(q, k, v, layer, masked=False)
         return attn.to_out[0](out.flatten(2, 3).to(x.dtype))
 
-    def head(self, hidden: torch.Tensor, shard: ShardInputs, modality: torch.Tensor) -> dict[str, torch.Tensor]:
+    def stream_heads(self, hidden: torch.Tensor, shard: ShardInputs, modality: torch.Tensor) -> dict[str, torch.Tensor]:
         """The final RMSNorm modulated per row's timestep (shift, scale), then each target stream's own output
         head on its rows: {"video": [B, n, C*4], "audio": [B, m, C]} in float32, with `modality` the rows'."""
         shift, scale = self.model.norm_out.linear(F.silu(shard.temb)).chunk(2, dim=-1)
@@ -602,7 +688,7 @@ class MiniMaxH3Adapter:
         hidden, _ = self.run_blocks(hidden, None, shard)
         targets = seq.stream[index].clone()
         targets[seq.time_class[index] >= 2] = TEXT  # conditioning rows are read by no head
-        out = self.head(hidden, shard, targets)
+        out = self.stream_heads(hidden, shard, targets)
         for name, kind in (("video", VIDEO), ("audio", AUDIO)):
             rows = index[targets == kind]
             out[f"{name}_index"] = rows - seq.target[name][0]
