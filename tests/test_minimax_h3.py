@@ -266,6 +266,7 @@ def split_call(path: str, topology, seq, cond, video, audio) -> dict:
     block = adapters[0].model.transformer_blocks[0]
     assert block.attn.to_q.out_features == TINY.num_heads * TINY.head_dim // topology.tensor  # heads really split
     assert block.ff.net[0].proj.out_features == 2 * TINY.ffn_dim // topology.tensor  # [value; gate] halves split
+    assert block.adaln_proj.linear.out_features == 18 * TINY.hidden_size // topology.tensor  # modulation gathered
     assert hasattr(adapters[0].model, "sharded_blocks") == (weight_shard(topology, 0) is not None)
     fabric = Fabric(topology.world_size)
 

@@ -38,7 +38,7 @@ from ...errors import ModelFileError
 from ...sampling.flow import FluxModelSampling, VideoLatentFormat
 from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
-from ..family import DiTFamily, Match, OneBlockListConfig
+from ..family import DiTFamily, Match, OneBlockListConfig, derived_tensor_plan
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 
 VIDEO, TEXT, AUDIO = 0, 1, 2  # modality tags: the row of the (timestep, modality) modulation table
@@ -708,6 +708,15 @@ def block_inputs(config: MiniMaxH3Config, text: int, image: int, generator: torc
     return torch.randn(1, len(index), config.hidden_size, generator=generator), None, shard, None
 
 
+def tensor_plan(config: MiniMaxH3Config) -> dict:
+    """diffusers' attention and SwiGLU split (derived from the model), and each block's modulation projection
+    gathered: it is ~40% of a block's weights (2688 x 18 x 5376 in the released model), so a tensor rank keeps 1/N of
+    its outputs and all-gathers the (timestep, modality) rows it computes (12 rows of 6 x 5376 per call)."""
+    plan = derived_tensor_plan(_meta_model(config), BLOCK_LISTS)
+    plan.update({f"transformer_blocks.{i}.adaln_proj.linear": "gather" for i in range(config.num_layers)})
+    return plan
+
+
 def comfy_output(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """ComfyUI's MiniMaxH3Model returns the negated prediction (its samplers' velocity convention)."""
     return {k: -v if not k.endswith("_index") else v for k, v in out.items()}
@@ -717,4 +726,5 @@ MINIMAX_H3 = DiTFamily(
     name="minimax_h3", title="MiniMax-H3 (text/first-last-frame/reference to video with audio)", match=match_layout,
     infer_config=infer_config, meta_model=_meta_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes,
     adapter_class=MiniMaxH3Adapter, block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE,
-    last_stage=LAST_STAGE, comfy_layout="minimax", replace_keys=("double_block",), block_inputs=block_inputs)
+    last_stage=LAST_STAGE, comfy_layout="minimax", replace_keys=("double_block",), block_inputs=block_inputs,
+    tensor_plan=tensor_plan)
