@@ -11,6 +11,7 @@ but the file.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import pathlib
 import types
@@ -98,13 +99,16 @@ def diffusers_layout() -> types.SimpleNamespace:
 
 
 @torch.no_grad()
-def diffusers_call(path: str, cond, video, audio, keyframe=None, text_tags=None, sigma: float = SIGMA) -> dict:
+def diffusers_call(path: str, cond, video, audio, keyframe=None, text_tags=None, sigma: float = SIGMA,
+                   model=None) -> dict:
     from diffusers import MiniMaxH3Transformer3DModel
     from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
+
     layout = diffusers_layout()
-    model = MiniMaxH3Transformer3DModel(**TINY.diffusers_kwargs()).eval()
-    sd = convert_minimax_h3_transformer_checkpoint_to_diffusers(load_file(path), TINY.diffusers_kwargs())
-    model.load_state_dict(sd, strict=True)
+    if model is None:
+        model = MiniMaxH3Transformer3DModel(**TINY.diffusers_kwargs()).eval()
+        sd = convert_minimax_h3_transformer_checkpoint_to_diffusers(load_file(path), TINY.diffusers_kwargs())
+        model.load_state_dict(sd, strict=True)
     tags = torch.ones(TEXT_LEN, dtype=torch.long) if text_tags is None else text_tags
     anchors = ("first",) if keyframe is not None else ()
     pos, token_tags, vid_idx, aud_idx, txt_idx, cond_rows, _ = layout.build_packed_sequence(
@@ -167,14 +171,8 @@ def test_files_are_detected_in_both_layouts(h3_path, diffusers_path):
     assert TINY.title == "MiniMax-H3 96-wide" and TINY.video_patch_dim == 96
 
 
-def test_pruned_and_pdd_files_are_refused_in_one_sentence(h3_path, tmp_path):
+def test_pdd_files_are_refused_in_one_sentence(h3_path, tmp_path):
     sd = load_file(h3_path)
-    pruned = {k: v for k, v in sd.items() if not k.startswith("time_embedder.")}
-    pruned["adaln_t_table"] = torch.zeros(1025, TINY.time_embed_dim)
-    save_file(pruned, str(tmp_path / "minimax_h3_fl2va_pruned_int8_convrot.safetensors"))
-    with pytest.raises(ModelFileError, match=r"^minimax_h3_fl2va_pruned_int8_convrot.safetensors is a curve-form "
-                                             r"\(pruned\) MiniMax-H3 file, .* UNETLoader or choose an unpruned"):
-        model_config(str(tmp_path / "minimax_h3_fl2va_pruned_int8_convrot.safetensors"))
     pdd = dict(sd)
     pdd["final_layer.video_out.weight"] = torch.zeros(4 * 96, 96)
     save_file(pdd, str(tmp_path / "fasth3_pdd.safetensors"))
@@ -219,6 +217,60 @@ def test_one_worker_equals_diffusers_in_both_layouts(h3_path, diffusers_path):
             err = rel_err(out[stream], reference[stream])
             print(f"\n{path.rsplit('/', 1)[1]} {stream}: rel L2 {err:.1e}")
             assert err < SERIAL_RTOL, (path, stream)
+
+
+# A curve-form (pruned) file: a 33-row time table 8 wide in place of the time MLP.
+CURVE = dataclasses.replace(TINY, curve_grid=33, time_embed_dim=8, time_embed_hidden=0, freq_dim=0)
+
+
+@torch.no_grad()
+def curve_reference(path: str, cond, video, audio, sigma: float = SIGMA) -> dict:
+    """diffusers' model run as ComfyUI runs a curve-form file (comfy/ldm/minimax/model.py with adaln_curve_grid):
+    the time embedding is the table interpolated at each timestep, and the modulation projections read it without
+    SiLU; diffusers' converter (which refuses the table) maps every other tensor."""
+    from diffusers import MiniMaxH3Transformer3DModel
+    from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
+
+    sd = load_file(path)
+    table = sd.pop("adaln_t_table")
+    model = MiniMaxH3Transformer3DModel(**CURVE.diffusers_kwargs()).eval()
+    converted = convert_minimax_h3_transformer_checkpoint_to_diffusers(sd, CURVE.diffusers_kwargs())
+    missing = model.load_state_dict(converted, strict=False).missing_keys
+    assert missing and all(k.startswith("time_embedder.") for k in missing)
+
+    def curve(t):  # ComfyUI: pos = t.clamp(0, 1) * (grid - 1); lerp of the rows around it
+        pos = t.float().clamp(0, 1) * (table.shape[0] - 1)
+        low = pos.floor().long().clamp(max=table.shape[0] - 2)
+        return torch.lerp(table[low], table[low + 1], (pos - low)[:, None])
+
+    model.time_proj, model.time_embedder.forward = torch.nn.Identity(), curve
+    for block in model.transformer_blocks:
+        block.adaln_proj.forward = (lambda temb, m=block.adaln_proj:
+                                    m.linear(temb).view(-1, 6 * m.hidden_size).chunk(6, dim=-1))
+    norm_out = model.norm_out
+
+    def final(hidden, temb, index):
+        shift, scale = norm_out.linear(temb).chunk(2, dim=-1)
+        return norm_out.norm(hidden) * (1 + scale.index_select(0, index)) + shift.index_select(0, index)
+
+    norm_out.forward = final
+    return diffusers_call(path, cond, video, audio, sigma=sigma, model=model)
+
+
+def test_curve_form_file_equals_comfyui_reading(tmp_path):
+    path = write_checkpoint(str(tmp_path / "minimax_h3_t2va_pruned.safetensors"), CURVE, seed=3, layout="minimax")
+    assert model_config(path) == CURVE
+    cond, video, audio, _ = inputs(seed=9)
+    for sigma in (SIGMA, 1.0, 0.0):  # t = 1 reads the table's last interval
+        reference = curve_reference(path, cond, video, audio, sigma=sigma)
+        seq = sequence()
+        with torch.no_grad():
+            out = build_adapter(path).forward_rows(seq, torch.arange(seq.seq_len), cond, video, audio,
+                                                   h3.call_timesteps(sigma))
+        for stream in ("video", "audio"):
+            err = rel_err(out[stream], reference[stream])
+            print(f"\ncurve form, sigma {sigma}, {stream}: rel L2 {err:.1e}")
+            assert err < SERIAL_RTOL, (sigma, stream)
 
 
 def test_first_frame_keyframe_and_mixed_text_tags_equal_diffusers(h3_path):

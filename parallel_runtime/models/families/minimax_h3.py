@@ -21,7 +21,8 @@ through `source_map`, the fused q/k/v ([q; k; v], as every published single file
 SwiGLU input's [gate; value] halves swapped to diffusers' [value; gate]. Timesteps are t = 1 - sigma, unscaled, as
 the model reads them; ComfyUI's model returns the negated prediction (`comfy_output`).
 
-Refused in one sentence: curve-form (pruned) files whose `adaln_t_table` replaces the time embedder, and files with
+Curve-form (pruned) files, whose `adaln_t_table` (the time embedding's curve, interpolated) replaces the time MLP
+and whose modulation projections read it without SiLU, run as ComfyUI runs them. Refused in one sentence: files with
 a PDD head bank (several output heads stacked in `final_layer.video_out`), which read the sampler's sigma schedule.
 """
 from __future__ import annotations
@@ -77,6 +78,9 @@ class MiniMaxH3Config(OneBlockListConfig):
     rope_freq_dim: int = 16
     in_channels: int = LATENT_CHANNELS
     audio_channels: int = AUDIO_CHANNELS
+    # Curve-form (pruned) files: rows of `adaln_t_table`, the time embedding's curve sampled over t in [0, 1], which
+    # replaces the time MLP (time_embed_dim is then the table's width); 0: the time MLP.
+    curve_grid: int = 0
 
     family = "minimax_h3"
     pooled_dim = 0
@@ -121,7 +125,9 @@ class MiniMaxH3Config(OneBlockListConfig):
         return dict(num_attention_heads=self.num_heads, attention_head_dim=self.head_dim, hidden_size=self.hidden_size,
                     num_layers=self.num_layers, num_refiner_layers=self.num_refiner_layers, ffn_dim=self.ffn_dim,
                     in_channels=self.in_channels, audio_in_channels=self.audio_channels, patch_size=PATCH,
-                    text_dim=self.text_dim, freq_dim=self.freq_dim, time_embed_hidden_dim=self.time_embed_hidden,
+                    # A curve-form file has no time MLP (_meta_model replaces it): any sizes build diffusers' one.
+                    text_dim=self.text_dim, freq_dim=self.freq_dim or 256,
+                    time_embed_hidden_dim=self.time_embed_hidden or 256,
                     time_embed_dim=self.time_embed_dim, rope_freq_dim=self.rope_freq_dim)
 
 
@@ -146,10 +152,6 @@ def match_layout(keys: list[str]) -> Match | None:
 
 
 def _refuse_variants(reader, p: str, name: str, layout: str, shape) -> None:
-    if p + "adaln_t_table" in reader:
-        raise ModelFileError(f"{name} is a curve-form (pruned) MiniMax-H3 file, whose adaln_t_table replaces the time "
-                             f"embedder, which ParaDiT does not run yet; load it with UNETLoader or choose an unpruned "
-                             f"MiniMax-H3 file.")
     video_out = "final_layer.video_out.weight" if layout != "diffusers" else "proj_out.weight"
     patch_dim = shape("video_patch_proj.weight" if layout != "diffusers" else "proj_in.weight")[1]
     if shape(video_out)[0] != patch_dim:
@@ -170,8 +172,13 @@ def infer_config(reader, match: Match, name: str) -> MiniMaxH3Config:
         inner = shape("blocks.0.attn.qkv_proj.weight")[0] // 3
         ffn = shape("blocks.0.mlp.fc1.weight")[0] // 2
         text_dim = shape("condition_proj.weight")[1]
-        hidden_t, freq = shape("time_embedder.proj_in.weight")
-        t_dim = shape("time_embedder.proj_out.weight")[0]
+        if p + "adaln_t_table" in reader:  # curve form: the table's rows and width replace the time MLP
+            curve, t_dim = shape("adaln_t_table")
+            hidden_t, freq = 0, 0
+        else:
+            curve = 0
+            hidden_t, freq = shape("time_embedder.proj_in.weight")
+            t_dim = shape("time_embedder.proj_out.weight")[0]
         audio = shape("audio_patch_proj.weight")[1]
         layers = block_count(reader.keys(), p, "blocks", name)
         refiner = block_count(reader.keys(), p, "token_refiner.blocks", name)
@@ -181,6 +188,7 @@ def infer_config(reader, match: Match, name: str) -> MiniMaxH3Config:
         inner = shape("transformer_blocks.0.attn.to_q.weight")[0]
         ffn = shape("transformer_blocks.0.ff.net.2.weight")[1]
         text_dim = shape("context_embedder.weight")[1]
+        curve = 0  # diffusers has no curve-form model
         hidden_t, freq = shape("time_embedder.linear_1.weight")
         t_dim = shape("time_embedder.linear_2.weight")[0]
         audio = shape("audio_proj_in.weight")[1]
@@ -195,14 +203,33 @@ def infer_config(reader, match: Match, name: str) -> MiniMaxH3Config:
     return MiniMaxH3Config(hidden_size=width, num_layers=layers, num_heads=inner // head_dim, head_dim=head_dim,
                            ffn_dim=ffn, text_dim=text_dim, num_refiner_layers=refiner, freq_dim=freq,
                            time_embed_hidden=hidden_t, time_embed_dim=t_dim, rope_freq_dim=rope,
-                           in_channels=patch_dim // (PATCH[1] * PATCH[2]), audio_channels=audio)
+                           in_channels=patch_dim // (PATCH[1] * PATCH[2]), audio_channels=audio, curve_grid=curve)
+
+
+class CurveTimeTable(torch.nn.Module):
+    """A curve-form file's time embedding: `table` [grid, width], the embedding's curve at t = 0, 1/(grid-1), ..., 1,
+    read by linear interpolation (ComfyUI's MiniMaxH3Model with adaln_curve_grid)."""
+
+    def __init__(self, grid: int, width: int):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.empty(grid, width), requires_grad=False)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        table = self.table
+        pos = t.to(table.device, torch.float32).clamp(0.0, 1.0) * (table.shape[0] - 1)
+        low = pos.floor().long().clamp(max=table.shape[0] - 2)  # t = 1 stays on the last interval
+        return torch.lerp(table[low].float(), table[low + 1].float(), (pos - low).unsqueeze(1)).to(table.dtype)
 
 
 def _meta_model(config: MiniMaxH3Config):
+    """diffusers' model; a curve-form file's has the time table in place of the time MLP."""
     from diffusers import MiniMaxH3Transformer3DModel
 
     with torch.device("meta"):
-        return MiniMaxH3Transformer3DModel(**config.diffusers_kwargs())
+        model = MiniMaxH3Transformer3DModel(**config.diffusers_kwargs())
+        if config.curve_grid:
+            model.time_embedder = CurveTimeTable(config.curve_grid, config.time_embed_dim)
+    return model
 
 
 def original_names(config: MiniMaxH3Config) -> dict[str, Source]:
@@ -232,12 +259,15 @@ def original_names(config: MiniMaxH3Config) -> dict[str, Source]:
     for j in range(config.num_refiner_layers):
         attention(f"token_refiner.refiner_blocks.{j}", f"token_refiner.blocks.{j}")
     for ours, theirs in (("proj_in", "video_patch_proj"), ("audio_proj_in", "audio_patch_proj"),
-                         ("context_embedder", "condition_proj"), ("time_embedder.linear_1", "time_embedder.proj_in"),
-                         ("time_embedder.linear_2", "time_embedder.proj_out"),
+                         ("context_embedder", "condition_proj"),
+                         *((() if config.curve_grid else (("time_embedder.linear_1", "time_embedder.proj_in"),
+                                                          ("time_embedder.linear_2", "time_embedder.proj_out")))),
                          ("norm_out.linear", "final_layer.adaln_proj.linear"), ("proj_out", "final_layer.video_out"),
                          ("audio_proj_out", "final_layer.audio_out")):
         linear(ours, theirs)
     out["token_refiner.final_norm.weight"] = Source("token_refiner.final_norm.weight")
+    if config.curve_grid:
+        out["time_embedder.table"] = Source("adaln_t_table")
     out["norm_out.norm.weight"] = Source("final_layer.norm.weight")
     return out
 
@@ -259,7 +289,9 @@ def checkpoint_shapes(config: MiniMaxH3Config) -> dict[str, tuple[tuple[int, ...
         if src.rows is not None:  # a fused q/k/v: three of diffusers' row blocks
             shape[0] = 3 * shape[0]
         key = src.key
-        if "adaln_proj" in key:
+        if key == "adaln_t_table":
+            kind = "table"
+        elif "adaln_proj" in key:
             kind = "mod" if key.endswith("weight") else "bias"
         elif key.endswith("bias"):
             kind = "bias"
@@ -565,7 +597,7 @@ class MiniMaxH3Adapter:
         cos, sin, mod, reader = rope
         rows = reader > 0
         t_class, reader = mod[rows] // MODALITIES, reader[rows]
-        shift, scale = self.model.norm_out.linear(F.silu(temb)).chunk(2, dim=-1)  # [B, 4, D] each
+        shift, scale = self.model.norm_out.linear(self._modulating(temb)).chunk(2, dim=-1)  # [B, 4, D] each
         x = self.model.norm_out.norm(image)
         x = torch.addcmul(shift[:, t_class], x, 1 + scale[:, t_class])
         out = x.new_zeros(*x.shape[:2], self.config.video_patch_dim, dtype=torch.float32)
@@ -590,7 +622,14 @@ class MiniMaxH3Adapter:
         args = t.to(self.device, torch.float32)[:, None] * freqs[None]
         sinusoid = torch.cat([args.cos(), args.sin()], dim=-1)
         embedder = self.model.time_embedder
+        if self.config.curve_grid:
+            return embedder(t.to(self.device))
         return embedder.linear_2(F.silu(embedder.linear_1(sinusoid.to(self.dtype))))
+
+    def _modulating(self, temb: torch.Tensor) -> torch.Tensor:
+        """What the modulation projections read: SiLU of the time embedding, or a curve-form file's interpolated
+        table as it is (its projections were fitted to it)."""
+        return temb if self.config.curve_grid else F.silu(temb)
 
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
         """condition_proj, then the token refiner's plain pre-norm blocks over the whole prompt (local attention)."""
@@ -635,7 +674,7 @@ class MiniMaxH3Adapter:
     def _block(self, i: int, x: torch.Tensor, shard: ShardInputs) -> torch.Tensor:
         """Pre-norm attention and SwiGLU MLP, each modulated (shift, scale, gate) by the row's own table row."""
         block = self.model.transformer_blocks[i]
-        table = block.adaln_proj.linear(F.silu(shard.temb))  # [M, 3 x 6D], or per batch row [B, M, 3 x 6D]
+        table = block.adaln_proj.linear(self._modulating(shard.temb))  # [M, 3 x 6D], or per batch row [B, M, 3 x 6D]
         table = table.unflatten(-1, (MODALITIES, 6 * self.config.hidden_size)).flatten(-3, -2)
         rows = table.index_select(-2, shard.mod_rows)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = rows.chunk(6, dim=-1)
@@ -663,7 +702,7 @@ class MiniMaxH3Adapter:
     def stream_heads(self, hidden: torch.Tensor, shard: ShardInputs, modality: torch.Tensor) -> dict[str, torch.Tensor]:
         """The final RMSNorm modulated per row's timestep (shift, scale), then each target stream's own output
         head on its rows: {"video": [B, n, C*4], "audio": [B, m, C]} in float32, with `modality` the rows'."""
-        shift, scale = self.model.norm_out.linear(F.silu(shard.temb)).chunk(2, dim=-1)
+        shift, scale = self.model.norm_out.linear(self._modulating(shard.temb)).chunk(2, dim=-1)
         x = torch.addcmul(shift[shard.t_index], self.model.norm_out.norm(hidden), 1 + scale[shard.t_index])
         out = {}
         for name, kind, proj in (("video", VIDEO, self.model.proj_out), ("audio", AUDIO, self.model.audio_proj_out)):
