@@ -589,3 +589,31 @@ def test_model_call_loop_pipefusion_is_exact_in_warmup_and_beats_naive_patch(h3_
     # The stale K/V really was read: by the first patch (the audio rows), whose second patch ran a call earlier; the
     # second (the video) reads the first's K/V of this call, so its error is only what the audio passes on.
     assert errors["audio"]["stale"] > 10 * EXACT_RTOL and errors["video"]["stale"] > EXACT_RTOL
+
+
+# -- the templates' file kind: pruned (curve-form) int8 ConvRot ------------------------------------------------------
+
+# The quantized file and its fp32 twin hold the same numbers (the twin the values the file means): equal up to BLAS
+# blocking of equal operands, as in tests/test_comfy_quant.py.
+STORAGE_RTOL = 1e-5
+
+
+def test_pruned_int8_convrot_file_equals_its_fp32_twin_split_or_not(tmp_path, client1, client2):
+    """ComfyUI's int8 ConvRot layers (per-output-channel scales) on a curve-form file, as the templates'
+    minimax_h3_*_pruned_int8_convrot files are: the fused q/k/v cut into rows and the [gate; value] MLP swapped,
+    scales with them, at 1 worker and split by tensor parallelism (each rank's halves of both) and by Ulysses."""
+    from test_comfy_quant import comfy_quant_twins
+    from parallel_runtime.spec import StrategySpec
+
+    quant, meant = comfy_quant_twins(tmp_path, "minimax_h3", "int8_convrot", config=CURVE)
+    assert model_config(quant) == CURVE
+    got, ref = client1.run(call_job(quant, StrategySpec())), client1.run(call_job(meant, StrategySpec()))
+    errors = [rel_err(got.latent, ref.latent), rel_err(got.audio, ref.audio)]
+    held = got.stats[0]["param_bytes"] / ref.stats[0]["param_bytes"]
+    for strategy in (StrategySpec(tensor_degree=2), StrategySpec(ulysses_degree=2)):
+        split = client2.run(call_job(quant, strategy))
+        errors.append(max(rel_err(split.latent, got.latent), rel_err(split.audio, got.audio)))
+    print(f"\npruned int8 ConvRot: {errors[0]:.1e} / {errors[1]:.1e} vs fp32 twin, {held:.2f} of its bytes; "
+          f"tp2 {errors[2]:.1e}, ulysses2 {errors[3]:.1e}")
+    assert max(errors[:2]) <= STORAGE_RTOL and max(errors[2:]) <= EXACT_RTOL
+    assert held < 0.6  # 1-byte matrices
