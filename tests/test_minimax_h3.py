@@ -617,3 +617,14 @@ def test_pruned_int8_convrot_file_equals_its_fp32_twin_split_or_not(tmp_path, cl
           f"tp2 {errors[2]:.1e}, ulysses2 {errors[3]:.1e}")
     assert max(errors[:2]) <= STORAGE_RTOL and max(errors[2:]) <= EXACT_RTOL
     assert held < 0.6  # 1-byte matrices
+
+
+def test_a_prompt_refined_on_the_host_is_read_as_it_is(h3_path):
+    """ComfyUI 2026's extra_conds may run the token refiner on the host (preprocess_text_embeds): a prompt as wide as
+    the residual is used unrefined, giving what the raw prompt gives."""
+    cond, video, audio, _ = inputs(seed=11)
+    adapter = build_adapter(h3_path)
+    with torch.no_grad():
+        raw = serial_call(adapter, sequence(), cond, video, audio)
+        refined = serial_call(adapter, sequence(), adapter.embed_text(cond), video, audio)
+    assert rel_err(refined["video"], raw["video"]) == 0 and rel_err(refined["audio"], raw["audio"]) == 0

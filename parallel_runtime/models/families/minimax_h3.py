@@ -21,6 +21,17 @@ through `source_map`, the fused q/k/v ([q; k; v], as every published single file
 SwiGLU input's [gate; value] halves swapped to diffusers' [value; gate]. Timesteps are t = 1 - sigma, unscaled, as
 the model reads them; ComfyUI's model returns the negated prediction (`comfy_output`).
 
+What ComfyUI 2026's stock MODEL path hands this model (comfy/ldm/minimax/model.py, model_base.MiniMaxH3), and where
+it stands here: x is a NestedTensor (video [B, 24, T, H/16, W/16], audio [B, 32, 2, T40]) from
+EmptyMiniMaxH3LatentAV / MiniMaxH3ImageToVideo, the audio carried on the video's schedule (minimax_payload's
+audio_scale); timestep = the video sigma x 1000; context = Qwen3-VL states, which extra_conds may already have run
+through the token refiner (preprocess_text_embeds; embed_text takes both); minimax_payload's text_token_tags (prompt
+images' rows tagged video), keyframes (MiniMaxH3ImageToVideo's first/last frame, MiniMaxH3AddGuide's frames and
+audio), refs (MiniMaxH3ReferenceToVideo), their latents and noise augmentation; denoise_mask / audio_denoise_mask;
+the sigma shifts in transformer_options. The runtime reads a model call of x, audio and timestep (Job.audio: t2va);
+the family reads keyframes, reference images and mixed prompt tags (pack_sequence); Load Parallel DiT refuses the
+file until the nodes convert that call (`jobs_refused`), and Parallel Sampler's loop steps no audio stream yet.
+
 Curve-form (pruned) files, whose `adaln_t_table` (the time embedding's curve, interpolated) replaces the time MLP
 and whose modulation projections read it without SiLU, run as ComfyUI runs them. Refused in one sentence: files with
 a PDD head bank (several output heads stacked in `final_layer.video_out`), which read the sampler's sigma schedule.
@@ -632,7 +643,11 @@ class MiniMaxH3Adapter:
         return temb if self.config.curve_grid else F.silu(temb)
 
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
-        """condition_proj, then the token refiner's plain pre-norm blocks over the whole prompt (local attention)."""
+        """condition_proj, then the token refiner's plain pre-norm blocks over the whole prompt (local attention).
+        A prompt already as wide as the residual was refined on the host (ComfyUI 2026's MiniMaxH3.extra_conds calls
+        preprocess_text_embeds) and is used as it is, as ComfyUI's model does."""
+        if cond.shape[-1] == self.config.hidden_size != self.config.text_dim:
+            return cond.to(self.device, self.dtype)
         x = self.model.context_embedder(cond.to(self.device, self.dtype))
         refiner = self.model.token_refiner
         for block in refiner.refiner_blocks:
