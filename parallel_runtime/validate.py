@@ -326,6 +326,9 @@ def validate_audio(job: Job, config) -> None:
         return
     if job.timestep is None or job.audio is None:
         refuse_jobs_of(config, job.model.path)
+    if job.strategy.batch_degree > 1:
+        raise ConfigError(f"batch parallelism does not cut {config.title}'s audio latent yet; set batch_degree to 1 "
+                          f"and split the call with cfg_degree, ulysses_degree or ring_degree.")
     audio, rows = job.audio, job.latent.shape[0]
     if audio.ndim != 4 or tuple(audio.shape[:3]) != (rows, channels, 2) or audio.shape[-1] < 1:
         raise ConfigError(f"the audio latent has shape {tuple(audio.shape)} but this {config.title} model needs "

@@ -455,8 +455,9 @@ def test_stale_kv_is_exact_in_warmup_and_beats_naive_patch_on_a_multistep_run(h3
 
 
 def test_jobs_are_refused_in_one_sentence_until_a_door_carries_the_audio(h3_path):
-    """ComfyUI's latent for H3 is a NestedTensor (video, audio): neither door's Job carries the audio yet, so a job
-    (and Load Parallel DiT, which calls the same check) stops before any work, naming the nodes and the fix."""
+    """ComfyUI's latent for H3 is a NestedTensor (video, audio): neither node door carries the audio yet, so a
+    Parallel Sampler job (and Load Parallel DiT, which calls the same check) stops before any work, naming the nodes
+    and the fix; a runtime model call carries it (Job.audio), in its shape, without batch parallelism."""
     from parallel_runtime.errors import ConfigError
     from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
     from parallel_runtime.validate import validate_job
@@ -468,6 +469,14 @@ def test_jobs_are_refused_in_one_sentence_until_a_door_carries_the_audio(h3_path
                                           r"UNETLoader\.$") as refused:
         validate_job(job, 1)
     assert ". " not in str(refused.value)
+    call = call_job(h3_path, StrategySpec())
+    for bad, sentence in ((dataclasses.replace(call, audio=call.audio[:, :, :1]), r"audio latent has shape \(2, 32, 1, "
+                           r"20\) but this MiniMax-H3 96-wide model needs \[2, 32, 2, frames\]"),
+                          (dataclasses.replace(call, strategy=StrategySpec(batch_degree=2)),
+                           r"batch parallelism does not cut MiniMax-H3 96-wide's audio latent yet"),
+                          (dataclasses.replace(call, audio=None), r"is a MiniMax-H3 audio-video model")):
+        with pytest.raises(ConfigError, match=sentence):
+            validate_job(bad, 2)
 
 
 # -- the runtime: one model call with its audio latent, every strategy -------------------------------------------
