@@ -370,7 +370,10 @@ def parallel_model(handle: convert.ParaDiTModel):
     import comfy.utils
     from parallel_runtime.validate import model_config
 
-    model_config(handle.model.path)  # a file no family claims fails here, in one sentence naming what it is
+    from parallel_runtime.validate import refuse_jobs_of
+
+    # A file no family claims fails here, in one sentence naming what it is; so does one no door runs yet.
+    refuse_jobs_of(model_config(handle.model.path), handle.name or handle.model.path)
     sd, quantized = _meta_state_dict(handle.model.path)
     prefix = detection.unet_prefix_from_state_dict(sd)
     sd = comfy.utils.state_dict_prefix_replace(sd, {prefix: ""}, filter_keys=True) or sd

@@ -297,6 +297,9 @@ class Job:
     # ComfyUI's patches_replace "dit" keys ((kind, index), e.g. ("double_block", 7)) whose patch skips its block
     # for this job (SkipLayerGuidanceDiT / SD3's guidance pass): the block's output is its input.
     skip_blocks: tuple[tuple[str, int], ...] = ()
+    # The audio latent beside `latent` of an audio-video family (MiniMax-H3: ComfyUI's [B, 32, 2, frames], the second
+    # tensor of its NestedTensor latent); under a model call its x, as `latent` is the video's. The result has both.
+    audio: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:

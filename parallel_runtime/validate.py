@@ -115,6 +115,7 @@ def validate_numbers(job: Job) -> None:
     check_setting("denoise", sp.denoise)
     upstream = "it comes from the node feeding it (often a half-precision overflow): re-run that node in fp32 or bf16"
     _finite_tensor("latent", job.latent, "re-create it (an empty latent, or VAE Encode of a valid image); " + upstream)
+    _finite_tensor("audio latent", job.audio, "re-create it (an empty AV latent, or the audio VAE's encode); " + upstream)
     for name, c in (("positive", job.positive), ("negative", job.negative)):
         if c is None:
             continue
@@ -306,6 +307,35 @@ def validate_attention_mask(name: str, c, config, job: Job) -> None:
                           f"would sample a NaN image); set that strength above 0.")
 
 
+def refuse_jobs_of(config, path: str) -> None:
+    """One sentence for a model whose family runs on the seam but whose inputs no door carries yet
+    (`config.jobs_refused`: what it is and what to do), before any work."""
+    refused = getattr(config, "jobs_refused", None)
+    if refused:
+        raise ConfigError(f"{os.path.basename(path)} is {refused}.")
+
+
+def validate_audio(job: Job, config) -> None:
+    """An audio-video family's job carries its audio latent (Job.audio) beside the video's, and for now only as a
+    model call (Parallel Sampler's loop does not step an audio stream yet); any other family's job carries none."""
+    channels = getattr(config, "audio_channels", 0)
+    if not channels:
+        if job.audio is not None:
+            raise ConfigError(f"the job carries an audio latent, but this {config.title} model reads none; send the "
+                              f"video latent alone.")
+        return
+    if job.timestep is None or job.audio is None:
+        refuse_jobs_of(config, job.model.path)
+    if job.strategy.batch_degree > 1:
+        raise ConfigError(f"batch parallelism does not cut {config.title}'s audio latent yet; set batch_degree to 1 "
+                          f"and split the call with cfg_degree, ulysses_degree or ring_degree.")
+    audio, rows = job.audio, job.latent.shape[0]
+    if audio.ndim != 4 or tuple(audio.shape[:3]) != (rows, channels, 2) or audio.shape[-1] < 1:
+        raise ConfigError(f"the audio latent has shape {tuple(audio.shape)} but this {config.title} model needs "
+                          f"[{rows}, {channels}, 2, frames] beside its video latent; use the audio half of "
+                          f"EmptyMiniMaxH3LatentAV's latent.")
+
+
 def validate_job(job: Job, world_size: int) -> None:
     from .weights.comfy_quant import check_quantized_matmul
 
@@ -320,6 +350,7 @@ def validate_job(job: Job, world_size: int) -> None:
     if not 0.0 <= sp.denoise <= 1.0:
         raise ConfigError(f"denoise={sp.denoise} is outside 0..1; set it between 0 and 1.")
     config = model_config(job.model.path)
+    validate_audio(job, config)
     lat = job.latent
     channels = config.latent_channels
     video = config.video

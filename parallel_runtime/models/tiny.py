@@ -56,6 +56,8 @@ def _random_tensors(shapes: dict, seed: int, dtype: torch.dtype) -> dict[str, to
             t.mul_(_NORM_STD).add_(1.0)
         elif kind == "table":  # stored position tables: O(1) entries like sin/cos ones
             t.mul_(0.5)
+        elif kind == "rope_frequencies":  # a stored RoPE frequency buffer (MiniMax-H3's): the real ones, theta 1e4
+            t = 1.0 / 10000.0 ** (torch.arange(0, 2 * shape[0], 2, dtype=torch.float32) / (2 * shape[0]))
         tensors[key] = t.to(dtype)
     return tensors
 

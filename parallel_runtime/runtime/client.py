@@ -61,6 +61,7 @@ class JobResult:
     latent: torch.Tensor
     stats: list[dict] = field(default_factory=list)  # one per rank, see worker.run_job
     seconds: float = 0.0
+    audio: torch.Tensor | None = None  # an audio-video job's audio result (Job.audio)
 
 
 class _JobReplies:
@@ -70,6 +71,7 @@ class _JobReplies:
         self.interrupted = interrupted
         self.pending = set(range(world))  # ranks still in the job
         self.latent, self.stats, self.failures, self.cancelled = None, [None] * world, {}, False
+        self.audio = None
         self.loaded: set[int] = set()
         self.load_failures: dict[int, dict] = {}
         self.gate_open = False
@@ -387,6 +389,8 @@ class RuntimeClient:
             if job.negative is not None:
                 meta.update(job.negative.meta("negative"))
                 tensors.update(job.negative.tensors("negative"))
+            if job.audio is not None:
+                tensors["audio"] = job.audio
             if job.timestep is not None:
                 tensors["timestep"] = job.timestep
                 meta.update(call_step=job.call_step, call_slot=job.call_slot, call_last=job.call_last)
@@ -409,12 +413,12 @@ class RuntimeClient:
             if job.weight_patches is not None:
                 keep_recent(self._patches_on_workers, job.weight_patches.id, None, PATCH_SETS_KEPT)
             keep_hints(self._hints_on_workers, meta.get("hints", []), new_hints)
-            latent, stats = self._collect(watch, progress, interrupted)
+            latent, stats, audio = self._collect(watch, progress, interrupted)
             self.model_loads += any(s.get("loaded") for s in stats)
             self._note_residency(job, stats, keep)
             if watch.step_seconds:
                 self._step_estimates[key] = max(watch.step_seconds)
-            return JobResult(latent, stats, time.perf_counter() - t0)
+            return JobResult(latent, stats, time.perf_counter() - t0, audio)
 
     def _note_residency(self, job: Job, stats: list[dict], keep: bool) -> None:
         """Which models the workers now hold (the status shows them), and one log line when this job's model had
@@ -588,6 +592,7 @@ class RuntimeClient:
         elif kind == "done":
             replies.stats[rank] = meta
             replies.latent = tensors.get("latent", replies.latent)
+            replies.audio = tensors.get("audio", replies.audio)
             replies.pending.discard(rank)
         elif kind in ("cancelled", "aborted"):
             replies.cancelled = replies.cancelled or kind == "cancelled" or replies.cancel_sent
@@ -607,7 +612,7 @@ class RuntimeClient:
             watch.started_sampling()
 
     def _job_outcome(self, replies: _JobReplies):
-        """(latent, stats) of a job the workers finished; else the error that ends it: a run failure, then a
+        """(latent, stats, audio) of a job the workers finished; else the error that ends it: a run failure, then a
         load failure, then a callback's exception, then the Cancel."""
         failures = replies.failures
         if failures:
@@ -626,7 +631,7 @@ class RuntimeClient:
             raise replies.held[0]
         if replies.cancelled:
             raise errors.Cancelled("the job was cancelled; the workers are ready for the next one.")
-        return replies.latent, replies.stats
+        return replies.latent, replies.stats, replies.audio
 
     def _recv_or_die(self, rank: int):
         try:

@@ -361,7 +361,8 @@ def _job_from_message(meta: dict, tensors: dict):
                tensors["latent"], branch("positive"), branch("negative") if "negative.cond" in tensors else None,
                extra=meta.get("extra", {}), timestep=tensors.get("timestep"), call_step=meta.get("call_step"),
                call_slot=meta.get("call_slot", 0), call_last=meta.get("call_last", False),
-               skip_blocks=tuple((str(kind), int(index)) for kind, index in meta.get("skip_blocks", ())))
+               skip_blocks=tuple((str(kind), int(index)) for kind, index in meta.get("skip_blocks", ())),
+               audio=tensors.get("audio"))
 
 
 def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse, gate: queue.Queue) -> None:
@@ -391,7 +392,9 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
     stats.update(loaded=loaded, load_seconds=state.last_load_seconds, patched_tensors=patched, released=state.released,
                  resident=[m["name"] for m in state.resident()])
     pulse.end_job()  # no beat may follow the result
-    chan.send("done", stats, {"latent": latent} if latent is not None else None)
+    if isinstance(latent, tuple):  # an audio-video job: (video, audio)
+        latent = {"latent": latent[0], "audio": latent[1]}
+    chan.send("done", stats, {"latent": latent} if isinstance(latent, torch.Tensor) else latent)
 
 
 def _denoise(state: WorkerState, chan: Channel, job, topology, pulse, controlnets) -> tuple[dict, torch.Tensor | None]:

@@ -36,7 +36,8 @@ class ModelCallForward(Denoiser):
         s, cfg = job.strategy, self.adapter.config
         validate_strategy(s, world_size=self.topology.world_size, heads=cfg.num_heads, num_blocks=cfg.num_blocks,
                           latent_hw=latent_plane(spatial), steps=1, patch=self.adapter.patch)
-        self.step_times, self.hw = [], tuple(spatial)
+        # An audio-video call's sizes end with the audio's frames (the family's tables read them).
+        self.step_times, self.hw = [], tuple(spatial) + (() if job.audio is None else (job.audio.shape[-1],))
         self.device_weights, self.warmup_steps, self.patch_caches = s.device_weights, s.warmup_steps, {}
         # The call's chunks in ComfyUI's order (positive = first chunk, negative = second), `batch` rows each.
         chunks = [job.positive] + ([job.negative] if job.negative is not None else [])
@@ -44,7 +45,8 @@ class ModelCallForward(Denoiser):
         # CFG parallel gives each member one chunk; a one-chunk call (cfg 1) runs whole on every member.
         split = self.topology.cfg > 1 and len(chunks) == self.topology.cfg
         mine = [self.coords["cfg"]] if split else list(range(len(chunks)))
-        x = self.adapter.pack(job.latent.float()).to(self.adapter.device)
+        x = (self.adapter.pack(job.latent.float()) if job.audio is None  # [audio | video] rows of an AV call
+             else self.adapter.pack_av(job.latent.float(), job.audio.float())).to(self.adapter.device)
         t = job.timestep.to(self.adapter.device, torch.float32)
         out = torch.zeros_like(x)
         self._check_cancel()
@@ -68,6 +70,8 @@ class ModelCallForward(Denoiser):
             out = torch.cat(self.comm.all_gather(mine_rows, self.comm.group("cfg"), op="cfg"))
         if not self._is_result_rank():
             return None
+        if job.audio is not None:  # (video, audio) in the call's shapes
+            return tuple(part.cpu() for part in self.adapter.unpack_av(out, *self.hw))
         return self.adapter.unpack(out, *spatial).cpu()  # the call's shape ([rows, C, H, W] or a video's 5D)
 
     def _forward(self, x: torch.Tensor, t: torch.Tensor, branches: Branches, job: Job, key: tuple) -> torch.Tensor:

@@ -53,7 +53,12 @@ class Source:
         """(rows, columns) of the file tensor this parameter reads: None (all), a slice, or the runs of a shard."""
         if self.shard is None:
             return self.rows, None
-        if self.transform is not None:  # transforms move rows (modulations), which no plan splits
+        # A transform moves rows. Swapping the halves of a layer split as two equal halves (a GLU stored [gate; value]
+        # for diffusers' [value; gate]: MiniMax-H3's MLP) commutes with the split: the rank reads [gate_i; value_i]
+        # and swaps it to [value_i; gate_i]. Any other moved rows (modulations) no plan splits.
+        halves = (self.transform == "swap_halves" and self.shard.dim == 0 and len(self.shard.blocks) == 2
+                  and self.shard.blocks[0] == self.shard.blocks[1])
+        if self.transform is not None and not halves:
             raise ValueError(f"{self.key}: a transformed tensor cannot be split for tensor parallelism")
         if self.shard.dim == 1:
             return self.rows, self.shard.pieces()
