@@ -336,21 +336,8 @@ def validate_audio(job: Job, config) -> None:
                           f"EmptyMiniMaxH3LatentAV's latent.")
 
 
-def validate_job(job: Job, world_size: int) -> None:
-    from .weights.comfy_quant import check_quantized_matmul
-
-    sp = job.sampling
-    validate_numbers(job)
-    check_quantized_matmul(job.model.quantized_matmul)
-    if sp.sampler_name not in SAMPLERS:
-        raise ConfigError(f"sampler {sp.sampler_name!r} is not supported by the parallel sampler; "
-                          f"choose one of {', '.join(SAMPLERS)}.")
-    if sp.scheduler not in SCHEDULERS:
-        raise ConfigError(f"scheduler {sp.scheduler!r} is not supported; choose one of {', '.join(SCHEDULERS)}.")
-    if not 0.0 <= sp.denoise <= 1.0:
-        raise ConfigError(f"denoise={sp.denoise} is outside 0..1; set it between 0 and 1.")
-    config = model_config(job.model.path)
-    validate_audio(job, config)
+def validate_latent_and_branches(job: Job, config) -> None:
+    """The latent's shape for this family, the timestep, and each conditioning branch against the model."""
     lat = job.latent
     channels = config.latent_channels
     video = config.video
@@ -392,6 +379,25 @@ def validate_job(job: Job, world_size: int) -> None:
         if c.pooled.shape[0] != c.cond.shape[0]:
             raise ConfigError(f"the {name} conditioning has {c.cond.shape[0]} prompt(s) but {c.pooled.shape[0]} pooled "
                               f"vector(s); encode it with one text-encode node so the two match.")
+
+
+def validate_job(job: Job, world_size: int) -> None:
+    from .weights.comfy_quant import check_quantized_matmul
+
+    sp = job.sampling
+    validate_numbers(job)
+    check_quantized_matmul(job.model.quantized_matmul)
+    if sp.sampler_name not in SAMPLERS:
+        raise ConfigError(f"sampler {sp.sampler_name!r} is not supported by the parallel sampler; "
+                          f"choose one of {', '.join(SAMPLERS)}.")
+    if sp.scheduler not in SCHEDULERS:
+        raise ConfigError(f"scheduler {sp.scheduler!r} is not supported; choose one of {', '.join(SCHEDULERS)}.")
+    if not 0.0 <= sp.denoise <= 1.0:
+        raise ConfigError(f"denoise={sp.denoise} is outside 0..1; set it between 0 and 1.")
+    config = model_config(job.model.path)
+    validate_audio(job, config)
+    validate_latent_and_branches(job, config)
+    lat = job.latent
     side = getattr(config, "max_latent_size", None)  # families with a stored position table (SD3)
     if side is not None and max(lat.shape[2:]) > side:
         raise ConfigError(f"the latent is {lat.shape[3] * 8}x{lat.shape[2] * 8} px but this model's position table "
@@ -404,7 +410,6 @@ def validate_job(job: Job, world_size: int) -> None:
 
     validate_branches(job)
     if job.weight_patches is not None:
-        from .models.registry import family_of
         from .weights.patches import validate_weight_patches
 
         family = family_of(config)
