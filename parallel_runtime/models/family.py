@@ -436,21 +436,17 @@ class KnownUnsupported:
 
 _LTX_FIX = ("load it with UNETLoader{} (ComfyUI's own multi-GPU CFG split works for it) and choose a family ParaDiT "
             "runs for Load Parallel DiT")
-# In order: the first match names the file (LTX-2's keys include LTX-Video's). LTX-Video's diffusers-layout keys
-# (adaln_single, caption_projection, transformer_blocks) also fit PixArt's, so these are checked before any family.
+# LTX-Video's diffusers-layout keys (adaln_single, caption_projection, transformer_blocks) also fit PixArt's, so
+# these are checked before any family. LTX-2 / 2.3 (audio-video) files are the ltx2 family's: a file with LTX-2's
+# audio keys is never refused here.
+_LTX2_AUDIO = ("audio_adaln_single.linear.weight", "audio_time_embed.linear.weight")
 KNOWN_UNSUPPORTED = (
-    KnownUnsupported("an LTX-2 / LTX-2.3 audio-video model (Lightricks)",
-                     ("adaln_single.emb.timestep_embedder.linear_1.bias", "audio_adaln_single.linear.weight"),
-                     _LTX_FIX.format(" on a ComfyUI new enough to know it")),
-    KnownUnsupported("an LTX-2 / LTX-2.3 audio-video model (Lightricks, diffusers layout)",
-                     ("audio_time_embed.linear.weight", "audio_proj_in.weight", "proj_in.weight"),
-                     _LTX_FIX.format(" on a ComfyUI new enough to know it")),
     KnownUnsupported("an LTX-Video (LTXV 0.9.x) model (Lightricks)",
                      ("adaln_single.emb.timestep_embedder.linear_1.bias", "transformer_blocks.0.attn2.to_k.weight"),
-                     _LTX_FIX.format(""), absent=("pos_embed.proj.bias",)),  # PixArt-diffusers has pos_embed
+                     _LTX_FIX.format(""), absent=("pos_embed.proj.bias",) + _LTX2_AUDIO),  # PixArt-diffusers: pos_embed
     KnownUnsupported("an LTX-Video (LTXV 0.9.x) model (Lightricks, diffusers layout)",
                      ("time_embed.emb.timestep_embedder.linear_1.bias", "scale_shift_table", "proj_in.weight",
-                      "caption_projection.linear_1.weight"), _LTX_FIX.format("")),
+                      "caption_projection.linear_1.weight"), _LTX_FIX.format(""), absent=_LTX2_AUDIO),
 )
 
 

@@ -16,6 +16,7 @@ def families() -> list[ModelFamily]:
     from .families.flux2 import FLUX2
     from .families.flux_adapter import FLUX
     from .families.hunyuan_video15 import HUNYUAN_VIDEO15
+    from .families.ltx2 import LTX2
     from .families.lumina2 import LUMINA2
     from .families.pixart import PIXART
     from .families.qwen_image_controlnet import QWEN_IMAGE  # Qwen-Image's family with its ControlNets
@@ -24,7 +25,7 @@ def families() -> list[ModelFamily]:
     from .families.wan import WAN
     from .families.z_image import Z_IMAGE
 
-    return [FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, PIXART, WAN, Z_IMAGE, LUMINA2, HUNYUAN_VIDEO15]
+    return [FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, PIXART, WAN, Z_IMAGE, LUMINA2, HUNYUAN_VIDEO15, LTX2]
 
 
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:
