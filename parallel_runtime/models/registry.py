@@ -11,7 +11,8 @@ from .family import Match, ModelFamily, describe_keys, refuse_known_unsupported
 
 
 def families() -> list[ModelFamily]:
-    """Every family the runtime runs, in detection order (imported lazily: diffusers is heavy)."""
+    """Every family the runtime runs, in detection order (imported lazily: diffusers is heavy). LTX-2 comes before
+    PixArt: its unprefixed files carry adaln_single and caption_projection, which PixArt's diffusers layout reads."""
     from .families.chroma import CHROMA
     from .families.flux2 import FLUX2
     from .families.flux_adapter import FLUX
@@ -25,7 +26,7 @@ def families() -> list[ModelFamily]:
     from .families.wan import WAN
     from .families.z_image import Z_IMAGE
 
-    return [FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, PIXART, WAN, Z_IMAGE, LUMINA2, HUNYUAN_VIDEO15, LTX2]
+    return [FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, LTX2, PIXART, WAN, Z_IMAGE, LUMINA2, HUNYUAN_VIDEO15]
 
 
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:
