@@ -9,6 +9,7 @@ the first latent frame's video tokens are a conditioning frame (timestep 0), as 
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -83,15 +84,22 @@ def diffusers_call(path: str, config: LTX2Config, x: dict) -> tuple[torch.Tensor
     return out[0], out[1]
 
 
-def serial_call(path: str, x: dict, video_rows=None, audio_rows=None, context=None):
-    """ParaDiT's family on one rank: the file read through its key map, every row (or the rows given)."""
-    from parallel_runtime.strategies.attention.processor import AttentionContext
+@functools.lru_cache(maxsize=4)
+def built(path: str):
+    """(family, config, model) of a file, built once per process (each adapter points it at its own strategies)."""
     from parallel_runtime.weights.checkpoint import open_checkpoint
 
     with open_checkpoint(path) as reader:
         family, match = detect_family(reader.keys())
         config = family.infer_config(reader, match, os.path.basename(path))
-        model = family.build(config, reader, match, lambda n: True, torch.float32, torch.device("cpu")).eval()
+        return family, config, family.build(config, reader, match, lambda n: True, torch.float32, "cpu").eval()
+
+
+def serial_call(path: str, x: dict, video_rows=None, audio_rows=None, context=None):
+    """ParaDiT's family on one rank: the file read through its key map, every row (or the rows given)."""
+    from parallel_runtime.strategies.attention.processor import AttentionContext
+
+    family, config, model = built(path)
     adapter = family.adapter(config, model, [range(config.num_blocks)], context or AttentionContext())
     v = torch.arange(T * H * W) if video_rows is None else video_rows
     a = torch.arange(AUDIO_FRAMES) if audio_rows is None else audio_rows
@@ -145,3 +153,106 @@ def test_serial_matches_diffusers(paths, name, layout, tmp_path):
     assert want_v.abs().mean() > 0.1 and want_a.abs().mean() > 0.1  # outputs of O(1): a real comparison
     assert rel_err(got_v, want_v) < SERIAL_RTOL and rel_err(got_a, want_a) < SERIAL_RTOL, (
         rel_err(got_v, want_v), rel_err(got_a, want_a))
+
+
+# -- both streams split over real gloo ranks -------------------------------------------------------------------
+
+# Every 4-rank layout of the exact strategies: each rank's video and audio shards (13 audio rows over 4 or 2
+# ranks: uneven), cond and uncond over CFG.
+TOPOLOGIES = {"ulysses4": dict(ulysses=4), "ring4": dict(ring=4), "ulysses2xring2": dict(ulysses=2, ring=2),
+              "cfg2xulysses2": dict(cfg=2, ulysses=2), "cfg2xring2": dict(cfg=2, ring=2)}
+
+RANK = r"""
+import json, sys
+import torch, torch.distributed as dist
+from safetensors.torch import save_file
+sys.path.insert(0, "tests")
+from test_ltx2 import CONFIGS, TOPOLOGIES, inputs, serial_call, shards
+from parallel_runtime.distributed.comm import Comm
+from parallel_runtime.distributed.topology import Topology
+from parallel_runtime.strategies.attention.processor import AttentionContext
+from parallel_runtime.strategies.attention.streams import stream_attention
+
+rank, world, store, paths, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), sys.argv[5]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+try:
+    for topo_name, degrees in TOPOLOGIES.items():
+        topology = Topology(**degrees)
+        comm = Comm(topology, rank)
+        coords, sp = topology.coords(rank), topology.sp
+        for name, path in paths.items():
+            x = inputs(CONFIGS[name])
+            if topology.cfg > 1:  # this rank's CFG branch: one row of the batch (cond, uncond)
+                x = {k: v[coords["cfg"]:coords["cfg"] + 1] for k, v in x.items()}
+            video, audio = shards(x["video"].shape[1], sp), shards(x["audio"].shape[1], sp)
+            me = topology.sp_rank(rank)
+            lengths_v, lengths_a = [len(r) for r in video], [len(r) for r in audio]
+
+            def attention(q, kv):
+                return stream_attention(comm, topology.ulysses, coords["ring"], q, kv)
+
+            context = AttentionContext(attention=attention(lengths_v, lengths_v),
+                                       streams={"audio": attention(lengths_a, lengths_a),
+                                                "a2v": attention(lengths_v, lengths_a),
+                                                "v2a": attention(lengths_a, lengths_v)})
+            v, a = serial_call(path, x, video[me], audio[me], context)
+            save_file({"video": v.contiguous(), "audio": a.contiguous(), "video_rows": video[me], "audio_rows": audio[me],
+                       "batch": torch.tensor([coords["cfg"] if topology.cfg > 1 else -1])},
+                      f"{out}/{topo_name}-{name}-{rank}.safetensors")
+        comm.close()
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def shards(n: int, k: int) -> list[torch.Tensor]:
+    """Row indices of k contiguous shards of n rows, the first n % k one longer (uneven where k does not divide n)."""
+    sizes = [n // k + (j < n % k) for j in range(k)]
+    return list(torch.arange(n).split(sizes))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(paths, tmp_path_factory):
+    """Every topology's outputs, from one launch of 4 gloo ranks (one process start for every strategy)."""
+    out = tmp_path_factory.mktemp("ltx2-ranks")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(rank), "4", str(out / "store"), json.dumps(paths),
+                               str(out)], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(4)]
+    try:
+        outputs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    return out
+
+
+def gathered(folder, topology: str, name: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full video and audio outputs put back together from every rank's rows."""
+    video = torch.full((batch, T * H * W, CONFIGS[name].in_channels), float("nan"))
+    audio = torch.full((batch, AUDIO_FRAMES, CONFIGS[name].audio_in_channels), float("nan"))
+    for rank in range(4):
+        part = load_file(str(folder / f"{topology}-{name}-{rank}.safetensors"))
+        rows = slice(None) if part["batch"].item() < 0 else slice(part["batch"].item(), part["batch"].item() + 1)
+        video[rows, part["video_rows"]] = part["video"]
+        audio[rows, part["audio_rows"]] = part["audio"]
+    return video, audio
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_exact_strategies_equal_serial(paths, four_ranks, topology, name):
+    """Both streams split over the ranks (neither replicated): self-attention per stream and a2v / v2a across the
+    streams through Ulysses, Ring, their hybrid and CFG equal the serial call to fp32 round-off."""
+    x = inputs(CONFIGS[name])
+    want_v, want_a = serial_call(paths[name], x)
+    got_v, got_a = gathered(four_ranks, topology, name, x["video"].shape[0])
+    assert not got_v.isnan().any() and not got_a.isnan().any()  # every row came back from some rank
+    errs = rel_err(got_v, want_v), rel_err(got_a, want_a)
+    assert max(errs) < EXACT_RTOL, errs
