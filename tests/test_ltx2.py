@@ -85,21 +85,27 @@ def diffusers_call(path: str, config: LTX2Config, x: dict) -> tuple[torch.Tensor
 
 
 @functools.lru_cache(maxsize=4)
-def built(path: str):
-    """(family, config, model) of a file, built once per process (each adapter points it at its own strategies)."""
+def built(path: str, shard: tuple[int, int] | None = None):
+    """(family, config, model) of a file, built once per process (each adapter points it at its own strategies);
+    `shard` (index, degree): shard_weights' slice of every block's bytes."""
     from parallel_runtime.weights.checkpoint import open_checkpoint
 
     with open_checkpoint(path) as reader:
         family, match = detect_family(reader.keys())
         config = family.infer_config(reader, match, os.path.basename(path))
-        return family, config, family.build(config, reader, match, lambda n: True, torch.float32, "cpu").eval()
+        model = family.build(config, reader, match, lambda n: True, torch.float32, "cpu", shard=shard).eval()
+    if shard is not None:
+        from parallel_runtime.strategies.sharded_weights import parallelize_sharded
+
+        parallelize_sharded(model)
+    return family, config, model
 
 
-def serial_call(path: str, x: dict, video_rows=None, audio_rows=None, context=None):
+def serial_call(path: str, x: dict, video_rows=None, audio_rows=None, context=None, shard=None):
     """ParaDiT's family on one rank: the file read through its key map, every row (or the rows given)."""
     from parallel_runtime.strategies.attention.processor import AttentionContext
 
-    family, config, model = built(path)
+    family, config, model = built(path, shard)
     adapter = family.adapter(config, model, [range(config.num_blocks)], context or AttentionContext())
     v = torch.arange(T * H * W) if video_rows is None else video_rows
     a = torch.arange(AUDIO_FRAMES) if audio_rows is None else audio_rows
@@ -160,14 +166,15 @@ def test_serial_matches_diffusers(paths, name, layout, tmp_path):
 # Every 4-rank layout of the exact strategies: each rank's video and audio shards (13 audio rows over 4 or 2
 # ranks: uneven), cond and uncond over CFG.
 TOPOLOGIES = {"ulysses4": dict(ulysses=4), "ring4": dict(ring=4), "ulysses2xring2": dict(ulysses=2, ring=2),
-              "cfg2xulysses2": dict(cfg=2, ulysses=2), "cfg2xring2": dict(cfg=2, ring=2)}
+              "cfg2xulysses2": dict(cfg=2, ulysses=2), "cfg2xring2": dict(cfg=2, ring=2),
+              "ulysses2xring2-sharded": dict(ulysses=2, ring=2, shard_weights=True)}
 
 RANK = r"""
 import json, sys
 import torch, torch.distributed as dist
 from safetensors.torch import save_file
 sys.path.insert(0, "tests")
-from test_ltx2 import CONFIGS, TOPOLOGIES, inputs, serial_call, shards
+from test_ltx2 import CONFIGS, TOPOLOGIES, built, inputs, serial_call, shards
 from parallel_runtime.distributed.comm import Comm
 from parallel_runtime.distributed.topology import Topology
 from parallel_runtime.strategies.attention.processor import AttentionContext
@@ -196,7 +203,14 @@ try:
                                        streams={"audio": attention(lengths_a, lengths_a),
                                                 "a2v": attention(lengths_v, lengths_a),
                                                 "v2a": attention(lengths_a, lengths_v)})
-            v, a = serial_call(path, x, video[me], audio[me], context)
+            shard = None
+            if topology.shard_weights:  # every block's bytes split over the replica group, gathered as it runs
+                weights = comm.group("weights")
+                shard = (weights.index, weights.size)
+                built(path, shard)[2].weight_gatherer.bind(comm)
+            v, a = serial_call(path, x, video[me], audio[me], context, shard)
+            if shard is not None:
+                built(path, shard)[2].weight_gatherer.finish()
             save_file({"video": v.contiguous(), "audio": a.contiguous(), "video_rows": video[me], "audio_rows": audio[me],
                        "batch": torch.tensor([coords["cfg"] if topology.cfg > 1 else -1])},
                       f"{out}/{topo_name}-{name}-{rank}.safetensors")
@@ -249,7 +263,8 @@ def gathered(folder, topology: str, name: str, batch: int) -> tuple[torch.Tensor
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_exact_strategies_equal_serial(paths, four_ranks, topology, name):
     """Both streams split over the ranks (neither replicated): self-attention per stream and a2v / v2a across the
-    streams through Ulysses, Ring, their hybrid and CFG equal the serial call to fp32 round-off."""
+    streams through Ulysses, Ring, their hybrid and CFG, and with each block's weights sharded over the ranks,
+    equal the serial call to fp32 round-off."""
     x = inputs(CONFIGS[name])
     want_v, want_a = serial_call(paths[name], x)
     got_v, got_a = gathered(four_ranks, topology, name, x["video"].shape[0])
