@@ -84,16 +84,22 @@ def diffusers_call(path: str, config: LTX2Config, x: dict) -> tuple[torch.Tensor
     return out[0], out[1]
 
 
-@functools.lru_cache(maxsize=4)
-def built(path: str, shard: tuple[int, int] | None = None):
+@functools.lru_cache(maxsize=8)
+def built(path: str, shard: tuple[int, int] | None = None, tensor: tuple[int, int] | None = None):
     """(family, config, model) of a file, built once per process (each adapter points it at its own strategies);
-    `shard` (index, degree): shard_weights' slice of every block's bytes."""
+    `shard` (index, degree): shard_weights' slice of every block's bytes; `tensor` (index, degree): a tensor rank's
+    heads and MLP units."""
+    from parallel_runtime.strategies.tensor import TensorSplit, parallelize_tensor
     from parallel_runtime.weights.checkpoint import open_checkpoint
 
+    split = TensorSplit(*tensor) if tensor is not None else None
     with open_checkpoint(path) as reader:
         family, match = detect_family(reader.keys())
         config = family.infer_config(reader, match, os.path.basename(path))
-        model = family.build(config, reader, match, lambda n: True, torch.float32, "cpu", shard=shard).eval()
+        model = family.build(config, reader, match, lambda n: True, torch.float32, "cpu", shard=shard,
+                             tensor=split).eval()
+    if split is not None:
+        parallelize_tensor(model, split)
     if shard is not None:
         from parallel_runtime.strategies.sharded_weights import parallelize_sharded
 
@@ -101,11 +107,11 @@ def built(path: str, shard: tuple[int, int] | None = None):
     return family, config, model
 
 
-def serial_call(path: str, x: dict, video_rows=None, audio_rows=None, context=None, shard=None):
+def serial_call(path: str, x: dict, video_rows=None, audio_rows=None, context=None, shard=None, tensor=None):
     """ParaDiT's family on one rank: the file read through its key map, every row (or the rows given)."""
     from parallel_runtime.strategies.attention.processor import AttentionContext
 
-    family, config, model = built(path, shard)
+    family, config, model = built(path, shard, tensor)
     adapter = family.adapter(config, model, [range(config.num_blocks)], context or AttentionContext())
     v = torch.arange(T * H * W) if video_rows is None else video_rows
     a = torch.arange(AUDIO_FRAMES) if audio_rows is None else audio_rows
@@ -167,7 +173,8 @@ def test_serial_matches_diffusers(paths, name, layout, tmp_path):
 # ranks: uneven), cond and uncond over CFG.
 TOPOLOGIES = {"ulysses4": dict(ulysses=4), "ring4": dict(ring=4), "ulysses2xring2": dict(ulysses=2, ring=2),
               "cfg2xulysses2": dict(cfg=2, ulysses=2), "cfg2xring2": dict(cfg=2, ring=2),
-              "ulysses2xring2-sharded": dict(ulysses=2, ring=2, shard_weights=True)}
+              "ulysses2xring2-sharded": dict(ulysses=2, ring=2, shard_weights=True), "tensor4": dict(tensor=4),
+              "tensor2xulysses2": dict(tensor=2, ulysses=2)}
 
 RANK = r"""
 import json, sys
@@ -203,14 +210,19 @@ try:
                                        streams={"audio": attention(lengths_a, lengths_a),
                                                 "a2v": attention(lengths_v, lengths_a),
                                                 "v2a": attention(lengths_a, lengths_v)})
-            shard = None
+            shard = tensor = None
+            if topology.tensor > 1:  # heads and MLP units split over the tensor group, its row-wise sums reduced
+                from parallel_runtime.strategies.tensor import bind_tensor_group
+
+                tensor = (coords["tensor"], topology.tensor)
+                bind_tensor_group(built(path, shard, tensor)[2], comm)
             if topology.shard_weights:  # every block's bytes split over the replica group, gathered as it runs
                 weights = comm.group("weights")
                 shard = (weights.index, weights.size)
-                built(path, shard)[2].weight_gatherer.bind(comm)
-            v, a = serial_call(path, x, video[me], audio[me], context, shard)
+                built(path, shard, tensor)[2].weight_gatherer.bind(comm)
+            v, a = serial_call(path, x, video[me], audio[me], context, shard, tensor)
             if shard is not None:
-                built(path, shard)[2].weight_gatherer.finish()
+                built(path, shard, tensor)[2].weight_gatherer.finish()
             save_file({"video": v.contiguous(), "audio": a.contiguous(), "video_rows": video[me], "audio_rows": audio[me],
                        "batch": torch.tensor([coords["cfg"] if topology.cfg > 1 else -1])},
                       f"{out}/{topo_name}-{name}-{rank}.safetensors")
@@ -263,8 +275,9 @@ def gathered(folder, topology: str, name: str, batch: int) -> tuple[torch.Tensor
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_exact_strategies_equal_serial(paths, four_ranks, topology, name):
     """Both streams split over the ranks (neither replicated): self-attention per stream and a2v / v2a across the
-    streams through Ulysses, Ring, their hybrid and CFG, and with each block's weights sharded over the ranks,
-    equal the serial call to fp32 round-off."""
+    streams through Ulysses, Ring, their hybrid and CFG, with each block's weights sharded over the ranks, and with
+    heads and MLP units split by tensor parallelism (alone and under Ulysses), equal the serial call to fp32
+    round-off."""
     x = inputs(CONFIGS[name])
     want_v, want_a = serial_call(paths[name], x)
     got_v, got_a = gathered(four_ranks, topology, name, x["video"].shape[0])

@@ -284,8 +284,9 @@ class StreamAttnProcessor:
     """diffusers' LTX2AudioVideoAttnProcessor with the attention kernel replaced by the job's strategy for this
     layer's pair of streams (queries' rows local, keys' rows as the strategy gathers them)."""
 
-    def __init__(self, layer: int, context, stream: str):
-        self.layer, self.context, self.stream = layer, context, stream
+    def __init__(self, layer: int, context, stream: str, tensor_rank: int = 0):
+        """`tensor_rank`: this rank's index in a tensor-parallel group, whose heads' RoPE columns it takes."""
+        self.layer, self.context, self.stream, self.tensor_rank = layer, context, stream, tensor_rank
 
     def attend(self):
         if self.stream == "prompt":
@@ -308,13 +309,29 @@ class StreamAttnProcessor:
         value = attn.to_v(context)
         if query_rotary_emb is not None:
             rotate = apply_interleaved_rotary_emb if attn.rope_type == "interleaved" else apply_split_rotary_emb
-            query = rotate(query, query_rotary_emb)
-            key = rotate(key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
+            query = rotate(query, self._heads_of(query_rotary_emb, attn, query))
+            key = rotate(key, self._heads_of(key_rotary_emb if key_rotary_emb is not None else query_rotary_emb,
+                                             attn, key))
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         out = self.attend()(q, k, v, self.layer).to(query.dtype)
         if gate_logits is not None:
             out = out * (2.0 * torch.sigmoid(gate_logits)).unsqueeze(-1)  # zero logits: gates of 1
         return attn.to_out[0](out.flatten(2, 3))
+
+    def _heads_of(self, rope: tuple, attn, x: torch.Tensor) -> tuple:
+        """The RoPE tables of the heads this rank projects: all of them, or under tensor parallelism its slice
+        (interleaved tables [B, S, width]: its columns; split ones [B, heads, S, r]: its heads)."""
+        cos, sin = rope
+        if cos.dim() == 4:
+            if cos.shape[1] == attn.heads:
+                return rope
+            cut = slice(self.tensor_rank * attn.heads, (self.tensor_rank + 1) * attn.heads)
+            return cos[:, cut], sin[:, cut]
+        if cos.shape[-1] == x.shape[-1]:
+            return rope
+        width = x.shape[-1]
+        cut = slice(self.tensor_rank * width, (self.tensor_rank + 1) * width)
+        return cos[..., cut], sin[..., cut]
 
 
 class LTX2Adapter:
@@ -327,11 +344,12 @@ class LTX2Adapter:
     def __init__(self, config: LTX2Config, model, chunks: list[range], context):
         self.config, self.model, self.chunks, self.context = config, model, chunks, context
         self.dtype, self.device = compute_placement(model.time_embed if hasattr(model, "time_embed") else model)
+        split = getattr(model, "tensor_split", None)
         for i, block in enumerate(model.transformer_blocks):
             for attr, stream in _LAYERS:
                 layer = getattr(block, attr, None)
                 if layer is not None:
-                    layer.set_processor(StreamAttnProcessor(i, context, stream))
+                    layer.set_processor(StreamAttnProcessor(i, context, stream, split.index if split else 0))
 
     variant = property(lambda self: self.config.variant)
 
@@ -450,6 +468,20 @@ class LTX2Adapter:
         return self.head(video, audio, mod)
 
 
+def tensor_plan(config: LTX2Config) -> dict:
+    """diffusers' Attention / FeedForward split (q/k/v and the MLP's input column-wise, out-projections row-wise,
+    q/k norms over all heads as "norm") in all six attentions of a block, and LTX-2.3's per-head gate logits
+    column-wise with their heads."""
+    from ..family import derived_tensor_plan
+
+    model = _meta_model(config)
+    plan = derived_tensor_plan(model, BLOCK_LISTS)
+    if config.gated_attn:
+        for i in range(config.num_layers):
+            plan.update({f"transformer_blocks.{i}.{attr}.to_gate_logits": "colwise" for attr, _ in _LAYERS})
+    return plan
+
+
 def block_inputs(config: LTX2Config, text: int, image: int, generator: torch.Generator) -> tuple:
     raise NotImplementedError("the cost model does not time LTX-2's two-stream blocks yet")
 
@@ -458,4 +490,4 @@ LTX2 = DiTFamily(
     name="ltx2", title="LTX-2 / 2.3 / 2.5 (audio-video)", match=match_layout, infer_config=infer_config,
     meta_model=_meta_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=LTX2Adapter,
     block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE,
-    comfy_layout="original", replace_keys=("double_block",), block_inputs=block_inputs, tensor_plan=lambda c: {})
+    comfy_layout="original", replace_keys=("double_block",), block_inputs=block_inputs, tensor_plan=tensor_plan)
