@@ -308,10 +308,14 @@ class StreamAttnProcessor:
         key = attn.norm_k(attn.to_k(context))
         value = attn.to_v(context)
         if query_rotary_emb is not None:
-            rotate = apply_interleaved_rotary_emb if attn.rope_type == "interleaved" else apply_split_rotary_emb
-            query = rotate(query, self._heads_of(query_rotary_emb, attn, query))
-            key = rotate(key, self._heads_of(key_rotary_emb if key_rotary_emb is not None else query_rotary_emb,
-                                             attn, key))
+            split = apply_split_rotary_emb
+
+            def rotate(x, rope):  # nothing to rotate in a stream this pass does not carry (diffusers' split fails)
+                kernel = apply_interleaved_rotary_emb if attn.rope_type == "interleaved" else split
+                return kernel(x, self._heads_of(rope, attn, x)) if x.shape[1] else x
+
+            query = rotate(query, query_rotary_emb)
+            key = rotate(key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         out = self.attend()(q, k, v, self.layer).to(query.dtype)
         if gate_logits is not None:
@@ -378,10 +382,20 @@ class LTX2Adapter:
         """RoPE of the video rows `video_rows` (token indices into the T x H x W grid) and the audio rows
         `audio_rows` (latent frame indices): every table is per token, so any shard's rows are computed alone."""
         m, device = self.model, self.device
-        video = m.rope.prepare_video_coords(batch, *thw, device, fps=fps)[:, :, video_rows.to(device)]
-        audio = m.audio_rope.prepare_audio_coords(batch, audio_frames, device)[:, :, audio_rows.to(device)]
-        return Rope(m.rope(video, device=device), m.audio_rope(audio, device=device),
-                    m.cross_attn_rope(video[:, 0:1], device=device), m.cross_attn_audio_rope(audio[:, 0:1], device=device))
+        video = m.rope.prepare_video_coords(batch, *thw, device, fps=fps)
+        audio = m.audio_rope.prepare_audio_coords(batch, audio_frames, device)
+
+        def tables(layer, coords, rows):
+            # diffusers' split tables cannot be shaped for zero rows (a stream a pass does not carry): one row, cut
+            picked = coords[:, :, rows.to(device) if len(rows) else torch.zeros(1, dtype=torch.long, device=device)]
+            cos, sin = layer(picked, device=device)
+            if len(rows):
+                return cos, sin
+            return (cos[:, :, :0], sin[:, :, :0]) if cos.dim() == 4 else (cos[:, :0], sin[:, :0])
+
+        return Rope(tables(m.rope, video, video_rows), tables(m.audio_rope, audio, audio_rows),
+                    tables(m.cross_attn_rope, video[:, 0:1], video_rows),
+                    tables(m.cross_attn_audio_rope, audio[:, 0:1], audio_rows))
 
     # -- embeddings ------------------------------------------------------------------------------------
 
@@ -409,6 +423,9 @@ class LTX2Adapter:
         [B, rows] (or [B]: one per sample) of the rows this rank holds; `sigma`, `audio_sigma` [B] (the model's
         units) for the prompt modulation and, with `cross_timestep`, the other stream's cross modulation."""
         m, c, dt, b = self.model, self.config, self.dtype, sigma.shape[0]
+        # A stream with no rows in this pass (a PipeFusion patch that carries no audio) gets one per-sample row,
+        # which nothing reads: diffusers' blocks cannot reshape zero modulation rows.
+        video_t, audio_t = (t if t.numel() else t.new_zeros(b) for t in (video_t, audio_t))
         video_t, audio_t, sigma, audio_sigma = (t.to(self.device) for t in (video_t, audio_t, sigma, audio_sigma))
 
         def rows(layer, t):
