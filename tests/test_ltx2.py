@@ -368,3 +368,18 @@ def test_pipefusion_and_naive_patch_errors_on_a_multistep_run(paths, name):
     errors = {kind: (rel_err(got[0], want[0]), rel_err(got[1], want[1])) for kind, got in
               (("pipefusion", pipefusion), ("naive", naive))}
     assert max(errors["pipefusion"]) < 0.07 and max(errors["pipefusion"]) < 0.5 * min(errors["naive"]), errors
+
+
+def test_jobs_are_refused_in_one_sentence_before_any_work(paths):
+    """The runtime's step loop and the parallel MODEL do not carry the audio stream yet: a job for an LTX-2 file is
+    refused by validate_job (what the client runs before sending anything) naming the ComfyUI nodes involved."""
+    from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
+    from parallel_runtime.validate import validate_job
+
+    cond = Conditioning(torch.zeros(1, PROMPT, 128), torch.zeros(1, 0))
+    job = Job(ModelSpec(paths["ltx2.3"]), StrategySpec(), SamplingSpec(steps=1), torch.zeros(1, 16, T, H, W), cond,
+              None)
+    with pytest.raises(Exception, match=r"^LTX-2\.3 128-wide x 2 loads on ParaDiT, but .*LTXVConcatAVLatent.*"
+                                        r"UNETLoader to sample it in ComfyUI\.$") as refused:
+        validate_job(job, 1)
+    assert type(refused.value).__name__ == "ConfigError" and str(refused.value).count(". ") == 0

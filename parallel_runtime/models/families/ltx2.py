@@ -17,9 +17,17 @@ points the layers at those strategies through `AttentionContext.streams`: "video
 
 The module tree is diffusers' LTX2VideoTransformer3DModel, so diffusers-layout files map one to one; Lightricks'
 released files (the names ComfyUI's LTXAVModel uses) map through `source_map`, as diffusers' single-file converter
-renames them. The text connectors stored in released files (video/audio_embeddings_connector) run on the text
-side in ComfyUI and are not part of this model: the model reads the connectors' output (ComfyUI's context,
-video rows | audio rows along the channels). Where ComfyUI's block differs from diffusers' (its video-to-audio
+renames them. The text connectors stored in released files (video/audio_embeddings_connector) are not part of
+this model: it reads their output (video rows, audio rows). ComfyUI's model_base.LTXAV runs them on the host in
+extra_conds (diffusion_model.preprocess_text_embeds), which under ParaDiT's MODEL is the remote DiT, so the workers
+will have to run them when jobs carry LTX-2's prompts.
+
+ComfyUI 2026's model call for LTXAV carries, beyond x / timestep / context: x as a NestedTensor [video, audio]
+(latent_shapes; LTXVConcatAVLatent), per-token video and audio timesteps made by process_timestep from
+denoise_mask / audio_denoise_mask (LTXVImgToVideo, LTXVAddGuide), frame_rate (LTXVConditioning), keyframe_idxs
+and guide_attention_entries (LTXVAddGuide), ref_audio (ID-LoRA reference audio), generated_keyframes (LTX-2.5).
+The adapter reads per-token timesteps, fps and keyframe markers; the runtime's step loop and the parallel MODEL do
+not carry a second stream yet, so a job is refused before any work (`not_sampled_yet`). Where ComfyUI's block differs from diffusers' (its video-to-audio
 attention normalizes the video *after* the audio-to-video update; its audio-to-video gate reads the largest audio
 timestep), this follows diffusers.
 """
@@ -112,6 +120,14 @@ class LTX2Config(JointAttentionConfig):
     @property
     def title(self) -> str:
         return f"LTX-{'2.3' if self.cross_attn_mod else '2'} {self.hidden_size}-wide x {self.num_layers}"
+
+    @property
+    def not_sampled_yet(self) -> str:
+        """Why a job cannot run yet (validate_job refuses it before any work): the runtime's denoise loop and the
+        parallel MODEL carry one latent stream, not LTX-2's two with their per-token timesteps."""
+        return (f"{self.title} loads on ParaDiT, but neither Parallel Sampler nor the parallel MODEL carries its "
+                f"audio latent (LTXVConcatAVLatent), per-token timesteps (LTXVImgToVideo, LTXVAddGuide) and prompt "
+                f"connectors yet; load it with UNETLoader to sample it in ComfyUI.")
 
     def diffusers_kwargs(self) -> dict:
         return dict(in_channels=self.in_channels, out_channels=self.in_channels, num_attention_heads=self.num_heads,
