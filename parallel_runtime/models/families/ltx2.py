@@ -27,9 +27,10 @@ ComfyUI 2026's model call for LTXAV carries, beyond x / timestep / context: x as
 denoise_mask / audio_denoise_mask (LTXVImgToVideo, LTXVAddGuide), frame_rate (LTXVConditioning), keyframe_idxs
 and guide_attention_entries (LTXVAddGuide), ref_audio (ID-LoRA reference audio), generated_keyframes (LTX-2.5).
 The adapter reads per-token timesteps, fps and keyframe markers; the runtime's step loop and the parallel MODEL do
-not carry a second stream yet, so a job is refused before any work (`not_sampled_yet`). Where ComfyUI's block differs from diffusers' (its video-to-audio
-attention normalizes the video *after* the audio-to-video update; its audio-to-video gate reads the largest audio
-timestep), this follows diffusers.
+not carry a second stream yet, so a job is refused before any work (`not_sampled_yet`). Where ComfyUI 2026's block differs from diffusers' it follows
+diffusers and Lightricks' ltx-core: ComfyUI's fused rms_adaln now normalizes the video for video-to-audio *after*
+the audio-to-video update (ltx-core and ComfyUI's earlier block normalize it once, before both), and its
+audio-to-video gate reads the largest audio timestep where diffusers reads the video's.
 """
 from __future__ import annotations
 
