@@ -383,3 +383,17 @@ def test_jobs_are_refused_in_one_sentence_before_any_work(paths):
                                         r"UNETLoader to sample it in ComfyUI\.$") as refused:
         validate_job(job, 1)
     assert type(refused.value).__name__ == "ConfigError" and str(refused.value).count(". ") == 0
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_one_block_runs_as_the_cost_model_times_it(name):
+    """probe_block: one block with random weights on its family's random inputs (video rows, their share of audio
+    rows, both prompts, modulation, RoPE), on the CPU (what the cost model times) and on meta (its FLOP count)."""
+    from parallel_runtime.models.families.ltx2 import LTX2
+    from parallel_runtime.strategies.attention.processor import AttentionContext
+
+    video, audio = LTX2.probe_block(CONFIGS[name], 1, AttentionContext(), 7, 96, torch.float32, "cpu")()
+    assert video.shape == (1, 96, 128) and audio.shape == (1, 2, 64)  # 96 video rows: 2 audio rows (1 per 48)
+    assert torch.isfinite(video).all() and video.abs().mean() > 0.1
+    video, _ = LTX2.probe_block(CONFIGS[name], 0, AttentionContext(), 7, 96, torch.float32, "meta")()
+    assert video.device.type == "meta"

@@ -35,6 +35,7 @@ audio-to-video gate reads the largest audio timestep where diffusers reads the v
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -516,8 +517,32 @@ def tensor_plan(config: LTX2Config) -> dict:
     return plan
 
 
+AUDIO_PER_VIDEO_TOKEN = 1 / 48  # audio rows per video row at the released shapes (~126 per 6k video tokens)
+
+
 def block_inputs(config: LTX2Config, text: int, image: int, generator: torch.Generator) -> tuple:
-    raise NotImplementedError("the cost model does not time LTX-2's two-stream blocks yet")
+    """Random run_blocks arguments of one block call: `image` video rows on a one-frame grid, their share of audio
+    rows, both prompts of `text` rows, per-sample modulation rows, and the rows' RoPE."""
+    c, b = config, 1
+    audio = max(1, round(image * AUDIO_PER_VIDEO_TOKEN))
+    k = 9 if c.cross_attn_mod else 6
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    prompt_mod = c.cross_attn_mod and c.prompt_adaln
+    mod = Modulation(rand(b, 1, k * c.hidden_size), rand(b, 1, k * c.audio_hidden_size),
+                     rand(b, 1, 4 * c.hidden_size), rand(b, 1, 4 * c.audio_hidden_size), rand(b, 1, c.hidden_size),
+                     rand(b, 1, c.audio_hidden_size), rand(b, 1, 2 * c.hidden_size) if prompt_mod else None,
+                     rand(b, 1, 2 * c.audio_hidden_size) if prompt_mod else None, rand(b, 1, c.hidden_size),
+                     rand(b, 1, c.audio_hidden_size))
+    m, cols = _meta_model(c), max(1, math.isqrt(image))  # RoPE modules hold no parameters: they run off meta
+    video = m.rope.prepare_video_coords(b, 1, -(-image // cols), cols, "cpu")[:, :, :image]
+    audio_coords = m.audio_rope.prepare_audio_coords(b, audio, "cpu")
+    rope = Rope(m.rope(video, device="cpu"), m.audio_rope(audio_coords, device="cpu"),
+                m.cross_attn_rope(video[:, 0:1], device="cpu"), m.cross_attn_audio_rope(audio_coords[:, 0:1], device="cpu"))
+    return (rand(b, image, c.hidden_size), rand(b, audio, c.audio_hidden_size),
+            (rand(b, text, c.cross_attention_dim), rand(b, text, c.audio_cross_attention_dim)), mod, rope)
 
 
 LTX2 = DiTFamily(
