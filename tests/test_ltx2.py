@@ -397,3 +397,23 @@ def test_one_block_runs_as_the_cost_model_times_it(name):
     assert torch.isfinite(video).all() and video.abs().mean() > 0.1
     video, _ = LTX2.probe_block(CONFIGS[name], 0, AttentionContext(), 7, 96, torch.float32, "meta")()
     assert video.device.type == "meta"
+
+
+def test_settings_shapes_cannot_show_come_from_the_files_metadata(paths, tmp_path):
+    """A released file's `config` metadata (ComfyUI's LTXAVModel argument names) sets RoPE type, precision, theta
+    and extent, the cross-attention gate's timestep scale and the head counts; the serial model still matches
+    diffusers built with those settings."""
+    import dataclasses
+
+    meta = {"rope_type": "split", "frequencies_precision": "float32", "positional_embedding_theta": 5000.0,
+            "positional_embedding_max_pos": [16, 1024, 1536], "audio_positional_embedding_max_pos": [24],
+            "av_ca_timestep_scale_multiplier": 1.0, "num_attention_heads": 16, "audio_num_attention_heads": 16}
+    path = str(tmp_path / "ltx-2-meta.safetensors")
+    save_file(load_file(paths["ltx2.0"]), path, metadata={"config": json.dumps({"transformer": meta})})
+    want = dataclasses.replace(LTX20, rope_type="split", rope_double_precision=False, rope_theta=5000.0,
+                               max_positions=(16, 1024, 1536), audio_max_position=24, av_timestep_multiplier=1.0,
+                               num_heads=16, audio_heads=16)
+    assert model_config(path) == want
+    x = inputs(want)
+    (got_v, got_a), (want_v, want_a) = serial_call(path, x), diffusers_call(path, want, x)
+    assert rel_err(got_v, want_v) < SERIAL_RTOL and rel_err(got_a, want_a) < SERIAL_RTOL

@@ -82,6 +82,10 @@ class LTX2Config(JointAttentionConfig):
     rope_type: str = "interleaved"  # "split" from LTX-2.3 (file metadata says; else by generation)
     cross_timestep: bool = False  # a2v/v2a modulation reads the other stream's sigma (LTX-2.3 on)
     av_timestep_multiplier: float = 1000.0  # diffusers' cross_attn_timestep_scale_multiplier (ComfyUI's av_ca_...)
+    rope_theta: float = 10000.0
+    rope_double_precision: bool = True  # RoPE frequencies in float64 (ComfyUI's frequencies_precision)
+    max_positions: tuple[int, int, int] = (20, 2048, 2048)  # frames (seconds x fps scale), height, width in pixels
+    audio_max_position: int = 20
 
     family = "ltx2"
     video = True
@@ -144,7 +148,10 @@ class LTX2Config(JointAttentionConfig):
                     rope_type=self.rope_type, ff_bias=self.ff_bias, audio_ff_bias=self.audio_ff_bias,
                     use_prompt_adaln_single=self.prompt_adaln,
                     use_keyframes_abs_pos_embedding=self.keyframes,
-                    cross_attn_timestep_scale_multiplier=self.av_timestep_multiplier)
+                    cross_attn_timestep_scale_multiplier=self.av_timestep_multiplier, rope_theta=self.rope_theta,
+                    rope_double_precision=self.rope_double_precision, pos_embed_max_pos=self.max_positions[0],
+                    base_height=self.max_positions[1], base_width=self.max_positions[2],
+                    audio_pos_embed_max_pos=self.audio_max_position)
 
 
 # -- checkpoint layout --------------------------------------------------------------------------------
@@ -191,7 +198,9 @@ def original_name(name: str) -> str:
 
 
 def _metadata_config(reader) -> dict:
-    """The "transformer" part of a released file's `config` metadata (what ComfyUI reads for LTX-2.3's settings)."""
+    """The "transformer" part of a released file's `config` metadata, in ComfyUI's LTXAVModel argument names (what
+    ComfyUI reads for the settings shapes cannot show: RoPE type, precision and extent, the a2v/v2a gate's
+    timestep scale, head counts). Without it: diffusers' defaults, LTX-2.3 (modulated prompt) with split RoPE."""
     try:
         return json.loads((getattr(reader, "metadata", lambda: {})() or {}).get("config", "{}")).get("transformer", {})
     except (ValueError, AttributeError):
@@ -228,7 +237,11 @@ def infer_config(reader, match: Match, name: str) -> LTX2Config:
         keyframes=p + "keyframes_abs_pos_embedding" in reader,
         rope_type=meta.get("rope_type", "split" if cross_attn_mod else "interleaved"),
         cross_timestep=cross_attn_mod,
-        av_timestep_multiplier=float(meta.get("av_ca_timestep_scale_multiplier", 1000.0)))
+        av_timestep_multiplier=float(meta.get("av_ca_timestep_scale_multiplier", 1000.0)),
+        rope_theta=float(meta.get("positional_embedding_theta", 10000.0)),
+        rope_double_precision=meta.get("frequencies_precision", "float64") == "float64",
+        max_positions=tuple(int(v) for v in meta.get("positional_embedding_max_pos", (20, 2048, 2048))),
+        audio_max_position=int(meta.get("audio_positional_embedding_max_pos", [20])[0]))
 
 
 def _meta_model(config: LTX2Config):
