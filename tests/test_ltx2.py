@@ -108,11 +108,27 @@ def built(path: str, shard: tuple[int, int] | None = None, tensor: tuple[int, in
     return family, config, model
 
 
-def serial_call(path: str, x: dict, video_rows=None, audio_rows=None, context=None, shard=None, tensor=None):
-    """ParaDiT's family on one rank: the file read through its key map, every row (or the rows given)."""
+@functools.lru_cache(maxsize=4)
+def built_as_stored(path: str):
+    """(family, config, model) built as a worker builds it: the storage the file's dtypes ask for (fp8 matrices
+    kept fp8, computed in fp32 on the CPU)."""
+    from parallel_runtime.runtime.worker import resolve_storage
+    from parallel_runtime.weights.checkpoint import open_checkpoint
+
+    with open_checkpoint(path) as reader:
+        family, match = detect_family(reader.keys())
+        config = family.infer_config(reader, match, os.path.basename(path))
+        storage = resolve_storage("default", torch.device("cpu")).for_file(reader)
+        return family, config, family.build(config, reader, match, lambda n: True, storage, torch.device("cpu")).eval()
+
+
+def serial_call(path: str, x: dict, video_rows=None, audio_rows=None, context=None, shard=None, tensor=None,
+                stored: bool = False):
+    """ParaDiT's family on one rank: the file read through its key map, every row (or the rows given); `stored`:
+    built in the file's own storage (fp8 kept fp8)."""
     from parallel_runtime.strategies.attention.processor import AttentionContext
 
-    family, config, model = built(path, shard, tensor)
+    family, config, model = built_as_stored(path) if stored else built(path, shard, tensor)
     adapter = family.adapter(config, model, [range(config.num_blocks)], context or AttentionContext())
     v = torch.arange(T * H * W) if video_rows is None else video_rows
     a = torch.arange(AUDIO_FRAMES) if audio_rows is None else audio_rows
@@ -417,3 +433,21 @@ def test_settings_shapes_cannot_show_come_from_the_files_metadata(paths, tmp_pat
     x = inputs(want)
     (got_v, got_a), (want_v, want_a) = serial_call(path, x), diffusers_call(path, want, x)
     assert rel_err(got_v, want_v) < SERIAL_RTOL and rel_err(got_a, want_a) < SERIAL_RTOL
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["fp8", "scaled-fp8"])
+def test_fp8_file_equals_its_fp32_twin_and_stays_fp8(tmp_path, scaled):
+    """An fp8 file (ComfyUI's fp8 and scaled-fp8 layouts: every matrix in float8_e4m3fn) equals its fp32 twin of the
+    values it means, with its matrices kept in fp8 on the rank."""
+    from test_fp8 import fp8_twins
+
+    quant, meant = fp8_twins(tmp_path, "ltx2", torch.float8_e4m3fn, scaled, config=LTX20)
+    x = inputs(LTX20)
+    (got_v, got_a), (want_v, want_a) = serial_call(quant, x, stored=True), serial_call(meant, x)
+    # fp32 from the same fp8 numbers: only a scaled layer's multiply moves (one fp32 rounding; test_fp8's FP8_RTOL)
+    assert rel_err(got_v, want_v) < 1e-5 and rel_err(got_a, want_a) < 1e-5
+    model = built_as_stored(quant)[2]
+    held = {n: b for n, b in model.named_buffers()} | dict(model.named_parameters())
+    fp8 = [n for n, t in held.items() if t.dtype == torch.float8_e4m3fn]
+    matrices = [n for n, t in load_file(meant).items() if n.endswith(".weight") and t.ndim == 2]
+    assert len(fp8) == len(matrices) == 82  # every matrix: 2 blocks x (6 attentions x 4 + 2 MLPs x 2) + 26 outside
