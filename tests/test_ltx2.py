@@ -451,3 +451,17 @@ def test_fp8_file_equals_its_fp32_twin_and_stays_fp8(tmp_path, scaled):
     fp8 = [n for n, t in held.items() if t.dtype == torch.float8_e4m3fn]
     matrices = [n for n, t in load_file(meant).items() if n.endswith(".weight") and t.ndim == 2]
     assert len(fp8) == len(matrices) == 82  # every matrix: 2 blocks x (6 attentions x 4 + 2 MLPs x 2) + 26 outside
+
+
+def test_gguf_file_equals_its_fp32_twin_and_stays_quantized(tmp_path):
+    """A GGUF file (ComfyUI-GGUF's converter: keys without prefix, architecture "ltxv"; K-quant and legacy blocks
+    over the matrices) equals the fp32 file of the values it holds, its quantized matrices kept in their blocks."""
+    from test_gguf import gguf_twins
+
+    quant, meant = gguf_twins(tmp_path, "ltx2", config=LTX20, arch="ltxv")
+    x = inputs(LTX20)
+    (got_v, got_a), (want_v, want_a) = serial_call(quant, x, stored=True), serial_call(meant, x)
+    # the same dequantized numbers in fp32 on both sides: only summation order may differ
+    assert rel_err(got_v, want_v) < 1e-5 and rel_err(got_a, want_a) < 1e-5
+    kept = [n for n, t in built_as_stored(quant)[2].named_buffers() if t.dtype == torch.uint8]
+    assert len(kept) == 69, kept[:3]  # every matrix whose rows hold whole blocks (32 or 256 values) stays in them
