@@ -364,13 +364,17 @@ def _probe_block_patch(patch) -> str | None:
 
 def parallel_model(handle: convert.ParaDiTModel):
     """The MODEL Load Parallel DiT outputs: ComfyUI's BaseModel for the file, its diffusion model remote."""
+    from parallel_runtime.validate import model_config
+
+    # A file no family claims fails here, in one sentence naming what it is; one whose model calls the runtime
+    # cannot carry yet (LTX-2's audio stream) too, before ComfyUI builds anything for it.
+    refusal = getattr(model_config(handle.model.path), "not_sampled_yet", None)
+    if refusal:
+        raise convert.ConfigError(refusal)
     import comfy.model_detection as detection
     import comfy.model_management as mm
     import comfy.model_patcher
     import comfy.utils
-    from parallel_runtime.validate import model_config
-
-    model_config(handle.model.path)  # a file no family claims fails here, in one sentence naming what it is
     sd, quantized = _meta_state_dict(handle.model.path)
     prefix = detection.unet_prefix_from_state_dict(sd)
     sd = comfy.utils.state_dict_prefix_replace(sd, {prefix: ""}, filter_keys=True) or sd

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import rel_err
-from parallel_runtime.errors import ModelFileError
+from parallel_runtime.errors import ConfigError, ModelFileError
 from parallel_runtime.strategies.attention import LocalAttention
 from parallel_runtime.models.families.ltx2 import LTX2Config
 from parallel_runtime.models.registry import detect_family
@@ -395,10 +395,10 @@ def test_jobs_are_refused_in_one_sentence_before_any_work(paths):
     cond = Conditioning(torch.zeros(1, PROMPT, 128), torch.zeros(1, 0))
     job = Job(ModelSpec(paths["ltx2.3"]), StrategySpec(), SamplingSpec(steps=1), torch.zeros(1, 16, T, H, W), cond,
               None)
-    with pytest.raises(Exception, match=r"^LTX-2\.3 128-wide x 2 loads on ParaDiT, but .*LTXVConcatAVLatent.*"
-                                        r"UNETLoader to sample it in ComfyUI\.$") as refused:
+    with pytest.raises(ConfigError, match=r"^LTX-2\.3 128-wide x 2 loads on ParaDiT, but .*LTXVConcatAVLatent.*"
+                                          r"UNETLoader to sample it in ComfyUI\.$") as refused:
         validate_job(job, 1)
-    assert type(refused.value).__name__ == "ConfigError" and str(refused.value).count(". ") == 0
+    assert str(refused.value).count(". ") == 0  # one sentence
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -465,3 +465,13 @@ def test_gguf_file_equals_its_fp32_twin_and_stays_quantized(tmp_path):
     assert rel_err(got_v, want_v) < 1e-5 and rel_err(got_a, want_a) < 1e-5
     kept = [n for n, t in built_as_stored(quant)[2].named_buffers() if t.dtype == torch.uint8]
     assert len(kept) == 69, kept[:3]  # every matrix whose rows hold whole blocks (32 or 256 values) stays in them
+
+
+def test_load_parallel_dit_refuses_the_model_before_comfyui_builds_it(paths):
+    """The parallel MODEL's loader (remote_model.parallel_model) refuses an LTX-2 file in the same sentence, before
+    importing anything of ComfyUI: no model call can reach the workers with an audio latent they would drop."""
+    from nodes import convert, remote_model
+
+    handle = convert.model_handle(paths["ltx2.0"], "default", "cpu:1", convert.strategy_choice("manual"))
+    with pytest.raises(ConfigError, match=r"^LTX-2 128-wide x 2 loads on ParaDiT, but .*UNETLoader"):
+        remote_model.parallel_model(handle)
