@@ -475,3 +475,36 @@ def test_load_parallel_dit_refuses_the_model_before_comfyui_builds_it(paths):
     handle = convert.model_handle(paths["ltx2.0"], "default", "cpu:1", convert.strategy_choice("manual"))
     with pytest.raises(ConfigError, match=r"^LTX-2 128-wide x 2 loads on ParaDiT, but .*UNETLoader"):
         remote_model.parallel_model(handle)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_pipeline_stages_load_only_their_blocks_and_chain_to_the_serial_call(paths, name):
+    """PipeFusion's stage split: each of 2 stages built with only what `stage_ownership` gives it (its block, the
+    modulation and prompt projections every stage needs, the input projections on the first, the heads on the
+    last) runs its blocks in turn; the chain equals the serial call."""
+    from parallel_runtime.strategies.attention.processor import AttentionContext
+    from parallel_runtime.weights.checkpoint import open_checkpoint
+
+    x, path = inputs(CONFIGS[name]), paths[name]
+    with open_checkpoint(path) as reader:
+        family, match = detect_family(reader.keys())
+        config = family.infer_config(reader, match, name)
+        stages = family.pipeline_stages(config, 2)
+        adapters = []
+        for k, chunks in enumerate(stages):
+            owned = family.stage_ownership(config, chunks, first=k == 0, last=k == len(stages) - 1)
+            model = family.build(config, reader, match, owned, torch.float32, torch.device("cpu")).eval()
+            adapters.append(family.adapter(config, model, chunks, AttentionContext()))
+    assert [list(c[0]) for c in stages] == [[0], [1]]
+    with torch.no_grad():
+        first = adapters[0]
+        video, audio = first.embed_video(x["video"]), first.embed_audio(x["audio"])
+        for adapter in adapters:  # every stage computes its modulation, RoPE and prompt rows itself
+            mod = adapter.modulation(x["video_t"], x["audio_t"], x["sigma"], x["audio_sigma"])
+            rope = adapter.rope((T, H, W), torch.arange(T * H * W), AUDIO_FRAMES, torch.arange(AUDIO_FRAMES),
+                                batch=video.shape[0])
+            video, audio = adapter.run_blocks(video, audio, adapter.embed_prompt(x["video_context"], x["audio_context"]),
+                                              mod, rope)
+        got_v, got_a = adapters[-1].head(video, audio, mod)
+    want_v, want_a = serial_call(path, x)
+    assert rel_err(got_v, want_v) < SERIAL_RTOL and rel_err(got_a, want_a) < SERIAL_RTOL

@@ -27,10 +27,17 @@ ComfyUI 2026's model call for LTXAV carries, beyond x / timestep / context: x as
 denoise_mask / audio_denoise_mask (LTXVImgToVideo, LTXVAddGuide), frame_rate (LTXVConditioning), keyframe_idxs
 and guide_attention_entries (LTXVAddGuide), ref_audio (ID-LoRA reference audio), generated_keyframes (LTX-2.5).
 The adapter reads per-token timesteps, fps and keyframe markers; the runtime's step loop and the parallel MODEL do
-not carry a second stream yet, so a job is refused before any work (`not_sampled_yet`). Where ComfyUI 2026's block differs from diffusers' it follows
-diffusers and Lightricks' ltx-core: ComfyUI's fused rms_adaln now normalizes the video for video-to-audio *after*
-the audio-to-video update (ltx-core and ComfyUI's earlier block normalize it once, before both), and its
-audio-to-video gate reads the largest audio timestep where diffusers reads the video's.
+not carry a second stream yet, so a job is refused before any work (`not_sampled_yet`).
+
+Tensor parallelism splits the heads and MLP units of all six attentions and both MLPs (`tensor_plan`); a rank takes
+its heads' RoPE columns. PipeFusion's patches are runs of video tokens; the audio rows ride with one patch (audio is
+~2% of the tokens) and the others read the audio K/V their buffers hold; a pass without audio rows works (empty
+streams get a placeholder modulation row and no RoPE).
+
+Where ComfyUI 2026's block differs from diffusers' this follows diffusers and Lightricks' ltx-core: ComfyUI's fused
+rms_adaln now normalizes the video for video-to-audio *after* the audio-to-video update (ltx-core and ComfyUI's
+earlier block normalize it once, before both), and its audio-to-video gate reads the largest audio timestep where
+diffusers reads the video's.
 """
 from __future__ import annotations
 
@@ -52,9 +59,9 @@ from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 BLOCK_LISTS = ("transformer_blocks",)
 DEFAULT_HEADS = 32  # ComfyUI's detection: attention_head_dim = attn2.to_k rows // 32 (audio: 32 heads as well)
 _TIME = ("time_embed.", "audio_time_embed.", "prompt_adaln.", "audio_prompt_adaln.", "av_cross_attn_")
-ALWAYS_OWNED = _TIME  # every stage modulates its blocks (RoPE modules hold no parameters)
-FIRST_STAGE = ("proj_in.", "audio_proj_in.", "caption_projection.", "audio_caption_projection.",
-               "keyframes_abs_pos_embedding")
+# Every stage modulates its blocks and cross-attends the projected prompt (RoPE modules hold no parameters).
+ALWAYS_OWNED = _TIME + ("caption_projection.", "audio_caption_projection.")
+FIRST_STAGE = ("proj_in.", "audio_proj_in.", "keyframes_abs_pos_embedding")
 LAST_STAGE = ("scale_shift_table", "audio_scale_shift_table", "norm_out.", "proj_out.", "audio_norm_out.",
               "audio_proj_out.")
 # Per block: video self-attention, video -> prompt, audio self, audio -> prompt, a2v, v2a (cost model's view).
