@@ -508,3 +508,23 @@ def test_pipeline_stages_load_only_their_blocks_and_chain_to_the_serial_call(pat
         got_v, got_a = adapters[-1].head(video, audio, mod)
     want_v, want_a = serial_call(path, x)
     assert rel_err(got_v, want_v) < SERIAL_RTOL and rel_err(got_a, want_a) < SERIAL_RTOL
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_rope_of_any_rows_is_those_rows_of_the_whole_tables(paths, name):
+    """3-D video RoPE, 1-D audio RoPE and both temporal cross tables for any set of rows (a shard, a patch, rows in
+    any order) are exactly those rows of the whole sequence's tables: every table is per token."""
+    from parallel_runtime.strategies.attention.processor import AttentionContext
+
+    family, config, model = built(paths[name])
+    adapter = family.adapter(config, model, [range(config.num_blocks)], AttentionContext())
+    whole = adapter.rope((T, H, W), torch.arange(T * H * W), AUDIO_FRAMES, torch.arange(AUDIO_FRAMES), batch=2)
+    video_rows, audio_rows = torch.tensor([71, 3, 40, 24]), torch.tensor([12, 0, 5])
+    part = adapter.rope((T, H, W), video_rows, AUDIO_FRAMES, audio_rows, batch=2)
+    for got, want, rows in zip(part, whole, (video_rows, audio_rows, video_rows, audio_rows)):
+        dim = 2 if want[0].dim() == 4 else 1  # split tables [B, heads, rows, r]; interleaved [B, rows, width]
+        for g, w in zip(got, want):
+            assert torch.equal(g, w.index_select(dim, rows))
+    cos = whole.video[0]
+    dim = 2 if cos.dim() == 4 else 1
+    assert not torch.equal(cos.select(dim, 0), cos.select(dim, H * W))  # frame 0 and 1 differ: a real table
