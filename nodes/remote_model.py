@@ -364,16 +364,20 @@ def _probe_block_patch(patch) -> str | None:
 
 def parallel_model(handle: convert.ParaDiTModel):
     """The MODEL Load Parallel DiT outputs: ComfyUI's BaseModel for the file, its diffusion model remote."""
+    from parallel_runtime.validate import model_config, refuse_jobs_of
+
+    # A file no family claims fails here, in one sentence naming what it is; so does one whose inputs no door carries
+    # yet (LTX-2's and MiniMax-H3's audio stream), before ComfyUI builds anything for it.
+    ours = model_config(handle.model.path)
+    refusal = getattr(ours, "not_sampled_yet", None)
+    if refusal:
+        raise convert.ConfigError(refusal)
+    refuse_jobs_of(ours, handle.name or handle.model.path)
     import comfy.model_detection as detection
     import comfy.model_management as mm
     import comfy.model_patcher
     import comfy.utils
-    from parallel_runtime.validate import model_config
 
-    from parallel_runtime.validate import refuse_jobs_of
-
-    # A file no family claims fails here, in one sentence naming what it is; so does one no door runs yet.
-    refuse_jobs_of(model_config(handle.model.path), handle.name or handle.model.path)
     sd, quantized = _meta_state_dict(handle.model.path)
     prefix = detection.unet_prefix_from_state_dict(sd)
     sd = comfy.utils.state_dict_prefix_replace(sd, {prefix: ""}, filter_keys=True) or sd

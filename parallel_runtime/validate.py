@@ -395,6 +395,9 @@ def validate_job(job: Job, world_size: int) -> None:
     if not 0.0 <= sp.denoise <= 1.0:
         raise ConfigError(f"denoise={sp.denoise} is outside 0..1; set it between 0 and 1.")
     config = model_config(job.model.path)
+    refusal = getattr(config, "not_sampled_yet", None)  # a family whose model runs but whose job inputs do not yet
+    if refusal:
+        raise ConfigError(refusal)
     validate_audio(job, config)
     validate_latent_and_branches(job, config)
     lat = job.latent

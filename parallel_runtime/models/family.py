@@ -217,7 +217,8 @@ class DiTFamily:
     last_stage: tuple[str, ...]
     comfy_layout: str  # the key layout whose names are ComfyUI's parameter names (what LoRA patches name)
     # (config, text rows, image rows, generator) -> random (image, text, temb, rope) of one run_blocks call, on
-    # the CPU: hidden states and temb in float32, rope as the adapter makes it (None where positions are added)
+    # the CPU: hidden states and temb in float32, rope as the adapter makes it (None where positions are added);
+    # a two-stream family returns its own run_blocks arguments, RoPE last
     block_inputs: Callable
     after_build: Callable[[torch.nn.Module], None] | None = None  # settings the key map cannot carry (eps, ...)
     # Per block list, the key ComfyUI's model of this family gives its blocks in patches_replace["dit"]
@@ -294,10 +295,12 @@ class DiTFamily:
             _randomize(block, generator)
         block.to(device, dtype).eval()
         adapter = self.adapter(config, model, [range(index, index + 1)], context)
-        image, text, temb, rope = self.block_inputs(config, text_tokens, image_tokens, generator)
-        image, text, temb = _to(image, device, dtype), _to(text, device, dtype), _to(temb, device, dtype)
+        # run_blocks' arguments, RoPE last: (image, text, temb, rope), or a two-stream family's own (LTX-2's video,
+        # audio, prompts, modulation, rope)
+        *inputs, rope = self.block_inputs(config, text_tokens, image_tokens, generator)
+        inputs = [_to(x, device, dtype) for x in inputs]
         rope = _to(rope, device, None)  # the adapters keep RoPE tables in float32
-        return lambda: adapter.run_blocks(image, text, temb, rope)
+        return lambda: adapter.run_blocks(*inputs, rope)
 
     def replaced_blocks(self, config, keys) -> frozenset[int]:
         """Indices into the ordered block list of ComfyUI's patches_replace "dit" keys ((kind, i)); a key this
@@ -393,7 +396,8 @@ def _randomize(module: torch.nn.Module, generator: torch.Generator) -> None:
 def _to(x, device, dtype):
     """A tensor, or a tuple of them (PixArt's temb, RoPE's cos/sin), moved to `device` (and `dtype` if given)."""
     if isinstance(x, (tuple, list)):
-        return type(x)(_to(t, device, dtype) for t in x)
+        items = [_to(t, device, dtype) for t in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)  # a NamedTuple takes fields one by one
     return x if x is None else x.to(device, dtype) if dtype is not None else x.to(device)
 
 
@@ -436,21 +440,17 @@ class KnownUnsupported:
 
 _LTX_FIX = ("load it with UNETLoader{} (ComfyUI's own multi-GPU CFG split works for it) and choose a family ParaDiT "
             "runs for Load Parallel DiT")
-# In order: the first match names the file (LTX-2's keys include LTX-Video's). LTX-Video's diffusers-layout keys
-# (adaln_single, caption_projection, transformer_blocks) also fit PixArt's, so these are checked before any family.
+# LTX-Video's diffusers-layout keys (adaln_single, caption_projection, transformer_blocks) also fit PixArt's, so
+# these are checked before any family. LTX-2 / 2.3 (audio-video) files are the ltx2 family's: a file with LTX-2's
+# audio keys is never refused here.
+_LTX2_AUDIO = ("audio_adaln_single.linear.weight", "audio_time_embed.linear.weight")
 KNOWN_UNSUPPORTED = (
-    KnownUnsupported("an LTX-2 / LTX-2.3 audio-video model (Lightricks)",
-                     ("adaln_single.emb.timestep_embedder.linear_1.bias", "audio_adaln_single.linear.weight"),
-                     _LTX_FIX.format(" on a ComfyUI new enough to know it")),
-    KnownUnsupported("an LTX-2 / LTX-2.3 audio-video model (Lightricks, diffusers layout)",
-                     ("audio_time_embed.linear.weight", "audio_proj_in.weight", "proj_in.weight"),
-                     _LTX_FIX.format(" on a ComfyUI new enough to know it")),
     KnownUnsupported("an LTX-Video (LTXV 0.9.x) model (Lightricks)",
                      ("adaln_single.emb.timestep_embedder.linear_1.bias", "transformer_blocks.0.attn2.to_k.weight"),
-                     _LTX_FIX.format(""), absent=("pos_embed.proj.bias",)),  # PixArt-diffusers has pos_embed
+                     _LTX_FIX.format(""), absent=("pos_embed.proj.bias",) + _LTX2_AUDIO),  # PixArt-diffusers: pos_embed
     KnownUnsupported("an LTX-Video (LTXV 0.9.x) model (Lightricks, diffusers layout)",
                      ("time_embed.emb.timestep_embedder.linear_1.bias", "scale_shift_table", "proj_in.weight",
-                      "caption_projection.linear_1.weight"), _LTX_FIX.format("")),
+                      "caption_projection.linear_1.weight"), _LTX_FIX.format(""), absent=_LTX2_AUDIO),
 )
 
 

@@ -11,11 +11,13 @@ from .family import Match, ModelFamily, describe_keys, refuse_known_unsupported
 
 
 def families() -> list[ModelFamily]:
-    """Every family the runtime runs, in detection order (imported lazily: diffusers is heavy)."""
+    """Every family the runtime runs, in detection order (imported lazily: diffusers is heavy). LTX-2 comes before
+    PixArt: its unprefixed files carry adaln_single and caption_projection, which PixArt's diffusers layout reads."""
     from .families.chroma import CHROMA
     from .families.flux2 import FLUX2
     from .families.flux_adapter import FLUX
     from .families.hunyuan_video15 import HUNYUAN_VIDEO15
+    from .families.ltx2 import LTX2
     from .families.lumina2 import LUMINA2
     from .families.minimax_h3 import MINIMAX_H3
     from .families.pixart import PIXART
@@ -25,7 +27,7 @@ def families() -> list[ModelFamily]:
     from .families.wan import WAN
     from .families.z_image import Z_IMAGE
 
-    return [FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, PIXART, WAN, Z_IMAGE, LUMINA2, HUNYUAN_VIDEO15,
+    return [FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, LTX2, PIXART, WAN, Z_IMAGE, LUMINA2, HUNYUAN_VIDEO15,
             MINIMAX_H3]
 
 

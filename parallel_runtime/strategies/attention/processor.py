@@ -25,6 +25,9 @@ class AttentionContext:
 
     attention: Callable = LocalAttention()
     image_attention: Callable = LocalAttention()
+    # A two-stream model's other attentions (LTX-2: "audio" self-attention, "a2v" / "v2a" across the streams), each
+    # over its own pair of shard splits (streams.stream_attention); `attention` is the first stream's ("video").
+    streams: dict = field(default_factory=dict)
     # PipeFusion's stale K/V under a stock sampler, kept from one model call to the next (model_call.py).
     stale_kv: dict = field(default_factory=dict)
     # The model's quantized layers' input amax (weights/input_amax.py): the runner points its `reduce` at the

@@ -1,0 +1,572 @@
+"""LTX-2 / LTX-2.3 / LTX-2.5 (Lightricks, 19-22B): audio-video DiTs that denoise a video and its sound together.
+
+Every block runs two streams side by side. Video tokens (one per latent pixel of the 128-channel, 32x spatial /
+8x temporal latent; 3-D RoPE over pixel-space patch midpoints, time in seconds) and audio tokens (one per latent
+frame of the 8 x 16 audio latent, flattened to 128 channels; 1-D RoPE over seconds) each get self-attention,
+cross-attention to their own projection of the prompt, then the audio-to-video (queries video, keys audio) and
+video-to-audio (queries audio, keys video) cross-attentions with 1-D temporal RoPE on both sides, then an MLP.
+Modulation is per token: the timestep may differ per video token (conditioning frames, keyframes: their
+timestep is 0) and per audio token, so every modulation row is computed for the rows a rank holds.
+
+Under sequence parallelism both streams are split: a rank holds a shard of the video tokens and a shard of the
+audio tokens. Each stream's self-attention is the ordinary Ulysses / Ring over its own shard lengths; the two
+cross-stream attentions take local queries and the other stream's keys/values through the same strategies
+(strategies/attention/streams.py); prompt cross-attention is local (every rank holds the prompt). The runtime
+points the layers at those strategies through `AttentionContext.streams`: "video" (the joint attention slot,
+`context.attention`), "audio", "a2v", "v2a".
+
+The module tree is diffusers' LTX2VideoTransformer3DModel, so diffusers-layout files map one to one; Lightricks'
+released files (the names ComfyUI's LTXAVModel uses) map through `source_map`, as diffusers' single-file converter
+renames them. The text connectors stored in released files (video/audio_embeddings_connector) are not part of
+this model: it reads their output (video rows, audio rows). ComfyUI's model_base.LTXAV runs them on the host in
+extra_conds (diffusion_model.preprocess_text_embeds), which under ParaDiT's MODEL is the remote DiT, so the workers
+will have to run them when jobs carry LTX-2's prompts.
+
+ComfyUI 2026's model call for LTXAV carries, beyond x / timestep / context: x as a NestedTensor [video, audio]
+(latent_shapes; LTXVConcatAVLatent), per-token video and audio timesteps made by process_timestep from
+denoise_mask / audio_denoise_mask (LTXVImgToVideo, LTXVAddGuide), frame_rate (LTXVConditioning), keyframe_idxs
+and guide_attention_entries (LTXVAddGuide), ref_audio (ID-LoRA reference audio), generated_keyframes (LTX-2.5).
+The adapter reads per-token timesteps, fps and keyframe markers; the runtime's step loop and the parallel MODEL do
+not carry a second stream yet, so a job is refused before any work (`not_sampled_yet`).
+
+Tensor parallelism splits the heads and MLP units of all six attentions and both MLPs (`tensor_plan`); a rank takes
+its heads' RoPE columns. PipeFusion's patches are runs of video tokens; the audio rows ride with one patch (audio is
+~2% of the tokens) and the others read the audio K/V their buffers hold; a pass without audio rows works (empty
+streams get a placeholder modulation row and no RoPE).
+
+Where ComfyUI 2026's block differs from diffusers' this follows diffusers and Lightricks' ltx-core: ComfyUI's fused
+rms_adaln now normalizes the video for video-to-audio *after* the audio-to-video update (ltx-core and ComfyUI's
+earlier block normalize it once, before both), and its audio-to-video gate reads the largest audio timestep where
+diffusers reads the video's.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ...errors import ModelFileError
+from ...strategies.attention import LocalAttention
+from ...weights.keymap import Source, block_count, same_names, tensor_shapes
+from ...weights.storage import compute_placement
+from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
+from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
+
+BLOCK_LISTS = ("transformer_blocks",)
+DEFAULT_HEADS = 32  # ComfyUI's detection: attention_head_dim = attn2.to_k rows // 32 (audio: 32 heads as well)
+_TIME = ("time_embed.", "audio_time_embed.", "prompt_adaln.", "audio_prompt_adaln.", "av_cross_attn_")
+# Every stage modulates its blocks and cross-attends the projected prompt (RoPE modules hold no parameters).
+ALWAYS_OWNED = _TIME + ("caption_projection.", "audio_caption_projection.")
+FIRST_STAGE = ("proj_in.", "audio_proj_in.", "keyframes_abs_pos_embedding")
+LAST_STAGE = ("scale_shift_table", "audio_scale_shift_table", "norm_out.", "proj_out.", "audio_norm_out.",
+              "audio_proj_out.")
+# Per block: video self-attention, video -> prompt, audio self, audio -> prompt, a2v, v2a (cost model's view).
+AV_BLOCK = BlockKind("audio-video", ("image", "prompt", "image", "prompt", "image", "image"))
+
+
+@dataclass(frozen=True)
+class LTX2Config(JointAttentionConfig):
+    hidden_size: int  # video width (heads x head size)
+    audio_hidden_size: int
+    num_layers: int
+    in_channels: int = 128
+    audio_in_channels: int = 128
+    cross_attention_dim: int = 4096  # the video prompt rows' width as attn2 reads them
+    audio_cross_attention_dim: int = 2048
+    caption_channels: int = 0  # the text encoder's width where the file projects the prompt itself (LTX-2.0); 0: not
+    num_heads: int = DEFAULT_HEADS
+    audio_heads: int = DEFAULT_HEADS
+    gated_attn: bool = False  # LTX-2.3: per-head output gates
+    cross_attn_mod: bool = False  # LTX-2.3: modulated prompt cross-attention (9 rows per block)
+    prompt_adaln: bool = False  # LTX-2.3: the prompt's modulation reads sigma (2.5 drops it: a fixed table)
+    ff_bias: bool = True  # LTX-2.5: False
+    audio_ff_bias: bool = True
+    keyframes: bool = False  # LTX-2.5: a learned row added to single-pixel-frame tokens
+    rope_type: str = "interleaved"  # "split" from LTX-2.3 (file metadata says; else by generation)
+    cross_timestep: bool = False  # a2v/v2a modulation reads the other stream's sigma (LTX-2.3 on)
+    av_timestep_multiplier: float = 1000.0  # diffusers' cross_attn_timestep_scale_multiplier (ComfyUI's av_ca_...)
+    rope_theta: float = 10000.0
+    rope_double_precision: bool = True  # RoPE frequencies in float64 (ComfyUI's frequencies_precision)
+    max_positions: tuple[int, int, int] = (20, 2048, 2048)  # frames (seconds x fps scale), height, width in pixels
+    audio_max_position: int = 20
+
+    family = "ltx2"
+    video = True
+    patch_size = 1
+    latent_downscale = 32
+    pooled_dim = 0
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads or self.audio_hidden_size % self.audio_heads:
+            raise ModelFileError(f"LTX-2 config is inconsistent ({self.hidden_size} / {self.audio_hidden_size} wide "
+                                 f"over {self.num_heads} / {self.audio_heads} heads); the file is damaged, so "
+                                 f"re-download it.")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_layers
+
+    @property
+    def block_kinds(self) -> tuple[BlockKind, ...]:
+        return (AV_BLOCK,) * self.num_layers
+
+    @property
+    def mlp_hidden(self) -> int:
+        return 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def latent_channels(self) -> int:
+        return self.in_channels
+
+    @property
+    def variant(self) -> str:
+        return "ltx2.3" if self.cross_attn_mod else "ltx2"
+
+    @property
+    def title(self) -> str:
+        return f"LTX-{'2.3' if self.cross_attn_mod else '2'} {self.hidden_size}-wide x {self.num_layers}"
+
+    @property
+    def not_sampled_yet(self) -> str:
+        """Why a job cannot run yet (validate_job refuses it before any work): the runtime's denoise loop and the
+        parallel MODEL carry one latent stream, not LTX-2's two with their per-token timesteps."""
+        return (f"{self.title} loads on ParaDiT, but neither Parallel Sampler nor the parallel MODEL carries its "
+                f"audio latent (LTXVConcatAVLatent), per-token timesteps (LTXVImgToVideo, LTXVAddGuide) and prompt "
+                f"connectors yet; load it with UNETLoader to sample it in ComfyUI.")
+
+    def diffusers_kwargs(self) -> dict:
+        return dict(in_channels=self.in_channels, out_channels=self.in_channels, num_attention_heads=self.num_heads,
+                    attention_head_dim=self.head_dim, cross_attention_dim=self.cross_attention_dim,
+                    gated_attn=self.gated_attn, cross_attn_mod=self.cross_attn_mod,
+                    audio_in_channels=self.audio_in_channels, audio_out_channels=self.audio_in_channels,
+                    audio_num_attention_heads=self.audio_heads,
+                    audio_attention_head_dim=self.audio_hidden_size // self.audio_heads,
+                    audio_cross_attention_dim=self.audio_cross_attention_dim, audio_gated_attn=self.gated_attn,
+                    audio_cross_attn_mod=self.cross_attn_mod, num_layers=self.num_layers,
+                    caption_channels=self.caption_channels or 3840, use_prompt_embeddings=self.caption_channels > 0,
+                    rope_type=self.rope_type, ff_bias=self.ff_bias, audio_ff_bias=self.audio_ff_bias,
+                    use_prompt_adaln_single=self.prompt_adaln,
+                    use_keyframes_abs_pos_embedding=self.keyframes,
+                    cross_attn_timestep_scale_multiplier=self.av_timestep_multiplier, rope_theta=self.rope_theta,
+                    rope_double_precision=self.rope_double_precision, pos_embed_max_pos=self.max_positions[0],
+                    base_height=self.max_positions[1], base_width=self.max_positions[2],
+                    audio_pos_embed_max_pos=self.audio_max_position)
+
+
+# -- checkpoint layout --------------------------------------------------------------------------------
+
+_ORIGINAL_KEYS = ("adaln_single.emb.timestep_embedder.linear_1.bias", "audio_adaln_single.linear.weight")
+_DIFFUSERS_KEYS = ("audio_time_embed.linear.weight", "audio_proj_in.weight", "proj_in.weight")
+
+
+def match_layout(keys: list[str]) -> Match | None:
+    """ComfyUI's LTXAV detection keys (Lightricks' released names, which ComfyUI's model keeps: "original"), or
+    diffusers' audio time embedding beside both input projections ("diffusers")."""
+    key_set = set(keys)
+    for prefix in BFL_PREFIXES:
+        if all(prefix + k in key_set for k in _ORIGINAL_KEYS):
+            return Match("original", prefix)
+    for prefix in DIFFUSERS_PREFIXES:
+        if all(prefix + k in key_set for k in _DIFFUSERS_KEYS):
+            return Match("diffusers", prefix)
+    return None
+
+
+# diffusers' names -> the released ones: the inverse of diffusers' convert_ltx2_transformer_to_diffusers (and of the
+# LTX-2.3 prompt modulation it leaves alone). Whole top-level module names first, then substrings inside blocks.
+_TOP_LEVEL = {"proj_in": "patchify_proj", "audio_proj_in": "audio_patchify_proj", "time_embed": "adaln_single",
+              "audio_time_embed": "audio_adaln_single", "prompt_adaln": "prompt_adaln_single",
+              "audio_prompt_adaln": "audio_prompt_adaln_single",
+              "av_cross_attn_video_scale_shift": "av_ca_video_scale_shift_adaln_single",
+              "av_cross_attn_video_a2v_gate": "av_ca_a2v_gate_adaln_single",
+              "av_cross_attn_audio_scale_shift": "av_ca_audio_scale_shift_adaln_single",
+              "av_cross_attn_audio_v2a_gate": "av_ca_v2a_gate_adaln_single"}
+_IN_BLOCK = (("video_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_video"),
+             ("audio_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_audio"),
+             (".norm_q.", ".q_norm."), (".norm_k.", ".k_norm."))
+
+
+def original_name(name: str) -> str:
+    """A diffusers parameter's name in Lightricks' (= ComfyUI's) layout."""
+    head, dot, rest = name.partition(".")
+    if head in _TOP_LEVEL:
+        return _TOP_LEVEL[head] + dot + rest
+    for ours, theirs in _IN_BLOCK:
+        name = name.replace(ours, theirs)
+    return name
+
+
+def _metadata_config(reader) -> dict:
+    """The "transformer" part of a released file's `config` metadata, in ComfyUI's LTXAVModel argument names (what
+    ComfyUI reads for the settings shapes cannot show: RoPE type, precision and extent, the a2v/v2a gate's
+    timestep scale, head counts). Without it: diffusers' defaults, LTX-2.3 (modulated prompt) with split RoPE."""
+    try:
+        return json.loads((getattr(reader, "metadata", lambda: {})() or {}).get("config", "{}")).get("transformer", {})
+    except (ValueError, AttributeError):
+        return {}
+
+
+def infer_config(reader, match: Match, name: str) -> LTX2Config:
+    p, original = match.prefix, match.layout != "diffusers"
+    name = name or os.path.basename(getattr(reader, "path", "checkpoint"))
+    shape = tensor_shapes(reader, p, name, "a complete LTX-2 DiT")
+    keys = reader.keys()
+    video_in = shape("patchify_proj.weight" if original else "proj_in.weight")
+    audio_in = shape("audio_patchify_proj.weight" if original else "audio_proj_in.weight")
+    block = "transformer_blocks.0."
+    to_k = shape(block + "attn2.to_k.weight")
+    audio_to_k = shape(block + "audio_attn2.to_k.weight")
+    caption = p + "caption_projection.linear_2.weight"  # LTX-2.3 projects before the connectors: linear_1 alone
+    gate = p + block + "attn1.to_gate_logits.weight"
+    audio_gate = p + block + "audio_attn1.to_gate_logits.weight"
+    meta = _metadata_config(reader)
+    prompt_adaln = (p + ("prompt_adaln_single" if original else "prompt_adaln") + ".linear.weight") in reader
+    cross_attn_mod = p + block + "prompt_scale_shift_table" in reader
+    return LTX2Config(
+        hidden_size=video_in[0], audio_hidden_size=audio_in[0],
+        num_layers=block_count(keys, p, "transformer_blocks", name),
+        in_channels=video_in[1], audio_in_channels=audio_in[1], cross_attention_dim=to_k[1],
+        audio_cross_attention_dim=audio_to_k[1],
+        caption_channels=reader.shape(p + "caption_projection.linear_1.weight")[1] if caption in reader else 0,
+        num_heads=reader.shape(gate)[0] if gate in reader else meta.get("num_attention_heads", DEFAULT_HEADS),
+        audio_heads=(reader.shape(audio_gate)[0] if audio_gate in reader
+                     else meta.get("audio_num_attention_heads", DEFAULT_HEADS)),
+        gated_attn=gate in reader, cross_attn_mod=cross_attn_mod, prompt_adaln=prompt_adaln,
+        ff_bias=p + block + "ff.net.0.proj.bias" in reader, audio_ff_bias=p + block + "audio_ff.net.0.proj.bias" in reader,
+        keyframes=p + "keyframes_abs_pos_embedding" in reader,
+        rope_type=meta.get("rope_type", "split" if cross_attn_mod else "interleaved"),
+        cross_timestep=cross_attn_mod,
+        av_timestep_multiplier=float(meta.get("av_ca_timestep_scale_multiplier", 1000.0)),
+        rope_theta=float(meta.get("positional_embedding_theta", 10000.0)),
+        rope_double_precision=meta.get("frequencies_precision", "float64") == "float64",
+        max_positions=tuple(int(v) for v in meta.get("positional_embedding_max_pos", (20, 2048, 2048))),
+        audio_max_position=int(meta.get("audio_positional_embedding_max_pos", [20])[0]))
+
+
+def _meta_model(config: LTX2Config):
+    from diffusers import LTX2VideoTransformer3DModel
+
+    with torch.device("meta"):
+        return LTX2VideoTransformer3DModel(**config.diffusers_kwargs())
+
+
+def source_map(config: LTX2Config, layout: str, prefix: str = "") -> dict:
+    """Every diffusers parameter -> its Source in a file of `layout`: "diffusers", or the released names (ComfyUI's
+    parameter names too, so every other layout name, "original" or "bfl", means them)."""
+    names = _meta_model(config).state_dict()
+    if layout == "diffusers":
+        return same_names(names, prefix)
+    return {n: Source(prefix + original_name(n)) for n in names}
+
+
+def checkpoint_shapes(config: LTX2Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{released key: (shape, kind)} of a complete LTX-2 DiT (without the text connectors), for random test files."""
+    out = {}
+    for name, t in _meta_model(config).state_dict().items():
+        key = original_name(name)
+        if "scale_shift_table" in key or key == "keyframes_abs_pos_embedding":
+            kind = "table"
+        elif "adaln_single.linear." in key:
+            kind = "mod" if key.endswith("weight") else "bias"
+        elif key.endswith("bias"):
+            kind = "bias"
+        elif t.dim() == 1:
+            kind = "norm"
+        else:
+            kind = "weight"
+        out[key] = (tuple(t.shape), kind)
+    return out
+
+
+# -- the strategies' view -----------------------------------------------------------------------------
+
+class Modulation(NamedTuple):
+    """One step's modulation rows for the tokens a rank holds ([B, rows or 1, k x width] each, as diffusers' blocks
+    read them), and the head's embedded timesteps."""
+
+    video: torch.Tensor
+    audio: torch.Tensor
+    video_cross: torch.Tensor
+    audio_cross: torch.Tensor
+    video_cross_gate: torch.Tensor
+    audio_cross_gate: torch.Tensor
+    prompt: torch.Tensor | None
+    audio_prompt: torch.Tensor | None
+    video_head: torch.Tensor
+    audio_head: torch.Tensor
+
+
+class Rope(NamedTuple):
+    """RoPE tables of the rows a rank holds: each stream's own, and the 1-D temporal ones of a2v / v2a."""
+
+    video: tuple
+    audio: tuple
+    video_cross: tuple
+    audio_cross: tuple
+
+
+# Which strategy slot each of a block's attention layers uses (AttentionContext.streams; "video" is the joint slot).
+_LAYERS = (("attn1", "video"), ("audio_attn1", "audio"), ("attn2", "prompt"), ("audio_attn2", "prompt"),
+           ("audio_to_video_attn", "a2v"), ("video_to_audio_attn", "v2a"))
+
+
+class StreamAttnProcessor:
+    """diffusers' LTX2AudioVideoAttnProcessor with the attention kernel replaced by the job's strategy for this
+    layer's pair of streams (queries' rows local, keys' rows as the strategy gathers them)."""
+
+    def __init__(self, layer: int, context, stream: str, tensor_rank: int = 0):
+        """`tensor_rank`: this rank's index in a tensor-parallel group, whose heads' RoPE columns it takes."""
+        self.layer, self.context, self.stream, self.tensor_rank = layer, context, stream, tensor_rank
+
+    def attend(self):
+        if self.stream == "prompt":
+            return LocalAttention()  # the prompt is whole on every rank
+        if self.stream == "video":
+            return self.context.attention
+        return self.context.streams.get(self.stream, LocalAttention())
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
+                 key_rotary_emb=None):
+        from diffusers.models.transformers.transformer_ltx2 import (apply_interleaved_rotary_emb,
+                                                                    apply_split_rotary_emb)
+
+        if attention_mask is not None:
+            raise ValueError("LTX-2's attention masks are not carried by ParaDiT's strategies")
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
+        query = attn.norm_q(attn.to_q(hidden_states))
+        key = attn.norm_k(attn.to_k(context))
+        value = attn.to_v(context)
+        if query_rotary_emb is not None:
+            split = apply_split_rotary_emb
+
+            def rotate(x, rope):  # nothing to rotate in a stream this pass does not carry (diffusers' split fails)
+                kernel = apply_interleaved_rotary_emb if attn.rope_type == "interleaved" else split
+                return kernel(x, self._heads_of(rope, attn, x)) if x.shape[1] else x
+
+            query = rotate(query, query_rotary_emb)
+            key = rotate(key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
+        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+        out = self.attend()(q, k, v, self.layer).to(query.dtype)
+        if gate_logits is not None:
+            out = out * (2.0 * torch.sigmoid(gate_logits)).unsqueeze(-1)  # zero logits: gates of 1
+        return attn.to_out[0](out.flatten(2, 3))
+
+    def _heads_of(self, rope: tuple, attn, x: torch.Tensor) -> tuple:
+        """The RoPE tables of the heads this rank projects: all of them, or under tensor parallelism its slice
+        (interleaved tables [B, S, width]: its columns; split ones [B, heads, S, r]: its heads)."""
+        cos, sin = rope
+        if cos.dim() == 4:
+            if cos.shape[1] == attn.heads:
+                return rope
+            cut = slice(self.tensor_rank * attn.heads, (self.tensor_rank + 1) * attn.heads)
+            return cos[:, cut], sin[:, cut]
+        if cos.shape[-1] == x.shape[-1]:
+            return rope
+        width = x.shape[-1]
+        cut = slice(self.tensor_rank * width, (self.tensor_rank + 1) * width)
+        return cos[..., cut], sin[..., cut]
+
+
+class LTX2Adapter:
+    patch = 1
+    joint_text = False
+    two_streams = True  # video and audio tokens, each split over the sequence-parallel ranks
+    default_guidance = 0.0
+    skip: frozenset = frozenset()
+
+    def __init__(self, config: LTX2Config, model, chunks: list[range], context):
+        self.config, self.model, self.chunks, self.context = config, model, chunks, context
+        self.dtype, self.device = compute_placement(model.time_embed if hasattr(model, "time_embed") else model)
+        split = getattr(model, "tensor_split", None)
+        for i, block in enumerate(model.transformer_blocks):
+            for attr, stream in _LAYERS:
+                layer = getattr(block, attr, None)
+                if layer is not None:
+                    layer.set_processor(StreamAttnProcessor(i, context, stream, split.index if split else 0))
+
+    variant = property(lambda self: self.config.variant)
+
+    # -- token layout ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def pack(latent: torch.Tensor) -> torch.Tensor:
+        """Video [B, C, T, H, W] -> [B, T H W, C]: one token per latent pixel, frame after frame."""
+        return latent.flatten(2).transpose(1, 2)
+
+    @staticmethod
+    def unpack(tokens: torch.Tensor, t: int, h: int, w: int) -> torch.Tensor:
+        return tokens.transpose(1, 2).reshape(tokens.shape[0], -1, t, h, w)
+
+    @staticmethod
+    def pack_audio(latent: torch.Tensor) -> torch.Tensor:
+        """Audio [B, C, T, F] -> [B, T, C F]: one token per latent frame (ComfyUI's AudioPatchifier)."""
+        return latent.permute(0, 2, 1, 3).flatten(2)
+
+    @staticmethod
+    def unpack_audio(tokens: torch.Tensor, channels: int) -> torch.Tensor:
+        return tokens.unflatten(2, (channels, -1)).permute(0, 2, 1, 3)
+
+    def rope(self, thw: tuple[int, int, int], video_rows: torch.Tensor, audio_frames: int, audio_rows: torch.Tensor,
+             fps: float = 24.0, batch: int = 1) -> Rope:
+        """RoPE of the video rows `video_rows` (token indices into the T x H x W grid) and the audio rows
+        `audio_rows` (latent frame indices): every table is per token, so any shard's rows are computed alone."""
+        m, device = self.model, self.device
+        video = m.rope.prepare_video_coords(batch, *thw, device, fps=fps)
+        audio = m.audio_rope.prepare_audio_coords(batch, audio_frames, device)
+
+        def tables(layer, coords, rows):
+            # diffusers' split tables cannot be shaped for zero rows (a stream a pass does not carry): one row, cut
+            picked = coords[:, :, rows.to(device) if len(rows) else torch.zeros(1, dtype=torch.long, device=device)]
+            cos, sin = layer(picked, device=device)
+            if len(rows):
+                return cos, sin
+            return (cos[:, :, :0], sin[:, :, :0]) if cos.dim() == 4 else (cos[:, :0], sin[:, :0])
+
+        return Rope(tables(m.rope, video, video_rows), tables(m.audio_rope, audio, audio_rows),
+                    tables(m.cross_attn_rope, video[:, 0:1], video_rows),
+                    tables(m.cross_attn_audio_rope, audio[:, 0:1], audio_rows))
+
+    # -- embeddings ------------------------------------------------------------------------------------
+
+    def embed_video(self, tokens: torch.Tensor, keyframes: torch.Tensor | None = None) -> torch.Tensor:
+        """proj_in of the video rows; `keyframes` [B, rows, 1]: non-zero on tokens of single-pixel-frame latents,
+        which get LTX-2.5's keyframe row."""
+        x = self.model.proj_in(tokens.to(self.device, self.dtype))
+        if self.config.keyframes and keyframes is not None:
+            x = x + (keyframes > 0).to(x.dtype) * self.model.keyframes_abs_pos_embedding.to(x.dtype)
+        return x
+
+    def embed_audio(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.audio_proj_in(tokens.to(self.device, self.dtype))
+
+    def embed_prompt(self, video_context: torch.Tensor, audio_context: torch.Tensor) -> tuple:
+        """Each stream's prompt rows: the caption projections where the file has them (LTX-2.0), else as given."""
+        v, a = video_context.to(self.device, self.dtype), audio_context.to(self.device, self.dtype)
+        if self.config.caption_channels:
+            v, a = self.model.caption_projection(v), self.model.audio_caption_projection(a)
+        return v, a
+
+    def modulation(self, video_t: torch.Tensor, audio_t: torch.Tensor, sigma: torch.Tensor,
+                   audio_sigma: torch.Tensor) -> Modulation:
+        """Modulation rows of diffusers' forward (step 3) for per-token timesteps `video_t` [B, rows] / `audio_t`
+        [B, rows] (or [B]: one per sample) of the rows this rank holds; `sigma`, `audio_sigma` [B] (the model's
+        units) for the prompt modulation and, with `cross_timestep`, the other stream's cross modulation."""
+        m, c, dt, b = self.model, self.config, self.dtype, sigma.shape[0]
+        # A stream with no rows in this pass (a PipeFusion patch that carries no audio) gets one per-sample row,
+        # which nothing reads: diffusers' blocks cannot reshape zero modulation rows.
+        video_t, audio_t = (t if t.numel() else t.new_zeros(b) for t in (video_t, audio_t))
+        video_t, audio_t, sigma, audio_sigma = (t.to(self.device) for t in (video_t, audio_t, sigma, audio_sigma))
+
+        def rows(layer, t):
+            out, embedded = layer(t.flatten(), batch_size=b, hidden_dtype=dt)
+            return out.view(b, -1, out.shape[-1]), embedded.view(b, -1, embedded.shape[-1])
+
+        video, video_head = rows(m.time_embed, video_t)
+        audio, audio_head = rows(m.audio_time_embed, audio_t)
+        prompt = audio_prompt = None
+        if c.cross_attn_mod and c.prompt_adaln:
+            prompt, audio_prompt = rows(m.prompt_adaln, sigma)[0], rows(m.audio_prompt_adaln, audio_sigma)[0]
+        factor = c.av_timestep_multiplier / 1000.0
+        video_ca_t = audio_sigma.flatten() if c.cross_timestep else video_t.flatten()
+        audio_ca_t = sigma.flatten() if c.cross_timestep else audio_t.flatten()
+        return Modulation(video, audio, rows(m.av_cross_attn_video_scale_shift, video_ca_t)[0],
+                          rows(m.av_cross_attn_audio_scale_shift, audio_ca_t)[0],
+                          rows(m.av_cross_attn_video_a2v_gate, video_ca_t * factor)[0],
+                          rows(m.av_cross_attn_audio_v2a_gate, audio_ca_t * factor)[0],
+                          prompt, audio_prompt, video_head, audio_head)
+
+    # -- blocks and head -------------------------------------------------------------------------------
+
+    def run_blocks(self, video: torch.Tensor, audio: torch.Tensor, prompt: tuple, mod: Modulation, rope: Rope,
+                   chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """diffusers' blocks over this rank's rows of both streams; attention through the context's strategies."""
+        for i in self.chunks[chunk]:
+            if i in self.skip:
+                continue
+            video, audio = self.model.transformer_blocks[i](
+                hidden_states=video, audio_hidden_states=audio, encoder_hidden_states=prompt[0],
+                audio_encoder_hidden_states=prompt[1], temb=mod.video, temb_audio=mod.audio,
+                temb_ca_scale_shift=mod.video_cross, temb_ca_audio_scale_shift=mod.audio_cross,
+                temb_ca_gate=mod.video_cross_gate, temb_ca_audio_gate=mod.audio_cross_gate,
+                temb_prompt=mod.prompt, temb_prompt_audio=mod.audio_prompt, video_rotary_emb=rope.video,
+                audio_rotary_emb=rope.audio, ca_video_rotary_emb=rope.video_cross,
+                ca_audio_rotary_emb=rope.audio_cross)
+        return video, audio
+
+    def head(self, video: torch.Tensor, audio: torch.Tensor, mod: Modulation) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both output layers (diffusers' step 6): float32 velocities of the rows held."""
+        m = self.model
+
+        def out(x, table, embedded, norm, proj):
+            shift, scale = (table[None, None] + embedded[:, :, None]).unbind(2)
+            return proj(norm(x) * (1 + scale) + shift).float()
+
+        return (out(video, m.scale_shift_table, mod.video_head, m.norm_out, m.proj_out),
+                out(audio, m.audio_scale_shift_table, mod.audio_head, m.audio_norm_out, m.audio_proj_out))
+
+    def forward_rows(self, video_tokens, audio_tokens, video_context, audio_context, video_t, audio_t, sigma,
+                     audio_sigma, rope: Rope, keyframes=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One model call over the rows a rank holds (video rows, audio rows, their timesteps and RoPE rows), all
+        blocks of chunk 0: what a sequence-parallel rank runs, and at one rank the whole model."""
+        mod = self.modulation(video_t, audio_t, sigma, audio_sigma)
+        video, audio = self.run_blocks(self.embed_video(video_tokens, keyframes), self.embed_audio(audio_tokens),
+                                       self.embed_prompt(video_context, audio_context), mod, rope)
+        return self.head(video, audio, mod)
+
+
+def tensor_plan(config: LTX2Config) -> dict:
+    """diffusers' Attention / FeedForward split (q/k/v and the MLP's input column-wise, out-projections row-wise,
+    q/k norms over all heads as "norm") in all six attentions of a block, and LTX-2.3's per-head gate logits
+    column-wise with their heads."""
+    from ..family import derived_tensor_plan
+
+    model = _meta_model(config)
+    plan = derived_tensor_plan(model, BLOCK_LISTS)
+    if config.gated_attn:
+        for i in range(config.num_layers):
+            plan.update({f"transformer_blocks.{i}.{attr}.to_gate_logits": "colwise" for attr, _ in _LAYERS})
+    return plan
+
+
+AUDIO_PER_VIDEO_TOKEN = 1 / 48  # audio rows per video row at the released shapes (~126 per 6k video tokens)
+
+
+def block_inputs(config: LTX2Config, text: int, image: int, generator: torch.Generator) -> tuple:
+    """Random run_blocks arguments of one block call: `image` video rows on a one-frame grid, their share of audio
+    rows, both prompts of `text` rows, per-sample modulation rows, and the rows' RoPE."""
+    c, b = config, 1
+    audio = max(1, round(image * AUDIO_PER_VIDEO_TOKEN))
+    k = 9 if c.cross_attn_mod else 6
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    prompt_mod = c.cross_attn_mod and c.prompt_adaln
+    mod = Modulation(rand(b, 1, k * c.hidden_size), rand(b, 1, k * c.audio_hidden_size),
+                     rand(b, 1, 4 * c.hidden_size), rand(b, 1, 4 * c.audio_hidden_size), rand(b, 1, c.hidden_size),
+                     rand(b, 1, c.audio_hidden_size), rand(b, 1, 2 * c.hidden_size) if prompt_mod else None,
+                     rand(b, 1, 2 * c.audio_hidden_size) if prompt_mod else None, rand(b, 1, c.hidden_size),
+                     rand(b, 1, c.audio_hidden_size))
+    m, cols = _meta_model(c), max(1, math.isqrt(image))  # RoPE modules hold no parameters: they run off meta
+    video = m.rope.prepare_video_coords(b, 1, -(-image // cols), cols, "cpu")[:, :, :image]
+    audio_coords = m.audio_rope.prepare_audio_coords(b, audio, "cpu")
+    rope = Rope(m.rope(video, device="cpu"), m.audio_rope(audio_coords, device="cpu"),
+                m.cross_attn_rope(video[:, 0:1], device="cpu"), m.cross_attn_audio_rope(audio_coords[:, 0:1], device="cpu"))
+    return (rand(b, image, c.hidden_size), rand(b, audio, c.audio_hidden_size),
+            (rand(b, text, c.cross_attention_dim), rand(b, text, c.audio_cross_attention_dim)), mod, rope)
+
+
+LTX2 = DiTFamily(
+    name="ltx2", title="LTX-2 / 2.3 / 2.5 (audio-video)", match=match_layout, infer_config=infer_config,
+    meta_model=_meta_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=LTX2Adapter,
+    block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE,
+    comfy_layout="original", replace_keys=("double_block",), block_inputs=block_inputs, tensor_plan=tensor_plan)
