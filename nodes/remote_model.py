@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from . import controlnet, convert
+from . import av_call, controlnet, convert
 from .host import HOST
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,11 @@ class RemoteDiT(torch.nn.Module):
             self._patch_size = token_patch(model_config(self.handle.model.path))
         return self._patch_size
 
+    def preprocess_text_embeds(self, text_states):
+        """ComfyUI 2026's MiniMaxH3.extra_conds refines the prompt once on the host through this; here the workers
+        refine it (the family's embed_text reads the raw states), so the states pass unchanged."""
+        return text_states
+
     def parameter_shapes(self) -> dict:
         """ComfyUI's parameter name (no prefix) -> the file's shape."""
         return {name: shape for name, (shape, _) in self._keys.items()}
@@ -109,6 +114,8 @@ class RemoteDiT(torch.nn.Module):
         from parallel_runtime.spec import Job, SamplingSpec
 
         options = transformer_options or {}
+        if av_call.is_av_call(x):
+            return self._forward_av(x, timesteps, context, control, options, **kwargs)
         _refuse_what_the_workers_cannot_do(control, options, kwargs)
         controls = control.inputs if isinstance(control, controlnet.RemoteControl) else ()
         skip_blocks = skipped_blocks(options.get("patches_replace"))
@@ -156,6 +163,58 @@ class RemoteDiT(torch.nn.Module):
         out = torch.cat(outputs).to(x.device)
         return out.unsqueeze(2) if video else out
 
+    def _forward_av(self, x, timesteps, context, control, options: dict, minimax_payload=None, denoise_mask=None,
+                    audio_denoise_mask=None, **kwargs):
+        """MiniMax-H3's call (nodes/av_call.py says what is read and what refused): x = [video, audio], one runtime
+        job per two chunks with Job.audio, the result back as ComfyUI's [video, audio]."""
+        from parallel_runtime.models.families.minimax_h3 import SIGMA_SHIFT_AUDIO, SIGMA_SHIFT_VIDEO
+        from parallel_runtime.runtime.client import get_client
+        from parallel_runtime.spec import Job, SamplingSpec
+
+        payload, defaults = minimax_payload or {}, (SIGMA_SHIFT_VIDEO, SIGMA_SHIFT_AUDIO)
+        _refuse_what_the_workers_cannot_do(control, options, kwargs)
+        av_call.refuse_unsupported(payload, options, denoise_mask, audio_denoise_mask, defaults)
+        video, audio = av_call.streams(x)
+        scale = float(payload.get("audio_scale", 1.0))
+        if scale != 1.0:  # the sampler's carried audio back to the stream's own latent, as ComfyUI's forward does
+            carry, sigma_a = av_call.audio_carry(timesteps, av_call.shifts_of(options, defaults))
+            carried, audio = audio, audio * carry.to(audio.dtype)
+        labels = list(options.get("cond_or_uncond") or [0])
+        batch = video.shape[0] // len(labels)
+        if batch != 1 or video.shape[0] % len(labels):
+            raise convert.ConfigError(f"the MiniMax-H3 call holds {video.shape[0]} rows for {len(labels)} prompt(s), "
+                                      f"but the model runs one video per prompt (as ComfyUI's does); use a batch "
+                                      f"size of 1.")
+        client = get_client(self.handle.devices, p2p=self.handle.strategy.p2p)
+        step, last = _schedule_step(options)
+        if step == 0:
+            HOST.free_memory_for(convert.client_devices_here(client))
+        chunks_per_job = min(2, len(labels))
+        strategy = self._strategy((chunks_per_job, *video.shape[1:]), chunks_per_job, client)
+        self.last_strategy = strategy
+        skip_blocks = skipped_blocks(options.get("patches_replace"))
+        patches = self._weight_patches(getattr(self._base(), "current_patcher", None))
+        videos, audios = [], []
+        for slot, start in enumerate(range(0, len(labels), 2)):
+            ks = list(range(start, min(start + 2, len(labels))))
+            sl = slice(ks[0], ks[-1] + 1)
+            chunks = [_chunk_conditioning(k, 1, context, None, None, {}) for k in ks]
+            job = Job(self.handle.model, strategy, SamplingSpec(steps=1), video[sl].detach().float().cpu(), chunks[0],
+                      chunks[1] if len(chunks) > 1 else None, timestep=timesteps[sl].detach().float().cpu(),
+                      weight_patches=patches, call_step=step, call_slot=2 * slot + int(labels[ks[0]] != 0),
+                      call_last=last, skip_blocks=skip_blocks, audio=audio[sl].detach().float().cpu())
+            result = _run(client, job, whole=True)
+            videos.append(result.latent)
+            audios.append(result.audio)
+        if self.on_call is not None:
+            self.on_call(step, strategy, client)
+        video_out = torch.cat(videos).to(video.device, video.dtype)
+        audio_out = torch.cat(audios).to(audio.device, audio.dtype)
+        if scale != 1.0:  # the stream's velocity as the derivative of the carried variable (ComfyUI's forward)
+            audio_out = (1.0 - scale) * (carried * carry.to(audio.dtype)) + (1.0 + (scale - 1.0) * sigma_a).to(
+                audio_out.dtype) * audio_out
+        return [video_out, audio_out]
+
     def _weight_patches(self, patcher):
         """The sampling patcher's LoRA stack for the workers, converted once per stack (ComfyUI's patches_uuid
         changes whenever the patches do)."""
@@ -196,12 +255,14 @@ def _schedule_step(options: dict) -> tuple[int | None, bool]:
     return step, step >= len(schedule) - 2
 
 
-def _run(client, job):
-    """One runtime job; ComfyUI's Cancel stops the workers and raises ComfyUI's own interrupt."""
+def _run(client, job, whole: bool = False):
+    """One runtime job's latent (`whole`: its JobResult); ComfyUI's Cancel stops the workers and raises ComfyUI's
+    own interrupt."""
     from parallel_runtime.errors import Cancelled
 
     try:
-        return client.run(job, interrupted=HOST.interrupted).latent
+        result = client.run(job, interrupted=HOST.interrupted)
+        return result if whole else result.latent
     except Cancelled:
         raise HOST.interrupt() from None
 
@@ -364,15 +425,14 @@ def _probe_block_patch(patch) -> str | None:
 
 def parallel_model(handle: convert.ParaDiTModel):
     """The MODEL Load Parallel DiT outputs: ComfyUI's BaseModel for the file, its diffusion model remote."""
-    from parallel_runtime.validate import model_config, refuse_jobs_of
+    from parallel_runtime.validate import model_config
 
-    # A file no family claims fails here, in one sentence naming what it is; so does one whose inputs no door carries
-    # yet (LTX-2's and MiniMax-H3's audio stream), before ComfyUI builds anything for it.
+    # A file no family claims fails here, in one sentence naming what it is, before ComfyUI builds anything for it.
+    # MiniMax-H3's (video, audio) calls run (RemoteDiT._forward_av); Parallel Sampler still refuses its jobs.
     ours = model_config(handle.model.path)
     refusal = getattr(ours, "not_sampled_yet", None)
     if refusal:
         raise convert.ConfigError(refusal)
-    refuse_jobs_of(ours, handle.name or handle.model.path)
     import comfy.model_detection as detection
     import comfy.model_management as mm
     import comfy.model_patcher

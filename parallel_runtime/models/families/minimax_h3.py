@@ -29,8 +29,8 @@ through the token refiner (preprocess_text_embeds; embed_text takes both); minim
 images' rows tagged video), keyframes (MiniMaxH3ImageToVideo's first/last frame, MiniMaxH3AddGuide's frames and
 audio), refs (MiniMaxH3ReferenceToVideo), their latents and noise augmentation; denoise_mask / audio_denoise_mask;
 the sigma shifts in transformer_options. The runtime reads a model call of x, audio and timestep (Job.audio: t2va);
-the family reads keyframes, reference images and mixed prompt tags (pack_sequence); Load Parallel DiT refuses the
-file until the nodes convert that call (`jobs_refused`), and Parallel Sampler's loop steps no audio stream yet.
+the family reads keyframes, reference images and mixed prompt tags (pack_sequence); Load Parallel DiT's MODEL
+converts that call (nodes/av_call.py: t2va), and Parallel Sampler's loop steps no audio stream yet (`jobs_refused`).
 
 Curve-form (pruned) files, whose `adaln_t_table` (the time embedding's curve, interpolated) replaces the time MLP
 and whose modulation projections read it without SiLU, run as ComfyUI runs them. Refused in one sentence: files with
@@ -101,11 +101,11 @@ class MiniMaxH3Config(OneBlockListConfig):
     latent_downscale = 16
     latent_channels = LATENT_CHANNELS
     latent_format = H3_LATENT
-    # Why no job runs yet (validate_job and Load Parallel DiT refuse with it): ComfyUI's latent for this model is a
-    # NestedTensor (video, audio), which neither door's Job carries to the workers.
+    # Why Parallel Sampler's jobs do not run yet (validate_job refuses with it): its loop steps no audio stream; the
+    # stock MODEL door carries ComfyUI's (video, audio) call (nodes/av_call.py).
     jobs_refused = ("a MiniMax-H3 audio-video model, whose (video, audio) latent from EmptyMiniMaxH3LatentAV or "
-                    "MiniMaxH3ImageToVideo neither Load Parallel DiT's model calls nor Parallel Sampler carry to the "
-                    "workers yet; load it with UNETLoader")
+                    "MiniMaxH3ImageToVideo Parallel Sampler does not carry to the workers yet; sample it with KSampler "
+                    "or SamplerCustomAdvanced on Load Parallel DiT's MODEL, or load it with UNETLoader")
 
     def __post_init__(self):
         if 6 * self.rope_freq_dim > self.head_dim or self.head_dim % 2:
