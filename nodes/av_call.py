@@ -7,8 +7,8 @@ and minimax_payload (text_token_tags, keyframes, refs, cond latents and their no
 audio_scale), denoise_mask / audio_denoise_mask, and the sigma shifts in transformer_options.
 
 Read: x's two streams, timestep, context, audio_scale (the sampler carries the audio at (sigma_a / sigma_v) x its
-latent: undone here on the host exactly as ComfyUI's forward undoes it, around the workers' call), prompt tags that
-are all text. Refused in one sentence naming the node that adds it: everything else that changes the model's
+latent: undone here on the host outside the wrappers, exactly as ComfyUI's forward undoes it), prompt tags that are
+all text, the wrappers and patches RemoteDiT reads for every family (skip-layer block patches, LoRA). Refused in one sentence naming the node that adds it: everything else that changes the model's
 output (keyframes, references, mixed prompt tags, denoise masks, other sigma shifts). The payload's layout, seed and
 noise augmentation only describe keyframes and references, so without those they change nothing.
 """
@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from parallel_runtime.models.families.minimax_h3 import SIGMA_SHIFT_AUDIO, SIGMA_SHIFT_VIDEO, time_shift
+
 from . import convert
 
-SHIFT_KEYS = ("minimax_h3_sigma_shift_video", "minimax_h3_sigma_shift_audio")
+SHIFT_KEYS = ("minimax_h3_sigma_shift_video", "minimax_h3_sigma_shift_audio")  # MiniMaxH3SigmaShift sets them
+# MiniMaxH3Model's sigma_shift_video / _audio: the shifts the workers run.
+DEFAULT_SHIFTS = (SIGMA_SHIFT_VIDEO, SIGMA_SHIFT_AUDIO)
 TEXT_TAG = 1  # ComfyUI's modality tag of a prompt row that is text (video 0, audio 2)
 # Payload entries the workers cannot run yet, by the node that adds them.
 _PAYLOAD_SOURCES = {
@@ -42,7 +46,7 @@ def streams(x) -> tuple[torch.Tensor, torch.Tensor]:
     return parts[0], parts[1]
 
 
-def refuse_unsupported(payload: dict, options: dict, denoise_mask, audio_denoise_mask, defaults: tuple) -> None:
+def refuse_unsupported(payload: dict, options: dict, denoise_mask, audio_denoise_mask) -> None:
     """One sentence for each input of the call the workers would otherwise silently ignore."""
     present = [k for k in _PAYLOAD_SOURCES if payload.get(k)]
     if present:
@@ -59,22 +63,43 @@ def refuse_unsupported(payload: dict, options: dict, denoise_mask, audio_denoise
         raise convert.ConfigError("the MiniMax-H3 call carries a denoise mask (SetLatentNoiseMask or an inpainting "
                                   "latent), which ParaDiT does not run for this model yet; remove that node or load "
                                   "the model with UNETLoader.")
-    shifts = shifts_of(options, defaults)
-    if shifts != tuple(defaults):
+    shifts = shifts_of(options, DEFAULT_SHIFTS)
+    if shifts != DEFAULT_SHIFTS:
         raise convert.ConfigError(f"the MiniMax-H3 call sets sigma shifts {shifts} (video, audio) but ParaDiT runs "
-                                  f"the model's own {tuple(defaults)}; remove the node that sets "
-                                  f"{' / '.join(SHIFT_KEYS)} or load the model with UNETLoader.")
+                                  f"the model's own {DEFAULT_SHIFTS}; set MiniMaxH3SigmaShift (ModelSamplingMiniMaxH3) "
+                                  f"to {DEFAULT_SHIFTS[0]:g} and {DEFAULT_SHIFTS[1]:g}, or load the model with "
+                                  f"UNETLoader.")
 
 
 def shifts_of(options: dict, defaults: tuple) -> tuple[float, float]:
     return tuple(float(options.get(k, d)) for k, d in zip(SHIFT_KEYS, defaults))
 
 
-def audio_carry(timestep: torch.Tensor, shifts: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sigma_a / sigma_v, sigma_a) at the call's video sigma: the factor ComfyUI's ModelSamplingAV carries the
-    audio latent at, as MiniMaxH3Model.forward computes it (from the first row's timestep)."""
-    from parallel_runtime.models.families.minimax_h3 import time_shift
+class AudioCarry:
+    """ComfyUI's ModelSamplingAV carries the audio latent at sigma_a / sigma_v times the stream's own (payload
+    audio_scale != 1): MiniMaxH3Model.forward undoes that outside the DIFFUSION_MODEL wrappers, so they and the
+    network see the stream's own latent, and returns the carried variable's velocity; the same here, on the host."""
 
-    sigma_v = (timestep.flatten()[0] / 1000.0).float().clamp(min=1e-6)
-    sigma_a = time_shift(sigma_v, *shifts)
-    return sigma_a / sigma_v, sigma_a
+    def __init__(self, scale: float, carry: torch.Tensor, sigma_a: torch.Tensor):
+        self.scale, self.carry, self.sigma_a = scale, carry, sigma_a
+        self.carried = None
+
+    @classmethod
+    def of(cls, x, timestep: torch.Tensor, options: dict, payload) -> "AudioCarry | None":
+        """The call's carry (from the first row's timestep, as ComfyUI's forward), None where there is none."""
+        scale = float((payload or {}).get("audio_scale", 1.0))
+        if not is_av_call(x) or scale == 1.0:
+            return None
+        sigma_v = (timestep.flatten()[0] / 1000.0).float().clamp(min=1e-6)
+        sigma_a = time_shift(sigma_v, *shifts_of(options, DEFAULT_SHIFTS))
+        return cls(scale, sigma_a / sigma_v, sigma_a)
+
+    def into(self, x) -> list:
+        video, audio = streams(x)
+        self.carried = audio * self.carry.to(audio.dtype)
+        return [video, self.carried]
+
+    def out_of(self, out) -> list:
+        video, audio = out
+        return [video, (1.0 - self.scale) * self.carried
+                + (1.0 + (self.scale - 1.0) * self.sigma_a).to(audio.dtype) * audio]

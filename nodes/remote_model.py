@@ -98,15 +98,20 @@ class RemoteDiT(torch.nn.Module):
         """The model call, inside ComfyUI's DIFFUSION_MODEL wrappers where the host's own class for this file runs
         them (EasyCache's): they run here on the host, so a step a wrapper answers from its cache never reaches
         the workers, and every rank sees only the calls that happen."""
+        carry = av_call.AudioCarry.of(x, timesteps, transformer_options or {}, kwargs.get("minimax_payload"))
+        if carry is not None:
+            x = carry.into(x)
         wrappers = (transformer_options or {}).get("wrappers") if self._runs_wrappers else None
         if not wrappers:
-            return self._forward(x, timesteps, context, y, guidance, control, transformer_options, **kwargs)
-        import comfy.patcher_extension as extension
+            out = self._forward(x, timesteps, context, y, guidance, control, transformer_options, **kwargs)
+        else:
+            import comfy.patcher_extension as extension
 
-        wrappers = extension.get_all_wrappers(extension.WrappersMP.DIFFUSION_MODEL, transformer_options)
-        # Positional, as ComfyUI's models pass them: EasyCache reads transformer_options as the last argument.
-        return extension.WrapperExecutor.new_class_executor(self._forward, self, wrappers).execute(
-            x, timesteps, context, y, guidance, control, transformer_options, **kwargs)
+            wrappers = extension.get_all_wrappers(extension.WrappersMP.DIFFUSION_MODEL, transformer_options)
+            # Positional, as ComfyUI's models pass them: EasyCache reads transformer_options as the last argument.
+            out = extension.WrapperExecutor.new_class_executor(self._forward, self, wrappers).execute(
+                x, timesteps, context, y, guidance, control, transformer_options, **kwargs)
+        return out if carry is None else carry.out_of(out)
 
     def _forward(self, x, timesteps, context=None, y=None, guidance=None, control=None, transformer_options=None,
                  **kwargs):
@@ -167,18 +172,12 @@ class RemoteDiT(torch.nn.Module):
                     audio_denoise_mask=None, **kwargs):
         """MiniMax-H3's call (nodes/av_call.py says what is read and what refused): x = [video, audio], one runtime
         job per two chunks with Job.audio, the result back as ComfyUI's [video, audio]."""
-        from parallel_runtime.models.families.minimax_h3 import SIGMA_SHIFT_AUDIO, SIGMA_SHIFT_VIDEO
         from parallel_runtime.runtime.client import get_client
         from parallel_runtime.spec import Job, SamplingSpec
 
-        payload, defaults = minimax_payload or {}, (SIGMA_SHIFT_VIDEO, SIGMA_SHIFT_AUDIO)
         _refuse_what_the_workers_cannot_do(control, options, kwargs)
-        av_call.refuse_unsupported(payload, options, denoise_mask, audio_denoise_mask, defaults)
-        video, audio = av_call.streams(x)
-        scale = float(payload.get("audio_scale", 1.0))
-        if scale != 1.0:  # the sampler's carried audio back to the stream's own latent, as ComfyUI's forward does
-            carry, sigma_a = av_call.audio_carry(timesteps, av_call.shifts_of(options, defaults))
-            carried, audio = audio, audio * carry.to(audio.dtype)
+        av_call.refuse_unsupported(minimax_payload or {}, options, denoise_mask, audio_denoise_mask)
+        video, audio = av_call.streams(x)  # the streams' own latents (forward undid the sampler's audio carry)
         labels = list(options.get("cond_or_uncond") or [0])
         batch = video.shape[0] // len(labels)
         if batch != 1 or video.shape[0] % len(labels):
@@ -209,11 +208,7 @@ class RemoteDiT(torch.nn.Module):
         if self.on_call is not None:
             self.on_call(step, strategy, client)
         video_out = torch.cat(videos).to(video.device, video.dtype)
-        audio_out = torch.cat(audios).to(audio.device, audio.dtype)
-        if scale != 1.0:  # the stream's velocity as the derivative of the carried variable (ComfyUI's forward)
-            audio_out = (1.0 - scale) * (carried * carry.to(audio.dtype)) + (1.0 + (scale - 1.0) * sigma_a).to(
-                audio_out.dtype) * audio_out
-        return [video_out, audio_out]
+        return [video_out, torch.cat(audios).to(audio.device, audio.dtype)]
 
     def _weight_patches(self, patcher):
         """The sampling patcher's LoRA stack for the workers, converted once per stack (ComfyUI's patches_uuid

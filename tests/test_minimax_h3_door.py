@@ -53,16 +53,19 @@ def h3_host(comfy, monkeypatch):
 comfy = host.comfy  # the fake ComfyUI modules
 
 
-def h3_call(patcher, job, extra=None, options=None):
-    """BaseModel._apply_model's call of MiniMaxH3Model for the job's cond and uncond (ComfyUI runs H3 one row per
-    call; a batched [cond; uncond] call is what a sampler makes where the payloads agree, and the door takes both)."""
+def h3_call(patcher, job, extra=None, options=None, chunks=(0, 1)):
+    """BaseModel._apply_model's call of MiniMaxH3Model for the job's `chunks` (0 cond, 1 uncond): [cond; uncond]
+    batched is what a sampler makes where the payloads agree; ComfyUI's own model runs one row per call, as
+    `chunks=(k,)` makes it."""
     base = patcher.model
-    conds = [base.extra_conds(cross_attn=branch.cond, **(extra or {})) for branch in (job.positive, job.negative)]
+    branches = [(job.positive, job.negative)[k] for k in chunks]
+    conds = [base.extra_conds(cross_attn=branch.cond, **(extra or {})) for branch in branches]
     context = torch.cat([c["c_crossattn"] for c in conds])
-    sigmas = torch.full((2,), SIGMA)
-    x = [job.latent.clone(), job.audio.clone()]
+    sigmas = torch.full((len(chunks),), SIGMA)
+    rows = list(chunks)
+    x = [job.latent[rows].clone(), job.audio[rows].clone()]
     t = base.model_sampling.timestep(sigmas).float()
-    transformer_options = {"cond_or_uncond": [0, 1], "sigmas": sigmas, **(options or {})}
+    transformer_options = {"cond_or_uncond": rows, "sigmas": sigmas, **(options or {})}
     return base.diffusion_model(x, t, context=context, control=None, transformer_options=transformer_options,
                                 minimax_payload=conds[0]["minimax_payload"])
 
@@ -103,10 +106,32 @@ def test_model_call_equals_diffusers_and_cfg2_ulysses2_equal_it(h3_path, h3_host
     assert max(max(e) for e in errors.values()) < RTOL
 
 
+def test_one_prompt_per_call_as_comfyui_runs_h3_equals_diffusers_at_ulysses2(h3_path, h3_host, client2,
+                                                                            monkeypatch):
+    """ComfyUI's MiniMaxH3Model takes one row per call: cond and uncond as two calls, each split by Ulysses-2."""
+    from parallel_runtime.spec import StrategySpec
+
+    job = call_job(h3_path, StrategySpec())
+    video, audio = diffusers_model_call(h3_path, job)
+    model = _door(h3_path, "cpu:2", {"cpu:2": client2}, monkeypatch, ulysses_degree=2)
+    for k in (0, 1):
+        out = h3_call(model, job, chunks=(k,))
+        errors = rel_err(out[0], video[k:k + 1]), rel_err(out[1], audio[k:k + 1])
+        print(f"\nchunk {k} alone, ulysses2: video {errors[0]:.1e} audio {errors[1]:.1e}")
+        assert max(errors) < RTOL
+
+
 def test_the_carried_audio_is_undone_as_comfyuis_forward_does(h3_path, h3_host, client1, monkeypatch):
     """audio_scale != 1 (ModelSamplingAV carries the audio at sigma_a / sigma_v): the door hands the workers the
-    stream's own latent and returns the carried variable's velocity, ComfyUI's formula on diffusers' output."""
+    stream's own latent and returns the carried variable's velocity, ComfyUI's formula on diffusers' output; a
+    DIFFUSION_MODEL wrapper sees the stream's own latent, as ComfyUI undoes the carry outside the wrappers."""
     from parallel_runtime.spec import StrategySpec
+
+    seen = []
+
+    def probe(executor, *args, **kwargs):
+        seen.append(args[0][1])
+        return executor(*args, **kwargs)
 
     job = call_job(h3_path, StrategySpec())
     sigma_a = float(h3.time_shift(torch.tensor(SIGMA), 12.0, 3.0))
@@ -115,7 +140,9 @@ def test_the_carried_audio_is_undone_as_comfyuis_forward_does(h3_path, h3_host, 
     video, audio = diffusers_model_call(h3_path, job)
     expected = (1 - scale) * job.audio + (1 + (scale - 1) * sigma_a) * audio
     out = h3_call(_door(h3_path, "cpu:1", {"cpu:1": client1}, monkeypatch),
-                  dataclasses.replace(job, latent=carried[0], audio=carried[1]), {"audio_scale": scale})
+                  dataclasses.replace(job, latent=carried[0], audio=carried[1]), {"audio_scale": scale},
+                  {"wrappers": {"diffusion_model": {"probe": [probe]}}})
+    assert len(seen) == 1 and rel_err(seen[0], job.audio) < 1e-6  # x / carry * carry: two float32 roundings
     errors = rel_err(out[0], video), rel_err(out[1], expected)
     print(f"\naudio_scale {scale}: video {errors[0]:.1e} audio {errors[1]:.1e}")
     assert max(errors) < RTOL
@@ -135,8 +162,8 @@ def test_the_carried_audio_is_undone_as_comfyuis_forward_does(h3_path, h3_host, 
      r"ParaDiT does not run yet; encode a text-only prompt or load the model with UNETLoader\."),
     ({}, {"minimax_h3_sigma_shift_video": 8.0},
      r"the MiniMax-H3 call sets sigma shifts \(8\.0, 3\.0\) \(video, audio\) but ParaDiT runs the model's own "
-     r"\(12\.0, 3\.0\); remove the node that sets minimax_h3_sigma_shift_video / minimax_h3_sigma_shift_audio or "
-     r"load the model with UNETLoader\."),
+     r"\(12\.0, 3\.0\); set MiniMaxH3SigmaShift \(ModelSamplingMiniMaxH3\) to 12 and 3, or load the model with "
+     r"UNETLoader\."),
 ], ids=["keyframes", "refs", "image_tags", "shifts"])
 def test_what_the_door_cannot_carry_is_refused_in_one_sentence(h3_path, h3_host, client1, monkeypatch, extra,
                                                                options, pattern):
