@@ -120,7 +120,7 @@ class RemoteDiT(torch.nn.Module):
 
         options = transformer_options or {}
         if av_call.is_av_call(x):
-            return self._forward_av(x, timesteps, context, control, options, **kwargs)
+            return self._forward_minimax_h3(x, timesteps, context, control, options, **kwargs)
         _refuse_what_the_workers_cannot_do(control, options, kwargs)
         controls = control.inputs if isinstance(control, controlnet.RemoteControl) else ()
         skip_blocks = skipped_blocks(options.get("patches_replace"))
@@ -168,12 +168,19 @@ class RemoteDiT(torch.nn.Module):
         out = torch.cat(outputs).to(x.device)
         return out.unsqueeze(2) if video else out
 
-    def _forward_av(self, x, timesteps, context, control, options: dict, minimax_payload=None, denoise_mask=None,
-                    audio_denoise_mask=None, **kwargs):
+    def _forward_minimax_h3(self, x, timesteps, context, control, options: dict, minimax_payload=None,
+                            denoise_mask=None, audio_denoise_mask=None, **kwargs):
         """MiniMax-H3's call (nodes/av_call.py says what is read and what refused): x = [video, audio], one runtime
         job per two chunks with Job.audio, the result back as ComfyUI's [video, audio]."""
         from parallel_runtime.runtime.client import get_client
         from parallel_runtime.spec import Job, SamplingSpec
+        from parallel_runtime.validate import model_config
+
+        config = model_config(self.handle.model.path)
+        if config.family != "minimax_h3":  # another audio-video family's streams: no door of this module reads them
+            raise convert.ConfigError(f"the model call carries several latent streams, which Load Parallel DiT's "
+                                      f"MODEL runs for MiniMax-H3 only, not for {config.title}; load the model with "
+                                      f"UNETLoader.")
 
         _refuse_what_the_workers_cannot_do(control, options, kwargs)
         av_call.refuse_unsupported(minimax_payload or {}, options, denoise_mask, audio_denoise_mask)
@@ -423,7 +430,7 @@ def parallel_model(handle: convert.ParaDiTModel):
     from parallel_runtime.validate import model_config
 
     # A file no family claims fails here, in one sentence naming what it is, before ComfyUI builds anything for it.
-    # MiniMax-H3's (video, audio) calls run (RemoteDiT._forward_av); Parallel Sampler still refuses its jobs.
+    # MiniMax-H3's (video, audio) calls run (RemoteDiT._forward_minimax_h3); Parallel Sampler still refuses its jobs.
     ours = model_config(handle.model.path)
     refusal = getattr(ours, "not_sampled_yet", None)
     if refusal:

@@ -192,3 +192,18 @@ def test_text_tags_and_a_denoise_mask(h3_path, h3_host, client1, monkeypatch):
         base.diffusion_model([job.latent, job.audio], torch.full((2,), 700.0), context=torch.cat(
             [job.positive.cond, job.negative.cond]), control=None, transformer_options={"cond_or_uncond": [0, 1]},
             minimax_payload={}, denoise_mask=torch.ones(1, 1, 3, 4, 6) * 0.5)
+
+
+def test_another_familys_streams_are_refused_in_one_sentence(h3_path, h3_host, client1, monkeypatch):
+    """A [video, audio] call reaches the H3 conversion only for an H3 file (LTX-2's calls carry other inputs)."""
+    import types
+
+    from parallel_runtime.spec import StrategySpec
+
+    model = _door(h3_path, "cpu:1", {"cpu:1": client1}, monkeypatch)
+    monkeypatch.setattr("parallel_runtime.validate.model_config",
+                        lambda path: types.SimpleNamespace(family="ltx2", title="LTX-2.3"))
+    with pytest.raises(ConfigError, match=r"^the model call carries several latent streams, which Load Parallel DiT's "
+                                          r"MODEL runs for MiniMax-H3 only, not for LTX-2\.3; load the model with "
+                                          r"UNETLoader\.$"):
+        h3_call(model, call_job(h3_path, StrategySpec()))
