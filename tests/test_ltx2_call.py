@@ -1,6 +1,7 @@
 """LTX-2's model call on the runtime: a stock sampler's call (video x in Job.latent, audio x in Job.audio, per-frame
 video sigmas with the first frame a conditioning frame at 0, the audio at its own sigma in Job.audio_timestep)
-equals the family's serial forward at one worker and under CFG, Ulysses and Ring on two."""
+equals the family's serial forward at one worker and under CFG, Ulysses, Ring, tensor parallelism and sharded weights
+on two."""
 from __future__ import annotations
 
 import pytest
@@ -60,10 +61,12 @@ def test_model_call_one_worker_equals_the_serial_forward(paths, client1, name):
     assert max(errors) < EXACT_RTOL, errors  # the same forward in the worker: fp32 round-off
 
 
-@pytest.mark.parametrize("strategy", [dict(cfg_degree=2), dict(ulysses_degree=2), dict(ring_degree=2)],
-                         ids=["cfg2", "ulysses2", "ring2"])
+@pytest.mark.parametrize("strategy", [dict(cfg_degree=2), dict(ulysses_degree=2), dict(ring_degree=2),
+                                      dict(tensor_degree=2), dict(ulysses_degree=2, shard_weights=True)],
+                         ids=["cfg2", "ulysses2", "ring2", "tensor2", "ulysses2_sharded"])
 def test_model_call_exact_strategies_equal_the_serial_forward(paths, client2, strategy):
-    """Both streams split over two ranks (72 video rows, 13 audio rows: 7 + 6) or the chunks over the CFG pair."""
+    """Both streams split over two ranks (72 video rows, 13 audio rows: 7 + 6), the chunks over the CFG pair, or
+    the heads and MLP units of all six attentions and both MLPs over the tensor pair."""
     from parallel_runtime.spec import StrategySpec
 
     name = "ltx2.3"
