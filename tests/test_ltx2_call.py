@@ -9,6 +9,7 @@ import torch
 
 from conftest import rel_err
 from test_ltx2 import AUDIO_FRAMES, CONFIGS, EXACT_RTOL, PROMPT, H, T, W, paths, serial_call  # noqa: F401
+from test_ltx2_comfyui import comfyui_call
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,8 +32,9 @@ def call_job(path: str, name: str, strategy, seed: int = 11):
                audio_timestep=torch.full((2,), AUDIO_SIGMA), extra={"frame_rate": FPS})
 
 
-def serial_reference(path: str, name: str, job) -> tuple[torch.Tensor, torch.Tensor]:
-    """The family's forward on one rank over the same inputs (test_ltx2.serial_call), in the call's shapes."""
+def call_inputs(name: str, job) -> dict:
+    """The call as test_ltx2's forward inputs: packed tokens, each connector's prompt rows, per-token timesteps in
+    the model's units (sigma x 1000) and each sample's largest."""
     from parallel_runtime.models.families.ltx2 import LTX2Adapter
 
     config = CONFIGS[name]
@@ -43,8 +45,18 @@ def serial_reference(path: str, name: str, job) -> tuple[torch.Tensor, torch.Ten
     x = dict(video=LTX2Adapter.pack(job.latent), audio=LTX2Adapter.pack_audio(job.audio),
              video_context=context[..., :cut], audio_context=context[..., cut:], video_t=video_t, audio_t=audio_t,
              sigma=video_t.amax(dim=1), audio_sigma=audio_t.amax(dim=1))
-    v, a = serial_call(path, x, fps=FPS)
+    return x
+
+
+def in_call_shapes(job, v: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from parallel_runtime.models.families.ltx2 import LTX2Adapter
+
     return LTX2Adapter.unpack(v, T, H, W), LTX2Adapter.unpack_audio(a, job.audio.shape[1])
+
+
+def serial_reference(path: str, name: str, job) -> tuple[torch.Tensor, torch.Tensor]:
+    """The family's forward on one rank over the same inputs (test_ltx2.serial_call), in the call's shapes."""
+    return in_call_shapes(job, *serial_call(path, call_inputs(name, job), fps=FPS))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -59,6 +71,11 @@ def test_model_call_one_worker_equals_the_serial_forward(paths, client1, name):
     errors = rel_err(result.latent, want_v), rel_err(result.audio, want_a)
     print(f"\n{name} model call, 1 worker: video {errors[0]:.1e}, audio {errors[1]:.1e}")
     assert max(errors) < EXACT_RTOL, errors  # the same forward in the worker: fp32 round-off
+    # ... and ComfyUI 2026's model call on the same file (test_ltx2_comfyui.comfyui_call), the issue's parity
+    comfy_v, comfy_a = in_call_shapes(job, *comfyui_call(paths[name], name, call_inputs(name, job), fps=FPS))
+    errors = rel_err(result.latent, comfy_v), rel_err(result.audio, comfy_a)
+    print(f"{name} model call, 1 worker vs ComfyUI's LTXAVModel: video {errors[0]:.1e}, audio {errors[1]:.1e}")
+    assert max(errors) < EXACT_RTOL, errors  # fp32, another op order: ~1e-6
 
 
 @pytest.mark.parametrize("strategy", [dict(cfg_degree=2), dict(ulysses_degree=2), dict(ring_degree=2),

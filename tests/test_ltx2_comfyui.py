@@ -118,7 +118,7 @@ def av_block(block, vx, ax, v_context, a_context, ts: dict, pe: dict):
 
 
 @torch.no_grad()
-def comfyui_call(path: str, name: str, x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def comfyui_call(path: str, name: str, x: dict, fps: float = 24.0) -> tuple[torch.Tensor, torch.Tensor]:
     """LTXAVModel's forward on the file: ComfyUI hands it sigmas (the timesteps here / 1000)."""
     from diffusers import LTX2VideoTransformer3DModel
     from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
@@ -130,7 +130,7 @@ def comfyui_call(path: str, name: str, x: dict) -> tuple[torch.Tensor, torch.Ten
     m.load_state_dict(sd, strict=True)
     b = x["video"].shape[0]
     ts = prepare_timestep(m, x["video_t"] / TIMESTEP_SCALE, x["audio_t"] / TIMESTEP_SCALE, b)
-    video = m.rope.prepare_video_coords(b, T, H, W, "cpu", fps=24.0)
+    video = m.rope.prepare_video_coords(b, T, H, W, "cpu", fps=fps)
     audio = m.audio_rope.prepare_audio_coords(b, AUDIO_FRAMES, "cpu")
     pe = dict(v=m.rope(video, device="cpu"), a=m.audio_rope(audio, device="cpu"),
               v_cross=m.cross_attn_rope(video[:, 0:1], device="cpu"),
