@@ -159,8 +159,9 @@ class LTX2Config(JointAttentionConfig):
 
     @property
     def not_sampled_yet(self) -> str:
-        """Why a job cannot run yet (validate_job refuses it before any work): the runtime's denoise loop and the
-        parallel MODEL carry one latent stream, not LTX-2's two with their per-token timesteps."""
+        """Why a job cannot run yet (validate_job and Load Parallel DiT refuse it before any work): Parallel
+        Sampler's loop steps one latent stream, and the nodes do not yet convert ComfyUI's LTXAV call into a job;
+        the runtime runs a model call that carries the audio latent (Job.audio, see model_call_problem)."""
         return (f"{self.title} loads on ParaDiT, but neither Parallel Sampler nor the parallel MODEL carries its "
                 f"audio latent (LTXVConcatAVLatent), per-token timesteps (LTXVImgToVideo, LTXVAddGuide) and prompt "
                 f"connectors yet; load it with UNETLoader to sample it in ComfyUI.")
