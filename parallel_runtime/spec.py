@@ -300,6 +300,9 @@ class Job:
     # The audio latent beside `latent` of an audio-video family (MiniMax-H3: ComfyUI's [B, 32, 2, frames], the second
     # tensor of its NestedTensor latent); under a model call its x, as `latent` is the video's. The result has both.
     audio: torch.Tensor | None = None
+    # A model call's audio timesteps where they differ from the video's `timestep` (LTX-2: [rows] or [rows, audio
+    # frames], ComfyUI's a_timestep from an audio noise mask); None: the audio runs at the video's per-row timestep.
+    audio_timestep: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:

@@ -318,6 +318,12 @@ def refuse_jobs_of(config, path: str) -> None:
 def validate_audio(job: Job, config) -> None:
     """An audio-video family's job carries its audio latent (Job.audio) beside the video's, and for now only as a
     model call (Parallel Sampler's loop does not step an audio stream yet); any other family's job carries none."""
+    call_problem = getattr(config, "model_call_problem", None)  # LTX-2: its own audio latent layout and limits
+    if call_problem is not None and job.audio is not None:
+        problem = call_problem(job)
+        if problem:
+            raise ConfigError(problem + ".")
+        return
     channels = getattr(config, "audio_channels", 0)
     if not channels:
         if job.audio is not None:
@@ -396,8 +402,8 @@ def validate_job(job: Job, world_size: int) -> None:
         raise ConfigError(f"denoise={sp.denoise} is outside 0..1; set it between 0 and 1.")
     config = model_config(job.model.path)
     refusal = getattr(config, "not_sampled_yet", None)  # a family whose model runs but whose job inputs do not yet
-    if refusal:
-        raise ConfigError(refusal)
+    if refusal and not (hasattr(config, "model_call_problem") and job.timestep is not None and job.audio is not None):
+        raise ConfigError(refusal)  # (LTX-2 runs a model call that carries its audio latent; nothing else yet)
     validate_audio(job, config)
     validate_latent_and_branches(job, config)
     lat = job.latent

@@ -9,6 +9,7 @@ the first latent frame's video tokens are a conditioning frame (timestep 0), as 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -123,16 +124,17 @@ def built_as_stored(path: str):
 
 
 def serial_call(path: str, x: dict, video_rows=None, audio_rows=None, context=None, shard=None, tensor=None,
-                stored: bool = False):
+                stored: bool = False, fps: float = 24.0, **settings):
     """ParaDiT's family on one rank: the file read through its key map, every row (or the rows given); `stored`:
-    built in the file's own storage (fp8 kept fp8)."""
+    built in the file's own storage (fp8 kept fp8); `settings`: config fields that replace the inferred ones."""
     from parallel_runtime.strategies.attention.processor import AttentionContext
 
     family, config, model = built_as_stored(path) if stored else built(path, shard, tensor)
+    config = dataclasses.replace(config, **settings)
     adapter = family.adapter(config, model, [range(config.num_blocks)], context or AttentionContext())
     v = torch.arange(T * H * W) if video_rows is None else video_rows
     a = torch.arange(AUDIO_FRAMES) if audio_rows is None else audio_rows
-    rope = adapter.rope((T, H, W), v, AUDIO_FRAMES, a, fps=24.0, batch=x["video"].shape[0])
+    rope = adapter.rope((T, H, W), v, AUDIO_FRAMES, a, fps=fps, batch=x["video"].shape[0])
     with torch.no_grad():
         return adapter.forward_rows(x["video"][:, v], x["audio"][:, a], x["video_context"], x["audio_context"],
                                     x["video_t"][:, v], x["audio_t"][:, a], x["sigma"], x["audio_sigma"], rope)
@@ -159,7 +161,9 @@ def test_files_are_detected_in_both_layouts(paths, name, tmp_path):
         with open_checkpoint(path) as reader:
             family, match = detect_family(reader.keys())
         assert (family.name, match.layout, match.prefix) == ("ltx2", layout, prefix)
-        assert model_config(path) == CONFIGS[name], layout
+        # A released-layout file is read as ComfyUI reads it, with LTXAVModel's gate timestep scale (no metadata).
+        comfyui = dict(reading="comfyui", av_timestep_multiplier=1.0) if layout == "original" else {}
+        assert model_config(path) == dataclasses.replace(CONFIGS[name], **comfyui), layout
 
 
 def test_ltx_video_09_is_still_refused(tmp_path):
@@ -178,7 +182,10 @@ def test_serial_matches_diffusers(paths, name, layout, tmp_path):
     config, x = CONFIGS[name], inputs(CONFIGS[name])
     path = paths[name] if layout == "original" else _diffusers_twin(paths[name], tmp_path)
     want_v, want_a = diffusers_call(paths[name], config, x)
-    got_v, got_a = serial_call(path, x)
+    # A released-layout file is read as ComfyUI reads it (test_ltx2_comfyui.py); read as diffusers reads it, with
+    # diffusers' gate timestep scale, it equals diffusers' class: the key map is the same either way.
+    diffusers_reading = dict(reading="diffusers", av_timestep_multiplier=1000.0) if layout == "original" else {}
+    got_v, got_a = serial_call(path, x, **diffusers_reading)
     assert want_v.abs().mean() > 0.1 and want_a.abs().mean() > 0.1  # outputs of O(1): a real comparison
     assert rel_err(got_v, want_v) < SERIAL_RTOL and rel_err(got_a, want_a) < SERIAL_RTOL, (
         rel_err(got_v, want_v), rel_err(got_a, want_a))
@@ -423,15 +430,15 @@ def test_settings_shapes_cannot_show_come_from_the_files_metadata(paths, tmp_pat
 
     meta = {"rope_type": "split", "frequencies_precision": "float32", "positional_embedding_theta": 5000.0,
             "positional_embedding_max_pos": [16, 1024, 1536], "audio_positional_embedding_max_pos": [24],
-            "av_ca_timestep_scale_multiplier": 1.0, "num_attention_heads": 16, "audio_num_attention_heads": 16}
+            "av_ca_timestep_scale_multiplier": 500.0, "num_attention_heads": 16, "audio_num_attention_heads": 16}
     path = str(tmp_path / "ltx-2-meta.safetensors")
     save_file(load_file(paths["ltx2.0"]), path, metadata={"config": json.dumps({"transformer": meta})})
     want = dataclasses.replace(LTX20, rope_type="split", rope_double_precision=False, rope_theta=5000.0,
-                               max_positions=(16, 1024, 1536), audio_max_position=24, av_timestep_multiplier=1.0,
-                               num_heads=16, audio_heads=16)
-    assert model_config(path) == want
+                               max_positions=(16, 1024, 1536), audio_max_position=24, av_timestep_multiplier=500.0,
+                               num_heads=16, audio_heads=16)  # 500: neither ComfyUI's default (1) nor diffusers' (1000)
+    assert model_config(path) == dataclasses.replace(want, reading="comfyui")
     x = inputs(want)
-    (got_v, got_a), (want_v, want_a) = serial_call(path, x), diffusers_call(path, want, x)
+    (got_v, got_a), (want_v, want_a) = serial_call(path, x, reading="diffusers"), diffusers_call(path, want, x)
     assert rel_err(got_v, want_v) < SERIAL_RTOL and rel_err(got_a, want_a) < SERIAL_RTOL
 
 

@@ -386,11 +386,15 @@ class RuntimeClient:
             tensors = {"latent": job.latent, **job.positive.tensors("positive")}
             if "batch_index" in job.extra:
                 meta["extra"] = {"batch_index": [int(i) for i in job.extra["batch_index"]]}
+            if "frame_rate" in job.extra:  # LTX-2's model call: RoPE's time axis in seconds (LTXVConditioning)
+                meta.setdefault("extra", {})["frame_rate"] = float(job.extra["frame_rate"])
             if job.negative is not None:
                 meta.update(job.negative.meta("negative"))
                 tensors.update(job.negative.tensors("negative"))
             if job.audio is not None:
                 tensors["audio"] = job.audio
+            if job.audio_timestep is not None:
+                tensors["audio_timestep"] = job.audio_timestep
             if job.timestep is not None:
                 tensors["timestep"] = job.timestep
                 meta.update(call_step=job.call_step, call_slot=job.call_slot, call_last=job.call_last)

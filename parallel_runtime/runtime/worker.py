@@ -362,7 +362,7 @@ def _job_from_message(meta: dict, tensors: dict):
                extra=meta.get("extra", {}), timestep=tensors.get("timestep"), call_step=meta.get("call_step"),
                call_slot=meta.get("call_slot", 0), call_last=meta.get("call_last", False),
                skip_blocks=tuple((str(kind), int(index)) for kind, index in meta.get("skip_blocks", ())),
-               audio=tensors.get("audio"))
+               audio=tensors.get("audio"), audio_timestep=tensors.get("audio_timestep"))
 
 
 def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse, gate: queue.Queue) -> None:

@@ -24,6 +24,7 @@ from .attention import LocalAttention
 from .control import ControlPass
 from .denoise import Branches, Denoiser, control_caches, stale_caches
 from .displaced import DisplacedPatchAttention
+from .two_stream_call import run_two_stream_call
 
 
 class ModelCallForward(Denoiser):
@@ -32,6 +33,8 @@ class ModelCallForward(Denoiser):
     ComfyUI's apply_model casts it."""
 
     def _run(self, job: Job) -> torch.Tensor | None:
+        if getattr(self.adapter, "two_streams", False):  # LTX-2: video and audio as two split streams
+            return run_two_stream_call(self, job)
         rows, _, *spatial = job.latent.shape  # (H, W), or (T, H, W) for a video
         s, cfg = job.strategy, self.adapter.config
         validate_strategy(s, world_size=self.topology.world_size, heads=cfg.num_heads, num_blocks=cfg.num_blocks,

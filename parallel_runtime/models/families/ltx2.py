@@ -26,18 +26,27 @@ ComfyUI 2026's model call for LTXAV carries, beyond x / timestep / context: x as
 (latent_shapes; LTXVConcatAVLatent), per-token video and audio timesteps made by process_timestep from
 denoise_mask / audio_denoise_mask (LTXVImgToVideo, LTXVAddGuide), frame_rate (LTXVConditioning), keyframe_idxs
 and guide_attention_entries (LTXVAddGuide), ref_audio (ID-LoRA reference audio), generated_keyframes (LTX-2.5).
-The adapter reads per-token timesteps, fps and keyframe markers; the runtime's step loop and the parallel MODEL do
-not carry a second stream yet, so a job is refused before any work (`not_sampled_yet`).
+The runtime runs such a call (strategies/two_stream_call.py): the audio x in Job.audio, per-row or per-frame video
+sigmas in Job.timestep, the audio's in Job.audio_timestep, fps in Job.extra["frame_rate"], the prompt as both
+connectors' rows side by side (`split_prompt`). Parallel Sampler's loop and the nodes do not carry the audio stream
+yet, so those jobs are still refused before any work (`not_sampled_yet`); keyframe markers, guide attention entries
+and reference audio are not carried yet either.
 
 Tensor parallelism splits the heads and MLP units of all six attentions and both MLPs (`tensor_plan`); a rank takes
 its heads' RoPE columns. PipeFusion's patches are runs of video tokens; the audio rows ride with one patch (audio is
 ~2% of the tokens) and the others read the audio K/V their buffers hold; a pass without audio rows works (empty
 streams get a placeholder modulation row and no RoPE).
 
-Where ComfyUI 2026's block differs from diffusers' this follows diffusers and Lightricks' ltx-core: ComfyUI's fused
-rms_adaln now normalizes the video for video-to-audio *after* the audio-to-video update (ltx-core and ComfyUI's
-earlier block normalize it once, before both), and its audio-to-video gate reads the largest audio timestep where
-diffusers reads the video's.
+ComfyUI 2026's LTXAVModel reads the same weights another way than diffusers (and Lightricks' ltx-core), and a
+file follows the reading of the program that loads its layout (`LTX2Config.reading`): a file in Lightricks' layout
+(the one ComfyUI loads) is read as ComfyUI reads it, so that one worker equals the stock model call it replaces; a
+diffusers-layout file as diffusers reads it. ComfyUI's reading (comfy/ldm/lightricks/av_model.py): video-to-audio
+normalizes the video *after* the audio-to-video update (diffusers normalizes it once, before both); the a2v / v2a
+scale-shift rows read each stream's own per-token timesteps (diffusers' LTX-2.3 reads the other stream's sigma); the
+a2v gate reads the largest audio timestep of the call and the v2a gate the largest video timestep (diffusers: the
+stream's own, or with cross timesteps the other's sigma); the prompt modulation reads each sample's largest
+timestep of its stream; and a file without `config` metadata has a gate timestep scale of 1 (LTXAVModel's default)
+where diffusers' default is 1000.
 """
 from __future__ import annotations
 
@@ -68,6 +77,9 @@ LAST_STAGE = ("scale_shift_table", "audio_scale_shift_table", "norm_out.", "proj
 AV_BLOCK = BlockKind("audio-video", ("image", "prompt", "image", "prompt", "image", "image"))
 
 
+READINGS = ("diffusers", "comfyui")
+
+
 @dataclass(frozen=True)
 class LTX2Config(JointAttentionConfig):
     hidden_size: int  # video width (heads x head size)
@@ -87,8 +99,11 @@ class LTX2Config(JointAttentionConfig):
     audio_ff_bias: bool = True
     keyframes: bool = False  # LTX-2.5: a learned row added to single-pixel-frame tokens
     rope_type: str = "interleaved"  # "split" from LTX-2.3 (file metadata says; else by generation)
-    cross_timestep: bool = False  # a2v/v2a modulation reads the other stream's sigma (LTX-2.3 on)
+    cross_timestep: bool = False  # a2v/v2a modulation reads the other stream's sigma (LTX-2.3 on; diffusers' reading)
     av_timestep_multiplier: float = 1000.0  # diffusers' cross_attn_timestep_scale_multiplier (ComfyUI's av_ca_...)
+    # Whose forward the weights are read with: "diffusers" (diffusers, ltx-core) or "comfyui" (ComfyUI 2026's
+    # LTXAVModel); infer_config picks it from the file's layout (see the module's docstring).
+    reading: str = "diffusers"
     rope_theta: float = 10000.0
     rope_double_precision: bool = True  # RoPE frequencies in float64 (ComfyUI's frequencies_precision)
     max_positions: tuple[int, int, int] = (20, 2048, 2048)  # frames (seconds x fps scale), height, width in pixels
@@ -101,6 +116,8 @@ class LTX2Config(JointAttentionConfig):
     pooled_dim = 0
 
     def __post_init__(self):
+        if self.reading not in READINGS:
+            raise ValueError(f"LTX-2 reading {self.reading!r} is not one of {READINGS}")
         if self.hidden_size % self.num_heads or self.audio_hidden_size % self.audio_heads:
             raise ModelFileError(f"LTX-2 config is inconsistent ({self.hidden_size} / {self.audio_hidden_size} wide "
                                  f"over {self.num_heads} / {self.audio_heads} heads); the file is damaged, so "
@@ -123,6 +140,12 @@ class LTX2Config(JointAttentionConfig):
         return self.hidden_size // self.num_heads
 
     @property
+    def context_dim(self) -> int:
+        """A call's prompt row width: the video and the audio connector's rows side by side (LTXAV's context)."""
+        return 2 * self.caption_channels if self.caption_channels else (
+            self.cross_attention_dim + self.audio_cross_attention_dim)
+
+    @property
     def latent_channels(self) -> int:
         return self.in_channels
 
@@ -136,11 +159,32 @@ class LTX2Config(JointAttentionConfig):
 
     @property
     def not_sampled_yet(self) -> str:
-        """Why a job cannot run yet (validate_job refuses it before any work): the runtime's denoise loop and the
-        parallel MODEL carry one latent stream, not LTX-2's two with their per-token timesteps."""
+        """Why a job cannot run yet (validate_job and Load Parallel DiT refuse it before any work): Parallel
+        Sampler's loop steps one latent stream, and the nodes do not yet convert ComfyUI's LTXAV call into a job;
+        the runtime runs a model call that carries the audio latent (Job.audio, see model_call_problem)."""
         return (f"{self.title} loads on ParaDiT, but neither Parallel Sampler nor the parallel MODEL carries its "
                 f"audio latent (LTXVConcatAVLatent), per-token timesteps (LTXVImgToVideo, LTXVAddGuide) and prompt "
                 f"connectors yet; load it with UNETLoader to sample it in ComfyUI.")
+
+    def model_call_problem(self, job) -> str | None:
+        """What in a model call (Job.timestep set, the audio latent in Job.audio) the runtime cannot run, in one
+        sentence, or None: its audio latent is [rows, audio_in_channels / 16, frames, 16] (LTXVConcatAVLatent's
+        audio half), the audio timesteps one per row or per row and audio frame, and the strategies the ones
+        that split both streams (CFG, Ulysses, Ring, tensor parallel, sharded weights)."""
+        rows, audio = job.latent.shape[0], job.audio
+        channels = self.audio_in_channels // AUDIO_BINS
+        if audio.ndim != 4 or (audio.shape[0], audio.shape[1], audio.shape[3]) != (rows, channels, AUDIO_BINS):
+            return (f"the audio latent has shape {tuple(audio.shape)} but {self.title} needs [{rows}, {channels}, "
+                    f"frames, {AUDIO_BINS}] beside its video latent; use the audio half of LTXVConcatAVLatent's latent")
+        at = job.audio_timestep
+        if at is not None and tuple(at.shape) not in ((rows,), (rows, audio.shape[2])):
+            return (f"the model call's audio timestep has shape {tuple(at.shape)}, not ({rows},) or ({rows}, "
+                    f"{audio.shape[2]}); a node patches the audio timesteps in a way ParaDiT does not split: remove it")
+        if not job.strategy.exact:
+            return (f"{self.title}'s model call runs on CFG, Ulysses, Ring and tensor parallelism (and sharded "
+                    f"weights), not on PipeFusion or patch parallelism yet; set pipefusion_degree, patch_degree and "
+                    f"naive_patch_degree to 1")
+        return None
 
     def diffusers_kwargs(self) -> dict:
         return dict(in_channels=self.in_channels, out_channels=self.in_channels, num_attention_heads=self.num_heads,
@@ -228,6 +272,9 @@ def infer_config(reader, match: Match, name: str) -> LTX2Config:
     gate = p + block + "attn1.to_gate_logits.weight"
     audio_gate = p + block + "audio_attn1.to_gate_logits.weight"
     meta = _metadata_config(reader)
+    # ComfyUI loads the released layout, so a worker reads such a file as ComfyUI's model call does (its gate scale
+    # defaults to LTXAVModel's 1 where the file's metadata does not say); diffusers-layout files as diffusers does.
+    reading = "comfyui" if original else "diffusers"
     prompt_adaln = (p + ("prompt_adaln_single" if original else "prompt_adaln") + ".linear.weight") in reader
     cross_attn_mod = p + block + "prompt_scale_shift_table" in reader
     return LTX2Config(
@@ -244,7 +291,9 @@ def infer_config(reader, match: Match, name: str) -> LTX2Config:
         keyframes=p + "keyframes_abs_pos_embedding" in reader,
         rope_type=meta.get("rope_type", "split" if cross_attn_mod else "interleaved"),
         cross_timestep=cross_attn_mod,
-        av_timestep_multiplier=float(meta.get("av_ca_timestep_scale_multiplier", 1000.0)),
+        av_timestep_multiplier=float(meta.get("av_ca_timestep_scale_multiplier",
+                                              1.0 if reading == "comfyui" else 1000.0)),
+        reading=reading,
         rope_theta=float(meta.get("positional_embedding_theta", 10000.0)),
         rope_double_precision=meta.get("frequencies_precision", "float64") == "float64",
         max_positions=tuple(int(v) for v in meta.get("positional_embedding_max_pos", (20, 2048, 2048))),
@@ -376,6 +425,54 @@ class StreamAttnProcessor:
         return cos[..., cut], sin[..., cut]
 
 
+def comfyui_block(block, video: torch.Tensor, audio: torch.Tensor, prompt: tuple, mod: Modulation,
+                  rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' LTX2VideoTransformerBlock (its modules and modulation rows) in the order of ComfyUI's
+    BasicAVTransformerBlock: the one difference in the block is that video-to-audio reads the video as the
+    audio-to-video update left it, normalized again (diffusers normalizes it once, before both)."""
+    b, mods = video.shape[0], block.get_mod_params
+    v, a = mods(block.scale_shift_table, mod.video, b), mods(block.audio_scale_shift_table, mod.audio, b)
+    video = video + block.attn1(block.norm1(video) * (1 + v[1]) + v[0], query_rotary_emb=rope.video) * v[2]
+    audio = audio + block.audio_attn1(block.audio_norm1(audio) * (1 + a[1]) + a[0],
+                                      query_rotary_emb=rope.audio) * a[2]
+    video = video + _prompt_attention(block, "", video, prompt[0], v, mod.prompt)
+    audio = audio + _prompt_attention(block, "audio_", audio, prompt[1], a, mod.audio_prompt)
+    # a2v / v2a: (scale, shift) x 2 then the gate, per stream (diffusers' and ComfyUI's tables alike)
+    vs, as_ = (mods(block.video_a2v_cross_attn_scale_shift_table[:4], mod.video_cross, b),
+               mods(block.audio_a2v_cross_attn_scale_shift_table[:4], mod.audio_cross, b))
+    video_gate = mods(block.video_a2v_cross_attn_scale_shift_table[4:], mod.video_cross_gate, b)[0]
+    audio_gate = mods(block.audio_a2v_cross_attn_scale_shift_table[4:], mod.audio_cross_gate, b)[0]
+    audio_norm = block.video_to_audio_norm(audio)
+    a2v = block.audio_to_video_attn(block.audio_to_video_norm(video) * (1 + vs[0]) + vs[1],
+                                    encoder_hidden_states=audio_norm * (1 + as_[0]) + as_[1],
+                                    query_rotary_emb=rope.video_cross, key_rotary_emb=rope.audio_cross)
+    video = video + video_gate * a2v
+    v2a = block.video_to_audio_attn(audio_norm * (1 + as_[2]) + as_[3],
+                                    encoder_hidden_states=block.audio_to_video_norm(video) * (1 + vs[2]) + vs[3],
+                                    query_rotary_emb=rope.audio_cross, key_rotary_emb=rope.video_cross)
+    audio = audio + audio_gate * v2a
+    video = video + block.ff(block.norm3(video) * (1 + v[4]) + v[3]) * v[5]
+    audio = audio + block.audio_ff(block.audio_norm3(audio) * (1 + a[4]) + a[3]) * a[5]
+    return video, audio
+
+
+def _prompt_attention(block, stream: str, x: torch.Tensor, context: torch.Tensor, ada: tuple, prompt_mod):
+    """A stream's prompt cross-attention as diffusers' block runs it: LTX-2.3 modulates the query (rows 6-8 of
+    its table) and the prompt (the prompt table, plus `prompt_mod` rows where the file reads sigma)."""
+    attn, norm = getattr(block, stream + "attn2"), getattr(block, stream + "norm2")
+    modulated = block.audio_cross_attn_adaln if stream else block.video_cross_attn_adaln
+    q = norm(x)
+    if modulated:
+        q = q * (1 + ada[7]) + ada[6]
+    if block.cross_attn_adaln:
+        table = getattr(block, stream + "prompt_scale_shift_table")
+        shift, scale = (block.get_mod_params(table, prompt_mod, x.shape[0]) if prompt_mod is not None
+                        else table[None, None].to(x.device, x.dtype).unbind(dim=2))
+        context = context * (1 + scale) + shift
+    out = attn(q, encoder_hidden_states=context, query_rotary_emb=None)
+    return out * ada[8] if modulated else out
+
+
 class LTX2Adapter:
     patch = 1
     joint_text = False
@@ -435,6 +532,30 @@ class LTX2Adapter:
                     tables(m.cross_attn_rope, video[:, 0:1], video_rows),
                     tables(m.cross_attn_audio_rope, audio[:, 0:1], audio_rows))
 
+    # -- a stock sampler's model call (strategies/model_call.py) ----------------------------------------
+
+    def call_timesteps(self, timestep: torch.Tensor, audio_timestep: torch.Tensor | None, thw: tuple,
+                       audio_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token timesteps [rows, video tokens] and [rows, audio frames] in the model's units, from a call's
+        sigmas as ComfyUI hands them to LTXAVModel (x timestep_scale_multiplier, 1000): the video's per row or per
+        row and latent frame (a conditioning frame at 0), the audio's per row or per row and frame, or the video's
+        per-row sigma where the call has no audio mask."""
+        t, h, w = thw
+        video = timestep.float() * CALL_TIMESTEP_SCALE
+        video = (video[:, None].expand(-1, t * h * w) if video.ndim == 1
+                 else video[:, :, None].expand(-1, t, h * w).flatten(1))
+        audio = (timestep if audio_timestep is None else audio_timestep).float() * CALL_TIMESTEP_SCALE
+        if audio.ndim == 1:
+            audio = audio[:, None].expand(-1, audio_frames)
+        return video.contiguous(), audio.contiguous()
+
+    def split_prompt(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ComfyUI's LTX-2 prompt rows are the video connector's and the audio connector's side by side (LTXAV's
+        _prepare_context): LTX-2.0's two caption-wide halves, LTX-2.3's video-wide then audio-wide rows."""
+        c = self.config
+        cut = c.caption_channels or c.cross_attention_dim
+        return context[..., :cut], context[..., cut:]
+
     # -- embeddings ------------------------------------------------------------------------------------
 
     def embed_video(self, tokens: torch.Tensor, keyframes: torch.Tensor | None = None) -> torch.Tensor:
@@ -456,10 +577,15 @@ class LTX2Adapter:
         return v, a
 
     def modulation(self, video_t: torch.Tensor, audio_t: torch.Tensor, sigma: torch.Tensor,
-                   audio_sigma: torch.Tensor) -> Modulation:
+                   audio_sigma: torch.Tensor, peaks: tuple | None = None) -> Modulation:
         """Modulation rows of diffusers' forward (step 3) for per-token timesteps `video_t` [B, rows] / `audio_t`
         [B, rows] (or [B]: one per sample) of the rows this rank holds; `sigma`, `audio_sigma` [B] (the model's
-        units) for the prompt modulation and, with `cross_timestep`, the other stream's cross modulation."""
+        units) for the prompt modulation and, with `cross_timestep`, the other stream's cross modulation. In
+        ComfyUI's reading `sigma` / `audio_sigma` are each sample's largest timestep of its stream (over all its
+        rows, not this rank's), and the a2v / v2a gates read `peaks` (the call's largest video and audio timestep
+        over every sample; by default the largest of `sigma` / `audio_sigma`)."""
+        if self.config.reading == "comfyui":
+            return self._comfyui_modulation(video_t, audio_t, sigma, audio_sigma, peaks)
         m, c, dt, b = self.model, self.config, self.dtype, sigma.shape[0]
         # A stream with no rows in this pass (a PipeFusion patch that carries no audio) gets one per-sample row,
         # which nothing reads: diffusers' blocks cannot reshape zero modulation rows.
@@ -484,6 +610,33 @@ class LTX2Adapter:
                           rows(m.av_cross_attn_audio_v2a_gate, audio_ca_t * factor)[0],
                           prompt, audio_prompt, video_head, audio_head)
 
+    def _comfyui_modulation(self, video_t, audio_t, sigma, audio_sigma, peaks) -> Modulation:
+        """LTXAVModel._prepare_timestep's rows: each stream's a2v / v2a scale-shift from its own per-token
+        timesteps, the a2v gate from the largest audio timestep, the v2a gate from the largest video one."""
+        m, c, dt, b = self.model, self.config, self.dtype, sigma.shape[0]
+        video_t, audio_t = (t if t.numel() else t.new_zeros(b) for t in (video_t, audio_t))
+        video_t, audio_t, sigma, audio_sigma = (t.to(self.device) for t in (video_t, audio_t, sigma, audio_sigma))
+        video_peak, audio_peak = (sigma.max(), audio_sigma.max()) if peaks is None else peaks
+        factor = c.av_timestep_multiplier / 1000.0
+
+        def rows(layer, t):
+            out, embedded = layer(t.flatten(), batch_size=b, hidden_dtype=dt)
+            return out.view(b, -1, out.shape[-1]), embedded.view(b, -1, embedded.shape[-1])
+
+        def gate(layer, peak):  # one row per sample: the same value on every token of the stream
+            return rows(layer, torch.as_tensor(peak, device=self.device, dtype=sigma.dtype).expand(b) * factor)[0]
+
+        video, video_head = rows(m.time_embed, video_t)
+        audio, audio_head = rows(m.audio_time_embed, audio_t)
+        prompt = audio_prompt = None
+        if c.cross_attn_mod and c.prompt_adaln:
+            prompt, audio_prompt = rows(m.prompt_adaln, sigma)[0], rows(m.audio_prompt_adaln, audio_sigma)[0]
+        return Modulation(video, audio, rows(m.av_cross_attn_video_scale_shift, video_t)[0],
+                          rows(m.av_cross_attn_audio_scale_shift, audio_t)[0],
+                          gate(m.av_cross_attn_video_a2v_gate, audio_peak),
+                          gate(m.av_cross_attn_audio_v2a_gate, video_peak), prompt, audio_prompt, video_head,
+                          audio_head)
+
     # -- blocks and head -------------------------------------------------------------------------------
 
     def run_blocks(self, video: torch.Tensor, audio: torch.Tensor, prompt: tuple, mod: Modulation, rope: Rope,
@@ -491,6 +644,9 @@ class LTX2Adapter:
         """diffusers' blocks over this rank's rows of both streams; attention through the context's strategies."""
         for i in self.chunks[chunk]:
             if i in self.skip:
+                continue
+            if self.config.reading == "comfyui":
+                video, audio = comfyui_block(self.model.transformer_blocks[i], video, audio, prompt, mod, rope)
                 continue
             video, audio = self.model.transformer_blocks[i](
                 hidden_states=video, audio_hidden_states=audio, encoder_hidden_states=prompt[0],
@@ -514,10 +670,10 @@ class LTX2Adapter:
                 out(audio, m.audio_scale_shift_table, mod.audio_head, m.audio_norm_out, m.audio_proj_out))
 
     def forward_rows(self, video_tokens, audio_tokens, video_context, audio_context, video_t, audio_t, sigma,
-                     audio_sigma, rope: Rope, keyframes=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     audio_sigma, rope: Rope, keyframes=None, peaks=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One model call over the rows a rank holds (video rows, audio rows, their timesteps and RoPE rows), all
         blocks of chunk 0: what a sequence-parallel rank runs, and at one rank the whole model."""
-        mod = self.modulation(video_t, audio_t, sigma, audio_sigma)
+        mod = self.modulation(video_t, audio_t, sigma, audio_sigma, peaks)
         video, audio = self.run_blocks(self.embed_video(video_tokens, keyframes), self.embed_audio(audio_tokens),
                                        self.embed_prompt(video_context, audio_context), mod, rope)
         return self.head(video, audio, mod)
@@ -536,6 +692,9 @@ def tensor_plan(config: LTX2Config) -> dict:
             plan.update({f"transformer_blocks.{i}.{attr}.to_gate_logits": "colwise" for attr, _ in _LAYERS})
     return plan
 
+
+CALL_TIMESTEP_SCALE = 1000.0  # LTXAVModel's timestep_scale_multiplier: ComfyUI's call carries sigmas
+AUDIO_BINS = 16  # the audio latent's mel bins (ComfyUI's [B, channels, frames, 16]; channels x 16 per token)
 
 AUDIO_PER_VIDEO_TOKEN = 1 / 48  # audio rows per video row at the released shapes (~126 per 6k video tokens)
 

@@ -1,0 +1,99 @@
+"""One stock-sampler model call of a two-stream audio-video family (LTX-2), run in parallel.
+
+The family says which kind of call it takes through its adapter: `two_streams = True` (LTX-2) keeps the video tokens
+and the audio tokens as two sequences, each split over the sequence-parallel ranks, with self-attention per stream
+and the a2v / v2a cross-attentions between them (attention/streams.py); MiniMax-H3's adapter instead packs
+[audio | video] rows into the one image stream the ordinary model call splits (pack_av). The call's chunks split
+over the CFG group as in model_call.py; every per-token table (timesteps, RoPE) is computed for the rows a rank
+holds, and the timesteps' maxima that LTX-2 reads (the prompt's and the a2v / v2a gates') over the whole call, so
+any split equals the serial call.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..distributed.topology import latent_plane, validate_strategy
+from ..spec import Job
+from .attention.streams import stream_attention
+
+
+def shard_rows(n: int, k: int) -> list[torch.Tensor]:
+    """Row indices of k contiguous shards of n rows, the first n % k one longer."""
+    sizes = [n // k + (j < n % k) for j in range(k)]
+    return list(torch.arange(n).split(sizes))
+
+
+def run_two_stream_call(runner, job: Job):
+    """(video [rows, C, T, H, W], audio [rows, channels, frames, bins]) model outputs on the result rank, else
+    None. `runner`: the job's ModelCallForward (its topology, comm, coordinates and attention context)."""
+    adapter, topology, comm = runner.adapter, runner.topology, runner.comm
+    cfg = adapter.config
+    rows, _, *thw = job.latent.shape
+    validate_strategy(job.strategy, world_size=topology.world_size, heads=cfg.num_heads, num_blocks=cfg.num_blocks,
+                      latent_hw=latent_plane(thw), steps=1, patch=1)
+    runner.step_times = []
+    chunks = [job.positive] + ([job.negative] if job.negative is not None else [])
+    batch = rows // len(chunks)
+    split = topology.cfg > 1 and len(chunks) == topology.cfg
+    mine = [runner.coords["cfg"]] if split else list(range(len(chunks)))
+    idx = torch.cat([torch.arange(k * batch, (k + 1) * batch) for k in mine])
+    device = adapter.device
+    video = adapter.pack(job.latent.float())[idx].to(device)
+    audio = adapter.pack_audio(job.audio.float())[idx].to(device)
+    frames = audio.shape[1]
+    # Timesteps of every row of the call: ComfyUI runs cond and uncond in one call, so the maxima are the call's.
+    video_t, audio_t = adapter.call_timesteps(job.timestep, job.audio_timestep, tuple(thw), frames)
+    peaks = video_t.max(), audio_t.max()
+    sigma, audio_sigma = video_t.amax(dim=1)[idx], audio_t.amax(dim=1)[idx]
+    context = torch.cat([_repeat(chunks[k].cond.float(), batch) for k in mine]).to(device)
+    video_context, audio_context = adapter.split_prompt(context)
+
+    sp, me = topology.sp, topology.sp_rank(runner.rank)
+    video_shards, audio_shards = shard_rows(video.shape[1], sp), shard_rows(frames, sp)
+    v_rows, a_rows = video_shards[me], audio_shards[me]
+    _point_attention(runner, [len(r) for r in video_shards], [len(r) for r in audio_shards])
+    rope = adapter.rope(tuple(thw), v_rows, frames, a_rows, fps=float(job.extra.get("frame_rate", 24.0)),
+                        batch=len(idx))
+    runner._check_cancel()
+    with torch.no_grad():
+        v_out, a_out = adapter.forward_rows(video[:, v_rows], audio[:, a_rows], video_context, audio_context,
+                                            video_t[idx][:, v_rows], audio_t[idx][:, a_rows], sigma, audio_sigma,
+                                            rope, peaks=peaks)
+    v_out, a_out = _gather(comm, v_out, video_shards), _gather(comm, a_out, audio_shards)
+    runner._finish_vote()
+    if split:
+        v_out = torch.cat(comm.all_gather(v_out.contiguous(), comm.group("cfg"), op="cfg"))
+        a_out = torch.cat(comm.all_gather(a_out.contiguous(), comm.group("cfg"), op="cfg"))
+    if not runner._is_result_rank():
+        return None
+    return (adapter.unpack(v_out, *thw).cpu(),
+            adapter.unpack_audio(a_out, job.audio.shape[1]).cpu())
+
+
+def _repeat(t: torch.Tensor, batch: int) -> torch.Tensor:
+    return t.expand(batch, *t.shape[1:]) if t.shape[0] == 1 and batch > 1 else t
+
+
+def _point_attention(runner, video_lengths: list[int], audio_lengths: list[int]) -> None:
+    """The context's four attentions over this split: each stream's self-attention and a2v / v2a across them."""
+    comm, topology = runner.comm, runner.topology
+    ring = runner.coords["ring"]
+
+    def attention(q, kv):
+        return stream_attention(comm, topology.ulysses, ring, q, kv)
+
+    runner.context.attention = attention(video_lengths, video_lengths)
+    runner.context.streams = {"audio": attention(audio_lengths, audio_lengths),
+                              "a2v": attention(video_lengths, audio_lengths),
+                              "v2a": attention(audio_lengths, video_lengths)}
+
+
+def _gather(comm, part: torch.Tensor, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Every sequence-parallel rank's rows of one stream, whole (shards padded to one length to be gathered)."""
+    if len(shards) == 1:
+        return part
+    longest = max(len(r) for r in shards)
+    padded = part.new_zeros(part.shape[0], longest, part.shape[2])
+    padded[:, :part.shape[1]] = part
+    pieces = comm.all_gather(padded, comm.group("sp"), op="result")
+    return torch.cat([piece[:, :len(r)] for piece, r in zip(pieces, shards)], dim=1)
