@@ -38,7 +38,6 @@ a PDD head bank (several output heads stacked in `final_layer.video_out`), which
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import dataclass, field
