@@ -46,7 +46,12 @@ def test_sd35_medium_times_each_kind_and_its_attn2_blocks_are_slower():
     assert len(attn2.attention_s) == 2 and len(joint.attention_s) == 1
     # attn2 adds an image-only attention (1024 x 1024 rows) and its four projections to the joint block.
     assert attn2.block_s > 1.15 * joint.block_s
-    assert attn2.attention_s[1] < attn2.attention_s[0]  # 1024 x 1024 rows against 1040 x 1040
+    # The image-only attention is 1024 x 1024 rows against the joint one's 1040 x 1040: 3% less work, below the
+    # timing noise of a loaded CI box (one run measured it 10% slower), so the order is checked on the shapes each
+    # timing was taken at, and the timings only for being of one size (each its own kernel call, not a copy).
+    kind = costmodel.distinct_kinds(SD35_MEDIUM)["attn2"][0]
+    assert costmodel.attention_shapes(kind, TEXT, 1024) == [(TEXT + 1024, TEXT + 1024), (1024, 1024)]
+    assert 0.5 < attn2.attention_s[1] / attn2.attention_s[0] < 2.0
     # Serial: each block at its own kind's time, summed.
     calib = costmodel.Calibration(timing, None, "cpu", threads=1, cores=64)
     serial = costmodel.project(S(), SD35_MEDIUM, calib, cfg=1.0, steps=4)
