@@ -45,9 +45,9 @@ class Background:
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
 
-    def get(self):
-        self.thread.join(JOIN_S)
-        assert not self.thread.is_alive(), f"still running after {JOIN_S} s"
+    def get(self, seconds: float = JOIN_S):
+        self.thread.join(seconds)
+        assert not self.thread.is_alive(), f"still running after {seconds} s"
         if self.error is not None:
             raise self.error
         return self.result

@@ -18,6 +18,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from test_multinode_auth import JOIN_S, Background
+
 from parallel_runtime import errors
 from parallel_runtime.runtime import agent as agent_mod
 from parallel_runtime.runtime import auth, cluster
@@ -31,30 +33,6 @@ from parallel_runtime.runtime.relay import StoreRelay
 pytestmark = pytest.mark.timeout(60)
 
 KEY = bytes(range(32))
-JOIN_S = 10  # a thread still running after this is a hang, which is the failure
-
-
-class Background:
-    """fn(*args) on a daemon thread; get() re-raises its exception and fails (instead of hanging) if it runs on."""
-
-    def __init__(self, fn, *args, **kwargs):
-        self.result = self.error = None
-
-        def run():
-            try:
-                self.result = fn(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - handed to the test thread by get()
-                self.error = e
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def get(self, seconds: float = JOIN_S):
-        self.thread.join(seconds)
-        assert not self.thread.is_alive(), f"still running after {seconds} s"
-        if self.error is not None:
-            raise self.error
-        return self.result
 
 
 def wait_for(condition, seconds: float = JOIN_S) -> None:

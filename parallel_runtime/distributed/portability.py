@@ -37,6 +37,24 @@ def collective_backend(device_type: str) -> str:
     return "nccl" if device_type == "cuda" and dist.is_nccl_available() else "gloo"
 
 
+def worker_environment(env: dict, root: str, threads: int, interface: str | None, *, pin_interface: bool) -> dict:
+    """`env` completed with what every worker process needs, one this machine's client starts or an agent on another
+    machine: the plugin first on its path, the process group's transfers bound to `interface` (`pin_interface`:
+    replacing what the environment names, as a multi-machine runtime must; else only where it names none), NCCL's
+    error handling, and its CPU threads."""
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    if interface:
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            env[var] = interface if pin_interface else env.get(var, interface)
+    # On a collective timeout or a communicator error, NCCL's watchdog ends the process instead of leaving it spinning
+    # on the device; the client reports the exit. 3 (SkipCleanUp, torch 2.x's default, set so an older default cannot
+    # apply) skips ncclCommAbort, which can itself hang on a stuck communicator; 1 (TearDown) calls it first.
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(threads)
+    return env
+
+
 def loopback_interface() -> str | None:
     """The name of the network interface that carries 127.0.0.1 ('lo' on Linux, 'lo0' on macOS, 'Loopback
     Pseudo-Interface 1' on Windows), so gloo and NCCL bind there only; None if none does (they pick their own)."""

@@ -23,7 +23,7 @@ import time
 
 from .. import errors
 from ..distributed.devices import parse_devices, worker_threads
-from ..distributed.portability import interface_of, module_command
+from ..distributed.portability import interface_of, module_command, worker_environment
 from .auth import AuthRefused, new_key_file, read_key_file
 from .cluster import AGENT_SILENCE_S, PROBE_BYTES, PROTOCOL, bound_io, check_agent_name, connect_to
 from .protocol import Channel
@@ -259,16 +259,9 @@ def _local_address(conn) -> str:
 
 
 def _worker_env(address: str, threads: int) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-    interface = interface_of(address)
-    if interface:  # the process group's transfers bind to the link towards the host, nowhere else
-        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = interface
-    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    env["PARADIT_MULTIHOST"] = "1"  # a broken link is then the machines' network (runtime/links.py)
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[var] = str(threads)
-    return env
+    env = dict(os.environ, PARADIT_MULTIHOST="1")  # a broken link is then the machines' network (runtime/links.py)
+    # The process group's transfers bind to the link towards the host, nowhere else.
+    return worker_environment(env, _PACKAGE_ROOT, threads, interface_of(address), pin_interface=True)
 
 
 def model_folders(comfyui: str | None, extra: list[str]) -> list[str]:

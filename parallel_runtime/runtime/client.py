@@ -39,7 +39,7 @@ import torch
 from .. import errors
 from ..distributed.devices import pinned_cores, runtime_devices, worker_threads
 from ..distributed.portability import (TIMED_OUT, interface_of, loopback_interface, loopback_store, module_command,
-                                       socket_timeout)
+                                       socket_timeout, worker_environment)
 from ..planning.memory import check_job_memory, keeps_other_models, settle_weight_sharding
 from ..spec import Job
 from .cluster import LOCAL, RankPlace, RemoteProcess, front_door, names_remote, place_ranks
@@ -238,26 +238,13 @@ class RuntimeClient:
         env = {k: v for k, v in os.environ.items() if k not in _HOST_ONLY_ENV}
         if os.environ.get("PARADIT_WORKER_CUDA_ALLOC_CONF"):
             env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ["PARADIT_WORKER_CUDA_ALLOC_CONF"]
-        env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
         if self.p2p == "off":
             env["NCCL_P2P_DISABLE"] = "1"
-        # The transfers bind to loopback, or (with ranks on other machines) to the front door's interface only.
-        interface = interface_of(front_door().address[0]) if self.remote else loopback_interface()
         if self.remote:
             env["PARADIT_CLIENT_STORE"] = env["PARADIT_MULTIHOST"] = "1"
-            if interface:
-                env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = interface
-        elif interface:
-            env.setdefault("GLOO_SOCKET_IFNAME", interface)
-            env.setdefault("NCCL_SOCKET_IFNAME", interface)
-        # On a collective timeout or a communicator error, NCCL's watchdog ends the process instead of leaving
-        # it spinning on the device; the client reports the exit. 3 (SkipCleanUp, torch 2.x's default, set so
-        # an older default cannot apply) skips ncclCommAbort, which can itself hang on a stuck communicator;
-        # 1 (TearDown) calls it first.
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            env[var] = str(self.threads)
-        return env
+        # The transfers bind to loopback, or (with ranks on other machines) to the front door's interface only.
+        interface = interface_of(front_door().address[0]) if self.remote else loopback_interface()
+        return worker_environment(env, _PACKAGE_ROOT, self.threads, interface, pin_interface=self.remote)
 
     def _accept(self, listener: Listener, session: str) -> dict[int, dict]:
         """Accept one connection per worker, failing fast (with its exit code) if a worker dies first: this

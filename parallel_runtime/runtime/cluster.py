@@ -72,6 +72,13 @@ class RankPlace:
         return self.device if self.host == LOCAL else f"{self.host} {self.device}"
 
 
+_HOST_ENTRY = re.compile(r"([a-z][a-z0-9.-]*):(.+)")  # 'name:rest' (a reserved name, as in 'cpu:2', is not a host)
+
+
+def _entries(spec: str) -> list[str]:
+    return [e.strip() for e in spec.strip().lower().split(",")]
+
+
 def split_devices(spec: str) -> tuple[str, dict[str, list[str]]]:
     """The local part of a devices string and each named host's entries, in order: '0,1,gpu-box-2:0,1' ->
     ('0,1', {'gpu-box-2': ['0', '1']}). An entry 'name:rest' switches to that host; the entries after it are that
@@ -80,8 +87,8 @@ def split_devices(spec: str) -> tuple[str, dict[str, list[str]]]:
     local: list[str] = []
     hosts: dict[str, list[str]] = {}
     current = None
-    for entry in [e.strip() for e in (spec or "auto").strip().lower().split(",")]:
-        m = re.fullmatch(r"([a-z][a-z0-9.-]*):(.+)", entry)
+    for entry in _entries(spec or "auto"):
+        m = _HOST_ENTRY.fullmatch(entry)
         if entry == "all":
             hosts.setdefault("*", [])
             local.append("auto")
@@ -109,8 +116,8 @@ def names_remote(spec: str) -> bool:
 def names_a_machine(spec: str) -> bool:
     """Whether a devices string names another machine beyond doubt ('NAME:...' or 'all'), rather than only by a
     bare word, which may as well be a typo of this machine's devices ('atuo')."""
-    for entry in [e.strip() for e in (spec or "").strip().lower().split(",")]:
-        m = re.fullmatch(r"([a-z][a-z0-9.-]*):(.+)", entry)
+    for entry in _entries(spec or ""):
+        m = _HOST_ENTRY.fullmatch(entry)
         if entry == "all" or (m and m.group(1) not in RESERVED_NAMES):
             return True
     return False
