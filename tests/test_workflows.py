@@ -11,15 +11,19 @@
 - the Wan workflows keep the shape of ComfyUI's own Wan templates (latent size and frames, sampling, shift, fps),
   and the Wan 2.2 14B pair of experts splits one schedule between two KSamplerAdvanced;
 - the newer families' workflows (Lumina 2, Z-Image Turbo, FLUX.2 dev and klein, Qwen-Image 2.1, HunyuanVideo 1.5)
-  are their ComfyUI templates node by node with the loader swapped, and cfg-1 models never split CFG;
+  and the audio-video ones (LTX-2.3 text- and image-to-video, MiniMax-H3 text-to-video) are their ComfyUI templates
+  node by node with the loader swapped, and cfg-1 models never split CFG;
 - scripts/queue_workflow.py: overrides, format detection and its websocket client (against a tiny
   in-process server on 127.0.0.1).
 """
 from __future__ import annotations
 
+import ast
 import base64
 import hashlib
 import json
+import math
+import operator
 import os
 import socket
 import struct
@@ -43,7 +47,8 @@ WORKFLOWS = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pip
              "qwen_image_hybrid", "pixart_sigma_hybrid", "flux_dev_ksampler", "flux_dev_controlnet",
              "flux_fill_inpaint", "wan21_t2v_ulysses", "wan21_i2v_cfg_parallel", "wan22_14b_t2v_two_experts",
              "wan22_5b_ti2v", "lumina2_cfg_parallel", "z_image_turbo_ulysses", "flux2_dev_ulysses", "flux2_klein_4b_ring",
-             "qwen_image21_ulysses", "hunyuan_video15_t2v_cfg_parallel")
+             "qwen_image21_ulysses", "hunyuan_video15_t2v_cfg_parallel", "ltx23_t2v_ulysses", "ltx23_i2v_ulysses",
+             "minimax_h3_t2v_ulysses")
 FLUX_HEADS, FLUX_BLOCKS = 24, 19 + 38  # FLUX.1 dev/schnell: 19 double + 38 single blocks
 FLUX_UNETS = ("flux1-dev.safetensors", "flux1-schnell.safetensors")
 STRATEGY_WORDS = ("auto", "ulysses", "ring", "pipefusion", "cfg_parallel", "hybrid")  # the end of a workflow's name
@@ -163,6 +168,32 @@ FAMILIES = {
         sampling=dict(steps=20, cfg=6.0, sampler_name="euler", scheduler="simple"), shift=("ModelSamplingSD3", 7.0),
         fps=24.0, codec="h264", left_out=set()),  # its bypassed EasyCache and 1080p stage are left out as bypassed
 }
+# Audio-video families, each workflow one ComfyUI template (read as FAMILIES' are) with the diffusion model on Load
+# Parallel DiT. `left_out`: value nodes whose values the widgets hold (primitives, math expressions, switches, a
+# resolution selector, a reroute) and the branches the template's switches leave off. `stages`: each
+# SamplerCustomAdvanced in denoising order as (sigma steps, video latent (frames, rows, columns) in tokens); `length`:
+# frames; `fps`: the video's frame rate. LTX-2.3: one token per latent pixel of its 32x / 8x VAE (frames
+# (length - 1) // 8 + 1), 48 blocks of two streams, 32 heads (ltx2.py); its template samples at cfg 1 with the distilled
+# LoRA at 0.5, at half size and then, after the x2 latent upsampler, at full size. MiniMax-H3: 1x2x2 patches of its
+# 16x latent, 17k+5 frames (five latent frames per 17 from the fifth: nodes_minimax_h3.py), 56 heads, 50 blocks,
+# BasicGuider (one call a step).
+LTX23 = dict(unet="ltx-2.3-22b-dev-fp8.safetensors", heads=32, blocks=48,
+             lora=("ltx_2.3_22b_distilled_1.1_lora_dynamic_fro09_avg_rank_111_bf16.safetensors", 0.5),
+             text_encoder="gemma_3_12B_it_fp4_mixed.safetensors", latent=("EmptyLTXVLatentVideo", 640, 360),
+             length=126, stages=((8, (16, 11, 20)), (3, (16, 22, 40))), fps=25.0)
+AV_FAMILIES = {
+    "ltx23_t2v_": dict(  # video_ltx2_3_t2v: prompt enhancer on, the first frame an empty image with its stages bypassed
+        LTX23, template="video_ltx2_3_t2v", instances=(267,), loader=236, first_frame=None,
+        left_out={201, 225, 257, 258, 260, 266, 330, 256, 259, 261, 277, 329, 255}),
+    "ltx23_i2v_": dict(  # video_ltx2_3_i2v: its prompt enhancer switched off, the picture as the first frame
+        LTX23, template="video_ltx2_3_i2v", instances=(320,), loader=316, first_frame="example.png",
+        left_out={299, 300, 301, 302, 312, 319, 328, 292, 294, 298, 323, 327, 293, 324, 325, 326}),
+    "minimax_h3_t2v_": dict(  # video_minimax_h3_t2v: the Lightning LoRA switched off, no first or last frame
+        template="video_minimax_h3_t2v", instances=(140,), loader=127,
+        unet="minimax_h3_fl2va_pruned_int8_convrot.safetensors", heads=56, blocks=50,
+        latent=("MiniMaxH3ImageToVideo", 864, 480), length=124, stages=((20, (37, 30 // 2, 54 // 2)),), fps=24.0,
+        left_out={115, 132, 133, 134, 135, 136, 137, 138, 139}),
+}
 
 # Core ComfyUI nodes the workflows may use (as of ComfyUI a125cd8): widget inputs in order, socket inputs
 # in order, output types. UI-only nodes (notes) have no API twin.
@@ -201,7 +232,7 @@ CORE = {
     "CLIPVisionLoader": (["clip_name"], {}, ["CLIP_VISION"]),
     "CLIPVisionEncode": (["crop"], {"clip_vision": "CLIP_VISION", "image": "IMAGE"}, ["CLIP_VISION_OUTPUT"]),
     "ModelSamplingSD3": (["shift"], {"model": "MODEL"}, ["MODEL"]),
-    "CreateVideo": (["fps"], {"images": "IMAGE", "audio": "AUDIO"}, ["VIDEO"]),
+    "CreateVideo": (["fps", "bit_depth", "color_space"], {"images": "IMAGE", "audio": "AUDIO"}, ["VIDEO"]),
     "SaveVideo": (["filename_prefix", "format", "codec"], {"video": "VIDEO"}, []),
     "VAELoader": (["vae_name"], {}, ["VAE"]),
     "CheckpointLoaderSimple": (["ckpt_name"], {}, ["MODEL", "CLIP", "VAE"]),  # nodes.py (Lumina's all-in-one file)
@@ -233,13 +264,63 @@ CORE = {
                           "end_at_step", "return_with_leftover_noise"],
                          {"model": "MODEL", "positive": "CONDITIONING", "negative": "CONDITIONING",
                           "latent_image": "LATENT"}, ["LATENT"]),
+    # The audio-video templates (ComfyUI 2026, as the templates' 0.16.3 saves them; tests/fixtures/object_info_2026.json):
+    # LTX-2's latents, conditioning, audio VAE and text encoder (comfy_extras/nodes_lt.py, nodes_lt_audio.py), its
+    # latent upsampler, ManualSigmas, the prompt enhancer (nodes_textgen.py) with its LoRA on the Gemma CLIP, image
+    # resizing, MiniMax-H3's prompt + AV latent node (nodes_minimax_h3.py) and its audio decode (nodes_audio.py).
+    "EmptyLTXVLatentVideo": (["width", "height", "length", "batch_size"], {}, ["LATENT"]),
+    "LTXVImgToVideoInplace": (["strength", "bypass"], {"vae": "VAE", "image": "IMAGE", "latent": "LATENT"},
+                              ["LATENT"]),
+    "LTXVCropGuides": ([], {"positive": "CONDITIONING", "negative": "CONDITIONING", "latent": "LATENT"},
+                       ["CONDITIONING", "CONDITIONING", "LATENT"]),
+    "LTXVConditioning": (["frame_rate"], {"positive": "CONDITIONING", "negative": "CONDITIONING"},
+                         ["CONDITIONING", "CONDITIONING"]),
+    "LTXVPreprocess": (["img_compression"], {"image": "IMAGE"}, ["IMAGE"]),
+    "LTXVConcatAVLatent": ([], {"video_latent": "LATENT", "audio_latent": "LATENT"}, ["LATENT"]),
+    "LTXVSeparateAVLatent": ([], {"av_latent": "LATENT"}, ["LATENT", "LATENT"]),
+    "LTXVLatentUpsampler": ([], {"samples": "LATENT", "upscale_model": "LATENT_UPSCALE_MODEL", "vae": "VAE"},
+                            ["LATENT"]),
+    "LatentUpscaleModelLoader": (["model_name"], {}, ["LATENT_UPSCALE_MODEL"]),
+    "LTXVAudioVAELoader": (["ckpt_name"], {}, ["VAE"]),
+    "LTXVAudioVAEDecode": ([], {"samples": "LATENT", "audio_vae": "VAE"}, ["AUDIO"]),
+    "LTXVEmptyLatentAudio": (["frames_number", "frame_rate", "batch_size"], {"audio_vae": "VAE"}, ["LATENT"]),
+    "LTXAVTextEncoderLoader": (["text_encoder", "ckpt_name", "device"], {}, ["CLIP"]),
+    "ManualSigmas": (["sigmas"], {}, ["SIGMAS"]),
+    "LoraLoaderModelOnly": (["lora_name", "strength_model"], {"model": "MODEL"}, ["MODEL"]),
+    "LoraLoader": (["lora_name", "strength_model", "strength_clip"], {"model": "MODEL", "clip": "CLIP"},
+                   ["MODEL", "CLIP"]),
+    "VAEDecodeTiled": (["tile_size", "overlap", "temporal_size", "temporal_overlap"], {"samples": "LATENT", "vae": "VAE"},
+                       ["IMAGE"]),
+    "EmptyImage": (["width", "height", "batch_size", "color"], {}, ["IMAGE"]),
+    "ResizeImageMaskNode": (["resize_type", "scale_method"], {"input": "IMAGE,MASK"}, ["IMAGE"]),
+    "TextGenerateLTX2Prompt": (["prompt", "max_length", "sampling_mode", "thinking", "use_default_template"],
+                               {"clip": "CLIP", "image": "IMAGE", "video": "IMAGE", "audio": "AUDIO"}, ["STRING"]),
+    "PreviewAny": ([], {"source": "*"}, ["STRING"]),
+    "MiniMaxH3ImageToVideo": (["prompt", "width", "height", "length"],
+                              {"clip": "CLIP", "vae": "VAE", "first_frame": "IMAGE", "last_frame": "IMAGE"},
+                              ["CONDITIONING", "LATENT"]),
+    "VAEDecodeAudio": ([], {"samples": "LATENT", "vae": "VAE"}, ["AUDIO"]),
 }
+# Dynamic combos (V3): each choice brings widgets of its own, saved after the combo's value and sent as "combo.widget".
+DYNAMIC_CORE = {
+    ("ResizeImageMaskNode", "resize_type"): {"scale dimensions": ("width", "height", "crop"),
+                                             "scale longer dimension": ("longer_size",)},
+    ("TextGenerateLTX2Prompt", "sampling_mode"): {"on": ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                                         "seed", "presence_penalty"), "off": ()},
+}
+# Optional widgets newer ComfyUI added after a class's older widgets, with the default a file that predates them runs.
+OPTIONAL_WIDGET_DEFAULTS = {("CreateVideo", "bit_depth"): "auto", ("CreateVideo", "color_space"): "sRGB"}
+VALUE_TYPES = {"STRING", "INT", "FLOAT", "BOOLEAN"}  # what a widget fed by a link may take
 UI_ONLY = {"MarkdownNote", "Note"}
 BYPASSED = 4  # a UI node's mode: left out of the prompt (ComfyUI's templates ship optional pictures so)
 OPTIONAL_CORE = {("DualCLIPLoader", "device"), ("CLIPLoader", "device"), ("ReferenceLatent", "latent"),
                  ("ControlNetApplyAdvanced", "vae"), ("DifferentialDiffusion", "strength"),
                  ("WanImageToVideo", "clip_vision_output"), ("WanImageToVideo", "start_image"),
-                 ("Wan22ImageToVideoLatent", "start_image"), ("CreateVideo", "audio"), ("TextEncodeQwenImage21", "vae")}
+                 ("Wan22ImageToVideoLatent", "start_image"), ("CreateVideo", "audio"), ("TextEncodeQwenImage21", "vae"),
+                 *OPTIONAL_WIDGET_DEFAULTS, ("TextGenerateLTX2Prompt", "image"), ("TextGenerateLTX2Prompt", "video"),
+                 ("TextGenerateLTX2Prompt", "audio"), ("TextGenerateLTX2Prompt", "thinking"),
+                 ("TextGenerateLTX2Prompt", "use_default_template"), ("MiniMaxH3ImageToVideo", "first_frame"),
+                 ("MiniMaxH3ImageToVideo", "last_frame")}
 # Widget values the frontend stores after a widget but the API format leaves out: LoadImage's upload button, and
 # the samplers' (and RandomNoise's) control_after_generate after their seed.
 UI_EXTRA_WIDGETS = {("LoadImage", "image"): 1, ("KSampler", "seed"): 1, ("KSamplerAdvanced", "noise_seed"): 1,
@@ -253,7 +334,8 @@ def _ours():
         "ParaDiTLoader": (convert.loader_inputs([*FLUX_UNETS, KONTEXT["unet"], FILL["unet"],
                                                        *(m["unet"] for m in MODELS.values()),
                                                        *(u for m in WAN.values() for u in m["unets"]),
-                                                       *(m["unet"] for m in FAMILIES.values())]),
+                                                       *(m["unet"] for m in FAMILIES.values()),
+                                                       *(m["unet"] for m in AV_FAMILIES.values())]),
                           [convert.MODEL_TYPE]),
         "ParaDiTSampler": (convert.sampler_inputs(convert.sampler_names(), convert.scheduler_names()), ["LATENT"]),
     }
@@ -291,7 +373,8 @@ def api_files():
 
 def _model_of(name: str):
     """The MODELS, WAN or FAMILIES entry a workflow file is for, or None for Flux."""
-    found = [m for prefix, m in (*MODELS.items(), *WAN.items(), *FAMILIES.items()) if name.startswith(prefix)]
+    found = [m for prefix, m in (*MODELS.items(), *WAN.items(), *FAMILIES.items(), *AV_FAMILIES.items())
+             if name.startswith(prefix)]
     flux = name.startswith(("flux_", "kontext_"))
     assert len(found) == (0 if flux else 1), f"{name}: which model is this workflow for?"
     return found[0] if found else None
@@ -300,8 +383,9 @@ def _model_of(name: str):
 FLUX_API = [f for f in api_files() if f.startswith("flux_") and not f.startswith("flux_fill_")]
 FILL_API = [f for f in api_files() if f.startswith("flux_fill_")]
 KONTEXT_API = [f for f in api_files() if f.startswith("kontext_")]
-OTHER_API = [f for f in api_files() if not f.startswith(("flux_", "kontext_", "wan", *FAMILIES))]
+OTHER_API = [f for f in api_files() if not f.startswith(("flux_", "kontext_", "wan", *FAMILIES, *AV_FAMILIES))]
 FAMILY_API = [f for f in api_files() if f.startswith(tuple(FAMILIES))]
+AV_API = [f for f in api_files() if f.startswith(tuple(AV_FAMILIES))]
 WAN_API = [f for f in api_files() if f.startswith("wan")]
 
 
@@ -339,7 +423,7 @@ def test_ui_workflow_is_a_consistent_graph(name):
         out = nodes[src]["outputs"][src_slot]
         inp = nodes[dst]["inputs"][dst_slot]
         assert link_id in out["links"] and inp["link"] == link_id, link_id
-        assert out["type"] == inp["type"] == typ, link_id
+        assert out["type"] == typ and (typ in inp["type"].split(",") or inp["type"] == "*"), link_id  # or any type
         assert nodes[src]["order"] < nodes[dst]["order"], "order must be a topological order"
     linked = {l[0]: l for l in wf["links"]}
     bypassed = {n["id"] for n in wf["nodes"] if n["mode"] == BYPASSED}
@@ -351,9 +435,14 @@ def test_ui_workflow_is_a_consistent_graph(name):
         if n["type"] in UI_ONLY:
             continue
         widgets, sockets, required, outputs, _ = node_interface(n["type"])
-        assert [i["name"] for i in n["inputs"]] == list(sockets), n["type"]
+        # sockets in order, then widgets a link feeds (the editor lists such a widget among the inputs)
+        assert [i["name"] for i in n["inputs"] if not i.get("widget")] == list(sockets), n["type"]
         assert [o["type"] for o in n["outputs"]] == outputs, n["type"]
         for i in n["inputs"]:
+            if i.get("widget"):
+                assert i["name"] == i["widget"]["name"] in widgets and i["link"] is not None, (n["type"], i["name"])
+                assert i["type"] in VALUE_TYPES, (n["type"], i["name"])
+                continue
             assert i["type"] == sockets[i["name"]]
             assert i["link"] is not None or i["name"] not in required, f"{n['type']}.{i['name']} is unconnected"
             if i["link"] is not None and linked[i["link"]][1] in bypassed:  # the graph must run without it
@@ -371,17 +460,21 @@ def test_api_workflow_uses_known_nodes_and_inputs(name):
         assert cls in OURS or cls in CORE, f"node {nid}: unexpected class {cls}"
         widgets, sockets, required, _, specs = node_interface(cls)
         inputs = node["inputs"]
-        assert set(inputs) <= set(widgets) | set(sockets), f"{cls}: unknown inputs {set(inputs) - set(widgets) - set(sockets)}"
+        dynamic = {f"{w}.{sub}" for (c, w), choices in DYNAMIC_CORE.items() if c == cls
+                   for sub in choices.get(inputs.get(w), ())}
+        known = set(widgets) | set(sockets) | dynamic
+        assert set(inputs) <= known, f"{cls}: unknown inputs {set(inputs) - known}"
         assert required <= set(inputs), f"{cls}: missing {required - set(inputs)}"
         for key, value in inputs.items():
-            if key in sockets:
+            if key in sockets or isinstance(value, list):  # a socket, or a widget a link feeds
                 assert isinstance(value, list) and len(value) == 2, f"{cls}.{key} must be a link"
                 src, slot = value
                 assert src in graph, f"{cls}.{key} links to missing node {src}"
                 src_outputs = node_interface(graph[src]["class_type"])[3]
-                assert slot < len(src_outputs) and src_outputs[slot] == sockets[key], f"{cls}.{key}: wrong type"
+                wanted = sockets[key].split(",") if key in sockets else VALUE_TYPES
+                assert slot < len(src_outputs) and (src_outputs[slot] in wanted or wanted == ["*"]), \
+                    f"{cls}.{key}: wrong type"
                 continue
-            assert not isinstance(value, list), f"{cls}.{key} must be a value"
             spec = specs.get(key)
             if spec is None:
                 continue
@@ -409,16 +502,14 @@ def test_ui_and_api_twins_agree(name):
         a = api[nid]
         assert a["class_type"] == n["type"]
         assert a.get("_meta", {}).get("title") == n.get("title", n["type"])
-        widgets, sockets, _, _, specs = node_interface(n["type"])
-        values = list(n["widgets_values"])
-        for w in widgets:
-            assert values, f"{name} node {nid}: too few widgets_values"
-            assert a["inputs"][w] == values.pop(0), f"{name} node {nid}.{w}"
-            spec = specs.get(w)
-            if spec is not None and spec.options.get("control_after_generate"):
-                assert values.pop(0) in ("fixed", "increment", "decrement", "randomize")
-            del values[:UI_EXTRA_WIDGETS.get((n["type"], w), 0)]
-        assert not values, f"{name} node {nid}: extra widgets_values {values}"
+        linked = {i["name"] for i in n["inputs"] if i.get("widget") and i["link"] is not None}
+        saved = dict(_saved_widgets(n["type"], n["widgets_values"], f"{name} node {nid}"))
+        for w, value in saved.items():
+            if w not in linked:  # a linked one is sent as the link, checked below
+                assert a["inputs"][w] == value, f"{name} node {nid}.{w}"
+        for w in node_interface(n["type"])[0]:  # a file that predates a widget sends none
+            if (n["type"], w) in OPTIONAL_WIDGET_DEFAULTS and w not in saved:
+                assert w not in a["inputs"]
         sent = set()
         for slot, inp in enumerate(n["inputs"]):
             if inp["link"] is None or str(links[inp["link"]][1]) not in nodes:  # unconnected, or from a bypassed node
@@ -429,6 +520,28 @@ def test_ui_and_api_twins_agree(name):
             assert a["inputs"][inp["name"]] == [str(src), src_slot], f"{name} node {nid}.{inp['name']}"
             sent.add(inp["name"])
         assert {k for k, v in a["inputs"].items() if isinstance(v, list)} == sent
+
+
+def _saved_widgets(cls, values, where=""):
+    """[(widget name, value)] of a UI node's `widgets_values`, in the editor's order: each widget, then what the editor
+    stores after it for itself (control_after_generate, the upload button; not sent), then a dynamic combo's widgets
+    for its choice ("combo.widget"). A file saved before a class gained its trailing optional widgets lacks them."""
+    widgets, _, _, _, specs = node_interface(cls)
+    values, out = list(values), []
+    for w in widgets:
+        if not values and (cls, w) in OPTIONAL_WIDGET_DEFAULTS:
+            continue
+        assert values, f"{where}: too few widgets_values"
+        value = values.pop(0)
+        out.append((w, value))
+        spec = specs.get(w)
+        if spec is not None and spec.options.get("control_after_generate"):
+            assert values.pop(0) in ("fixed", "increment", "decrement", "randomize"), where
+        del values[:UI_EXTRA_WIDGETS.get((cls, w), 0)]
+        for sub in DYNAMIC_CORE.get((cls, w), {}).get(value, ()):
+            out.append((f"{w}.{sub}", values.pop(0)))
+    assert not values, f"{where}: extra widgets_values {values}"
+    return out
 
 
 def _by_class(graph):
@@ -759,7 +872,7 @@ class _Scope:
 
 
 # Template nodes that pass a value on: the input each one's output is. Switches pass the branch their switch picks.
-_PASS_ON = {"QwenImage21Cache": "model", "PreviewAny": "source"}
+_PASS_ON = {"QwenImage21Cache": "model", "PreviewAny": "source", "Reroute": ""}
 _PRIMITIVES = {"PrimitiveInt", "PrimitiveFloat", "PrimitiveBoolean", "PrimitiveString", "PrimitiveStringMultiline"}
 
 
@@ -821,41 +934,105 @@ def _value_of(scope, node, name, saved=None):
         return saved if saved is not None else node["widgets_values"][0]
     src_scope, src, slot = _origin(scope, link)
     if src is None:  # a subgraph input nothing feeds: the instance's own value for it, else the inner widget's
-        values = src_scope.instance.get("widgets_values")
-        return values[slot] if isinstance(values, list) and len(values) == len(src_scope.inputs) else saved
-    value = _produced(src_scope, src)
-    if value is None:  # fed by a node this check does not evaluate (a resolution selector): the instance's value
-        values = scope.instance.get("widgets_values") if scope.instance else None
-        k = next(k for k, i in enumerate(scope.inputs) if i["name"] == name) if link[1] == -10 else None
-        value = values[k] if k is not None and isinstance(values, list) and len(values) == len(scope.inputs) else saved
+        value = _instance_value(src_scope, slot)
+        return saved if value is None else value
+    value = _produced(src_scope, src, slot)
+    if value is None:  # fed by a node this check does not evaluate: the instance's value
+        value = _instance_value(scope, next(k for k, i in enumerate(scope.inputs) if i["name"] == name)) \
+            if link[1] == -10 else None
+        value = saved if value is None else value
     return value
 
 
-def _produced(scope, node):
-    """The value a value-making template node outputs, or None for other nodes."""
-    if node["type"] in _PRIMITIVES:
+def _instance_value(scope, k):
+    """The value subgraph instance `scope.instance` holds for its input k: by name where the editor saved names
+    (a widget-less input, an image socket, has none), else by position where there is one value per input."""
+    named = scope.instance.get("widgets_values_named")
+    if isinstance(named, dict):
+        return named.get(scope.inputs[k]["name"])
+    values = scope.instance.get("widgets_values")
+    return values[k] if isinstance(values, list) and len(values) == len(scope.inputs) else None
+
+
+_MATH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_MATH_FUNCTIONS = {"max": max, "min": min, "round": round, "abs": abs, "int": int, "float": float,
+                   "floor": math.floor, "ceil": math.ceil, "sqrt": math.sqrt}
+
+
+def _math_expression(text, names):
+    """ComfyMathExpression's value (nodes_math.py: simpleeval over Python arithmetic), for the operators the
+    templates use; anything else stops the check."""
+    def value(n):
+        if isinstance(n, ast.Constant):
+            return n.value
+        if isinstance(n, ast.Name):
+            return names[n.id]
+        if isinstance(n, ast.BinOp):
+            return _MATH[type(n.op)](value(n.left), value(n.right))
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            return -value(n.operand)
+        if isinstance(n, ast.Call) and not n.keywords:
+            return _MATH_FUNCTIONS[n.func.id](*map(value, n.args))
+        raise AssertionError(f"math expression {text!r}: {ast.dump(n)} is not evaluated here")
+    return value(ast.parse(text, mode="eval").body)
+
+
+def _produced(scope, node, slot=0):
+    """The value output `slot` of a value-making template node gives, or None for other nodes."""
+    kind = node["type"]
+    if kind in _PRIMITIVES:
         return _value_of(scope, node, "value", node["widgets_values"][0])
-    if node["type"] == "StringConcatenate":  # string_a, string_b, delimiter
+    if kind == "StringConcatenate":  # string_a, string_b, delimiter
         a, b, delimiter = node["widgets_values"]
         return _value_of(scope, node, "string_a", a) + delimiter + _value_of(scope, node, "string_b", b)
+    if kind == "ComfyMathExpression":  # outputs FLOAT, INT, BOOL of one result
+        names = {i["name"].split(".", 1)[1]: _value_of(scope, node, i["name"]) for i in node["inputs"]
+                 if i["name"].startswith("values.") and i.get("link") is not None}
+        result = _math_expression(_value_of(scope, node, "expression", node["widgets_values"][0]), names)
+        return (float, int, bool)[slot](result)
+    if kind == "ResolutionSelector":  # nodes_resolution.py: the aspect ratio's sides scaled to the megapixels
+        aspect, megapixels, multiple = node["widgets_values"][:3]
+        w_ratio, h_ratio = (int(v) for v in aspect.split(" ")[0].split(":"))
+        scale = math.sqrt(megapixels * 1024 * 1024 / (w_ratio * h_ratio))
+        sides = [round(r * scale / multiple) * multiple for r in (w_ratio, h_ratio)]
+        assert min(sides) >= 256, "below the node's minimum side: it rescales (not evaluated here)"
+        return sides[slot]
     return None
 
 
 def _template_inputs(scope, node, cls):
-    """The API inputs of a template node as the template runs it: widgets by name, sockets as (scope, node, slot)."""
-    widgets, sockets, _, _, specs = node_interface(cls)
-    values, inputs = list(node.get("widgets_values") or []), {}
+    """The API inputs of a template node as the template runs it: widgets by name (a widget a value-making node
+    feeds takes that value; one another node feeds is that link), sockets as (scope, node, slot). The values are
+    read by name where the template saved names (a dynamic combo's widgets; the newest widgets of a class the
+    template predates take their default), else by position."""
+    widgets, sockets, _, _, _ = node_interface(cls)
+    named = node.get("widgets_values_named")
+    if isinstance(named, dict) and {w for w in widgets if (cls, w) not in OPTIONAL_WIDGET_DEFAULTS} <= set(named):
+        saved = [(w, named[w]) for w in widgets if w in named]
+        saved += [(f"{w}.{sub}", named[f"{w}.{sub}"]) for (c, w), choices in DYNAMIC_CORE.items() if c == cls
+                  for sub in choices[named[w]]]
+    else:
+        saved = _saved_widgets(cls, node.get("widgets_values") or [])
+    saved = dict(saved)
+    inputs = {}
+    for w, value in saved.items():
+        link = scope.link_into(node, w)
+        origin = _origin(scope, link) if link else None
+        if origin is not None and origin[1] is not None and _produced(*origin) is None:
+            inputs[w] = origin
+        else:
+            inputs[w] = _value_of(scope, node, w, value)
     for w in widgets:
-        inputs[w] = _value_of(scope, node, w, values.pop(0))
-        spec = specs.get(w)
-        del values[:UI_EXTRA_WIDGETS.get((cls, w), 0) + bool(spec and spec.options.get("control_after_generate"))]
+        if w not in inputs and (cls, w) in OPTIONAL_WIDGET_DEFAULTS:
+            inputs[w] = OPTIONAL_WIDGET_DEFAULTS[cls, w]
     for name in sockets:
         link = scope.link_into(node, name)
         inputs[name] = _origin(scope, link) if link else None
     return inputs
 
 
-@pytest.mark.parametrize("name", FAMILY_API)
+@pytest.mark.parametrize("name", FAMILY_API + AV_API)
 def test_family_workflow_is_its_template_on_load_parallel_dit(name):
     """Node by node, our workflow is its ComfyUI template (subgraphs flattened, inner node ids kept) with the diffusion
     model's loader as Load Parallel DiT: the same classes under the same ids, every widget value the template runs
@@ -901,6 +1078,8 @@ def test_family_workflow_is_its_template_on_load_parallel_dit(name):
                 assert value == 42, "a fixed seed: runs that repeat"
             elif key == "filename_prefix":
                 assert value == f"ParaDiT/{stem}"
+            elif (n["type"], key) == ("LoadImage", "image"):
+                assert value == "example.png", "ComfyUI ships input/example.png; the template's picture comes with it"
             elif isinstance(value, list):  # a link: from the node the template's input comes from
                 _, src, slot = expected[key]
                 assert [str(ours_of(src["id"], slot)), slot] == value, (name, n["id"], key)
@@ -908,8 +1087,10 @@ def test_family_workflow_is_its_template_on_load_parallel_dit(name):
                 assert value == pytest.approx(expected[key]) if isinstance(value, float) else value == expected[key], \
                     (name, n["id"], key, value, expected[key])
         for key, origin in expected.items():  # what the template feeds that ours leaves unconnected
-            if key not in ours and origin is not None and origin[1] is not None:
+            if key not in ours and isinstance(origin, tuple) and origin[1] is not None:
                 assert origin[1]["id"] in m["left_out"], (name, n["id"], key)
+            elif key not in ours and not isinstance(origin, tuple) and origin is not None:  # a widget ours predates
+                assert OPTIONAL_WIDGET_DEFAULTS[n["type"], key] == origin, (name, n["id"], key)
     ours_ids = {n["id"] for n in ui["nodes"]} | {m["loader"]}
     missing = {tid for tid, (_, t) in view.items() if tid not in ours_ids and t["type"] not in UI_ONLY
                and t.get("mode") != BYPASSED}
@@ -999,6 +1180,84 @@ def test_family_workflow_loads_its_model_and_its_strategy_fits(name):
         (save,) = c["SaveImage"]
         assert graph[save["inputs"]["images"][0]] is decode
     assert save["inputs"]["filename_prefix"] == f"ParaDiT/{name[:-len('.json')]}"
+
+
+@pytest.mark.parametrize("name", AV_API)
+def test_av_workflow_loads_its_model_and_its_strategy_fits(name):
+    """The audio-video workflows: every sampler's guider on Load Parallel DiT's MODEL (LTX-2.3: through the distilled
+    LoRA), the table's steps and video tokens per stage, one call per step (cfg 1 or BasicGuider: no CFG split), the
+    audio latent made for the video's frames and rate, and the decoded video with its sound saved under our prefix.
+    The strategy fits its devices, the model's heads and blocks and every stage's tokens."""
+    m = _model_of(name)
+    graph = _load(os.path.join(API_DIR, name))
+    c = _by_class(graph)
+    assert not {"UNETLoader", "ParaDiTSampler", "KSampler"} & set(c)
+    (loader,), (strategy,) = c["ParaDiTLoader"], c["ParaDiTStrategy"]
+    assert loader["inputs"]["unet_name"] == m["unet"] and graph[loader["inputs"]["strategy"][0]] is strategy
+    (create,), (save,) = c["CreateVideo"], c["SaveVideo"]
+    assert graph[save["inputs"]["video"][0]] is create and save["inputs"]["filename_prefix"] == f"ParaDiT/{name[:-5]}"
+    assert create["inputs"]["fps"] == m["fps"]
+    # The samplers in denoising order: back from the decoded video, each takes its predecessor's latent.
+    decode = graph[create["inputs"]["images"][0]]
+    audio_decode = graph[create["inputs"]["audio"][0]]
+    upstream = {"SamplerCustomAdvanced": "latent_image", "LTXVSeparateAVLatent": "av_latent",  # video first
+                "LTXVConcatAVLatent": "video_latent", "LTXVImgToVideoInplace": "latent", "LTXVLatentUpsampler": "samples"}
+    chain, node = [], graph[decode["inputs"]["samples"][0]]
+    while node["class_type"] in upstream:
+        if node["class_type"] == "SamplerCustomAdvanced":
+            chain.insert(0, node)
+        node = graph[node["inputs"][upstream[node["class_type"]]][0]]
+    steps = []
+    for sampler in chain:
+        sigmas = graph[sampler["inputs"]["sigmas"][0]]["inputs"]
+        steps.append(sigmas["steps"] if "steps" in sigmas else len(sigmas["sigmas"].split(",")) - 1)
+        guider = graph[sampler["inputs"]["guider"][0]]
+        assert guider["class_type"] in ("CFGGuider", "BasicGuider") and guider["inputs"].get("cfg", 1) == 1
+        model = graph[guider["inputs"]["model"][0]]
+        if "lora" in m:  # the distilled LoRA on Load Parallel DiT's MODEL
+            assert model["class_type"] == "LoraLoaderModelOnly"
+            assert (model["inputs"]["lora_name"], model["inputs"]["strength_model"]) == m["lora"]
+            model = graph[model["inputs"]["model"][0]]
+        assert model is loader
+    assert steps == [k for k, _ in m["stages"]], steps
+    # The video: its latent node and size, frames on the model's grid, and the audio for those frames.
+    latent_cls, width, height = m["latent"]
+    (video,) = c[latent_cls]
+    assert node is video, "the first stage denoises the template's latent"
+    v = video["inputs"]
+    assert (v["width"], v["height"], v["length"]) == (width, height, m["length"])
+    if latent_cls == "EmptyLTXVLatentVideo":  # 32x / 8x: the first stage's tokens; the upsampler doubles the sides
+        # one file: Load Parallel DiT's DiT, the checkpoint's video VAE, the audio VAE, the text projection
+        (checkpoint,), (text,), (audio_vae,) = (c[k] for k in ("CheckpointLoaderSimple", "LTXAVTextEncoderLoader",
+                                                                "LTXVAudioVAELoader"))
+        assert checkpoint["inputs"]["ckpt_name"] == audio_vae["inputs"]["ckpt_name"] == m["unet"]
+        assert text["inputs"] == {"text_encoder": m["text_encoder"], "ckpt_name": m["unet"], "device": "default"}
+        assert decode["inputs"]["vae"] == [next(k for k, n in graph.items() if n is checkpoint), 2]
+        frames = (m["length"] - 1) // 8 + 1
+        assert m["stages"][0][1] == (frames, height // 32, width // 32)
+        assert m["stages"][1][1] == (frames, 2 * (height // 32), 2 * (width // 32)) and len(chain) == 2
+        (audio,), (conditioning,) = c["LTXVEmptyLatentAudio"], c["LTXVConditioning"]
+        a = audio["inputs"]
+        assert (a["frames_number"], a["frame_rate"], a["batch_size"]) == (m["length"], m["fps"], 1)
+        assert conditioning["inputs"]["frame_rate"] == m["fps"]
+        assert audio_decode["class_type"] == "LTXVAudioVAEDecode"
+        assert graph[audio_decode["inputs"]["audio_vae"][0]] is graph[a["audio_vae"][0]]
+        frame = [n for n in c["LTXVImgToVideoInplace"]]
+        assert len(frame) == 2 and all(f["inputs"]["bypass"] == (m["first_frame"] is None) for f in frame)
+        pictures = c.get("LoadImage", [])
+        assert [p["inputs"]["image"] for p in pictures] == ([m["first_frame"]] if m["first_frame"] else [])
+    else:  # MiniMax-H3: 16x latent in 1x2x2 patches; 17k+5 frames, five latent frames per 17 after the second
+        assert m["length"] % 17 == 5 and "first_frame" not in v and "last_frame" not in v
+        frames = (m["length"] - 5) // 17 * 5 + 2
+        assert m["stages"][0][1] == (frames, height // 32, width // 32) and len(chain) == 1
+        assert audio_decode["class_type"] == "VAEDecodeAudio" and graph[chain[0]["inputs"]["latent_image"][0]] is video
+    # The strategy, at every stage: tokens as validate_strategy's 2x2 patches of 8 px latent pixels count them.
+    st = strategy["inputs"]
+    assert st["mode"] == "manual" and st["cfg_degree"] == 1, "one model call a step: no second branch to split"
+    for (k, tokens), sampler in zip(m["stages"], chain):
+        rows, cols = latent_plane(tokens)
+        _check_fit(name, graph, loader, strategy, {"cfg": 1.0, "steps": k, "negative": None}, m["heads"],
+                   m["blocks"], (2 * rows, 2 * cols))
 
 
 # ---------------------------------------------------------------------------------------------------
