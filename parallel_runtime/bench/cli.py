@@ -286,6 +286,32 @@ class BenchRun:
         mode = self._mode_bench(record)
         if mode is not None:
             return mode
+        # --quick keeps one set of workers per device count for the whole run, grid and per-call rows alike
+        # (starting workers is most of a smoke row's time); the full bench starts fresh ones per row, so each row's
+        # peak RSS is its own.
+        owned = args.quick and self.workers is None
+        if owned:
+            self.workers = {}
+        try:
+            return self._grid(record, family)
+        finally:
+            if owned:
+                for client in self.workers.values():
+                    client.shutdown()
+
+    def _client(self, where: str):
+        """--quick's warm workers on `where` (started on first use), else None: the caller starts fresh ones."""
+        from ..runtime.client import RuntimeClient
+
+        if not self.args.quick:
+            return None
+        if where not in self.workers:
+            self.workers[where] = RuntimeClient(where, threads_per_worker=self.args.threads)
+        return self.workers[where]
+
+    def _grid(self, record: dict, family: str) -> int:
+        """The grid's rows, the stock-sampler rows beside them, the report and the targets."""
+        args, say = self.args, self.say
         if not args.no_auto:
             record["calibration"] = self._calibrate()
         rows, auto_pick, auto_reason = self._rows()
@@ -308,9 +334,10 @@ class BenchRun:
         if not args.no_overhead and self.max_world > 1:
             say("")
             record["pipefusion_per_call"] = pipefusion_per_call(say, args, self.path, self.config, self.latent_shape,
-                                                                self.text, results, self.calib, self.devices)
+                                                                self.text, results, self.calib, self.devices,
+                                                                self._client)
             record["controlnet"] = controlnet_row(say, args, self.path, self.config, self.latent_shape, self.text,
-                                                  results, self.devices, self.target)
+                                                  results, self.devices, self.target, self._client)
         record["in_process_step_s"], record["model_call_s"] = inproc_runs, call_runs
         inproc = min(inproc_runs) if inproc_runs else None
         measured_targets(args, results, serial, inproc, total_params, self.target, family=family)
@@ -425,21 +452,6 @@ class BenchRun:
     def _run_grid(self, rows):
         """Every row `--repeats` times, round robin (a burst of contention on a shared machine hits one run of a
         configuration, not all), keeping each row's fastest run; the in-process and per-call serial references."""
-        args = self.args
-        # --quick keeps one set of workers per device count for the whole grid (starting workers is most of a
-        # smoke row's time); the full bench starts fresh ones per row, so each row's peak RSS is its own.
-        if not args.quick or self.workers is not None:
-            return self._run_rows(rows, self.workers if args.quick else None)
-        clients: dict = {}
-        try:
-            return self._run_rows(rows, clients)
-        finally:
-            for client in clients.values():
-                client.shutdown()
-
-    def _run_rows(self, rows, clients: dict | None):
-        from ..runtime.client import RuntimeClient
-
         args, say = self.args, self.say
         best: dict[int, dict] = {}
         inproc_runs, call_runs = [], []
@@ -453,11 +465,8 @@ class BenchRun:
                 cap = cpu_capacity(s.world_size) if probe else None
                 job = make_job(self.path, self.config, s, self.latent_shape, self.text, cfg, args.steps,
                                self.conditioning)
-                if clients is not None and where not in clients:
-                    clients[where] = RuntimeClient(where, threads_per_worker=args.threads)
-                client = clients[where] if clients is not None else None
                 try:
-                    res = run_config(where, job, args.threads, client)
+                    res = run_config(where, job, args.threads, self._client(where))
                 except ConfigError as exc:  # a row the runtime refuses is reported, and the grid goes on
                     say(f"[{rep + 1}/{args.repeats}] {row_label(s, cfg)} on {where}: not applicable ({exc})")
                     if rep == 0:
@@ -480,7 +489,8 @@ class BenchRun:
         t = run_in_process(self.path, self.latent_shape, self.text, cfg, args.steps, args.threads)
         inproc_runs.append(t)
         self.say(f"[{rep + 1}/{args.repeats}] serial in-process (no runtime): {t * 1e3:.0f} ms/step")
-        calls = run_calls(self.path, self.config, self.latent_shape, self.text, cfg, args.steps, args.threads)
+        calls = run_calls(self.path, self.config, self.latent_shape, self.text, cfg, args.steps, args.threads,
+                          client=self._client("cpu:1"))
         call_runs.append(statistics.median(calls))
         self.say(f"[{rep + 1}/{args.repeats}] serial, one runtime job per model call (stock KSampler's way in): "
                  f"{call_runs[-1] * 1e3:.0f} ms/call")

@@ -34,7 +34,8 @@ def _sent_per_call(stats: list) -> float:
 
 
 def controlnet_row(say, args, path: str, config, latent_shape, text: int, results: list[dict], devices: list[str],
-                   target) -> dict | None:
+                   target, clients=None) -> dict | None:
+    """`clients(where)`: warm workers on those devices (--quick's pool), else None (fresh ones per run)."""
     from ..models.registry import family_of
     from ..models.tiny import write_controlnet
 
@@ -55,7 +56,7 @@ def controlnet_row(say, args, path: str, config, latent_shape, text: int, result
                               ("parallel", strategy, where)):
             stats: list = []
             calls = run_calls(path, config, latent_shape, text, args.cfg, args.steps, args.threads, s, dev,
-                              control=ctl, stats=stats)
+                              control=ctl, stats=stats, client=clients and clients(dev))
             out[f"{label}_{name}_s"] = statistics.median(calls)
             if label == "parallel":
                 out[f"sent_per_call_{name}"] = _sent_per_call(stats)

@@ -81,11 +81,11 @@ def run_config(devices: str, job: Job, threads: int, client=None) -> dict:
 
 def run_calls(path: str, config, latent_shape, text_tokens: int, cfg: float, steps: int, threads: int,
               strategy: StrategySpec = StrategySpec(), devices: str = "cpu:1", control: tuple = (),
-              stats: list | None = None) -> list[float]:
+              stats: list | None = None, client=None) -> list[float]:
     """A stock sampler's way in: `steps` model calls (one per step, cond and uncond batched as ComfyUI batches
     them at cfg > 1), each a runtime job from this process. Seconds per call, leaving out the first (which loads
     the model) and PipeFusion's warm-up calls. `control`: ControlInputs every branch carries; `stats`: gets each
-    timed call's per-rank stats."""
+    timed call's per-rank stats; `client`: warm workers on `devices` to run on (left running), else fresh ones."""
     from ..runtime.client import RuntimeClient
 
     template = make_job(path, config, strategy, latent_shape, text_tokens, cfg, steps)
@@ -98,7 +98,8 @@ def run_calls(path: str, config, latent_shape, text_tokens: int, cfg: float, ste
     call = dataclasses.replace(template, sampling=SamplingSpec(steps=1), latent=x,
                                timestep=torch.full((x.shape[0],), 0.5))
     skip = max(1, strategy.warmup_steps if strategy.stale_steps else 1)
-    client = RuntimeClient(devices, threads_per_worker=threads)
+    owned = client is None
+    client = RuntimeClient(devices, threads_per_worker=threads) if owned else client
     try:
         times = []
         for i in range(steps + skip):
@@ -108,21 +109,24 @@ def run_calls(path: str, config, latent_shape, text_tokens: int, cfg: float, ste
             if stats is not None and i >= skip:
                 stats.append(result.stats)
     finally:
-        client.shutdown()
+        if owned:
+            client.shutdown()
     return times[skip:]
 
 
 def pipefusion_per_call(say, args, path, config, latent_shape, text: int, results: list[dict], calib,
-                        devices: list[str]) -> dict | None:
+                        devices: list[str], clients=None) -> dict | None:
     """The bubble of PipeFusion under a stock sampler: the best PipeFusion row of Parallel Sampler's grid, run
-    again as one model call per step (its pipeline fills and drains every call)."""
+    again as one model call per step (its pipeline fills and drains every call). `clients(where)`: warm workers
+    on those devices (--quick's pool), else None (fresh ones)."""
     rows = [r for r in results if r["strategy"].pipefusion_degree > 1 and abs(r["cfg"] - args.cfg) < 1e-9]
     if not rows:
         return None
     row = min(rows, key=lambda r: r["step_s"])
     s, world = row["strategy"], row["strategy"].world_size
     where = subset_devices(devices, args.devices, world)
-    calls = run_calls(path, config, latent_shape, text, args.cfg, args.steps, args.threads, s, where)
+    calls = run_calls(path, config, latent_shape, text, args.cfg, args.steps, args.threads, s, where,
+                      client=clients and clients(where))
     call_s = statistics.median(calls)
     out = {"label": row["label"], "parallel_sampler_step_s": row["step_s"], "per_call_s": call_s,
            "bubble": call_s / row["step_s"] - 1}
