@@ -315,9 +315,31 @@ def refuse_jobs_of(config, path: str) -> None:
         raise ConfigError(f"{os.path.basename(path)} is {refused}.")
 
 
+def validate_av_sampling(job: Job, config) -> None:
+    """Parallel Sampler's job of an audio-video family (strategies/av_sampling.py: both latents stepped together,
+    each step one model call): the strategies that split such a call, whole batches, no step cache."""
+    title = config.title
+    if not job.strategy.exact:
+        raise ConfigError(f"Parallel Sampler runs {title} on CFG, Ulysses, Ring and tensor parallelism (and sharded "
+                          f"weights), not on PipeFusion or patch parallelism yet; set pipefusion_degree, patch_degree "
+                          f"and naive_patch_degree to 1.")
+    if job.strategy.batch_degree > 1:
+        raise ConfigError(f"batch parallelism does not cut {title}'s audio latent yet; set batch_degree to 1 and "
+                          f"split the job with cfg_degree, ulysses_degree or ring_degree.")
+    if job.strategy.cache != "off":
+        raise ConfigError(f"the step cache does not run on {title}'s audio-video steps yet; set the Strategy "
+                          f"Selector's cache to off.")
+    if getattr(config, "single_video", False) and job.latent.shape[0] != 1:
+        raise ConfigError(f"the latent holds {job.latent.shape[0]} videos but {title} runs one video per prompt, as "
+                          f"ComfyUI's model does; set the empty latent's batch size to 1.")
+
+
 def validate_audio(job: Job, config) -> None:
-    """An audio-video family's job carries its audio latent (Job.audio) beside the video's, and for now only as a
-    model call (Parallel Sampler's loop does not step an audio stream yet); any other family's job carries none."""
+    """An audio-video family's job carries its audio latent (Job.audio) beside the video's: a model call's x, or
+    Parallel Sampler's latent (validate_av_sampling); any other family's job carries none."""
+    is_av = getattr(config, "model_call_problem", None) is not None or getattr(config, "audio_channels", 0)
+    if is_av and job.audio is not None and job.timestep is None:
+        validate_av_sampling(job, config)
     call_problem = getattr(config, "model_call_problem", None)  # LTX-2: its own audio latent layout and limits
     if call_problem is not None and job.audio is not None:
         problem = call_problem(job)
@@ -330,7 +352,7 @@ def validate_audio(job: Job, config) -> None:
             raise ConfigError(f"the job carries an audio latent, but this {config.title} model reads none; send the "
                               f"video latent alone.")
         return
-    if job.timestep is None or job.audio is None:
+    if job.audio is None:
         refuse_jobs_of(config, job.model.path)
     if job.strategy.batch_degree > 1:
         raise ConfigError(f"batch parallelism does not cut {config.title}'s audio latent yet; set batch_degree to 1 "
@@ -401,9 +423,9 @@ def validate_job(job: Job, world_size: int) -> None:
     if not 0.0 <= sp.denoise <= 1.0:
         raise ConfigError(f"denoise={sp.denoise} is outside 0..1; set it between 0 and 1.")
     config = model_config(job.model.path)
-    refusal = getattr(config, "not_sampled_yet", None)  # a family whose model runs but whose job inputs do not yet
-    if refusal and not (hasattr(config, "model_call_problem") and job.timestep is not None and job.audio is not None):
-        raise ConfigError(refusal)  # (LTX-2 runs a model call that carries its audio latent; nothing else yet)
+    refusal = getattr(config, "not_sampled_yet", None)  # LTX-2: a job without its audio latent
+    if refusal and job.audio is None:
+        raise ConfigError(refusal)
     validate_audio(job, config)
     validate_latent_and_branches(job, config)
     lat = job.latent
