@@ -319,7 +319,9 @@ def validate_av_sampling(job: Job, config) -> None:
     """Parallel Sampler's job of an audio-video family (strategies/av_sampling.py: both latents stepped together,
     each step one model call): the strategies that split such a call, whole batches, no step cache."""
     title = config.title
-    if not job.strategy.exact:
+    # LTX-2's two-stream call (model_call_problem's family) runs the exact strategies only; MiniMax-H3's packed call
+    # also PipeFusion and patch parallelism.
+    if not job.strategy.exact and getattr(config, "model_call_problem", None) is not None:
         raise ConfigError(f"Parallel Sampler runs {title} on CFG, Ulysses, Ring and tensor parallelism (and sharded "
                           f"weights), not on PipeFusion or patch parallelism yet; set pipefusion_degree, patch_degree "
                           f"and naive_patch_degree to 1.")

@@ -236,6 +236,24 @@ def test_exact_strategies_equal_the_serial_run(files, client2, serial_runs, fami
     assert max(errors) <= EXACT_RTOL
 
 
+def test_minimax_h3_pipefusion_is_exact_in_warmup_and_beats_naive_patch(files, client2, serial_runs):
+    """PipeFusion over MiniMax-H3's packed stream (2 stages, its patches runs of the [audio | video] rows), per step
+    as under a stock sampler: all warm-up it equals the serial run; after one warm-up step each step reads the
+    other patches' K/V as the previous step left them, nearer the serial run than naive patch's halves, which never
+    see each other."""
+    serial = serial_runs["minimax_h3"]
+    runs = {name: client2.run(h3_job(files["minimax_h3"], StrategySpec(**strategy), sampler="dpmpp_2m"))
+            for name, strategy in (("warm", dict(pipefusion_degree=2, warmup_steps=STEPS)),
+                                   ("stale", dict(pipefusion_degree=2, warmup_steps=1)),
+                                   ("naive", dict(naive_patch_degree=2)))}
+    for k, stream in enumerate(("latent", "audio")):
+        err = {name: rel_err(getattr(run, stream), getattr(serial, stream)) for name, run in runs.items()}
+        print(f"\nMiniMax-H3 Parallel Sampler {stream}, {STEPS} dpmpp_2m steps: pp2 all warm-up {err['warm']:.1e}, "
+              f"pp2 1 warm-up step {err['stale']:.1e}, naive patch 2 {err['naive']:.1e}")
+        assert err["warm"] <= EXACT_RTOL
+        assert 10 * EXACT_RTOL < err["stale"] < err["naive"] / 2  # the stale K/V was read, and helps
+
+
 # -- refusals ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family, change, sentence", [
@@ -243,8 +261,8 @@ def test_exact_strategies_equal_the_serial_run(files, client2, serial_runs, fami
      r"^Parallel Sampler runs LTX-2\.3 128-wide x 2 on CFG, Ulysses, Ring and tensor parallelism \(and sharded "
      r"weights\), not on PipeFusion or patch parallelism yet; set pipefusion_degree, patch_degree and "
      r"naive_patch_degree to 1\.$"),
-    ("minimax_h3", dict(strategy=StrategySpec(patch_degree=2)), r"^Parallel Sampler runs MiniMax-H3 96-wide on CFG"),
-    ("minimax_h3", dict(strategy=StrategySpec(naive_patch_degree=2)), r"not on PipeFusion or patch parallelism"),
+    ("ltx2", dict(strategy=StrategySpec(patch_degree=2)), r"^Parallel Sampler runs LTX-2\.3 128-wide x 2 on CFG"),
+    ("ltx2", dict(strategy=StrategySpec(naive_patch_degree=2)), r"not on PipeFusion or patch parallelism"),
     ("ltx2", dict(strategy=StrategySpec(batch_degree=2)),
      r"^batch parallelism does not cut LTX-2\.3 128-wide x 2's audio latent yet; set batch_degree to 1"),
     ("minimax_h3", dict(strategy=StrategySpec(cache="first_block")),

@@ -8,8 +8,13 @@ sequence; LTX-2: each stream over the same ranks), tensor parallelism and sharde
 outputs come back whole on every rank; every rank then takes the same sampler step on the whole flat latent
 (sampling/audio_video.py: ComfyUI's packed latent, one sigma schedule for both streams, MiniMax-H3's audio carried on
 the video's schedule). The state is the latent (a few MB at the released shapes) where a step's compute is seconds, so
-keeping it whole on every rank costs next to nothing and needs no exchange of it. PipeFusion and patch parallelism are refused before any work
-(validate.validate_audio): their stale K/V lives across one loop's steps, which this loop does not run.
+keeping it whole on every rank costs next to nothing and needs no exchange of it.
+
+PipeFusion and displaced patch parallelism run where the family's model call runs them (MiniMax-H3's one packed
+stream: patches are runs of its [audio | video] rows): per call, as under a stock sampler, so each step's pipeline
+drains (there is no cross-step pipeline here) and every attention layer reads the other patches' K/V as the previous
+step left them, after `warmup_steps` exact steps. LTX-2's two-stream call runs neither; validate_av_sampling refuses
+them for it, and the step cache for both.
 """
 from __future__ import annotations
 
@@ -95,4 +100,6 @@ def _call(call, step: Job, adapter) -> tuple[torch.Tensor, torch.Tensor]:
         v, a = two_stream_outputs(call, step)
         return adapter.unpack(v, *step.latent.shape[2:]), adapter.unpack_audio(a, step.audio.shape[1])
     out = call.call_outputs(step)
+    if call.topology.pipefusion > 1:  # only the last stage holds the output; the others hold zeros: a sum is exact
+        out = call.comm.all_reduce(out, call.comm.group("pipefusion"), op="pipefusion")
     return adapter.unpack_av(out, *call.hw)
