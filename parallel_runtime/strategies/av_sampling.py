@@ -13,8 +13,8 @@ keeping it whole on every rank costs next to nothing and needs no exchange of it
 PipeFusion and displaced patch parallelism run where the family's model call runs them (MiniMax-H3's one packed
 stream: patches are runs of its [audio | video] rows): per call, as under a stock sampler, so each step's pipeline
 drains (there is no cross-step pipeline here) and every attention layer reads the other patches' K/V as the previous
-step left them, after `warmup_steps` exact steps. LTX-2's two-stream call runs neither; validate_av_sampling refuses
-them for it, and the step cache for both.
+step left them, after `warmup_steps` exact steps. LTX-2's two-stream call runs neither: validate.av_sampling_problem
+refuses them for it, and the step cache for both.
 """
 from __future__ import annotations
 
