@@ -59,23 +59,24 @@ def simple_sigmas(sigma_of, steps: int = STEPS) -> torch.Tensor:
 
 
 def h3_job(path: str, strategy=StrategySpec(), sampler: str = "euler", denoise: float = 1.0, batch: int = 1,
-           latent: tuple | None = None) -> Job:
+           latent: tuple | None = None, steps: int = STEPS) -> Job:
     g = torch.Generator().manual_seed(9)
     pos, neg = (Conditioning(torch.randn(1, h3t.TEXT_LEN, h3t.TINY.text_dim, generator=g), torch.zeros(1, 0))
                 for _ in "pn")
     video, audio = latent or (torch.zeros(batch, 24, h3t.T, h3t.H, h3t.W), torch.zeros(batch, 32, 2, H3_AUDIO_T))
-    return Job(ModelSpec(path), strategy, SamplingSpec(seed=SEED, steps=STEPS, cfg=CFG, sampler_name=sampler,
+    return Job(ModelSpec(path), strategy, SamplingSpec(seed=SEED, steps=steps, cfg=CFG, sampler_name=sampler,
                                                        scheduler="simple", denoise=denoise), video, pos, neg,
                audio=audio)
 
 
-def ltx_job(path: str, strategy=StrategySpec(), sampler: str = "euler_ancestral", batch: int = 2) -> Job:
+def ltx_job(path: str, strategy=StrategySpec(), sampler: str = "euler_ancestral", batch: int = 2,
+            steps: int = STEPS) -> Job:
     config, g = test_ltx2.CONFIGS[LTX_NAME], torch.Generator().manual_seed(13)
     width = config.cross_attention_dim + config.audio_cross_attention_dim
     pos, neg = (Conditioning(torch.randn(1, test_ltx2.PROMPT, width, generator=g), torch.zeros(1, 0)) for _ in "pn")
     video = torch.zeros(batch, config.in_channels, test_ltx2.T, test_ltx2.H, test_ltx2.W)
     audio = torch.zeros(batch, config.audio_in_channels // 16, test_ltx2.AUDIO_FRAMES, 16)
-    return Job(ModelSpec(path), strategy, SamplingSpec(seed=SEED, steps=STEPS, cfg=CFG, sampler_name=sampler,
+    return Job(ModelSpec(path), strategy, SamplingSpec(seed=SEED, steps=steps, cfg=CFG, sampler_name=sampler,
                                                        scheduler="simple"), video, pos, neg, audio=audio,
                extra={"frame_rate": 25.0})
 
@@ -216,32 +217,44 @@ STRATEGIES = {"cfg2": dict(cfg_degree=2), "ulysses2": dict(ulysses_degree=2), "r
               "tensor2": dict(tensor_degree=2), "ulysses2_sharded": dict(ulysses_degree=2, shard_weights=True)}
 
 
+STRATEGY_STEPS = 2  # every step is the same split model call: two show the loop carries the split state
+
+
 @pytest.fixture(scope="module")
-def serial_runs(files, client1):
-    return {"minimax_h3": client1.run(h3_job(files["minimax_h3"], sampler="dpmpp_2m")),
-            "ltx2": client1.run(ltx_job(files["ltx2"]))}
+def serial_run(files, client1):
+    """The 1-worker run of a family's job (MiniMax-H3: dpmpp_2m, whose second step reads the first's prediction;
+    LTX-2: euler_ancestral) of so many steps, each run once per module."""
+    runs = {}
+
+    def run(family: str, steps: int):
+        if (family, steps) not in runs:
+            make = functools.partial(h3_job, sampler="dpmpp_2m") if family == "minimax_h3" else ltx_job
+            runs[family, steps] = client1.run(make(files[family], steps=steps))
+        return runs[family, steps]
+
+    return run
 
 
 @pytest.mark.parametrize("family", ["minimax_h3", "ltx2"])
 @pytest.mark.parametrize("strategy", STRATEGIES.values(), ids=STRATEGIES.keys())
-def test_exact_strategies_equal_the_serial_run(files, client2, serial_runs, family, strategy):
+def test_exact_strategies_equal_the_serial_run(files, client2, serial_run, family, strategy):
     """MiniMax-H3's audio and video rows split as one packed sequence, LTX-2's as two streams over the same ranks;
     the CFG group takes one branch each, tensor parallelism half of every layer's heads and units."""
     make = functools.partial(h3_job, sampler="dpmpp_2m") if family == "minimax_h3" else ltx_job
-    result = client2.run(make(files[family], StrategySpec(**strategy)))
-    serial = serial_runs[family]
+    result = client2.run(make(files[family], StrategySpec(**strategy), steps=STRATEGY_STEPS))
+    serial = serial_run(family, STRATEGY_STEPS)
     errors = _errors(result, (serial.latent, serial.audio))
     print(f"\n{family} Parallel Sampler, {StrategySpec(**strategy).label()} vs 1 worker: video {errors[0]:.1e}, "
           f"audio {errors[1]:.1e}")
     assert max(errors) <= EXACT_RTOL
 
 
-def test_minimax_h3_pipefusion_is_exact_in_warmup_and_beats_naive_patch(files, client2, serial_runs):
+def test_minimax_h3_pipefusion_is_exact_in_warmup_and_beats_naive_patch(files, client2, serial_run):
     """PipeFusion over MiniMax-H3's packed stream (2 stages, its patches runs of the [audio | video] rows), per step
     as under a stock sampler: all warm-up it equals the serial run; after one warm-up step each step reads the
     other patches' K/V as the previous step left them, nearer the serial run than naive patch's halves, which never
     see each other."""
-    serial = serial_runs["minimax_h3"]
+    serial = serial_run("minimax_h3", STEPS)
     runs = {name: client2.run(h3_job(files["minimax_h3"], StrategySpec(**strategy), sampler="dpmpp_2m"))
             for name, strategy in (("warm", dict(pipefusion_degree=2, warmup_steps=STEPS)),
                                    ("stale", dict(pipefusion_degree=2, warmup_steps=1)),
@@ -304,11 +317,11 @@ class NestedTensor:
         return self.tensors
 
 
-def test_parallel_sampler_node_takes_and_returns_the_nested_latent(files, client2, monkeypatch):
+def test_parallel_sampler_node_takes_and_returns_the_nested_latent(files, client2, serial_run, monkeypatch):
     """EmptyMiniMaxH3LatentAV's NestedTensor through Parallel Sampler (a text-only prompt's token tags, as
     MiniMax-H3's text encoder always attaches them): the workers' own loop runs it (no per-call routing), split by
     Ulysses over two workers, and the node returns KSampler's LATENT, the same NestedTensor class over both
-    streams, equal to KSampler's loop (the reference above)."""
+    streams, equal to the 1-worker run (which equals KSampler's loop: the tests above)."""
     from test_nodes import FakeHost  # first: it stands in comfy_api.latest, which the node modules import
 
     from nodes import convert, route, sampler as sampler_node
@@ -316,18 +329,36 @@ def test_parallel_sampler_node_takes_and_returns_the_nested_latent(files, client
     import parallel_runtime.runtime.client as client_module
 
     monkeypatch.setattr(client_module, "get_client", lambda devices, p2p="auto": client2)
-    job = h3_job(files["minimax_h3"])
+    job = h3_job(files["minimax_h3"], sampler="dpmpp_2m")
     tags = {"minimax_token_tags": torch.ones(h3t.TEXT_LEN, dtype=torch.long)}
     positive, negative = [[job.positive.cond, dict(tags)]], [[job.negative.cond, dict(tags)]]
     latent = {"samples": NestedTensor([job.latent, job.audio])}
-    assert route.worker_loop_gap(None, CFG, "euler", "simple", positive, negative, latent, True) is None
+    assert route.worker_loop_gap(None, CFG, "dpmpp_2m", "simple", positive, negative, latent, True) is None
     handle = convert.model_handle(files["minimax_h3"], "default", "cpu:2",
                                   convert.strategy_choice("manual", ulysses_degree=2))
-    out, summary = sampler_node.sample(handle, SEED, STEPS, CFG, "euler", "simple", positive, negative, latent,
+    out, summary = sampler_node.sample(handle, SEED, STEPS, CFG, "dpmpp_2m", "simple", positive, negative, latent,
                                        host=FakeHost())
     assert type(out["samples"]) is NestedTensor and "ulysses2" in summary
-    (video, audio), reference = out["samples"].unbind(), h3_reference(files["minimax_h3"], job)
-    errors = rel_err(video, reference[0]), rel_err(audio, reference[1])
-    print(f"\nParallel Sampler node, MiniMax-H3 on ulysses2 vs KSampler's loop: video {errors[0]:.1e}, audio "
+    (video, audio), serial = out["samples"].unbind(), serial_run("minimax_h3", STEPS)
+    errors = rel_err(video, serial.latent), rel_err(audio, serial.audio)
+    print(f"\nParallel Sampler node, MiniMax-H3 on ulysses2 vs the 1-worker run: video {errors[0]:.1e}, audio "
           f"{errors[1]:.1e}")
-    assert max(errors) <= SERIAL_RTOL
+    assert max(errors) <= EXACT_RTOL
+
+
+def test_cancel_stops_the_loop_at_the_next_step(files):
+    """A cancel during step 1 stops the audio-video loop before step 3 (each step's vote is read one step later, as
+    in every loop of the Denoiser), raising Cancelled with no result: one rank in-process."""
+    from parallel_runtime.distributed.comm import Comm
+    from parallel_runtime.distributed.topology import Topology
+    from parallel_runtime.errors import Cancelled
+    from parallel_runtime.strategies.attention.processor import AttentionContext
+    from parallel_runtime.strategies.denoise import Denoiser
+
+    context, steps_done = AttentionContext(), []
+    adapter = h3t.build_adapter(files["minimax_h3"], context)
+    denoiser = Denoiser(adapter, Topology(), Comm(Topology()), context)
+    with pytest.raises(Cancelled), torch.no_grad():
+        denoiser.run(h3_job(files["minimax_h3"]), progress=lambda i, n: steps_done.append(i),
+                     cancel_requested=lambda: len(steps_done) >= 1)
+    assert steps_done == [1, 2]  # asked after step 1: step 2's vote sees it, step 3 does not start

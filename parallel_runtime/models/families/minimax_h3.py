@@ -30,7 +30,8 @@ images' rows tagged video), keyframes (MiniMaxH3ImageToVideo's first/last frame,
 audio), refs (MiniMaxH3ReferenceToVideo), their latents and noise augmentation; denoise_mask / audio_denoise_mask;
 the sigma shifts in transformer_options. The runtime reads a model call of x, audio and timestep (Job.audio: t2va);
 the family reads keyframes, reference images and mixed prompt tags (pack_sequence); Load Parallel DiT's MODEL
-converts that call (nodes/av_call.py: t2va), and Parallel Sampler's loop steps no audio stream yet (`jobs_refused`).
+converts that call (nodes/av_call.py: t2va), and Parallel Sampler's loop steps both latents as KSampler does,
+the audio carried on the video's schedule (strategies/av_sampling.py, `audio_shifts`: t2va).
 
 Curve-form (pruned) files, whose `adaln_t_table` (the time embedding's curve, interpolated) replaces the time MLP
 and whose modulation projections read it without SiLU, run as ComfyUI runs them. Refused in one sentence: files with
