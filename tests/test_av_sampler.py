@@ -31,6 +31,7 @@ from parallel_runtime.validate import validate_job
 import test_ltx2
 import test_minimax_h3 as h3t
 from test_ltx2_comfyui import comfyui_call
+from test_minimax_h3_door import comfy, h3_host  # noqa: F401 - fixtures: ComfyUI 2026's host with MiniMaxH3
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -362,3 +363,34 @@ def test_cancel_stops_the_loop_at_the_next_step(files):
         denoiser.run(h3_job(files["minimax_h3"]), progress=lambda i, n: steps_done.append(i),
                      cancel_requested=lambda: len(steps_done) >= 1)
     assert steps_done == [1, 2]  # asked after step 1: step 2's vote sees it, step 3 does not start
+
+
+def test_parallel_sampler_on_load_parallel_dits_model(files, h3_host, client2, serial_run, monkeypatch):
+    """The MODEL of Load Parallel DiT as ComfyUI 2026 builds it for the file (the fake host of test_model_path_2026
+    with its MiniMaxH3 class: test_minimax_h3_door), under Parallel Sampler: the prompt goes through the diffusion
+    model's preprocess_text_embeds as MiniMaxH3.extra_conds sends it, the workers' loop runs the NestedTensor, and
+    the result equals the 1-worker run."""
+    from test_nodes import FakeHost  # first: it stands in comfy_api.latest, which the node modules import
+
+    import test_model_path_2026 as host_2026
+    from nodes import sampler as sampler_node
+
+    class Host(FakeHost):
+        def fixed_latent(self, model, latent):  # comfy.sample.fix_empty_latent_channels: a nested latent as it is
+            return latent
+
+    monkeypatch.setattr("parallel_runtime.runtime.client.get_client", lambda devices, *a, **k: client2)
+    model = host_2026._model(files["minimax_h3"], "cpu:2", ulysses_degree=2)
+    # The fake patcher keeps wrappers by (kind, key); ComfyUI's ModelPatcher as {kind: {key: [wrapper]}}.
+    model.wrappers = {kind: {key: [fn]} for (kind, key), fn in model.wrappers.items()}
+    job = h3_job(files["minimax_h3"], sampler="dpmpp_2m")
+    tags = {"minimax_token_tags": torch.ones(h3t.TEXT_LEN, dtype=torch.long)}
+    out, summary = sampler_node.sample(model, SEED, STEPS, CFG, "dpmpp_2m", "simple", [[job.positive.cond, tags]],
+                                       [[job.negative.cond, tags]], {"samples": NestedTensor([job.latent, job.audio])},
+                                       host=Host())
+    (video, audio), serial = out["samples"].unbind(), serial_run("minimax_h3", STEPS)
+    errors = rel_err(video, serial.latent), rel_err(audio, serial.audio)
+    print(f"\nParallel Sampler on Load Parallel DiT's MODEL (ComfyUI 2026's MiniMaxH3), ulysses2 vs the 1-worker run: "
+          f"video {errors[0]:.1e}, audio {errors[1]:.1e} ({summary})")
+    assert "one runtime job per model call" not in summary  # the workers' own loop, not ComfyUI's sampler
+    assert max(errors) <= EXACT_RTOL
