@@ -188,6 +188,8 @@ def _validated_job(handle, seed, steps, cfg, sampler_name, scheduler, positive, 
     streams = convert.av_streams(latent_image)
     if streams is not None:
         (samples, audio), extra = streams, {}
+        if latent_image.get("batch_index") is not None:  # prepare_noise's noise_inds, for each stream alike
+            extra["batch_index"] = [int(i) for i in latent_image["batch_index"]]
         frame_rate = (positive[0][1] or {}).get("frame_rate") if isinstance(positive, (list, tuple)) else None
         if frame_rate is not None:  # LTXVConditioning: LTX-2's RoPE time axis in seconds
             extra["frame_rate"] = float(frame_rate)

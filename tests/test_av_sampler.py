@@ -84,11 +84,18 @@ def ltx_job(path: str, strategy=StrategySpec(), sampler: str = "euler_ancestral"
 
 # -- the references ----------------------------------------------------------------------------------------------
 
-def comfy_noise(seed: int, *shapes) -> list[torch.Tensor]:
+def comfy_noise(seed: int, *shapes, noise_inds=None) -> list[torch.Tensor]:
     """comfy.sample.prepare_noise over a NestedTensor: the CPU generator seeded once (torch.manual_seed(seed)), then
-    one randn per stream, video first."""
+    each stream's noise in turn, video first; with a LATENT's batch_index (noise_inds) each stream draws one image
+    per index up to the largest and keeps those named."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=generator) for shape in shapes]
+    if noise_inds is None:
+        return [torch.randn(shape, generator=generator) for shape in shapes]
+    out = []
+    for shape in shapes:
+        draws = [torch.randn((1, *shape[1:]), generator=generator) for _ in range(max(noise_inds) + 1)]
+        out.append(torch.cat([draws[i] for i in noise_inds]))
+    return out
 
 
 @functools.lru_cache(maxsize=2)
@@ -147,7 +154,7 @@ def ltx_reference(path: str, job: Job) -> tuple[torch.Tensor, torch.Tensor]:
     config, b = test_ltx2.CONFIGS[LTX_NAME], job.latent.shape[0]
     mu = 2.37
     sigmas = simple_sigmas(lambda t: math.exp(mu) / (math.exp(mu) + (1 / t - 1)))
-    noise_v, noise_a = comfy_noise(SEED, job.latent.shape, job.audio.shape)
+    noise_v, noise_a = comfy_noise(SEED, job.latent.shape, job.audio.shape, noise_inds=job.extra.get("batch_index"))
     x = torch.cat([(sigmas[0] * noise_v).reshape(b, -1), (sigmas[0] * noise_a).reshape(b, -1)], dim=1)
     nv = job.latent[0].numel()
     step_noise = torch.Generator().manual_seed(SEED)
@@ -201,9 +208,13 @@ def test_minimax_h3_one_worker_equals_ksamplers_loop(files, client1, denoise):
     assert max(errors) <= SERIAL_RTOL
 
 
-def test_ltx2_one_worker_equals_ksamplers_loop(files, client1):
-    """Two videos with their sound, euler_ancestral (step noise over the packed latent), cfg 3."""
+@pytest.mark.parametrize("batch_index", [None, [3, 1]], ids=["batch2", "batch_index"])
+def test_ltx2_one_worker_equals_ksamplers_loop(files, client1, batch_index):
+    """Two videos with their sound, euler_ancestral (step noise over the packed latent), cfg 3; and the two as
+    images 3 and 1 of a batch (a LATENT's batch_index: each stream's noise drawn as prepare_noise draws it)."""
     job = ltx_job(files["ltx2"])
+    if batch_index is not None:
+        job = dataclasses.replace(job, extra={**job.extra, "batch_index": batch_index})
     reference = ltx_reference(files["ltx2"], job)
     errors = _errors(client1.run(job), reference)
     print(f"\nLTX-2.3 Parallel Sampler ({STEPS} euler_ancestral steps, cfg {CFG}, batch 2), 1 worker vs KSampler's "
