@@ -261,6 +261,21 @@ def test_exact_strategies_equal_the_serial_run(files, client2, serial_run, famil
     assert max(errors) <= EXACT_RTOL
 
 
+@pytest.mark.parametrize("family, strategy", [("minimax_h3", dict(cfg_degree=2, ulysses_degree=2)),
+                                              ("ltx2", dict(ulysses_degree=2, ring_degree=2))],
+                         ids=["minimax_h3-cfg2xulysses2", "ltx2-ulysses2xring2"])
+def test_hybrids_on_four_equal_the_serial_run(files, client4, serial_run, family, strategy):
+    """Hybrids on four workers (the session's client4, which the families' own modules start): CFG over Ulysses for
+    MiniMax-H3's packed stream, Ulysses over Ring for LTX-2's two streams (13 audio rows: uneven shards)."""
+    make = functools.partial(h3_job, sampler="dpmpp_2m") if family == "minimax_h3" else ltx_job
+    result = client4.run(make(files[family], StrategySpec(**strategy), steps=STRATEGY_STEPS))
+    serial = serial_run(family, STRATEGY_STEPS)
+    errors = _errors(result, (serial.latent, serial.audio))
+    print(f"\n{family} Parallel Sampler, {StrategySpec(**strategy).label()} vs 1 worker: video {errors[0]:.1e}, "
+          f"audio {errors[1]:.1e}")
+    assert max(errors) <= EXACT_RTOL
+
+
 def test_minimax_h3_pipefusion_is_exact_in_warmup_and_beats_naive_patch(files, client2, serial_run):
     """PipeFusion over MiniMax-H3's packed stream (2 stages, its patches runs of the [audio | video] rows), per step
     as under a stock sampler: all warm-up it equals the serial run; after one warm-up step each step reads the
