@@ -391,6 +391,32 @@ def latent_samples(latent: Any, video_model: bool = False) -> tuple[torch.Tensor
     return samples.detach().cpu(), extra
 
 
+def av_streams(latent: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An audio-video model's LATENT (ComfyUI 2026's NestedTensor [video, audio]: LTXVConcatAVLatent,
+    EmptyMiniMaxH3LatentAV) as (video, audio) on CPU; None for any other LATENT."""
+    samples = latent.get("samples") if isinstance(latent, dict) else None
+    if not getattr(samples, "is_nested", False) or isinstance(samples, torch.Tensor):
+        return None
+    streams = list(samples.unbind())
+    if len(streams) != 2 or not all(isinstance(t, torch.Tensor) for t in streams):
+        raise ConfigError(f"The latent holds {len(streams)} streams, not an audio-video model's (video, audio); "
+                          f"connect LTXVConcatAVLatent's or EmptyMiniMaxH3LatentAV's latent to it.")
+    return streams[0].detach().cpu(), streams[1].detach().cpu()
+
+
+def av_latent_output(latent_in: dict, video: torch.Tensor, audio: torch.Tensor) -> dict:
+    """The output LATENT of an audio-video model as KSampler makes it: the input's NestedTensor class over the
+    sampled (video, audio), the input dict's other keys kept."""
+    samples = latent_in["samples"]
+    expected = tuple(tuple(t.shape) for t in samples.unbind())
+    if (tuple(video.shape), tuple(audio.shape)) != expected:
+        raise ConfigError(f"The runtime returned streams of shapes {tuple(video.shape)} and {tuple(audio.shape)} for "
+                          f"an input of shapes {expected}; this is a ParaDiT bug, please report it.")
+    out = dict(latent_in)
+    out["samples"] = type(samples)([video.detach().to("cpu", torch.float32), audio.detach().to("cpu", torch.float32)])
+    return out
+
+
 def image_latent(samples: torch.Tensor, what: str) -> torch.Tensor:
     """[B, C, H, W], or a video VAE's one-frame [B, C, 1, H, W] (Qwen-Image's Wan latent) without its frame axis."""
     if samples.dim() == 5 and samples.shape[2] == 1:

@@ -20,8 +20,10 @@ from .controlnet import WRAPPER_KEY as CONTROLNET_WRAPPER
 # a key changes nothing. Any other key (area, mask, ControlNet, hooks, CLIP-vision tokens, 2026's new keys, ...)
 # routes the graph to ComfyUI's sampler, which hands the key to the model call as it does under KSampler.
 _READ_KEYS = {"pooled_output", "guidance", "width", "height", "aspect_ratio", "reference_latents",
-              "reference_latents_method", "concat_latent_image", "concat_mask"}
+              "reference_latents_method", "concat_latent_image", "concat_mask",
+              "frame_rate", "unprocessed_ltxav_embeds"}  # LTX-2's (sampler._validated_job, _with_prompt_states)
 _NEUTRAL = {"start_percent": 0.0, "end_percent": 1.0, "strength": 1.0}
+MINIMAX_TEXT_TAG = 1  # ComfyUI's modality tag of a MiniMax-H3 prompt row that is text (video 0, audio 2)
 
 # What each routed key is, for the status line ("per-call pipeline: the graph has ...").
 _KEY_NAMES = {
@@ -35,6 +37,7 @@ _KEY_NAMES = {
     "start_percent": "a timestep range (ConditioningSetTimestepRange)",
     "end_percent": "a timestep range (ConditioningSetTimestepRange)",
     "strength": "a conditioning strength other than 1",
+    "minimax_token_tags": "image tokens in the MiniMax-H3 prompt (MiniMaxH3ImageToVideo's frames)",
 }
 
 # What ComfyUI's model_options entries that change how a sampler calls or combines the model are, for the status
@@ -144,6 +147,8 @@ def _conditioning_gap(value, which: str) -> str | None:
             continue
         if key == "attention_mask" and _hides_nothing(v):
             continue
+        if key == "minimax_token_tags" and _all_text(v):
+            continue
         return f"{_KEY_NAMES.get(key, repr(key))} in the {which} conditioning"
     return None
 
@@ -152,6 +157,12 @@ def _hides_nothing(mask) -> bool:
     """A prompt mask [B, L] of all ones (Lumina 2's and Z-Image's encoders always attach one): ComfyUI's
     extra_conds drops it, and the worker loop runs the unpadded prompt it describes."""
     return isinstance(mask, torch.Tensor) and mask.ndim == 2 and bool((mask == 1).all())
+
+
+def _all_text(tags) -> bool:
+    """MiniMax-H3's prompt tags when every row is text (its text encoder always attaches them): the worker loop's
+    packed sequence tags the prompt so (a keyframe's image tokens in the prompt route the graph)."""
+    return isinstance(tags, torch.Tensor) and bool((tags == MINIMAX_TEXT_TAG).all())
 
 
 def _is_neutral(value, neutral: float) -> bool:

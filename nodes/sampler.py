@@ -78,6 +78,7 @@ def _sample_on_workers(model, seed, steps, cfg, sampler_name, scheduler, positiv
     job = _validated_job(handle, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                          denoise, video)
     job = _with_concat(base, job, positive, negative)
+    job = _with_prompt_states(base, job, positive, negative)
     # ComfyUI's models leave the workers' GPUs on this machine first, so the workers' memory report (auto's budget)
     # sees it free.
     host.free_memory_for(convert.local_devices(handle.devices))
@@ -93,7 +94,10 @@ def _sample_on_workers(model, seed, steps, cfg, sampler_name, scheduler, positiv
     job = dataclasses.replace(job, strategy=strategy, weight_patches=lora)
     out = _run_job(client, job, status, host)
     elapsed = time.monotonic() - status.started
-    result = convert.latent_output(latent_image, out)
+    if job.audio is not None:  # an audio-video model: both streams back in the input's NestedTensor
+        result = convert.av_latent_output(latent_image, out.latent, out.audio)
+    else:
+        result = convert.latent_output(latent_image, out)
     status.send("done", step=int(steps), total=int(steps))
     summary = f"{strategy.label()} on {strategy.world_size} worker(s): {int(steps)} steps in {elapsed:.1f} s"
     if client.notice:
@@ -155,21 +159,49 @@ def _with_concat(base, job, positive, negative):
     return dataclasses.replace(job, positive=pos, negative=neg)
 
 
+def _with_prompt_states(base, job, positive, negative):
+    """An audio-video model's prompt rows as ComfyUI's extra_conds hands them to it (LTXAV, MiniMaxH3): through
+    the diffusion model's preprocess_text_embeds (Load Parallel DiT's: LTX-2's connectors; MiniMax-H3's states pass
+    unchanged, its workers refine them)."""
+    model = getattr(base, "diffusion_model", None)
+    if job.audio is None or not hasattr(model, "preprocess_text_embeds"):
+        return job
+
+    def states(value, c):
+        unprocessed = (value[0][1] or {}).get("unprocessed_ltxav_embeds", False)
+        made = (model.preprocess_text_embeds(c.cond, unprocessed=unprocessed) if unprocessed
+                else model.preprocess_text_embeds(c.cond))
+        return dataclasses.replace(c, cond=made.detach().float().cpu())
+
+    neg = states(negative, job.negative) if job.negative is not None else None
+    return dataclasses.replace(job, positive=states(positive, job.positive), negative=neg)
+
+
 def _validated_job(handle, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,
                    video):
-    """The node's inputs as a Job (strategy not yet chosen), its numbers checked."""
+    """The node's inputs as a Job (strategy not yet chosen), its numbers checked. An audio-video model's latent
+    (a NestedTensor) becomes the job's video latent and its audio latent (Job.audio)."""
     from parallel_runtime.sampling import cfg_uses_uncond
     from parallel_runtime.spec import Job, SamplingSpec, StrategySpec
     from parallel_runtime.validate import validate_numbers
 
-    samples, extra = convert.latent_samples(latent_image, video)
+    streams = convert.av_streams(latent_image)
+    if streams is not None:
+        (samples, audio), extra = streams, {}
+        if latent_image.get("batch_index") is not None:  # prepare_noise's noise_inds, for each stream alike
+            extra["batch_index"] = [int(i) for i in latent_image["batch_index"]]
+        frame_rate = (positive[0][1] or {}).get("frame_rate") if isinstance(positive, (list, tuple)) else None
+        if frame_rate is not None:  # LTXVConditioning: LTX-2's RoPE time axis in seconds
+            extra["frame_rate"] = float(frame_rate)
+    else:
+        (samples, extra), audio = convert.latent_samples(latent_image, video), None
     pos = convert.conditioning(positive, "positive")
     # ComfyUI skips the negative branch at cfg 1.0; so does the runtime (and so it isn't validated).
     neg = convert.conditioning(negative, "negative") if cfg_uses_uncond(float(cfg)) else None
     sampling = SamplingSpec(seed=int(seed), steps=int(steps), cfg=float(cfg), sampler_name=sampler_name,
                             scheduler=scheduler, denoise=float(denoise))
     job = Job(model=handle.model, strategy=StrategySpec(), sampling=sampling, latent=samples, positive=pos,
-              negative=neg, extra=extra)
+              negative=neg, extra=extra, audio=audio)
     # NaN/Inf settings are refused before anything is freed, started or planned with them.
     validate_numbers(job)
     return job
@@ -248,6 +280,8 @@ def _run_job(client, job, status: _JobStatus, host):
     from parallel_runtime.errors import Cancelled, ParaDiTError
 
     try:
+        if job.audio is not None:  # the result's audio rides beside the latent
+            return client.run(job, progress=status.progress, interrupted=host.interrupted)
         return client.sample(job, progress=status.progress, interrupted=host.interrupted)
     except Cancelled:
         status.send("cancelled", message="Cancelled.")

@@ -315,9 +315,42 @@ def refuse_jobs_of(config, path: str) -> None:
         raise ConfigError(f"{os.path.basename(path)} is {refused}.")
 
 
+def is_av_family(config) -> bool:
+    """Whether the family denoises an audio latent beside the video's (LTX-2, MiniMax-H3)."""
+    return getattr(config, "model_call_problem", None) is not None or bool(getattr(config, "audio_channels", 0))
+
+
+def av_sampling_problem(config, strategy) -> str | None:
+    """What of a Parallel Sampler job's strategy the audio-video loop (strategies/av_sampling.py: both latents
+    stepped together, each step one model call) cannot run, in one sentence, or None: the strategies that split such
+    a call, whole batches, no step cache (auto's candidates skip the same: planning/auto.py)."""
+    title = config.title
+    # LTX-2's two-stream call (model_call_problem's family) runs the exact strategies only; MiniMax-H3's packed call
+    # also PipeFusion and patch parallelism.
+    if not strategy.exact and getattr(config, "model_call_problem", None) is not None:
+        return (f"Parallel Sampler runs {title} on CFG, Ulysses, Ring and tensor parallelism (and sharded weights), "
+                f"not on PipeFusion or patch parallelism yet; set pipefusion_degree, patch_degree and "
+                f"naive_patch_degree to 1.")
+    if strategy.batch_degree > 1:
+        return (f"batch parallelism does not cut {title}'s audio latent yet; set batch_degree to 1 and split the job "
+                f"with cfg_degree, ulysses_degree or ring_degree.")
+    if strategy.cache != "off":
+        return (f"the step cache does not run on {title}'s audio-video steps yet; set the Strategy Selector's cache "
+                f"to off.")
+    return None
+
+
 def validate_audio(job: Job, config) -> None:
-    """An audio-video family's job carries its audio latent (Job.audio) beside the video's, and for now only as a
-    model call (Parallel Sampler's loop does not step an audio stream yet); any other family's job carries none."""
+    """An audio-video family's job carries its audio latent (Job.audio) beside the video's: a model call's x, or
+    Parallel Sampler's latent (av_sampling_problem); any other family's job carries none."""
+    if is_av_family(config) and job.audio is not None and job.timestep is None:
+        problem = av_sampling_problem(config, job.strategy)
+        if problem:
+            raise ConfigError(problem)
+        videos = job.latent.shape[0]
+        if getattr(config, "single_video", False) and videos != 1:
+            raise ConfigError(f"the latent holds {videos} videos but {config.title} runs one video per prompt, as "
+                              f"ComfyUI's model does; set the empty latent's batch size to 1.")
     call_problem = getattr(config, "model_call_problem", None)  # LTX-2: its own audio latent layout and limits
     if call_problem is not None and job.audio is not None:
         problem = call_problem(job)
@@ -330,7 +363,7 @@ def validate_audio(job: Job, config) -> None:
             raise ConfigError(f"the job carries an audio latent, but this {config.title} model reads none; send the "
                               f"video latent alone.")
         return
-    if job.timestep is None or job.audio is None:
+    if job.audio is None:
         refuse_jobs_of(config, job.model.path)
     if job.strategy.batch_degree > 1:
         raise ConfigError(f"batch parallelism does not cut {config.title}'s audio latent yet; set batch_degree to 1 "
@@ -401,9 +434,9 @@ def validate_job(job: Job, world_size: int) -> None:
     if not 0.0 <= sp.denoise <= 1.0:
         raise ConfigError(f"denoise={sp.denoise} is outside 0..1; set it between 0 and 1.")
     config = model_config(job.model.path)
-    refusal = getattr(config, "not_sampled_yet", None)  # a family whose model runs but whose job inputs do not yet
-    if refusal and not (hasattr(config, "model_call_problem") and job.timestep is not None and job.audio is not None):
-        raise ConfigError(refusal)  # (LTX-2 runs a model call that carries its audio latent; nothing else yet)
+    refusal = getattr(config, "not_sampled_yet", None)  # LTX-2: a job without its audio latent
+    if refusal and job.audio is None:
+        raise ConfigError(refusal)
     validate_audio(job, config)
     validate_latent_and_branches(job, config)
     lat = job.latent

@@ -122,11 +122,16 @@ def rank_candidates(config, latent_shape: tuple, cfg: float, devices: list[str],
         return Candidate(s, proj, mem, mem["total"] <= budget, slow, one_link.job_s)
 
     out = []
+    from ..validate import av_sampling_problem, is_av_family
+
     tensor = bool(family_of(config).tensor_plan_for(config))
+    av_family = is_av_family(config)
     for s in candidate_strategies(world, cfg, heads=config.num_heads,
                                   num_blocks=config.num_blocks, latent_hw=(h, w),
                                   warmup_steps=warmup_steps, patch=token_patch(config),
                                   mlp_hidden=getattr(config, "mlp_hidden", None), tensor=tensor, batch=b):
+        if av_family and av_sampling_problem(config, s):  # what an audio-video job cannot run (validate)
+            continue
         mem = costmodel.rank_memory(s, config, text_tokens=text_len, image_tokens=image_tokens(config, h, w), batch=b,
                                     cfg=cfg, weight_bytes=e, act_bytes=e, layout=layout)
         proj, one_link = projected(s)

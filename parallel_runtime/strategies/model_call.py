@@ -35,6 +35,16 @@ class ModelCallForward(Denoiser):
     def _run(self, job: Job) -> torch.Tensor | None:
         if getattr(self.adapter, "two_streams", False):  # LTX-2: video and audio as two split streams
             return run_two_stream_call(self, job)
+        out = self.call_outputs(job)
+        if not self._is_result_rank():
+            return None
+        if job.audio is not None:  # (video, audio) in the call's shapes
+            return tuple(part.cpu() for part in self.adapter.unpack_av(out, *self.hw))
+        return self.adapter.unpack(out, *job.latent.shape[2:]).cpu()  # [rows, C, H, W] or a video's 5D
+
+    def call_outputs(self, job: Job) -> torch.Tensor:
+        """The call's model output as packed tokens [rows, N, C], whole on every rank but PipeFusion's earlier
+        stages (Parallel Sampler's audio-video loop steps it on every rank: av_sampling.py)."""
         rows, _, *spatial = job.latent.shape  # (H, W), or (T, H, W) for a video
         s, cfg = job.strategy, self.adapter.config
         validate_strategy(s, world_size=self.topology.world_size, heads=cfg.num_heads, num_blocks=cfg.num_blocks,
@@ -71,11 +81,7 @@ class ModelCallForward(Denoiser):
         if split:
             mine_rows = out[mine[0] * batch:(mine[0] + 1) * batch].contiguous()
             out = torch.cat(self.comm.all_gather(mine_rows, self.comm.group("cfg"), op="cfg"))
-        if not self._is_result_rank():
-            return None
-        if job.audio is not None:  # (video, audio) in the call's shapes
-            return tuple(part.cpu() for part in self.adapter.unpack_av(out, *self.hw))
-        return self.adapter.unpack(out, *spatial).cpu()  # the call's shape ([rows, C, H, W] or a video's 5D)
+        return out
 
     def _forward(self, x: torch.Tensor, t: torch.Tensor, branches: Branches, job: Job, key: tuple) -> torch.Tensor:
         """This rank's token rows of the model output for one group of chunks, in a tensor shaped like x.

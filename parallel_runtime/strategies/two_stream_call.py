@@ -26,6 +26,16 @@ def shard_rows(n: int, k: int) -> list[torch.Tensor]:
 def run_two_stream_call(runner, job: Job):
     """(video [rows, C, T, H, W], audio [rows, channels, frames, bins]) model outputs on the result rank, else
     None. `runner`: the job's ModelCallForward (its topology, comm, coordinates and attention context)."""
+    v_out, a_out = two_stream_outputs(runner, job)
+    if not runner._is_result_rank():
+        return None
+    return (runner.adapter.unpack(v_out, *job.latent.shape[2:]).cpu(),
+            runner.adapter.unpack_audio(a_out, job.audio.shape[1]).cpu())
+
+
+def two_stream_outputs(runner, job: Job) -> tuple[torch.Tensor, torch.Tensor]:
+    """The call's (video, audio) model outputs as packed tokens, whole on every rank (Parallel Sampler's
+    audio-video loop steps them on every rank: av_sampling.py)."""
     adapter, topology, comm = runner.adapter, runner.topology, runner.comm
     cfg = adapter.config
     rows, _, *thw = job.latent.shape
@@ -64,10 +74,7 @@ def run_two_stream_call(runner, job: Job):
     if split:
         v_out = torch.cat(comm.all_gather(v_out.contiguous(), comm.group("cfg"), op="cfg"))
         a_out = torch.cat(comm.all_gather(a_out.contiguous(), comm.group("cfg"), op="cfg"))
-    if not runner._is_result_rank():
-        return None
-    return (adapter.unpack(v_out, *thw).cpu(),
-            adapter.unpack_audio(a_out, job.audio.shape[1]).cpu())
+    return v_out, a_out
 
 
 def _repeat(t: torch.Tensor, batch: int) -> torch.Tensor:

@@ -59,6 +59,7 @@ from typing import NamedTuple
 import torch
 
 from ...errors import ModelFileError
+from ...sampling.flow import FluxModelSampling, VideoLatentFormat
 from ...strategies.attention import LocalAttention
 from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
@@ -478,6 +479,10 @@ class LTX2Adapter:
     joint_text = False
     two_streams = True  # video and audio tokens, each split over the sequence-parallel ranks
     default_guidance = 0.0
+    # ComfyUI's supported_models.LTXAV: ModelSamplingFlux (shift 2.37, timestep = sigma: the model scales it by
+    # 1000) with CONST; one sigma steps both streams. latent_formats.LTXAV maps nothing (scale 1, no shift).
+    model_sampling = FluxModelSampling(2.37, 1.0, kind="flux")
+    latent_format = VideoLatentFormat("ltx2", 1.0, 0.0)
     skip: frozenset = frozenset()
 
     def __init__(self, config: LTX2Config, model, chunks: list[range], context):

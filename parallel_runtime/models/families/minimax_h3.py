@@ -30,7 +30,8 @@ images' rows tagged video), keyframes (MiniMaxH3ImageToVideo's first/last frame,
 audio), refs (MiniMaxH3ReferenceToVideo), their latents and noise augmentation; denoise_mask / audio_denoise_mask;
 the sigma shifts in transformer_options. The runtime reads a model call of x, audio and timestep (Job.audio: t2va);
 the family reads keyframes, reference images and mixed prompt tags (pack_sequence); Load Parallel DiT's MODEL
-converts that call (nodes/av_call.py: t2va), and Parallel Sampler's loop steps no audio stream yet (`jobs_refused`).
+converts that call (nodes/av_call.py: t2va), and Parallel Sampler's loop steps both latents as KSampler does,
+the audio carried on the video's schedule (strategies/av_sampling.py, `audio_shifts`: t2va).
 
 Curve-form (pruned) files, whose `adaln_t_table` (the time embedding's curve, interpolated) replaces the time MLP
 and whose modulation projections read it without SiLU, run as ComfyUI runs them. Refused in one sentence: files with
@@ -100,11 +101,12 @@ class MiniMaxH3Config(OneBlockListConfig):
     latent_downscale = 16
     latent_channels = LATENT_CHANNELS
     latent_format = H3_LATENT
-    # Why Parallel Sampler's jobs do not run yet (validate_job refuses with it): its loop steps no audio stream; the
-    # stock MODEL door carries ComfyUI's (video, audio) call (nodes/av_call.py).
+    # A job without the audio half of the latent (validate_job refuses it): Parallel Sampler's loop and the stock
+    # MODEL door (nodes/av_call.py) both carry ComfyUI's (video, audio) latent.
     jobs_refused = ("a MiniMax-H3 audio-video model, whose (video, audio) latent from EmptyMiniMaxH3LatentAV or "
-                    "MiniMaxH3ImageToVideo Parallel Sampler does not carry to the workers yet; sample it with KSampler "
-                    "or SamplerCustomAdvanced on Load Parallel DiT's MODEL, or load it with UNETLoader")
+                    "MiniMaxH3ImageToVideo this job lacks the audio half of; connect that latent whole to Parallel "
+                    "Sampler or KSampler, or load it with UNETLoader")
+    single_video = True  # ComfyUI's MiniMaxH3Model runs batch 1 (one video per prompt)
 
     def __post_init__(self):
         if 6 * self.rope_freq_dim > self.head_dim or self.head_dim % 2:
@@ -551,6 +553,9 @@ class MiniMaxH3Adapter:
 
     latent_format = H3_LATENT
     model_sampling = FluxModelSampling(SIGMA_SHIFT_VIDEO, 1000.0, kind="discrete_flow")
+    # ComfyUI's ModelSamplingAV (supported_models.MiniMaxH3: shift 12, audio_shift 3): Parallel Sampler carries the
+    # audio on the video's schedule at audio_scale = 12 / 3, as KSampler does (sampling/audio_video.py).
+    audio_shifts = (SIGMA_SHIFT_VIDEO, SIGMA_SHIFT_AUDIO)
     default_guidance = 0.0
 
     @staticmethod
