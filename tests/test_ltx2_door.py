@@ -310,6 +310,21 @@ def test_load_parallel_dit_takes_the_file_as_comfyuis_ltxav(files, ltx_host):
         validate_job(job, 1)
 
 
+def test_a_file_without_prompt_connectors_takes_processed_prompts_only(files, ltx_host):
+    """A DiT-only file (no video/audio_embeddings_connector: a text encoder that runs them hands over processed
+    rows) loads, passes a processed prompt on, and refuses an unprocessed one in one sentence."""
+    from parallel_runtime.errors import ModelFileError
+
+    dit = host._model(files["ltx2.3"][1]).model.diffusion_model
+    processed = torch.randn(1, 5, CONFIGS["ltx2.3"].context_dim)
+    assert dit.preprocess_text_embeds(processed) is processed
+    with pytest.raises(ModelFileError, match=r"^.*ltx2\.3-dit\.safetensors has no video_embeddings_connector \(the "
+                                             r"LTX-2 prompt connectors ComfyUI stores beside the DiT\) but the prompt "
+                                             r"still needs them; load the full LTX-2 checkpoint, which holds them, or "
+                                             r"a text encoder that runs them\.$"):
+        dit.preprocess_text_embeds(processed, unprocessed=True)
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_prompt_connectors_equal_comfyuis(files, ltx_host, name):
     """RemoteDiT.preprocess_text_embeds (the file's connectors, run on the host) equals ComfyUI's connectors: 1024

@@ -58,8 +58,8 @@ def connector_configs(reader, prefix: str, meta: dict) -> tuple[ConnectorConfig,
         p = f"{prefix}{name}."
         if p + "learnable_registers" not in keys:
             raise ModelFileError(f"{getattr(reader, 'path', 'the file')} has no {name} (the LTX-2 prompt connectors "
-                                 f"ComfyUI stores beside the DiT), so its prompts cannot be prepared; use a released "
-                                 f"LTX-2 file, which holds them.")
+                                 f"ComfyUI stores beside the DiT) but the prompt still needs them; load the full "
+                                 f"LTX-2 checkpoint, which holds them, or a text encoder that runs them.")
         registers, width = reader.shape(p + "learnable_registers")
         # LTXAVModel's reading: the connector_* settings, the audio connector's audio_connector_* over them
         heads = int(meta.get("connector_num_attention_heads", DEFAULT_HEADS))
