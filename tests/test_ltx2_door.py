@@ -80,7 +80,8 @@ def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ltx2_door")
     out = {}
     for name, config in CONFIGS.items():
-        twin = write_checkpoint(str(folder / f"{name}-dit.safetensors"), config, seed=3, prefix="model.diffusion_model.")
+        twin = write_checkpoint(str(folder / f"{name}-dit.safetensors"), config, seed=3,
+                                prefix="model.diffusion_model.")
         c, g = CONNECTORS[name], torch.Generator().manual_seed(9)
         sd = load_file(twin)
         for stream in ("video", "audio"):
@@ -214,7 +215,8 @@ comfy = host.comfy  # the fake ComfyUI modules
 
 @pytest.fixture
 def ltx_host(comfy, monkeypatch):
-    ltxav = host.Branch("ltxav", ("adaln_single.emb.timestep_embedder.linear_1.bias", "audio_adaln_single.linear.weight"))
+    ltxav = host.Branch("ltxav", ("adaln_single.emb.timestep_embedder.linear_1.bias",
+                                  "audio_adaln_single.linear.weight"))
     monkeypatch.setattr(host, "BRANCHES", (ltxav,) + host.BRANCHES)
     monkeypatch.setattr(host, "SUPPORTED", host.SUPPORTED + (
         host.Supported("LTXAV", {"image_model": "ltxav"}, "flux", 2.37, 1.0, 128, ltxav_conds),))
