@@ -15,11 +15,13 @@ import weakref
 
 import torch
 
-from . import av_call, controlnet, convert
+from . import av_call, controlnet, convert, ltx2_call
 from .host import HOST
 
 log = logging.getLogger(__name__)
 
+# Families whose several-stream model calls RemoteDiT converts (their jobs still refused by Parallel Sampler).
+_AV_DOORS = ("minimax_h3", "ltx2")
 # ComfyUI's BaseModel classes whose diffusion model never runs DIFFUSION_MODEL wrappers (SD3's MMDiT, PixArt's
 # PixArtMS): a wrapper such as EasyCache's does nothing on UNETLoader's model there, so it does nothing here either.
 _UNWRAPPED_MODELS = {"SD3", "PixArt"}
@@ -38,6 +40,7 @@ class RemoteDiT(torch.nn.Module):
         self.latent_format = base.latent_format  # to hand reference latents back raw, as Conditioning carries them
         self.latent_channels = base.latent_format.latent_channels  # x's channels past these are c_concat
         self._video_model: bool | None = None  # read from the file's header at the first call
+        self.family: str | None = None  # our family of the file (parallel_model sets it): which call conversion runs
         self._base = weakref.ref(base)  # not a submodule: read for its current patcher
         self._runs_wrappers = type(base).__name__ not in _UNWRAPPED_MODELS
         self._keys = keys
@@ -78,9 +81,18 @@ class RemoteDiT(torch.nn.Module):
             self._patch_size = token_patch(model_config(self.handle.model.path))
         return self._patch_size
 
-    def preprocess_text_embeds(self, text_states):
-        """ComfyUI 2026's MiniMaxH3.extra_conds refines the prompt once on the host through this; here the workers
-        refine it (the family's embed_text reads the raw states), so the states pass unchanged."""
+    def preprocess_text_embeds(self, text_states, unprocessed: bool = False):
+        """ComfyUI 2026's LTXAV and MiniMaxH3 extra_conds prepare the prompt once per sampling through this, on the
+        host. LTX-2: the file's prompt connectors run here, on the host, as LTXAVModel runs them (small beside the
+        DiT, once per prompt, not per step), so the workers' model call takes the connectors' rows it already reads
+        (ltx2_connectors.py). MiniMax-H3: the workers refine the prompt (the family's embed_text reads the raw
+        states), so the states pass unchanged."""
+        if self.family == "ltx2":
+            from parallel_runtime.models.families.ltx2_connectors import preprocess_text_embeds
+            from parallel_runtime.validate import model_config
+
+            path = self.handle.model.path
+            return preprocess_text_embeds(path, model_config(path), text_states, unprocessed)
         return text_states
 
     def parameter_shapes(self) -> dict:
@@ -119,6 +131,8 @@ class RemoteDiT(torch.nn.Module):
         from parallel_runtime.spec import Job, SamplingSpec
 
         options = transformer_options or {}
+        if self.family == "ltx2":
+            return self._forward_ltx2(x, timesteps, context, control, options, **kwargs)
         if av_call.is_av_call(x):
             return self._forward_minimax_h3(x, timesteps, context, control, options, **kwargs)
         _refuse_what_the_workers_cannot_do(control, options, kwargs)
@@ -177,10 +191,10 @@ class RemoteDiT(torch.nn.Module):
         from parallel_runtime.validate import model_config
 
         config = model_config(self.handle.model.path)
-        if config.family != "minimax_h3":  # another audio-video family's streams: no door of this module reads them
+        if config.family != "minimax_h3":  # another family's streams: no door of this module reads them
             raise convert.ConfigError(f"the model call carries several latent streams, which Load Parallel DiT's "
-                                      f"MODEL runs for MiniMax-H3 only, not for {config.title}; load the model with "
-                                      f"UNETLoader.")
+                                      f"MODEL runs for MiniMax-H3 and LTX-2 only, not for {config.title}; load the "
+                                      f"model with UNETLoader.")
 
         _refuse_what_the_workers_cannot_do(control, options, kwargs)
         av_call.refuse_unsupported(minimax_payload or {}, options, denoise_mask, audio_denoise_mask)
@@ -216,6 +230,50 @@ class RemoteDiT(torch.nn.Module):
             self.on_call(step, strategy, client)
         video_out = torch.cat(videos).to(video.device, video.dtype)
         return [video_out, torch.cat(audios).to(audio.device, audio.dtype)]
+
+    def _forward_ltx2(self, x, timesteps, context, control, options: dict, **kwargs):
+        """LTX-2's call (nodes/ltx2_call.py says what is read and what refused): x = [video, audio], process_timestep's
+        (video, audio) timesteps, one runtime job per two chunks with Job.audio, per-frame timesteps and the frame
+        rate, the result back as ComfyUI's [video, audio]."""
+        from parallel_runtime.runtime.client import get_client
+        from parallel_runtime.spec import Job, SamplingSpec
+
+        ltx2_call.refuse_unsupported(kwargs, options, control)
+        rest = {k: v for k, v in kwargs.items() if k not in ltx2_call.READ_INPUTS}
+        _refuse_what_the_workers_cannot_do(None, options, rest)
+        video, audio = ltx2_call.streams(x)
+        video_t, audio_t = ltx2_call.call_timesteps(timesteps, tuple(video.shape[2:]), audio.shape[2])
+        labels = list(options.get("cond_or_uncond") or [0])
+        if video.shape[0] % len(labels):
+            raise convert.ConfigError(f"ParaDiT got a model call of {video.shape[0]} rows in {len(labels)} chunks; "
+                                      f"this is a ParaDiT bug, please report it.")
+        batch = video.shape[0] // len(labels)
+        client = get_client(self.handle.devices, p2p=self.handle.strategy.p2p)
+        step, last = _schedule_step(options)
+        if step == 0:
+            HOST.free_memory_for(convert.client_devices_here(client))
+        chunks_per_job = min(2, len(labels))
+        strategy = self._strategy((chunks_per_job * batch, *video.shape[1:]), chunks_per_job, client)
+        self.last_strategy = strategy
+        skip_blocks = skipped_blocks(options.get("patches_replace"))
+        patches = self._weight_patches(getattr(self._base(), "current_patcher", None))
+        fps = ltx2_call.frame_rate(kwargs)
+        videos, audios = [], []
+        for slot, start in enumerate(range(0, len(labels), 2)):
+            ks = list(range(start, min(start + 2, len(labels))))
+            sl = slice(ks[0] * batch, (ks[-1] + 1) * batch)
+            chunks = [_chunk_conditioning(k, batch, context, None, None, {}) for k in ks]
+            job = Job(self.handle.model, strategy, SamplingSpec(steps=1), video[sl].detach().float().cpu(), chunks[0],
+                      chunks[1] if len(chunks) > 1 else None, timestep=video_t[sl].detach().float().cpu(),
+                      weight_patches=patches, call_step=step, call_slot=2 * slot + int(labels[ks[0]] != 0),
+                      call_last=last, skip_blocks=skip_blocks, audio=audio[sl].detach().float().cpu(),
+                      audio_timestep=audio_t[sl].detach().float().cpu(), extra={"frame_rate": fps})
+            result = _run(client, job, whole=True)
+            videos.append(result.latent)
+            audios.append(result.audio)
+        if self.on_call is not None:
+            self.on_call(step, strategy, client)
+        return [torch.cat(videos).to(video.device, video.dtype), torch.cat(audios).to(audio.device, audio.dtype)]
 
     def _weight_patches(self, patcher):
         """The sampling patcher's LoRA stack for the workers, converted once per stack (ComfyUI's patches_uuid
@@ -430,10 +488,11 @@ def parallel_model(handle: convert.ParaDiTModel):
     from parallel_runtime.validate import model_config
 
     # A file no family claims fails here, in one sentence naming what it is, before ComfyUI builds anything for it.
-    # MiniMax-H3's (video, audio) calls run (RemoteDiT._forward_minimax_h3); Parallel Sampler still refuses its jobs.
+    # The audio-video families' (video, audio) calls run through RemoteDiT (_forward_minimax_h3, _forward_ltx2);
+    # Parallel Sampler runs them too (their `not_sampled_yet` only refuses a job that lacks the audio latent).
     ours = model_config(handle.model.path)
     refusal = getattr(ours, "not_sampled_yet", None)
-    if refusal:
+    if refusal and ours.family not in _AV_DOORS:
         raise convert.ConfigError(refusal)
     import comfy.model_detection as detection
     import comfy.model_management as mm
@@ -457,6 +516,9 @@ def parallel_model(handle: convert.ParaDiTModel):
     config.unet_config["disable_unet_model_creation"] = True  # the DiT lives on the workers
     base = config.get_model(sd, "")
     base.diffusion_model = RemoteDiT(handle, dtype, base, {name: (tuple(t.shape), t.dtype) for name, t in sd.items()})
+    base.diffusion_model.family = ours.family
+    if ours.family == "ltx2":  # LTXAV.process_timestep patchifies the noise masks with the diffusion model's own
+        base.diffusion_model.patchifier, base.diffusion_model.a_patchifier = ltx2_call.patchifiers()
     base.memory_required = lambda *args, **kwargs: 0  # nothing of the DiT's lives in the host's memory
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(),
                                                offload_device=mm.unet_offload_device(), size=1)

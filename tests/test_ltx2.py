@@ -394,8 +394,9 @@ def test_pipefusion_and_naive_patch_errors_on_a_multistep_run(paths, name):
 
 
 def test_jobs_are_refused_in_one_sentence_before_any_work(paths):
-    """The runtime's step loop and the parallel MODEL do not carry the audio stream yet: a job for an LTX-2 file is
-    refused by validate_job (what the client runs before sending anything) naming the ComfyUI nodes involved."""
+    """The runtime's step loop does not carry the audio stream yet: a Parallel Sampler job for an LTX-2 file is
+    refused by validate_job (what the client runs before sending anything) naming the ComfyUI nodes involved (the
+    parallel MODEL's calls run: test_ltx2_door.py)."""
     from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
     from parallel_runtime.validate import validate_job
 
@@ -472,16 +473,6 @@ def test_gguf_file_equals_its_fp32_twin_and_stays_quantized(tmp_path):
     assert rel_err(got_v, want_v) < 1e-5 and rel_err(got_a, want_a) < 1e-5
     kept = [n for n, t in built_as_stored(quant)[2].named_buffers() if t.dtype == torch.uint8]
     assert len(kept) == 69, kept[:3]  # every matrix whose rows hold whole blocks (32 or 256 values) stays in them
-
-
-def test_load_parallel_dit_refuses_the_model_before_comfyui_builds_it(paths):
-    """The parallel MODEL's loader (remote_model.parallel_model) refuses an LTX-2 file in the same sentence, before
-    importing anything of ComfyUI: no model call can reach the workers with an audio latent they would drop."""
-    from nodes import convert, remote_model
-
-    handle = convert.model_handle(paths["ltx2.0"], "default", "cpu:1", convert.strategy_choice("manual"))
-    with pytest.raises(ConfigError, match=r"^LTX-2 128-wide x 2 loads on ParaDiT, but .*UNETLoader"):
-        remote_model.parallel_model(handle)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -195,15 +195,16 @@ def test_text_tags_and_a_denoise_mask(h3_path, h3_host, client1, monkeypatch):
 
 
 def test_another_familys_streams_are_refused_in_one_sentence(h3_path, h3_host, client1, monkeypatch):
-    """A [video, audio] call reaches the H3 conversion only for an H3 file (LTX-2's calls carry other inputs)."""
+    """A [video, audio] call reaches the H3 conversion only for an H3 file (LTX-2's go to their own, other families
+    have no second stream)."""
     import types
 
     from parallel_runtime.spec import StrategySpec
 
     model = _door(h3_path, "cpu:1", {"cpu:1": client1}, monkeypatch)
     monkeypatch.setattr("parallel_runtime.validate.model_config",
-                        lambda path: types.SimpleNamespace(family="ltx2", title="LTX-2.3"))
+                        lambda path: types.SimpleNamespace(family="wan", title="Wan 2.2"))
     with pytest.raises(ConfigError, match=r"^the model call carries several latent streams, which Load Parallel DiT's "
-                                          r"MODEL runs for MiniMax-H3 only, not for LTX-2\.3; load the model with "
-                                          r"UNETLoader\.$"):
+                                          r"MODEL runs for MiniMax-H3 and LTX-2 only, not for Wan 2\.2; load the model "
+                                          r"with UNETLoader\.$"):
         h3_call(model, call_job(h3_path, StrategySpec()))

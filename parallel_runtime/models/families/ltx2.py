@@ -19,8 +19,8 @@ The module tree is diffusers' LTX2VideoTransformer3DModel, so diffusers-layout f
 released files (the names ComfyUI's LTXAVModel uses) map through `source_map`, as diffusers' single-file converter
 renames them. The text connectors stored in released files (video/audio_embeddings_connector) are not part of
 this model: it reads their output (video rows, audio rows). ComfyUI's model_base.LTXAV runs them on the host in
-extra_conds (diffusion_model.preprocess_text_embeds), which under ParaDiT's MODEL is the remote DiT, so the workers
-will have to run them when jobs carry LTX-2's prompts.
+extra_conds (diffusion_model.preprocess_text_embeds), which under ParaDiT's MODEL is the remote DiT: it runs them
+there too, from the file's weights (ltx2_connectors.py).
 
 ComfyUI 2026's model call for LTXAV carries, beyond x / timestep / context: x as a NestedTensor [video, audio]
 (latent_shapes; LTXVConcatAVLatent), per-token video and audio timesteps made by process_timestep from
@@ -28,9 +28,11 @@ denoise_mask / audio_denoise_mask (LTXVImgToVideo, LTXVAddGuide), frame_rate (LT
 and guide_attention_entries (LTXVAddGuide), ref_audio (ID-LoRA reference audio), generated_keyframes (LTX-2.5).
 The runtime runs such a call (strategies/two_stream_call.py): the audio x in Job.audio, per-row or per-frame video
 sigmas in Job.timestep, the audio's in Job.audio_timestep, fps in Job.extra["frame_rate"], the prompt as both
-connectors' rows side by side (`split_prompt`). Parallel Sampler's loop and the nodes do not carry the audio stream
-yet, so those jobs are still refused before any work (`not_sampled_yet`); keyframe markers, guide attention entries
-and reference audio are not carried yet either.
+connectors' rows side by side (`split_prompt`; the connectors themselves run on the host: ltx2_connectors.py).
+Load Parallel DiT's MODEL makes such calls of ComfyUI's (nodes/ltx2_call.py); Parallel Sampler's loop steps both
+latents and makes one such call per step (strategies/av_sampling.py); a job without its audio latent is refused
+before any work (`not_sampled_yet`). Keyframe markers, guide attention entries and reference audio are not carried
+yet (refused in one sentence naming the node).
 
 Tensor parallelism splits the heads and MLP units of all six attentions and both MLPs (`tensor_plan`); a rank takes
 its heads' RoPE columns. PipeFusion's patches are runs of video tokens; the audio rows ride with one patch (audio is
@@ -160,12 +162,11 @@ class LTX2Config(JointAttentionConfig):
 
     @property
     def not_sampled_yet(self) -> str:
-        """Why a job cannot run yet (validate_job and Load Parallel DiT refuse it before any work): Parallel
-        Sampler's loop steps one latent stream, and the nodes do not yet convert ComfyUI's LTXAV call into a job;
-        the runtime runs a model call that carries the audio latent (Job.audio, see model_call_problem)."""
-        return (f"{self.title} loads on ParaDiT, but neither Parallel Sampler nor the parallel MODEL carries its "
-                f"audio latent (LTXVConcatAVLatent), per-token timesteps (LTXVImgToVideo, LTXVAddGuide) and prompt "
-                f"connectors yet; load it with UNETLoader to sample it in ComfyUI.")
+        """Why a Parallel Sampler job cannot run (validate_job refuses it before any work when the job carries no
+        audio latent): the loop steps the video and the audio latent together (strategies/av_sampling.py)."""
+        return (f"{self.title} denoises its video and its sound together, but this job carries no audio latent; "
+                f"give Parallel Sampler LTXVConcatAVLatent's latent (EmptyLTXVLatentVideo and "
+                f"LTXVEmptyLatentAudio joined).")
 
     def model_call_problem(self, job) -> str | None:
         """What in a model call (Job.timestep set, the audio latent in Job.audio) the runtime cannot run, in one
