@@ -394,17 +394,17 @@ def test_pipefusion_and_naive_patch_errors_on_a_multistep_run(paths, name):
 
 
 def test_jobs_are_refused_in_one_sentence_before_any_work(paths):
-    """The runtime's step loop does not carry the audio stream yet: a Parallel Sampler job for an LTX-2 file is
-    refused by validate_job (what the client runs before sending anything) naming the ComfyUI nodes involved (the
-    parallel MODEL's calls run: test_ltx2_door.py)."""
+    """A Parallel Sampler job for an LTX-2 file without its audio latent is refused by validate_job (what the client
+    runs before sending anything) naming the ComfyUI nodes that make the whole latent (jobs with it run:
+    test_av_sampler.py; the parallel MODEL's calls: test_ltx2_door.py)."""
     from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
     from parallel_runtime.validate import validate_job
 
     cond = Conditioning(torch.zeros(1, PROMPT, 128), torch.zeros(1, 0))
     job = Job(ModelSpec(paths["ltx2.3"]), StrategySpec(), SamplingSpec(steps=1), torch.zeros(1, 16, T, H, W), cond,
               None)
-    with pytest.raises(ConfigError, match=r"^LTX-2\.3 128-wide x 2 loads on ParaDiT, but .*LTXVConcatAVLatent.*"
-                                          r"UNETLoader to sample it in ComfyUI\.$") as refused:
+    with pytest.raises(ConfigError, match=r"^LTX-2\.3 128-wide x 2 denoises its video and its sound together, but "
+                                          r"this job carries no audio latent; .*LTXVConcatAVLatent.*\.$") as refused:
         validate_job(job, 1)
     assert str(refused.value).count(". ") == 0  # one sentence
 

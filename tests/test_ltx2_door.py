@@ -428,3 +428,38 @@ def test_a_spatial_noise_mask_and_a_lone_video_stream_are_refused_in_one_sentenc
                                           r"audio\); join them with LTXVConcatAVLatent .*\.$"):
         dit(call.video, torch.full((2,), SIGMA), context=torch.zeros(2, 1024, 64), control=None,
             transformer_options={"cond_or_uncond": [0, 1]})
+
+
+def test_parallel_sampler_on_load_parallel_dits_model(files, ltx_host, client1, client2, monkeypatch):
+    """Parallel Sampler on the MODEL of an LTX-2.3 file with its connectors, as ComfyUI 2026 builds it: the text
+    encoder's features (marked unprocessed, as LTXAVTextEncoderLoader's encoder marks them) go through RemoteDiT's
+    connectors, the NestedTensor through the workers' own loop on Ulysses-2; equal to the 1-worker job given
+    ComfyUI's connector rows (written out above), which equals KSampler's loop (test_av_sampler)."""
+    from test_av_sampler import CFG, SEED, STEPS, NestedTensor, ltx_job
+    from test_nodes import FakeHost  # first: it stands in comfy_api.latest, which the node modules import
+
+    from nodes import sampler as sampler_node
+    from parallel_runtime.spec import Conditioning
+
+    class Host(FakeHost):
+        def fixed_latent(self, model, latent):  # comfy.sample.fix_empty_latent_channels: a nested latent as it is
+            return latent
+
+    path = files["ltx2.3"][0]
+    monkeypatch.setattr("parallel_runtime.runtime.client.get_client", lambda devices, *a, **k: client2)
+    model = host._model(path, "cpu:2", ulysses_degree=2)
+    model.wrappers = {kind: {key: [fn]} for (kind, key), fn in model.wrappers.items()}
+    raw = make_call("ltx2.3", False).prompts
+    job = ltx_job(path, batch=1)
+    marked = {"unprocessed_ltxav_embeds": True, "frame_rate": 25.0}
+    out, summary = sampler_node.sample(model, SEED, STEPS, CFG, "euler_ancestral", "simple", [[raw[0], marked]],
+                                       [[raw[1], dict(marked)]], {"samples": NestedTensor([job.latent, job.audio])},
+                                       host=Host())
+    processed = [Conditioning(torch.cat(comfyui_prompt(path, "ltx2.3", r), dim=-1), torch.zeros(1, 0)) for r in raw]
+    want = client1.run(dataclasses.replace(job, positive=processed[0], negative=processed[1]))
+    (video, audio) = out["samples"].unbind()
+    errors = rel_err(video, want.latent), rel_err(audio, want.audio)
+    print(f"\nParallel Sampler on Load Parallel DiT's MODEL (ComfyUI 2026's LTXAV), ulysses2 vs the 1-worker job on "
+          f"ComfyUI's connector rows: video {errors[0]:.1e}, audio {errors[1]:.1e} ({summary})")
+    assert "one runtime job per model call" not in summary  # the workers' own loop, not ComfyUI's sampler
+    assert max(errors) <= RTOL
