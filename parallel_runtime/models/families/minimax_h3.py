@@ -28,11 +28,12 @@ audio_scale); timestep = the video sigma x 1000; context = Qwen3-VL states, whic
 through the token refiner (preprocess_text_embeds; embed_text takes both); minimax_payload's text_token_tags (prompt
 images' rows tagged video), keyframes (MiniMaxH3ImageToVideo's first/last frame, MiniMaxH3AddGuide's frames and
 audio), refs (MiniMaxH3ReferenceToVideo), their latents and noise augmentation; denoise_mask / audio_denoise_mask;
-the sigma shifts in transformer_options. The runtime reads a model call of x, audio and timestep (Job.audio: t2va);
-the family reads keyframes, reference images and mixed prompt tags (pack_sequence); Load Parallel DiT's MODEL
+the sigma shifts in transformer_options. The runtime reads a model call of x, audio and timestep (Job.audio), with
+keyframes and reference images as the conditioning's reference latents placed by their `CallLayout` (the reference
+method, which also carries mixed prompt tags); the family packs them (pack_sequence). Load Parallel DiT's MODEL
 converts that call (nodes/av_call.py: t2va, fl2va's image keyframes, ref2va's reference images, image-token prompt
-rows; the conditioning latents ride as the call's reference latents, placed by `CallLayout`), and Parallel Sampler's loop steps both latents as KSampler does,
-the audio carried on the video's schedule (strategies/av_sampling.py, `audio_shifts`: t2va).
+rows), and Parallel Sampler's loop steps both latents as KSampler does, the audio carried on the video's schedule
+(strategies/av_sampling.py, `audio_shifts`: t2va).
 
 Curve-form (pruned) files, whose `adaln_t_table` (the time embedding's curve, interpolated) replaces the time MLP
 and whose modulation projections read it without SiLU, run as ComfyUI runs them. Refused in one sentence: files with
