@@ -185,7 +185,10 @@ class RemoteDiT(torch.nn.Module):
     def _forward_minimax_h3(self, x, timesteps, context, control, options: dict, minimax_payload=None,
                             denoise_mask=None, audio_denoise_mask=None, **kwargs):
         """MiniMax-H3's call (nodes/av_call.py says what is read and what refused): x = [video, audio], one runtime
-        job per two chunks with Job.audio, the result back as ComfyUI's [video, audio]."""
+        job per two chunks with Job.audio, the keyframes' and references' latents as each chunk's reference latents,
+        the result back as ComfyUI's [video, audio]."""
+        import dataclasses
+
         from parallel_runtime.runtime.client import get_client
         from parallel_runtime.spec import Job, SamplingSpec
         from parallel_runtime.validate import model_config
@@ -197,8 +200,11 @@ class RemoteDiT(torch.nn.Module):
                                       f"model with UNETLoader.")
 
         _refuse_what_the_workers_cannot_do(control, options, kwargs)
-        av_call.refuse_unsupported(minimax_payload or {}, options, denoise_mask, audio_denoise_mask)
+        payload = minimax_payload or {}
+        av_call.refuse_unsupported(payload, options, denoise_mask, audio_denoise_mask)
         video, audio = av_call.streams(x)  # the streams' own latents (forward undid the sampler's audio carry)
+        # fl2va's keyframes and ref2va's reference images, with the prompt's tags: one payload for the whole call
+        references, layout = av_call.conditioning_rows(payload, context.shape[1], video)
         labels = list(options.get("cond_or_uncond") or [0])
         batch = video.shape[0] // len(labels)
         if batch != 1 or video.shape[0] % len(labels):
@@ -218,7 +224,8 @@ class RemoteDiT(torch.nn.Module):
         for slot, start in enumerate(range(0, len(labels), 2)):
             ks = list(range(start, min(start + 2, len(labels))))
             sl = slice(ks[0], ks[-1] + 1)
-            chunks = [_chunk_conditioning(k, 1, context, None, None, {}) for k in ks]
+            chunks = [dataclasses.replace(_chunk_conditioning(k, 1, context, None, None, {}), references=references,
+                                          reference_method=layout) for k in ks]
             job = Job(self.handle.model, strategy, SamplingSpec(steps=1), video[sl].detach().float().cpu(), chunks[0],
                       chunks[1] if len(chunks) > 1 else None, timestep=timesteps[sl].detach().float().cpu(),
                       weight_patches=patches, call_step=step, call_slot=2 * slot + int(labels[ks[0]] != 0),

@@ -134,6 +134,15 @@ def validate_references(name: str, c, config) -> None:
         raise ConfigError(f"the {name} conditioning carries reference latents (ReferenceLatent), which this "
                           f"{config.family} model does not read; remove the ReferenceLatent node or load a "
                           f"Flux Kontext model.")
+    own = getattr(config, "reference_problem", None)
+    if own is not None:  # a family that places its own conditioning rows (MiniMax-H3's keyframes and references)
+        problem = own(name, c.references, c.reference_method)
+        if problem is not None:
+            raise ConfigError(problem)
+        for k, ref in enumerate(c.references):
+            _finite_tensor(f"conditioning latent {k + 1} of the {name} conditioning", ref,
+                           "re-encode the image with VAE Encode")
+        return
     if c.reference_method not in (None, *REFERENCE_METHODS):
         raise ConfigError(f"reference latent method {c.reference_method!r} is unknown; choose one of "
                           f"{', '.join(REFERENCE_METHODS)} in FluxKontextMultiReferenceLatentMethod.")

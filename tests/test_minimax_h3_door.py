@@ -6,7 +6,10 @@ MiniMaxH3 class added as comfy/supported_models.py and comfy/model_base.py defin
 preprocess_text_embeds, minimax_payload with the tags, keyframes, seed and audio_scale). The call is
 BaseModel._apply_model's: x the unpacked [video, audio] streams (flow: calculate_input is x), t = sigma x 1000. The
 reference is diffusers' MiniMaxH3Transformer3DModel on the same file (test_minimax_h3.diffusers_model_call), in
-ComfyUI's output convention (negated), so the door shares nothing with the reference but the file.
+ComfyUI's output convention (negated), so the door shares nothing with the reference but the file. fl2va and ref2va
+calls (keyframes, reference images, image-token prompt rows) are compared with the family's serial forward on the
+packed sequence (itself tested against diffusers in test_minimax_h3), the conditioning rows noise-augmented by this
+module's copy of ComfyUI's _cond_video_rows.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import test_model_path_2026 as host
 from conftest import rel_err
 from parallel_runtime.errors import ConfigError
 from parallel_runtime.models.families import minimax_h3 as h3
-from test_minimax_h3 import LONG_AUDIO_T, TEXT_LEN, TINY, call_job, diffusers_model_call, h3_path  # noqa: F401
+from test_minimax_h3 import H, LONG_AUDIO_T, T, TEXT_LEN, TINY, W, call_job, diffusers_model_call, h3_path  # noqa: F401
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,16 +33,23 @@ RTOL = 1e-5
 
 def h3_conds(base, cross_attn, minimax_token_tags=None, minimax_keyframes=None, minimax_refs=None, seed=0,
              audio_scale=1.0, **_):
-    """model_base.MiniMaxH3.extra_conds as far as a t2va call reaches it (the payload's audio_scale is the model
-    sampling's, here given directly: ModelSamplingAV's value where the sampler carries the packed latent)."""
+    """model_base.MiniMaxH3.extra_conds (ComfyUI 0.34.2 on: the references' latents appended to the keyframes') as
+    far as a call reaches it (the payload's audio_scale is the model sampling's, here given directly:
+    ModelSamplingAV's value where the sampler carries the packed latent; seed is the sampler's)."""
     payload = {"seed": seed, "audio_scale": audio_scale}
     if minimax_token_tags is not None:
         payload["text_token_tags"] = minimax_token_tags
     if minimax_keyframes is not None:
         payload["keyframes"] = minimax_keyframes
         payload["cond_video_latents"] = [kf["latent"] for kf in minimax_keyframes if kf.get("latent") is not None]
+        payload["cond_audio_latents"] = [kf["audio_latent"] for kf in minimax_keyframes
+                                         if kf.get("audio_latent") is not None]
     if minimax_refs is not None:
         payload["refs"] = minimax_refs
+        payload["cond_video_latents"] = payload.get("cond_video_latents", []) + [
+            r["latent"] for r in minimax_refs if "latent" in r]
+        payload["cond_audio_latents"] = payload.get("cond_audio_latents", []) + [
+            r["audio_latent"] for r in minimax_refs if r.get("audio_latent") is not None]
     return {"c_crossattn": base.diffusion_model.preprocess_text_embeds(cross_attn), "minimax_payload": payload}
 
 
@@ -148,23 +158,103 @@ def test_the_carried_audio_is_undone_as_comfyuis_forward_does(h3_path, h3_host, 
     assert max(errors) < RTOL
 
 
+# -- fl2va and ref2va: keyframes, reference images and image-token prompt rows ----------------------------------
+
+FRAMES = sum(h3.FRAME_SPANS[k % 5] for k in range(T))  # pixel frames of the T latent frames (MiniMaxH3AddGuide's)
+SEED = 11  # the sampler's seed, which ComfyUI's model draws the conditioning rows' noise augmentation from
+TAGS = torch.tensor([1, 1, 0, 0, 1, 1, 1])  # two vision-token rows of a frame in the prompt, tagged video
+
+
+def conditioning(kind: str) -> dict:
+    """extra_conds inputs of MiniMaxH3ImageToVideo with first and last frame (fl2va) or of MiniMaxH3ReferenceToVideo
+    with two reference images of other sizes than the video (ref2va), each with a mixed-tag prompt."""
+    g = torch.Generator().manual_seed(5)
+    if kind == "fl2va":
+        keyframes = [{"resolved_frame_index": frame, "latent": torch.randn(1, 24, 1, H, W, generator=g)}
+                     for frame in (0, FRAMES - 1)]
+        return {"minimax_keyframes": keyframes, "minimax_token_tags": TAGS, "seed": SEED}
+    refs = [{"kind": "image", "latent_h": h, "latent_w": w, "latent": torch.randn(1, 24, 1, h, w, generator=g)}
+            for h, w in ((4, 4), (2, 6))]
+    return {"minimax_refs": refs, "minimax_token_tags": TAGS, "seed": SEED}
+
+
+def comfy_augmented(latent: torch.Tensor, seed: int, aug: float = 0.999) -> torch.Tensor:
+    """MiniMaxH3Model._cond_video_rows (comfy/ldm/minimax/model.py) on one latent, in the latent's shape: its
+    1x2x2 patch rows (einsum nctrhpwq->nthwcrpq) mixed with noise of their shape from a CPU generator seeded anew."""
+    b, c, t, h, w = latent.shape
+    rows = torch.einsum("nctrhpwq->nthwcrpq", latent.reshape(b, c, t, 1, h // 2, 2, w // 2, 2)).reshape(-1, c * 4)
+    noise = torch.randn(rows.shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
+    rows = aug * rows + (1.0 - aug) * noise
+    x = torch.einsum("nthwcrpq->nctrhpwq", rows.reshape(1, t, h // 2, w // 2, c, 1, 2, 2))
+    return x.reshape(1, c, t, h, w)
+
+
+@torch.no_grad()
+def serial_reference(path: str, job, extra: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The family's serial forward (tested against diffusers on keyframes and mixed tags in test_minimax_h3) on
+    the packed sequence of the call's conditioning, the rows noise-augmented as ComfyUI's model does; per chunk, in
+    ComfyUI's convention (negated) and the call's shapes."""
+    from test_minimax_h3 import build_adapter
+
+    keyframes = tuple(h3.Keyframe(comfy_augmented(kf["latent"], SEED), kf["resolved_frame_index"])
+                      for kf in extra.get("minimax_keyframes", ()))
+    refs = tuple(h3.ReferenceImage(comfy_augmented(r["latent"], SEED)) for r in extra.get("minimax_refs", ()))
+    seq = h3.pack_sequence(TEXT_LEN, (T, H, W), job.audio.shape[-1], keyframes, refs, extra["minimax_token_tags"])
+    adapter = build_adapter(path)
+    videos, audios = [], []
+    for k, branch in enumerate((job.positive, job.negative)):
+        out = h3.comfy_output(adapter.forward_rows(seq, torch.arange(seq.seq_len), branch.cond, job.latent[k:k + 1],
+                                                   job.audio[k:k + 1], h3.call_timesteps(SIGMA)))
+        videos.append(h3.unpatchify_video(out["video"], T, H // 2, W // 2))
+        audios.append(h3.unpack_audio(out["audio"]))
+    return torch.cat(videos), torch.cat(audios)
+
+
+@pytest.mark.parametrize("kind", ["fl2va", "ref2va"])
+def test_fl2va_and_ref2va_calls_equal_the_serial_model_at_1_worker_cfg2_and_ulysses2(h3_path, h3_host, client1,
+                                                                                    client2, monkeypatch, kind):
+    """The door carries the keyframes (first and last frame at their frames) or the reference images (their own
+    sizes, ahead of the targets), noise-augmented from the sampler's seed as ComfyUI's model augments them, and the
+    prompt's image-token rows: 1 worker equals the family's serial model on that packed sequence, and CFG-2 and
+    Ulysses-2 (the conditioning rows split with the audio and video rows) equal it."""
+    from parallel_runtime.spec import StrategySpec
+
+    clients = {"cpu:1": client1, "cpu:2": client2}
+    job = call_job(h3_path, StrategySpec())
+    extra = conditioning(kind)
+    video, audio = serial_reference(h3_path, job, extra)
+    plain = serial_reference(h3_path, job, {"minimax_token_tags": None})
+    assert min(rel_err(video, plain[0]), rel_err(audio, plain[1])) > 1e-3  # the conditioning rows matter
+    errors = {}
+    for label, devices, degrees in (("1 worker", "cpu:1", {}), ("cfg2", "cpu:2", {"cfg_degree": 2}),
+                                    ("ulysses2", "cpu:2", {"ulysses_degree": 2})):
+        out = h3_call(_door(h3_path, devices, clients, monkeypatch, **degrees), job, extra)
+        errors[label] = rel_err(out[0], video), rel_err(out[1], audio)
+    print(f"\n{kind}: " + ", ".join(f"{k}: video {v:.1e} audio {a:.1e}" for k, (v, a) in errors.items()))
+    assert max(max(e) for e in errors.values()) < RTOL
+
+
+GUIDE_AUDIO = {"resolved_frame_index": 0, "audio_latent": torch.zeros(1, 32, 2, 4)}
+REF_VIDEO = {"kind": "video", "latent_t": 2, "latent_h": 4, "latent_w": 6, "ref_audio_t": 0,
+             "latent": torch.zeros(1, 24, 2, 4, 6), "audio_latent": None}
+
+
 @pytest.mark.parametrize("extra, options, pattern", [
-    ({"minimax_keyframes": [{"resolved_frame_index": 0, "latent": torch.zeros(1, 24, 1, 4, 6)}]}, None,
-     r"the MiniMax-H3 call carries conditioning ParaDiT does not run yet \(keyframes: first/last frames of "
-     r"MiniMaxH3ImageToVideo or MiniMaxH3AddGuide's guides, cond_video_latents: MiniMaxH3ImageToVideo's, "
-     r"MiniMaxH3AddGuide's or MiniMaxH3ReferenceToVideo's latents\); sample text-to-video-and-audio "
-     r"\(EmptyMiniMaxH3LatentAV\) or load the model with UNETLoader\."),
-    ({"minimax_refs": [{"kind": "image"}]}, None,
-     r"the MiniMax-H3 call carries conditioning ParaDiT does not run yet \(refs: MiniMaxH3ReferenceToVideo's "
-     r"reference blocks\); .*"),
-    ({"minimax_token_tags": torch.tensor([1, 0, 0, 1, 1, 1, 1])}, None,
-     r"the MiniMax-H3 prompt holds image tokens \(MiniMaxH3ImageToVideo's first/last frame in the prompt\), which "
-     r"ParaDiT does not run yet; encode a text-only prompt or load the model with UNETLoader\."),
+    ({"minimax_keyframes": [GUIDE_AUDIO]}, None,
+     r"the MiniMax-H3 call carries conditioning ParaDiT does not run yet \(the audio of MiniMaxH3AddGuide's guide\); "
+     r"anchor images only \(MiniMaxH3AddGuide without audio, reference images\) or load the model with "
+     r"UNETLoader\."),
+    ({"minimax_refs": [REF_VIDEO]}, None,
+     r"the MiniMax-H3 call carries conditioning ParaDiT does not run yet \(MiniMaxH3ReferenceToVideo's reference "
+     r"videos\); .*"),
+    ({"minimax_token_tags": torch.tensor([1, 0, 0, 1, 1])}, None,
+     r"the MiniMax-H3 prompt has 7 rows but 5 modality tags; encode the prompt and its images with one "
+     r"CLIPTextEncode / MiniMaxH3ImageToVideo node\."),
     ({}, {"minimax_h3_sigma_shift_video": 8.0},
      r"the MiniMax-H3 call sets sigma shifts \(8\.0, 3\.0\) \(video, audio\) but ParaDiT runs the model's own "
      r"\(12\.0, 3\.0\); set MiniMaxH3SigmaShift \(ModelSamplingMiniMaxH3\) to 12 and 3, or load the model with "
      r"UNETLoader\."),
-], ids=["keyframes", "refs", "image_tags", "shifts"])
+], ids=["guide_audio", "ref_video", "tags_length", "shifts"])
 def test_what_the_door_cannot_carry_is_refused_in_one_sentence(h3_path, h3_host, client1, monkeypatch, extra,
                                                                options, pattern):
     from parallel_runtime.spec import StrategySpec
@@ -173,6 +263,31 @@ def test_what_the_door_cannot_carry_is_refused_in_one_sentence(h3_path, h3_host,
     with pytest.raises(ConfigError, match=f"^{pattern}$") as refusal:
         h3_call(model, call_job(h3_path, StrategySpec()), extra, options)
     assert ". " not in str(refusal.value).rstrip(".")
+
+
+def test_keyframes_overwritten_by_an_old_core_and_another_noise_augmentation_are_refused(h3_path, h3_host, client1,
+                                                                                        monkeypatch):
+    """A core before 0.34.2 kept only the references' latents where the layout also has keyframes; a payload with
+    another visual_cond_noise_aug (no stock node sets one) changes the conditioning rows' timestep."""
+    from parallel_runtime.spec import StrategySpec
+
+    model = _door(h3_path, "cpu:1", {"cpu:1": client1}, monkeypatch)
+    job = call_job(h3_path, StrategySpec())
+    payload = h3_conds(model.model, job.positive.cond, **conditioning("fl2va"))["minimax_payload"]
+    base = model.model.diffusion_model
+    call = dict(context=torch.cat([job.positive.cond, job.negative.cond]), control=None,
+                transformer_options={"cond_or_uncond": [0, 1]})
+    with pytest.raises(ConfigError, match=r"^the MiniMax-H3 call's conditioning latents do not fit its keyframes and "
+                                          r"references \(1 conditioning latents for 2 keyframe\(s\) and 0 "
+                                          r"reference\(s\)\); update ComfyUI to 0\.34\.2 or later, whose MiniMaxH3 "
+                                          r"keeps the keyframes' latents beside the references'\.$"):
+        base([job.latent, job.audio], torch.full((2,), 700.0), **call,
+             minimax_payload={**payload, "cond_video_latents": payload["cond_video_latents"][1:]})
+    with pytest.raises(ConfigError, match=r"^the MiniMax-H3 call sets the conditioning frames' noise augmentation to "
+                                          r"0\.9, but ParaDiT runs ComfyUI's own 0\.999; remove the node that sets "
+                                          r"visual_cond_noise_aug or load the model with UNETLoader\.$"):
+        base([job.latent, job.audio], torch.full((2,), 700.0), **call,
+             minimax_payload={**payload, "visual_cond_noise_aug": 0.9})
 
 
 def test_text_tags_and_a_denoise_mask(h3_path, h3_host, client1, monkeypatch):
@@ -208,3 +323,24 @@ def test_another_familys_streams_are_refused_in_one_sentence(h3_path, h3_host, c
                                           r"MODEL runs for MiniMax-H3 and LTX-2 only, not for Wan 2\.2; load the model "
                                           r"with UNETLoader\.$"):
         h3_call(model, call_job(h3_path, StrategySpec()))
+
+
+def test_reference_latents_out_of_their_layout_are_refused_in_one_sentence():
+    """A ReferenceLatent node's latents (no MiniMax-H3 layout) and conditioning latents that do not fit their layout
+    (a keyframe of another length than its layout says) each get one sentence before any work."""
+    from parallel_runtime.spec import Conditioning
+    from parallel_runtime.validate import validate_references
+
+    prompt = torch.zeros(1, TEXT_LEN, TINY.text_dim), torch.zeros(1, 0)
+    with pytest.raises(ConfigError, match=r"^the positive conditioning carries reference latents \(ReferenceLatent\), "
+                                          r"which MiniMax-H3 does not read; remove the ReferenceLatent node and give "
+                                          r"reference images through MiniMaxH3ReferenceToVideo\.$"):
+        validate_references("positive", Conditioning(*prompt, references=(torch.zeros(1, 24, H, W),)), TINY)
+    layout = h3.CallLayout(keyframes=((0, 1),)).method
+    with pytest.raises(ConfigError, match=r"^the negative conditioning's MiniMax-H3 conditioning rows do not fit their "
+                                          r"layout \(a keyframe latent of shape \(1, 24, 2, 4, 6\), not \[1, C, 1, H, "
+                                          r"W\] of the video\); this is a ParaDiT bug, please report it\.$"):
+        validate_references("negative", Conditioning(*prompt, references=(torch.zeros(1, 24, 2, H, W),),
+                                                     reference_method=layout), TINY)
+    validate_references("positive", Conditioning(*prompt, references=(torch.zeros(1, 24, 1, H, W),),
+                                                 reference_method=layout), TINY)  # fits: no refusal

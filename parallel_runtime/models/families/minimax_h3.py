@@ -28,10 +28,12 @@ audio_scale); timestep = the video sigma x 1000; context = Qwen3-VL states, whic
 through the token refiner (preprocess_text_embeds; embed_text takes both); minimax_payload's text_token_tags (prompt
 images' rows tagged video), keyframes (MiniMaxH3ImageToVideo's first/last frame, MiniMaxH3AddGuide's frames and
 audio), refs (MiniMaxH3ReferenceToVideo), their latents and noise augmentation; denoise_mask / audio_denoise_mask;
-the sigma shifts in transformer_options. The runtime reads a model call of x, audio and timestep (Job.audio: t2va);
-the family reads keyframes, reference images and mixed prompt tags (pack_sequence); Load Parallel DiT's MODEL
-converts that call (nodes/av_call.py: t2va), and Parallel Sampler's loop steps both latents as KSampler does,
-the audio carried on the video's schedule (strategies/av_sampling.py, `audio_shifts`: t2va).
+the sigma shifts in transformer_options. The runtime reads a model call of x, audio and timestep (Job.audio), with
+keyframes and reference images as the conditioning's reference latents placed by their `CallLayout` (the reference
+method, which also carries mixed prompt tags); the family packs them (pack_sequence). Load Parallel DiT's MODEL
+converts that call (nodes/av_call.py: t2va, fl2va's image keyframes, ref2va's reference images, image-token prompt
+rows), and Parallel Sampler's loop steps both latents as KSampler does, the audio carried on the video's schedule
+(strategies/av_sampling.py, `audio_shifts`: t2va).
 
 Curve-form (pruned) files, whose `adaln_t_table` (the time embedding's curve, interpolated) replaces the time MLP
 and whose modulation projections read it without SiLU, run as ComfyUI runs them. Refused in one sentence: files with
@@ -39,6 +41,7 @@ a PDD head bank (several output heads stacked in `final_layer.video_out`), which
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -107,6 +110,23 @@ class MiniMaxH3Config(OneBlockListConfig):
                     "MiniMaxH3ImageToVideo this job lacks the audio half of; connect that latent whole to Parallel "
                     "Sampler or KSampler, or load it with UNETLoader")
     single_video = True  # ComfyUI's MiniMaxH3Model runs batch 1 (one video per prompt)
+    # A model call's keyframe and reference-image latents ride as the conditioning's reference latents, placed by
+    # their CallLayout (the reference method): `reference_problem` checks them.
+    reads_references = True
+
+    @staticmethod
+    def reference_problem(name: str, references, method) -> str | None:
+        """The one-sentence refusal of the `name` conditioning's reference latents, or None where they fit."""
+        if method is None:
+            return (f"the {name} conditioning carries reference latents (ReferenceLatent), which MiniMax-H3 does not "
+                    f"read; remove the ReferenceLatent node and give reference images through "
+                    f"MiniMaxH3ReferenceToVideo.")
+        try:
+            problem = CallLayout.read(method).problem(tuple(tuple(r.shape) for r in references))
+        except ValueError as error:
+            return str(error)
+        return None if problem is None else (f"the {name} conditioning's MiniMax-H3 conditioning rows do not fit "
+                                             f"their layout ({problem}); this is a ParaDiT bug, please report it.")
 
     def __post_init__(self):
         if 6 * self.rope_freq_dim > self.head_dim or self.head_dim % 2:
@@ -447,6 +467,61 @@ def pack_sequence(text_len: int, latent_thw: tuple[int, int, int], audio_frames:
     return seq
 
 
+@dataclass(frozen=True)
+class CallLayout:
+    """Where a model call's conditioning rows sit (ComfyUI's PackedLayout inputs beyond the latents' shapes): each
+    keyframe's (pixel frame, latent frames), the number of reference images after them, and the prompt rows'
+    modality tags where they are mixed. A model call's conditioning carries the keyframes' and the references'
+    latents as its reference latents, in that order, and this layout as their method (`method`), which every
+    runtime message, batch signature and RoPE table already carry."""
+
+    keyframes: tuple[tuple[int, int], ...] = ()
+    references: int = 0
+    text_tags: tuple[int, ...] | None = None
+
+    PREFIX = "minimax_h3:"
+
+    @property
+    def method(self) -> str:
+        tags = None if self.text_tags is None else list(self.text_tags)
+        return self.PREFIX + json.dumps({"keyframes": [list(k) for k in self.keyframes], "references": self.references,
+                                         "text_tags": tags}, separators=(",", ":"))
+
+    @classmethod
+    def read(cls, method: str | None) -> "CallLayout":
+        if method is None:
+            return cls()
+        if not method.startswith(cls.PREFIX):
+            raise ValueError(f"MiniMax-H3 reads no reference method {method!r}; this is a ParaDiT bug, please "
+                             f"report it.")
+        fields = json.loads(method[len(cls.PREFIX):])
+        tags = fields.get("text_tags")
+        return cls(tuple((int(f), int(t)) for f, t in fields.get("keyframes", ())), int(fields.get("references", 0)),
+                   None if tags is None else tuple(int(x) for x in tags))
+
+    def problem(self, shapes: tuple[tuple[int, ...], ...], video_hw: tuple[int, int] | None = None) -> str | None:
+        """Why reference latents of these shapes ([1, C, t, h, w]) do not fit this layout, or None."""
+        if len(shapes) != len(self.keyframes) + self.references:
+            return (f"{len(shapes)} conditioning latents for {len(self.keyframes)} keyframe(s) and {self.references} "
+                    f"reference(s)")
+        for (_, frames), shape in zip(self.keyframes, shapes):
+            if len(shape) != 5 or shape[2] != frames or (video_hw is not None and tuple(shape[-2:]) != video_hw):
+                return f"a keyframe latent of shape {tuple(shape)}, not [1, C, {frames}, H, W] of the video"
+        for shape in shapes[len(self.keyframes):]:
+            if len(shape) != 5 or shape[2] != 1:
+                return f"a reference latent of shape {tuple(shape)}, not one frame [1, C, 1, h, w]"
+        return None
+
+    def rows(self, reference_hw: tuple[tuple[int, int], ...], video_hw: tuple[int, int]) -> tuple:
+        """pack_sequence's keyframes, references and text tags (the latents shaped only: meta tensors)."""
+        k = len(self.keyframes)
+        keyframes = tuple(Keyframe(torch.empty(1, 0, frames, *video_hw, device="meta"), frame)
+                          for frame, frames in self.keyframes)
+        refs = tuple(ReferenceImage(torch.empty(1, 0, 1, *hw, device="meta")) for hw in reference_hw[k:])
+        tags = None if self.text_tags is None else torch.tensor(self.text_tags, dtype=torch.long)
+        return keyframes, refs, tags
+
+
 def time_shift(sigma, from_shift: float, to_shift: float):
     """A sigma on the `from_shift` schedule moved to the `to_shift` one (the same point of the base grid)."""
     base = sigma / (from_shift + sigma * (1.0 - from_shift))
@@ -578,16 +653,20 @@ class MiniMaxH3Adapter:
         return unpatchify_video(tokens[:, n:], t, h // 2, w // 2), audio
 
     def rope(self, text_len: int, t: int, h: int, w: int, audio_frames: int, references=(), method=None):
-        """Per row of the canonical sequence [prompt, audio, video]: RoPE's cos and sin, its modulation row
-        (time class x 3 + modality; classes as call_timesteps orders them) and which head reads it (0 none, 1 the
-        audio's, 2 the video's)."""
-        seq = pack_sequence(text_len, (t, h, w), audio_frames)
-        order = torch.cat([torch.arange(text_len), seq.target["audio"], seq.target["video"]])
+        """Per row of the canonical sequence [prompt, audio, video, conditioning rows]: RoPE's cos and sin, its
+        modulation row (time class x 3 + modality; classes as call_timesteps orders them) and which head reads it
+        (0 none, 1 the audio's, 2 the video's). `references` and `method`: the conditioning's reference latents'
+        (h, w) and their layout (CallLayout), where a call carries keyframes, references or prompt tags."""
+        keyframes, refs, tags = CallLayout.read(method).rows(references, (h, w))
+        seq = pack_sequence(text_len, (t, h, w), audio_frames, keyframes, refs, tags)
+        cond = (seq.time_class >= 2).nonzero().flatten()  # keyframes', then references' rows, as Branches packs them
+        order = torch.cat([torch.arange(text_len), seq.target["audio"], seq.target["video"], cond])
         cos, sin = rope_tables(seq.positions[order], self.config.rope_freq_dim, self.device)
         mod = (seq.time_class * MODALITIES + seq.modality)[order]
         reader = torch.zeros_like(mod)
-        reader[text_len:text_len + len(seq.target["audio"])] = 1
-        reader[text_len + len(seq.target["audio"]):] = 2
+        audio_end = text_len + len(seq.target["audio"])
+        reader[text_len:audio_end] = 1
+        reader[audio_end:audio_end + len(seq.target["video"])] = 2  # the conditioning rows after them: no head
         return cos, sin, mod.to(self.device), reader.to(self.device)
 
     def embed_image(self, tokens: torch.Tensor, index: torch.Tensor, hw) -> torch.Tensor:
