@@ -79,11 +79,13 @@ def test_model_call_one_worker_equals_the_serial_forward(paths, client1, name):
 
 
 @pytest.mark.parametrize("strategy", [dict(cfg_degree=2), dict(ulysses_degree=2), dict(ring_degree=2),
-                                      dict(tensor_degree=2), dict(ulysses_degree=2, shard_weights=True)],
-                         ids=["cfg2", "ulysses2", "ring2", "tensor2", "ulysses2_sharded"])
+                                      dict(tensor_degree=2), dict(ulysses_degree=2, shard_weights=True),
+                                      dict(pipefusion_degree=2)],
+                         ids=["cfg2", "ulysses2", "ring2", "tensor2", "ulysses2_sharded", "pipefusion2"])
 def test_model_call_exact_strategies_equal_the_serial_forward(paths, client2, strategy):
     """Both streams split over two ranks (72 video rows, 13 audio rows: 7 + 6), the chunks over the CFG pair, or
-    the heads and MLP units of all six attentions and both MLPs over the tensor pair."""
+    the heads and MLP units of all six attentions and both MLPs over the tensor pair; and PipeFusion's two stages of
+    one block each on a call of the schedule's warm-up (the whole call as one token set: exact)."""
     from parallel_runtime.spec import StrategySpec
 
     name = "ltx2.3"
@@ -97,7 +99,8 @@ def test_model_call_exact_strategies_equal_the_serial_forward(paths, client2, st
 
 def test_model_call_inputs_it_cannot_run_are_refused_in_one_sentence(paths):
     """validate_job (the client's check before sending anything): a wrong audio latent, audio timesteps of another
-    length, and PipeFusion (not run over two streams yet) each get one sentence naming the fix."""
+    length, displaced patch parallelism and PipeFusion inside Ulysses (not run over two streams yet) each get one
+    sentence naming the fix."""
     import dataclasses
 
     from parallel_runtime.errors import ConfigError
@@ -108,8 +111,12 @@ def test_model_call_inputs_it_cannot_run_are_refused_in_one_sentence(paths):
     validate_job(job, 1)  # the call itself is accepted
     cases = {r"audio latent has shape \(2, 1, 13, 8\).*LTXVConcatAVLatent": dict(audio=job.audio[..., :8]),
              r"audio timestep has shape \(2, 5\)": dict(audio_timestep=torch.zeros(2, 5)),
-             r"not on PipeFusion.*pipefusion_degree": dict(strategy=StrategySpec(pipefusion_degree=2))}
+             r"not on displaced patch parallelism yet; set patch_degree to 1\.$": dict(
+                 strategy=StrategySpec(patch_degree=2)),
+             r"PipeFusion on whole stages \(beside CFG\), not inside Ulysses.*or pipefusion_degree to 1\.$": dict(
+                 strategy=StrategySpec(pipefusion_degree=2, ulysses_degree=2))}
     for message, change in cases.items():
         with pytest.raises(ConfigError, match=message) as refused:
-            validate_job(dataclasses.replace(job, **change), 2 if "strategy" in change else 1)
+            validate_job(dataclasses.replace(job, **change), change["strategy"].world_size if "strategy" in change
+                         else 1)
         assert str(refused.value).count(". ") == 0  # one sentence
