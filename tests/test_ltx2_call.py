@@ -126,7 +126,8 @@ def test_model_call_pipefusion_reads_the_previous_calls_kv_as_the_reference_does
     """Two calls of a host's schedule on PipeFusion-2 (2 patches, 1 warm-up call): the first runs whole (exact) and
     fills every stage's buffers; the second runs patch by patch and equals test_ltx2's PipeFusion reference (the
     family on one rank with a full K/V buffer per stream attention: each patch writes its fresh rows and reads the
-    rest as they stand, the audio rows with patch 0), whatever the stages, to fp32 round-off. Measured: 0.0 (bit-equal)."""
+    rest as they stand, the audio rows with patch 0), whatever the stages, to fp32 round-off. Measured: 0.0
+    (bit-equal)."""
     import dataclasses
 
     from parallel_runtime.strategies.attention import LocalAttention
