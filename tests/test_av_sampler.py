@@ -262,11 +262,14 @@ def test_exact_strategies_equal_the_serial_run(files, client2, serial_run, famil
 
 
 @pytest.mark.parametrize("family, strategy", [("minimax_h3", dict(cfg_degree=2, ulysses_degree=2)),
-                                              ("ltx2", dict(ulysses_degree=2, ring_degree=2))],
-                         ids=["minimax_h3-cfg2xulysses2", "ltx2-ulysses2xring2"])
+                                              ("ltx2", dict(ulysses_degree=2, ring_degree=2)),
+                                              ("ltx2", dict(cfg_degree=2, pipefusion_degree=2,
+                                                            warmup_steps=STRATEGY_STEPS))],
+                         ids=["minimax_h3-cfg2xulysses2", "ltx2-ulysses2xring2", "ltx2-cfg2xpipefusion2"])
 def test_hybrids_on_four_equal_the_serial_run(files, client4, serial_run, family, strategy):
     """Hybrids on four workers (the session's client4, which the families' own modules start): CFG over Ulysses for
-    MiniMax-H3's packed stream, Ulysses over Ring for LTX-2's two streams (13 audio rows: uneven shards)."""
+    MiniMax-H3's packed stream, Ulysses over Ring for LTX-2's two streams (13 audio rows: uneven shards), and CFG
+    over PipeFusion's stages for LTX-2 (every step warm-up: exact; the stale steps' error is measured below)."""
     make = functools.partial(h3_job, sampler="dpmpp_2m") if family == "minimax_h3" else ltx_job
     result = client4.run(make(files[family], StrategySpec(**strategy), steps=STRATEGY_STEPS))
     serial = serial_run(family, STRATEGY_STEPS)
