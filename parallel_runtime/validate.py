@@ -334,12 +334,10 @@ def av_sampling_problem(config, strategy) -> str | None:
     stepped together, each step one model call) cannot run, in one sentence, or None: the strategies that split such
     a call, whole batches, no step cache (auto's candidates skip the same: planning/auto.py)."""
     title = config.title
-    # LTX-2's two-stream call (model_call_problem's family) runs the exact strategies only; MiniMax-H3's packed call
-    # also PipeFusion and patch parallelism.
-    if not strategy.exact and getattr(config, "model_call_problem", None) is not None:
-        return (f"Parallel Sampler runs {title} on CFG, Ulysses, Ring and tensor parallelism (and sharded weights), "
-                f"not on PipeFusion or patch parallelism yet; set pipefusion_degree, patch_degree and "
-                f"naive_patch_degree to 1.")
+    # LTX-2's two-stream call says what it runs; MiniMax-H3's packed call runs every strategy of the model call.
+    problem = getattr(config, "strategy_problem", None)
+    if problem is not None and problem(strategy, "Parallel Sampler"):
+        return problem(strategy, "Parallel Sampler") + "."
     if strategy.batch_degree > 1:
         return (f"batch parallelism does not cut {title}'s audio latent yet; set batch_degree to 1 and split the job "
                 f"with cfg_degree, ulysses_degree or ring_degree.")

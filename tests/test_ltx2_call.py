@@ -79,11 +79,13 @@ def test_model_call_one_worker_equals_the_serial_forward(paths, client1, name):
 
 
 @pytest.mark.parametrize("strategy", [dict(cfg_degree=2), dict(ulysses_degree=2), dict(ring_degree=2),
-                                      dict(tensor_degree=2), dict(ulysses_degree=2, shard_weights=True)],
-                         ids=["cfg2", "ulysses2", "ring2", "tensor2", "ulysses2_sharded"])
+                                      dict(tensor_degree=2), dict(ulysses_degree=2, shard_weights=True),
+                                      dict(pipefusion_degree=2)],
+                         ids=["cfg2", "ulysses2", "ring2", "tensor2", "ulysses2_sharded", "pipefusion2"])
 def test_model_call_exact_strategies_equal_the_serial_forward(paths, client2, strategy):
     """Both streams split over two ranks (72 video rows, 13 audio rows: 7 + 6), the chunks over the CFG pair, or
-    the heads and MLP units of all six attentions and both MLPs over the tensor pair."""
+    the heads and MLP units of all six attentions and both MLPs over the tensor pair; and PipeFusion's two stages of
+    one block each on a call of the schedule's warm-up (the whole call as one token set: exact)."""
     from parallel_runtime.spec import StrategySpec
 
     name = "ltx2.3"
@@ -97,7 +99,8 @@ def test_model_call_exact_strategies_equal_the_serial_forward(paths, client2, st
 
 def test_model_call_inputs_it_cannot_run_are_refused_in_one_sentence(paths):
     """validate_job (the client's check before sending anything): a wrong audio latent, audio timesteps of another
-    length, and PipeFusion (not run over two streams yet) each get one sentence naming the fix."""
+    length, displaced patch parallelism and PipeFusion inside Ulysses (not run over two streams yet) each get one
+    sentence naming the fix."""
     import dataclasses
 
     from parallel_runtime.errors import ConfigError
@@ -108,8 +111,57 @@ def test_model_call_inputs_it_cannot_run_are_refused_in_one_sentence(paths):
     validate_job(job, 1)  # the call itself is accepted
     cases = {r"audio latent has shape \(2, 1, 13, 8\).*LTXVConcatAVLatent": dict(audio=job.audio[..., :8]),
              r"audio timestep has shape \(2, 5\)": dict(audio_timestep=torch.zeros(2, 5)),
-             r"not on PipeFusion.*pipefusion_degree": dict(strategy=StrategySpec(pipefusion_degree=2))}
+             r"not on displaced patch parallelism yet; set patch_degree to 1\.$": dict(
+                 strategy=StrategySpec(patch_degree=2)),
+             r"PipeFusion on whole stages \(beside CFG\), not inside Ulysses.*or pipefusion_degree to 1\.$": dict(
+                 strategy=StrategySpec(pipefusion_degree=2, ulysses_degree=2))}
     for message, change in cases.items():
         with pytest.raises(ConfigError, match=message) as refused:
-            validate_job(dataclasses.replace(job, **change), 2 if "strategy" in change else 1)
+            validate_job(dataclasses.replace(job, **change), change["strategy"].world_size if "strategy" in change
+                         else 1)
         assert str(refused.value).count(". ") == 0  # one sentence
+
+
+def test_model_call_pipefusion_reads_the_previous_calls_kv_as_the_reference_does(paths, client2):
+    """Two calls of a host's schedule on PipeFusion-2 (2 patches, 1 warm-up call): the first runs whole (exact) and
+    fills every stage's buffers; the second runs patch by patch and equals test_ltx2's PipeFusion reference (the
+    family on one rank with a full K/V buffer per stream attention: each patch writes its fresh rows and reads the
+    rest as they stand, the audio rows with patch 0), whatever the stages, to fp32 round-off. Measured: 0.0
+    (bit-equal)."""
+    import dataclasses
+
+    from parallel_runtime.strategies.attention import LocalAttention
+    from parallel_runtime.strategies.attention.processor import AttentionContext
+    from parallel_runtime.strategies.pipefusion import StaleKVAttention, StaleKVCache
+    from parallel_runtime.spec import StrategySpec
+    from test_ltx2 import shards
+
+    name, path, nv = "ltx2.3", paths["ltx2.3"], T * H * W
+    strategy = StrategySpec(pipefusion_degree=2, warmup_steps=1)
+    first = dataclasses.replace(call_job(path, name, strategy), call_step=0, call_slot=0)
+    second = dataclasses.replace(call_job(path, name, strategy, seed=12), call_step=1, call_slot=0)
+    results = [client2.run(first), client2.run(second)]
+
+    caches = {k: StaleKVAttention(StaleKVCache(n), LocalAttention()) for k, n in
+              (("video", nv), ("audio", AUDIO_FRAMES), ("a2v", AUDIO_FRAMES), ("v2a", nv))}
+    context = AttentionContext(attention=caches["video"], streams={k: caches[k] for k in ("audio", "a2v", "v2a")})
+
+    def reference_pass(x, video_rows, audio_rows):
+        for key, attention in caches.items():  # the rows whose fresh K/V the pass writes, by key stream
+            attention.positions = video_rows if key in ("video", "v2a") else audio_rows
+        return serial_call(path, x, video_rows, audio_rows, context, fps=FPS)
+
+    want = [reference_pass(call_inputs(name, first), torch.arange(nv), torch.arange(AUDIO_FRAMES))]
+    x = call_inputs(name, second)
+    v, a = torch.empty_like(x["video"][..., :CONFIGS[name].in_channels]), torch.empty_like(x["audio"])
+    for p, rows in enumerate(shards(nv, 2)):
+        audio_rows = torch.arange(AUDIO_FRAMES) if p == 0 else torch.arange(0)
+        v[:, rows], a[:, audio_rows] = reference_pass(x, rows, audio_rows)
+    want.append((v, a))
+    for k, (result, job, (want_v, want_a)) in enumerate(zip(results, (first, second), want)):
+        want_v, want_a = in_call_shapes(job, want_v, want_a)
+        errors = rel_err(result.latent, want_v), rel_err(result.audio, want_a)
+        print(f"\nPipeFusion-2 model call {k} vs the stale-K/V reference: video {errors[0]:.1e}, audio {errors[1]:.1e}")
+        assert max(errors) < EXACT_RTOL, errors  # the same buffers and passes, another stage split: fp32 round-off
+    fresh = in_call_shapes(second, *serial_call(path, x, fps=FPS))
+    assert rel_err(results[1].latent, fresh[0]) > 10 * EXACT_RTOL  # the second call did read stale K/V

@@ -11,10 +11,11 @@ the video's schedule). The state is the latent (a few MB at the released shapes)
 keeping it whole on every rank costs next to nothing and needs no exchange of it.
 
 PipeFusion and displaced patch parallelism run where the family's model call runs them (MiniMax-H3's one packed
-stream: patches are runs of its [audio | video] rows): per call, as under a stock sampler, so each step's pipeline
-drains (there is no cross-step pipeline here) and every attention layer reads the other patches' K/V as the previous
-step left them, after `warmup_steps` exact steps. LTX-2's two-stream call runs neither: validate.av_sampling_problem
-refuses them for it, and the step cache for both.
+stream: patches are runs of its [audio | video] rows; LTX-2's two streams: PipeFusion's patches are runs of the video
+rows, the audio rows with the first, two_stream_pipefusion.py): per call, as under a stock sampler, so each step's
+pipeline drains (there is no cross-step pipeline here) and every attention layer reads the other patches' K/V as
+the previous step left them, after `warmup_steps` exact steps. validate.av_sampling_problem refuses what a family's
+call does not run (LTX-2: displaced patch, PipeFusion inside sequence or tensor parallelism) and the step cache.
 """
 from __future__ import annotations
 

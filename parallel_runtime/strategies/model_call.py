@@ -128,15 +128,16 @@ class ModelCallForward(Denoiser):
                              model_output=model_output)
         return model_output
 
-    def _stale_slot(self, job: Job, key: tuple, shape: tuple) -> bool:
+    def _stale_slot(self, job: Job, key: tuple, shape: tuple, caches=None) -> bool:
         """Whether this call must run exact (warm-up): in the first `warmup_steps` calls of the host's schedule, or
         where the slot holds no stale K/V of this `shape` (token layout, ControlNet chain), whose buffers it then
-        replaces. Every rank agrees, since all must run the same schedule."""
+        replaces (`caches()`: new ones; by default the joint and image-only buffers of the call's layout). Every
+        rank agrees, since all must run the same schedule."""
         store = self.context.stale_kv
         held = store.get(key)
         if self._anyone((job.call_step or 0) < job.strategy.warmup_steps or held is None or held[0] != shape):
             store.pop(key, None)  # the old buffers go before their successors fill
-            store[key] = (shape, stale_caches(self.layout, self._ring_shards()))
+            store[key] = (shape, caches() if caches is not None else stale_caches(self.layout, self._ring_shards()))
             return True
         return False
 

@@ -6,7 +6,9 @@ and the a2v / v2a cross-attentions between them (attention/streams.py); MiniMax-
 [audio | video] rows into the one image stream the ordinary model call splits (pack_av). The call's chunks split
 over the CFG group as in model_call.py; every per-token table (timesteps, RoPE) is computed for the rows a rank
 holds, and the timesteps' maxima that LTX-2 reads (the prompt's and the a2v / v2a gates') over the whole call, so
-any split equals the serial call.
+any split equals the serial call. Naive patch splits both streams' rows as sequence parallelism does, each rank
+attending its own rows alone (a baseline); PipeFusion runs the call's patches through the stages
+(two_stream_pipefusion.py).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from ..distributed.topology import latent_plane, validate_strategy
 from ..spec import Job
+from .attention import LocalAttention
 from .attention.streams import stream_attention
 
 
@@ -58,18 +61,24 @@ def two_stream_outputs(runner, job: Job) -> tuple[torch.Tensor, torch.Tensor]:
     context = torch.cat([_repeat(chunks[k].cond.float(), batch) for k in mine]).to(device)
     video_context, audio_context = adapter.split_prompt(context)
 
-    sp, me = topology.sp, topology.sp_rank(runner.rank)
-    video_shards, audio_shards = shard_rows(video.shape[1], sp), shard_rows(frames, sp)
-    v_rows, a_rows = video_shards[me], audio_shards[me]
-    _point_attention(runner, [len(r) for r in video_shards], [len(r) for r in audio_shards])
-    rope = adapter.rope(tuple(thw), v_rows, frames, a_rows, fps=float(job.extra.get("frame_rate", 24.0)),
-                        batch=len(idx))
-    runner._check_cancel()
-    with torch.no_grad():
-        v_out, a_out = adapter.forward_rows(video[:, v_rows], audio[:, a_rows], video_context, audio_context,
-                                            video_t[idx][:, v_rows], audio_t[idx][:, a_rows], sigma, audio_sigma,
-                                            rope, peaks=peaks)
-    v_out, a_out = _gather(comm, v_out, video_shards), _gather(comm, a_out, audio_shards)
+    fps = float(job.extra.get("frame_rate", 24.0))
+    if topology.pipefusion > 1:
+        v_out, a_out = _pipeline(runner, job, video, audio, (video_context, audio_context),
+                                 (video_t[idx], audio_t[idx], sigma, audio_sigma, peaks), tuple(thw), fps, mine)
+    else:
+        # The group whose members split both streams' rows: naive patch's (each attends its own rows alone), else
+        # the sequence-parallel ranks'.
+        group = comm.group("naive_patch" if topology.naive_patch > 1 else "sp")
+        video_shards, audio_shards = shard_rows(video.shape[1], group.size), shard_rows(frames, group.size)
+        v_rows, a_rows = video_shards[group.index], audio_shards[group.index]
+        _point_attention(runner, [len(r) for r in video_shards], [len(r) for r in audio_shards])
+        rope = adapter.rope(tuple(thw), v_rows, frames, a_rows, fps=fps, batch=len(idx))
+        runner._check_cancel()
+        with torch.no_grad():
+            v_out, a_out = adapter.forward_rows(video[:, v_rows], audio[:, a_rows], video_context, audio_context,
+                                                video_t[idx][:, v_rows], audio_t[idx][:, a_rows], sigma, audio_sigma,
+                                                rope, peaks=peaks)
+        v_out, a_out = _gather(comm, group, v_out, video_shards), _gather(comm, group, a_out, audio_shards)
     runner._finish_vote()
     if split:
         v_out = torch.cat(comm.all_gather(v_out.contiguous(), comm.group("cfg"), op="cfg"))
@@ -81,9 +90,35 @@ def _repeat(t: torch.Tensor, batch: int) -> torch.Tensor:
     return t.expand(batch, *t.shape[1:]) if t.shape[0] == 1 and batch > 1 else t
 
 
+def _pipeline(runner, job: Job, video, audio, context: tuple, times: tuple, thw: tuple, fps: float,
+              mine: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """PipeFusion over the call's patches (two_stream_pipefusion.py), its outputs whole on every stage."""
+    from .two_stream_pipefusion import pipeline_outputs
+
+    adapter, comm = runner.adapter, runner.comm
+    if job.call_step == 0 and job.call_slot == 0:
+        runner.context.stale_kv.clear()  # a new sampling run: nothing of the last one is stale K/V of this one
+    frames = audio.shape[1]
+
+    def rope_of(v_rows, a_rows):
+        return adapter.rope(thw, v_rows, frames, a_rows, fps=fps, batch=video.shape[0])
+
+    runner._check_cancel()
+    with torch.no_grad():
+        v_out, a_out = pipeline_outputs(runner, job, video, audio, adapter.embed_prompt(*context), times, rope_of,
+                                        (job.call_slot, tuple(mine)))
+    group = comm.group("pipefusion")  # only the last stage holds the outputs, the others zeros: a sum is exact
+    return comm.all_reduce(v_out, group, op="pipefusion"), comm.all_reduce(a_out, group, op="pipefusion")
+
+
 def _point_attention(runner, video_lengths: list[int], audio_lengths: list[int]) -> None:
-    """The context's four attentions over this split: each stream's self-attention and a2v / v2a across them."""
+    """The context's four attentions over this split: each stream's self-attention and a2v / v2a across them
+    (naive patch: each rank's rows alone)."""
     comm, topology = runner.comm, runner.topology
+    if topology.naive_patch > 1:
+        runner.context.attention = LocalAttention()
+        runner.context.streams = {name: LocalAttention() for name in ("audio", "a2v", "v2a")}
+        return
     ring = runner.coords["ring"]
 
     def attention(q, kv):
@@ -95,12 +130,12 @@ def _point_attention(runner, video_lengths: list[int], audio_lengths: list[int])
                               "v2a": attention(audio_lengths, video_lengths)}
 
 
-def _gather(comm, part: torch.Tensor, shards: list[torch.Tensor]) -> torch.Tensor:
-    """Every sequence-parallel rank's rows of one stream, whole (shards padded to one length to be gathered)."""
+def _gather(comm, group, part: torch.Tensor, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Every member's rows of one stream, whole (shards padded to one length to be gathered)."""
     if len(shards) == 1:
         return part
     longest = max(len(r) for r in shards)
     padded = part.new_zeros(part.shape[0], longest, part.shape[2])
     padded[:, :part.shape[1]] = part
-    pieces = comm.all_gather(padded, comm.group("sp"), op="result")
+    pieces = comm.all_gather(padded, group, op="result")
     return torch.cat([piece[:, :len(r)] for piece, r in zip(pieces, shards)], dim=1)

@@ -37,7 +37,9 @@ yet (refused in one sentence naming the node).
 Tensor parallelism splits the heads and MLP units of all six attentions and both MLPs (`tensor_plan`); a rank takes
 its heads' RoPE columns. PipeFusion's patches are runs of video tokens; the audio rows ride with one patch (audio is
 ~2% of the tokens) and the others read the audio K/V their buffers hold; a pass without audio rows works (empty
-streams get a placeholder modulation row and no RoPE).
+streams get a placeholder modulation row and no RoPE). The runtime runs it per model call over whole stages, beside
+CFG (strategies/two_stream_pipefusion.py); displaced patch parallelism, and PipeFusion inside Ulysses, Ring or
+tensor parallelism, are refused in one sentence (`strategy_problem`).
 
 ComfyUI 2026's LTXAVModel reads the same weights another way than diffusers (and Lightricks' ltx-core), and a
 file follows the reading of the program that loads its layout (`LTX2Config.reading`): a file in Lightricks' layout
@@ -172,7 +174,7 @@ class LTX2Config(JointAttentionConfig):
         """What in a model call (Job.timestep set, the audio latent in Job.audio) the runtime cannot run, in one
         sentence, or None: its audio latent is [rows, audio_in_channels / 16, frames, 16] (LTXVConcatAVLatent's
         audio half), the audio timesteps one per row or per row and audio frame, and the strategies the ones
-        that split both streams (CFG, Ulysses, Ring, tensor parallel, sharded weights)."""
+        that split both streams (`strategy_problem`)."""
         rows, audio = job.latent.shape[0], job.audio
         channels = self.audio_in_channels // AUDIO_BINS
         if audio.ndim != 4 or (audio.shape[0], audio.shape[1], audio.shape[3]) != (rows, channels, AUDIO_BINS):
@@ -182,10 +184,18 @@ class LTX2Config(JointAttentionConfig):
         if at is not None and tuple(at.shape) not in ((rows,), (rows, audio.shape[2])):
             return (f"the model call's audio timestep has shape {tuple(at.shape)}, not ({rows},) or ({rows}, "
                     f"{audio.shape[2]}); a node patches the audio timesteps in a way ParaDiT does not split: remove it")
-        if not job.strategy.exact:
-            return (f"{self.title}'s model call runs on CFG, Ulysses, Ring and tensor parallelism (and sharded "
-                    f"weights), not on PipeFusion or patch parallelism yet; set pipefusion_degree, patch_degree and "
-                    f"naive_patch_degree to 1")
+        return self.strategy_problem(job.strategy, "the parallel model call")
+
+    def strategy_problem(self, s, runner: str) -> str | None:
+        """What of strategy `s` the two-stream call (strategies/two_stream_call.py) cannot run, one sentence without
+        its full stop, or None; `runner` names what runs it (the model call, Parallel Sampler)."""
+        if s.patch_degree > 1:
+            return (f"{runner} runs {self.title} on CFG, Ulysses, Ring, tensor parallelism, PipeFusion and naive "
+                    f"patch (and sharded weights), not on displaced patch parallelism yet; set patch_degree to 1")
+        if s.pipefusion_degree > 1 and max(s.ulysses_degree, s.ring_degree, s.tensor_degree) > 1:
+            return (f"{runner} runs {self.title}'s PipeFusion on whole stages (beside CFG), not inside Ulysses, Ring "
+                    f"or tensor parallelism yet; set ulysses_degree, ring_degree and tensor_degree to 1, or "
+                    f"pipefusion_degree to 1")
         return None
 
     def diffusers_kwargs(self) -> dict:
