@@ -98,19 +98,29 @@ def call_job(path: str, config, strategy: StrategySpec, shape: AVShape, text_tok
                audio=audio, **timing)
 
 
+def _worker_cpu(procs) -> list[float]:
+    return [sum(p.cpu_times()[:2]) for p in procs]
+
+
 def time_calls(client, job: Job, calls: int) -> dict:
     """`calls` + 1 calls of `job` (the first loads the model and is left out): the host's median seconds per call,
-    the slowest worker's median job seconds and each rank's bytes sent per call."""
-    host, worker, sent = [], [], []
+    the slowest worker's median job seconds, the busiest worker's CPU seconds (user + system: the work it did, which
+    other processes on a shared machine inflate far less than the wall clock; waits on a peer are not in it) and
+    the bytes each rank sent per call."""
+    import psutil
+
+    procs = [psutil.Process(p.pid) for p in client.procs]
+    host, worker, cpu, sent = [], [], [], []
     for i in range(calls + 1):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _worker_cpu(procs)
         result = client.run(dataclasses.replace(job, call_step=i, call_last=i == calls))
         if i == 0:
             continue
         host.append(time.perf_counter() - t0)
+        cpu.append(max(b - a for a, b in zip(cpu0, _worker_cpu(procs))))
         worker.append(max(st["job_seconds"] for st in result.stats))
         sent.append(max(st["traffic"]["sent"] for st in result.stats))
-    return {"call_s": statistics.median(host), "worker_s": statistics.median(worker),
+    return {"call_s": statistics.median(host), "worker_s": statistics.median(worker), "cpu_s": statistics.median(cpu),
             "sent_bytes": statistics.median(sent), "calls": host}
 
 
@@ -140,7 +150,8 @@ def av_call_bench(say, args, path: str, config, shape: AVShape, devices: list[st
                     f"(slowest worker {res['worker_s'] * 1e3:.0f} ms)"
                     + (f", cores available to 2 workers: {cap:.2f}" if cap else ""))
                 if idx not in best or res["call_s"] < best[idx]["call_s"]:
-                    best[idx] = dict(res, label=row_label(s, cfg), strategy=s, cfg=cfg)
+                    best[idx] = dict(res, label=row_label(s, cfg), strategy=s, cfg=cfg, cpu_s=res["cpu_s"])
+                best[idx]["cpu_s"] = min(best[idx]["cpu_s"], res["cpu_s"])  # the least work any run needed
     if calib is not None:
         from ..planning import costmodel
 
@@ -152,30 +163,35 @@ def av_call_bench(say, args, path: str, config, shape: AVShape, devices: list[st
 
 def _report(say, rows, best: dict, target) -> dict:
     serial = {round(r["cfg"], 6): r for r in best.values() if r["strategy"].world_size == 1}
-    headers = ["config", "s/call", "speed-up", "worker s", "host extra", "lost vs serial/2", "MB sent/rank", "proj s",
-               "proj comm", "cores"]
+    headers = ["config", "s/call", "speed-up", "worker s", "host extra", "lost vs serial/2", "CPU s", "work speed-up",
+               "MB sent/rank", "proj s", "proj comm", "cores"]
     table, out = [], []
     for idx in sorted(best):
         r, base = best[idx], serial.get(round(best[idx]["cfg"], 6))
         world = r["strategy"].world_size
         speedup = base["call_s"] / r["call_s"] if base else None
+        work = base["cpu_s"] / r["cpu_s"] if base else None
         lost = r["call_s"] - base["call_s"] / world if base and world > 1 else None
         table.append([r["label"], f"{r['call_s']:.2f}", f"{speedup:.2f}x" if speedup else "-", f"{r['worker_s']:.2f}",
                       f"{(r['call_s'] - r['worker_s']) * 1e3:.0f} ms",
                       f"{lost:.2f} s ({lost / r['call_s']:.0%})" if lost is not None else "-",
+                      f"{r['cpu_s']:.2f}", f"{work:.2f}x" if work else "-",
                       f"{r['sent_bytes'] / 1e6:.1f}",
                       f"{r['projected_s']:.2f}" if "projected_s" in r else "-",
                       f"{r['projected_comm_s'] * 1e3:.0f} ms" if "projected_s" in r else "-",
                       f"{r['capacity']:.2f}" if r["capacity"] else "-"])
         out.append({"label": r["label"], "strategy": r["strategy"].label(), "cfg": r["cfg"], "call_s": r["call_s"],
-                    "worker_s": r["worker_s"], "speedup": speedup, "sent_bytes": r["sent_bytes"],
+                    "worker_s": r["worker_s"], "speedup": speedup, "cpu_s": r["cpu_s"], "work_speedup": work,
+                    "sent_bytes": r["sent_bytes"],
                     "lost_vs_ideal_s": lost, "capacity": r["capacity"], "calls": r["calls"],
                     "projected_s": r.get("projected_s"), "projected_comm_s": r.get("projected_comm_s")})
     say("")
     say(fmt_table(headers, table))
     say("  s/call: host seconds per model call (median of the timed calls, best run); worker s: the slowest worker's "
         "own seconds for it; host extra: sending x and the prompt, receiving the output; lost vs serial/2: seconds "
-        "over a perfect split (communication, work every rank repeats, contention); proj s / proj comm: the cost model "
+        "over a perfect split (communication, work every rank repeats, contention); CPU s: the busiest worker's CPU seconds "
+        "per call (least of the runs), work speed-up: serial's over it (the speed-up an idle machine gives, less the "
+        "waits on a peer); proj s / proj comm: the cost model "
         "on this machine's measured block and link (the part of it that is communication); cores: concurrent "
         "FP-bound probes' count just before that run (a shared VM gives less than 2)")
     exact = [o for o in out if o["speedup"] and o["label"] != "serial" and not o["label"].startswith("serial@")]
