@@ -76,9 +76,38 @@ def test_cost_model_counts_ltx2s_audio_stream():
         assert attention == (4 * n * n * h, 4 * n * t * h, 4 * a * a * ha, 4 * a * t * ha, 4 * n * a * ha,
                              4 * a * n * ha)
         # attn1 q/k/v/out, attn2 q/out, MLP 4x in and out; a2v q and out (video <-> audio width), v2a k and v
-        video = n * (4 * h * h + 2 * h * h + 8 * h * h + 2 * h * ha + 2 * h * ha) + t * 2 * config.cross_attention_dim * h
+        video = (n * (4 * h * h + 2 * h * h + 8 * h * h + 2 * h * ha + 2 * h * ha)
+                 + t * 2 * config.cross_attention_dim * h)
         # the same in the audio stream, a2v k and v and v2a q and out (audio width)
         audio = a * (4 + 2 + 8 + 2 + 2) * ha * ha + t * 2 * config.audio_cross_attention_dim * ha
         gates = 3 * (n * h * config.num_heads + a * ha * config.audio_heads)  # LTX-2.3's per-head gate logits
         # the counter's matmuls and this sum differ by the v2a gate's few (3e-4 measured): 0.1% covers it
         assert linear == pytest.approx(2 * (video + audio + gates), rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def workers(bench_workers):
+    return bench_workers
+
+
+@pytest.mark.parametrize("family", ["ltx2", "minimax_h3"])
+def test_quick_av_bench_times_every_exact_strategy_and_each_equals_serial(family, workers, tmp_path, monkeypatch):
+    """`bench --family ltx2 / minimax_h3 --quick` on the shared workers: the model call of serial, Ulysses-2, Ring-2,
+    TP-2 and CFG-2, each timed and its video and audio outputs equal to serial's (the command exits 1 otherwise)."""
+    import json
+
+    from parallel_runtime.bench.cli import main
+
+    monkeypatch.setenv("PARADIT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "bench.json"
+    assert main(["--family", family, "--quick", "--text-tokens", "8", "--steps", "2", "--no-auto", "--resolution",
+                 "128x128", "--json", str(out)], workers=workers) == 0
+    record = json.loads(out.read_text())
+    rows = {row["label"]: row for row in record["av_calls"]["rows"]}
+    assert set(rows) == {"serial", "ulysses2", "ring2", "tp2", "serial@cfg3.5", "cfg2@cfg3.5"}
+    assert record["audio_tokens"] == {"ltx2": 5, "minimax_h3": 16}[family]  # 5 frames: 5 LTX latents, 8 H3 x 2
+    for label, row in rows.items():
+        assert row["call_s"] > 0 and row["cpu_s"] > 0, label
+        if row["ranks"] > 1:
+            assert row["rel_err"] < 1e-4, (label, row["rel_err"])  # float32 summation order only
+            assert row["sent_bytes"] > 0, label  # the split really exchanged rows

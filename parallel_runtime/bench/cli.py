@@ -380,6 +380,8 @@ class BenchRun:
         status = self._finish(record)
         if args.entrances and not record["entrances"]["latents_agree"]:
             return 1  # a wrong result is no timing noise
+        if record.get("av_calls", {}).get("differ_from_serial"):
+            return 1
         return status
 
     def target(self, name: str, ok: bool | None, detail: str) -> None:

@@ -218,8 +218,8 @@ def audio_rows(config, image_tokens: int) -> int:
     return rows(image_tokens) if rows else 0
 
 
-AUDIO_WIDTH_LAYERS = ("audio", "audio_prompt", "a2v", "v2a")
-CROSS_ATTENTION = ("prompt", "audio_prompt")  # over the prompt every rank holds: nothing travels  # LTX-2 runs these at the audio stream's width
+AUDIO_WIDTH_LAYERS = ("audio", "audio_prompt", "a2v", "v2a")  # LTX-2 runs these at the audio stream's width
+CROSS_ATTENTION = ("prompt", "audio_prompt")  # over the prompt every rank holds: nothing travels
 
 
 def attention_width(config, layer: str) -> int:
