@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from parallel_runtime.bench.av_calls import AV_FAMILIES
 from parallel_runtime.bench.cli import main
 from parallel_runtime.bench.models import BENCH_FAMILIES
 from parallel_runtime.spec import StrategySpec
@@ -33,7 +34,7 @@ def workers(bench_workers):
     return bench_workers
 
 
-@pytest.mark.parametrize("family", sorted(BENCH_FAMILIES))
+@pytest.mark.parametrize("family", sorted(set(BENCH_FAMILIES) - set(AV_FAMILIES)))  # test_bench_av: the AV ones
 def test_quick_grid_runs_every_row_or_says_why_not(family, workers, tmp_path, monkeypatch):
     monkeypatch.setenv("PARADIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "bench.json"

@@ -38,11 +38,12 @@ from ..distributed.devices import default_dtype
 from ..distributed.topology import latent_plane
 from ..toy.text import TEXT_TOKENS
 from .cache import DEFAULT_STEPS as DEFAULT_CACHE_STEPS, DEFAULT_THRESHOLD as DEFAULT_CACHE_THRESHOLD
+from .av_calls import AV_FAMILIES, AV_SIZES, av_call_bench, av_shape
 from .controlnet import controlnet_row
 from .grid import CFG_PARALLEL_SCALE, grid, row_label, subset_devices
 from .measure import cpu_capacity
 from .models import BENCH_FAMILIES, FLUX_DEV, NAMED_MODELS, RELEASE_SHAPES, RELEASE_VIDEO_SIZES, TOY, VIDEO_SIZE
-from .projection import gpu_projection, video_projection, xdit_published
+from .projection import av_projection, gpu_projection, video_projection, xdit_published
 from .report import fmt_table, result_rows
 from .runs import in_process_reference, make_job, pipefusion_per_call, run_calls, run_config, run_in_process
 from .targets import TARGET_OVERHEAD, TARGET_TRAFFIC, auto_target, measured_targets
@@ -67,6 +68,11 @@ def _mode_arguments(ap) -> None:
                          f"for serial and each exact strategy on the same warm workers: speed-ups, the cache's gain "
                          f"and its error against the uncached serial latent (default {DEFAULT_CACHE_STEPS} steps; "
                          f"--model toy is the trained demo model)")
+    ap.add_argument("--memory-plans", action="store_true",
+                    help="memory per rank of the family's released model (--family ltx2: LTX-2.3 22B) at its released "
+                         "video size, bf16 and fp8, for each plan on 2 and 4 GPUs of --gpu-memory GB: which fit")
+    ap.add_argument("--gpu-memory", type=float, default=24.0, metavar="GB",
+                    help="--memory-plans: memory of each GPU in GiB (default 24)")
 
 
 def parse_args(argv):
@@ -128,6 +134,8 @@ def parse_args(argv):
     defaults = QUICK if args.quick else TOY_DEFAULTS if args.model == TOY else DEFAULTS
     if args.family and BENCH_FAMILIES[args.family].video:
         defaults = dict(defaults, **(QUICK_VIDEO if args.quick else VIDEO_SIZE))
+    if args.family in AV_SIZES and not args.quick:  # each audio-video family's frame grid and prompt length
+        defaults = dict(defaults, **{k: v for k, v in AV_SIZES[args.family].items() if k != "fps"})
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -200,9 +208,15 @@ def main(argv: list[str] | None = None, workers: dict | None = None) -> int:
         if args.preset_size:  # PixArt has no positions below 264 px a side: the smoke preset runs at its smallest
             side = -(-getattr(config, "min_mean_latent_side", 0) * 8 // 16) * 16
             width, height = max(width, side), max(height, side)
-        latent_shape, tokens = bench_latent(config, width, height, args.frames)
+        shape = None
+        if config.family in AV_FAMILIES:  # a video latent and its audio latent
+            fps = AV_SIZES[config.family]["fps"]
+            shape = av_shape(config, width, height, args.frames or AV_SIZES[config.family]["frames"], fps)
+            latent_shape, tokens = shape.video, shape.video_tokens
+        else:
+            latent_shape, tokens = bench_latent(config, width, height, args.frames)
         run = BenchRun(args, say, path, config, model_name, latent_shape, tokens, devices, conditioning, t_start,
-                       workers)
+                       workers, shape)
         return run.main()
     finally:
         if tmp:
@@ -221,9 +235,10 @@ def _model(args, tmp: str | None, height: int, width: int):
             d, s = (int(x) for x in args.blocks.split(","))
             config = dataclasses.replace(config, num_layers=d, num_single_layers=s)
         path = write_checkpoint(os.path.join(tmp, f"{args.model}.safetensors"), config, seed=0)
+        single = getattr(config, "num_single_layers", 0)  # one-block-list families have none
         return path, config, (f"{args.model} ({family_of(config).title}-shaped, random weights: width "
                               f"{config.hidden_size}, {config.num_heads} heads x {config.head_dim}, "
-                              f"{config.num_layers} double/joint + {config.num_single_layers} single blocks)"), None
+                              f"{config.num_layers} double/joint + {single} single blocks)"), None
     path, conditioning, prompt = os.path.abspath(args.model), None, ""
     if args.model == TOY:
         from ..toy import DEFAULT_PROMPT, MODEL_PATH, load_companions
@@ -251,6 +266,7 @@ class BenchRun:
     conditioning: tuple | None
     t_start: float
     workers: dict | None = None  # main's `workers`
+    av_shape: object = None  # an audio-video family's video and audio latents (av_calls.AVShape)
 
     def __post_init__(self):
         self.text = self.args.text_tokens
@@ -370,6 +386,20 @@ class BenchRun:
             from .cache import cache_bench
 
             record["cache"] = cache_bench(*common, self.devices, self.target, self.workers, self.conditioning)
+        elif args.memory_plans:
+            from .memory_plans import memory_plans
+
+            record["memory_plans"] = memory_plans(self.say, args.model, args.gpu_memory)
+        elif self.av_shape is not None:
+            # Parallel Sampler does not carry these families' audio yet: their model call is what runs.
+            record.update(audio_tokens=self.av_shape.audio_tokens, audio_shape=list(self.av_shape.audio))
+            if not args.no_auto:
+                record["calibration"] = self._calibrate()
+            record["av_calls"] = av_call_bench(self.say, args, self.path, self.config, self.av_shape, self.devices,
+                                               self.target, self.workers, self.calib)
+            if not args.no_auto:
+                self.say("")
+                record["projection"] = av_projection(self.say, args.model, args.cfg, args.gpu_tflops)
         else:
             return None
         self._report_targets()
@@ -377,6 +407,8 @@ class BenchRun:
         status = self._finish(record)
         if args.entrances and not record["entrances"]["latents_agree"]:
             return 1  # a wrong result is no timing noise
+        if record.get("av_calls", {}).get("differ_from_serial"):
+            return 1
         return status
 
     def target(self, name: str, ok: bool | None, detail: str) -> None:
@@ -393,23 +425,35 @@ class BenchRun:
         if self.video:
             size = f"{args.frames} frames of {size}"
         say(f"ParaDiT bench — model {self.model_name}")
-        say(f"  {size} -> latent {'x'.join(map(str, shape[2:]))} -> {self.image_tokens} {self.tokens_name} tokens + "
-            f"{self.text} text tokens{self._padded_note()}; {args.steps} steps (euler/simple), "
-            + ("both entrances per strategy, each its fastest of " if args.entrances else
-               "seconds per step = median after warm-up, slowest rank, best of ")
+        audio = f" + {self.av_shape.audio_tokens} audio tokens" if self.av_shape is not None else ""
+        say(f"  {size} -> latent {'x'.join(map(str, shape[2:]))} -> {self.image_tokens} {self.tokens_name} tokens"
+            f"{audio} + {self.text} text tokens{self._padded_note()}; {args.steps} "
+            + ("model calls per strategy, seconds per call = median, best of " if self.av_shape is not None else
+               "steps (euler/simple), both entrances per strategy, each its fastest of " if args.entrances else
+               "steps (euler/simple), seconds per step = median after warm-up, slowest rank, best of ")
             + f"{args.repeats}; no VAE in any DiT time"
-            + ("; the VAE decode is timed apart after the grid" if self.video and not args.entrances else ""))
+            + ("; the VAE decode is timed apart after the grid" if self.video and not args.entrances
+               and self.av_shape is None else ""))
         say(f"  devices {args.devices} ({self.max_world} worker(s)), {args.threads} thread(s) per worker, "
             f"{self.cores} core(s) here")
         say("")
+
+    def _stream_tokens(self) -> int:
+        """The image stream's rows the blocks run: the image tokens, and MiniMax-H3's audio rows packed beside its
+        video's (LTX-2's audio is a stream of its own, which the cost model counts from the video's)."""
+        from ..models.registry import family_of
+
+        shape = self.av_shape
+        packed = shape is not None and not getattr(family_of(self.config).adapter_class, "two_streams", False)
+        return self.image_tokens + (shape.audio_tokens if packed else 0)
 
     def _calibrate(self) -> dict:
         """The cost model's measured inputs: this model's blocks at this token count, the link between workers."""
         args, devices = self.args, self.devices
         self.say("calibrating the cost model ...")
         dtype = default_dtype(self.kind, torch.cuda.get_device_capability(devices[0]) if self.kind == "cuda" else None)
-        blocks = costmodel.block_timing(self.config, self.seq_text, self.image_tokens, device=devices[0], dtype=dtype,
-                                        threads=args.threads, refresh=True)
+        blocks = costmodel.block_timing(self.config, self.seq_text, self._stream_tokens(), device=devices[0],
+                                        dtype=dtype, threads=args.threads, refresh=True)
         link = costmodel.link_timing(devices, refresh=args.recalibrate) if self.max_world > 1 else None
         self.calib = costmodel.Calibration(blocks, link, self.kind, threads=args.threads, cores=self.cores,
                                            overlap=self.kind == "cuda",

@@ -6,6 +6,8 @@ from ..models.families.chroma import ChromaConfig
 from ..models.families.flux import FluxConfig
 from ..models.families.flux2 import Flux2Config
 from ..models.families.hunyuan_video15 import HunyuanVideo15Config
+from ..models.families.ltx2 import LTX2Config
+from ..models.families.minimax_h3 import MiniMaxH3Config
 from ..models.families.pixart import PixArtConfig
 from ..models.families.qwen_image import QwenImageConfig
 from ..models.families.qwen_image21 import QwenImage21Config
@@ -60,6 +62,18 @@ BENCH_FAMILIES = {
     # prompt and image padded with learned tokens to multiples of 32; 4 heads of 64 (the release: 30 of 128).
     "z_image": ZImageConfig(hidden_size=256, num_heads=4, num_kv_heads=4, num_layers=4, num_refiner_layers=2,
                             ffn_dim=int(256 / 3 * 8), cap_feat_dim=64, time_hidden=256),
+    # LTX-2.3: two streams per block (video self-attention, video -> prompt, audio self, audio -> prompt, a2v, v2a,
+    # two MLPs), gated heads, modulated prompt cross-attention; its head sizes (video 128, audio 64), 2 heads each,
+    # the audio stream half the video's width as in the release (2048 / 4096). Read as ComfyUI reads a file in
+    # Lightricks' layout (the one the bench writes).
+    "ltx2": LTX2Config(hidden_size=256, audio_hidden_size=128, num_layers=2, cross_attention_dim=256,
+                       audio_cross_attention_dim=128, num_heads=2, audio_heads=2, gated_attn=True, cross_attn_mod=True,
+                       prompt_adaln=True, rope_type="split", cross_timestep=True, reading="comfyui",
+                       av_timestep_multiplier=1.0),
+    # MiniMax-H3: one packed [prompt | audio | video] sequence through identical single-stream blocks; its 128-wide
+    # heads, 2 of them, and the release's SwiGLU ratio (14336 / 5376 x 256, rounded to an even count).
+    "minimax_h3": MiniMaxH3Config(hidden_size=256, num_layers=2, num_heads=2, head_dim=128, ffn_dim=682, text_dim=64,
+                                  time_embed_hidden=256, time_embed_dim=128),
 }
 # The bench's video size for video families: Wan's default 81 frames (21 latent frames) of 320x320 px, so
 # 21 x 20 x 20 = 8,400 video tokens (>= 8,000: sequences long enough that compute hides the traffic, as at
@@ -88,6 +102,16 @@ RELEASE_SHAPES = {
             "Wan 2.1 T2V 14B shapes (width 5120, 40 heads, 40 blocks, ffn 13824)"),
     "hunyuan_video15": (HunyuanVideo15Config(hidden_size=2048, num_layers=54),
                         "HunyuanVideo 1.5 8.3B shapes (width 2048, 16 heads, 54 double blocks)"),
+    # LTX-2.3 22B: 48 blocks of video width 4096 (32 x 128) and audio width 2048 (32 x 64); diffusers'
+    # LTX2VideoTransformer3DModel with LTX-2.3's switches (gated attention, modulated prompt cross-attention). The
+    # DiT holds 18.99 B parameters; the rest of the "22B" file is the text connectors (1.16 B) and the VAEs.
+    "ltx2": (LTX2Config(hidden_size=4096, audio_hidden_size=2048, num_layers=48, gated_attn=True, cross_attn_mod=True,
+                        prompt_adaln=True, rope_type="split", cross_timestep=True),
+             "LTX-2.3 22B shapes (video width 4096, audio 2048, 32 heads each, 48 blocks)"),
+    # MiniMax-H3: diffusers' MiniMaxH3Transformer3DModel defaults (the released model).
+    "minimax_h3": (MiniMaxH3Config(hidden_size=5376, num_layers=50, num_heads=56, head_dim=128, ffn_dim=14336,
+                                   text_dim=5120),
+                   "MiniMax-H3 shapes (width 5376, 56 heads x 128, 50 blocks, SwiGLU 14336)"),
     "z_image": (ZImageConfig(hidden_size=3840, num_heads=30, num_kv_heads=30, num_layers=30, num_refiner_layers=2,
                              ffn_dim=10240, cap_feat_dim=2560),
                 "Z-Image Turbo / base 6B shapes (width 3840, 30 heads, 2 refiner + 30 blocks, ffn 10240)"),
@@ -101,5 +125,17 @@ RELEASE_VIDEO_SIZES = {"wan": (("480p (832x480) x 81 frames", 21, 60, 104),
                        # 31 x 30 x 53 = 49,290 tokens; 1280x720 -> 31 x 45 x 80 = 111,600 tokens.
                        "hunyuan_video15": (("480p (848x480) x 121 frames", 31, 30, 53),
                                            ("720p (1280x720) x 121 frames", 31, 45, 80))}
+# The audio-video families' released sizes: (name, latent frames, token rows, token columns, audio tokens).
+# LTX-2.3's text-to-video template (video_ltx2_3_t2v): 1280x720 (EmptyLTXVLatentVideo keeps 720 // 32 = 22 rows) x
+# 121 frames at 25 fps, sampled at half size, then upscaled 2x and sampled again: 16 x 11 x 20 = 3,520 and 16 x 22 x
+# 40 = 14,080 video tokens, 121 audio tokens each. MiniMax-H3 at 1344x768 (2 x 2 patches of its 16x latent: 24 x
+# 42 per frame) for its t2v template's 73 frames (22 latent frames: 22,176 rows, 122 audio latents = 244 rows) and
+# its default 124 (37: 37,296 rows, 207 audio latents = 414 rows).
+RELEASE_AV_SIZES = {"ltx2": (("stage 1: 640x352 x 121 frames", 16, 11, 20, 121),
+                             ("stage 2: 1280x704 x 121 frames", 16, 22, 40, 121)),
+                    "minimax_h3": (("1344x768 x 73 frames", 22, 24, 42, 244),
+                                   ("1344x768 x 124 frames", 37, 24, 42, 414))}
+# Prompt rows at release: LTX-2's Gemma prompt padded to 1,024 (ComfyUI's LTXAV tokenizer); a long MiniMax-H3 prompt.
+RELEASE_AV_TEXT = {"ltx2": 1024, "minimax_h3": 512}
 NAMED_MODELS = {"bench": BENCH_FLUX, "tiny": TINY, **{k: v for k, v in BENCH_FAMILIES.items() if k != "flux"}}
 TOY = "toy"  # the trained demo model (parallel_runtime/toy): its shipped file, the demo's prompt, 512x512

@@ -16,8 +16,9 @@ XDIT_HUNYUANVIDEO_TOKENS = 33 * 45 * 80
 
 
 def gpu_projection(say, config: FluxConfig, name: str, latent_shape, text: int, image_tokens: int, cfg: float,
-                   tflops: float) -> list[dict]:
-    """Cost-model projection to 2/4/8 GPUs on NVLink and PCIe (compute from FLOPs at `tflops`)."""
+                   tflops: float, runs=lambda strategy: True) -> list[dict]:
+    """Cost-model projection to 2/4/8 GPUs on NVLink and PCIe (compute from FLOPs at `tflops`), over the plans
+    `runs` accepts (those the runtime runs for this model)."""
     lin, att = costmodel.block_flops(config, text, image_tokens)
     say(f"Projection for 2/4/8 GPUs, {name}, {image_tokens} + {text} tokens, bf16: per block "
         f"{(lin + att) / 1e9:.0f} GFLOP ({att / (lin + att):.0%} attention) at {tflops:.0f} TFLOP/s (assumed) = "
@@ -38,8 +39,8 @@ def gpu_projection(say, config: FluxConfig, name: str, latent_shape, text: int, 
             row = [str(n), link]
             for c in ((cfg, cfg_hi) if cfg_hi != cfg else (cfg,)):
                 serial = costmodel.project(StrategySpec(), config, calib, cfg=c, steps=20, act_bytes=2)
-                cands = auto.rank_candidates(config, latent_shape, c, devs, calib, text_len=text, steps=20,
-                                             memory_budget_bytes=budget)
+                cands = [x for x in auto.rank_candidates(config, latent_shape, c, devs, calib, text_len=text, steps=20,
+                                                         memory_budget_bytes=budget) if runs(x.strategy)]
                 best = auto.pick(cands)
                 row += [best.strategy.label() if best else "-",
                         f"{serial.job_s / best.projection.job_s:.2f}x" if best else "-"]
@@ -80,3 +81,32 @@ def xdit_published(say) -> dict:
     return {"source": "xdit-project/xDiT docs/performance/hunyuanvideo.md", "model": "HunyuanVideo",
             "size": "1280x720, 129 frames, 50 steps", "tokens": XDIT_HUNYUANVIDEO_TOKENS, "strategy": "Ulysses",
             "gpu": "H100", "latency_s": XDIT_HUNYUANVIDEO_720P_H100, "speedup": speedups}
+
+
+def av_projection(say, family: str, cfg: float, tflops: float) -> list[dict]:
+    """`gpu_projection` of an audio-video family's released model at its released sizes, audio tokens counted:
+    MiniMax-H3's audio rows are rows of its one packed sequence, so they join the video's; LTX-2's audio stream is
+    its own, which the cost model's audio-video block counts beside the video (LTX2Config.audio_rows)."""
+    from ..models.registry import family_of
+    from .models import RELEASE_AV_SIZES, RELEASE_AV_TEXT, RELEASE_SHAPES
+
+    config, name = RELEASE_SHAPES[family]
+    adapter, text = family_of(config).adapter_class, RELEASE_AV_TEXT[family]
+    two_streams, p = getattr(adapter, "two_streams", False), adapter.patch
+    # LTX-2's model call runs the exact strategies only (LTX2Config.model_call_problem)
+    runs = (lambda s: s.exact) if two_streams else (lambda s: True)
+    out = []
+    for size, frames, rows, cols, audio in RELEASE_AV_SIZES[family]:
+        video = frames * rows * cols
+        tokens = video if two_streams else video + audio
+        counted = costmodel.audio_rows(config, video) if two_streams else audio
+        plane = (1, config.latent_channels, frames * rows * p, cols * p)
+        label = (f"{name}, {size}: {video:,} video + {audio} audio tokens"
+                 + (f" (the cost model counts {counted} audio rows, video / 48)" if two_streams else
+                    " in one packed sequence"))
+        out += [dict(row, size=size, video_tokens=video, audio_tokens=audio) for row in
+                gpu_projection(say, config, label, plane, text, tokens, cfg, tflops, runs)]
+    if two_streams:
+        say("  LTX-2's model call runs CFG, Ulysses, Ring, tensor parallelism and sharded weights, not PipeFusion yet: "
+            "the plans above are those")
+    return out

@@ -113,7 +113,9 @@ class ModelFamily(Protocol):
 class BlockKind:
     """One kind of block a family has, as the cost model times it: a name, and per attention layer whose rows
     attend to whose: "joint" ([prompt, image] over [prompt, image]), "image" (image over image), "prompt"
-    (image rows over the whole prompt: cross-attention, which every rank holds)."""
+    (image rows over the whole prompt: cross-attention, which every rank holds); a two-stream family's audio rows
+    (LTX-2, `config.audio_rows`): "audio" (audio over audio), "audio_prompt" (audio over the prompt), "a2v" (image
+    over audio), "v2a" (audio over image)."""
 
     name: str
     attention: tuple[str, ...]
@@ -130,7 +132,12 @@ class BlockKind:
         "image"): one per attention layer's out-projection (cross-attention's over the image rows) and one for the
         MLP, or one in all where a fused projection ends the block."""
         mlp = "joint" if self.prompt_rows else "image"
-        return (mlp,) if self.fused else tuple("joint" if a == "joint" else "image" for a in self.attention) + (mlp,)
+        image = tuple("joint" if a == "joint" else "image" for a in self.attention if a not in AUDIO_QUERY_LAYERS)
+        return (mlp,) if self.fused else image + (mlp,)
+
+
+# Attention layers whose outputs are audio rows (their all-reduces sum ~1-2% of the video's rows: left out).
+AUDIO_QUERY_LAYERS = ("audio", "audio_prompt", "v2a")
 
 
 JOINT_BLOCK = BlockKind("joint", ("joint",))

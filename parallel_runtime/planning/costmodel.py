@@ -212,10 +212,28 @@ def distinct_kinds(config) -> dict:
     return out
 
 
-def attention_shapes(kind, text_tokens: int, image_tokens: int) -> list[tuple[int, int]]:
+def audio_rows(config, image_tokens: int) -> int:
+    """A two-stream family's audio rows beside `image_tokens` video rows (LTX-2), else 0."""
+    rows = getattr(config, "audio_rows", None)
+    return rows(image_tokens) if rows else 0
+
+
+AUDIO_WIDTH_LAYERS = ("audio", "audio_prompt", "a2v", "v2a")  # LTX-2 runs these at the audio stream's width
+CROSS_ATTENTION = ("prompt", "audio_prompt")  # over the prompt every rank holds: nothing travels
+
+
+def attention_width(config, layer: str) -> int:
+    """Query width (heads x head size) of an attention layer: the audio stream's for LTX-2's audio layers."""
+    if layer in AUDIO_WIDTH_LAYERS and hasattr(config, "audio_hidden_size"):
+        return config.audio_hidden_size
+    return config.num_heads * config.head_dim
+
+
+def attention_shapes(kind, text_tokens: int, image_tokens: int, audio_tokens: int = 0) -> list[tuple[int, int]]:
     """(query rows, key rows) of each attention layer of `kind` over one whole forward."""
-    joint = text_tokens + image_tokens
-    rows = {"joint": (joint, joint), "image": (image_tokens, image_tokens), "prompt": (image_tokens, text_tokens)}
+    joint, n, a = text_tokens + image_tokens, image_tokens, audio_tokens
+    rows = {"joint": (joint, joint), "image": (n, n), "prompt": (n, text_tokens), "audio": (a, a),
+            "audio_prompt": (a, text_tokens), "a2v": (n, a), "v2a": (a, n)}
     return [rows[layer] for layer in kind.attention]
 
 
@@ -244,7 +262,7 @@ def measure_blocks(config, text_tokens: int, image_tokens: int, *, device: str =
     from ..strategies.attention.local import attention
     from ..strategies.attention.processor import AttentionContext
 
-    family, heads, head_dim = family_of(config), config.num_heads, config.head_dim
+    family, heads = family_of(config), config.num_heads
     old_threads = torch.get_num_threads()
     if threads and device == "cpu":
         torch.set_num_threads(threads)
@@ -256,9 +274,12 @@ def measure_blocks(config, text_tokens: int, image_tokens: int, *, device: str =
                 block_s = _timed(run, device, repeats)
                 del run  # one block's weights at a time
                 attention_s = []
-                for q_rows, kv_rows in attention_shapes(kind, text_tokens, image_tokens):
-                    q = torch.randn(1, q_rows, heads, head_dim, device=device, dtype=dtype)
-                    kv = torch.randn(1, kv_rows, heads, head_dim, device=device, dtype=dtype)
+                audio = audio_rows(config, image_tokens)
+                for layer, (q_rows, kv_rows) in zip(kind.attention,
+                                                    attention_shapes(kind, text_tokens, image_tokens, audio)):
+                    width = attention_width(config, layer)  # the same heads, narrower where the audio's
+                    q = torch.randn(1, q_rows, heads, width // heads, device=device, dtype=dtype)
+                    kv = torch.randn(1, kv_rows, heads, width // heads, device=device, dtype=dtype)
                     attention_s.append(_timed(functools.partial(attention, q, kv, kv), device, repeats))
                 kinds[name] = KindTiming(block_s, tuple(attention_s))
     finally:
@@ -477,13 +498,14 @@ def kind_flops(config, text_tokens: int, image_tokens: int) -> dict[str, tuple[f
     from ..models.registry import family_of
     from ..strategies.attention.processor import AttentionContext
 
-    family, width = family_of(config), config.num_heads * config.head_dim
+    family, audio = family_of(config), audio_rows(config, image_tokens)
     out = {}
     for name, (kind, index) in distinct_kinds(config).items():
         run = family.probe_block(config, index, AttentionContext(), text_tokens, image_tokens, torch.float32, "meta")
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             run()
-        attention = tuple(4.0 * q * kv * width for q, kv in attention_shapes(kind, text_tokens, image_tokens))
+        attention = tuple(4.0 * q * kv * attention_width(config, layer) for layer, (q, kv) in
+                          zip(kind.attention, attention_shapes(kind, text_tokens, image_tokens, audio)))
         out[name] = (max(counter.get_total_flops() - sum(attention), 0.0), attention)
     return out
 
@@ -556,21 +578,24 @@ class Rows:
 
 
 def kind_seconds(kind, timing: KindTiming, rows: Rows, text_tokens: int, image_tokens: int,
-                 fixed_rows: float = 0.0) -> float:
+                 fixed_rows: float = 0.0, audio_tokens: int = 0) -> float:
     """One block of `kind` on `rows`, scaled from its calibration at `text_tokens + image_tokens`: the linear
     part by the rows it sees (the prompt's only where it attends jointly), each attention layer by its query x
-    key rows; work on r rows costs like r + `fixed_rows`."""
-    k, joint = fixed_rows, text_tokens + image_tokens
+    key rows; work on r rows costs like r + `fixed_rows`. A two-stream family's `audio_tokens` split as its
+    image rows do (both streams are cut over the same ranks)."""
+    k, joint, n, a = fixed_rows, text_tokens + image_tokens, image_tokens, max(audio_tokens, 1)
     mine, full = (rows.text + rows.image, joint) if kind.prompt_rows else (rows.image, image_tokens)
     seconds = timing.linear_s * (mine + k) / (full + k)
+    q_a, kv_a = a * rows.q_image / n, a * rows.kv_image / n  # this rank's audio queries and keys
+    shapes = {"joint": (rows.q_text + rows.q_image, rows.kv_text + rows.kv_image, joint, joint, rows.heads),
+              "image": (rows.q_image, rows.kv_image, n, n, rows.heads),
+              # cross-attention needs no communication, so it runs on the rank's own rows over the whole prompt
+              "prompt": (rows.image, text_tokens, n, text_tokens, 1.0),
+              "audio_prompt": (a * rows.image / n, text_tokens, a, text_tokens, 1.0),
+              "audio": (q_a, kv_a, a, a, rows.heads), "a2v": (rows.q_image, kv_a, n, a, rows.heads),
+              "v2a": (q_a, rows.kv_image, a, n, rows.heads)}
     for layer, attention_s in zip(kind.attention, timing.attention_s):
-        if layer == "joint":
-            q, kv, q_full, kv_full, heads = (rows.q_text + rows.q_image, rows.kv_text + rows.kv_image, joint, joint,
-                                             rows.heads)
-        elif layer == "image":
-            q, kv, q_full, kv_full, heads = rows.q_image, rows.kv_image, image_tokens, image_tokens, rows.heads
-        else:  # "prompt": cross-attention needs no communication, so it runs on the rank's own rows
-            q, kv, q_full, kv_full, heads = rows.image, text_tokens, image_tokens, text_tokens, 1.0
+        q, kv, q_full, kv_full, heads = shapes[layer]
         seconds += attention_s * heads * (q + k) * kv / ((q_full + k) * kv_full)
     return seconds
 
@@ -593,12 +618,13 @@ def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, s
     if calib.device == "cpu":
         slow = max(1.0, world * calib.threads / calib.cores) / max(1.0, calib.threads / calib.cores)
     kinds = {kind.name: kind for kind in config.block_kinds}
+    a_len = audio_rows(config, n_len)
 
     def blocks(counts: dict[str, int], rows: Rows) -> float:
         """The blocks `counts` (per kind) of one forward on `rows`, all branches, on a shared CPU; a tensor rank runs
         1/P of every block's heads and MLP units."""
-        return b_mult * slow * sum(n * kind_seconds(kinds[name], bt.of(name), rows, t_len, n_len, calib.fixed_rows)
-                                   for name, n in counts.items()) / topo.tensor
+        return b_mult * slow * sum(n * kind_seconds(kinds[name], bt.of(name), rows, t_len, n_len, calib.fixed_rows,
+                                                    a_len) for name, n in counts.items()) / topo.tensor
 
     all_blocks = dict(Counter(kind.name for kind in config.block_kinds))
     if stage_kinds is None and topo.pipefusion > 1:
@@ -633,7 +659,7 @@ def project(strategy: StrategySpec, config, calib: Calibration, *, cfg: float, s
         # Ring hops hide behind the self-attention that runs between them (cross-attention is not ringed).
         ring = max(c.get("ring", 0.0) for c in comm_rank)
         self_attention = sum(n * sum(t for layer, t in zip(kinds[name].attention, bt.of(name).attention_s)
-                                     if layer != "prompt") for name, n in all_blocks.items())
+                                     if layer not in CROSS_ATTENTION) for name, n in all_blocks.items())
         attn_share = b_mult * self_attention / (topo.ulysses * topo.ring) * (topo.ring - 1)
         comm_s = comm_s - ring + max(ring - attn_share, 0.0)
     if calib.overlap and strategy.sharded:

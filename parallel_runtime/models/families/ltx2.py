@@ -78,8 +78,9 @@ ALWAYS_OWNED = _TIME + ("caption_projection.", "audio_caption_projection.")
 FIRST_STAGE = ("proj_in.", "audio_proj_in.", "keyframes_abs_pos_embedding")
 LAST_STAGE = ("scale_shift_table", "audio_scale_shift_table", "norm_out.", "proj_out.", "audio_norm_out.",
               "audio_proj_out.")
-# Per block: video self-attention, video -> prompt, audio self, audio -> prompt, a2v, v2a (cost model's view).
-AV_BLOCK = BlockKind("audio-video", ("image", "prompt", "image", "prompt", "image", "image"))
+# Per block: video self-attention, video -> prompt, audio self, audio -> prompt, a2v, v2a (the cost model's view:
+# costmodel.attention_shapes, with the audio rows from LTX2Config.audio_rows).
+AV_BLOCK = BlockKind("audio-video", ("image", "prompt", "audio", "audio_prompt", "a2v", "v2a"))
 
 
 READINGS = ("diffusers", "comfyui")
@@ -139,6 +140,18 @@ class LTX2Config(JointAttentionConfig):
     @property
     def mlp_hidden(self) -> int:
         return 4 * self.hidden_size
+
+    @property
+    def attention_layers(self) -> tuple[tuple[bool, ...], ...]:
+        """traffic.Shapes' view (image-only layers of N rows x width): the video self-attention, and a2v with v2a as
+        one more. Those two move the video rows' q and output (a2v) and k and v (v2a) at the audio width, half the
+        video's: 2 N H together against an image layer's 4 N H, so this counts 8 N H per block where 6 N H (plus the
+        audio's own ~1%) move: 33% over, on the safe side."""
+        return ((False, False),) * self.num_layers
+
+    def audio_rows(self, video_tokens: int) -> int:
+        """Audio tokens beside `video_tokens` as the cost model counts them (AUDIO_PER_VIDEO_TOKEN)."""
+        return max(1, round(video_tokens * AUDIO_PER_VIDEO_TOKEN))
 
     @property
     def head_dim(self) -> int:
@@ -712,14 +725,16 @@ def tensor_plan(config: LTX2Config) -> dict:
 CALL_TIMESTEP_SCALE = 1000.0  # LTXAVModel's timestep_scale_multiplier: ComfyUI's call carries sigmas
 AUDIO_BINS = 16  # the audio latent's mel bins (ComfyUI's [B, channels, frames, 16]; channels x 16 per token)
 
-AUDIO_PER_VIDEO_TOKEN = 1 / 48  # audio rows per video row at the released shapes (~126 per 6k video tokens)
+# Audio rows per video row as the cost model counts them: ComfyUI's default LTX-2 size (768x512 x 97 frames at 25 fps:
+# 97 audio tokens beside 13 x 16 x 24 = 4,992 video tokens, ~1/51); the template's 720p x 121 frames has ~1/116.
+AUDIO_PER_VIDEO_TOKEN = 1 / 48
 
 
 def block_inputs(config: LTX2Config, text: int, image: int, generator: torch.Generator) -> tuple:
     """Random run_blocks arguments of one block call: `image` video rows on a one-frame grid, their share of audio
     rows, both prompts of `text` rows, per-sample modulation rows, and the rows' RoPE."""
     c, b = config, 1
-    audio = max(1, round(image * AUDIO_PER_VIDEO_TOKEN))
+    audio = config.audio_rows(image)
     k = 9 if c.cross_attn_mod else 6
 
     def rand(*shape):
