@@ -408,11 +408,11 @@ def test_cancel_stops_the_loop_at_the_next_step(files):
     from parallel_runtime.distributed.topology import Topology
     from parallel_runtime.errors import Cancelled
     from parallel_runtime.strategies.attention.processor import AttentionContext
-    from parallel_runtime.strategies.denoise import Denoiser
+    from parallel_runtime.strategies.av_sampling import AudioVideoDenoiser
 
     context, steps_done = AttentionContext(), []
     adapter = h3t.build_adapter(files["minimax_h3"], context)
-    denoiser = Denoiser(adapter, Topology(), Comm(Topology()), context)
+    denoiser = AudioVideoDenoiser(adapter, Topology(), Comm(Topology()), context)
     with pytest.raises(Cancelled), torch.no_grad():
         denoiser.run(h3_job(files["minimax_h3"]), progress=lambda i, n: steps_done.append(i),
                      cancel_requested=lambda: len(steps_done) >= 1)

@@ -399,6 +399,7 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
 
 def _denoise(state: WorkerState, chan: Channel, job, topology, pulse, controlnets) -> tuple[dict, torch.Tensor | None]:
     from ..strategies.denoise import Denoiser
+    from ..strategies.av_sampling import AudioVideoDenoiser
     from ..strategies.model_call import ModelCallForward
     from ..strategies.sharded_weights import bind_weight_gatherer
     from ..strategies.tensor import bind_tensor_group
@@ -411,7 +412,9 @@ def _denoise(state: WorkerState, chan: Channel, job, topology, pulse, controlnet
     pulse.traffic = comm.traffic
     if state.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(state.device)
-    runner = Denoiser if job.timestep is None else ModelCallForward  # a whole denoise, or one stock-sampler call
+    # One stock-sampler call, a whole denoise of both latents of an audio-video family, or a whole denoise.
+    runner = (ModelCallForward if job.timestep is not None else AudioVideoDenoiser if job.audio is not None
+              else Denoiser)
     # Set for every job, so a skip of one job never leaks into the next.
     state.adapter.skip = state.family.replaced_blocks(state.adapter.config, job.skip_blocks)
     denoiser = runner(state.adapter, topology, comm, state.context, controlnets)

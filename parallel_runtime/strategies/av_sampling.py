@@ -27,14 +27,26 @@ import torch
 from ..sampling import cfg_combine, cfg_uses_uncond, ksampler_sigmas, make_sampler
 from ..sampling.audio_video import AudioCarry, pack_streams, prepare_nested_noise, unpack_streams
 from ..spec import Job
+from .denoise import Denoiser
+from .model_call import ModelCallForward
 from .two_stream_call import two_stream_outputs
+
+
+class AudioVideoDenoiser(Denoiser):
+    """The runner of a Parallel Sampler job that carries an audio latent (the worker picks it where Job.audio is
+    set): the Denoiser's job handling (progress, cancel votes, the forward's amax reduce), its step loop
+    `run_av_job`."""
+
+    def _run(self, job: Job) -> tuple[torch.Tensor, torch.Tensor] | None:
+        try:
+            return run_av_job(self, job)
+        finally:
+            self._finish_vote()
 
 
 def run_av_job(denoiser, job: Job) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(video, audio) LATENT on the result rank, None elsewhere. `denoiser`: the job's Denoiser (its adapter,
     topology, comm, attention context, progress and cancel hooks)."""
-    from .model_call import ModelCallForward
-
     adapter, sp = denoiser.adapter, job.sampling
     ms, carry = adapter.model_sampling, _carry_of(adapter)
     sigmas = ksampler_sigmas(ms, sp.scheduler, sp.steps, sp.denoise)

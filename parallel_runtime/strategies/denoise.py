@@ -195,13 +195,8 @@ class Denoiser:
         return whole if group == 0 else None
 
     def _run(self, job: Job) -> torch.Tensor | None:
-        if job.audio is not None:  # an audio-video family: both latents stepped together
-            from .av_sampling import run_av_job
-
-            try:
-                return run_av_job(self, job)
-            finally:
-                self._finish_vote()
+        if job.audio is not None:  # the worker runs these on av_sampling.AudioVideoDenoiser, which steps both latents
+            raise TypeError("an audio-video job (Job.audio) runs on AudioVideoDenoiser, not on Denoiser")
         s, sp = job.strategy, job.sampling
         b, c, *spatial = job.latent.shape  # (H, W), or (T, H, W) for a video
         cfg = self.adapter.config

@@ -32,6 +32,12 @@ def split_range(total: int, pieces: int, k: int, weights: tuple[float, ...] = ()
     return range(bounds[k], bounds[k + 1])
 
 
+def shard_rows(n: int, k: int) -> list[torch.Tensor]:
+    """Row indices of k contiguous shards of n rows, the first n % k one longer."""
+    sizes = [n // k + (j < n % k) for j in range(k)]
+    return list(torch.arange(n).split(sizes))
+
+
 def weighted_counts(total: int, weights: tuple[float, ...]) -> list[int]:
     """`total` whole units (attention heads, blocks) shared in proportion to `weights`, each share at least one."""
     return [len(split_range(total, len(weights), k, weights)) for k in range(len(weights))]

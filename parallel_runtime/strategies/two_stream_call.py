@@ -18,12 +18,7 @@ from ..distributed.topology import latent_plane, validate_strategy
 from ..spec import Job
 from .attention import LocalAttention
 from .attention.streams import stream_attention
-
-
-def shard_rows(n: int, k: int) -> list[torch.Tensor]:
-    """Row indices of k contiguous shards of n rows, the first n % k one longer."""
-    sizes = [n // k + (j < n % k) for j in range(k)]
-    return list(torch.arange(n).split(sizes))
+from .layout import shard_rows
 
 
 def run_two_stream_call(runner, job: Job):

@@ -21,8 +21,8 @@ import torch
 
 from ..spec import Job
 from .attention import LocalAttention
+from .layout import shard_rows
 from .pipefusion import StaleKVAttention, StaleKVCache
-from .two_stream_call import shard_rows
 
 # Each stream attention's key stream: its buffer's rows (strategies' slots as attention/streams.py names them).
 KEY_STREAMS = {"video": "video", "audio": "audio", "a2v": "audio", "v2a": "video"}
