@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..planning import costmodel
 from ..planning.memory import CUDA_USABLE
 from ..spec import StrategySpec
-from .models import RELEASE_AV_SIZES, RELEASE_AV_TEXT, RELEASE_SHAPES
+from .models import RELEASE_AV_SIZES, RELEASE_AV_TEXT, RELEASE_SHAPES, runs_today
 from .report import fmt_table
 
 FILES = {"bf16": 2.0, "fp8": 1.0}  # bytes per weight; activations are bf16 in both
@@ -45,11 +45,10 @@ def plan_memory(family: str, gpus: tuple[int, ...] = (2, 4)) -> dict:
     size, frames, rows, cols, audio = RELEASE_AV_SIZES[family][-1]  # the largest released size
     video, text = frames * rows * cols, RELEASE_AV_TEXT[family]
     layout = costmodel.param_layout(config)
-    runs_today = (lambda s: s.exact) if config.family == "ltx2" else (lambda s: True)  # LTX2Config.model_call_problem
     plans = []
     for world in gpus:
         for s in _plans(world):
-            entry = {"gpus": world, "plan": s.label(), "runs": runs_today(s), "weights": {}, "memory": {}}
+            entry = {"gpus": world, "plan": s.label(), "runs": runs_today(config, s), "weights": {}, "memory": {}}
             for cfg in CFGS:
                 if s.cfg_degree > 1 and cfg == 1.0:
                     continue  # CFG parallel splits cond from uncond: nothing to split at cfg 1

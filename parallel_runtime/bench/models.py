@@ -139,3 +139,10 @@ RELEASE_AV_SIZES = {"ltx2": (("stage 1: 640x352 x 121 frames", 16, 11, 20, 121),
 RELEASE_AV_TEXT = {"ltx2": 1024, "minimax_h3": 512}
 NAMED_MODELS = {"bench": BENCH_FLUX, "tiny": TINY, **{k: v for k, v in BENCH_FAMILIES.items() if k != "flux"}}
 TOY = "toy"  # the trained demo model (parallel_runtime/toy): its shipped file, the demo's prompt, 512x512
+
+
+def runs_today(config, strategy) -> bool:
+    """Whether the family's audio-video model call runs `strategy` (LTX2Config.strategy_problem: its two-stream
+    call's PipeFusion stands alone, displaced patch not yet); every other family's runs every plan the grid makes."""
+    problem = getattr(config, "strategy_problem", None)
+    return problem is None or problem(strategy, "the model call") is None

@@ -88,13 +88,14 @@ def av_projection(say, family: str, cfg: float, tflops: float) -> list[dict]:
     MiniMax-H3's audio rows are rows of its one packed sequence, so they join the video's; LTX-2's audio stream is
     its own, which the cost model's audio-video block counts beside the video (LTX2Config.audio_rows)."""
     from ..models.registry import family_of
-    from .models import RELEASE_AV_SIZES, RELEASE_AV_TEXT, RELEASE_SHAPES
+    from .models import RELEASE_AV_SIZES, RELEASE_AV_TEXT, RELEASE_SHAPES, runs_today
 
     config, name = RELEASE_SHAPES[family]
     adapter, text = family_of(config).adapter_class, RELEASE_AV_TEXT[family]
     two_streams, p = getattr(adapter, "two_streams", False), adapter.patch
-    # LTX-2's model call runs the exact strategies only (LTX2Config.model_call_problem)
-    runs = (lambda s: s.exact) if two_streams else (lambda s: True)
+    def runs(s):  # the plans the family's model call runs (LTX-2: PipeFusion alone or beside CFG)
+        return runs_today(config, s)
+
     out = []
     for size, frames, rows, cols, audio in RELEASE_AV_SIZES[family]:
         video = frames * rows * cols
@@ -107,6 +108,6 @@ def av_projection(say, family: str, cfg: float, tflops: float) -> list[dict]:
         out += [dict(row, size=size, video_tokens=video, audio_tokens=audio) for row in
                 gpu_projection(say, config, label, plane, text, tokens, cfg, tflops, runs)]
     if two_streams:
-        say("  LTX-2's model call runs CFG, Ulysses, Ring, tensor parallelism and sharded weights, not PipeFusion yet: "
-            "the plans above are those")
+        say("  LTX-2's model call runs CFG, Ulysses, Ring, tensor parallelism, sharded weights and PipeFusion (alone or "
+            "beside CFG, not inside Ulysses, Ring or tensor parallelism yet): the plans above are those")
     return out
