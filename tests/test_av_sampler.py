@@ -247,18 +247,23 @@ def serial_run(files, client1):
     return run
 
 
-@pytest.mark.parametrize("family", ["minimax_h3", "ltx2"])
-@pytest.mark.parametrize("strategy", STRATEGIES.values(), ids=STRATEGIES.keys())
-def test_exact_strategies_equal_the_serial_run(files, client2, serial_run, family, strategy):
-    """MiniMax-H3's audio and video rows split as one packed sequence, LTX-2's as two streams over the same ranks;
-    the CFG group takes one branch each, tensor parallelism half of every layer's heads and units."""
+def _check_against_serial(client, files, serial_run, family: str, strategy: dict) -> None:
+    """The family's job on `strategy` (STRATEGY_STEPS steps) on `client`'s workers equals the 1-worker run."""
     make = functools.partial(h3_job, sampler="dpmpp_2m") if family == "minimax_h3" else ltx_job
-    result = client2.run(make(files[family], StrategySpec(**strategy), steps=STRATEGY_STEPS))
+    result = client.run(make(files[family], StrategySpec(**strategy), steps=STRATEGY_STEPS))
     serial = serial_run(family, STRATEGY_STEPS)
     errors = _errors(result, (serial.latent, serial.audio))
     print(f"\n{family} Parallel Sampler, {StrategySpec(**strategy).label()} vs 1 worker: video {errors[0]:.1e}, "
           f"audio {errors[1]:.1e}")
     assert max(errors) <= EXACT_RTOL
+
+
+@pytest.mark.parametrize("family", ["minimax_h3", "ltx2"])
+@pytest.mark.parametrize("strategy", STRATEGIES.values(), ids=STRATEGIES.keys())
+def test_exact_strategies_equal_the_serial_run(files, client2, serial_run, family, strategy):
+    """MiniMax-H3's audio and video rows split as one packed sequence, LTX-2's as two streams over the same ranks;
+    the CFG group takes one branch each, tensor parallelism half of every layer's heads and units."""
+    _check_against_serial(client2, files, serial_run, family, strategy)
 
 
 @pytest.mark.parametrize("family, strategy", [("minimax_h3", dict(cfg_degree=2, ulysses_degree=2)),
@@ -270,13 +275,7 @@ def test_hybrids_on_four_equal_the_serial_run(files, client4, serial_run, family
     """Hybrids on four workers (the session's client4, which the families' own modules start): CFG over Ulysses for
     MiniMax-H3's packed stream, Ulysses over Ring for LTX-2's two streams (13 audio rows: uneven shards), and CFG
     over PipeFusion's stages for LTX-2 (every step warm-up: exact; the stale steps' error is measured below)."""
-    make = functools.partial(h3_job, sampler="dpmpp_2m") if family == "minimax_h3" else ltx_job
-    result = client4.run(make(files[family], StrategySpec(**strategy), steps=STRATEGY_STEPS))
-    serial = serial_run(family, STRATEGY_STEPS)
-    errors = _errors(result, (serial.latent, serial.audio))
-    print(f"\n{family} Parallel Sampler, {StrategySpec(**strategy).label()} vs 1 worker: video {errors[0]:.1e}, "
-          f"audio {errors[1]:.1e}")
-    assert max(errors) <= EXACT_RTOL
+    _check_against_serial(client4, files, serial_run, family, strategy)
 
 
 def test_minimax_h3_pipefusion_is_exact_in_warmup_and_beats_naive_patch(files, client2, serial_run):
