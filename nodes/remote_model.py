@@ -358,7 +358,18 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
                         references=_chunk_references(kwargs.get("ref_latents"), k, batch, latent_format),
                         reference_method=kwargs.get("ref_latents_method"),
                         concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls,
-                        attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip, glyph=glyph)
+                        attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip, glyph=glyph,
+                        camera=_chunk_camera(kwargs.get("camera_conditions"), sl))
+
+
+def _chunk_camera(camera, sl: slice):
+    """Chunk rows `sl` of a Wan Fun camera call's camera_conditions (WanCameraEmbedding's Plücker embedding, at pixel
+    size), one row where all are equal (the node makes one per prompt; ComfyUI repeats it over the batch). Kept in
+    the call's dtype: it is the largest input of the call (24 channels at 8x the latent's height and width)."""
+    if camera is None:
+        return None
+    camera = camera[sl].detach().cpu()
+    return camera[:1] if camera.shape[0] > 1 and bool((camera == camera[:1]).all()) else camera
 
 
 def _chunk_attention_mask(mask, sl: slice) -> tuple[torch.Tensor | None, str | None]:
@@ -397,7 +408,7 @@ def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
 # num_tokens: Lumina 2's and Z-Image's count of unpadded prompt tokens, which must be the whole prompt
 # (_refuse_padded_prompt).
 _KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea", "denoise_mask",
-                 "num_tokens", "txt_byt5"}
+                 "num_tokens", "txt_byt5", "camera_conditions"}
 # Inputs ComfyUI 2026's model classes pass that no family here reads yet, by what adds them (the refusal names it).
 _INPUT_SOURCES = {
     "image_slots": "images placed in the prompt by TextEncodeQwenImage21",
@@ -406,6 +417,7 @@ _INPUT_SOURCES = {
     "clip_text_pooled": "NewBie's pooled CLIP text",
     "guiding_frame_index": "HunyuanVideo 1.0 image-to-video's guiding frame",
     "ref_latent": "HunyuanVideo 1.0 image-to-video's reference latent",
+    "reference_latent": "the reference image of Wan22FunControlToVideo (ref_image), read by a Wan Fun model's ref_conv",
     "disable_time_r": "the HunyuanVideo super-resolution model's time input",
 }
 

@@ -220,11 +220,15 @@ class Conditioning:
     # ComfyUI's txt_byt5 [1 or B, N, 1472]: ByT5 glyph tokens of the prompt's quoted text (HunyuanVideo 1.5's text
     # encoder makes them), which the model joins to its prompt stream.
     glyph: torch.Tensor | None = None
+    # ComfyUI's camera_conditions [1 or B, 24, T, 8H, 8W]: WanCameraEmbedding's Plücker embedding at pixel size,
+    # which a Wan Fun camera model's control adapter adds to its video tokens (split with them, frame by frame).
+    camera: torch.Tensor | None = None
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         refs = {f"{prefix}.reference.{i}": r for i, r in enumerate(self.references)}
         extras = {f"{prefix}.{name}": t for name, t in (("concat", self.concat), ("clip_vision", self.clip_vision),
-                                                        ("glyph", self.glyph)) if t is not None}
+                                                        ("glyph", self.glyph), ("camera", self.camera))
+                  if t is not None}
         return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled, **refs, **extras}
 
     def kept_keys(self) -> list[str]:
@@ -254,7 +258,8 @@ class Conditioning:
         return cls(tensors[f"{prefix}.cond"], tensors[f"{prefix}.pooled"], meta.get(f"{prefix}_guidance"),
                    refs, meta.get(f"{prefix}_reference_method"), tuple(size) if size else None,
                    tensors.get(f"{prefix}.concat"), control, attention_mask_key=meta.get(f"{prefix}_attention_mask"),
-                   clip_vision=tensors.get(f"{prefix}.clip_vision"), glyph=tensors.get(f"{prefix}.glyph"))
+                   clip_vision=tensors.get(f"{prefix}.clip_vision"), glyph=tensors.get(f"{prefix}.glyph"),
+                   camera=tensors.get(f"{prefix}.camera"))
 
     def signature(self, prompt_tokens: int = 0) -> tuple:
         """What must be equal for two branches to share one forward pass (ComfyUI batches them then, and only
@@ -265,9 +270,10 @@ class Conditioning:
         masked = self.attention_mask is not None or self.attention_mask_key is not None
         clip = None if self.clip_vision is None else tuple(self.clip_vision.shape[1:])
         glyph = None if self.glyph is None else tuple(self.glyph.shape[1:])
+        camera = None if self.camera is None else tuple(self.camera.shape[1:])
         return (max(self.cond.shape[1], prompt_tokens), tuple(tuple(r.shape[-2:]) for r in self.references),
                 self.reference_method,
-                concat, tuple(c.signature() for c in self.control), masked, clip, glyph)
+                concat, tuple(c.signature() for c in self.control), masked, clip, glyph, camera)
 
 
 @dataclass

@@ -85,6 +85,19 @@ def call_job(path: str, strategy: S, negative: bool = True, call_step: int | Non
 # -- the reference ---------------------------------------------------------------------------------------
 
 
+def camera_adapter(sd: dict, camera: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's WanCamAdapter on WanCameraEmbedding's [B, 24, F, 8H, 8W]: frames into the batch, PixelUnshuffle(8),
+    the 2x2 stride-2 conv, one residual block (3x3 conv, ReLU, 3x3 conv, + input), frames back: [B, dim, F, H/2, W/2]."""
+    b, c, f, h, w = camera.shape
+    x = F.pixel_unshuffle(camera.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w), 8)
+    x = F.conv2d(x, sd["control_adapter.conv.weight"], sd["control_adapter.conv.bias"], stride=2)
+    r = F.relu(F.conv2d(x, sd["control_adapter.residual_blocks.0.conv1.weight"],
+                        sd["control_adapter.residual_blocks.0.conv1.bias"], padding=1))
+    x = x + F.conv2d(r, sd["control_adapter.residual_blocks.0.conv2.weight"],
+                     sd["control_adapter.residual_blocks.0.conv2.bias"], padding=1)
+    return x.view(b, f, *x.shape[1:]).permute(0, 2, 1, 3, 4)
+
+
 @torch.no_grad()
 def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor:
     """ComfyUI's WanModel on the job's rows; an image-to-video file reads its branch's concat channels beside the
@@ -108,6 +121,8 @@ def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor
         if branch.concat is not None:  # WanImageToVideo's mask and start-frame latent, after the latent's channels
             x = torch.cat([x, branch.concat], dim=1)
         x = F.conv3d(x, sd["patch_embedding.weight"], sd["patch_embedding.bias"], stride=(1, 2, 2))
+        if getattr(branch, "camera", None) is not None and "control_adapter.conv.weight" in sd:
+            x = x + camera_adapter(sd, branch.camera)  # CameraWanModel: the adapter's rows on the patch embedding
         grid = x.shape[2:]
         x = x.flatten(2).transpose(1, 2)
         ids = torch.stack(torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij"), -1).reshape(-1, 3)

@@ -12,6 +12,14 @@ The module tree keeps ComfyUI's parameter names (comfy/ldm/wan/model.py), so Com
 and a LoRA's ComfyUI keys land without translation; the forward pieces mirror ComfyUI's op for op, in its
 dtypes: the patch embedding in float32, the sinusoid in float32 then the model dtype, modulation added in the
 model dtype. Sampling is ModelSamplingDiscreteFlow (shift 8, multiplier 1000) on the Wan 2.1 latent format.
+
+VideoX-Fun's variants load as ComfyUI loads them (comfy/supported_models.py WAN21_FunControl2V, WAN21_Camera,
+WAN22_Camera): Fun inpaint is the image-to-video shape (WanFunInpaintToVideo's start and end frames through the
+same concat), Fun control reads the control video's latent beside the start frame's (32 channels; 2.2's with the
+mask between them, 36). Fun camera adds `control_adapter` (WanCamAdapter): the Plücker embedding of
+WanCameraEmbedding, [24, frames, 8H, 8W] per video, pixel-unshuffled and patch-convolved to one row per token,
+refined by 3x3 convolutions within each frame and added to the patch embedding. Each rank runs the adapter on the
+frames its tokens lie in (the convolutions never cross a frame), so the embedding splits with the tokens.
 """
 from __future__ import annotations
 
@@ -39,9 +47,10 @@ HEAD_DIM = 128  # every Wan: ComfyUI's detection sets num_heads = dim // 128
 EPS = 1e-6
 # img_emb projects the start image's CLIP-vision tokens (2.1 I2V) with the timestep, on every stage (temb).
 ALWAYS_OWNED = ("time_embedding.", "time_projection.", "img_emb.")
+CAMERA_UNSHUFFLE = 8  # WanCamAdapter's PixelUnshuffle: the Plücker embedding is at pixel size, 8x the latent's
 CLIP_TOKENS = 257  # clip_vision_h's penultimate hidden states: 16 x 16 patches and the class token
 CLIP_VISION_WIDTH = 1280  # CLIP ViT-H/14's hidden size: clip_vision_h, the CLIP vision file Wan 2.1 I2V reads
-FIRST_STAGE = ("patch_embedding.", "text_embedding.")
+FIRST_STAGE = ("patch_embedding.", "text_embedding.", "control_adapter.", "ref_conv.")
 LAST_STAGE = ("head.",)
 BLOCK_LISTS = ("blocks",)
 WAN_BLOCK = BlockKind("self+cross", ("image", "prompt"))
@@ -57,6 +66,8 @@ class WanConfig(JointAttentionConfig):
     text_dim: int = 4096
     freq_dim: int = 256
     image_to_video: bool = False  # 2.1 I2V: CLIP-vision tokens beside the prompt (img_emb, k_img / v_img)
+    camera_channels: int = 0  # Fun camera: the Plücker embedding's channels its control_adapter reads (24); else 0
+    reference_channels: int = 0  # 2.2 Fun control: ref_conv's input (a reference image's latent); else 0
 
     family = "wan"
     pooled_dim = 0
@@ -110,10 +121,38 @@ class WanConfig(JointAttentionConfig):
         return "i2v" if self.concat_channels else "t2v"
 
     @property
+    def fun_kind(self) -> str | None:
+        """VideoX-Fun's variant of this shape: "camera" (a control adapter), "control" (the control video's latent
+        beside the start frame's: 2.1's two latents, 2.2's with the mask between), else None (T2V, I2V, Fun InP)."""
+        if self.camera_channels:
+            return "camera"
+        return "control" if self.concat_channels in (2 * self.out_channels, 2 * self.out_channels + 4) else None
+
+    @property
+    def concat_nodes(self) -> str:
+        """The node that makes this file's c_concat, for the sentence refusing a branch without it."""
+        if self.fun_kind == "camera":
+            return "WanCameraImageToVideo"
+        if self.fun_kind == "control":
+            return "Wan22FunControlToVideo" if self.concat_channels % self.out_channels else "WanFunControlToVideo"
+        return "WanImageToVideo (or WanFunInpaintToVideo)"
+
+    @property
+    def reference_refusal(self) -> str:
+        """The sentence refusing reference latents (a Wan Fun model's ref_conv tokens are not run yet)."""
+        return (f"this {self.title} model's reference image (Wan22FunControlToVideo's ref_image, read by its ref_conv) "
+                f"is not run by ParaDiT yet; disconnect ref_image or load the model with UNETLoader")
+
+    @property
     def title(self) -> str:
         size = {1536: "1.3B", 3072: "5B", 5120: "14B"}.get(self.hidden_size, f"{self.hidden_size}-wide")
-        if self.out_channels == 48:  # 2.2's own VAE: text- and image-to-video in one file (the start frame is latent)
+        if self.fun_kind:  # 2.1's Fun files cross-attend CLIP vision (img_emb); 2.2's read the concat alone
+            version = "2.1" if self.image_to_video else "2.2"
+            return f"Wan {version} Fun {self.fun_kind.capitalize()} {size}"
+        if self.out_channels == 48 and not self.concat_channels:  # 2.2's own VAE: the start frame is in the latent
             return f"Wan 2.2 TI2V {size}"
+        if self.out_channels == 48:
+            return f"Wan 2.2 Fun InP {size}"
         # 2.1 I2V cross-attends CLIP-vision tokens; 2.2's I2V reads the start frame through the concat alone; the
         # 14B text-to-video files of 2.1 and 2.2 (each expert) share one shape.
         version = "2.1" if self.image_to_video or size == "1.3B" else ("2.2" if self.variant == "i2v" else "2.1 / 2.2")
@@ -143,11 +182,11 @@ def match_layout(keys: list[str]) -> Match | None:
 
 
 # The keys comfy/model_detection.py tells these Wan variants by (and the reference-conv and FLF2V extras).
-_UNSUPPORTED = {"vace_patch_embedding.weight": "Wan VACE", "control_adapter.conv.weight": "Wan Fun Camera",
+_UNSUPPORTED = {"vace_patch_embedding.weight": "Wan VACE",
                 "casual_audio_encoder.encoder.final_linear.weight": "Wan 2.2 S2V",
                 "audio_proj.audio_proj_glob_1.layer.bias": "Wan HuMo",
                 "face_adapter.fuser_blocks.0.k_norm.weight": "Wan 2.2 Animate",
-                "ref_conv.weight": "Wan Fun reference", "img_emb.emb_pos": "Wan first-last-frame (FLF2V)"}
+                "img_emb.emb_pos": "Wan first-last-frame (FLF2V)"}
 
 
 def infer_config(reader, match: Match, name: str) -> WanConfig:
@@ -166,10 +205,14 @@ def infer_config(reader, match: Match, name: str) -> WanConfig:
         raise ModelFileError(f"{name} predicts {out_channels} latent channels, not a Wan 2.1 (16) or Wan 2.2 TI2V (48) "
                              f"latent; the file is damaged or of a Wan variant ParaDiT does not know: load it with "
                              f"UNETLoader.")
+    camera = 0
+    if p + "control_adapter.conv.weight" in reader:  # WanCamAdapter: conv over 8x8-unshuffled Plücker channels
+        camera = shape("control_adapter.conv.weight")[1] // CAMERA_UNSHUFFLE ** 2
     return WanConfig(hidden_size=dim, num_layers=block_count(reader.keys(), p, "blocks", name),
                      ffn_dim=shape("blocks.0.ffn.0.weight")[0], in_channels=in_channels, out_channels=out_channels,
                      text_dim=shape("text_embedding.0.weight")[1], freq_dim=shape("time_embedding.0.weight")[1],
-                     image_to_video=p + "img_emb.proj.0.weight" in reader)
+                     image_to_video=p + "img_emb.proj.0.weight" in reader, camera_channels=camera,
+                     reference_channels=shape("ref_conv.weight")[1] if p + "ref_conv.weight" in reader else 0)
 
 
 class _Attention(nn.Module):
@@ -202,6 +245,25 @@ class _Head(nn.Module):
         self.modulation = nn.Parameter(torch.empty(1, 2, dim))
 
 
+class _CameraAdapter(nn.Module):
+    """WanCamAdapter's parameters: the patch conv over the unshuffled Plücker embedding, one residual block."""
+
+    def __init__(self, channels: int, dim: int, patch: tuple[int, int]):
+        super().__init__()
+        self.conv = nn.Conv2d(channels * CAMERA_UNSHUFFLE ** 2, dim, patch, patch)
+        block = nn.Module()
+        block.conv1, block.conv2 = nn.Conv2d(dim, dim, 3, padding=1), nn.Conv2d(dim, dim, 3, padding=1)
+        self.residual_blocks = nn.Sequential(block)
+
+    def forward(self, camera: torch.Tensor) -> torch.Tensor:
+        """[N, C, frames, 8H, 8W] -> [N, frames, H/2, W/2, dim], frame by frame as WanCamAdapter runs it."""
+        n, c, f, h, w = camera.shape
+        x = self.conv(F.pixel_unshuffle(camera.transpose(1, 2).reshape(n * f, c, h, w), CAMERA_UNSHUFFLE))
+        for block in self.residual_blocks:
+            x = block.conv2(F.relu(block.conv1(x))) + x
+        return x.unflatten(0, (n, f)).permute(0, 1, 3, 4, 2)
+
+
 class WanTransformer(nn.Module):
     """ComfyUI's WanModel parameters under its names; the forward lives in WanAdapter."""
 
@@ -220,6 +282,10 @@ class WanTransformer(nn.Module):
             width = CLIP_VISION_WIDTH
             self.img_emb.proj = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU(),
                                               nn.Linear(width, dim), nn.LayerNorm(dim))
+        if config.reference_channels:  # a reference latent's patch conv (its tokens: not run yet, reference_refusal)
+            self.ref_conv = nn.Conv2d(config.reference_channels, dim, config.patch_size[1:], config.patch_size[1:])
+        if config.camera_channels:
+            self.control_adapter = _CameraAdapter(config.camera_channels, dim, config.patch_size[1:])
 
 
 def _meta_model(config: WanConfig) -> WanTransformer:
@@ -354,6 +420,17 @@ class WanAdapter:
         conv = self.model.patch_embedding
         out = F.linear(tokens.to(self.device, torch.float32), conv.weight.float().flatten(1), conv.bias.float())
         return out.to(self.dtype)
+
+    def embed_camera(self, camera: torch.Tensor, index: torch.Tensor, thw) -> torch.Tensor:
+        """WanCamAdapter's rows for video tokens `index`, added to their patch embedding as CameraWanModel adds
+        them: the adapter runs on the frames those tokens lie in only (its 3x3 convolutions stay within a frame),
+        moved to the device from the embedding the branch carries, in the model's dtype."""
+        t, h, w = thw
+        per_frame = (h // 2) * (w // 2)
+        first, last = int(index.min()) // per_frame, int(index.max()) // per_frame
+        frames = camera[:, :, first:last + 1].to(self.device, self.dtype)
+        rows = self.model.control_adapter(frames).flatten(1, 3)  # [N, frames x tokens per frame, dim]
+        return rows[:, index.to(rows.device) - first * per_frame]
 
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
         return self.model.text_embedding(cond.to(self.device, self.dtype))

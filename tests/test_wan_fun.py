@@ -1,0 +1,166 @@
+"""Wan's VideoX-Fun variants on the workers, as ComfyUI loads and calls them: Fun control (WanFunControlToVideo's
+32 concat channels; Wan22FunControlToVideo's 36 with the mask between the control and start latents, and its
+ref_conv), Fun inpaint (WanFunInpaintToVideo: the image-to-video shape with start and end frames) and Fun camera
+(WanCameraImageToVideo's concat plus WanCameraEmbedding's Plücker embedding through the control adapter).
+
+The reference is tests/test_wan.py's model call written from ComfyUI's WanModel / CameraWanModel (its WanCamAdapter
+included), on the file's raw tensors; the real-host comparison is tests/test_comfyui_wan_fun.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import rel_err
+from parallel_runtime.errors import ConfigError
+from parallel_runtime.models.families.wan import WanConfig
+from parallel_runtime.models.tiny import write_checkpoint
+from parallel_runtime.spec import StrategySpec as S
+from parallel_runtime.validate import model_config
+from test_wan import EXACT_RTOL, SERIAL_RTOL, TINY_WAN, H, T, W, call_job, reference_call
+
+pytestmark = pytest.mark.timeout(600)
+
+# 2.1 Fun control: latent 16 + control latent 16 + start latent 16, CLIP vision (WAN21_FunControl2V, in_dim 48).
+FUN_CONTROL_21 = dataclasses.replace(TINY_WAN, in_channels=48, image_to_video=True)
+# 2.2 Fun control: latent 16 + [control 16, mask 4, start 16] (concat_mask_index 16), and a reference-image conv.
+FUN_CONTROL_22 = dataclasses.replace(TINY_WAN, in_channels=52, reference_channels=16)
+# 2.2 Fun inpaint: the 2.2 image-to-video shape (in_dim 36, no CLIP vision).
+FUN_INP_22 = dataclasses.replace(TINY_WAN, in_channels=36)
+# Fun camera: 2.1 (in_dim 32: the start latent alone, CLIP vision; WAN21_Camera) and 2.2 (in_dim 36; WAN22_Camera),
+# each with WanCamAdapter over 24 Plücker channels.
+CAMERA_21 = dataclasses.replace(TINY_WAN, in_channels=32, image_to_video=True, camera_channels=24)
+CAMERA_22 = dataclasses.replace(TINY_WAN, in_channels=36, camera_channels=24)
+FILES = {"control21": FUN_CONTROL_21, "control22": FUN_CONTROL_22, "inp22": FUN_INP_22, "camera21": CAMERA_21,
+         "camera22": CAMERA_22}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wan-fun")
+    return {name: write_checkpoint(str(root / f"wan_fun_{name}_tiny.safetensors"), config, seed=20 + k,
+                                   prefix="model.diffusion_model.")
+            for k, (name, config) in enumerate(FILES.items())}
+
+
+def fun_job(path: str, name: str, strategy: S, camera: bool = True):
+    """Both branches with the concat their node builds (ComfyUI's concat_cond on it) and, for a camera file, one
+    WanCameraEmbedding [1, 24, T, 8H, 8W]; 2.1 files also CLIP-vision tokens."""
+    job = call_job(path, strategy)
+    g = torch.Generator().manual_seed(30)
+    latent = [torch.randn(1, 16, T, H, W, generator=g) for _ in range(2)]
+    ends = torch.zeros(1, 4, T, H, W).index_fill_(2, torch.tensor([0, T - 1]), 1.0)  # start and end frames known
+    concat = {"control21": lambda: torch.cat(latent, 1),  # control latent, start latent; no mask
+              "control22": lambda: torch.cat([latent[0], ends[:, :, :], latent[1]], 1),  # mask at index 16
+              "inp22": lambda: torch.cat([ends, latent[0]], 1),  # WanFunInpaintToVideo: mask, start + end frames
+              "camera21": lambda: latent[0],
+              "camera22": lambda: torch.cat([ends, latent[0]], 1)}[name]()
+    clip = torch.randn(1, 257, 1280, generator=g) if FILES[name].image_to_video else None
+    cam = torch.randn(1, 24, T, 8 * H, 8 * W, generator=g) if camera and FILES[name].camera_channels else None
+    pos, neg = (dataclasses.replace(b, concat=concat, clip_vision=clip, camera=cam)
+                for b in (job.positive, job.negative))
+    return dataclasses.replace(job, positive=pos, negative=neg)
+
+
+def test_wan_fun_files_are_detected(paths):
+    """Each variant's shape, title, the node that makes its concat and its adapters; the 5B (48-channel) Fun shapes
+    by config (their concat: 48 + 4 for inpaint, 2 x 48 + 4 for control)."""
+    got = {name: model_config(path) for name, path in paths.items()}
+    assert {n: (c.title, c.concat_channels, c.camera_channels, c.reference_channels) for n, c in got.items()} == {
+        "control21": ("Wan 2.1 Fun Control 256-wide", 32, 0, 0),
+        "control22": ("Wan 2.2 Fun Control 256-wide", 36, 0, 16),
+        "inp22": ("Wan 2.2 I2V 256-wide", 20, 0, 0),
+        "camera21": ("Wan 2.1 Fun Camera 256-wide", 16, 24, 0),
+        "camera22": ("Wan 2.2 Fun Camera 256-wide", 20, 24, 0)}
+    assert [got[n].concat_nodes for n in ("control21", "control22", "camera22")] == [
+        "WanFunControlToVideo", "Wan22FunControlToVideo", "WanCameraImageToVideo"]
+    five = dataclasses.replace(TINY_WAN, hidden_size=3072, out_channels=48)
+    assert dataclasses.replace(five, in_channels=100).title == "Wan 2.2 Fun InP 5B"
+    assert dataclasses.replace(five, in_channels=148).title == "Wan 2.2 Fun Control 5B"
+
+
+def test_wan_fun_one_worker_equals_comfyui_model_call(paths, client1):
+    """Every variant at 1 worker against the model call written from ComfyUI's source; a camera file without a camera
+    embedding runs without its adapter, as CameraWanModel does."""
+    cases = [(name, True) for name in FILES] + [("camera22", False)]
+    for name, camera in cases:
+        job = fun_job(paths[name], name, S(), camera)
+        out = client1.run(job).latent
+        assert out.shape == (2, 16, T, H, W)
+        assert rel_err(out, reference_call(paths[name], job, FILES[name])) < SERIAL_RTOL, (name, camera)
+    # The camera embedding matters (so the parity above tests the adapter).
+    with_camera = client1.run(fun_job(paths["camera22"], "camera22", S())).latent
+    without = client1.run(fun_job(paths["camera22"], "camera22", S(), camera=False)).latent
+    assert rel_err(with_camera, without) > 1e-2
+
+
+@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
+                                      S(pipefusion_degree=2, num_pipeline_patch=5)],
+                         ids=["cfg2", "ulysses2", "ring2", "pp2_warmup"])
+def test_wan_fun_camera_and_control_exact_strategies(paths, client2, strategy):
+    """The camera embedding splits with the tokens: 60 tokens in 2 shards cut frame 2 (12 tokens a frame), so both
+    ranks run the adapter on that frame and each keeps its rows; PipeFusion's patches are whole frames. The 2.1
+    camera file adds CLIP vision, the 2.2 control file the 36 channels with the mask inside."""
+    for name in ("camera21", "camera22", "control22"):
+        job = fun_job(paths[name], name, strategy)
+        assert rel_err(client2.run(job).latent, reference_call(paths[name], job, FILES[name])) < EXACT_RTOL, name
+
+
+def test_wan_camera_adapter_runs_on_the_frames_of_the_rank_tokens():
+    """embed_camera for tokens 30..59 of a 5 x 3 x 4 grid (frames 2, 3, 4) runs the adapter on those three frames
+    only and gives the rows the whole adapter gives them."""
+    from parallel_runtime.models.families.wan import WanAdapter, WanTransformer
+
+    torch.manual_seed(0)
+    model = WanTransformer(CAMERA_22)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    adapter = WanAdapter(CAMERA_22, model, [range(2)], None)
+    camera = torch.randn(1, 24, T, 8 * H, 8 * W)
+    seen = []
+    model.control_adapter.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[2]))
+    index = torch.arange(30, 60)
+    with torch.no_grad():
+        part = adapter.embed_camera(camera, index, (T, H, W))
+        whole = adapter.embed_camera(camera, torch.arange(60), (T, H, W))
+    assert seen == [3, T]
+    assert rel_err(part, whole[:, 30:]) < 1e-6  # the same convolutions on fewer frames (fp32 round-off)
+
+
+def test_wan_fun_refusals(paths, client1):
+    control = fun_job(paths["control21"], "control21", S())
+    bare = dataclasses.replace(control.positive, concat=None)
+    with pytest.raises(ConfigError, match="reads 32 image channels .* feed it through WanFunControlToVideo"):
+        client1.run(dataclasses.replace(control, positive=bare))
+    camera = fun_job(paths["camera22"], "camera22", S())
+    wrong = dataclasses.replace(camera.positive, camera=camera.positive.camera[:, :, :, :, :8 * W - 8])
+    with pytest.raises(ConfigError, match=r"camera embedding has shape \(1, 24, 5, 48, 56\) .* set WanCameraEmbedding's "
+                                          r"width, height and length to those of WanCameraImageToVideo"):
+        client1.run(dataclasses.replace(camera, positive=wrong))
+    elsewhere = dataclasses.replace(control.positive, camera=camera.positive.camera)
+    with pytest.raises(ConfigError, match="camera embedding .* which this Wan 2.1 Fun Control 256-wide model does not "
+                                          "read; load a Wan Fun camera model"):
+        client1.run(dataclasses.replace(control, positive=elsewhere))
+    ref = fun_job(paths["control22"], "control22", S())
+    with_ref = dataclasses.replace(ref.positive, references=(torch.randn(1, 16, H, W),))
+    with pytest.raises(ConfigError, match=r"reference image \(Wan22FunControlToVideo's ref_image, read by its "
+                                          r"ref_conv\) is not run by ParaDiT yet; disconnect ref_image"):
+        client1.run(dataclasses.replace(ref, positive=with_ref))
+
+
+def test_wan_camera_conditions_through_the_model_call_door():
+    """Load Parallel DiT's MODEL: a call's camera_conditions become each chunk's camera (one row where the node's
+    single embedding was repeated over the batch), in the call's dtype; Wan22FunControlToVideo's reference latent is
+    refused in one sentence naming the node."""
+    from nodes import remote_model
+
+    context = torch.randn(4, 9, 64)
+    camera = torch.randn(1, 24, T, 8 * H, 8 * W, dtype=torch.bfloat16).repeat(4, 1, 1, 1, 1)
+    chunk = remote_model._chunk_conditioning(1, 2, context, None, None, {"camera_conditions": camera})
+    assert chunk.camera.shape == (1, 24, T, 8 * H, 8 * W) and chunk.camera.dtype == torch.bfloat16
+    assert torch.equal(chunk.camera[0], camera[2])
+    remote_model._refuse_what_the_workers_cannot_do(None, {}, {"camera_conditions": camera})
+    with pytest.raises(ConfigError, match="reference image of Wan22FunControlToVideo"):
+        remote_model._refuse_what_the_workers_cannot_do(None, {}, {"reference_latent": torch.zeros(1, 16, H, W)})
