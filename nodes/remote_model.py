@@ -354,8 +354,10 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
     # 1.5's ByT5 glyph tokens. Both in the model's dtype: sent as float32.
     clip, glyph = (None if t is None else t[sl].detach().float().cpu()
                    for t in (kwargs.get("clip_fea"), kwargs.get("txt_byt5")))
-    return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size,
-                        references=_chunk_references(kwargs.get("ref_latents"), k, batch, latent_format),
+    refs = _chunk_references(kwargs.get("ref_latents"), k, batch, latent_format)
+    if kwargs.get("reference_latent") is not None:  # Wan Fun control's ref_image (WAN21.extra_conds: the last one)
+        refs = _chunk_references([kwargs["reference_latent"]], k, batch, latent_format)
+    return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size, references=refs,
                         reference_method=kwargs.get("ref_latents_method"),
                         concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls,
                         attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip, glyph=glyph,
@@ -408,7 +410,7 @@ def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
 # num_tokens: Lumina 2's and Z-Image's count of unpadded prompt tokens, which must be the whole prompt
 # (_refuse_padded_prompt).
 _KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea", "denoise_mask",
-                 "num_tokens", "txt_byt5", "camera_conditions"}
+                 "num_tokens", "txt_byt5", "camera_conditions", "reference_latent"}
 # Inputs ComfyUI 2026's model classes pass that no family here reads yet, by what adds them (the refusal names it).
 _INPUT_SOURCES = {
     "image_slots": "images placed in the prompt by TextEncodeQwenImage21",
@@ -417,7 +419,6 @@ _INPUT_SOURCES = {
     "clip_text_pooled": "NewBie's pooled CLIP text",
     "guiding_frame_index": "HunyuanVideo 1.0 image-to-video's guiding frame",
     "ref_latent": "HunyuanVideo 1.0 image-to-video's reference latent",
-    "reference_latent": "the reference image of Wan22FunControlToVideo (ref_image), read by a Wan Fun model's ref_conv",
     "disable_time_r": "the HunyuanVideo super-resolution model's time input",
 }
 

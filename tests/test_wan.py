@@ -21,6 +21,7 @@ from parallel_runtime.errors import ModelFileError
 from parallel_runtime.models.families.wan import WanConfig
 from parallel_runtime.models.registry import detect_family
 from parallel_runtime.models.tiny import write_checkpoint
+from parallel_runtime.sampling import WAN21_LATENT
 from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec
 from parallel_runtime.spec import StrategySpec as S
 from parallel_runtime.validate import model_config
@@ -125,7 +126,13 @@ def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor
             x = x + camera_adapter(sd, branch.camera)  # CameraWanModel: the adapter's rows on the patch embedding
         grid = x.shape[2:]
         x = x.flatten(2).transpose(1, 2)
-        ids = torch.stack(torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij"), -1).reshape(-1, 3)
+        ref = None
+        if "ref_conv.weight" in sd and branch.references:  # WanModel: ref_conv's tokens before the video's
+            r = WAN21_LATENT.process_in(branch.references[-1])
+            ref = F.conv2d(r, sd["ref_conv.weight"], sd["ref_conv.bias"], stride=2).flatten(2).transpose(1, 2)
+            x = torch.cat([ref, x], dim=1)
+        rope_grid = (grid[0] + (ref is not None), *grid[1:])  # _forward: t_len + 1 with a reference latent
+        ids = torch.stack(torch.meshgrid(*(torch.arange(n) for n in rope_grid), indexing="ij"), -1).reshape(-1, 3)
         freqs = comfy_rope(ids, (128 - 4 * 21, 2 * 21, 2 * 21))  # WanModel: d - 4 (d // 6), 2 (d // 6), 2 (d // 6)
         t = job.timestep[row:row + 1]  # [1] or, per frame (Wan 2.2's noise-masked image-to-video), [1, T]
         half = c.freq_dim // 2
@@ -161,6 +168,8 @@ def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor
             x = x + lin(F.gelu(lin(h, f"{b}.ffn.0"), approximate="tanh"), f"{b}.ffn.2") * m[5]
         shift, scale = (sd["head.modulation"].unsqueeze(0) + e.unsqueeze(2)).unbind(2)
         x = lin(F.layer_norm(x, (dim,), eps=1e-6) * (1 + scale) + shift, "head.head")
+        if ref is not None:
+            x = x[:, ref.shape[1]:]
         u = x.view(1, *grid, 1, 2, 2, c.out_channels)
         out.append(torch.einsum("bfhwpqrc->bcfphqwr", u).reshape(1, c.out_channels, T, H, W))
     return torch.cat(out)

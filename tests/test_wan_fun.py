@@ -17,6 +17,7 @@ from conftest import rel_err
 from parallel_runtime.errors import ConfigError
 from parallel_runtime.models.families.wan import WanConfig
 from parallel_runtime.models.tiny import write_checkpoint
+from parallel_runtime.sampling import WAN21_LATENT
 from parallel_runtime.spec import StrategySpec as S
 from parallel_runtime.validate import model_config
 from test_wan import EXACT_RTOL, SERIAL_RTOL, TINY_WAN, H, T, W, call_job, reference_call
@@ -45,9 +46,10 @@ def paths(tmp_path_factory):
             for k, (name, config) in enumerate(FILES.items())}
 
 
-def fun_job(path: str, name: str, strategy: S, camera: bool = True):
+def fun_job(path: str, name: str, strategy: S, camera: bool = True, reference: bool = False):
     """Both branches with the concat their node builds (ComfyUI's concat_cond on it) and, for a camera file, one
-    WanCameraEmbedding [1, 24, T, 8H, 8W]; 2.1 files also CLIP-vision tokens."""
+    WanCameraEmbedding [1, 24, T, 8H, 8W]; 2.1 files also CLIP-vision tokens; `reference`: Wan22FunControlToVideo's
+    ref_image latent [1, 16, H, W] (raw, as ReferenceLatent carries it)."""
     job = call_job(path, strategy)
     g = torch.Generator().manual_seed(30)
     latent = [torch.randn(1, 16, T, H, W, generator=g) for _ in range(2)]
@@ -59,7 +61,8 @@ def fun_job(path: str, name: str, strategy: S, camera: bool = True):
               "camera22": lambda: torch.cat([ends, latent[0]], 1)}[name]()
     clip = torch.randn(1, 257, 1280, generator=g) if FILES[name].image_to_video else None
     cam = torch.randn(1, 24, T, 8 * H, 8 * W, generator=g) if camera and FILES[name].camera_channels else None
-    pos, neg = (dataclasses.replace(b, concat=concat, clip_vision=clip, camera=cam)
+    refs = (torch.randn(1, 16, H, W, generator=g),) if reference else ()
+    pos, neg = (dataclasses.replace(b, concat=concat, clip_vision=clip, camera=cam, references=refs)
                 for b in (job.positive, job.negative))
     return dataclasses.replace(job, positive=pos, negative=neg)
 
@@ -84,16 +87,17 @@ def test_wan_fun_files_are_detected(paths):
 def test_wan_fun_one_worker_equals_comfyui_model_call(paths, client1):
     """Every variant at 1 worker against the model call written from ComfyUI's source; a camera file without a camera
     embedding runs without its adapter, as CameraWanModel does."""
-    cases = [(name, True) for name in FILES] + [("camera22", False)]
-    for name, camera in cases:
-        job = fun_job(paths[name], name, S(), camera)
+    cases = [(name, True, False) for name in FILES] + [("camera22", False, False), ("control22", False, True)]
+    for name, camera, reference in cases:
+        job = fun_job(paths[name], name, S(), camera, reference)
         out = client1.run(job).latent
         assert out.shape == (2, 16, T, H, W)
-        assert rel_err(out, reference_call(paths[name], job, FILES[name])) < SERIAL_RTOL, (name, camera)
-    # The camera embedding matters (so the parity above tests the adapter).
-    with_camera = client1.run(fun_job(paths["camera22"], "camera22", S())).latent
-    without = client1.run(fun_job(paths["camera22"], "camera22", S(), camera=False)).latent
-    assert rel_err(with_camera, without) > 1e-2
+        assert rel_err(out, reference_call(paths[name], job, FILES[name])) < SERIAL_RTOL, (name, camera, reference)
+    # The camera embedding and the reference image matter (so the parity above tests the adapter and ref_conv).
+    for name, on, off in (("camera22", dict(camera=True), dict(camera=False)),
+                          ("control22", dict(reference=True), dict(reference=False))):
+        with_it, without = (client1.run(fun_job(paths[name], name, S(), **kw)).latent for kw in (on, off))
+        assert rel_err(with_it, without) > 1e-2, name
 
 
 @pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
@@ -102,9 +106,10 @@ def test_wan_fun_one_worker_equals_comfyui_model_call(paths, client1):
 def test_wan_fun_camera_and_control_exact_strategies(paths, client2, strategy):
     """The camera embedding splits with the tokens: 60 tokens in 2 shards cut frame 2 (12 tokens a frame), so both
     ranks run the adapter on that frame and each keeps its rows; PipeFusion's patches are whole frames. The 2.1
-    camera file adds CLIP vision, the 2.2 control file the 36 channels with the mask inside."""
-    for name in ("camera21", "camera22", "control22"):
-        job = fun_job(paths[name], name, strategy)
+    camera file adds CLIP vision, the 2.2 control file the 36 channels with the mask inside and its reference image
+    (12 ref_conv tokens after the 60 video tokens, split among the ranks like them)."""
+    for name, reference in (("camera21", False), ("camera22", False), ("control22", True)):
+        job = fun_job(paths[name], name, strategy, reference=reference)
         assert rel_err(client2.run(job).latent, reference_call(paths[name], job, FILES[name])) < EXACT_RTOL, name
 
 
@@ -143,17 +148,23 @@ def test_wan_fun_refusals(paths, client1):
     with pytest.raises(ConfigError, match="camera embedding .* which this Wan 2.1 Fun Control 256-wide model does not "
                                           "read; load a Wan Fun camera model"):
         client1.run(dataclasses.replace(control, positive=elsewhere))
-    ref = fun_job(paths["control22"], "control22", S())
-    with_ref = dataclasses.replace(ref.positive, references=(torch.randn(1, 16, H, W),))
-    with pytest.raises(ConfigError, match=r"reference image \(Wan22FunControlToVideo's ref_image, read by its "
-                                          r"ref_conv\) is not run by ParaDiT yet; disconnect ref_image"):
-        client1.run(dataclasses.replace(ref, positive=with_ref))
+    with_ref = dataclasses.replace(control.positive, references=(torch.randn(1, 16, H, W),))
+    with pytest.raises(ConfigError, match=r"Wan 2.1 Fun Control 256-wide model has no ref_conv to read it "
+                                          r"\(Wan22FunControlToVideo's ref_image\); disconnect ref_image"):
+        client1.run(dataclasses.replace(control, positive=with_ref))
+    ref = fun_job(paths["control22"], "control22", S(), reference=True)
+    two = dataclasses.replace(ref.positive, references=ref.positive.references * 2)
+    with pytest.raises(ConfigError, match="reads one reference image .* not 2; remove the extra ReferenceLatent"):
+        client1.run(dataclasses.replace(ref, positive=two))
+    small = dataclasses.replace(ref.positive, references=(torch.randn(1, 16, H, W - 2),))
+    with pytest.raises(ConfigError, match=r"reference latent is \(6, 6\) but the video's latent \(6, 8\)"):
+        client1.run(dataclasses.replace(ref, positive=small))
 
 
 def test_wan_camera_conditions_through_the_model_call_door():
     """Load Parallel DiT's MODEL: a call's camera_conditions become each chunk's camera (one row where the node's
     single embedding was repeated over the batch), in the call's dtype; Wan22FunControlToVideo's reference latent is
-    refused in one sentence naming the node."""
+    read as the chunk's reference (raw again: process_out of ComfyUI's process_in)."""
     from nodes import remote_model
 
     context = torch.randn(4, 9, 64)
@@ -161,6 +172,17 @@ def test_wan_camera_conditions_through_the_model_call_door():
     chunk = remote_model._chunk_conditioning(1, 2, context, None, None, {"camera_conditions": camera})
     assert chunk.camera.shape == (1, 24, T, 8 * H, 8 * W) and chunk.camera.dtype == torch.bfloat16
     assert torch.equal(chunk.camera[0], camera[2])
-    remote_model._refuse_what_the_workers_cannot_do(None, {}, {"camera_conditions": camera})
-    with pytest.raises(ConfigError, match="reference image of Wan22FunControlToVideo"):
-        remote_model._refuse_what_the_workers_cannot_do(None, {}, {"reference_latent": torch.zeros(1, 16, H, W)})
+    ref = torch.randn(1, 16, H, W)
+    processed = WAN21_LATENT.process_in(ref).repeat(4, 1, 1, 1)
+    remote_model._refuse_what_the_workers_cannot_do(None, {}, {"camera_conditions": camera,
+                                                               "reference_latent": processed})
+    chunk = remote_model._chunk_conditioning(1, 2, context, None, None, {"reference_latent": processed},
+                                             latent_format=FakeWan21())
+    assert len(chunk.references) == 1 and rel_err(chunk.references[0], ref) < 1e-6  # one fp32 round trip
+
+
+class FakeWan21:
+    """ComfyUI's latent_formats.Wan21 process_out, as RemoteDiT's latent_format is ComfyUI's object."""
+
+    def process_out(self, latent):
+        return WAN21_LATENT.process_out(latent)

@@ -19,7 +19,11 @@ same concat), Fun control reads the control video's latent beside the start fram
 mask between them, 36). Fun camera adds `control_adapter` (WanCamAdapter): the Plücker embedding of
 WanCameraEmbedding, [24, frames, 8H, 8W] per video, pixel-unshuffled and patch-convolved to one row per token,
 refined by 3x3 convolutions within each frame and added to the patch embedding. Each rank runs the adapter on the
-frames its tokens lie in (the convolutions never cross a frame), so the embedding splits with the tokens.
+frames its tokens lie in (the convolutions never cross a frame), so the embedding splits with the tokens. 2.2 Fun
+control's reference image (Wan22FunControlToVideo's ref_image) enters through `ref_conv` as one frame of tokens
+that ComfyUI puts before the video at RoPE frame 0 (the video then at frames 1..T); here they follow the video's
+rows as reference tokens (the strategies' reference rows, split like them), with the same RoPE ids, and leave
+before the head.
 """
 from __future__ import annotations
 
@@ -137,11 +141,32 @@ class WanConfig(JointAttentionConfig):
             return "Wan22FunControlToVideo" if self.concat_channels % self.out_channels else "WanFunControlToVideo"
         return "WanImageToVideo (or WanFunInpaintToVideo)"
 
+    def reference_problem(self, references, latent_shape: tuple, timestep) -> str | None:
+        """What ComfyUI's WanModel could not run about these reference latents, as a sentence: it reads one reference
+        image (the chain's last), of the video's size, beside one timestep per row."""
+        if len(references) != 1:
+            return (f"this {self.title} model reads one reference image (Wan22FunControlToVideo's ref_image), not "
+                    f"{len(references)}; remove the extra ReferenceLatent nodes")
+        if tuple(references[0].shape[-2:]) != tuple(latent_shape[-2:]):
+            return (f"the reference latent is {tuple(references[0].shape[-2:])} but the video's latent "
+                    f"{tuple(latent_shape[-2:])}; give Wan22FunControlToVideo's ref_image the video's width and height")
+        if timestep is not None and timestep.ndim > 1 and timestep.shape[1] > 1:
+            return ("a reference image with per-frame timesteps (a noise mask) is not run by ComfyUI's WanModel either; "
+                    "remove the noise mask or disconnect ref_image")
+        return None
+
     @property
-    def reference_refusal(self) -> str:
-        """The sentence refusing reference latents (a Wan Fun model's ref_conv tokens are not run yet)."""
-        return (f"this {self.title} model's reference image (Wan22FunControlToVideo's ref_image, read by its ref_conv) "
-                f"is not run by ParaDiT yet; disconnect ref_image or load the model with UNETLoader")
+    def reads_references(self) -> bool:
+        """A 2.2 Fun control file reads Wan22FunControlToVideo's ref_image through its ref_conv."""
+        return bool(self.reference_channels)
+
+    @property
+    def reference_refusal(self) -> str | None:
+        """The sentence refusing reference latents to a file without ref_conv (which ComfyUI's WanModel ignores)."""
+        if self.reference_channels:
+            return None
+        return (f"this {self.title} model has no ref_conv to read it (Wan22FunControlToVideo's ref_image); "
+                f"disconnect ref_image or load a Wan 2.2 Fun control model")
 
     @property
     def title(self) -> str:
@@ -282,7 +307,7 @@ class WanTransformer(nn.Module):
             width = CLIP_VISION_WIDTH
             self.img_emb.proj = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU(),
                                               nn.Linear(width, dim), nn.LayerNorm(dim))
-        if config.reference_channels:  # a reference latent's patch conv (its tokens: not run yet, reference_refusal)
+        if config.reference_channels:  # a reference latent's patch conv (2.2 Fun control's ref_image)
             self.ref_conv = nn.Conv2d(config.reference_channels, dim, config.patch_size[1:], config.patch_size[1:])
         if config.camera_channels:
             self.control_adapter = _CameraAdapter(config.camera_channels, dim, config.patch_size[1:])
@@ -391,7 +416,9 @@ class WanAdapter:
     @staticmethod
     def pack(latent: torch.Tensor) -> torch.Tensor:
         """[B, C, T, H, W] -> [B, T (H/2)(W/2), 4C]: frame-major tokens, (c, ph, pw) inside each 1x2x2 patch (the
-        order of the patch conv's weights)."""
+        order of the patch conv's weights); a reference image's [B, C, H, W] as one frame (ref_conv's order)."""
+        if latent.ndim == 4:
+            latent = latent.unsqueeze(2)
         b, c, t, h, w = latent.shape
         x = latent.reshape(b, c, t, h // 2, 2, w // 2, 2).permute(0, 2, 3, 5, 1, 4, 6)
         return x.reshape(b, t * (h // 2) * (w // 2), c * 4)
@@ -409,14 +436,26 @@ class WanAdapter:
         image-to-video); strategies take each table's rows at their tokens' positions."""
         from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
-        ids = video_grid_ids(t, (h + 1) // 2, (w + 1) // 2).to(self.device)
+        rows, cols = (h + 1) // 2, (w + 1) // 2
+        ids = video_grid_ids(t, rows, cols).to(self.device)
+        frames = ids[:, 0].long()
+        if references:  # ref_conv's tokens (after the video's here): rope_encode over t + 1 frames, the reference
+            # first (ComfyUI prepends it), so the reference reads frame 0 and the video frames 1..t
+            reference = video_grid_ids(1, rows, cols).to(self.device)
+            ids = torch.cat([ids + torch.tensor([1.0, 0.0, 0.0], device=ids.device), reference])
+            frames = torch.cat([frames, frames.new_zeros(rows * cols)])  # its modulation: the scalar timestep's
         cos, sin = FluxPosEmbed(theta=10000, axes_dim=list(self.config.rope_axes))(ids)
-        return cos, sin, ids[:, 0].long()
+        return cos, sin, frames
 
     # -- embeddings ------------------------------------------------------------------------------------
 
     def embed_image(self, tokens: torch.Tensor, index: torch.Tensor, thw) -> torch.Tensor:
-        """The 1x2x2 patch conv as one matmul on packed tokens, in float32 as ComfyUI runs it, then the model dtype."""
+        """The 1x2x2 patch conv as one matmul on packed tokens, in float32 as ComfyUI runs it, then the model dtype;
+        rows past the video's (a reference image's) through ref_conv, in the model dtype as ComfyUI runs that."""
+        t, h, w = thw
+        if self.config.reference_channels and len(index) and int(index.min()) >= t * (h // 2) * (w // 2):
+            conv = self.model.ref_conv
+            return F.linear(tokens.to(self.device, self.dtype), conv.weight.flatten(1), conv.bias)
         conv = self.model.patch_embedding
         out = F.linear(tokens.to(self.device, torch.float32), conv.weight.float().flatten(1), conv.bias.float())
         return out.to(self.dtype)
