@@ -356,22 +356,29 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
                    for t in (kwargs.get("clip_fea"), kwargs.get("txt_byt5")))
     refs = _chunk_references(kwargs.get("ref_latents"), k, batch, latent_format)
     if kwargs.get("reference_latent") is not None:  # Wan Fun control's ref_image (WAN21.extra_conds: the last one)
-        refs = _chunk_references([kwargs["reference_latent"]], k, batch, latent_format)
+        # one frame of the video latent ([:, :, 0] of it): its latent format's statistics are [1, C, 1, 1, 1]
+        refs = _chunk_references([kwargs["reference_latent"].unsqueeze(2)], k, batch, latent_format)
     return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size, references=refs,
                         reference_method=kwargs.get("ref_latents_method"),
                         concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls,
                         attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip, glyph=glyph,
-                        camera=_chunk_camera(kwargs.get("camera_conditions"), sl))
+                        **_chunk_camera(kwargs.get("camera_conditions"), sl))
 
 
-def _chunk_camera(camera, sl: slice):
+def _chunk_camera(camera, sl: slice) -> dict:
     """Chunk rows `sl` of a Wan Fun camera call's camera_conditions (WanCameraEmbedding's Plücker embedding, at pixel
-    size), one row where all are equal (the node makes one per prompt; ComfyUI repeats it over the batch). Kept in
-    the call's dtype: it is the largest input of the call (24 channels at 8x the latent's height and width)."""
+    size), one row where all are equal (the node makes one per prompt; ComfyUI repeats it over the batch), and the
+    key the workers keep it under (a hash of its bytes: extra_conds rebuilds the tensor every call, its values stay
+    the run's). In the call's dtype: it is the call's largest input (24 channels at 8x the latent's size)."""
     if camera is None:
-        return None
+        return {}
     camera = camera[sl].detach().cpu()
-    return camera[:1] if camera.shape[0] > 1 and bool((camera == camera[:1]).all()) else camera
+    if camera.shape[0] > 1 and bool((camera == camera[:1]).all()):
+        camera = camera[:1]
+    camera = camera.contiguous()
+    digest = hashlib.blake2b(camera.view(torch.uint8).numpy(), digest_size=16)
+    digest.update(repr((tuple(camera.shape), str(camera.dtype))).encode())
+    return {"camera": camera, "camera_key": "camera-" + digest.hexdigest()}
 
 
 def _chunk_attention_mask(mask, sl: slice) -> tuple[torch.Tensor | None, str | None]:

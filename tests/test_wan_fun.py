@@ -113,6 +113,21 @@ def test_wan_fun_camera_and_control_exact_strategies(paths, client2, strategy):
         assert rel_err(client2.run(job).latent, reference_call(paths[name], job, FILES[name])) < EXACT_RTOL, name
 
 
+def test_wan_camera_embedding_crosses_the_channel_once_per_run(paths, client2):
+    """A model call's camera embedding under its key: the next call names the key only (no tensor) and the workers
+    use the embedding they kept, bit for bit (Ulysses-2: each rank its frames of it)."""
+    job = fun_job(paths["camera22"], "camera22", S(ulysses_degree=2))
+    camera = job.positive.camera
+    keyed = dataclasses.replace(job, **{b: dataclasses.replace(getattr(job, b), camera_key="camera-test-1")
+                                        for b in ("positive", "negative")})
+    first = client2.run(keyed).latent
+    bare = dataclasses.replace(keyed, **{b: dataclasses.replace(getattr(keyed, b), camera=None)
+                                         for b in ("positive", "negative")})
+    assert torch.equal(client2.run(bare).latent, first)
+    assert rel_err(first, reference_call(paths["camera22"], job, CAMERA_22)) < EXACT_RTOL
+    assert camera is not None
+
+
 def test_wan_camera_adapter_runs_on_the_frames_of_the_rank_tokens():
     """embed_camera for tokens 30..59 of a 5 x 3 x 4 grid (frames 2, 3, 4) runs the adapter on those three frames
     only and gives the rows the whole adapter gives them."""
@@ -172,6 +187,10 @@ def test_wan_camera_conditions_through_the_model_call_door():
     chunk = remote_model._chunk_conditioning(1, 2, context, None, None, {"camera_conditions": camera})
     assert chunk.camera.shape == (1, 24, T, 8 * H, 8 * W) and chunk.camera.dtype == torch.bfloat16
     assert torch.equal(chunk.camera[0], camera[2])
+    # Kept on the workers by the hash of its bytes: both chunks of the call (and every call of the run) name one key.
+    first = remote_model._chunk_conditioning(0, 2, context, None, None, {"camera_conditions": camera})
+    assert first.camera_key == chunk.camera_key and chunk.camera_key.startswith("camera-")
+    assert "positive.camera" not in chunk.tensors("positive") and chunk.kept_inputs() == {chunk.camera_key: chunk.camera}
     ref = torch.randn(1, 16, H, W)
     processed = WAN21_LATENT.process_in(ref).repeat(4, 1, 1, 1)
     remote_model._refuse_what_the_workers_cannot_do(None, {}, {"camera_conditions": camera,
@@ -182,7 +201,9 @@ def test_wan_camera_conditions_through_the_model_call_door():
 
 
 class FakeWan21:
-    """ComfyUI's latent_formats.Wan21 process_out, as RemoteDiT's latent_format is ComfyUI's object."""
+    """ComfyUI's latent_formats.Wan21.process_out, whose statistics are shaped [1, 16, 1, 1, 1] for a video latent
+    (a frameless [B, 16, H, W] would broadcast into a wrong 5-D tensor)."""
 
     def process_out(self, latent):
-        return WAN21_LATENT.process_out(latent)
+        mean, std = (torch.tensor(v).view(1, 16, 1, 1, 1) for v in (WAN21_LATENT.mean, WAN21_LATENT.std))
+        return latent * std + mean

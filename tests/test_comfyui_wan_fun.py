@@ -1,0 +1,118 @@
+"""Wan's Fun camera and Fun control files on the parallel MODEL in a real ComfyUI host (skipped without COMFYUI_DIR):
+ComfyUI's own WanCameraEmbedding + WanCameraImageToVideo and Wan22FunControlToVideo feed Load Parallel DiT and
+UNETLoader, where ComfyUI runs its CameraWanModel / WanModel on the same file.
+
+Files as tests/test_comfyui_wan.py writes them (256 wide, 2 blocks, fp32), in ComfyUI's detection shapes: Wan 2.1
+Fun camera (in_dim 32, CLIP vision: WAN21_Camera), 2.2 Fun camera (in_dim 36: WAN22_Camera), 2.2 Fun control
+(in_dim 52 and a ref_conv: WAN21 with concat_mask_index and reference_latent). 64x48 px x 17 frames: a [1, 24, 5, 48, 64] camera
+embedding for 5 x 3 x 4 tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from comfy_host import COMFYUI_DIR
+
+if not COMFYUI_DIR:
+    pytest.skip("COMFYUI_DIR is not set: no ComfyUI host to test against", allow_module_level=True)
+
+import torch  # noqa: E402
+
+import comfy_host  # noqa: E402
+from comfy_host import latent_parity, serve  # noqa: E402
+from parallel_runtime.models.tiny import write_checkpoint  # noqa: E402
+from test_comfyui_wan import EXACT_RTOL, ONE_WORKER_RTOL, WAN, graph  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+FILES = {"wan2.1_fun_camera_mini.safetensors": dataclasses.replace(WAN, in_channels=32, image_to_video=True,
+                                                                    camera_channels=24),
+         "wan2.2_fun_camera_mini.safetensors": dataclasses.replace(WAN, in_channels=36, camera_channels=24),
+         "wan2.2_fun_control_mini.safetensors": dataclasses.replace(WAN, in_channels=52, reference_channels=16)}
+CAMERA21, CAMERA22, CONTROL22 = FILES
+ENTRANCE_RTOL = 1e-5  # Parallel Sampler's loop and KSampler's calls on the same workers: the same maths per step
+
+
+def write_models(root: str) -> None:
+    for seed, (name, config) in enumerate(FILES.items()):
+        write_checkpoint(os.path.join(root, "models", "diffusion_models", name), config, seed=30 + seed,
+                         prefix="model.diffusion_model.", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from serve("paradit-comfyui-wanfun-", write_models)
+
+
+def camera_graph(dit: str, devices: str = "cpu:1", strat: dict | None = None, clip: bool = False) -> dict:
+    """graph() with WanCameraEmbedding (32, "Zoom In") into WanCameraImageToVideo (5): a grey start image, a seeded
+    stand-in for the Wan VAE and (clip) for CLIPVisionEncode's tokens."""
+    g = graph(devices, strat, dit=dit)
+    g["30"] = {"class_type": "ParaDiTTestImageToVideoInputs", "inputs": {"seed": 11}}
+    g["31"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 48, "batch_size": 1, "color": 8421504}}
+    g["32"] = {"class_type": "WanCameraEmbedding", "inputs": {"camera_pose": "Zoom In", "width": 64, "height": 48,
+                                                              "length": 17}}
+    g["5"] = {"class_type": "WanCameraImageToVideo",
+              "inputs": {"positive": ["1", 0], "negative": ["2", 0], "vae": ["30", 0], "width": 64, "height": 48,
+                         "length": 17, "batch_size": 1, "start_image": ["31", 0], "camera_conditions": ["32", 0],
+                         **({"clip_vision_output": ["30", 1]} if clip else {})}}
+    for sampler in ("12", "21"):
+        g[sampler]["inputs"].update(positive=["5", 0], negative=["5", 1], latent_image=["5", 2])
+    return g
+
+
+def control_graph(devices: str = "cpu:1", strat: dict | None = None) -> dict:
+    """graph() with Wan22FunControlToVideo (5) on a 17-frame control video and a reference image: its concat is
+    [control latent, mask, start latent] (concat_mask_index 16), as ComfyUI's WAN21.concat_cond builds it, and the
+    reference's latent goes through the model's ref_conv (reference_latents)."""
+    g = graph(devices, strat, dit=CONTROL22)
+    g["30"] = {"class_type": "ParaDiTTestImageToVideoInputs", "inputs": {"seed": 13}}
+    g["31"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 48, "batch_size": 17, "color": 4210752}}
+    g["5"] = {"class_type": "Wan22FunControlToVideo",
+              "inputs": {"positive": ["1", 0], "negative": ["2", 0], "vae": ["30", 0], "width": 64, "height": 48,
+                         "length": 17, "batch_size": 1, "control_video": ["31", 0], "ref_image": ["31", 0]}}
+    for sampler in ("12", "21"):
+        g[sampler]["inputs"].update(positive=["5", 0], negative=["5", 1], latent_image=["5", 2])
+    return g
+
+
+def parity(server, g: dict, what: str) -> float:
+    err, par, _ = latent_parity(server, g, what)
+    assert par.shape == (1, 16, 5, 6, 8)
+    return err
+
+
+@pytest.mark.parametrize("what, g", [
+    ("2.1 camera + CLIP vision", lambda: camera_graph(CAMERA21, clip=True)),
+    ("2.2 camera", lambda: camera_graph(CAMERA22)),
+    ("2.2 control + reference", lambda: control_graph()),
+], ids=["camera21", "camera22", "control22"])
+def test_wan_fun_one_worker_equals_unetloader(server, what, g):
+    assert parity(server, g(), f"Wan Fun {what}, 1 worker") <= ONE_WORKER_RTOL
+
+
+@pytest.mark.parametrize("what, g", [
+    ("2.2 camera Ulysses-2", lambda: camera_graph(CAMERA22, "cpu:2", comfy_host.strategy(ulysses=2, warmup=3))),
+    ("2.1 camera Ring-2", lambda: camera_graph(CAMERA21, "cpu:2", comfy_host.strategy(ring=2, warmup=3), clip=True)),
+    ("2.2 camera PipeFusion-2", lambda: camera_graph(CAMERA22, "cpu:2", comfy_host.strategy(pp=2, patches=5,
+                                                                                            warmup=3))),
+    ("2.2 control + reference Ring-2", lambda: control_graph("cpu:2", comfy_host.strategy(ring=2, warmup=3))),
+], ids=["camera22_ulysses2", "camera21_ring2", "camera22_pp2", "control22_ring2"])
+def test_wan_fun_exact_strategies_equal_unetloader(server, what, g):
+    assert parity(server, g(), f"Wan Fun {what}") <= EXACT_RTOL
+
+
+@pytest.mark.parametrize("what, g", [
+    ("2.2 camera", lambda: camera_graph(CAMERA22, "cpu:2", comfy_host.strategy(ulysses=2, warmup=3))),
+    ("2.2 control + reference", lambda: control_graph("cpu:2", comfy_host.strategy(cfg=2, warmup=3))),
+], ids=["camera22", "control22"])
+def test_wan_fun_parallel_sampler_runs_the_worker_loop(server, what, g):
+    """camera_conditions, concat_mask_index and Wan's reference latent are read by the workers' own loop (no per-call routing): Parallel
+    Sampler equals KSampler on the same MODEL and UNETLoader's KSampler."""
+    g = comfy_host.with_parallel_sampler(g())
+    same, unet, summary = comfy_host.entrance_parity(server, g, f"Wan Fun {what} Parallel Sampler")
+    assert same <= ENTRANCE_RTOL and unet <= EXACT_RTOL
+    assert "per model call" not in summary
