@@ -100,12 +100,13 @@ def test_wan_fun_one_worker_equals_comfyui_model_call(paths, client1):
         assert rel_err(with_it, without) > 1e-2, name
 
 
-@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
-                                      S(pipefusion_degree=2, num_pipeline_patch=5)],
-                         ids=["cfg2", "ulysses2", "ring2", "pp2_warmup"])
+@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2, device_weights=(3, 1)),
+                                      S(pipefusion_degree=2, num_pipeline_patch=5), S(tensor_degree=2)],
+                         ids=["cfg2", "ulysses2", "ring2_uneven", "pp2_warmup", "tp2"])
 def test_wan_fun_camera_and_control_exact_strategies(paths, client2, strategy):
     """The camera embedding splits with the tokens: 60 tokens in 2 shards cut frame 2 (12 tokens a frame), so both
-    ranks run the adapter on that frame and each keeps its rows; PipeFusion's patches are whole frames. The 2.1
+    ranks run the adapter on that frame and each keeps its rows (a 3:1 Ring split cuts frame 3); PipeFusion's patches
+    are whole frames; tensor parallel holds the adapter and ref_conv whole on each rank. The 2.1
     camera file adds CLIP vision, the 2.2 control file the 36 channels with the mask inside and its reference image
     (12 ref_conv tokens after the 60 video tokens, split among the ranks like them)."""
     for name, reference in (("camera21", False), ("camera22", False), ("control22", True)):
