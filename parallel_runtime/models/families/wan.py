@@ -455,7 +455,8 @@ class WanAdapter:
         t, h, w = thw
         if self.config.reference_channels and len(index) and int(index.min()) >= t * (h // 2) * (w // 2):
             conv = self.model.ref_conv
-            return F.linear(tokens.to(self.device, self.dtype), conv.weight.flatten(1), conv.bias)
+            out = F.linear(tokens.to(self.device, conv.weight.dtype), conv.weight.flatten(1), conv.bias)
+            return out.to(self.dtype)
         conv = self.model.patch_embedding
         out = F.linear(tokens.to(self.device, torch.float32), conv.weight.float().flatten(1), conv.bias.float())
         return out.to(self.dtype)
@@ -467,8 +468,9 @@ class WanAdapter:
         t, h, w = thw
         per_frame = (h // 2) * (w // 2)
         first, last = int(index.min()) // per_frame, int(index.max()) // per_frame
-        frames = camera[:, :, first:last + 1].to(self.device, self.dtype)
-        rows = self.model.control_adapter(frames).flatten(1, 3)  # [N, frames x tokens per frame, dim]
+        adapter = self.model.control_adapter
+        frames = camera[:, :, first:last + 1].to(self.device, adapter.conv.weight.dtype)
+        rows = adapter(frames).flatten(1, 3).to(self.dtype)  # [N, frames x tokens per frame, dim]
         return rows[:, index.to(rows.device) - first * per_frame]
 
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
