@@ -4,8 +4,9 @@ UNETLoader, where ComfyUI runs its CameraWanModel / WanModel on the same file.
 
 Files as tests/test_comfyui_wan.py writes them (256 wide, 2 blocks, fp32), in ComfyUI's detection shapes: Wan 2.1
 Fun camera (in_dim 32, CLIP vision: WAN21_Camera), 2.2 Fun camera (in_dim 36: WAN22_Camera), 2.2 Fun control
-(in_dim 52 and a ref_conv: WAN21 with concat_mask_index and reference_latent). 64x48 px x 17 frames: a [1, 24, 5, 48, 64] camera
-embedding for 5 x 3 x 4 tokens.
+(in_dim 52 and a ref_conv: WAN21 with concat_mask_index and reference_latent), 2.1 Fun control (in_dim 48, CLIP
+vision: WAN21_FunControl2V) and 2.2 Fun inpaint (the 2.2 I2V shape, WanFunInpaintToVideo's start and end frames).
+64x48 px x 17 frames: a [1, 24, 5, 48, 64] camera embedding for 5 x 3 x 4 tokens.
 """
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ pytestmark = pytest.mark.timeout(900)
 FILES = {"wan2.1_fun_camera_mini.safetensors": dataclasses.replace(WAN, in_channels=32, image_to_video=True,
                                                                     camera_channels=24),
          "wan2.2_fun_camera_mini.safetensors": dataclasses.replace(WAN, in_channels=36, camera_channels=24),
-         "wan2.2_fun_control_mini.safetensors": dataclasses.replace(WAN, in_channels=52, reference_channels=16)}
-CAMERA21, CAMERA22, CONTROL22 = FILES
+         "wan2.2_fun_control_mini.safetensors": dataclasses.replace(WAN, in_channels=52, reference_channels=16),
+         "wan2.1_fun_control_mini.safetensors": dataclasses.replace(WAN, in_channels=48, image_to_video=True),
+         "wan2.2_fun_inpaint_mini.safetensors": dataclasses.replace(WAN, in_channels=36)}
+CAMERA21, CAMERA22, CONTROL22, CONTROL21, INPAINT22 = FILES
 ENTRANCE_RTOL = 1e-5  # Parallel Sampler's loop and KSampler's calls on the same workers: the same maths per step
 
 
@@ -79,6 +82,36 @@ def control_graph(devices: str = "cpu:1", strat: dict | None = None) -> dict:
     return g
 
 
+def control21_graph(devices: str = "cpu:1", strat: dict | None = None) -> dict:
+    """graph() with WanFunControlToVideo (5): a start image, a 17-frame control video and CLIP vision; its concat is
+    the control and start latents, no mask (WAN21_FunControl2V: image_to_video off)."""
+    g = graph(devices, strat, dit=CONTROL21)
+    g["30"] = {"class_type": "ParaDiTTestImageToVideoInputs", "inputs": {"seed": 14}}
+    g["31"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 48, "batch_size": 17, "color": 4210752}}
+    g["33"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 48, "batch_size": 1, "color": 8421504}}
+    g["5"] = {"class_type": "WanFunControlToVideo",
+              "inputs": {"positive": ["1", 0], "negative": ["2", 0], "vae": ["30", 0], "width": 64, "height": 48,
+                         "length": 17, "batch_size": 1, "control_video": ["31", 0], "start_image": ["33", 0],
+                         "clip_vision_output": ["30", 1]}}
+    for sampler in ("12", "21"):
+        g[sampler]["inputs"].update(positive=["5", 0], negative=["5", 1], latent_image=["5", 2])
+    return g
+
+
+def inpaint_graph(devices: str = "cpu:1", strat: dict | None = None) -> dict:
+    """graph() with WanFunInpaintToVideo (5): start and end images, so the mask keeps the first and last frames."""
+    g = graph(devices, strat, dit=INPAINT22)
+    g["30"] = {"class_type": "ParaDiTTestImageToVideoInputs", "inputs": {"seed": 15}}
+    g["31"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 48, "batch_size": 1, "color": 8421504}}
+    g["33"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 48, "batch_size": 1, "color": 4210752}}
+    g["5"] = {"class_type": "WanFunInpaintToVideo",
+              "inputs": {"positive": ["1", 0], "negative": ["2", 0], "vae": ["30", 0], "width": 64, "height": 48,
+                         "length": 17, "batch_size": 1, "start_image": ["31", 0], "end_image": ["33", 0]}}
+    for sampler in ("12", "21"):
+        g[sampler]["inputs"].update(positive=["5", 0], negative=["5", 1], latent_image=["5", 2])
+    return g
+
+
 def parity(server, g: dict, what: str) -> float:
     err, par, _ = latent_parity(server, g, what)
     assert par.shape == (1, 16, 5, 6, 8)
@@ -89,7 +122,9 @@ def parity(server, g: dict, what: str) -> float:
     ("2.1 camera + CLIP vision", lambda: camera_graph(CAMERA21, clip=True)),
     ("2.2 camera", lambda: camera_graph(CAMERA22)),
     ("2.2 control + reference", lambda: control_graph()),
-], ids=["camera21", "camera22", "control22"])
+    ("2.1 control + CLIP vision", lambda: control21_graph()),
+    ("2.2 inpaint, start and end", lambda: inpaint_graph()),
+], ids=["camera21", "camera22", "control22", "control21", "inpaint22"])
 def test_wan_fun_one_worker_equals_unetloader(server, what, g):
     assert parity(server, g(), f"Wan Fun {what}, 1 worker") <= ONE_WORKER_RTOL
 
