@@ -21,7 +21,7 @@ from parallel_runtime.errors import ModelFileError
 from parallel_runtime.models.families.wan import WanConfig
 from parallel_runtime.models.registry import detect_family
 from parallel_runtime.models.tiny import write_checkpoint
-from parallel_runtime.sampling import WAN21_LATENT
+from parallel_runtime.sampling import WAN21_LATENT, WAN22_LATENT
 from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec
 from parallel_runtime.spec import StrategySpec as S
 from parallel_runtime.validate import model_config
@@ -128,7 +128,7 @@ def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor
         x = x.flatten(2).transpose(1, 2)
         ref = None
         if "ref_conv.weight" in sd and branch.references:  # WanModel: ref_conv's tokens before the video's
-            r = WAN21_LATENT.process_in(branch.references[-1])
+            r = (WAN22_LATENT if c.out_channels == 48 else WAN21_LATENT).process_in(branch.references[-1])
             ref = F.conv2d(r, sd["ref_conv.weight"], sd["ref_conv.bias"], stride=2).flatten(2).transpose(1, 2)
             x = torch.cat([ref, x], dim=1)
         rope_grid = (grid[0] + (ref is not None), *grid[1:])  # _forward: t_len + 1 with a reference latent

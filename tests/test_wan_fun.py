@@ -34,8 +34,12 @@ FUN_INP_22 = dataclasses.replace(TINY_WAN, in_channels=36)
 # each with WanCamAdapter over 24 Plücker channels.
 CAMERA_21 = dataclasses.replace(TINY_WAN, in_channels=32, image_to_video=True, camera_channels=24)
 CAMERA_22 = dataclasses.replace(TINY_WAN, in_channels=36, camera_channels=24)
+# 2.2 5B Fun files on the 48-channel latent: inpaint 48 + [mask 4, start + end 48]; control 48 + [control 48, mask 4,
+# start 48] and a 48-channel ref_conv (Wan22FunControlToVideo on the Wan 2.2 VAE).
+FUN_INP_5B = dataclasses.replace(TINY_WAN, in_channels=100, out_channels=48)
+FUN_CONTROL_5B = dataclasses.replace(TINY_WAN, in_channels=148, out_channels=48, reference_channels=48)
 FILES = {"control21": FUN_CONTROL_21, "control22": FUN_CONTROL_22, "inp22": FUN_INP_22, "camera21": CAMERA_21,
-         "camera22": CAMERA_22}
+         "camera22": CAMERA_22, "inp5b": FUN_INP_5B, "control5b": FUN_CONTROL_5B}
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +56,23 @@ def fun_job(path: str, name: str, strategy: S, camera: bool = True, reference: b
     ref_image latent [1, 16, H, W] (raw, as ReferenceLatent carries it)."""
     job = call_job(path, strategy)
     g = torch.Generator().manual_seed(30)
-    latent = [torch.randn(1, 16, T, H, W, generator=g) for _ in range(2)]
+    c = FILES[name].out_channels
+    latent = [torch.randn(1, c, T, H, W, generator=g) for _ in range(2)]
     ends = torch.zeros(1, 4, T, H, W).index_fill_(2, torch.tensor([0, T - 1]), 1.0)  # start and end frames known
     concat = {"control21": lambda: torch.cat(latent, 1),  # control latent, start latent; no mask
               "control22": lambda: torch.cat([latent[0], ends[:, :, :], latent[1]], 1),  # mask at index 16
               "inp22": lambda: torch.cat([ends, latent[0]], 1),  # WanFunInpaintToVideo: mask, start + end frames
               "camera21": lambda: latent[0],
-              "camera22": lambda: torch.cat([ends, latent[0]], 1)}[name]()
+              "camera22": lambda: torch.cat([ends, latent[0]], 1),
+              "inp5b": lambda: torch.cat([ends, latent[0]], 1),
+              "control5b": lambda: torch.cat([latent[0], ends, latent[1]], 1)}[name]()
     clip = torch.randn(1, 257, 1280, generator=g) if FILES[name].image_to_video else None
     cam = torch.randn(1, 24, T, 8 * H, 8 * W, generator=g) if camera and FILES[name].camera_channels else None
-    refs = (torch.randn(1, 16, H, W, generator=g),) if reference else ()
+    refs = (torch.randn(1, c, H, W, generator=g),) if reference else ()
     pos, neg = (dataclasses.replace(b, concat=concat, clip_vision=clip, camera=cam, references=refs)
                 for b in (job.positive, job.negative))
-    return dataclasses.replace(job, positive=pos, negative=neg)
+    x = job.latent if c == 16 else torch.randn(2, c, T, H, W, generator=g)
+    return dataclasses.replace(job, positive=pos, negative=neg, latent=x)
 
 
 def test_wan_fun_files_are_detected(paths):
@@ -76,7 +84,9 @@ def test_wan_fun_files_are_detected(paths):
         "control22": ("Wan 2.2 Fun Control 256-wide", 36, 0, 16),
         "inp22": ("Wan 2.2 I2V 256-wide", 20, 0, 0),
         "camera21": ("Wan 2.1 Fun Camera 256-wide", 16, 24, 0),
-        "camera22": ("Wan 2.2 Fun Camera 256-wide", 20, 24, 0)}
+        "camera22": ("Wan 2.2 Fun Camera 256-wide", 20, 24, 0),
+        "inp5b": ("Wan 2.2 Fun InP 256-wide", 52, 0, 0),
+        "control5b": ("Wan 2.2 Fun Control 256-wide", 100, 0, 48)}
     assert [got[n].concat_nodes for n in ("control21", "control22", "camera22")] == [
         "WanFunControlToVideo", "Wan22FunControlToVideo", "WanCameraImageToVideo"]
     five = dataclasses.replace(TINY_WAN, hidden_size=3072, out_channels=48)
@@ -87,11 +97,12 @@ def test_wan_fun_files_are_detected(paths):
 def test_wan_fun_one_worker_equals_comfyui_model_call(paths, client1):
     """Every variant at 1 worker against the model call written from ComfyUI's source; a camera file without a camera
     embedding runs without its adapter, as CameraWanModel does."""
-    cases = [(name, True, False) for name in FILES] + [("camera22", False, False), ("control22", False, True)]
+    cases = [(name, True, False) for name in FILES] + [("camera22", False, False), ("control22", False, True),
+                                                        ("control5b", True, True)]
     for name, camera, reference in cases:
         job = fun_job(paths[name], name, S(), camera, reference)
         out = client1.run(job).latent
-        assert out.shape == (2, 16, T, H, W)
+        assert out.shape == (2, FILES[name].out_channels, T, H, W)
         assert rel_err(out, reference_call(paths[name], job, FILES[name])) < SERIAL_RTOL, (name, camera, reference)
     # The camera embedding and the reference image matter (so the parity above tests the adapter and ref_conv).
     for name, on, off in (("camera22", dict(camera=True), dict(camera=False)),
@@ -109,7 +120,7 @@ def test_wan_fun_camera_and_control_exact_strategies(paths, client2, strategy):
     are whole frames; tensor parallel holds the adapter and ref_conv whole on each rank. The 2.1
     camera file adds CLIP vision, the 2.2 control file the 36 channels with the mask inside and its reference image
     (12 ref_conv tokens after the 60 video tokens, split among the ranks like them)."""
-    for name, reference in (("camera21", False), ("camera22", False), ("control22", True)):
+    for name, reference in (("camera21", False), ("camera22", False), ("control22", True), ("control5b", True)):
         job = fun_job(paths[name], name, strategy, reference=reference)
         assert rel_err(client2.run(job).latent, reference_call(paths[name], job, FILES[name])) < EXACT_RTOL, name
 
