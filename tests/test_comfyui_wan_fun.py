@@ -34,8 +34,10 @@ FILES = {"wan2.1_fun_camera_mini.safetensors": dataclasses.replace(WAN, in_chann
          "wan2.2_fun_camera_mini.safetensors": dataclasses.replace(WAN, in_channels=36, camera_channels=24),
          "wan2.2_fun_control_mini.safetensors": dataclasses.replace(WAN, in_channels=52, reference_channels=16),
          "wan2.1_fun_control_mini.safetensors": dataclasses.replace(WAN, in_channels=48, image_to_video=True),
-         "wan2.2_fun_inpaint_mini.safetensors": dataclasses.replace(WAN, in_channels=36)}
-CAMERA21, CAMERA22, CONTROL22, CONTROL21, INPAINT22 = FILES
+         "wan2.2_fun_inpaint_mini.safetensors": dataclasses.replace(WAN, in_channels=36),
+         "wan2.2_fun_control_5B_mini.safetensors": dataclasses.replace(WAN, in_channels=148, out_channels=48,
+                                                                       reference_channels=48)}
+CAMERA21, CAMERA22, CONTROL22, CONTROL21, INPAINT22, CONTROL5B = FILES
 ENTRANCE_RTOL = 1e-5  # Parallel Sampler's loop and KSampler's calls on the same workers: the same maths per step
 
 
@@ -67,16 +69,19 @@ def camera_graph(dit: str, devices: str = "cpu:1", strat: dict | None = None, cl
     return g
 
 
-def control_graph(devices: str = "cpu:1", strat: dict | None = None) -> dict:
+def control_graph(devices: str = "cpu:1", strat: dict | None = None, five: bool = False) -> dict:
     """graph() with Wan22FunControlToVideo (5) on a 17-frame control video and a reference image: its concat is
     [control latent, mask, start latent] (concat_mask_index 16), as ComfyUI's WAN21.concat_cond builds it, and the
     reference's latent goes through the model's ref_conv (reference_latents)."""
-    g = graph(devices, strat, dit=CONTROL22)
-    g["30"] = {"class_type": "ParaDiTTestImageToVideoInputs", "inputs": {"seed": 13}}
-    g["31"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 48, "batch_size": 17, "color": 4210752}}
+    width, height = (128, 96) if five else (64, 48)  # five: the 5B file on the Wan 2.2 VAE's 48 channels, 16x smaller
+    g = graph(devices, strat, dit=CONTROL5B if five else CONTROL22)
+    g["30"] = {"class_type": "ParaDiTTestImageToVideoInputs", "inputs": {"seed": 13, "channels": 48 if five else 16}}
+    g["31"] = {"class_type": "EmptyImage", "inputs": {"width": width, "height": height, "batch_size": 17,
+                                                      "color": 4210752}}
     g["5"] = {"class_type": "Wan22FunControlToVideo",
-              "inputs": {"positive": ["1", 0], "negative": ["2", 0], "vae": ["30", 0], "width": 64, "height": 48,
-                         "length": 17, "batch_size": 1, "control_video": ["31", 0], "ref_image": ["31", 0]}}
+              "inputs": {"positive": ["1", 0], "negative": ["2", 0], "vae": ["30", 0], "width": width,
+                         "height": height, "length": 17, "batch_size": 1, "control_video": ["31", 0],
+                         "ref_image": ["31", 0]}}
     for sampler in ("12", "21"):
         g[sampler]["inputs"].update(positive=["5", 0], negative=["5", 1], latent_image=["5", 2])
     return g
@@ -112,10 +117,16 @@ def inpaint_graph(devices: str = "cpu:1", strat: dict | None = None) -> dict:
     return g
 
 
-def parity(server, g: dict, what: str) -> float:
+def parity(server, g: dict, what: str, channels: int = 16) -> float:
     err, par, _ = latent_parity(server, g, what)
-    assert par.shape == (1, 16, 5, 6, 8)
+    assert par.shape == (1, channels, 5, 6, 8)
     return err
+
+
+def test_wan22_5b_fun_control_with_reference_equals_unetloader(server):
+    """The 5B Fun control file (48-channel latent, in_dim 148, a 48-channel ref_conv; ComfyUI's WAN22) under Ulysses-2."""
+    g = control_graph("cpu:2", comfy_host.strategy(ulysses=2, warmup=3), five=True)
+    assert parity(server, g, "Wan 2.2 5B Fun control + reference Ulysses-2", channels=48) <= EXACT_RTOL
 
 
 @pytest.mark.parametrize("what, g", [
