@@ -124,7 +124,7 @@ def parity(server, g: dict, what: str, channels: int = 16) -> float:
 
 
 def test_wan22_5b_fun_control_with_reference_equals_unetloader(server):
-    """The 5B Fun control file (48-channel latent, in_dim 148, a 48-channel ref_conv; ComfyUI's WAN22) under Ulysses-2."""
+    """The 5B Fun control file (48-channel latent, in_dim 148, a 48-channel ref_conv; ComfyUI's WAN22), Ulysses-2."""
     g = control_graph("cpu:2", comfy_host.strategy(ulysses=2, warmup=3), five=True)
     assert parity(server, g, "Wan 2.2 5B Fun control + reference Ulysses-2", channels=48) <= EXACT_RTOL
 
@@ -156,8 +156,8 @@ def test_wan_fun_exact_strategies_equal_unetloader(server, what, g):
     ("2.2 control + reference", lambda: control_graph("cpu:2", comfy_host.strategy(cfg=2, warmup=3))),
 ], ids=["camera22", "control22"])
 def test_wan_fun_parallel_sampler_runs_the_worker_loop(server, what, g):
-    """camera_conditions, concat_mask_index and Wan's reference latent are read by the workers' own loop (no per-call routing): Parallel
-    Sampler equals KSampler on the same MODEL and UNETLoader's KSampler."""
+    """camera_conditions, concat_mask_index and Wan's reference latent are read by the workers' own loop (no
+    per-call routing): Parallel Sampler equals KSampler on the same MODEL and UNETLoader's KSampler."""
     g = comfy_host.with_parallel_sampler(g())
     same, unet, summary = comfy_host.entrance_parity(server, g, f"Wan Fun {what} Parallel Sampler")
     assert same <= ENTRANCE_RTOL and unet <= EXACT_RTOL

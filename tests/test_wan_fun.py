@@ -15,7 +15,6 @@ import torch
 
 from conftest import rel_err
 from parallel_runtime.errors import ConfigError
-from parallel_runtime.models.families.wan import WanConfig
 from parallel_runtime.models.tiny import write_checkpoint
 from parallel_runtime.sampling import WAN21_LATENT
 from parallel_runtime.spec import StrategySpec as S
@@ -168,8 +167,9 @@ def test_wan_fun_refusals(paths, client1):
         client1.run(dataclasses.replace(control, positive=bare))
     camera = fun_job(paths["camera22"], "camera22", S())
     wrong = dataclasses.replace(camera.positive, camera=camera.positive.camera[:, :, :, :, :8 * W - 8])
-    with pytest.raises(ConfigError, match=r"camera embedding has shape \(1, 24, 5, 48, 56\) .* set WanCameraEmbedding's "
-                                          r"width, height and length to those of WanCameraImageToVideo"):
+    with pytest.raises(ConfigError, match=r"camera embedding has shape \(1, 24, 5, 48, 56\) .* set "
+                                          r"WanCameraEmbedding's width, height and length to those of "
+                                          r"WanCameraImageToVideo"):
         client1.run(dataclasses.replace(camera, positive=wrong))
     elsewhere = dataclasses.replace(control.positive, camera=camera.positive.camera)
     with pytest.raises(ConfigError, match="camera embedding .* which this Wan 2.1 Fun Control 256-wide model does not "
@@ -202,7 +202,8 @@ def test_wan_camera_conditions_through_the_model_call_door():
     # Kept on the workers by the hash of its bytes: both chunks of the call (and every call of the run) name one key.
     first = remote_model._chunk_conditioning(0, 2, context, None, None, {"camera_conditions": camera})
     assert first.camera_key == chunk.camera_key and chunk.camera_key.startswith("camera-")
-    assert "positive.camera" not in chunk.tensors("positive") and chunk.kept_inputs() == {chunk.camera_key: chunk.camera}
+    assert "positive.camera" not in chunk.tensors("positive")
+    assert chunk.kept_inputs() == {chunk.camera_key: chunk.camera}
     ref = torch.randn(1, 16, H, W)
     processed = WAN21_LATENT.process_in(ref).repeat(4, 1, 1, 1)
     remote_model._refuse_what_the_workers_cannot_do(None, {}, {"camera_conditions": camera,

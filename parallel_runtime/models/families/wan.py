@@ -80,7 +80,6 @@ class WanConfig(JointAttentionConfig):
     num_single_layers = 0
     patch_size = (1, 2, 2)
     video = True  # latents are [B, C, T, H, W]
-    concat_nodes = "WanImageToVideo"  # the start frame's latent and mask (c_concat) of an image-to-video model
 
     def __post_init__(self):
         if self.hidden_size % HEAD_DIM:
@@ -151,8 +150,8 @@ class WanConfig(JointAttentionConfig):
             return (f"the reference latent is {tuple(references[0].shape[-2:])} but the video's latent "
                     f"{tuple(latent_shape[-2:])}; give Wan22FunControlToVideo's ref_image the video's width and height")
         if timestep is not None and timestep.ndim > 1 and timestep.shape[1] > 1:
-            return ("a reference image with per-frame timesteps (a noise mask) is not run by ComfyUI's WanModel either; "
-                    "remove the noise mask or disconnect ref_image")
+            return ("a reference image with per-frame timesteps (a noise mask) is not run by ComfyUI's WanModel "
+                    "either; remove the noise mask or disconnect ref_image")
         return None
 
     @property
