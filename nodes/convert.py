@@ -341,8 +341,10 @@ def conditioning(value: Any, which: str = "positive") -> Conditioning:
         guidance = float(guidance.flatten()[0]) if isinstance(guidance, torch.Tensor) else float(guidance)
         if not math.isfinite(guidance):
             raise ConfigError(f"The {which} conditioning has guidance {guidance}; set a finite FluxGuidance value.")
+    camera = extra.get("camera_conditions")  # WanCameraEmbedding's, as WanCameraImageToVideo sets it
     return Conditioning(cond=cond.detach().cpu(), pooled=pooled.detach().cpu(), guidance=guidance,
-                        image_size=image_size(extra, which), **reference_latents(extra, which))
+                        image_size=image_size(extra, which), **reference_latents(extra, which),
+                        camera=camera.detach().cpu() if isinstance(camera, torch.Tensor) else None)
 
 
 def image_size(extra: dict, which: str) -> tuple[float, float, float] | None:

@@ -361,11 +361,31 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
     # 1.5's ByT5 glyph tokens. Both in the model's dtype: sent as float32.
     clip, glyph = (None if t is None else t[sl].detach().float().cpu()
                    for t in (kwargs.get("clip_fea"), kwargs.get("txt_byt5")))
-    return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size,
-                        references=_chunk_references(kwargs.get("ref_latents"), k, batch, latent_format),
+    refs = _chunk_references(kwargs.get("ref_latents"), k, batch, latent_format)
+    if kwargs.get("reference_latent") is not None:  # Wan Fun control's ref_image (WAN21.extra_conds: the last one)
+        # one frame of the video latent ([:, :, 0] of it): its latent format's statistics are [1, C, 1, 1, 1]
+        refs = _chunk_references([kwargs["reference_latent"].unsqueeze(2)], k, batch, latent_format)
+    return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size, references=refs,
                         reference_method=kwargs.get("ref_latents_method"),
                         concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls,
-                        attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip, glyph=glyph)
+                        attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip, glyph=glyph,
+                        **_chunk_camera(kwargs.get("camera_conditions"), sl))
+
+
+def _chunk_camera(camera, sl: slice) -> dict:
+    """Chunk rows `sl` of a Wan Fun camera call's camera_conditions (WanCameraEmbedding's Plücker embedding, at pixel
+    size), one row where all are equal (the node makes one per prompt; ComfyUI repeats it over the batch), and the
+    key the workers keep it under (a hash of its bytes: extra_conds rebuilds the tensor every call, its values stay
+    the run's). In the call's dtype: it is the call's largest input (24 channels at 8x the latent's size)."""
+    if camera is None:
+        return {}
+    camera = camera[sl].detach().cpu()
+    if camera.shape[0] > 1 and bool((camera == camera[:1]).all()):
+        camera = camera[:1]
+    camera = camera.contiguous()
+    digest = hashlib.blake2b(camera.view(torch.uint8).numpy(), digest_size=16)
+    digest.update(repr((tuple(camera.shape), str(camera.dtype))).encode())
+    return {"camera": camera, "camera_key": "camera-" + digest.hexdigest()}
 
 
 def _chunk_attention_mask(mask, sl: slice) -> tuple[torch.Tensor | None, str | None]:
@@ -404,7 +424,7 @@ def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
 # num_tokens: Lumina 2's and Z-Image's count of unpadded prompt tokens, which must be the whole prompt
 # (_refuse_padded_prompt).
 _KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea", "denoise_mask",
-                 "num_tokens", "txt_byt5"}
+                 "num_tokens", "txt_byt5", "camera_conditions", "reference_latent"}
 # Inputs ComfyUI 2026's model classes pass that no family here reads yet, by what adds them (the refusal names it).
 _INPUT_SOURCES = {
     "image_slots": "images placed in the prompt by TextEncodeQwenImage21",

@@ -151,7 +151,8 @@ def _with_concat(base, job, positive, negative):
         extra = value[0][1] or {}
         made = base.concat_cond(noise=job.latent, device=torch.device("cpu"),
                                 concat_latent_image=extra.get("concat_latent_image"),
-                                concat_mask=extra.get("concat_mask"))
+                                concat_mask=extra.get("concat_mask"),
+                                concat_mask_index=extra.get("concat_mask_index", 0))  # Wan22FunControlToVideo's
         return None if made is None else made.detach().float().cpu()
 
     pos = dataclasses.replace(job.positive, concat=concat(positive))

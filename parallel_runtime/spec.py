@@ -220,29 +220,40 @@ class Conditioning:
     # ComfyUI's txt_byt5 [1 or B, N, 1472]: ByT5 glyph tokens of the prompt's quoted text (HunyuanVideo 1.5's text
     # encoder makes them), which the model joins to its prompt stream.
     glyph: torch.Tensor | None = None
+    # ComfyUI's camera_conditions [1 or B, 24, T, 8H, 8W]: WanCameraEmbedding's Plücker embedding at pixel size,
+    # which a Wan Fun camera model's control adapter adds to its video tokens (split with them, frame by frame).
+    # A model call's crosses the channel once per sampling run, kept on the workers under `camera_key` (a hash of
+    # its bytes), like an attention mask: it is 8 x 8 x 24 / 16 = 96 times the size of the call's latent.
+    camera: torch.Tensor | None = field(default=None, repr=False)
+    camera_key: str | None = None
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         refs = {f"{prefix}.reference.{i}": r for i, r in enumerate(self.references)}
         extras = {f"{prefix}.{name}": t for name, t in (("concat", self.concat), ("clip_vision", self.clip_vision),
-                                                        ("glyph", self.glyph)) if t is not None}
+                                                        ("glyph", self.glyph),
+                                                        ("camera", None if self.camera_key else self.camera))
+                  if t is not None}
         return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled, **refs, **extras}
 
     def kept_keys(self) -> list[str]:
         """The keys of the large inputs the workers keep between calls: ControlNet hints, the attention mask."""
-        return [c.hint_key for c in self.control] + ([self.attention_mask_key] if self.attention_mask_key else [])
+        return ([c.hint_key for c in self.control] + ([self.attention_mask_key] if self.attention_mask_key else [])
+                + ([self.camera_key] if self.camera_key else []))
 
     def kept_inputs(self) -> dict[str, torch.Tensor]:
         """The kept inputs this branch carries, by key (the client sends each to the workers once)."""
         out = {c.hint_key: c.hint for c in self.control if c.hint is not None}
         if self.attention_mask_key and self.attention_mask is not None:
             out[self.attention_mask_key] = self.attention_mask
+        if self.camera_key and self.camera is not None:
+            out[self.camera_key] = self.camera
         return out
 
     def meta(self, prefix: str) -> dict:
         return {f"{prefix}_guidance": self.guidance, f"{prefix}_reference_method": self.reference_method,
                 f"{prefix}_image_size": list(self.image_size) if self.image_size else None,
                 f"{prefix}_control": [[c.path, c.hint_key, c.strength, list(c.types)] for c in self.control],
-                f"{prefix}_attention_mask": self.attention_mask_key}
+                f"{prefix}_attention_mask": self.attention_mask_key, f"{prefix}_camera": self.camera_key}
 
     @classmethod
     def from_message(cls, prefix: str, meta: dict, tensors: dict[str, torch.Tensor]) -> "Conditioning":
@@ -254,7 +265,8 @@ class Conditioning:
         return cls(tensors[f"{prefix}.cond"], tensors[f"{prefix}.pooled"], meta.get(f"{prefix}_guidance"),
                    refs, meta.get(f"{prefix}_reference_method"), tuple(size) if size else None,
                    tensors.get(f"{prefix}.concat"), control, attention_mask_key=meta.get(f"{prefix}_attention_mask"),
-                   clip_vision=tensors.get(f"{prefix}.clip_vision"), glyph=tensors.get(f"{prefix}.glyph"))
+                   clip_vision=tensors.get(f"{prefix}.clip_vision"), glyph=tensors.get(f"{prefix}.glyph"),
+                   camera=tensors.get(f"{prefix}.camera"), camera_key=meta.get(f"{prefix}_camera"))
 
     def signature(self, prompt_tokens: int = 0) -> tuple:
         """What must be equal for two branches to share one forward pass (ComfyUI batches them then, and only
@@ -265,9 +277,10 @@ class Conditioning:
         masked = self.attention_mask is not None or self.attention_mask_key is not None
         clip = None if self.clip_vision is None else tuple(self.clip_vision.shape[1:])
         glyph = None if self.glyph is None else tuple(self.glyph.shape[1:])
+        camera = None if self.camera is None else tuple(self.camera.shape[1:])
         return (max(self.cond.shape[1], prompt_tokens), tuple(tuple(r.shape[-2:]) for r in self.references),
                 self.reference_method,
-                concat, tuple(c.signature() for c in self.control), masked, clip, glyph)
+                concat, tuple(c.signature() for c in self.control), masked, clip, glyph, camera)
 
 
 @dataclass

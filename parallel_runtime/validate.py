@@ -130,6 +130,8 @@ def validate_references(name: str, c, config) -> None:
     method."""
     if not c.references:
         return
+    if getattr(config, "reference_refusal", None):
+        raise ConfigError(f"the {name} conditioning carries a reference latent, but {config.reference_refusal}.")
     if not getattr(config, "reads_references", False):
         raise ConfigError(f"the {name} conditioning carries reference latents (ReferenceLatent), which this "
                           f"{config.family} model does not read; remove the ReferenceLatent node or load a "
@@ -207,6 +209,28 @@ def validate_clip_vision(name: str, c, config, batch: int) -> None:
                           f"{config.title} model reads [batch, tokens, {width}]; load {model} with CLIPVisionLoader "
                           f"for CLIPVisionEncode.")
     _finite_tensor(f"{name} conditioning's CLIP vision output", clip, "re-run CLIPVisionEncode on a valid image")
+
+
+def validate_camera(name: str, c, config, latent: torch.Tensor, batch: int) -> None:
+    """A camera embedding (camera_conditions, WanCameraEmbedding): only a model with a camera adapter reads one, of its
+    channels, the latent's frames and 8x its height and width (the adapter unshuffles 8x8 pixels into each latent
+    pixel), one per prompt or per latent row. A camera model without one runs without its adapter, as ComfyUI's."""
+    camera = c.camera
+    if camera is None:
+        return
+    channels = getattr(config, "camera_channels", 0)
+    if not channels:
+        raise ConfigError(f"the {name} conditioning carries a camera embedding (WanCameraEmbedding), which this "
+                          f"{config.title} model does not read; load a Wan Fun camera model or disconnect "
+                          f"camera_conditions from WanCameraImageToVideo.")
+    t, h, w = latent.shape[2:] if latent.ndim == 5 else (None, None, None)
+    shape = (channels, t, 8 * h, 8 * w) if t is not None else None
+    if shape is None or camera.ndim != 5 or tuple(camera.shape[1:]) != shape or camera.shape[0] not in (1, batch):
+        raise ConfigError(f"the {name} conditioning's camera embedding has shape {tuple(camera.shape)} but this "
+                          f"{config.title} model reads [batch, {channels}, latent frames, 8 x latent height, 8 x "
+                          f"latent width] = [batch, {', '.join(map(str, shape or ()))}]; set WanCameraEmbedding's "
+                          f"width, height and length to those of WanCameraImageToVideo.")
+    _finite_tensor(f"{name} conditioning's camera embedding", camera, "re-run WanCameraEmbedding")
 
 
 def validate_glyph(name: str, c, config, batch: int) -> None:
@@ -412,9 +436,13 @@ def validate_latent_and_branches(job: Job, config) -> None:
             raise ConfigError(f"the {name} conditioning has batch {c.cond.shape[0]} but the latent has batch "
                               f"{job.batch}; use one prompt or match the batch sizes.")
         validate_references(name, c, config)
+        problem = c.references and getattr(config, "reference_problem", None)
+        if problem and (sentence := problem(c.references, tuple(lat.shape), job.timestep)):
+            raise ConfigError(f"{sentence}.")
         validate_concat(name, c, config, lat, job.batch)
         validate_clip_vision(name, c, config, job.batch)
         validate_glyph(name, c, config, job.batch)
+        validate_camera(name, c, config, lat, job.batch)
         validate_control(name, c, config, job)
         validate_attention_mask(name, c, config, job)
         if c.image_size is not None and (len(c.image_size) != 3 or

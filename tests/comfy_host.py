@@ -241,6 +241,10 @@ class _SeededVideoEncoder:
 
     def __init__(self, seed, channels):
         self.seed, self.channels = seed, channels
+        self.latent_channels = channels  # Wan22FunControlToVideo reads the VAE's channels and compression
+
+    def spacial_compression_encode(self):
+        return 8 if self.channels == 16 else 16
 
     def encode(self, pixels):
         g = torch.Generator().manual_seed(self.seed)

@@ -21,6 +21,7 @@ from parallel_runtime.errors import ModelFileError
 from parallel_runtime.models.families.wan import WanConfig
 from parallel_runtime.models.registry import detect_family
 from parallel_runtime.models.tiny import write_checkpoint
+from parallel_runtime.sampling import WAN21_LATENT, WAN22_LATENT
 from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec
 from parallel_runtime.spec import StrategySpec as S
 from parallel_runtime.validate import model_config
@@ -85,6 +86,19 @@ def call_job(path: str, strategy: S, negative: bool = True, call_step: int | Non
 # -- the reference ---------------------------------------------------------------------------------------
 
 
+def camera_adapter(sd: dict, camera: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's WanCamAdapter on WanCameraEmbedding's [B, 24, F, 8H, 8W]: frames into the batch, PixelUnshuffle(8),
+    the 2x2 stride-2 conv, one residual block (3x3 conv, ReLU, 3x3 conv, + input), frames back: [B, dim, F, H/2, W/2]."""
+    b, c, f, h, w = camera.shape
+    x = F.pixel_unshuffle(camera.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w), 8)
+    x = F.conv2d(x, sd["control_adapter.conv.weight"], sd["control_adapter.conv.bias"], stride=2)
+    r = F.relu(F.conv2d(x, sd["control_adapter.residual_blocks.0.conv1.weight"],
+                        sd["control_adapter.residual_blocks.0.conv1.bias"], padding=1))
+    x = x + F.conv2d(r, sd["control_adapter.residual_blocks.0.conv2.weight"],
+                     sd["control_adapter.residual_blocks.0.conv2.bias"], padding=1)
+    return x.view(b, f, *x.shape[1:]).permute(0, 2, 1, 3, 4)
+
+
 @torch.no_grad()
 def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor:
     """ComfyUI's WanModel on the job's rows; an image-to-video file reads its branch's concat channels beside the
@@ -108,9 +122,17 @@ def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor
         if branch.concat is not None:  # WanImageToVideo's mask and start-frame latent, after the latent's channels
             x = torch.cat([x, branch.concat], dim=1)
         x = F.conv3d(x, sd["patch_embedding.weight"], sd["patch_embedding.bias"], stride=(1, 2, 2))
+        if getattr(branch, "camera", None) is not None and "control_adapter.conv.weight" in sd:
+            x = x + camera_adapter(sd, branch.camera)  # CameraWanModel: the adapter's rows on the patch embedding
         grid = x.shape[2:]
         x = x.flatten(2).transpose(1, 2)
-        ids = torch.stack(torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij"), -1).reshape(-1, 3)
+        ref = None
+        if "ref_conv.weight" in sd and branch.references:  # WanModel: ref_conv's tokens before the video's
+            r = (WAN22_LATENT if c.out_channels == 48 else WAN21_LATENT).process_in(branch.references[-1])
+            ref = F.conv2d(r, sd["ref_conv.weight"], sd["ref_conv.bias"], stride=2).flatten(2).transpose(1, 2)
+            x = torch.cat([ref, x], dim=1)
+        rope_grid = (grid[0] + (ref is not None), *grid[1:])  # _forward: t_len + 1 with a reference latent
+        ids = torch.stack(torch.meshgrid(*(torch.arange(n) for n in rope_grid), indexing="ij"), -1).reshape(-1, 3)
         freqs = comfy_rope(ids, (128 - 4 * 21, 2 * 21, 2 * 21))  # WanModel: d - 4 (d // 6), 2 (d // 6), 2 (d // 6)
         t = job.timestep[row:row + 1]  # [1] or, per frame (Wan 2.2's noise-masked image-to-video), [1, T]
         half = c.freq_dim // 2
@@ -146,6 +168,8 @@ def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor
             x = x + lin(F.gelu(lin(h, f"{b}.ffn.0"), approximate="tanh"), f"{b}.ffn.2") * m[5]
         shift, scale = (sd["head.modulation"].unsqueeze(0) + e.unsqueeze(2)).unbind(2)
         x = lin(F.layer_norm(x, (dim,), eps=1e-6) * (1 + scale) + shift, "head.head")
+        if ref is not None:
+            x = x[:, ref.shape[1]:]
         u = x.view(1, *grid, 1, 2, 2, c.out_channels)
         out.append(torch.einsum("bfhwpqrc->bcfphqwr", u).reshape(1, c.out_channels, T, H, W))
     return torch.cat(out)

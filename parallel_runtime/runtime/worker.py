@@ -247,10 +247,11 @@ class WorkerState:
         keep_hints(self.hints, named, new)
 
         def resolved(branch):
-            if branch is None or not (branch.control or branch.attention_mask_key):
+            if branch is None or not (branch.control or branch.attention_mask_key or branch.camera_key):
                 return branch
             mask = self.hints[branch.attention_mask_key] if branch.attention_mask_key else None
-            return dataclasses.replace(branch, attention_mask=mask,
+            camera = self.hints[branch.camera_key] if branch.camera_key else branch.camera
+            return dataclasses.replace(branch, attention_mask=mask, camera=camera,
                                        control=tuple(dataclasses.replace(c, hint=self.hints[c.hint_key])
                                                      for c in branch.control))
 

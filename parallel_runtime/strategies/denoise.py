@@ -99,6 +99,10 @@ class Branches:
                             if first.clip_vision is not None else None)
         # Glyph tokens of quoted text (ByT5: HunyuanVideo 1.5), per row; their count is in the signature.
         self.glyph = torch.cat([rep(c.glyph.float()) for c in conds]).to(device) if first.glyph is not None else None
+        # WanCameraEmbedding's Plücker embedding per row, left where the message put it: each forward moves only the
+        # frames its tokens lie in to the device (adapter.embed_camera), once per job for each set of rows.
+        self.camera = torch.cat([rep(c.camera) for c in conds]) if first.camera is not None else None
+        self._camera_rows: dict[tuple, torch.Tensor] = {}
         # Rows the family joins to the embedded prompt from other inputs (HunyuanVideo 1.5: the start image's
         # vision tokens and the glyph tokens, which its embed_text puts in front of the prompt).
         self.joined_rows = getattr(adapter, "joined_rows", lambda branches: 0)(self)
@@ -111,6 +115,17 @@ class Branches:
     def with_concat(self, x_rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The model's input tokens for these rows: the latent's, then the c_concat channels of the same rows."""
         return x_rows if self.concat is None else torch.cat([x_rows, self.concat[:, index]], dim=-1)
+
+    def embed(self, adapter: DiTAdapter, x_rows: torch.Tensor, index: torch.Tensor, hw) -> torch.Tensor:
+        """The embedded image rows `index` of these branches: the latent's and c_concat's tokens through the patch
+        embedding, plus a camera model's adapter rows (the same every step: computed once per job and rows)."""
+        image = adapter.embed_image(self.with_concat(x_rows, index), index, hw)
+        if self.camera is None:
+            return image
+        key = (int(index[0]), int(index[-1]), index.numel())
+        if key not in self._camera_rows:
+            self._camera_rows[key] = adapter.embed_camera(self.camera, index, hw).to(image.dtype)
+        return image + self._camera_rows[key]
 
     @property
     def ref_len(self) -> int:
@@ -302,8 +317,7 @@ class Denoiser:
         """Embedded image tokens of step i's forward pass (the model's input scaling applied, e.g. EPS's
         x / sqrt(sigma^2 + 1)), followed by this rank's reference tokens."""
         x_in = self.adapter.model_sampling.calculate_input(self.sigmas_on_device[i], x_rows)
-        x_in = (branches or self.branches).with_concat(self._repeat(x_in, branches), index)
-        image = self.adapter.embed_image(x_in, index, self.hw)
+        image = (branches or self.branches).embed(self.adapter, self._repeat(x_in, branches), index, self.hw)
         return image if refs is None else torch.cat([image, refs], dim=1)
 
     def _bias(self, branches: Branches) -> AttentionBias | None:

@@ -181,7 +181,7 @@ class ModelCallForward(Denoiser):
     def _image_stream(self, i: int, x_rows: torch.Tensor, index: torch.Tensor, refs: torch.Tensor | None,
                       branches: Branches | None = None) -> torch.Tensor:
         """The call's x arrives input-scaled, one row per (chunk, latent): embedded as it is."""
-        image = self.adapter.embed_image((branches or self.branches).with_concat(x_rows, index), index, self.hw)
+        image = (branches or self.branches).embed(self.adapter, x_rows, index, self.hw)
         return image if refs is None else torch.cat([image, refs], dim=1)
 
     def _step_done(self, i: int, t0: float) -> None:

@@ -12,6 +12,18 @@ The module tree keeps ComfyUI's parameter names (comfy/ldm/wan/model.py), so Com
 and a LoRA's ComfyUI keys land without translation; the forward pieces mirror ComfyUI's op for op, in its
 dtypes: the patch embedding in float32, the sinusoid in float32 then the model dtype, modulation added in the
 model dtype. Sampling is ModelSamplingDiscreteFlow (shift 8, multiplier 1000) on the Wan 2.1 latent format.
+
+VideoX-Fun's variants load as ComfyUI loads them (comfy/supported_models.py WAN21_FunControl2V, WAN21_Camera,
+WAN22_Camera): Fun inpaint is the image-to-video shape (WanFunInpaintToVideo's start and end frames through the
+same concat), Fun control reads the control video's latent beside the start frame's (32 channels; 2.2's with the
+mask between them, 36). Fun camera adds `control_adapter` (WanCamAdapter): the Plücker embedding of
+WanCameraEmbedding, [24, frames, 8H, 8W] per video, pixel-unshuffled and patch-convolved to one row per token,
+refined by 3x3 convolutions within each frame and added to the patch embedding. Each rank runs the adapter on the
+frames its tokens lie in (the convolutions never cross a frame), so the embedding splits with the tokens. 2.2 Fun
+control's reference image (Wan22FunControlToVideo's ref_image) enters through `ref_conv` as one frame of tokens
+that ComfyUI puts before the video at RoPE frame 0 (the video then at frames 1..T); here they follow the video's
+rows as reference tokens (the strategies' reference rows, split like them), with the same RoPE ids, and leave
+before the head.
 """
 from __future__ import annotations
 
@@ -39,9 +51,10 @@ HEAD_DIM = 128  # every Wan: ComfyUI's detection sets num_heads = dim // 128
 EPS = 1e-6
 # img_emb projects the start image's CLIP-vision tokens (2.1 I2V) with the timestep, on every stage (temb).
 ALWAYS_OWNED = ("time_embedding.", "time_projection.", "img_emb.")
+CAMERA_UNSHUFFLE = 8  # WanCamAdapter's PixelUnshuffle: the Plücker embedding is at pixel size, 8x the latent's
 CLIP_TOKENS = 257  # clip_vision_h's penultimate hidden states: 16 x 16 patches and the class token
 CLIP_VISION_WIDTH = 1280  # CLIP ViT-H/14's hidden size: clip_vision_h, the CLIP vision file Wan 2.1 I2V reads
-FIRST_STAGE = ("patch_embedding.", "text_embedding.")
+FIRST_STAGE = ("patch_embedding.", "text_embedding.", "control_adapter.", "ref_conv.")
 LAST_STAGE = ("head.",)
 BLOCK_LISTS = ("blocks",)
 WAN_BLOCK = BlockKind("self+cross", ("image", "prompt"))
@@ -57,6 +70,8 @@ class WanConfig(JointAttentionConfig):
     text_dim: int = 4096
     freq_dim: int = 256
     image_to_video: bool = False  # 2.1 I2V: CLIP-vision tokens beside the prompt (img_emb, k_img / v_img)
+    camera_channels: int = 0  # Fun camera: the Plücker embedding's channels its control_adapter reads (24); else 0
+    reference_channels: int = 0  # 2.2 Fun control: ref_conv's input (a reference image's latent); else 0
 
     family = "wan"
     pooled_dim = 0
@@ -65,7 +80,6 @@ class WanConfig(JointAttentionConfig):
     num_single_layers = 0
     patch_size = (1, 2, 2)
     video = True  # latents are [B, C, T, H, W]
-    concat_nodes = "WanImageToVideo"  # the start frame's latent and mask (c_concat) of an image-to-video model
 
     def __post_init__(self):
         if self.hidden_size % HEAD_DIM:
@@ -110,10 +124,59 @@ class WanConfig(JointAttentionConfig):
         return "i2v" if self.concat_channels else "t2v"
 
     @property
+    def fun_kind(self) -> str | None:
+        """VideoX-Fun's variant of this shape: "camera" (a control adapter), "control" (the control video's latent
+        beside the start frame's: 2.1's two latents, 2.2's with the mask between), else None (T2V, I2V, Fun InP)."""
+        if self.camera_channels:
+            return "camera"
+        return "control" if self.concat_channels in (2 * self.out_channels, 2 * self.out_channels + 4) else None
+
+    @property
+    def concat_nodes(self) -> str:
+        """The node that makes this file's c_concat, for the sentence refusing a branch without it."""
+        if self.fun_kind == "camera":
+            return "WanCameraImageToVideo"
+        if self.fun_kind == "control":
+            return "Wan22FunControlToVideo" if self.concat_channels % self.out_channels else "WanFunControlToVideo"
+        return "WanImageToVideo (or WanFunInpaintToVideo)"
+
+    def reference_problem(self, references, latent_shape: tuple, timestep) -> str | None:
+        """What ComfyUI's WanModel could not run about these reference latents, as a sentence: it reads one reference
+        image (the chain's last), of the video's size, beside one timestep per row."""
+        if len(references) != 1:
+            return (f"this {self.title} model reads one reference image (Wan22FunControlToVideo's ref_image), not "
+                    f"{len(references)}; remove the extra ReferenceLatent nodes")
+        if tuple(references[0].shape[-2:]) != tuple(latent_shape[-2:]):
+            return (f"the reference latent is {tuple(references[0].shape[-2:])} but the video's latent "
+                    f"{tuple(latent_shape[-2:])}; give Wan22FunControlToVideo's ref_image the video's width and height")
+        if timestep is not None and timestep.ndim > 1 and timestep.shape[1] > 1:
+            return ("a reference image with per-frame timesteps (a noise mask) is not run by ComfyUI's WanModel "
+                    "either; remove the noise mask or disconnect ref_image")
+        return None
+
+    @property
+    def reads_references(self) -> bool:
+        """A 2.2 Fun control file reads Wan22FunControlToVideo's ref_image through its ref_conv."""
+        return bool(self.reference_channels)
+
+    @property
+    def reference_refusal(self) -> str | None:
+        """The sentence refusing reference latents to a file without ref_conv (which ComfyUI's WanModel ignores)."""
+        if self.reference_channels:
+            return None
+        return (f"this {self.title} model has no ref_conv to read it (Wan22FunControlToVideo's ref_image); "
+                f"disconnect ref_image or load a Wan 2.2 Fun control model")
+
+    @property
     def title(self) -> str:
         size = {1536: "1.3B", 3072: "5B", 5120: "14B"}.get(self.hidden_size, f"{self.hidden_size}-wide")
-        if self.out_channels == 48:  # 2.2's own VAE: text- and image-to-video in one file (the start frame is latent)
+        if self.fun_kind:  # 2.1's Fun files cross-attend CLIP vision (img_emb); 2.2's read the concat alone
+            version = "2.1" if self.image_to_video else "2.2"
+            return f"Wan {version} Fun {self.fun_kind.capitalize()} {size}"
+        if self.out_channels == 48 and not self.concat_channels:  # 2.2's own VAE: the start frame is in the latent
             return f"Wan 2.2 TI2V {size}"
+        if self.out_channels == 48:
+            return f"Wan 2.2 Fun InP {size}"
         # 2.1 I2V cross-attends CLIP-vision tokens; 2.2's I2V reads the start frame through the concat alone; the
         # 14B text-to-video files of 2.1 and 2.2 (each expert) share one shape.
         version = "2.1" if self.image_to_video or size == "1.3B" else ("2.2" if self.variant == "i2v" else "2.1 / 2.2")
@@ -143,11 +206,11 @@ def match_layout(keys: list[str]) -> Match | None:
 
 
 # The keys comfy/model_detection.py tells these Wan variants by (and the reference-conv and FLF2V extras).
-_UNSUPPORTED = {"vace_patch_embedding.weight": "Wan VACE", "control_adapter.conv.weight": "Wan Fun Camera",
+_UNSUPPORTED = {"vace_patch_embedding.weight": "Wan VACE",
                 "casual_audio_encoder.encoder.final_linear.weight": "Wan 2.2 S2V",
                 "audio_proj.audio_proj_glob_1.layer.bias": "Wan HuMo",
                 "face_adapter.fuser_blocks.0.k_norm.weight": "Wan 2.2 Animate",
-                "ref_conv.weight": "Wan Fun reference", "img_emb.emb_pos": "Wan first-last-frame (FLF2V)"}
+                "img_emb.emb_pos": "Wan first-last-frame (FLF2V)"}
 
 
 def infer_config(reader, match: Match, name: str) -> WanConfig:
@@ -166,10 +229,14 @@ def infer_config(reader, match: Match, name: str) -> WanConfig:
         raise ModelFileError(f"{name} predicts {out_channels} latent channels, not a Wan 2.1 (16) or Wan 2.2 TI2V (48) "
                              f"latent; the file is damaged or of a Wan variant ParaDiT does not know: load it with "
                              f"UNETLoader.")
+    camera = 0
+    if p + "control_adapter.conv.weight" in reader:  # WanCamAdapter: conv over 8x8-unshuffled Plücker channels
+        camera = shape("control_adapter.conv.weight")[1] // CAMERA_UNSHUFFLE ** 2
     return WanConfig(hidden_size=dim, num_layers=block_count(reader.keys(), p, "blocks", name),
                      ffn_dim=shape("blocks.0.ffn.0.weight")[0], in_channels=in_channels, out_channels=out_channels,
                      text_dim=shape("text_embedding.0.weight")[1], freq_dim=shape("time_embedding.0.weight")[1],
-                     image_to_video=p + "img_emb.proj.0.weight" in reader)
+                     image_to_video=p + "img_emb.proj.0.weight" in reader, camera_channels=camera,
+                     reference_channels=shape("ref_conv.weight")[1] if p + "ref_conv.weight" in reader else 0)
 
 
 class _Attention(nn.Module):
@@ -202,6 +269,25 @@ class _Head(nn.Module):
         self.modulation = nn.Parameter(torch.empty(1, 2, dim))
 
 
+class _CameraAdapter(nn.Module):
+    """WanCamAdapter's parameters: the patch conv over the unshuffled Plücker embedding, one residual block."""
+
+    def __init__(self, channels: int, dim: int, patch: tuple[int, int]):
+        super().__init__()
+        self.conv = nn.Conv2d(channels * CAMERA_UNSHUFFLE ** 2, dim, patch, patch)
+        block = nn.Module()
+        block.conv1, block.conv2 = nn.Conv2d(dim, dim, 3, padding=1), nn.Conv2d(dim, dim, 3, padding=1)
+        self.residual_blocks = nn.Sequential(block)
+
+    def forward(self, camera: torch.Tensor) -> torch.Tensor:
+        """[N, C, frames, 8H, 8W] -> [N, frames, H/2, W/2, dim], frame by frame as WanCamAdapter runs it."""
+        n, c, f, h, w = camera.shape
+        x = self.conv(F.pixel_unshuffle(camera.transpose(1, 2).reshape(n * f, c, h, w), CAMERA_UNSHUFFLE))
+        for block in self.residual_blocks:
+            x = block.conv2(F.relu(block.conv1(x))) + x
+        return x.unflatten(0, (n, f)).permute(0, 1, 3, 4, 2)
+
+
 class WanTransformer(nn.Module):
     """ComfyUI's WanModel parameters under its names; the forward lives in WanAdapter."""
 
@@ -220,6 +306,10 @@ class WanTransformer(nn.Module):
             width = CLIP_VISION_WIDTH
             self.img_emb.proj = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU(),
                                               nn.Linear(width, dim), nn.LayerNorm(dim))
+        if config.reference_channels:  # a reference latent's patch conv (2.2 Fun control's ref_image)
+            self.ref_conv = nn.Conv2d(config.reference_channels, dim, config.patch_size[1:], config.patch_size[1:])
+        if config.camera_channels:
+            self.control_adapter = _CameraAdapter(config.camera_channels, dim, config.patch_size[1:])
 
 
 def _meta_model(config: WanConfig) -> WanTransformer:
@@ -325,7 +415,9 @@ class WanAdapter:
     @staticmethod
     def pack(latent: torch.Tensor) -> torch.Tensor:
         """[B, C, T, H, W] -> [B, T (H/2)(W/2), 4C]: frame-major tokens, (c, ph, pw) inside each 1x2x2 patch (the
-        order of the patch conv's weights)."""
+        order of the patch conv's weights); a reference image's [B, C, H, W] as one frame (ref_conv's order)."""
+        if latent.ndim == 4:
+            latent = latent.unsqueeze(2)
         b, c, t, h, w = latent.shape
         x = latent.reshape(b, c, t, h // 2, 2, w // 2, 2).permute(0, 2, 3, 5, 1, 4, 6)
         return x.reshape(b, t * (h // 2) * (w // 2), c * 4)
@@ -343,17 +435,42 @@ class WanAdapter:
         image-to-video); strategies take each table's rows at their tokens' positions."""
         from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
-        ids = video_grid_ids(t, (h + 1) // 2, (w + 1) // 2).to(self.device)
+        rows, cols = (h + 1) // 2, (w + 1) // 2
+        ids = video_grid_ids(t, rows, cols).to(self.device)
+        frames = ids[:, 0].long()
+        if references:  # ref_conv's tokens (after the video's here): rope_encode over t + 1 frames, the reference
+            # first (ComfyUI prepends it), so the reference reads frame 0 and the video frames 1..t
+            reference = video_grid_ids(1, rows, cols).to(self.device)
+            ids = torch.cat([ids + torch.tensor([1.0, 0.0, 0.0], device=ids.device), reference])
+            frames = torch.cat([frames, frames.new_zeros(rows * cols)])  # its modulation: the scalar timestep's
         cos, sin = FluxPosEmbed(theta=10000, axes_dim=list(self.config.rope_axes))(ids)
-        return cos, sin, ids[:, 0].long()
+        return cos, sin, frames
 
     # -- embeddings ------------------------------------------------------------------------------------
 
     def embed_image(self, tokens: torch.Tensor, index: torch.Tensor, thw) -> torch.Tensor:
-        """The 1x2x2 patch conv as one matmul on packed tokens, in float32 as ComfyUI runs it, then the model dtype."""
+        """The 1x2x2 patch conv as one matmul on packed tokens, in float32 as ComfyUI runs it, then the model dtype;
+        rows past the video's (a reference image's) through ref_conv, in the model dtype as ComfyUI runs that."""
+        t, h, w = thw
+        if self.config.reference_channels and len(index) and int(index.min()) >= t * (h // 2) * (w // 2):
+            conv = self.model.ref_conv
+            out = F.linear(tokens.to(self.device, conv.weight.dtype), conv.weight.flatten(1), conv.bias)
+            return out.to(self.dtype)
         conv = self.model.patch_embedding
         out = F.linear(tokens.to(self.device, torch.float32), conv.weight.float().flatten(1), conv.bias.float())
         return out.to(self.dtype)
+
+    def embed_camera(self, camera: torch.Tensor, index: torch.Tensor, thw) -> torch.Tensor:
+        """WanCamAdapter's rows for video tokens `index`, added to their patch embedding as CameraWanModel adds
+        them: the adapter runs on the frames those tokens lie in only (its 3x3 convolutions stay within a frame),
+        moved to the device from the embedding the branch carries, in the model's dtype."""
+        t, h, w = thw
+        per_frame = (h // 2) * (w // 2)
+        first, last = int(index.min()) // per_frame, int(index.max()) // per_frame
+        adapter = self.model.control_adapter
+        frames = camera[:, :, first:last + 1].to(self.device, adapter.conv.weight.dtype)
+        rows = adapter(frames).flatten(1, 3).to(self.dtype)  # [N, frames x tokens per frame, dim]
+        return rows[:, index.to(rows.device) - first * per_frame]
 
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
         return self.model.text_embedding(cond.to(self.device, self.dtype))
