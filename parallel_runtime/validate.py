@@ -436,7 +436,7 @@ def validate_latent_and_branches(job: Job, config) -> None:
             raise ConfigError(f"the {name} conditioning has batch {c.cond.shape[0]} but the latent has batch "
                               f"{job.batch}; use one prompt or match the batch sizes.")
         validate_references(name, c, config)
-        problem = c.references and getattr(config, "reference_problem", None)
+        problem = c.references and getattr(config, "reference_latent_problem", None)
         if problem and (sentence := problem(c.references, tuple(lat.shape), job.timestep)):
             raise ConfigError(f"{sentence}.")
         validate_concat(name, c, config, lat, job.batch)

@@ -140,7 +140,7 @@ class WanConfig(JointAttentionConfig):
             return "Wan22FunControlToVideo" if self.concat_channels % self.out_channels else "WanFunControlToVideo"
         return "WanImageToVideo (or WanFunInpaintToVideo)"
 
-    def reference_problem(self, references, latent_shape: tuple, timestep) -> str | None:
+    def reference_latent_problem(self, references, latent_shape: tuple, timestep) -> str | None:
         """What ComfyUI's WanModel could not run about these reference latents, as a sentence: it reads one reference
         image (the chain's last), of the video's size, beside one timestep per row."""
         if len(references) != 1:
