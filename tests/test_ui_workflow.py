@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 import paradit_swap  # noqa: E402
 import queue_workflow as qw  # noqa: E402
 import ui_workflow as uw  # noqa: E402
+import template_coverage as tc  # noqa: E402
 
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "object_info_templates.json")
 # Node classes of ComfyUI 2026 that our workflows for the newer families use and the 0.3.64 host lacks (FLUX.2's
@@ -56,6 +57,22 @@ TEMPLATES = ("flux_dev_full_text_to_image", "flux_canny_model_example", "flux_fi
              "flux_schnell", "flux1_dev_uso_reference_image_gen", "sd3.5_simple_example", "sd3.5_large_depth",
              "hidream_e1_1", "hunyuan_video_text_to_video", "image_qwen_image_controlnet_patch")
 NEEDS_NEWER_HOST = {"image_qwen_image": "ComfySwitchNode"}
+# Issue 48's families, every template of theirs in the pinned package: the ones whose node classes the 0.3.64 host
+# has (FAMILY_TEMPLATES) convert, take Load Parallel DiT in place of each diffusion-model loader and (live) pass
+# /prompt's validation but for the model and image files; the others name a class that host lacks (ComfyUI 2026's).
+FAMILY_TEMPLATES = ("wan2.1_fun_control", "wan2.1_fun_inp", "video_wan2.1_fun_camera_v1.1_1.3B",
+                    "video_wan2.1_fun_camera_v1.1_14B", "video_wan2_2_14B_fun_camera", "video_wan2_2_14B_fun_control",
+                    "video_wan2_2_14B_fun_inpaint", "video_wan2_2_5B_fun_control", "video_wan2_2_5B_fun_inpaint",
+                    "video_wan_vace_14B_t2v", "video_wan_vace_14B_ref2v", "video_wan_vace_14B_v2v",
+                    "video_wan_vace_outpainting", "hidream_i1_full", "hidream_i1_dev",
+                    "hidream_i1_fast", "hidream_e1_full", "hidream_e1_1", "image_kandinsky5_t2i")
+# A choice the 0.3.64 host's class lacks: DualCLIPLoader's type "kandinsky5" (ComfyUI 2026's Kandinsky 5 encoders).
+NEWER_CHOICES = {"image_kandinsky5_t2i": {"type"}}
+FAMILY_TEMPLATES_NEWER = ("video_wan_vace_flf2v", "video_wan_vace_inpainting", "video_wan_animate2",
+                          "video_wan_animate2_distilled", "video_wan2_2_14B_s2v", "image_hidream_o1",
+                          "image_hidream_o1_dev", "image_flux3_klein_t2i", "image_flux3_klein_image_edit",
+                          "image_flux3_klein_distilled_t2i", "image_flux3_klein_distilled_image_edit",
+                          "video_kandinsky5_t2v", "video_kandinsky5_i2v")
 
 
 def templates_dir() -> str:
@@ -176,7 +193,7 @@ def test_our_ui_workflows_convert_to_their_api_twins(object_info, name):
 # video_wan2_2_14B_t2v (wan22_14b_t2v_two_experts) needs Switch nodes the 0.3.64 host lacks: test_workflows.py checks
 # that one against the template's values.
 WAN_TEMPLATES = {"wan21_t2v_ulysses": "text_to_video_wan", "wan21_i2v_cfg_parallel": "image_to_video_wan",
-                 "wan22_5b_ti2v": "video_wan2_2_5B_ti2v"}
+                 "wan22_5b_ti2v": "video_wan2_2_5B_ti2v", "wan22_fun_inpaint_5b_ulysses": "video_wan2_2_5B_fun_inpaint"}
 
 
 @pytest.mark.parametrize("name, template_name", sorted(WAN_TEMPLATES.items()))
@@ -236,6 +253,35 @@ def test_every_template_converts_to_a_complete_graph(object_info, name):
             if spec and isinstance(n.get("widgets_values_named"), dict) and isinstance(n.get("widgets_values"), list):
                 assert uw.saved_widget_values({"widgets_values": n["widgets_values"]}, spec) == \
                     uw.saved_widget_values({"widgets_values_named": n["widgets_values_named"]}, spec)
+
+
+def swapped_family_template(name: str, object_info: dict) -> dict:
+    """A FAMILY_TEMPLATES template converted and with Load Parallel DiT (Ulysses 2 on two devices) in place of each
+    diffusion-model loader, as `queue_workflow.py --parallel ulysses=2` queues it."""
+    strategy = paradit_swap.parse_strategy("ulysses=2")
+    graph, notes = paradit_swap.swap_loaders(convert(name, object_info), strategy, "cpu:2", object_info)
+    assert notes and all("is now Load Parallel DiT" in n for n in notes), notes
+    return graph
+
+
+@pytest.mark.parametrize("name", FAMILY_TEMPLATES)
+def test_family_template_converts_and_takes_load_parallel_dit(object_info, name):
+    """Each template of issue 48's families converts to a complete graph with Load Parallel DiT on every diffusion
+    model it loads; scripts/template_coverage.py says which of those files ParaDiT's families run (its count)."""
+    graph = swapped_family_template(name, object_info)
+    check_structure(graph, object_info)
+    loaders = [n for n in graph.values() if n["class_type"] == "ParaDiTLoader"]
+    assert loaders and not any(n["class_type"] == "UNETLoader" for n in graph.values())
+    assert {tc.classify(n["inputs"]["unet_name"])[0] for n in loaders} == {tc.DIT}
+
+
+@pytest.mark.parametrize("name", FAMILY_TEMPLATES_NEWER)
+def test_family_template_of_a_newer_comfyui_names_a_class_it_needs(object_info, name):
+    lacking = classes_used(template(name)) - set(object_info)
+    assert lacking, f"{name} converts on the 0.3.64 host's classes: move it to FAMILY_TEMPLATES"
+    with pytest.raises(uw.ConversionError, match="is not a node class this ComfyUI server knows") as e:
+        convert(name, object_info)
+    assert any(f"'{c}'" in str(e.value) for c in lacking), str(e.value)
 
 
 def test_a_node_class_the_server_lacks_is_one_sentence(object_info):
@@ -647,7 +693,8 @@ def live_server():
 
 
 FILE_WIDGETS = {"unet_name", "ckpt_name", "vae_name", "clip_name", "clip_name1", "clip_name2", "clip_name3",
-                "clip_name4", "lora_name", "style_model_name", "control_net_name", "name", "image"}
+                "clip_name4", "lora_name", "style_model_name", "control_net_name", "name", "image",
+                "file"}  # LoadVideo's video file
 
 
 def validation_errors(server, graph: dict) -> set:
@@ -672,6 +719,10 @@ def test_live_object_info_converts_the_templates(live_server, object_info):
         errors = validation_errors(live_server, graph)
         assert errors and {t for t, _ in errors} <= {"value_not_in_list", "custom_validation_failed"}, (name, errors)
         assert {i for _, i in errors} <= FILE_WIDGETS, (name, errors)
+    for name in FAMILY_TEMPLATES:  # with Load Parallel DiT in place of their loaders, as --parallel queues them
+        errors = validation_errors(live_server, swapped_family_template(name, live))
+        assert errors and {t for t, _ in errors} <= {"value_not_in_list", "custom_validation_failed"}, (name, errors)
+        assert {i for _, i in errors} <= FILE_WIDGETS | NEWER_CHOICES.get(name, set()), (name, errors)
     for name, missing in NEEDS_NEWER_HOST.items():
         if missing in live:
             check_structure(convert(name, live), live)
@@ -721,7 +772,7 @@ def _strip(value):
 def write_fixture(server: str) -> None:
     live = qw.http_json(f"{qw.base_url(server)}/object_info", timeout=120)
     wanted = {"ParaDiTLoader", "ParaDiTStrategy", "ParaDiTSampler"}
-    for name in TEMPLATES + tuple(NEEDS_NEWER_HOST):
+    for name in TEMPLATES + tuple(NEEDS_NEWER_HOST) + FAMILY_TEMPLATES + FAMILY_TEMPLATES_NEWER:
         wanted |= classes_used(template(name))
     for name in os.listdir(os.path.join(REPO, "workflows")):
         if name.endswith(".json"):

@@ -194,6 +194,23 @@ def test_wan_files_are_detected_and_variants_refused(wan_path, tmp_path):
     save_file({**load_file(flf), "img_emb.emb_pos": torch.zeros(1, 514, 1280)}, flf)
     with pytest.raises(ModelFileError, match="Wan first-last-frame .* which ParaDiT does not run yet"):
         model_config(flf)
+    # The Wan variants comfy/model_detection.py tells by a key of their own, refused rather than run as plain Wan
+    # without the inputs that drive them (pose, masks, a global dancer stream).
+    plain = load_file(write_checkpoint(str(tmp_path / "wan_plain.safetensors"), TINY_WAN_I2V))
+    for key, what in (("patch_embedding_mask.weight", "Wan SCAIL 2"), ("patch_embedding_pose.weight", "Wan SCAIL"),
+                      ("patch_embedding_global.weight", "Wan Dancer")):
+        path = str(tmp_path / f"{key.split('.')[0]}.safetensors")
+        save_file({**plain, key: torch.zeros(2, 2)}, path)
+        with pytest.raises(ModelFileError, match=f"is a {what} model, which ParaDiT does not run yet"):
+            model_config(path)
+    # Wan Animate 2: I2V-shaped keys; only the file's metadata (ComfyUI's config -> transformer -> model_type) says so.
+    animate2 = str(tmp_path / "wan_animate_2_int8_convrot.safetensors")
+    save_file(plain, animate2, metadata={"config": '{"transformer": {"model_type": "animate2"}}'})
+    with pytest.raises(ModelFileError, match="wan_animate_2_int8_convrot.safetensors is a Wan Animate 2 model, which "
+                                             "ParaDiT does not run yet; load it with UNETLoader"):
+        model_config(animate2)
+    save_file(plain, animate2, metadata={"config": '{"transformer": {"model_type": "i2v"}}'})
+    assert model_config(animate2).family == "wan"  # a config naming a model type Wan runs changes nothing
 
 
 def test_wan_image_to_video_files_are_detected(wan21_i2v_path, wan22_i2v_path):

@@ -48,7 +48,7 @@ WORKFLOWS = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pip
              "flux_fill_inpaint", "wan21_t2v_ulysses", "wan21_i2v_cfg_parallel", "wan22_14b_t2v_two_experts",
              "wan22_5b_ti2v", "lumina2_cfg_parallel", "z_image_turbo_ulysses", "flux2_dev_ulysses", "flux2_klein_4b_ring",
              "qwen_image21_ulysses", "hunyuan_video15_t2v_cfg_parallel", "ltx23_t2v_ulysses", "ltx23_i2v_ulysses",
-             "minimax_h3_t2v_ulysses")
+             "minimax_h3_t2v_ulysses", "wan22_fun_inpaint_5b_ulysses")
 FLUX_HEADS, FLUX_BLOCKS = 24, 19 + 38  # FLUX.1 dev/schnell: 19 double + 38 single blocks
 FLUX_UNETS = ("flux1-dev.safetensors", "flux1-schnell.safetensors")
 STRATEGY_WORDS = ("auto", "ulysses", "ring", "pipefusion", "cfg_parallel", "hybrid")  # the end of a workflow's name
@@ -102,12 +102,19 @@ WAN = {
         unets=("wan2.2_ti2v_5B_fp16.safetensors",), heads=3072 // WAN_HEAD_DIM, blocks=30,
         vae="wan2.2_vae.safetensors", latent=("Wan22ImageToVideoLatent", 1280, 704, 121),
         sampling=dict(steps=20, cfg=5.0, sampler_name="uni_pc", scheduler="simple"), shift=8.0, fps=24.0),
+    # video_wan2_2_5B_fun_inpaint: the 5B's Fun inpaint file (in_dim 100), start and end frames through
+    # WanFunInpaintToVideo on the 5B's VAE
+    "wan22_fun_inpaint_5b_": dict(
+        unets=("wan2.2_fun_inpaint_5B_bf16.safetensors",), heads=3072 // WAN_HEAD_DIM, blocks=30,
+        vae="wan2.2_vae.safetensors", latent=("WanFunInpaintToVideo", 640, 640, 81),
+        sampling=dict(steps=20, cfg=6.0, sampler_name="uni_pc", scheduler="simple"), shift=8.0, fps=24.0),
 }
 WAN_CLIP = {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan", "device": "default"}
 # (latent channels, pixels per latent pixel): what each Wan VAE encodes to and each latent node makes
 # (comfy_extras/nodes_hunyuan.py, nodes_wan.py); frames are 4 to a latent frame, plus the first.
 WAN_VAES = {"wan_2.1_vae.safetensors": (16, 8), "wan2.2_vae.safetensors": (48, 16)}
-WAN_LATENTS = {"EmptyHunyuanLatentVideo": (16, 8), "WanImageToVideo": (16, 8), "Wan22ImageToVideoLatent": (48, 16)}
+WAN_LATENTS = {"EmptyHunyuanLatentVideo": (16, 8), "WanImageToVideo": (16, 8), "Wan22ImageToVideoLatent": (48, 16),
+               "WanFunInpaintToVideo": (48, 16)}  # the VAE it is given: the 5B's in our one Fun workflow
 # Newer families, each workflow shaped like one ComfyUI template (comfyui-workflow-templates-json 0.1.123, read by
 # test_family_workflow_is_its_template_on_load_parallel_dit): `instances`, the subgraph instances flattened into the
 # workflow (their inner node ids kept); `loader`, the template's diffusion-model loader our Load Parallel DiT stands
@@ -227,6 +234,10 @@ CORE = {
                         {"positive": "CONDITIONING", "negative": "CONDITIONING", "vae": "VAE",
                          "clip_vision_output": "CLIP_VISION_OUTPUT", "start_image": "IMAGE"},
                         ["CONDITIONING", "CONDITIONING", "LATENT"]),
+    "WanFunInpaintToVideo": (["width", "height", "length", "batch_size"],
+                             {"positive": "CONDITIONING", "negative": "CONDITIONING", "vae": "VAE",
+                              "clip_vision_output": "CLIP_VISION_OUTPUT", "start_image": "IMAGE", "end_image": "IMAGE"},
+                             ["CONDITIONING", "CONDITIONING", "LATENT"]),
     "Wan22ImageToVideoLatent": (["width", "height", "length", "batch_size"], {"vae": "VAE", "start_image": "IMAGE"},
                                 ["LATENT"]),
     "CLIPVisionLoader": (["clip_name"], {}, ["CLIP_VISION"]),
@@ -316,7 +327,8 @@ BYPASSED = 4  # a UI node's mode: left out of the prompt (ComfyUI's templates sh
 OPTIONAL_CORE = {("DualCLIPLoader", "device"), ("CLIPLoader", "device"), ("ReferenceLatent", "latent"),
                  ("ControlNetApplyAdvanced", "vae"), ("DifferentialDiffusion", "strength"),
                  ("WanImageToVideo", "clip_vision_output"), ("WanImageToVideo", "start_image"),
-                 ("Wan22ImageToVideoLatent", "start_image"), ("CreateVideo", "audio"), ("TextEncodeQwenImage21", "vae"),
+                 ("Wan22ImageToVideoLatent", "start_image"), ("WanFunInpaintToVideo", "clip_vision_output"),
+                 ("WanFunInpaintToVideo", "start_image"), ("WanFunInpaintToVideo", "end_image"), ("CreateVideo", "audio"), ("TextEncodeQwenImage21", "vae"),
                  *OPTIONAL_WIDGET_DEFAULTS, ("TextGenerateLTX2Prompt", "image"), ("TextGenerateLTX2Prompt", "video"),
                  ("TextGenerateLTX2Prompt", "audio"), ("TextGenerateLTX2Prompt", "thinking"),
                  ("TextGenerateLTX2Prompt", "use_default_template"), ("MiniMaxH3ImageToVideo", "first_frame"),
@@ -800,6 +812,14 @@ def test_wan_workflow_is_its_template_on_load_parallel_dit_and_its_strategy_fits
         assert encode["inputs"]["image"] == li["start_image"], "the first frame is the picture CLIP vision sees"
         picture = graph[li["start_image"][0]]
         assert picture["class_type"] == "LoadImage" and picture["inputs"]["image"] == "example.png"
+    elif latent_cls == "WanFunInpaintToVideo":  # the prompts through it, with the first and last frames (no CLIP vision)
+        lid = first["latent_image"][0]
+        assert first["latent_image"] == [lid, 2] and first["positive"] == [lid, 0] and first["negative"] == [lid, 1]
+        positive, negative = graph[li["positive"][0]], graph[li["negative"][0]]
+        assert "clip_vision" not in m and "CLIPVisionEncode" not in c and graph[li["vae"][0]] is vae
+        for frame in ("start_image", "end_image"):
+            picture = graph[li[frame][0]]
+            assert picture["class_type"] == "LoadImage" and picture["inputs"]["image"] == "example.png"
     else:
         assert "clip_vision" not in m and "CLIPVisionEncode" not in c
         assert "start_image" not in li and "LoadImage" not in c  # text-to-video (5B: the template's picture bypassed)

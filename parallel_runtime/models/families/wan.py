@@ -28,6 +28,7 @@ before the head.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -210,16 +211,34 @@ _UNSUPPORTED = {"vace_patch_embedding.weight": "Wan VACE",
                 "casual_audio_encoder.encoder.final_linear.weight": "Wan 2.2 S2V",
                 "audio_proj.audio_proj_glob_1.layer.bias": "Wan HuMo",
                 "face_adapter.fuser_blocks.0.k_norm.weight": "Wan 2.2 Animate",
+                "patch_embedding_mask.weight": "Wan SCAIL 2",
+                "patch_embedding_pose.weight": "Wan SCAIL",
+                "patch_embedding_global.weight": "Wan Dancer",
                 "img_emb.emb_pos": "Wan first-last-frame (FLF2V)"}
+# What ComfyUI reads from a file's own metadata (config -> transformer -> model_type) over the keys: Wan Animate 2
+# files are Wan 2.1 I2V-shaped and only their metadata says that a pose branch runs beside the video.
+_UNSUPPORTED_MODEL_TYPES = {"animate2": "Wan Animate 2"}
+
+
+def _model_type_in_metadata(reader) -> str | None:
+    metadata = getattr(reader, "metadata", None)
+    try:
+        config = json.loads((metadata() if callable(metadata) else {}).get("config") or "{}")
+        return config.get("transformer", {}).get("model_type")
+    except (ValueError, AttributeError):  # no JSON config, or not the shape ComfyUI reads: the keys decide
+        return None
 
 
 def infer_config(reader, match: Match, name: str) -> WanConfig:
     p = match.prefix
     name = name or os.path.basename(getattr(reader, "path", "checkpoint"))
-    for key, what in _UNSUPPORTED.items():
-        if p + key in reader:
-            raise ModelFileError(f"{name} is a {what} model, which ParaDiT does not run yet; load it with UNETLoader "
-                                 f"or choose a Wan 2.1 / 2.2 text- or image-to-video file.")
+    # The metadata first: ComfyUI lets it override what the keys say.
+    variants = [_UNSUPPORTED_MODEL_TYPES.get(_model_type_in_metadata(reader))]
+    variants += [what for key, what in _UNSUPPORTED.items() if p + key in reader]
+    what = next((v for v in variants if v), None)
+    if what:
+        raise ModelFileError(f"{name} is a {what} model, which ParaDiT does not run yet; load it with UNETLoader "
+                             f"or choose a Wan 2.1 / 2.2 text- or image-to-video file.")
 
     shape = tensor_shapes(reader, p, name, "a complete Wan DiT")
 

@@ -1,0 +1,63 @@
+"""scripts/template_coverage.py on the pinned template package: every file a template loads is classified, every
+family it says ParaDiT runs is one the registry registers, and the counts are the ones the closing notes quote."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from parallel_runtime.models.registry import families
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import template_coverage as tc  # noqa: E402
+
+pytest.importorskip("comfyui_workflow_templates_json")  # the Makefile installs the pinned package (0.1.123)
+
+
+@pytest.fixture(scope="module")
+def report():
+    return tc.coverage(tc.default_templates())
+
+
+def test_every_family_marked_as_run_is_registered():
+    registered = {f.name for f in families()}
+    marked = {ours for *_, ours in tc.FILES if ours}
+    assert marked <= registered, marked - registered
+
+
+def test_every_template_file_is_classified_and_the_counts_hold(report):
+    # coverage() raises on a file no row matches, so reaching here means every file the package names is classified.
+    t = report["totals"]
+    # The pinned package (comfyui-workflow-templates-json 0.1.123): 248 templates load a local model, 211 of them an
+    # image or video DiT. 120 = the families before issue 48 (81) + LTX-2 (19) + MiniMax-H3 (10) + Wan Fun (9) + the
+    # Kijai-named Wan 2.1 I2V file (1). A new family raises it; a lost one lowers it: update with the README.
+    assert (t["templates_loading_a_local_model"], t["templates_loading_a_dit"]) == (248, 211)
+    assert t["covered"] == 120
+
+
+def test_a_template_with_a_refused_variant_beside_a_run_one_is_not_covered(report):
+    templates = report["templates"]
+    # video_wan2_2_14B_s2v loads the S2V file, which Wan's family refuses (one sentence naming it): not covered.
+    s2v = templates["video_wan2_2_14B_s2v"]
+    assert any(f.startswith("wan2.2_s2v_") for f in s2v["files"]) and not s2v["covered"]
+    # The Fun control template (two 14B experts, both Fun control files) is.
+    assert templates["video_wan2_2_14B_fun_control"]["covered"]
+    # A template of UNets only does not load a DiT at all.
+    sdxl = [n for n, t in templates.items() if t["files"] == ["sd_xl_base_1.0.safetensors"]]
+    assert sdxl and not any(templates[n]["loads_dit"] for n in sdxl)
+
+
+def test_an_unknown_file_name_is_one_sentence():
+    with pytest.raises(ValueError, match="no row of scripts/template_coverage.py's FILES matches it; add one"):
+        tc.classify("mystery_model_v9.safetensors")
+
+
+def test_the_command_prints_the_table_and_writes_json(tmp_path):
+    out = tmp_path / "coverage.json"
+    run = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "template_coverage.py"), "--json", str(out)],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert run.returncode == 0, run.stderr
+    assert "ParaDiT's families run every DiT file of 120 of them" in run.stdout
+    assert json.loads(out.read_text())["totals"]["covered"] == 120
