@@ -286,3 +286,34 @@ def test_flux3_quantized_files_equal_their_fp32_twins(storage_twins, client1, cl
         share = compact_share(quant, meant)
         assert share < 0.65 and held < share + 0.01, kind  # + per-row / per-tensor scales
         assert split <= EXACT_RTOL, kind
+
+
+# -- LoRA ------------------------------------------------------------------------------------------------------
+
+
+def test_flux3_lora_in_comfyui_names_lands(flux3_path, client1, client2, tmp_path):
+    """A LoRA named as ComfyUI names FLUX.3's weights (a prompt mode block, which runs once per job, an image mode
+    block, a single block, a shared modulation and the final layer's swapped modulation) equals the file with the
+    deltas merged in, at 1 worker and under Ulysses-2 and TP-2."""
+    from parallel_runtime.spec import WeightPatch, WeightPatches
+
+    g = torch.Generator().manual_seed(9)
+    sd = load_file(flux3_path)
+    weights, merged = {}, dict(sd)
+    for key in ("txt_mode_blocks.0.q_proj.weight", "content_mode_blocks.image.1.mlp_in.weight",
+                "single_blocks.1.attn_out.weight", "single_stream_modulations.txt.lin.weight",
+                "final_layer.image.adaLN_modulation.1.weight"):
+        rows, cols = sd[PREFIX + key].shape
+        up, down = torch.randn(rows, 2, generator=g) * 0.1, torch.randn(2, cols, generator=g) * 0.1
+        weights[key] = [WeightPatch("lora", {"up": up, "down": down}, strength=0.8, alpha=4.0)]
+        merged[PREFIX + key] = merged[PREFIX + key] + (0.8 * 4.0 / 2) * (up @ down)
+    merged_path = str(tmp_path / "merged.safetensors")
+    save_file(merged, merged_path)
+    patches = WeightPatches("flux3-lora", weights)
+    want = client1.run(call_job(merged_path, S())).latent
+    assert rel_err(want, client1.run(call_job(flux3_path, S())).latent) > 1e-3  # the LoRA matters
+    for client, strategy in ((client1, S()), (client2, S(ulysses_degree=2)), (client2, S(tensor_degree=2))):
+        got = client.run(dataclasses.replace(call_job(flux3_path, strategy), weight_patches=patches)).latent
+        err = rel_err(got, want)
+        print(f"\nFLUX.3 LoRA {strategy.label()} rel. error {err:.2e} vs merged file")
+        assert err < 1e-5  # the merged file rounds each patched weight to fp32 once, as the workers do

@@ -329,9 +329,9 @@ class Flux3Adapter:
         """[B, 1, width]: the timestep MLP of t x 1000, its sinusoid cast to the compute dtype."""
         return self.model.timestep_embedder(self.model.time_proj(t * 1000).to(self.dtype))[:, None]
 
-    @functools.cached_property
     def _prompt_temb(self) -> torch.Tensor:
-        """The prompt's embedding, silu-activated: the timestep MLP at t = 0, the same every step."""
+        """The prompt's embedding, silu-activated: the timestep MLP at t = 0 (recomputed, not cached: a LoRA may patch
+        the MLP between jobs)."""
         return nn.functional.silu(self._embed_time(torch.zeros(1, device=self.device)))
 
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
@@ -339,7 +339,7 @@ class Flux3Adapter:
         plain local attention, once per job."""
         text = self.model.context_embedder(cond.to(self.device, self.dtype))
         rope = self.model.pos_embed(sequence_ids(text.shape[1], []).to(self.device))
-        mod = self.model.early_stream_modulations["txt"](self._prompt_temb)
+        mod = self.model.early_stream_modulations["txt"](self._prompt_temb())
         for block in self.model.txt_mode_blocks:
             text = block(text, mod, rope)
         return text
@@ -350,7 +350,7 @@ class Flux3Adapter:
         act = nn.functional.silu(temb)
         return (temb, self.model.early_stream_modulations["image"](act),
                 self.model.single_stream_modulations["image"](act),
-                self.model.single_stream_modulations["txt"](self._prompt_temb))
+                self.model.single_stream_modulations["txt"](self._prompt_temb()))
 
     def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb: tuple, rope, chunk: int = 0) -> tuple:
         """The image's mode blocks over this rank's image rows (their RoPE rows after the prompt's), then the single
