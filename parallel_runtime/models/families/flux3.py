@@ -70,7 +70,7 @@ class Flux3Config(JointAttentionConfig):
     latent_downscale = 16
     text_encoders = "Qwen3-VL 4B (CLIPLoader type flux3)"
     reference_refusal = ("FLUX.3's reference images (ReferenceMultiLatent) do not run on ParaDiT yet; remove them "
-                         "for text-to-image, or sample the edit with ComfyUI's own KSampler")
+                         "for text-to-image, or load the file with UNETLoader for the edit")
 
     def __post_init__(self):
         if self.num_heads * self.head_dim != self.hidden_size or self.head_dim % 8:
@@ -129,7 +129,8 @@ def infer_config(reader, match: Match, name: str) -> Flux3Config:
     shape = tensor_shapes(reader, p, name, "a complete FLUX.3 DiT")
     if p + "ref_time_in.in_layer.weight" in reader:
         raise ModelFileError(f"{name} is FLUX.3's step-distilled (flow-map) model, whose ref_time_in reads the "
-                             f"timestep each step jumps to, which ParaDiT does not run yet; load {_BASE_FILE}.")
+                             f"timestep each step jumps to, which ParaDiT does not run yet; load {_BASE_FILE}, or this "
+                             f"file with UNETLoader.")
     extra = next((what for key, what in _LOOK_ALIKES.items() if p + key in reader), None)
     if extra:
         raise ModelFileError(f"{name} has FLUX.3's mode blocks but also {extra}, which FLUX.3 image klein does not "
