@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..models.families.chroma import ChromaConfig
 from ..models.families.flux import FluxConfig
 from ..models.families.flux2 import Flux2Config
+from ..models.families.flux3 import Flux3Config
 from ..models.families.hunyuan_video15 import HunyuanVideo15Config
 from ..models.families.ltx2 import LTX2Config
 from ..models.families.minimax_h3 import MiniMaxH3Config
@@ -47,6 +48,10 @@ BENCH_FAMILIES = {
     # FLUX.2 klein: no guidance input, klein 9B's 1:3 mix (8 + 24) as 1 + 3.
     "flux2_klein": Flux2Config(hidden_size=256, num_heads=4, head_dim=64, num_layers=1, num_single_layers=3,
                                mlp_hidden=768, context_dim=64, guidance_embeds=False),
+    # FLUX.3 image klein: per-mode blocks (the image's over the image, the prompt's once per job), then single blocks
+    # over [prompt, image]; diffusers' 5 + 28 as 1 + 6, 4 heads of 64, the 128-channel 16x latent of FLUX.2.
+    "flux3": Flux3Config(hidden_size=256, num_heads=4, head_dim=64, num_layers=1, num_single_layers=6, mlp_hidden=768,
+                         context_dim=64),
     # PixArt-Σ: image-only self-attention plus cross-attention to the prompt; PixArt's 72-wide heads, 4 of them.
     "pixart": PixArtConfig(hidden_size=288, num_layers=6, micro_condition=False, caption_channels=64),
     # Wan 2.1 1.3B's block (self-attention over the video, cross-attention to the umT5 prompt, MLP of the 1.3B's
@@ -96,6 +101,9 @@ RELEASE_SHAPES = {
     "flux2_klein": (Flux2Config(hidden_size=4096, num_heads=32, head_dim=128, num_layers=8, num_single_layers=24,
                                 mlp_hidden=12288, context_dim=12288, guidance_embeds=False),
                     "FLUX.2 klein 9B shapes (width 4096, 32 heads, 8 + 24 blocks, SwiGLU 12288)"),
+    "flux3": (Flux3Config(hidden_size=3072, num_heads=24, head_dim=128, num_layers=5, num_single_layers=28,
+                          mlp_hidden=9216, context_dim=20480),
+              "FLUX.3 image klein shapes (diffusers' defaults: width 3072, 24 heads, 5 + 28 blocks, SwiGLU 9216)"),
     "pixart": (PixArtConfig(hidden_size=1152, num_layers=28, micro_condition=False),
                "PixArt-Σ shapes (width 1152, 28 blocks)"),
     "wan": (WanConfig(hidden_size=5120, num_layers=40, ffn_dim=13824),

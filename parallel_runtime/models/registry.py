@@ -15,6 +15,7 @@ def families() -> list[ModelFamily]:
     PixArt: its unprefixed files carry adaln_single and caption_projection, which PixArt's diffusers layout reads."""
     from .families.chroma import CHROMA
     from .families.flux2 import FLUX2
+    from .families.flux3 import FLUX3
     from .families.flux_adapter import FLUX
     from .families.hunyuan_video15 import HUNYUAN_VIDEO15
     from .families.ltx2 import LTX2
@@ -27,8 +28,8 @@ def families() -> list[ModelFamily]:
     from .families.wan import WAN
     from .families.z_image import Z_IMAGE
 
-    return [FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, LTX2, PIXART, WAN, Z_IMAGE, LUMINA2, HUNYUAN_VIDEO15,
-            MINIMAX_H3]
+    return [FLUX3, FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, LTX2, PIXART, WAN, Z_IMAGE, LUMINA2,
+            HUNYUAN_VIDEO15, MINIMAX_H3]
 
 
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:
