@@ -5,9 +5,10 @@ Standard library only. Reads every UI-format template of the pinned `comfyui-wor
 the image-only one, inside subgraphs too), classifies each file by its name (the table below) and prints one row per
 model kind, then the totals; --json writes the same as JSON.
 
-A template counts as *covered* when it loads at least one image or video diffusion transformer and every such file
-belongs to a family ParaDiT runs; a template that also loads a file of a family ParaDiT refuses (Wan S2V beside
-Wan 2.2, say) is not covered. The table is by file name because the templates ship names, not tensors; the tests
+A template counts as *covered* when it loads at least one image or video diffusion transformer, every such file
+belongs to a family ParaDiT runs, and it uses none of the features those families refuse in one sentence
+(REFUSED_NODES: LTX-2's guides, FLUX.3's references...); a template that also loads a file of a family ParaDiT
+refuses (Wan S2V beside Wan 2.2, say) is not covered. The table is by file name because the templates ship names, not tensors; the tests
 check that every file the pinned package names is classified and that each family marked as run is registered in
 `parallel_runtime.models.registry`, so the count cannot claim a family the runtime lacks.
 
@@ -49,7 +50,8 @@ FILES = (
     (r"^Chroma1-", DIT, "Chroma", "chroma"),
     (r"^chroma-radiance", DIT, "Chroma Radiance (pixel space)", None),
     (r"^flux-2-|^flux2_", DIT, "FLUX.2 (dev, klein)", "flux2"),
-    (r"^flux3-", DIT, "FLUX.3", None),
+    (r"^flux3-image-klein-base-", DIT, "FLUX.3 image klein (base)", "flux3"),
+    (r"^flux3-", DIT, "FLUX.3 step-distilled (flow-map)", None),
     (r"^hidream_o1_", DIT, "HiDream O1", None),
     (r"^hidream_[ie]1", DIT, "HiDream I1 / E1", None),
     (r"^hunyuanvideo1\.5_1080p_sr", DIT, "HunyuanVideo 1.5 super-resolution", None),
@@ -76,21 +78,58 @@ FILES = (
 )
 
 
-def template_files(path: str) -> set[str] | None:
-    """The model files a UI-format template's loaders name, or None for what is not a UI workflow."""
-    with open(path, encoding="utf-8") as f:
-        graph = json.load(f)
-    if not isinstance(graph, dict) or "nodes" not in graph:
-        return None
+# Nodes whose input the family of the file they feed refuses in one sentence (a file ParaDiT runs, a feature it does
+# not run yet): (node class, the input that must be linked for the refusal, or None for the node alone, what).
+# A template with one of these, not bypassed or muted, is not covered.
+REFUSED_NODES = (
+    ("LTXVAddGuide", None, "LTX-2 guide frames"),
+    ("LTXVAddLatentGuide", None, "LTX-2 latent guides"),
+    ("LTXVReferenceAudio", None, "LTX-2 reference audio"),
+    ("MiniMaxH3FunControlNetApply", None, "MiniMax-H3 Fun ControlNet union"),
+    ("ReferenceMultiLatent", None, "FLUX.3 reference images"),
+    ("TextEncodeQwenImage21", "images.", "Qwen-Image 2.1's encoder image slots"),
+)
+ACTIVE = 0  # a node's mode: 0 runs, 2 muted, 4 bypassed
+
+
+def template_nodes(graph: dict) -> list[dict]:
     nodes = list(graph["nodes"])
     for sub in graph.get("definitions", {}).get("subgraphs", []):
         nodes += sub.get("nodes", [])
+    return nodes
+
+
+def refused_features(graph: dict) -> set[str]:
+    """What of REFUSED_NODES a UI-format template uses."""
+    found = set()
+    for node in template_nodes(graph):
+        if node.get("mode", ACTIVE) != ACTIVE:
+            continue
+        for cls, linked, what in REFUSED_NODES:
+            if node.get("type") == cls and (linked is None or any(
+                    i.get("name", "").startswith(linked) and i.get("link") is not None
+                    for i in node.get("inputs", []))):
+                found.add(what)
+    return found
+
+
+def template_files(path: str) -> set[str] | None:
+    """The model files a UI-format template's loaders name, or None for what is not a UI workflow."""
+    graph = _read(path)
+    if graph is None:
+        return None
     files = set()
-    for node in nodes:
+    for node in template_nodes(graph):
         values = node.get("widgets_values")
         if node.get("type") in LOADERS and isinstance(values, list) and values and isinstance(values[0], str):
             files.add(values[0])
     return files
+
+
+def _read(path: str) -> dict | None:
+    with open(path, encoding="utf-8") as f:
+        graph = json.load(f)
+    return graph if isinstance(graph, dict) and "nodes" in graph else None
 
 
 def classify(file: str) -> tuple[str, str, str | None]:
@@ -118,14 +157,17 @@ def coverage(folder: str) -> dict:
             continue
         kinds = {f: classify(f) for f in sorted(files)}
         dits = [k for k in kinds.values() if k[0] == DIT]
-        covered = bool(dits) and all(ours for _, _, ours in dits)
-        templates[name] = {"files": sorted(files), "loads_dit": bool(dits), "covered": covered}
+        refused = sorted(refused_features(_read(path))) if dits else []
+        covered = bool(dits) and all(ours for _, _, ours in dits) and not refused
+        templates[name] = {"files": sorted(files), "loads_dit": bool(dits), "covered": covered, "refused": refused}
         for kind, family, ours in set(kinds.values()):
             row = families.setdefault(family, {"kind": kind, "paradit": ours, "templates": []})
             row["templates"].append(name)
     dit_templates = [t for t in templates.values() if t["loads_dit"]]
     totals = {"templates_loading_a_local_model": len(templates), "templates_loading_a_dit": len(dit_templates),
-              "covered": sum(t["covered"] for t in dit_templates)}
+              "covered": sum(t["covered"] for t in dit_templates),
+              "files_run_but_a_feature_refused": sum(bool(t["refused"]) and all(
+                  classify(f)[2] for f in t["files"] if classify(f)[0] == DIT) for t in dit_templates)}
     return {"folder": folder, "totals": totals, "families": families, "templates": templates}
 
 
@@ -140,8 +182,9 @@ def print_table(report: dict, show_templates: bool = False) -> None:
                 print(f"    {t}")
     t = report["totals"]
     print(f"\n{t['templates_loading_a_local_model']} templates load a local model, {t['templates_loading_a_dit']} an "
-          f"image or video DiT; ParaDiT's families run every DiT file of {t['covered']} of them "
-          f"({100 * t['covered'] / max(t['templates_loading_a_dit'], 1):.0f}%).")
+          f"image or video DiT; ParaDiT's families run {t['covered']} of them, every DiT file and feature "
+          f"({100 * t['covered'] / max(t['templates_loading_a_dit'], 1):.0f}%); {t['files_run_but_a_feature_refused']} "
+          f"more load files ParaDiT runs but use a feature it refuses (REFUSED_NODES).")
 
 
 def main(argv: list[str] | None = None) -> int:
