@@ -39,7 +39,7 @@ from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import DiTFamily, JointAttentionConfig, Match
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
-from .ltx2 import AV_BLOCK
+from .ltx2 import AV_BLOCK, LTX2Config
 
 BLOCK_LISTS = ("visual_transformer_blocks",)
 _STREAM_MODULES = ("time_embeddings.", "pooled_text_embeddings.", "text_embeddings.", "text_transformer_blocks.")
@@ -116,20 +116,15 @@ class Kandinsky6Config(JointAttentionConfig):
         if audio.ndim != 3 or (audio.shape[0], audio.shape[2]) != (rows, self.audio_dim):
             return (f"the audio latent has shape {tuple(audio.shape)} but {self.title} needs [{rows}, frames, "
                     f"{self.audio_dim}] beside its video latent; use Kandinsky6EmptyLatent's joint latent")
-        if job.audio_timestep is not None and not torch.equal(job.audio_timestep.flatten(), job.timestep.flatten()):
+        at, t = job.audio_timestep, job.timestep
+        if at is not None and (t is None or not torch.equal(at.flatten(), t.flatten())):
             return (f"{self.title} reads one timestep for both streams, but this call gives the audio its own; "
                     f"remove the node that shifts the audio's sigmas")
         return self.strategy_problem(job.strategy, "the parallel model call")
 
-    def strategy_problem(self, s, runner: str) -> str | None:
-        if s.patch_degree > 1:
-            return (f"{runner} runs {self.title} on CFG, Ulysses, Ring, tensor parallelism, PipeFusion and naive "
-                    f"patch, not on displaced patch parallelism yet; set patch_degree to 1")
-        if s.pipefusion_degree > 1 and max(s.ulysses_degree, s.ring_degree, s.tensor_degree) > 1:
-            return (f"{runner} runs {self.title}'s PipeFusion on whole stages (beside CFG), not inside Ulysses, Ring "
-                    f"or tensor parallelism yet; set ulysses_degree, ring_degree and tensor_degree to 1, or "
-                    f"pipefusion_degree to 1")
-        return None
+    # What of a strategy the two-stream call cannot run: the same as for LTX-2 (displaced patch; PipeFusion beside
+    # Ulysses, Ring or tensor parallelism).
+    strategy_problem = LTX2Config.strategy_problem
 
     def diffusers_kwargs(self) -> dict:
         return dict(in_visual_dim=self.latent_dim, out_visual_dim=self.latent_dim, in_text_dim=self.context_dim,
