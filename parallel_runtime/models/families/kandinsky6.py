@@ -122,9 +122,14 @@ class Kandinsky6Config(JointAttentionConfig):
                     f"remove the node that shifts the audio's sigmas")
         return self.strategy_problem(job.strategy, "the parallel model call")
 
-    # What of a strategy the two-stream call cannot run: the same as for LTX-2 (displaced patch; PipeFusion beside
-    # Ulysses, Ring or tensor parallelism).
-    strategy_problem = LTX2Config.strategy_problem
+    def strategy_problem(self, s, runner: str) -> str | None:
+        """LTX-2's limits of the two-stream call (displaced patch; PipeFusion beside Ulysses, Ring or tensor
+        parallelism), and Ulysses and tensor degrees that divide the audio's heads too (half the video's)."""
+        for degree, name in ((s.ulysses_degree, "ulysses_degree"), (s.tensor_degree, "tensor_degree")):
+            if self.audio_heads % degree:
+                return (f"{runner} splits {self.title}'s {self.audio_heads} audio heads by {name}, which must divide "
+                        f"them; set {name} to a divisor of {self.audio_heads}")
+        return LTX2Config.strategy_problem(self, s, runner)
 
     def diffusers_kwargs(self) -> dict:
         return dict(in_visual_dim=self.latent_dim, out_visual_dim=self.latent_dim, in_text_dim=self.context_dim,
