@@ -302,11 +302,13 @@ def test_model_call_one_worker_equals_the_serial_forward(k6_path, client1):
 
 
 @pytest.mark.parametrize("strategy", [dict(cfg_degree=2), dict(ulysses_degree=2), dict(ring_degree=2),
-                                      dict(tensor_degree=2), dict(pipefusion_degree=2)],
-                         ids=["cfg2", "ulysses2", "ring2", "tensor2", "pipefusion2"])
+                                      dict(tensor_degree=2), dict(ulysses_degree=2, shard_weights=True),
+                                      dict(pipefusion_degree=2)],
+                         ids=["cfg2", "ulysses2", "ring2", "tensor2", "ulysses2_sharded", "pipefusion2"])
 def test_model_call_exact_strategies_equal_the_serial_forward(k6_path, client2, strategy):
     """Both streams split over two ranks (18 video rows: 9 + 9, 7 audio rows: 4 + 3), the chunks over the CFG
-    pair, the heads and MLP units of all six attentions and both MLPs over the tensor pair, and PipeFusion's two
+    pair, the heads and MLP units of all six attentions and both MLPs over the tensor pair, each fused block's
+    bytes sharded over the pair and gathered as it runs (the text blocks stay whole), and PipeFusion's two
     stages of one block each on a call of its warm-up (the whole call as one token set: exact)."""
     from parallel_runtime.spec import StrategySpec
 

@@ -18,7 +18,8 @@ and both MLPs (`tensor_plan`); PipeFusion's patches are runs of video tokens, th
 
 The module tree is diffusers' Kandinsky6Transformer3DModel; ComfyUI's layout (comfy/ldm/kandinsky6, the released
 files) maps onto it by the renames of ComfyUI's own detection (`original_name`). Both programs compute the same
-function: their blocks differ only in where fp32 casts fall, which is nothing in fp32. ComfyUI's call is
+function: they differ in where fp32 casts fall (ComfyUI also computes time embeddings and modulation in fp32 from
+bf16 weights) and in ComfyUI's float64 RoPE frequencies, ~3e-7 apart in fp32. ComfyUI's call is
 Kandinsky6NativeAVDiT's: x = [video [B, 16, T, H, W], audio [B, frames, 40]], timestep = sigma x 1000, context the
 Qwen2.5-VL rows (both streams' prompt), y the pooled CLIP-L vector. Its image-to-video-and-audio reference tail
 (Kandinsky6ImageToVideoAudio's image), MagCache and the distilled PiFlow files are refused in one sentence.
@@ -50,7 +51,7 @@ LAST_STAGE = ("out_layer.", "audio_out_layer.")
 PATCH = (1, 2, 2)  # every released file (ComfyUI's contract fixes it)
 AUDIO_FREQS_SCALING = 0.144  # the audio RoPE's rate (ComfyUI's contract; diffusers' config of the releases)
 ROPE_SCALE = (1.0, 2.0, 2.0)  # frame, row, column positions divided by these
-CALL_AUDIO_PER_VIDEO_TOKEN = 1 / 231  # 121 frames at 24 fps: 217 audio frames beside 31 x 30 x 54 video tokens
+AUDIO_PER_VIDEO_TOKEN = 1 / 231  # 121 frames at 24 fps: 217 audio frames beside 31 x 30 x 54 video tokens
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class Kandinsky6Config(JointAttentionConfig):
         return f"Kandinsky 6 {self.hidden_size}-wide x {self.num_layers}"
 
     def audio_rows(self, video_tokens: int) -> int:
-        return max(1, round(video_tokens * CALL_AUDIO_PER_VIDEO_TOKEN))
+        return max(1, round(video_tokens * AUDIO_PER_VIDEO_TOKEN))
 
     @property
     def not_sampled_yet(self) -> str:
