@@ -15,13 +15,13 @@ import weakref
 
 import torch
 
-from . import av_call, controlnet, convert, ltx2_call
+from . import av_call, controlnet, convert, kandinsky6_call, ltx2_call
 from .host import HOST
 
 log = logging.getLogger(__name__)
 
 # Families whose several-stream model calls RemoteDiT converts (their jobs still refused by Parallel Sampler).
-_AV_DOORS = ("minimax_h3", "ltx2")
+_AV_DOORS = ("minimax_h3", "ltx2", "kandinsky6")
 # ComfyUI's BaseModel classes whose diffusion model never runs DIFFUSION_MODEL wrappers (SD3's MMDiT, PixArt's
 # PixArtMS): a wrapper such as EasyCache's does nothing on UNETLoader's model there, so it does nothing here either.
 _UNWRAPPED_MODELS = {"SD3", "PixArt"}
@@ -133,6 +133,8 @@ class RemoteDiT(torch.nn.Module):
         options = transformer_options or {}
         if self.family == "ltx2":
             return self._forward_ltx2(x, timesteps, context, control, options, **kwargs)
+        if self.family == "kandinsky6":
+            return self._forward_kandinsky6(x, timesteps, context, y, control, options, **kwargs)
         if av_call.is_av_call(x):
             return self._forward_minimax_h3(x, timesteps, context, control, options, **kwargs)
         _refuse_what_the_workers_cannot_do(control, options, kwargs)
@@ -240,16 +242,33 @@ class RemoteDiT(torch.nn.Module):
 
     def _forward_ltx2(self, x, timesteps, context, control, options: dict, **kwargs):
         """LTX-2's call (nodes/ltx2_call.py says what is read and what refused): x = [video, audio], process_timestep's
-        (video, audio) timesteps, one runtime job per two chunks with Job.audio, per-frame timesteps and the frame
-        rate, the result back as ComfyUI's [video, audio]."""
-        from parallel_runtime.runtime.client import get_client
-        from parallel_runtime.spec import Job, SamplingSpec
-
+        (video, audio) timesteps per frame, and the frame rate."""
         ltx2_call.refuse_unsupported(kwargs, options, control)
         rest = {k: v for k, v in kwargs.items() if k not in ltx2_call.READ_INPUTS}
         _refuse_what_the_workers_cannot_do(None, options, rest)
         video, audio = ltx2_call.streams(x)
         video_t, audio_t = ltx2_call.call_timesteps(timesteps, tuple(video.shape[2:]), audio.shape[2])
+        return self._run_two_streams(video, audio, video_t, context, None, options, audio_t,
+                                     {"frame_rate": ltx2_call.frame_rate(kwargs)})
+
+    def _forward_kandinsky6(self, x, timesteps, context, y, control, options: dict, **kwargs):
+        """Kandinsky 6's call (nodes/kandinsky6_call.py says what is read and what refused): x = [video, audio], one
+        timestep per row for both, the prompt rows and the pooled CLIP-L vector."""
+        kandinsky6_call.refuse_unsupported(kwargs, options, control)
+        rest = {k: v for k, v in kwargs.items() if k not in kandinsky6_call.READ_INPUTS}
+        _refuse_what_the_workers_cannot_do(None, options, rest)
+        if y is None:
+            raise convert.ConfigError("the Kandinsky 6 call carries no pooled CLIP-L vector; encode the prompt with "
+                                      "Kandinsky 6's text encoder (Qwen2.5-VL with CLIP-L).")
+        video, audio = kandinsky6_call.streams(x)
+        return self._run_two_streams(video, audio, timesteps, context, y, options)
+
+    def _run_two_streams(self, video, audio, video_t, context, y, options: dict, audio_t=None, extra=None) -> list:
+        """A two-stream family's call (LTX-2, Kandinsky 6) as one runtime job per two chunks with Job.audio, the
+        result back as ComfyUI's [video, audio]."""
+        from parallel_runtime.runtime.client import get_client
+        from parallel_runtime.spec import Job, SamplingSpec
+
         labels = list(options.get("cond_or_uncond") or [0])
         if video.shape[0] % len(labels):
             raise convert.ConfigError(f"ParaDiT got a model call of {video.shape[0]} rows in {len(labels)} chunks; "
@@ -264,17 +283,17 @@ class RemoteDiT(torch.nn.Module):
         self.last_strategy = strategy
         skip_blocks = skipped_blocks(options.get("patches_replace"))
         patches = self._weight_patches(getattr(self._base(), "current_patcher", None))
-        fps = ltx2_call.frame_rate(kwargs)
         videos, audios = [], []
         for slot, start in enumerate(range(0, len(labels), 2)):
             ks = list(range(start, min(start + 2, len(labels))))
             sl = slice(ks[0] * batch, (ks[-1] + 1) * batch)
-            chunks = [_chunk_conditioning(k, batch, context, None, None, {}) for k in ks]
+            chunks = [_chunk_conditioning(k, batch, context, y, None, {}) for k in ks]
             job = Job(self.handle.model, strategy, SamplingSpec(steps=1), video[sl].detach().float().cpu(), chunks[0],
                       chunks[1] if len(chunks) > 1 else None, timestep=video_t[sl].detach().float().cpu(),
                       weight_patches=patches, call_step=step, call_slot=2 * slot + int(labels[ks[0]] != 0),
                       call_last=last, skip_blocks=skip_blocks, audio=audio[sl].detach().float().cpu(),
-                      audio_timestep=audio_t[sl].detach().float().cpu(), extra={"frame_rate": fps})
+                      audio_timestep=None if audio_t is None else audio_t[sl].detach().float().cpu(),
+                      extra=extra or {})
             result = _run(client, job, whole=True)
             videos.append(result.latent)
             audios.append(result.audio)

@@ -54,7 +54,8 @@ def two_stream_outputs(runner, job: Job) -> tuple[torch.Tensor, torch.Tensor]:
     peaks = video_t.max(), audio_t.max()
     sigma, audio_sigma = video_t.amax(dim=1)[idx], audio_t.amax(dim=1)[idx]
     context = torch.cat([_repeat(chunks[k].cond.float(), batch) for k in mine]).to(device)
-    video_context, audio_context = adapter.split_prompt(context)
+    pooled = torch.cat([_repeat(chunks[k].pooled.float(), batch) for k in mine]).to(device)
+    video_context, audio_context = adapter.split_prompt(context, pooled)  # Kandinsky 6 reads the pooled vector
 
     fps = float(job.extra.get("frame_rate", 24.0))
     if topology.pipefusion > 1:

@@ -578,7 +578,7 @@ class LTX2Adapter:
             audio = audio[:, None].expand(-1, audio_frames)
         return video.contiguous(), audio.contiguous()
 
-    def split_prompt(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def split_prompt(self, context: torch.Tensor, pooled=None) -> tuple[torch.Tensor, torch.Tensor]:
         """ComfyUI's LTX-2 prompt rows are the video connector's and the audio connector's side by side (LTXAV's
         _prepare_context): LTX-2.0's two caption-wide halves, LTX-2.3's video-wide then audio-wide rows."""
         c = self.config
