@@ -198,3 +198,20 @@ def test_wan_vace_refusals(vace_path, client1):
     two = dataclasses.replace(job.positive, vace_strength=(1.0, 1.0))
     with pytest.raises(ConfigError, match="has 1 VACE inputs but strengths"):
         client1.run(dataclasses.replace(job, positive=two))
+
+
+def test_wan_vace_context_through_the_model_call_door():
+    """Load Parallel DiT's MODEL: a call's vace_context (WAN21_Vace.extra_conds, repeated over the batch) becomes
+    each chunk's one row, in the call's dtype, with vace_strength; both cross the channel and come back equal."""
+    from nodes import remote_model
+    from parallel_runtime.spec import Conditioning
+
+    context = torch.randn(4, 9, 64)
+    vace = vace_context(52, 2).to(torch.bfloat16).repeat(4, 1, 1, 1, 1, 1)
+    kwargs = {"vace_context": vace, "vace_strength": [0.5, 2.0]}
+    remote_model._refuse_what_the_workers_cannot_do(None, {}, kwargs)
+    chunk = remote_model._chunk_conditioning(1, 2, context, None, None, kwargs)
+    assert chunk.vace.shape == (1, 2, 96, T, H, W) and chunk.vace.dtype == torch.bfloat16
+    assert torch.equal(chunk.vace[0], vace[2]) and chunk.vace_strength == (0.5, 2.0)
+    back = Conditioning.from_message("positive", chunk.meta("positive"), chunk.tensors("positive"))
+    assert torch.equal(back.vace, chunk.vace) and back.vace_strength == (0.5, 2.0)
