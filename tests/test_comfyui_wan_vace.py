@@ -33,8 +33,9 @@ ENTRANCE_RTOL = 1e-5  # Parallel Sampler's loop and KSampler's calls on the same
 
 
 def write_models(root: str) -> None:
-    write_checkpoint(os.path.join(root, "models", "diffusion_models", DIT), VACE, seed=60,
-                     prefix="model.diffusion_model.", dtype=torch.float32)
+    for seed, name in enumerate((DIT, *TEMPLATE_FILES)):
+        write_checkpoint(os.path.join(root, "models", "diffusion_models", name), VACE, seed=60 + seed,
+                         prefix="model.diffusion_model.", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +106,48 @@ def test_wan_vace_parallel_sampler_runs_the_worker_loop(server):
     same, unet, summary = comfy_host.entrance_parity(server, g, "Wan VACE Parallel Sampler")
     assert same <= ENTRANCE_RTOL and unet <= EXACT_RTOL
     assert "per model call" not in summary
+
+
+# ComfyUI's VACE templates (comfyui-workflow-templates-json): each UNETLoader names one of these two files.
+TEMPLATE_FILES = ("wan2.1_vace_14B_fp16.safetensors", "wan2.1_vace_1.3B_fp16.safetensors")
+VACE_TEMPLATES = ("video_wan_vace_14B_t2v", "video_wan_vace_14B_ref2v", "video_wan_vace_14B_v2v",
+                  "video_wan_vace_outpainting")
+# Templates that need node classes this late-2025 host lacks (ComfyUI 2026's switch and math nodes, SAM 3).
+VACE_TEMPLATES_NEWER_HOST = {"video_wan_vace_flf2v": "ComfySwitchNode", "video_wan_vace_inpainting": "SAM3_Detect"}
+
+
+def test_wan_vace_templates_validate_on_load_parallel_dit(server):
+    """Each VACE template converts (scripts/ui_workflow.py, the live /object_info), takes Load Parallel DiT in place of
+    its UNETLoader (Ulysses-2 on 2 CPU workers) and is refused by /prompt only for the files this server lacks (text
+    encoder, VAE, LoRA, inputs); the DiT file it names (here a random VACE of that name) loads as a Wan VACE model,
+    which 01a6cd6 refused."""
+    import json
+    import sys
+    import urllib.error
+
+    sys.path.insert(0, os.path.join(comfy_host.REPO, "scripts"))
+    import paradit_swap
+    import queue_workflow as qw
+    import ui_workflow as uw
+    from test_ui_workflow import FILE_WIDGETS, template
+
+    from parallel_runtime.validate import model_config
+
+    live = server.get("/object_info")
+    for name in VACE_TEMPLATES:
+        graph, _ = uw.convert(template(name), live)
+        swapped, notes = paradit_swap.swap_loaders(graph, paradit_swap.parse_strategy("ulysses=2"), "cpu:2", live)
+        loaders = [n for n in swapped.values() if n["class_type"] == "ParaDiTLoader"]
+        assert loaders and all(n["inputs"]["unet_name"] in TEMPLATE_FILES for n in loaders), (name, notes)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            qw.http_json(f"{server.url}/prompt", {"prompt": swapped})
+        body = json.loads(refused.value.read())
+        errors = {(e["type"], e["extra_info"].get("input_name")) for n in body["node_errors"].values()
+                  for e in n["errors"]}
+        assert {t for t, _ in errors} <= {"value_not_in_list", "custom_validation_failed"}, (name, errors)
+        assert {i for _, i in errors} <= FILE_WIDGETS | {"file", "video"}, (name, errors)
+    for name, missing in VACE_TEMPLATES_NEWER_HOST.items():
+        with pytest.raises(uw.ConversionError, match=missing):
+            uw.convert(template(name), live)
+    for file in TEMPLATE_FILES:
+        assert model_config(os.path.join(server.root, "models", "diffusion_models", file)).vace_layers == 2

@@ -24,6 +24,20 @@ control's reference image (Wan22FunControlToVideo's ref_image) enters through `r
 that ComfyUI puts before the video at RoPE frame 0 (the video then at frames 1..T); here they follow the video's
 rows as reference tokens (the strategies' reference rows, split like them), with the same RoPE ids, and leave
 before the head.
+
+VACE files (Wan 2.1 VACE 1.3B / 14B, Wan 2.2 VACE-Fun A14B; ComfyUI's VaceWanModel) add `vace_patch_embedding` and
+`vace_blocks`: WanVaceToVideo's context (per input, its inactive and reactive latents and the 8x8-unshuffled mask, 96
+channels at the latent's size) is patch-embedded like the video, and VACE block n, a Wan block over the context's
+tokens, runs after main block n x (layers / vace_layers), its after_proj times the input's strength added to the
+video's tokens. The context tokens have the video's layout, so they split with it: a rank's image stream is its
+video rows followed by the same rows of each context input, and every rank runs the VACE blocks on its own rows
+through the strategy's attention (Ulysses' all-to-all, Ring's passes, displaced patch's and PipeFusion's stale K/V
+under layer ids after the main blocks'), never on a replicated context. Under PipeFusion the context rows ride with
+the video rows from stage to stage, and a stage owns (loads and runs) the VACE blocks whose hints its own main
+blocks add: the VACE chain only reads the video's embedded tokens at block 0 (on the first stage), so no hint
+crosses a stage and the VACE blocks' work is spread like the main blocks' (each message is 1 + inputs times the
+video rows). A reference image (WanVaceToVideo's reference_image) is a latent frame in front of the video and of
+its context, sampled like the others (TrimVideoLatent cuts it after).
 """
 from __future__ import annotations
 
