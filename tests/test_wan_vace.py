@@ -134,7 +134,7 @@ def reference_call(path: str, job: Job, c=VACE) -> torch.Tensor:
 def test_wan_vace_files_are_detected(vace_path):
     """The VACE shape, its title, where its hints land, and a pipeline stage owning the VACE blocks of its main
     blocks (2 stages of 2 blocks: VACE block 0 after block 0 on the first, VACE block 1 after block 2 on the
-    second) and, first, the context's patch embedding."""
+    second) and, first, the context's patch embedding; stage planning counts each VACE block with its block."""
     from parallel_runtime.models.families.wan import WAN as family
 
     config = model_config(vace_path)
@@ -146,6 +146,8 @@ def test_wan_vace_files_are_detected(vace_path):
     names = ("vace_blocks.0.before_proj.weight", "vace_blocks.1.after_proj.weight", "vace_patch_embedding.weight")
     assert [first(n) for n in names] == [True, False, True]
     assert [second(n) for n in names] == [False, True, False]
+    counts = family.parameter_counts(config)[0]  # a VACE block's weights count with the block that adds its hint
+    assert counts[0] > counts[2] > counts[1] == counts[3]  # VACE block 0 also holds before_proj
     plan = family.tensor_plan_for(config)
     assert plan["vace_blocks.*.self_attn.q"] == "colwise" and plan["vace_blocks.*.ffn.2"] == "rowwise"
 

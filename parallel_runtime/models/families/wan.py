@@ -630,6 +630,17 @@ class WanAdapter:
 
 @dataclass(frozen=True, eq=False)
 class WanFamily(DiTFamily):
+    """Wan's blocks, each carrying the VACE context block whose hint it adds (a VACE file's): that block's weights
+    count with it for stage planning and memory, and the stage that owns it loads and runs both."""
+
+    def parameter_counts(self, config) -> tuple[tuple[int, ...], int, int, int]:
+        per_block, always, first, last = super().parameter_counts(config)
+        if not config.vace_layers:
+            return per_block, always, first, last
+        vace = _meta_model(config).vace_blocks
+        extra = {i: sum(p.numel() for p in vace[n].parameters()) for i, n in config.vace_after.items()}
+        return tuple(n + extra.get(i, 0) for i, n in enumerate(per_block)), always, first, last
+
     def stage_ownership(self, config, chunks: list[range], first: bool, last: bool):
         """A stage also owns the VACE context blocks whose hints its main blocks add (they run there: run_blocks)."""
         owns = super().stage_ownership(config, chunks, first, last)
