@@ -217,3 +217,27 @@ def test_wan_vace_context_through_the_model_call_door():
     assert torch.equal(chunk.vace[0], vace[2]) and chunk.vace_strength == (0.5, 2.0)
     back = Conditioning.from_message("positive", chunk.meta("positive"), chunk.tensors("positive"))
     assert torch.equal(back.vace, chunk.vace) and back.vace_strength == (0.5, 2.0)
+
+
+def test_wan_vace_one_worker_equals_diffusers(vace_path, client1):
+    """The same file through diffusers' converter into WanVACETransformer3DModel (one VACE input, its scale per VACE
+    layer): the runtime at 1 worker and the ComfyUI-source call both equal it (fp32; diffusers orders its ops
+    otherwise: ~4e-6)."""
+    from diffusers import WanVACETransformer3DModel
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    sd = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(vace_path).items()}
+    model = WanVACETransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=VACE.num_heads, attention_head_dim=128, in_channels=16,
+        out_channels=16, text_dim=VACE.text_dim, freq_dim=VACE.freq_dim, ffn_dim=VACE.ffn_dim,
+        num_layers=VACE.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+        vace_layers=[0, 2], vace_in_channels=96)
+    model.load_state_dict(convert_wan_transformer_to_diffusers(sd), strict=True)
+    job = vace_job(vace_path, S(), 1, (0.7,))
+    with torch.no_grad():
+        ours = torch.cat([model(hidden_states=job.latent[row:row + 1], timestep=job.timestep[row:row + 1],
+                                encoder_hidden_states=b.cond, control_hidden_states=b.vace[:, 0],
+                                control_hidden_states_scale=torch.full((2,), 0.7), return_dict=False)[0]
+                          for row, b in enumerate((job.positive, job.negative))])
+    assert rel_err(client1.run(job).latent, ours) < SERIAL_RTOL
+    assert rel_err(reference_call(vace_path, job), ours) < SERIAL_RTOL

@@ -103,10 +103,11 @@ class Branches:
         # frames its tokens lie in to the device (adapter.embed_camera), once per job for each set of rows.
         self.camera = torch.cat([rep(c.camera) for c in conds]) if first.camera is not None else None
         self._camera_rows: dict[tuple, torch.Tensor] = {}
-        # A VACE model's context per row, packed like the latent [rows, n inputs, tokens, C*4] (each input's tokens
-        # split with the video's), and one strength per input (the same for every branch batched here: signature).
+        # A VACE model's context per row, packed like the latent [rows, n inputs, tokens, C*4], left where the message
+        # put it: each forward moves only its own tokens' rows to the device (embed), once per job for each set of
+        # rows; one strength per input (the same for every branch batched here: signature).
         self.vace = (torch.cat([rep(adapter.pack(c.vace.flatten(0, 1).float()).unflatten(0, (c.vace.shape[0], -1)))
-                                for c in conds]).to(device) if first.vace is not None else None)
+                                for c in conds]) if first.vace is not None else None)
         self.vace_strength = first.vace_strength
         self._vace_rows: dict[tuple, torch.Tensor] = {}
         # Rows the family joins to the embedded prompt from other inputs (HunyuanVideo 1.5: the start image's
@@ -133,7 +134,7 @@ class Branches:
             image = image + self._camera_rows[key]
         if self.vace is not None:  # the context rows ride behind the video's (adapter.run_blocks takes them off)
             if key not in self._vace_rows:
-                self._vace_rows[key] = adapter.embed_vace(self.vace[:, :, index]).to(image.dtype)
+                self._vace_rows[key] = adapter.embed_vace(self.vace[:, :, index.cpu()]).to(image.dtype)
             image = torch.cat([image, self._vace_rows[key]], dim=1)
         return image
 
