@@ -231,19 +231,24 @@ def match_layout(keys: list[str]) -> Match | None:
 
 
 # The keys comfy/model_detection.py tells these Wan variants by (and the reference-conv and FLF2V extras).
-_UNSUPPORTED = {"casual_audio_encoder.encoder.final_linear.weight": "Wan 2.2 S2V",
-                "audio_proj.audio_proj_glob_1.layer.bias": "Wan HuMo",
-                "face_adapter.fuser_blocks.0.k_norm.weight": "Wan 2.2 Animate",
-                "img_emb.emb_pos": "Wan first-last-frame (FLF2V)"}
+# Each with what it adds that the workers do not run yet, and the ComfyUI node that feeds it.
+_UNSUPPORTED = {"casual_audio_encoder.encoder.final_linear.weight":
+                ("Wan 2.2 S2V", "its audio encoder and audio tokens", "WanSoundImageToVideo"),
+                "audio_proj.audio_proj_glob_1.layer.bias": ("Wan HuMo", "its audio projection", "WanHuMoImageToVideo"),
+                "face_adapter.fuser_blocks.0.k_norm.weight":
+                ("Wan 2.2 Animate", "its pose and face encoders", "WanAnimateToVideo"),
+                "img_emb.emb_pos": ("Wan first-last-frame (FLF2V)", "its two-image CLIP-vision positions",
+                                    "WanFirstLastFrameToVideo")}
 
 
 def infer_config(reader, match: Match, name: str) -> WanConfig:
     p = match.prefix
     name = name or os.path.basename(getattr(reader, "path", "checkpoint"))
-    for key, what in _UNSUPPORTED.items():
+    for key, (what, adds, node) in _UNSUPPORTED.items():
         if p + key in reader:
-            raise ModelFileError(f"{name} is a {what} model, which ParaDiT does not run yet; load it with UNETLoader "
-                                 f"or choose a Wan 2.1 / 2.2 text- or image-to-video file.")
+            raise ModelFileError(f"{name} is a {what} model, which ParaDiT does not run yet ({adds}); load it "
+                                 f"with UNETLoader for {node}, or choose a Wan 2.1 / 2.2 text-to-video, "
+                                 f"image-to-video, Fun or VACE file.")
 
     shape = tensor_shapes(reader, p, name, "a complete Wan DiT")
 
