@@ -388,7 +388,20 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
                         reference_method=kwargs.get("ref_latents_method"),
                         concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls,
                         attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip, glyph=glyph,
-                        **_chunk_camera(kwargs.get("camera_conditions"), sl))
+                        **_chunk_camera(kwargs.get("camera_conditions"), sl),
+                        **_chunk_vace(kwargs.get("vace_context"), kwargs.get("vace_strength"), sl))
+
+
+def _chunk_vace(context, strength, sl: slice) -> dict:
+    """Chunk rows `sl` of a Wan VACE call's vace_context ([rows, inputs, 96, T, H, W], WAN21_Vace.extra_conds: the
+    latents through process_in and the mask), one row where all are equal (WanVaceToVideo makes one per prompt;
+    ComfyUI repeats it over the batch), in the call's dtype, and vace_strength (one per input)."""
+    if context is None:
+        return {}
+    context = context[sl].detach().cpu()
+    if context.shape[0] > 1 and bool((context == context[:1]).all()):
+        context = context[:1]
+    return {"vace": context.contiguous(), "vace_strength": tuple(float(v) for v in (strength or ()))}
 
 
 def _chunk_camera(camera, sl: slice) -> dict:
@@ -443,7 +456,7 @@ def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
 # num_tokens: Lumina 2's and Z-Image's count of unpadded prompt tokens, which must be the whole prompt
 # (_refuse_padded_prompt).
 _KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea", "denoise_mask",
-                 "num_tokens", "txt_byt5", "camera_conditions", "reference_latent"}
+                 "num_tokens", "txt_byt5", "camera_conditions", "reference_latent", "vace_context", "vace_strength"}
 # Inputs ComfyUI 2026's model classes pass that no family here reads yet, by what adds them (the refusal names it).
 _INPUT_SOURCES = {
     "image_slots": "images placed in the prompt by TextEncodeQwenImage21",

@@ -78,6 +78,7 @@ def _sample_on_workers(model, seed, steps, cfg, sampler_name, scheduler, positiv
     job = _validated_job(handle, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                          denoise, video)
     job = _with_concat(base, job, positive, negative)
+    job = _with_vace(base, job, positive, negative)
     job = _with_prompt_states(base, job, positive, negative)
     # ComfyUI's models leave the workers' GPUs on this machine first, so the workers' memory report (auto's budget)
     # sees it free.
@@ -157,6 +158,27 @@ def _with_concat(base, job, positive, negative):
 
     pos = dataclasses.replace(job.positive, concat=concat(positive))
     neg = dataclasses.replace(job.negative, concat=concat(negative)) if job.negative is not None else None
+    return dataclasses.replace(job, positive=pos, negative=neg)
+
+
+def _with_vace(base, job, positive, negative):
+    """Each branch's VACE context as KSampler builds it for a VACE model (ComfyUI's others ignore WanVaceToVideo's
+    keys): the MODEL's own WAN21_Vace.extra_conds on the conditioning's vace_frames / vace_mask / vace_strength (zero
+    frames under a mask of ones where a branch has none), its vace_context and vace_strength."""
+    if base is None or type(base).__name__ != "WAN21_Vace":
+        return job
+    import torch
+
+    def vace(value, c):
+        extra = value[0][1] or {}
+        keys = ("vace_frames", "vace_mask", "vace_strength")
+        out = base.extra_conds(noise=job.latent, device=torch.device("cpu"),
+                               **{k: extra[k] for k in keys if extra.get(k) is not None})
+        context = out["vace_context"].cond.detach().float().cpu()
+        return dataclasses.replace(c, vace=context, vace_strength=tuple(float(v) for v in out["vace_strength"].cond))
+
+    pos = vace(positive, job.positive)
+    neg = vace(negative, job.negative) if job.negative is not None else None
     return dataclasses.replace(job, positive=pos, negative=neg)
 
 

@@ -226,12 +226,18 @@ class Conditioning:
     # its bytes), like an attention mask: it is 8 x 8 x 24 / 16 = 96 times the size of the call's latent.
     camera: torch.Tensor | None = field(default=None, repr=False)
     camera_key: str | None = None
+    # ComfyUI's vace_context [1 or B, n, C, T, H, W]: WanVaceToVideo's n control inputs (each its inactive and
+    # reactive latents through process_in, then the 8x8-unshuffled mask: C = 96), as WAN21_Vace.extra_conds builds
+    # them, and vace_strength, one per input. A VACE model's context blocks read them split with the video's tokens.
+    vace: torch.Tensor | None = field(default=None, repr=False)
+    vace_strength: tuple[float, ...] = ()
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         refs = {f"{prefix}.reference.{i}": r for i, r in enumerate(self.references)}
         extras = {f"{prefix}.{name}": t for name, t in (("concat", self.concat), ("clip_vision", self.clip_vision),
                                                         ("glyph", self.glyph),
-                                                        ("camera", None if self.camera_key else self.camera))
+                                                        ("camera", None if self.camera_key else self.camera),
+                                                        ("vace", self.vace))
                   if t is not None}
         return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled, **refs, **extras}
 
@@ -253,7 +259,8 @@ class Conditioning:
         return {f"{prefix}_guidance": self.guidance, f"{prefix}_reference_method": self.reference_method,
                 f"{prefix}_image_size": list(self.image_size) if self.image_size else None,
                 f"{prefix}_control": [[c.path, c.hint_key, c.strength, list(c.types)] for c in self.control],
-                f"{prefix}_attention_mask": self.attention_mask_key, f"{prefix}_camera": self.camera_key}
+                f"{prefix}_attention_mask": self.attention_mask_key, f"{prefix}_camera": self.camera_key,
+                f"{prefix}_vace_strength": list(self.vace_strength)}
 
     @classmethod
     def from_message(cls, prefix: str, meta: dict, tensors: dict[str, torch.Tensor]) -> "Conditioning":
@@ -266,7 +273,9 @@ class Conditioning:
                    refs, meta.get(f"{prefix}_reference_method"), tuple(size) if size else None,
                    tensors.get(f"{prefix}.concat"), control, attention_mask_key=meta.get(f"{prefix}_attention_mask"),
                    clip_vision=tensors.get(f"{prefix}.clip_vision"), glyph=tensors.get(f"{prefix}.glyph"),
-                   camera=tensors.get(f"{prefix}.camera"), camera_key=meta.get(f"{prefix}_camera"))
+                   camera=tensors.get(f"{prefix}.camera"), camera_key=meta.get(f"{prefix}_camera"),
+                   vace=tensors.get(f"{prefix}.vace"),
+                   vace_strength=tuple(float(v) for v in meta.get(f"{prefix}_vace_strength") or ()))
 
     def signature(self, prompt_tokens: int = 0) -> tuple:
         """What must be equal for two branches to share one forward pass (ComfyUI batches them then, and only
@@ -278,9 +287,10 @@ class Conditioning:
         clip = None if self.clip_vision is None else tuple(self.clip_vision.shape[1:])
         glyph = None if self.glyph is None else tuple(self.glyph.shape[1:])
         camera = None if self.camera is None else tuple(self.camera.shape[1:])
+        vace = None if self.vace is None else (tuple(self.vace.shape[1:]), self.vace_strength)
         return (max(self.cond.shape[1], prompt_tokens), tuple(tuple(r.shape[-2:]) for r in self.references),
                 self.reference_method,
-                concat, tuple(c.signature() for c in self.control), masked, clip, glyph, camera)
+                concat, tuple(c.signature() for c in self.control), masked, clip, glyph, camera, vace)
 
 
 @dataclass

@@ -233,6 +233,29 @@ def validate_camera(name: str, c, config, latent: torch.Tensor, batch: int) -> N
     _finite_tensor(f"{name} conditioning's camera embedding", camera, "re-run WanCameraEmbedding")
 
 
+def validate_vace(name: str, c, config, latent: torch.Tensor, batch: int) -> None:
+    """A VACE context (vace_context, WanVaceToVideo): a VACE model reads one, [batch, inputs, its channels, the
+    latent's frames, height and width], with one strength per input; any other model reads none."""
+    layers, vace = getattr(config, "vace_layers", 0), c.vace
+    if vace is None and not layers:
+        return
+    if vace is None:
+        raise ConfigError(f"this {config.title} model reads a VACE context; feed the {name} conditioning through "
+                          f"WanVaceToVideo.")
+    if not layers:
+        raise ConfigError(f"the {name} conditioning carries a VACE context (WanVaceToVideo), which this "
+                          f"{config.title} model does not read; load a Wan VACE model or remove WanVaceToVideo.")
+    shape = (config.vace_channels, *latent.shape[2:])
+    if vace.ndim != 6 or tuple(vace.shape[2:]) != shape or vace.shape[0] not in (1, batch):
+        raise ConfigError(f"the {name} conditioning's VACE context has shape {tuple(vace.shape)} but this "
+                          f"{config.title} model reads [batch, inputs, {', '.join(map(str, shape))}]; give "
+                          f"WanVaceToVideo the width, height and length of the latent it samples.")
+    if len(c.vace_strength) != vace.shape[1] or not all(math.isfinite(v) for v in c.vace_strength):
+        raise ConfigError(f"the {name} conditioning has {vace.shape[1]} VACE inputs but strengths "
+                          f"{list(c.vace_strength)}; set each WanVaceToVideo's strength to a finite number.")
+    _finite_tensor(f"{name} conditioning's VACE context", vace, "re-run WanVaceToVideo on valid frames")
+
+
 def validate_glyph(name: str, c, config, batch: int) -> None:
     """Glyph tokens (txt_byt5, ByT5 small) of a model that reads them: their width, one set per prompt or latent
     row. A model that reads none ignores them, as ComfyUI's does."""
@@ -443,6 +466,7 @@ def validate_latent_and_branches(job: Job, config) -> None:
         validate_clip_vision(name, c, config, job.batch)
         validate_glyph(name, c, config, job.batch)
         validate_camera(name, c, config, lat, job.batch)
+        validate_vace(name, c, config, lat, job.batch)
         validate_control(name, c, config, job)
         validate_attention_mask(name, c, config, job)
         if c.image_size is not None and (len(c.image_size) != 3 or

@@ -32,7 +32,7 @@ DIT, AUDIO, THREE_D, UNET, OTHER = "dit", "audio", "3d", "unet", "not a generato
 # variant ParaDiT refuses comes before its family's general pattern. Family names are registry titles' `name`s.
 FILES = (
     # Wan's variants ParaDiT does not run yet come before Wan's general pattern.
-    (r"wan2\.1_vace_", DIT, "Wan 2.1 VACE", None),
+    (r"wan2\.1_vace_", DIT, "Wan 2.1 VACE", "wan"),
     (r"wan2\.2_s2v_", DIT, "Wan 2.2 S2V", None),
     (r"wan_animate_2_", DIT, "Wan Animate 2", None),
     (r"wan2\.1_14B_SCAIL", DIT, "Wan 2.1 SCAIL", None),

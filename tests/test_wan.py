@@ -206,8 +206,9 @@ def test_wan_files_are_detected_and_variants_refused(wan_path, tmp_path):
     # Wan Animate 2: I2V-shaped keys; only the file's metadata (ComfyUI's config -> transformer -> model_type) says so.
     animate2 = str(tmp_path / "wan_animate_2_int8_convrot.safetensors")
     save_file(plain, animate2, metadata={"config": '{"transformer": {"model_type": "animate2"}}'})
-    with pytest.raises(ModelFileError, match="wan_animate_2_int8_convrot.safetensors is a Wan Animate 2 model, which "
-                                             "ParaDiT does not run yet; load it with UNETLoader"):
+    with pytest.raises(ModelFileError, match=r"wan_animate_2_int8_convrot.safetensors is a Wan Animate 2 model, which "
+                                             r"ParaDiT does not run yet \(its pose branch beside the video\); load it "
+                                             r"with UNETLoader for WanAnimate2ToVideo"):
         model_config(animate2)
     save_file(plain, animate2, metadata={"config": '{"transformer": {"model_type": "i2v"}}'})
     assert model_config(animate2).family == "wan"  # a config naming a model type Wan runs changes nothing

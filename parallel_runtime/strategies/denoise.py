@@ -103,6 +103,13 @@ class Branches:
         # frames its tokens lie in to the device (adapter.embed_camera), once per job for each set of rows.
         self.camera = torch.cat([rep(c.camera) for c in conds]) if first.camera is not None else None
         self._camera_rows: dict[tuple, torch.Tensor] = {}
+        # A VACE model's context per row, packed like the latent [rows, n inputs, tokens, C*4], left where the message
+        # put it: each forward moves only its own tokens' rows to the device (embed), once per job for each set of
+        # rows; one strength per input (the same for every branch batched here: signature).
+        self.vace = (torch.cat([rep(adapter.pack(c.vace.flatten(0, 1).float()).unflatten(0, (c.vace.shape[0], -1)))
+                                for c in conds]) if first.vace is not None else None)
+        self.vace_strength = first.vace_strength
+        self._vace_rows: dict[tuple, torch.Tensor] = {}
         # Rows the family joins to the embedded prompt from other inputs (HunyuanVideo 1.5: the start image's
         # vision tokens and the glyph tokens, which its embed_text puts in front of the prompt).
         self.joined_rows = getattr(adapter, "joined_rows", lambda branches: 0)(self)
@@ -120,12 +127,22 @@ class Branches:
         """The embedded image rows `index` of these branches: the latent's and c_concat's tokens through the patch
         embedding, plus a camera model's adapter rows (the same every step: computed once per job and rows)."""
         image = adapter.embed_image(self.with_concat(x_rows, index), index, hw)
-        if self.camera is None:
-            return image
         key = (int(index[0]), int(index[-1]), index.numel())
-        if key not in self._camera_rows:
-            self._camera_rows[key] = adapter.embed_camera(self.camera, index, hw).to(image.dtype)
-        return image + self._camera_rows[key]
+        if self.camera is not None:
+            if key not in self._camera_rows:
+                self._camera_rows[key] = adapter.embed_camera(self.camera, index, hw).to(image.dtype)
+            image = image + self._camera_rows[key]
+        if self.vace is not None:  # the context rows ride behind the video's (adapter.run_blocks takes them off)
+            if key not in self._vace_rows:
+                self._vace_rows[key] = adapter.embed_vace(self.vace[:, :, index.cpu()]).to(image.dtype)
+            image = torch.cat([image, self._vace_rows[key]], dim=1)
+        return image
+
+    @property
+    def carried(self) -> int:
+        """Row sets riding behind the image rows through the blocks, each as many as the image's: a VACE model's
+        context tokens, one set per input (their hidden states pass from block to block, and stage to stage)."""
+        return 0 if self.vace is None else self.vace.shape[1]
 
     @property
     def ref_len(self) -> int:
@@ -395,6 +412,8 @@ class Denoiser:
         extra = {"sizes": branches.image_sizes} if getattr(self.adapter, "reads_image_size", False) else {}
         if getattr(self.adapter, "reads_clip_vision", False):
             extra["clip_vision"] = branches.clip_vision
+        if branches.vace is not None:  # how many context row sets ride behind the image rows, and their strengths
+            extra["vace_strength"] = branches.vace_strength
         return self.adapter.timestep_embedding(t, branches.pooled, branches.guidance, self.hw, **extra)
 
     def _repeat(self, x: torch.Tensor, branches: Branches | None = None) -> torch.Tensor:
@@ -827,7 +846,8 @@ class _PipeFusionStage:
 
     def _hidden_buffer(self, lane: _Lane, patches) -> torch.Tensor:
         """The receive buffer of one message between chunks: its size is the lane's (prompt and reference rows)."""
-        n_stream = lane.layout.stream_len(self.me, patches) + self.n_res * len(self._token_set(lane, patches).index)
+        carried = self.n_res + lane.branches.carried  # ControlNet residuals, VACE context rows: image-sized each
+        n_stream = lane.layout.stream_len(self.me, patches) + carried * len(self._token_set(lane, patches).index)
         batch, width = lane.branches.cond.shape[0], self.adapter.config.hidden_size
         return torch.empty((batch, lane.n_text + n_stream, width), dtype=self.adapter.dtype, device=self.adapter.device)
 

@@ -24,6 +24,20 @@ control's reference image (Wan22FunControlToVideo's ref_image) enters through `r
 that ComfyUI puts before the video at RoPE frame 0 (the video then at frames 1..T); here they follow the video's
 rows as reference tokens (the strategies' reference rows, split like them), with the same RoPE ids, and leave
 before the head.
+
+VACE files (Wan 2.1 VACE 1.3B / 14B, Wan 2.2 VACE-Fun A14B; ComfyUI's VaceWanModel) add `vace_patch_embedding` and
+`vace_blocks`: WanVaceToVideo's context (per input, its inactive and reactive latents and the 8x8-unshuffled mask, 96
+channels at the latent's size) is patch-embedded like the video, and VACE block n, a Wan block over the context's
+tokens, runs after main block n x (layers / vace_layers), its after_proj times the input's strength added to the
+video's tokens. The context tokens have the video's layout, so they split with it: a rank's image stream is its
+video rows followed by the same rows of each context input, and every rank runs the VACE blocks on its own rows
+through the strategy's attention (Ulysses' all-to-all, Ring's passes, displaced patch's and PipeFusion's stale K/V
+under layer ids after the main blocks'), never on a replicated context. Under PipeFusion the context rows ride with
+the video rows from stage to stage, and a stage owns (loads and runs) the VACE blocks whose hints its own main
+blocks add: the VACE chain only reads the video's embedded tokens at block 0 (on the first stage), so no hint
+crosses a stage and the VACE blocks' work is spread like the main blocks' (each message is 1 + inputs times the
+video rows). A reference image (WanVaceToVideo's reference_image) is a latent frame in front of the video and of
+its context, sampled like the others (TrimVideoLatent cuts it after).
 """
 from __future__ import annotations
 
@@ -55,7 +69,7 @@ ALWAYS_OWNED = ("time_embedding.", "time_projection.", "img_emb.")
 CAMERA_UNSHUFFLE = 8  # WanCamAdapter's PixelUnshuffle: the Plücker embedding is at pixel size, 8x the latent's
 CLIP_TOKENS = 257  # clip_vision_h's penultimate hidden states: 16 x 16 patches and the class token
 CLIP_VISION_WIDTH = 1280  # CLIP ViT-H/14's hidden size: clip_vision_h, the CLIP vision file Wan 2.1 I2V reads
-FIRST_STAGE = ("patch_embedding.", "text_embedding.", "control_adapter.", "ref_conv.")
+FIRST_STAGE = ("patch_embedding.", "text_embedding.", "control_adapter.", "ref_conv.", "vace_patch_embedding.")
 LAST_STAGE = ("head.",)
 BLOCK_LISTS = ("blocks",)
 WAN_BLOCK = BlockKind("self+cross", ("image", "prompt"))
@@ -73,6 +87,8 @@ class WanConfig(JointAttentionConfig):
     image_to_video: bool = False  # 2.1 I2V: CLIP-vision tokens beside the prompt (img_emb, k_img / v_img)
     camera_channels: int = 0  # Fun camera: the Plücker embedding's channels its control_adapter reads (24); else 0
     reference_channels: int = 0  # 2.2 Fun control: ref_conv's input (a reference image's latent); else 0
+    vace_layers: int = 0  # VACE: its context blocks (vace_blocks), each after every (layers / vace_layers)-th block
+    vace_channels: int = 0  # VACE: vace_patch_embedding's input (WanVaceToVideo's latents and mask: 96); else 0
 
     family = "wan"
     pooled_dim = 0
@@ -171,6 +187,8 @@ class WanConfig(JointAttentionConfig):
     @property
     def title(self) -> str:
         size = {1536: "1.3B", 3072: "5B", 5120: "14B"}.get(self.hidden_size, f"{self.hidden_size}-wide")
+        if self.vace_layers:  # 2.1's VACE 14B and 2.2's VACE-Fun A14B experts share one shape
+            return f"Wan {'2.1' if size == '1.3B' else '2.1 / 2.2'} VACE {size}"
         if self.fun_kind:  # 2.1's Fun files cross-attend CLIP vision (img_emb); 2.2's read the concat alone
             version = "2.1" if self.image_to_video else "2.2"
             return f"Wan {version} Fun {self.fun_kind.capitalize()} {size}"
@@ -182,6 +200,13 @@ class WanConfig(JointAttentionConfig):
         # 14B text-to-video files of 2.1 and 2.2 (each expert) share one shape.
         version = "2.1" if self.image_to_video or size == "1.3B" else ("2.2" if self.variant == "i2v" else "2.1 / 2.2")
         return f"Wan {version} {self.variant.upper()} {size}"
+
+    @property
+    def vace_after(self) -> dict[int, int]:
+        """Main block -> the VACE context block whose hint is added after it (VaceWanModel.vace_layers_mapping)."""
+        if not self.vace_layers:
+            return {}
+        return {i: n for n, i in enumerate(range(0, self.num_layers, self.num_layers // self.vace_layers))}
 
     @property
     def block_kinds(self) -> tuple[BlockKind, ...]:
@@ -207,17 +232,21 @@ def match_layout(keys: list[str]) -> Match | None:
 
 
 # The keys comfy/model_detection.py tells these Wan variants by (and the reference-conv and FLF2V extras).
-_UNSUPPORTED = {"vace_patch_embedding.weight": "Wan VACE",
-                "casual_audio_encoder.encoder.final_linear.weight": "Wan 2.2 S2V",
-                "audio_proj.audio_proj_glob_1.layer.bias": "Wan HuMo",
-                "face_adapter.fuser_blocks.0.k_norm.weight": "Wan 2.2 Animate",
-                "patch_embedding_mask.weight": "Wan SCAIL 2",
-                "patch_embedding_pose.weight": "Wan SCAIL",
-                "patch_embedding_global.weight": "Wan Dancer",
-                "img_emb.emb_pos": "Wan first-last-frame (FLF2V)"}
+# Each with what it adds that the workers do not run yet, and the ComfyUI node that feeds it (None: a node of
+# ComfyUI 2026's that has no fixed name here).
+_UNSUPPORTED = {"casual_audio_encoder.encoder.final_linear.weight":
+                ("Wan 2.2 S2V", "its audio encoder and audio tokens", "WanSoundImageToVideo"),
+                "audio_proj.audio_proj_glob_1.layer.bias": ("Wan HuMo", "its audio projection", "WanHuMoImageToVideo"),
+                "face_adapter.fuser_blocks.0.k_norm.weight":
+                ("Wan 2.2 Animate", "its pose and face encoders", "WanAnimateToVideo"),
+                "patch_embedding_mask.weight": ("Wan SCAIL 2", "its pose and mask streams", None),
+                "patch_embedding_pose.weight": ("Wan SCAIL", "its pose stream", None),
+                "patch_embedding_global.weight": ("Wan Dancer", "its global motion stream", None),
+                "img_emb.emb_pos": ("Wan first-last-frame (FLF2V)", "its two-image CLIP-vision positions",
+                                    "WanFirstLastFrameToVideo")}
 # What ComfyUI reads from a file's own metadata (config -> transformer -> model_type) over the keys: Wan Animate 2
 # files are Wan 2.1 I2V-shaped and only their metadata says that a pose branch runs beside the video.
-_UNSUPPORTED_MODEL_TYPES = {"animate2": "Wan Animate 2"}
+_UNSUPPORTED_MODEL_TYPES = {"animate2": ("Wan Animate 2", "its pose branch beside the video", "WanAnimate2ToVideo")}
 
 
 def _model_type_in_metadata(reader) -> str | None:
@@ -234,11 +263,13 @@ def infer_config(reader, match: Match, name: str) -> WanConfig:
     name = name or os.path.basename(getattr(reader, "path", "checkpoint"))
     # The metadata first: ComfyUI lets it override what the keys say.
     variants = [_UNSUPPORTED_MODEL_TYPES.get(_model_type_in_metadata(reader))]
-    variants += [what for key, what in _UNSUPPORTED.items() if p + key in reader]
-    what = next((v for v in variants if v), None)
-    if what:
-        raise ModelFileError(f"{name} is a {what} model, which ParaDiT does not run yet; load it with UNETLoader "
-                             f"or choose a Wan 2.1 / 2.2 text- or image-to-video file.")
+    variants += [variant for key, variant in _UNSUPPORTED.items() if p + key in reader]
+    variant = next((v for v in variants if v), None)
+    if variant:
+        what, adds, node = variant
+        raise ModelFileError(f"{name} is a {what} model, which ParaDiT does not run yet ({adds}); load it with "
+                             f"UNETLoader{f' for {node}' if node else ''}, or choose a Wan 2.1 / 2.2 text-to-video, "
+                             f"image-to-video, Fun or VACE file.")
 
     shape = tensor_shapes(reader, p, name, "a complete Wan DiT")
 
@@ -248,6 +279,15 @@ def infer_config(reader, match: Match, name: str) -> WanConfig:
         raise ModelFileError(f"{name} predicts {out_channels} latent channels, not a Wan 2.1 (16) or Wan 2.2 TI2V (48) "
                              f"latent; the file is damaged or of a Wan variant ParaDiT does not know: load it with "
                              f"UNETLoader.")
+    vace_layers, vace_channels = 0, 0
+    if p + "vace_patch_embedding.weight" in reader:  # comfy/model_detection.py's VACE: vace_in_dim, vace_layers
+        vace_channels = shape("vace_patch_embedding.weight")[1]
+        vace_layers = block_count(reader.keys(), p, "vace_blocks", name)
+        layers = block_count(reader.keys(), p, "blocks", name)
+        if not 0 < vace_layers <= layers or len(range(0, layers, layers // vace_layers)) != vace_layers:
+            raise ModelFileError(f"{name} has {vace_layers} VACE blocks for {layers} blocks, which ComfyUI's "
+                                 f"VaceWanModel cannot place (one after every (blocks / VACE blocks)-th block); the "
+                                 f"file is damaged or of another VACE layout: load it with UNETLoader.")
     camera = 0
     if p + "control_adapter.conv.weight" in reader:  # WanCamAdapter: conv over 8x8-unshuffled Plücker channels
         camera = shape("control_adapter.conv.weight")[1] // CAMERA_UNSHUFFLE ** 2
@@ -255,7 +295,8 @@ def infer_config(reader, match: Match, name: str) -> WanConfig:
                      ffn_dim=shape("blocks.0.ffn.0.weight")[0], in_channels=in_channels, out_channels=out_channels,
                      text_dim=shape("text_embedding.0.weight")[1], freq_dim=shape("time_embedding.0.weight")[1],
                      image_to_video=p + "img_emb.proj.0.weight" in reader, camera_channels=camera,
-                     reference_channels=shape("ref_conv.weight")[1] if p + "ref_conv.weight" in reader else 0)
+                     reference_channels=shape("ref_conv.weight")[1] if p + "ref_conv.weight" in reader else 0,
+                     vace_layers=vace_layers, vace_channels=vace_channels)
 
 
 class _Attention(nn.Module):
@@ -279,6 +320,17 @@ class _Block(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(dim, config.ffn_dim), nn.GELU(approximate="tanh"),
                                  nn.Linear(config.ffn_dim, dim))
         self.modulation = nn.Parameter(torch.empty(1, 6, dim))
+
+
+class _VaceBlock(_Block):
+    """VaceWanAttentionBlock: a Wan block over the VACE context's tokens, whose after_proj makes the hint added to
+    the video's; the first also adds before_proj of the context to the video's embedded tokens."""
+
+    def __init__(self, config: WanConfig, first: bool):
+        super().__init__(config)
+        if first:
+            self.before_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.after_proj = nn.Linear(config.hidden_size, config.hidden_size)
 
 
 class _Head(nn.Module):
@@ -329,6 +381,9 @@ class WanTransformer(nn.Module):
             self.ref_conv = nn.Conv2d(config.reference_channels, dim, config.patch_size[1:], config.patch_size[1:])
         if config.camera_channels:
             self.control_adapter = _CameraAdapter(config.camera_channels, dim, config.patch_size[1:])
+        if config.vace_layers:
+            self.vace_blocks = nn.ModuleList(_VaceBlock(config, i == 0) for i in range(config.vace_layers))
+            self.vace_patch_embedding = nn.Conv3d(config.vace_channels, dim, config.patch_size, config.patch_size)
 
 
 def _meta_model(config: WanConfig) -> WanTransformer:
@@ -346,11 +401,13 @@ def tensor_plan(config: WanConfig) -> dict[str, str]:
     their out-projections and the MLP's down projection row-wise. Wan's q/k RMSNorms span all heads' width, so they
     hold a rank's columns and all-reduce their sum of squares ("norm"). The modulation is a stored table, not a
     layer: every rank's."""
-    plan = {"blocks.*.ffn.0": "colwise", "blocks.*.ffn.2": "rowwise"}
-    for attn in ("self_attn", "cross_attn"):
-        plan.update({f"blocks.*.{attn}.{proj}": "colwise" for proj in ("q", "k", "v", "k_img", "v_img")})
-        plan.update({f"blocks.*.{attn}.{norm}": "norm" for norm in ("norm_q", "norm_k", "norm_k_img")})
-        plan[f"blocks.*.{attn}.o"] = "rowwise"
+    plan = {}
+    for blocks in ("blocks", "vace_blocks"):  # a VACE model's context blocks split like the main ones
+        plan.update({f"{blocks}.*.ffn.0": "colwise", f"{blocks}.*.ffn.2": "rowwise"})
+        for attn in ("self_attn", "cross_attn"):
+            plan.update({f"{blocks}.*.{attn}.{proj}": "colwise" for proj in ("q", "k", "v", "k_img", "v_img")})
+            plan.update({f"{blocks}.*.{attn}.{norm}": "norm" for norm in ("norm_q", "norm_k", "norm_k_img")})
+            plan[f"{blocks}.*.{attn}.o"] = "rowwise"
     return plan
 
 
@@ -398,7 +455,7 @@ def block_inputs(config: WanConfig, text: int, image: int, generator: torch.Gene
     rope = (*FluxPosEmbed(theta=10000, axes_dim=list(config.rope_axes))(
         video_grid_ids(1, -(-image // cols), cols)[:image]), torch.zeros(image, dtype=torch.long))
     clip = torch.randn(1, CLIP_TOKENS, h, generator=generator) if config.image_to_video else None
-    temb = (torch.randn(1, 1, h, generator=generator), torch.randn(1, 1, 6, h, generator=generator), clip)
+    temb = (torch.randn(1, 1, h, generator=generator), torch.randn(1, 1, 6, h, generator=generator), clip, ())
     return torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator), temb, rope
 
 
@@ -491,45 +548,72 @@ class WanAdapter:
         rows = adapter(frames).flatten(1, 3).to(self.dtype)  # [N, frames x tokens per frame, dim]
         return rows[:, index.to(rows.device) - first * per_frame]
 
+    def embed_vace(self, tokens: torch.Tensor) -> torch.Tensor:
+        """VACE context tokens [N, inputs, rows, C*4] (packed like the latent) through vace_patch_embedding, in
+        float32 from the model's dtype as VaceWanModel runs it: [N, inputs x rows, dim], input after input."""
+        conv = self.model.vace_patch_embedding
+        tokens = tokens.to(self.device, self.dtype).float()
+        return F.linear(tokens, conv.weight.float().flatten(1), conv.bias.float()).to(self.dtype).flatten(1, 2)
+
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
         return self.model.text_embedding(cond.to(self.device, self.dtype))
 
-    def timestep_embedding(self, t: torch.Tensor, pooled: torch.Tensor, guidance, thw=None, clip_vision=None):
+    def timestep_embedding(self, t: torch.Tensor, pooled: torch.Tensor, guidance, thw=None, clip_vision=None,
+                           vace_strength: tuple[float, ...] = ()):
         """What every block reads beside its rows and the prompt: (e [N, 1, dim] for the head, e0 [N, 1, 6, dim] for
         the blocks, at t in the model's units (sigma x 1000), and the start image's CLIP-vision tokens through
         img_emb [N, 257, dim] (2.1 I2V; else None). Those ride here, not with the prompt, because every pipeline
-        stage embeds its timestep itself (img_emb is tiny) while only the first embeds the prompt."""
+        stage embeds its timestep itself (img_emb is tiny) while only the first embeds the prompt. Last, a VACE
+        branch's strengths, one per context input (whose rows ride behind the video's: run_blocks)."""
         sinusoid = sinusoidal_embedding(self.config.freq_dim, t.to(self.device).flatten()).to(self.dtype)
         e = self.model.time_embedding(sinusoid).reshape(t.shape[0], -1, self.config.hidden_size)
         image = None
         if clip_vision is not None and self.config.image_to_video:  # a text-to-video model ignores it, as ComfyUI's
             image = self.model.img_emb.proj(clip_vision.to(self.device, self.dtype))
-        return e, self.model.time_projection(e).unflatten(2, (6, self.config.hidden_size)), image
+        return e, self.model.time_projection(e).unflatten(2, (6, self.config.hidden_size)), image, tuple(vace_strength)
 
     # -- blocks and head -------------------------------------------------------------------------------
 
     def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb, rope, chunk: int = 0) -> tuple:
+        """The chunk's blocks on the rank's rows. A VACE branch's image stream is [video rows, then each context
+        input's rows, as many]: the context rows run through the VACE blocks (VaceWanModel's order: context block n
+        after main block vace_after⁻¹(n), its hint times the input's strength added to the video rows), and ride on
+        with the video's to the next chunk, so a pipeline stage runs the context blocks of its own main blocks."""
+        strengths = temb[3] if len(temb) > 3 else ()
+        x, contexts = image, []
+        if strengths:
+            x, *contexts = image.tensor_split(len(strengths) + 1, dim=1)
         for i in self.chunks[chunk]:
+            if contexts and i == 0:  # the first context block reads the video's embedded tokens (VaceWanModel x_orig)
+                first = self.model.vace_blocks[0].before_proj
+                contexts = [first(c) + x for c in contexts]
             if i not in self.skip:
-                image = self._block(i, image, text, temb[1], rope, temb[2])
-        return image, text
+                x = self._block(self.model.blocks[i], i, x, text, temb[1], rope, temb[2])
+            n = self.config.vace_after.get(i)
+            if contexts and n is not None:
+                block = self.model.vace_blocks[n]
+                for k, strength in enumerate(strengths):
+                    contexts[k] = self._block(block, self.config.num_layers + n, contexts[k], text, temb[1], rope,
+                                              temb[2])
+                    x = x + block.after_proj(contexts[k]) * strength
+        return (torch.cat([x, *contexts], dim=1) if contexts else x), text
 
-    def _block(self, i: int, x: torch.Tensor, context: torch.Tensor, e0: torch.Tensor, rope,
+    def _block(self, block: nn.Module, layer: int, x: torch.Tensor, context: torch.Tensor, e0: torch.Tensor, rope,
                clip_tokens: torch.Tensor | None) -> torch.Tensor:
-        """WanAttentionBlock.forward: modulated self-attention, cross-attention, modulated MLP."""
-        block = self.model.blocks[i]
+        """WanAttentionBlock.forward: modulated self-attention, cross-attention, modulated MLP. `layer` names the
+        block's attention to the strategy (a VACE context block's: after the main blocks')."""
         e = [per_token(row, rope) for row in (block.modulation.to(x.dtype).unsqueeze(0) + e0).unbind(2)]
         dim = self.config.hidden_size
-        y = self._self_attention(i, torch.addcmul(e[0], F.layer_norm(x, (dim,), eps=EPS), 1 + e[1]), rope)
+        y = torch.addcmul(e[0], F.layer_norm(x, (dim,), eps=EPS), 1 + e[1])
+        y = self._self_attention(block.self_attn, layer, y, rope)
         x = torch.addcmul(x, y, e[2])
         x = x + self._cross_attention(block.cross_attn, block.norm3(x), context, clip_tokens)
         y = block.ffn(torch.addcmul(e[3], F.layer_norm(x, (dim,), eps=EPS), 1 + e[4]))
         return torch.addcmul(x, y, e[5])
 
-    def _self_attention(self, i: int, x: torch.Tensor, rope) -> torch.Tensor:
+    def _self_attention(self, attn: nn.Module, layer: int, x: torch.Tensor, rope) -> torch.Tensor:
         from diffusers.models.embeddings import apply_rotary_emb
 
-        attn = self.model.blocks[i].self_attn
         heads = attn.heads
 
         def split(t):
@@ -537,7 +621,7 @@ class WanAdapter:
 
         q = apply_rotary_emb(split(attn.norm_q(attn.q(x))), rope[:2], sequence_dim=1)
         k = apply_rotary_emb(split(attn.norm_k(attn.k(x))), rope[:2], sequence_dim=1)
-        out = self.context.image_attention(q, k, split(attn.v(x)), i).flatten(2, 3).to(x.dtype)
+        out = self.context.image_attention(q, k, split(attn.v(x)), layer).flatten(2, 3).to(x.dtype)
         return attn.o(out)
 
     def _cross_attention(self, attn, x: torch.Tensor, context: torch.Tensor,
@@ -570,7 +654,27 @@ class WanAdapter:
         return channels_first(out, self.patch, self.config.out_channels)
 
 
-WAN = DiTFamily(
+@dataclass(frozen=True, eq=False)
+class WanFamily(DiTFamily):
+    """Wan's blocks, each carrying the VACE context block whose hint it adds (a VACE file's): that block's weights
+    count with it for stage planning and memory, and the stage that owns it loads and runs both."""
+
+    def parameter_counts(self, config) -> tuple[tuple[int, ...], int, int, int]:
+        per_block, always, first, last = super().parameter_counts(config)
+        if not config.vace_layers:
+            return per_block, always, first, last
+        vace = _meta_model(config).vace_blocks
+        extra = {i: sum(p.numel() for p in vace[n].parameters()) for i, n in config.vace_after.items()}
+        return tuple(n + extra.get(i, 0) for i, n in enumerate(per_block)), always, first, last
+
+    def stage_ownership(self, config, chunks: list[range], first: bool, last: bool):
+        """A stage also owns the VACE context blocks whose hints its main blocks add (they run there: run_blocks)."""
+        owns = super().stage_ownership(config, chunks, first, last)
+        vace = tuple(f"vace_blocks.{n}." for i, n in config.vace_after.items() if any(i in c for c in chunks))
+        return lambda name: owns(name) or name.startswith(vace)
+
+
+WAN = WanFamily(
     name="wan", title="Wan 2.1 / 2.2 (text- and image-to-video)", match=match_layout, infer_config=infer_config,
     meta_model=_meta_model, source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=WanAdapter,
     block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE,
