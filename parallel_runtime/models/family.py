@@ -324,6 +324,19 @@ class DiTFamily:
         return _weight_patch_targets(self, config)
 
 
+def diffusers_meta_model(class_name: str) -> Callable[[object], torch.nn.Module]:
+    """A family's `meta_model` where its module tree is diffusers' class `class_name` built from the config's
+    `diffusers_kwargs()`: config -> that model on the meta device (no memory; diffusers imported on first use)."""
+    def meta_model(config) -> torch.nn.Module:
+        import diffusers
+
+        with torch.device("meta"):
+            return getattr(diffusers, class_name)(**config.diffusers_kwargs())
+
+    meta_model.__qualname__ = meta_model.__name__ = f"meta_{class_name}"
+    return meta_model
+
+
 def derived_tensor_plan(model: torch.nn.Module, block_lists: tuple[str, ...]) -> dict[str, str]:
     """A tensor-parallel plan from diffusers' names, for models whose class declares none: in every block, each
     Attention's q/k/v (and added-stream) projections column-wise and its out-projections row-wise, a q/k norm over

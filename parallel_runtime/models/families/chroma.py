@@ -29,10 +29,11 @@ import torch
 
 from ...errors import ModelFileError
 from ...sampling import model_sampling_for
-from ...weights.keymap import Source, block_count, has_block, linear, same_names, tensor_shapes
+from ...weights.keymap import Source, block_count, linear, same_names, tensor_shapes
+from ..detection import DIFFUSERS_PREFIXES, Signature, signature_match
 from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
-from .flux import (BFL_PREFIXES, DIFFUSERS_PREFIXES, DOUBLE_BLOCK, SINGLE_BLOCK, default_axes_dims_rope,
-                   map_double_block, map_single_block)
+from ..shapes import CheckpointShapes
+from .flux import DOUBLE_BLOCK, SINGLE_BLOCK, default_axes_dims_rope, map_double_block, map_single_block
 from .flux_adapter import FluxAdapter, block_inputs as flux_block_inputs
 
 MOD_INDEX_ROWS = 344  # comfy/ldm/chroma/model.py: mod_index_length, fixed whatever the block counts
@@ -109,17 +110,10 @@ class ChromaConfig(JointAttentionConfig):
 
 # -- checkpoint layout --------------------------------------------------------------------------------
 
-def match_layout(keys: list[str]) -> Match | None:
-    key_set = set(keys)
-    for prefix in BFL_PREFIXES:
-        if (prefix + "distilled_guidance_layer.in_proj.weight" in key_set and prefix + "img_in.weight" in key_set
-                and has_block(keys, prefix, "double_blocks")):
-            return Match("bfl", prefix)
-    for prefix in DIFFUSERS_PREFIXES:
-        if (prefix + "distilled_guidance_layer.in_proj.weight" in key_set and prefix + "x_embedder.weight" in key_set
-                and has_block(keys, prefix, "transformer_blocks")):
-            return Match("diffusers", prefix)
-    return None
+_APPROXIMATOR = "distilled_guidance_layer.in_proj.weight"  # what ComfyUI's detection keys Chroma on
+match_layout = signature_match(
+    Signature("bfl", (_APPROXIMATOR, "img_in.weight"), ("double_blocks",)),
+    Signature("diffusers", (_APPROXIMATOR, "x_embedder.weight"), ("transformer_blocks",), DIFFUSERS_PREFIXES))
 
 
 _SHAPE_KEYS = {
@@ -188,11 +182,8 @@ def source_map(config: ChromaConfig, layout: str, prefix: str = "") -> dict[str,
 def checkpoint_shapes(config: ChromaConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """{original key: (shape, kind)} of a Chroma file, for writing random test checkpoints."""
     H, M, A, hd = config.hidden_size, 4 * config.hidden_size, config.approximator_hidden, config.head_dim
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
-
-    def lin(name, n_out, n_in, kind="weight"):
-        out[f"{name}.weight"], out[f"{name}.bias"] = ((n_out, n_in), kind), ((n_out,), "bias")
-
+    out = CheckpointShapes()
+    lin = out.linear
     lin("img_in", H, config.in_channels)
     lin("txt_in", H, config.context_dim)
     lin("distilled_guidance_layer.in_proj", A, APPROXIMATOR_IN)
@@ -267,7 +258,7 @@ class ChromaAdapter(FluxAdapter):
 
     def run_blocks(self, image, text, temb, rope, chunk: int = 0) -> tuple:
         c = self.config
-        for i in (i for i in self.chunks[chunk] if i not in self.skip):
+        for i in self.active_blocks(chunk):
             block = self._blocks[i]
             if i < c.num_layers:  # rows (get_modulations): singles, then double img, then double txt
                 img_row, txt_row = 3 * c.num_single_layers + 6 * i, 3 * c.num_single_layers + 6 * c.num_layers + 6 * i

@@ -22,15 +22,13 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
-import torch
-
 from ...errors import ModelFileError
 from ...weights.keymap import Source, block_count, linear, same_names, tensor_shapes
-from ..family import BlockKind, JointAttentionConfig
+from ..detection import BFL_PREFIXES, DIFFUSERS_PREFIXES
+from ..family import BlockKind, JointAttentionConfig, diffusers_meta_model
+from ..shapes import CheckpointShapes
 
 LAYOUTS = ("bfl", "diffusers")
-BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
-DIFFUSERS_PREFIXES = ("transformer.", "")
 
 # Width of the sinusoidal timestep / guidance features fed to time_in / guidance_in.
 TIME_FEATURES = 256
@@ -343,14 +341,11 @@ def source_map(config: FluxConfig, layout: str, prefix: str = "") -> dict[str, S
 def bfl_tensor_shapes(config: FluxConfig, prefix: str = "") -> dict[str, tuple[tuple[int, ...], str]]:
     """``{bfl_key: (shape, kind)}`` in a fixed order; kind is "weight", "mod", "bias" or "norm"."""
     H, M, hd = config.hidden_size, config.mlp_hidden, config.head_dim
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
-
-    def linear(name: str, n_out: int, n_in: int, kind: str = "weight") -> None:
-        out[f"{prefix}{name}.weight"] = ((n_out, n_in), kind)
-        out[f"{prefix}{name}.bias"] = ((n_out,), "bias")
+    out = CheckpointShapes(prefix)
+    linear = out.linear
 
     def norm(name: str) -> None:
-        out[f"{prefix}{name}.scale"] = ((hd,), "norm")
+        out.norm(name, hd, "scale")
 
     linear("img_in", H, config.in_channels)
     linear("time_in.in_layer", H, TIME_FEATURES)
@@ -386,12 +381,7 @@ def bfl_tensor_shapes(config: FluxConfig, prefix: str = "") -> dict[str, tuple[t
 # ----------------------------------------------------------------------------------
 # Building (the family object, FLUX, and load_flux live beside the adapter in flux_adapter.py)
 # ----------------------------------------------------------------------------------
-def meta_model(config: FluxConfig) -> torch.nn.Module:
-    """diffusers' FluxTransformer2DModel for `config` on the meta device (no memory)."""
-    from diffusers import FluxTransformer2DModel
-
-    with torch.device("meta"):
-        return FluxTransformer2DModel(**config.diffusers_kwargs())
+meta_model = diffusers_meta_model("FluxTransformer2DModel")  # config -> the model on the meta device
 
 
 def match(keys: list[str]):

@@ -32,9 +32,13 @@ from ...sampling.flow import FluxModelSampling
 from ...strategies.attention.processor import ParallelFluxAttnProcessor
 from ...weights.keymap import Source, block_count, has_block, same_names, tensor_shapes
 from ...weights.storage import compute_placement
-from ..family import DiTFamily, JointAttentionConfig, Match
+from ..blocks import BlockLoop
+from ..family import DiTFamily, JointAttentionConfig, Match, diffusers_meta_model
+from ..patchify import PatchTokens
+from ..rope import grid_ids
+from ..shapes import CheckpointShapes
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES, DOUBLE_BLOCK, SINGLE_BLOCK, TIME_FEATURES
-from .flux_adapter import grid_ids, reference_placements
+from .flux_adapter import reference_placements
 
 # Every stage modulates its blocks: the time embedding and the three shared modulations live on each.
 ALWAYS_OWNED = ("time_guidance_embed.", "double_stream_modulation_img.", "double_stream_modulation_txt.",
@@ -237,10 +241,10 @@ def source_map(config: Flux2Config, layout: str, prefix: str = "") -> dict[str, 
 def checkpoint_shapes(config: Flux2Config) -> dict[str, tuple[tuple[int, ...], str]]:
     """{ComfyUI key: (shape, kind)} of a FLUX.2 file, for writing random test checkpoints."""
     H, M, D = config.hidden_size, config.mlp_hidden, config.head_dim
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    out = CheckpointShapes()
 
     def weight(name, n_out, n_in, kind="weight"):
-        out[f"{name}.weight"] = ((n_out, n_in), kind)
+        out.linear(name, n_out, n_in, kind, bias=False)  # FLUX.2's layers have no biases
 
     weight("img_in", H, config.in_channels)
     weight("txt_in", H, config.context_dim)
@@ -254,8 +258,8 @@ def checkpoint_shapes(config: Flux2Config) -> dict[str, tuple[tuple[int, ...], s
         for stream in ("img", "txt"):
             b = f"double_blocks.{i}.{stream}"
             weight(f"{b}_attn.qkv", 3 * H, H)
-            out[f"{b}_attn.norm.query_norm.scale"] = ((D,), "norm")
-            out[f"{b}_attn.norm.key_norm.scale"] = ((D,), "norm")
+            out.norm(f"{b}_attn.norm.query_norm", D, "scale")
+            out.norm(f"{b}_attn.norm.key_norm", D, "scale")
             weight(f"{b}_attn.proj", H, H)
             weight(f"{b}_mlp.0", 2 * M, H)
             weight(f"{b}_mlp.2", H, M)
@@ -263,18 +267,14 @@ def checkpoint_shapes(config: Flux2Config) -> dict[str, tuple[tuple[int, ...], s
         b = f"single_blocks.{i}"
         weight(f"{b}.linear1", 3 * H + 2 * M, H)
         weight(f"{b}.linear2", H, H + M)
-        out[f"{b}.norm.query_norm.scale"] = ((D,), "norm")
-        out[f"{b}.norm.key_norm.scale"] = ((D,), "norm")
+        out.norm(f"{b}.norm.query_norm", D, "scale")
+        out.norm(f"{b}.norm.key_norm", D, "scale")
     weight("final_layer.adaLN_modulation.1", 2 * H, H, "mod")
     weight("final_layer.linear", config.in_channels, H)
     return out
 
 
-def _meta_model(config: Flux2Config) -> torch.nn.Module:
-    from diffusers import Flux2Transformer2DModel
-
-    with torch.device("meta"):
-        return Flux2Transformer2DModel(**config.diffusers_kwargs())
+_meta_model = diffusers_meta_model("Flux2Transformer2DModel")
 
 
 # -- the strategies' view -----------------------------------------------------------------------------
@@ -319,12 +319,11 @@ def block_inputs(config: Flux2Config, text: int, image: int, generator: torch.Ge
     return torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator), temb, rope
 
 
-class Flux2Adapter:
-    patch = 1
+class Flux2Adapter(PatchTokens, BlockLoop):
+    patch = 1  # [B, C, H, W] -> [B, H W, C]: one token per latent pixel, row-major
     latent_format = FLUX2_LATENT
     default_guidance = 3.5  # model_base.Flux.extra_conds: guidance when no FluxGuidance node set one (klein ignores it)
     prompt_tokens = PROMPT_TOKENS  # shorter prompts are padded at the front with zeros (model_base.Flux2)
-    skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
 
     def __init__(self, config: Flux2Config, model, chunks: list[range], context):
         self.config, self.model, self.chunks, self.context = config, model, chunks, context
@@ -343,15 +342,6 @@ class Flux2Adapter:
     @functools.cached_property
     def model_sampling(self):
         return FluxModelSampling(2.02, 1.0, kind="flux")  # supported_models.Flux2: ModelSamplingFlux, shift 2.02
-
-    @staticmethod
-    def pack(latent: torch.Tensor) -> torch.Tensor:
-        """[B, C, H, W] -> [B, H*W, C]: one token per latent pixel, row-major."""
-        return latent.flatten(2).transpose(1, 2)
-
-    @staticmethod
-    def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        return tokens.transpose(1, 2).unflatten(2, (h, w))
 
     def rope(self, text_len: int, h: int, w: int, references: tuple[tuple[int, int], ...] = (),
              method: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -383,7 +373,7 @@ class Flux2Adapter:
 
     def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb: tuple, rope, chunk: int = 0) -> tuple:
         _, mod_img, mod_txt, mod_single = temb
-        for i in (i for i in self.chunks[chunk] if i not in self.skip):
+        for i in self.active_blocks(chunk):
             block = self._blocks[i]
             if i < self.config.num_layers:
                 text, image = block(hidden_states=image, encoder_hidden_states=text, temb_mod_img=mod_img,

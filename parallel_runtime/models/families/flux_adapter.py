@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import math
 import os
 from typing import Callable
 
@@ -18,7 +17,10 @@ from ...sampling import FLUX_LATENT, model_sampling_for
 from ...strategies.attention.processor import AttentionContext, ParallelFluxAttnProcessor
 from ...weights.checkpoint import open_checkpoint
 from ...weights.storage import compute_placement
+from ..blocks import BlockLoop
 from ..family import ControlNetBlocks, DiTFamily
+from ..patchify import PatchTokens
+from ..rope import grid_ids, probe_ids, rope_table
 from . import flux, flux_controlnet
 from .flux import FluxConfig
 
@@ -65,15 +67,6 @@ def channels_first(out: torch.Tensor, patch: int, channels: int, keep: int | Non
     return out.permute(0, 1, 4, 2, 3).reshape(b, n, keep * patch * patch)
 
 
-def grid_ids(rows: int, cols: int, index: int = 0, row0: int = 0, col0: int = 0) -> torch.Tensor:
-    """RoPE ids [index, row0 + r, col0 + c] of a rows x cols token grid, row-major."""
-    ids = torch.zeros(rows, cols, 3)
-    ids[..., 0] = index
-    ids[..., 1] = row0 + torch.arange(rows)[:, None]
-    ids[..., 2] = col0 + torch.arange(cols)[None, :]
-    return ids.reshape(rows * cols, 3)
-
-
 def reference_placements(hw: tuple[int, int], references: tuple[tuple[int, int], ...],
                          method: str | None, patch: int = 2,
                          index_step: int = 1) -> list[tuple[int, int, int, int, int]]:
@@ -106,20 +99,15 @@ def reference_placements(hw: tuple[int, int], references: tuple[tuple[int, int],
 def block_inputs(config, text: int, image: int, generator: torch.Generator) -> tuple:
     """Random (image, text, temb, RoPE) of one block call (what `DiTFamily.probe_block` runs): RoPE of a
     near-square image grid after the prompt, as `FluxAdapter.rope` builds it."""
-    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-
-    h, cols = config.hidden_size, max(1, math.isqrt(image))
-    ids = torch.cat([torch.zeros(text, 3), grid_ids(-(-image // cols), cols)[:image]])
-    rope = FluxPosEmbed(theta=10000, axes_dim=list(config.axes_dims_rope))(ids)
+    h, rope = config.hidden_size, rope_table(probe_ids(text, image), config.axes_dims_rope)
     return (torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator),
             torch.randn(1, h, generator=generator), rope)
 
 
-class FluxAdapter:
+class FluxAdapter(PatchTokens, BlockLoop):
     latent_channels = 16
-    patch = 2
+    patch = 2  # [B, C, H, W] -> [B, (H/2)(W/2), 4C]: channel-major in each 2x2 patch, as Flux reads them
     embedding_module = "time_text_embed"  # a module every stage owns: its parameters give dtype and device
-    skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
     masked = True  # a call's attention_mask applies to these blocks' joint attention (ComfyUI's Flux adds it)
 
     def __init__(self, config: FluxConfig, model, chunks: list[range], context: AttentionContext):
@@ -149,20 +137,6 @@ class FluxAdapter:
         return model_sampling_for(self.config.variant)
 
     # -- token layout --------------------------------------------------------------------------------
-
-    @staticmethod
-    def pack(latent: torch.Tensor) -> torch.Tensor:
-        """[B, C, H, W] -> [B, (H/2)(W/2), 4C], channel-major inside each 2x2 patch as Flux expects."""
-        b, c, h, w = latent.shape
-        x = latent.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-        return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-    @staticmethod
-    def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        b, _, d = tokens.shape
-        c = d // 4
-        x = tokens.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(b, c, h, w)
 
     def rope(self, text_len: int, h: int, w: int, references: tuple[tuple[int, int], ...] = (),
              method: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,18 +177,10 @@ class FluxAdapter:
 
     # -- blocks and head -----------------------------------------------------------------------------
 
-    def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope, chunk: int = 0,
-                   residuals=None) -> tuple:
-        """The chunk's blocks; `residuals` (strategies.control.Residuals): ControlNet residuals added to the image
-        rows after each block, as ComfyUI's Flux adds `control` (also after a skipped block)."""
-        for i in self.chunks[chunk]:
-            if i not in self.skip:
-                text, image = self._blocks[i](hidden_states=image, encoder_hidden_states=text, temb=temb,
-                                              image_rotary_emb=rope)
-            add = residuals.get(i) if residuals is not None else None
-            if add is not None:
-                image = image.clone() if i in self.skip else image  # a skipped block's output is its input
-                image[:, :add.shape[1]] += add
+    def block(self, i: int, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope) -> tuple:
+        """Double and single blocks alike (diffusers' single blocks take and give both streams)."""
+        text, image = self._blocks[i](hidden_states=image, encoder_hidden_states=text, temb=temb,
+                                      image_rotary_emb=rope)
         return image, text
 
     def head(self, image: torch.Tensor, temb: torch.Tensor, rope=None) -> torch.Tensor:

@@ -27,7 +27,6 @@ read the sampler's next sigma), the original HunyuanVideo (1.0) and HunyuanImage
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass
 
@@ -40,10 +39,12 @@ from ...sampling.flow import FluxModelSampling
 from ...strategies.attention import LocalAttention
 from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
-from ..family import DiTFamily, Match, OneBlockListConfig
-from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
-from .lumina2 import timestep_sinusoid
-from .wan import video_grid_ids
+from ..blocks import BlockLoop
+from ..conditioning import modulate, timestep_sinusoid
+from ..detection import BFL_PREFIXES, DIFFUSERS_PREFIXES
+from ..family import DiTFamily, Match, OneBlockListConfig, diffusers_meta_model
+from ..patchify import PatchTokens
+from ..rope import probe_ids, rope_table, video_grid_ids
 
 LATENT_CHANNELS = 32
 HEAD_DIM = 128  # ComfyUI's detection: num_heads = width // 128
@@ -176,11 +177,7 @@ def infer_config(reader, match: Match, name: str) -> HunyuanVideo15Config:
                                 num_refiner_layers=block_count(reader.keys(), p, refiner, name))
 
 
-def _meta_model(config: HunyuanVideo15Config):
-    from diffusers import HunyuanVideo15Transformer3DModel
-
-    with torch.device("meta"):
-        return HunyuanVideo15Transformer3DModel(**config.diffusers_kwargs())
+_meta_model = diffusers_meta_model("HunyuanVideo15Transformer3DModel")
 
 
 def comfy_names(config: HunyuanVideo15Config) -> dict[str, Source]:
@@ -302,31 +299,27 @@ def checkpoint_shapes(config: HunyuanVideo15Config) -> dict[str, tuple[tuple[int
 
 def rope_tables(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of position ids [L, 3] (Flux's EmbedND formula, pairs interleaved), theta 256, axes 16/56/56."""
-    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-
-    return FluxPosEmbed(theta=ROPE_THETA, axes_dim=list(ROPE_AXES))(ids)
+    return rope_table(ids, ROPE_AXES, ROPE_THETA)
 
 
 def block_inputs(config: HunyuanVideo15Config, text: int, image: int, generator: torch.Generator) -> tuple:
     """Random (video tokens, prompt rows, time embedding, RoPE of [prompt, one-frame grid]) of a block call."""
-    h, cols = config.hidden_size, max(1, math.isqrt(image))
-    ids = torch.cat([torch.zeros(text, 3), video_grid_ids(1, -(-image // cols), cols)[:image]])
+    h = config.hidden_size
     return (torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator),
-            torch.randn(1, h, generator=generator), rope_tables(ids))
+            torch.randn(1, h, generator=generator), rope_tables(probe_ids(text, image)))
 
 
 def _split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.unflatten(-1, (heads, -1))
 
 
-class HunyuanVideo15Adapter:
-    patch = 1
+class HunyuanVideo15Adapter(PatchTokens, BlockLoop):
+    patch = 1  # [B, C, T, H, W] -> [B, T H W, C]: one token per latent pixel, frame after frame
     latent_channels = LATENT_CHANNELS
     latent_format = HUNYUAN_VIDEO15_LATENT
     default_guidance = 0.0  # ComfyUI passes guidance 6.0, which these files (no guidance_in) never read
     joint_text = True
     prompt_reads_timestep = True  # the token refiner reads t: the prompt is embedded again every step
-    skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
 
     def __init__(self, config: HunyuanVideo15Config, model, chunks: list[range], context):
         self.config, self.model, self.chunks, self.context = config, model, chunks, context
@@ -339,15 +332,6 @@ class HunyuanVideo15Adapter:
         return FluxModelSampling(7.0, 1000.0, kind="discrete_flow")  # supported_models.HunyuanVideo15: shift 7
 
     # -- token layout ----------------------------------------------------------------------------------
-
-    @staticmethod
-    def pack(latent: torch.Tensor) -> torch.Tensor:
-        """[B, C, T, H, W] -> [B, T H W, C]: one token per latent pixel, frame after frame, row after row."""
-        return latent.flatten(2).transpose(1, 2)
-
-    @staticmethod
-    def unpack(tokens: torch.Tensor, t: int, h: int, w: int) -> torch.Tensor:
-        return tokens.transpose(1, 2).reshape(tokens.shape[0], -1, t, h, w)
 
     def rope(self, text_len: int, t: int, h: int, w: int, references=(), method=None):
         """cos/sin over [prompt (ids 0: no rotation), video (frame, row, column)], as ComfyUI's ids."""
@@ -411,13 +395,7 @@ class HunyuanVideo15Adapter:
 
     # -- blocks and head -------------------------------------------------------------------------------
 
-    def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb, rope, chunk: int = 0) -> tuple:
-        for i in self.chunks[chunk]:
-            if i not in self.skip:
-                image, text = self._block(i, image, text, temb, rope)
-        return image, text
-
-    def _block(self, i: int, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope) -> tuple:
+    def block(self, i: int, image: torch.Tensor, text: torch.Tensor, temb: torch.Tensor, rope) -> tuple:
         """Flux's DoubleStreamBlock as ComfyUI's HunyuanVideo runs it: per stream, adaLN (shift, scale, gate) x 2,
         RMS-normed q/k, joint attention over [prompt, video] with RoPE, then a tanh-GELU MLP."""
         from diffusers.models.embeddings import apply_rotary_emb
@@ -428,7 +406,7 @@ class HunyuanVideo15Adapter:
         txt_mod = [m.unsqueeze(1) for m in block.norm1_context.linear(F.silu(temb)).chunk(6, dim=-1)]
 
         def modulated(x, mod, k):
-            return torch.addcmul(mod[k], F.layer_norm(x, (dim,), eps=EPS), 1 + mod[k + 1])
+            return modulate(F.layer_norm(x, (dim,), eps=EPS), mod[k], mod[k + 1])
 
         img_in, txt_in = modulated(image, img_mod, 0), modulated(text, txt_mod, 0)
         q = torch.cat([attn.norm_added_q(_split_heads(attn.add_q_proj(txt_in), heads)),
@@ -449,7 +427,7 @@ class HunyuanVideo15Adapter:
         """LastLayer: affine-free LayerNorm, (scale, shift) from the time embedding, the linear; float32 velocity
         in pack's channel order (1x1x1 patches: the head's own)."""
         scale, shift = self.model.norm_out.linear(F.silu(temb)).unsqueeze(1).chunk(2, dim=-1)
-        x = torch.addcmul(shift, F.layer_norm(image, (self.config.hidden_size,), eps=EPS), 1 + scale)
+        x = modulate(F.layer_norm(image, (self.config.hidden_size,), eps=EPS), shift, scale)
         return self.model.proj_out(x).float()
 
 

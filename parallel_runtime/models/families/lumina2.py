@@ -31,11 +31,16 @@ from ...errors import ModelFileError
 from ...sampling import FLUX_LATENT
 from ...sampling.flow import FluxModelSampling
 from ...strategies.attention import LocalAttention
-from ...weights.keymap import Source, block_count, has_block, same_names, tensor_shapes
+from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
+from ..blocks import BlockLoop
+from ..conditioning import timestep_sinusoid
+from ..detection import Signature, match_signatures
 from ..family import JOINT_BLOCK, BlockKind, DiTFamily, JointAttentionConfig, Match
-from .flux import BFL_PREFIXES
-from .flux_adapter import FluxAdapter, channels_first
+from ..patchify import PatchTokens
+from ..rope import rope_table
+from ..shapes import shapes_of_model
+from .flux_adapter import channels_first
 
 ALWAYS_OWNED = ("t_embedder.",)
 FIRST_STAGE = ("x_embedder.", "cap_embedder.", "context_refiner.")
@@ -125,12 +130,8 @@ class Lumina2Config(JointAttentionConfig):
 def match_layout(keys: list[str]) -> Match | None:
     """`cap_embedder.1.weight` (what ComfyUI's detection keys Lumina 2 on) beside NextDiT's block lists, in a file
     without Z-Image's keys."""
-    key_set = set(keys)
-    for prefix in BFL_PREFIXES:
-        if (prefix + "cap_embedder.1.weight" in key_set and has_block(keys, prefix, "layers")
-                and has_block(keys, prefix, "noise_refiner") and not z_image_keys(keys, prefix)):
-            return Match("comfy", prefix)
-    return None
+    return match_signatures(keys, Signature("comfy", ("cap_embedder.1.weight",), ("layers", "noise_refiner"),
+                                            also=lambda keys, prefix: not z_image_keys(keys, prefix)))
 
 
 def infer_config(reader, match: Match, name: str) -> Lumina2Config:
@@ -212,7 +213,7 @@ def source_map(config: Lumina2Config, layout: str, prefix: str = "") -> dict[str
 
 def checkpoint_shapes(config: Lumina2Config) -> dict[str, tuple[tuple[int, ...], str]]:
     """{ComfyUI key: (shape, kind)} of a Lumina 2 file, for writing random test checkpoints."""
-    return {name: (tuple(p.shape), parameter_kind(name)) for name, p in _meta_model(config).state_dict().items()}
+    return shapes_of_model(_meta_model(config).state_dict(), parameter_kind)
 
 
 def parameter_kind(name: str) -> str:
@@ -236,37 +237,24 @@ def sequence_ids(text_len: int, rows: int, cols: int) -> torch.Tensor:
     return ids
 
 
-def timestep_sinusoid(t: torch.Tensor, dim: int = 256) -> torch.Tensor:
-    """comfy's timestep_embedding: [cos, sin] of t x 10000^(-i / half), in float32."""
-    half = dim // 2
-    freqs = torch.exp(-torch.log(torch.tensor(10000.0)) * torch.arange(half, dtype=torch.float32) / half)
-    args = t.float()[:, None] * freqs.to(t.device)[None]
-    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
-
-
 def block_inputs(config: Lumina2Config, text: int, image: int, generator: torch.Generator) -> tuple:
     """Random (image rows, prompt rows, adaLN input, RoPE of a square-ish grid after the prompt) of a block call."""
-    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-
     cols = max(1, int(image ** 0.5))
     ids = sequence_ids(text, -(-image // cols), cols)[:text + image]
-    rope = FluxPosEmbed(theta=config.rope_theta, axes_dim=list(config.rope_axes))(ids)
+    rope = rope_table(ids, config.rope_axes, config.rope_theta)
     h = config.hidden_size
     return (torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator),
             torch.randn(1, config.adaln_dim, generator=generator), rope)
 
 
-class Lumina2Adapter:
-    patch = 2
+class Lumina2Adapter(PatchTokens, BlockLoop):
+    patch = 2  # (c, ph, pw) per token; embed_image and head re-order to NextDiT's
     latent_channels = 16
     latent_format = FLUX_LATENT
     default_guidance = 0.0  # no guidance input
     variant = "lumina2"
     joint_text = True  # the main layers attend over [prompt, image]
     embeds_whole_prompt = True  # embed_text refines the whole prompt; a rank then takes its rows
-    skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
-    pack = staticmethod(FluxAdapter.pack)  # (c, ph, pw) per token; embed_image and head re-order to NextDiT's
-    unpack = staticmethod(FluxAdapter.unpack)
 
     def __init__(self, config: Lumina2Config, model: Lumina2Transformer, chunks: list[range], context):
         self.config, self.model, self.chunks, self.context = config, model, chunks, context
@@ -283,9 +271,7 @@ class Lumina2Adapter:
         return self._rope_table(self._sequence_ids(text_len, (h + 1) // 2, (w + 1) // 2))
 
     def _rope_table(self, ids: torch.Tensor):
-        from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-
-        return FluxPosEmbed(theta=self.config.rope_theta, axes_dim=list(self.config.rope_axes))(ids.to(self.device))
+        return rope_table(ids.to(self.device), self.config.rope_axes, self.config.rope_theta)
 
     # Hooks a NextDiT relative (Z-Image) replaces: its position ids, module names and prompt embedding.
     _sequence_ids = staticmethod(sequence_ids)
@@ -334,7 +320,7 @@ class Lumina2Adapter:
         main layers (this rank's [prompt, image] rows, through the joint attention); the prompt arrives refined
         (embed_text)."""
         refiners, n_text = self.config.num_refiner_layers, text.shape[1]
-        for i in (i for i in self.chunks[chunk] if i not in self.skip):
+        for i in self.active_blocks(chunk):
             if i < refiners:
                 image_rope = tuple(table[n_text:] for table in rope)
                 image = self._block(self.model.noise_refiner[i], image, temb, image_rope,

@@ -22,10 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from ...sampling import DiscreteEPSSampling, LatentFormat
-from ...weights.keymap import Source, block_count, has_block, linear, same_names, tensor_shapes
+from ...weights.keymap import Source, block_count, linear, same_names, tensor_shapes
 from ...weights.storage import compute_placement
-from ..family import BlockKind, DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
-from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
+from ..detection import DIFFUSERS_PREFIXES, Signature, signature_match
+from ..family import BlockKind, DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig, diffusers_meta_model
+from ..shapes import CheckpointShapes
 from .flux_adapter import FluxAdapter, channels_first, patch_conv
 
 HEAD_DIM = 72  # ComfyUI hard-codes 16 heads of 72 (1152 wide) for every PixArt
@@ -90,16 +91,10 @@ class PixArtConfig(FixedHeadSizeConfig, OneBlockListConfig):
 
 # -- checkpoint layout --------------------------------------------------------------------------------
 
-def match_layout(keys: list[str]) -> Match | None:
-    key_set = set(keys)
-    for prefix in BFL_PREFIXES:
-        if prefix + "t_block.1.weight" in key_set and has_block(keys, prefix, "blocks"):
-            return Match("original", prefix)
-    for prefix in DIFFUSERS_PREFIXES:
-        if ({prefix + "adaln_single.linear.weight", prefix + "caption_projection.linear_1.weight"} <= key_set
-                and has_block(keys, prefix, "transformer_blocks")):
-            return Match("diffusers", prefix)
-    return None
+match_layout = signature_match(
+    Signature("original", ("t_block.1.weight",), ("blocks",)),
+    Signature("diffusers", ("adaln_single.linear.weight", "caption_projection.linear_1.weight"),
+              ("transformer_blocks",), DIFFUSERS_PREFIXES))
 
 
 _SHAPE_KEYS = {
@@ -127,11 +122,7 @@ def infer_config(reader, match: Match, name: str) -> PixArtConfig:
                         out_channels=shape(k["out"])[0] // (patch * patch), patch_size=patch)
 
 
-def _diffusers_model(config: PixArtConfig):
-    from diffusers import PixArtTransformer2DModel
-
-    with torch.device("meta"):
-        return PixArtTransformer2DModel(**config.diffusers_kwargs())
+_diffusers_model = diffusers_meta_model("PixArtTransformer2DModel")
 
 
 def source_map(config: PixArtConfig, layout: str, prefix: str = "") -> dict[str, Source]:
@@ -170,29 +161,25 @@ def source_map(config: PixArtConfig, layout: str, prefix: str = "") -> dict[str,
 def checkpoint_shapes(config: PixArtConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """{original key: (shape, kind)} of a PixArt file, for writing random test checkpoints."""
     H, P = config.hidden_size, config.patch_size
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
-
-    def lin(name, n_out, n_in, kind="weight"):
-        out[f"{name}.weight"], out[f"{name}.bias"] = ((n_out, n_in), kind), ((n_out,), "bias")
-
-    out["x_embedder.proj.weight"] = ((H, config.in_channels, P, P), "weight")
-    out["x_embedder.proj.bias"] = ((H,), "bias")
+    out = CheckpointShapes()
+    lin = out.linear
+    out.conv("x_embedder.proj", H, config.in_channels, P, P)
     lin("t_embedder.mlp.0", H, 256)
     lin("t_embedder.mlp.2", H, H)
     lin("t_block.1", 6 * H, H, "mod")
     lin("y_embedder.y_proj.fc1", H, config.caption_channels)
     lin("y_embedder.y_proj.fc2", H, H)
-    out["y_embedder.y_embedding"] = ((8, config.caption_channels), "table")  # unused at inference
+    out.table("y_embedder.y_embedding", 8, config.caption_channels)  # unused at inference
     if config.micro_condition:
         for name in ("csize_embedder", "ar_embedder"):
             lin(f"{name}.mlp.0", H // 3, 256)
             lin(f"{name}.mlp.2", H // 3, H // 3)
     if config.pe_interpolation is not None:  # a stored table of (64 * pe_interpolation / 2)^2 rows pins it
         side = 32 * config.pe_interpolation
-        out["pos_embed"] = ((1, side * side, H), "table")
+        out.table("pos_embed", 1, side * side, H)
     for i in range(config.num_layers):
         b = f"blocks.{i}"
-        out[f"{b}.scale_shift_table"] = ((6, H), "table")
+        out.table(f"{b}.scale_shift_table", 6, H)
         lin(f"{b}.attn.qkv", 3 * H, H)
         lin(f"{b}.attn.proj", H, H)
         lin(f"{b}.cross_attn.q_linear", H, H)
@@ -201,7 +188,7 @@ def checkpoint_shapes(config: PixArtConfig) -> dict[str, tuple[tuple[int, ...], 
         lin(f"{b}.mlp.fc1", 4 * H, H)
         lin(f"{b}.mlp.fc2", H, 4 * H)
     lin("final_layer.linear", P * P * config.out_channels, H)
-    out["final_layer.scale_shift_table"] = ((2, H), "table")
+    out.table("final_layer.scale_shift_table", 2, H)
     return out
 
 

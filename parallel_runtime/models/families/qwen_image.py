@@ -24,11 +24,16 @@ import torch
 from ...errors import ModelFileError
 from ...sampling import WAN21_LATENT, model_sampling_for
 from ...strategies.attention.processor import ParallelFluxAttnProcessor
-from ...weights.keymap import Source, block_count, has_block, same_names, tensor_shapes
+from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
-from ..family import DiTFamily, Match, OneBlockListConfig
-from .flux import BFL_PREFIXES, default_axes_dims_rope
-from .flux_adapter import FluxAdapter, block_inputs, grid_ids, reference_placements
+from ..blocks import BlockLoop
+from ..detection import BFL_PREFIXES, Signature, signature_match
+from ..family import DiTFamily, Match, OneBlockListConfig, diffusers_meta_model
+from ..patchify import PatchTokens
+from ..rope import grid_ids, rope_table
+from ..shapes import CheckpointShapes
+from .flux import default_axes_dims_rope
+from .flux_adapter import block_inputs, reference_placements
 
 ALWAYS_OWNED = ("time_text_embed.",)
 FIRST_STAGE = ("img_in.", "txt_norm.", "txt_in.")
@@ -77,14 +82,8 @@ class QwenImageConfig(OneBlockListConfig):
 
 # -- checkpoint layout --------------------------------------------------------------------------------
 
-def match_layout(keys: list[str]) -> Match | None:
-    """`txt_norm.weight` beside `img_in` and double blocks: what ComfyUI's detection keys Qwen-Image on."""
-    key_set = set(keys)
-    for prefix in PREFIXES:
-        if ({prefix + "txt_norm.weight", prefix + "img_in.weight"} <= key_set
-                and has_block(keys, prefix, "transformer_blocks")):
-            return Match("diffusers", prefix)
-    return None
+# `txt_norm.weight` beside `img_in` and double blocks: what ComfyUI's detection keys Qwen-Image on.
+match_layout = signature_match(Signature("diffusers", ("txt_norm.weight", "img_in.weight"), BLOCK_LISTS, PREFIXES))
 
 
 def infer_config(reader, match: Match, name: str) -> QwenImageConfig:
@@ -106,11 +105,7 @@ def infer_config(reader, match: Match, name: str) -> QwenImageConfig:
                            context_dim=shape("txt_in.weight")[1])
 
 
-def _diffusers_model(config: QwenImageConfig):
-    from diffusers import QwenImageTransformer2DModel
-
-    with torch.device("meta"):
-        return QwenImageTransformer2DModel(**config.diffusers_kwargs())
+_diffusers_model = diffusers_meta_model("QwenImageTransformer2DModel")
 
 
 def tensor_plan(config: QwenImageConfig) -> dict:
@@ -130,13 +125,10 @@ def source_map(config: QwenImageConfig, layout: str, prefix: str = "") -> dict[s
 def checkpoint_shapes(config: QwenImageConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """{key: (shape, kind)} of a Qwen-Image file, for writing random test checkpoints."""
     H, D, M = config.hidden_size, config.head_dim, config.mlp_hidden
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
-
-    def lin(name, n_out, n_in, kind="weight"):
-        out[f"{name}.weight"], out[f"{name}.bias"] = ((n_out, n_in), kind), ((n_out,), "bias")
-
+    out = CheckpointShapes()
+    lin = out.linear
     lin("img_in", H, config.in_channels)
-    out["txt_norm.weight"] = ((config.context_dim,), "norm")
+    out.norm("txt_norm", config.context_dim)
     lin("txt_in", H, config.context_dim)
     lin("time_text_embed.timestep_embedder.linear_1", H, 256)
     lin("time_text_embed.timestep_embedder.linear_2", H, H)
@@ -149,7 +141,7 @@ def checkpoint_shapes(config: QwenImageConfig) -> dict[str, tuple[tuple[int, ...
         for proj in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out"):
             lin(f"{b}.attn.{proj}", H, H)
         for norm in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
-            out[f"{b}.attn.{norm}.weight"] = ((D,), "norm")
+            out.norm(f"{b}.attn.{norm}", D)
     lin("norm_out.linear", 2 * H, H, "mod")
     lin("proj_out", 4 * config.out_channels, H)
     return out
@@ -157,23 +149,17 @@ def checkpoint_shapes(config: QwenImageConfig) -> dict[str, tuple[tuple[int, ...
 
 # -- the strategies' view -----------------------------------------------------------------------------
 
-class QwenImageAdapter:
+class QwenImageAdapter(PatchTokens, BlockLoop):
     latent_channels = 16
-    skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
-    patch = 2
+    patch = 2  # (c, ph, pw) per token, as comfy's process_img packs
     latent_format = WAN21_LATENT
     default_guidance = 0.0  # no guidance input
-    pack = staticmethod(FluxAdapter.pack)  # (c, ph, pw) per patch, as comfy's process_img packs
-    unpack = staticmethod(FluxAdapter.unpack)
 
     def __init__(self, config: QwenImageConfig, model, chunks: list[range], context):
-        from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-
         self.config, self.model, self.chunks = config, model, chunks
         for i in (i for chunk in chunks for i in chunk):
             model.transformer_blocks[i].attn.set_processor(ParallelFluxAttnProcessor(i, context))
         self.dtype, self.device = compute_placement(model.time_text_embed)
-        self._pos_embed = FluxPosEmbed(theta=10000, axes_dim=list(config.axes_dims_rope))
 
     @functools.cached_property
     def model_sampling(self):
@@ -191,7 +177,7 @@ class QwenImageAdapter:
         method = "index" if method in (None, "index") else "offset"
         for r, c, index, off_r, off_c in reference_placements((h, w), references, method):
             ids.append(grid_ids(r, c, index, off_r - r // 2, off_c - c // 2))
-        return self._pos_embed(torch.cat(ids).to(self.device))
+        return rope_table(torch.cat(ids).to(self.device), self.config.axes_dims_rope)
 
     def embed_image(self, tokens: torch.Tensor, index: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
         return self.model.img_in(tokens.to(self.device, self.dtype))
@@ -207,17 +193,11 @@ class QwenImageAdapter:
         t = t.to(self.device, torch.float32)
         return self.model.time_text_embed(t, torch.empty(0, dtype=self.dtype, device=self.device))
 
-    def run_blocks(self, image, text, temb, rope, chunk: int = 0, residuals=None) -> tuple:
-        """The chunk's blocks; `residuals` (strategies.control.Residuals): ControlNet residuals added to the image
-        rows (before Edit's reference rows) after each block, as ComfyUI's Qwen-Image adds `control`."""
-        for i in self.chunks[chunk]:
-            if i not in self.skip:
-                text, image = self.model.transformer_blocks[i](hidden_states=image, encoder_hidden_states=text,
-                                                               encoder_hidden_states_mask=None, temb=temb,
-                                                               image_rotary_emb=rope)
-            add = residuals.get(i) if residuals is not None else None
-            if add is not None:
-                image = torch.cat([image[:, :add.shape[1]] + add, image[:, add.shape[1]:]], dim=1)
+    def block(self, i: int, image, text, temb, rope) -> tuple:
+        """A double block (BlockLoop adds ControlNet residuals to the image rows, before Edit's reference rows)."""
+        text, image = self.model.transformer_blocks[i](hidden_states=image, encoder_hidden_states=text,
+                                                       encoder_hidden_states_mask=None, temb=temb,
+                                                       image_rotary_emb=rope)
         return image, text
 
     def head(self, image: torch.Tensor, temb: torch.Tensor, rope=None) -> torch.Tensor:

@@ -38,8 +38,11 @@ from ...errors import ModelFileError
 from ...sampling.flow import ChannelLatentFormat, FluxModelSampling
 from ...weights.keymap import Source, block_count, tensor_shapes
 from ...weights.storage import compute_placement
-from ..family import DiTFamily, Match
-from .lumina2 import timestep_sinusoid
+from ..blocks import BlockLoop
+from ..conditioning import timestep_sinusoid
+from ..family import DiTFamily, Match, diffusers_meta_model
+from ..patchify import PatchTokens
+from ..rope import rope_table
 from .qwen_image import PREFIXES, QwenImageConfig
 
 ALWAYS_OWNED = ("time_text_embed.", "modulation.")  # every stage embeds t and modulates its blocks
@@ -132,11 +135,7 @@ def infer_config(reader, match: Match, name: str) -> QwenImage21Config:
                              context_dim=shape("txt_in.text_norm.weight")[0], mlp_ratio=mlp // hidden)
 
 
-def _diffusers_model(config: QwenImage21Config):
-    from diffusers import QwenImage21Transformer2DModel
-
-    with torch.device("meta"):
-        return QwenImage21Transformer2DModel(**config.diffusers_kwargs())
+_diffusers_model = diffusers_meta_model("QwenImage21Transformer2DModel")
 
 
 def source_map(config: QwenImage21Config, layout: str, prefix: str = "") -> dict[str, Source]:
@@ -211,12 +210,10 @@ def sequence_mask(text_len: int, image_len: int, reference_lens: tuple[int, ...]
 def block_inputs(config: QwenImage21Config, text: int, image: int, generator: torch.Generator) -> tuple:
     """Random (image rows, prompt rows, (temb, image and prefix modulation rows), (cos, sin, stream) of a
     near-square grid after the prompt) of one block call."""
-    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-
     h = config.hidden_size
     cols = max(1, int(image ** 0.5))
     ids = sequence_ids(text, -(-image // cols), cols)[:text + image]
-    cos, sin = FluxPosEmbed(theta=10000, axes_dim=list(config.axes_dims_rope))(ids)
+    cos, sin = rope_table(ids, config.axes_dims_rope)
     target = torch.arange(text + image) >= text
     temb = (torch.randn(1, h, generator=generator), torch.randn(1, 4 * h, generator=generator),
             torch.randn(1, 4 * h, generator=generator))
@@ -224,34 +221,21 @@ def block_inputs(config: QwenImage21Config, text: int, image: int, generator: to
             (cos, sin, target))
 
 
-class QwenImage21Adapter:
-    patch = 1  # one token per latent pixel: the 2.1 VAE already compresses 16x
+class QwenImage21Adapter(PatchTokens, BlockLoop):
+    patch = 1  # one token per latent pixel, row-major (ComfyUI's build_sequence): the 2.1 VAE compresses 16x
     latent_format = QWEN_IMAGE21_LATENT
     default_guidance = 0.0  # no guidance input
     variant = "qwen_image21"
-    skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
 
     def __init__(self, config: QwenImage21Config, model, chunks: list[range], context):
-        from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-
         self.config, self.model, self.chunks, self.context = config, model, chunks, context
         self.latent_channels = config.out_channels
         # The bias-free linears every stage owns may be fp8 or GGUF blocks; a block's q-norm scale never is.
         self.dtype, self.device = compute_placement(model.transformer_blocks[chunks[0][0]].attn.norm_q)
-        self._pos_embed = FluxPosEmbed(theta=10000, axes_dim=list(config.axes_dims_rope))
 
     @functools.cached_property
     def model_sampling(self):
         return FluxModelSampling(0.69, 1.0, kind="flux")  # supported_models.QwenImage21: ModelSamplingFlux, 0.69
-
-    @staticmethod
-    def pack(latent: torch.Tensor) -> torch.Tensor:
-        """[B, C, H, W] -> [B, H W, C], row-major: img.flatten(2).transpose(1, 2) as ComfyUI's build_sequence."""
-        return latent.flatten(2).transpose(1, 2)
-
-    @staticmethod
-    def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], h, w)
 
     def rope(self, text_len: int, h: int, w: int, references: tuple[tuple[int, int], ...] = (),
              method: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -259,7 +243,7 @@ class QwenImage21Adapter:
         image, modulated at t; False: prompt and references, at t = 0) over [prompt, image, references].
         `method` changes nothing: ComfyUI's 2.1 model places references by the prompt's image slots only."""
         ids = sequence_ids(text_len, h, w, references)
-        cos, sin = self._pos_embed(ids.to(self.device))
+        cos, sin = rope_table(ids.to(self.device), self.config.axes_dims_rope)
         target = torch.zeros(len(ids), dtype=torch.bool, device=self.device)
         target[text_len:text_len + h * w] = True
         return cos, sin, target
@@ -310,7 +294,7 @@ class QwenImage21Adapter:
         mod = (scale1, gate1.tanh(), scale2, gate2.tanh())
         n_text = text.shape[1]
         x = torch.cat([text, image], dim=1)
-        for i in (i for i in self.chunks[chunk] if i not in self.skip):
+        for i in self.active_blocks(chunk):
             x = self._block(i, x, mod, rope)
         return x[:, n_text:], x[:, :n_text]
 

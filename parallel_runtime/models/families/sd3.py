@@ -27,11 +27,15 @@ import torch
 
 from ...errors import ModelFileError
 from ...sampling import SD3_LATENT, FluxModelSampling
-from ...weights.keymap import Source, block_count, has_block, linear, same_names, tensor_shapes
+from ...weights.keymap import Source, block_count, linear, same_names, tensor_shapes
 from ...weights.storage import compute_placement
-from ..family import JOINT_BLOCK, BlockKind, DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig
-from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
-from .flux_adapter import FluxAdapter, channels_first, patch_conv
+from ..blocks import BlockLoop
+from ..detection import DIFFUSERS_PREFIXES, Signature, signature_match
+from ..family import (JOINT_BLOCK, BlockKind, DiTFamily, FixedHeadSizeConfig, Match, OneBlockListConfig,
+                      diffusers_meta_model)
+from ..patchify import PatchTokens
+from ..shapes import CheckpointShapes
+from .flux_adapter import channels_first, patch_conv
 
 HEAD_DIM = 64  # every SD3 release; ComfyUI's MMDiT derives heads = hidden / 64
 ALWAYS_OWNED = ("time_text_embed.",)
@@ -90,17 +94,11 @@ class SD3Config(FixedHeadSizeConfig, OneBlockListConfig):
 
 # -- checkpoint layout --------------------------------------------------------------------------------
 
-def match_layout(keys: list[str]) -> Match | None:
-    key_set = set(keys)
-    for prefix in BFL_PREFIXES:
-        if prefix + "x_embedder.proj.weight" in key_set and has_block(keys, prefix, "joint_blocks"):
-            return Match("original", prefix)
-    for prefix in DIFFUSERS_PREFIXES:
-        if (prefix + "pos_embed.proj.weight" in key_set and prefix + "context_embedder.weight" in key_set
-                and has_block(keys, prefix, "transformer_blocks")
-                and prefix + "transformer_blocks.0.norm1_context.linear.weight" in key_set):
-            return Match("diffusers", prefix)
-    return None
+match_layout = signature_match(
+    Signature("original", ("x_embedder.proj.weight",), ("joint_blocks",)),
+    Signature("diffusers", ("pos_embed.proj.weight", "context_embedder.weight",
+                            "transformer_blocks.0.norm1_context.linear.weight"), ("transformer_blocks",),
+              DIFFUSERS_PREFIXES))
 
 
 _SHAPE_KEYS = {
@@ -131,11 +129,7 @@ def infer_config(reader, match: Match, name: str) -> SD3Config:
                      in_channels=in_ch, patch_size=patch)
 
 
-def _diffusers_model(config: SD3Config):
-    from diffusers import SD3Transformer2DModel
-
-    with torch.device("meta"):
-        return SD3Transformer2DModel(**config.diffusers_kwargs())
+_diffusers_model = diffusers_meta_model("SD3Transformer2DModel")
 
 
 def _map_attention(out: dict, dst: str, src: str, H: int, qk_norm: bool, q="to_q", k="to_k", v="to_v",
@@ -190,14 +184,10 @@ def checkpoint_shapes(config: SD3Config, controlnet: bool = False) -> dict[str, 
     """{original key: (shape, kind)} of an SD3 file, for writing random test checkpoints; `controlnet`: the shared
     part of an SD3 ControlNet's (every block with a whole text stream, no final layer)."""
     H, P, C = config.hidden_size, config.patch_size, config.in_channels
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
-
-    def lin(name, n_out, n_in, kind="weight"):
-        out[f"{name}.weight"], out[f"{name}.bias"] = ((n_out, n_in), kind), ((n_out,), "bias")
-
-    out["x_embedder.proj.weight"] = ((H, C, P, P), "weight")
-    out["x_embedder.proj.bias"] = ((H,), "bias")
-    out["pos_embed"] = ((1, config.pos_embed_max_size ** 2, H), "table")
+    out = CheckpointShapes()
+    lin = out.linear
+    out.conv("x_embedder.proj", H, C, P, P)
+    out.table("pos_embed", 1, config.pos_embed_max_size ** 2, H)
     lin("t_embedder.mlp.0", H, 256)
     lin("t_embedder.mlp.2", H, H)
     lin("y_embedder.mlp.0", H, config.pooled_dim)
@@ -207,7 +197,8 @@ def checkpoint_shapes(config: SD3Config, controlnet: bool = False) -> dict[str, 
     def attention(name):
         lin(f"{name}.qkv", 3 * H, H)
         if config.qk_norm:
-            out[f"{name}.ln_q.weight"] = out[f"{name}.ln_k.weight"] = ((HEAD_DIM,), "norm")
+            out.norm(f"{name}.ln_q", HEAD_DIM)
+            out.norm(f"{name}.ln_k", HEAD_DIM)
 
     for i in range(config.num_layers):
         pre_only = i == config.num_layers - 1 and not controlnet
@@ -272,14 +263,11 @@ def block_inputs(config: SD3Config, text: int, image: int, generator: torch.Gene
             torch.randn(1, h, generator=generator), None)
 
 
-class SD3Adapter:
+class SD3Adapter(PatchTokens, BlockLoop):
     latent_channels = 16
-    skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
-    patch = 2
+    patch = 2  # (c, ph, pw) per token: the order of the patch conv's weights
     latent_format = SD3_LATENT
     default_guidance = 0.0  # SD3 has no guidance input
-    pack = staticmethod(FluxAdapter.pack)  # (c, ph, pw) per patch: the order of the patch conv's weights
-    unpack = staticmethod(FluxAdapter.unpack)
 
     def __init__(self, config: SD3Config, model, chunks: list[range], context):
         self.config, self.model, self.chunks = config, model, chunks
@@ -326,16 +314,9 @@ class SD3Adapter:
         t = t.to(self.device, torch.float32)
         return self.model.time_text_embed(t, pooled.to(self.device, self.dtype))
 
-    def run_blocks(self, image, text, temb, rope, chunk: int = 0, residuals=None) -> tuple:
-        """The chunk's blocks; `residuals` (strategies.control.Residuals): ControlNet residuals added to the image
-        rows after each block, as ComfyUI's MMDiT adds `control` (also after a skipped block)."""
-        for i in self.chunks[chunk]:
-            if i not in self.skip:
-                text, image = self.model.transformer_blocks[i](hidden_states=image, encoder_hidden_states=text,
-                                                               temb=temb)
-            add = residuals.get(i) if residuals is not None else None
-            if add is not None:
-                image = image + add
+    def block(self, i: int, image, text, temb, rope) -> tuple:
+        """A joint block (positions are added in embed_image: no RoPE)."""
+        text, image = self.model.transformer_blocks[i](hidden_states=image, encoder_hidden_states=text, temb=temb)
         return image, text
 
     def head(self, image: torch.Tensor, temb: torch.Tensor, rope=None) -> torch.Tensor:

@@ -38,6 +38,7 @@ from ...weights.keymap import block_count, linear
 from ...weights.mapping import build_from_map
 from ...weights.storage import compute_placement
 from ..family import ControlNetBlocks, Match, derived_tensor_plan, modulation_plan
+from ..shapes import CheckpointShapes
 from . import sd3
 from .flux_adapter import FluxAdapter, patch_conv
 from .flux_controlnet import LAYER_BASE
@@ -121,9 +122,8 @@ def controlnet_shapes(config: SD3ControlNetConfig) -> dict[str, tuple[tuple[int,
     h, p = config.hidden_size, config.sd3.patch_size
     out = sd3.checkpoint_shapes(config.sd3, controlnet=True)
     for i in range(config.outputs):
-        out[f"controlnet_blocks.{i}.weight"], out[f"controlnet_blocks.{i}.bias"] = ((h, h), "weight"), ((h,), "bias")
-    out["pos_embed_input.proj.weight"] = ((h, config.hint_channels, p, p), "weight")
-    out["pos_embed_input.proj.bias"] = ((h,), "bias")
+        out.linear(f"controlnet_blocks.{i}", h, h)
+    out.conv("pos_embed_input.proj", h, config.hint_channels, p, p)
     return out
 
 
@@ -242,13 +242,10 @@ def sd35_controlnet_shapes(config: SD35ControlNetConfig) -> dict[str, tuple[tupl
     """{ComfyUI key: (shape, kind)} of an SD3.5 ControlNet as its file has it (without the DiT's layers), for writing
     random test checkpoints."""
     h, p = config.hidden_size, config.patch_size
-    out: dict = {}
-
-    def lin(name, n_out, n_in, kind="weight"):
-        out[f"{name}.weight"], out[f"{name}.bias"] = ((n_out, n_in), kind), ((n_out,), "bias")
-
+    out = CheckpointShapes()
+    lin = out.linear
     if config.double_y:
-        out["x_embedder.proj.weight"], out["x_embedder.proj.bias"] = ((h, 16, p, p), "weight"), ((h,), "bias")
+        out.conv("x_embedder.proj", h, 16, p, p)
     lin("t_embedder.mlp.0", h, 256)
     lin("t_embedder.mlp.2", h, h)
     lin("y_embedder.mlp.0", h, config.pooled_dim)
@@ -261,8 +258,7 @@ def sd35_controlnet_shapes(config: SD35ControlNetConfig) -> dict[str, tuple[tupl
         lin(f"{b}.mlp.fc1", 4 * h, h)
         lin(f"{b}.mlp.fc2", h, 4 * h)
         lin(f"controlnet_blocks.{i}", h, h)
-    out["pos_embed_input.proj.weight"] = ((h, config.hint_channels, p, p), "weight")
-    out["pos_embed_input.proj.bias"] = ((h,), "bias")
+    out.conv("pos_embed_input.proj", h, config.hint_channels, p, p)
     return out
 
 

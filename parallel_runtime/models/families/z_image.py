@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import ModelFileError
-from ...weights.keymap import Source, block_count, has_block, same_names, tensor_shapes
+from ...weights.keymap import Source, block_count, same_names, tensor_shapes
+from ..detection import DIFFUSERS_PREFIXES, Signature, match_signatures
 from ..family import DiTFamily, Match
-from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 from .lumina2 import BLOCK_LISTS, Lumina2Adapter, Lumina2Config, block_inputs, parameter_kind, z_image_keys
 
 PAD_MULTIPLE = 32  # ComfyUI's pad_tokens_multiple, diffusers' SEQ_MULTI_OF
@@ -91,15 +91,10 @@ class ZImageConfig(Lumina2Config):
 def match_layout(keys: list[str]) -> Match | None:
     """ComfyUI's layout: NextDiT's keys with Z-Image's pad tokens or modulation (`lumina2.z_image_keys`); diffusers':
     `all_x_embedder.2-1` beside the caption embedder."""
-    key_set = set(keys)
-    for prefix in BFL_PREFIXES:
-        if (prefix + "cap_embedder.1.weight" in key_set and has_block(keys, prefix, "layers")
-                and prefix + f"all_x_embedder.{PATCH_KEY}.weight" not in key_set and z_image_keys(keys, prefix)):
-            return Match("comfy", prefix)
-    for prefix in DIFFUSERS_PREFIXES:
-        if {prefix + f"all_x_embedder.{PATCH_KEY}.weight", prefix + "cap_embedder.1.weight"} <= key_set:
-            return Match("diffusers", prefix)
-    return None
+    patches = f"all_x_embedder.{PATCH_KEY}.weight"
+    return match_signatures(
+        keys, Signature("comfy", ("cap_embedder.1.weight",), ("layers",), absent=(patches,), also=z_image_keys),
+        Signature("diffusers", (patches, "cap_embedder.1.weight"), prefixes=DIFFUSERS_PREFIXES))
 
 
 def _comfy_name(name: str) -> str:
