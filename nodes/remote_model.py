@@ -365,8 +365,12 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
     if kwargs.get("reference_latent") is not None:  # Wan Fun control's ref_image (WAN21.extra_conds: the last one)
         # one frame of the video latent ([:, :, 0] of it): its latent format's statistics are [1, C, 1, 1, 1]
         refs = _chunk_references([kwargs["reference_latent"].unsqueeze(2)], k, batch, latent_format)
+    method = kwargs.get("ref_latents_method")
+    if kwargs.get("image_cond") is not None:  # HiDream E1's InstructPixToPixConditioning image (model_base.HiDream)
+        refs, method = _chunk_references([kwargs["image_cond"]], k, batch, latent_format), "hidream_e1"
+    llama = kwargs.get("encoder_hidden_states_llama3")  # HiDream's Llama 3.1 layers [rows, 32, N, 4096]
     return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size, references=refs,
-                        reference_method=kwargs.get("ref_latents_method"),
+                        reference_method=method, llama=None if llama is None else llama[sl].detach().float().cpu(),
                         concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls,
                         attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip, glyph=glyph,
                         **_chunk_camera(kwargs.get("camera_conditions"), sl))
@@ -424,7 +428,8 @@ def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
 # num_tokens: Lumina 2's and Z-Image's count of unpadded prompt tokens, which must be the whole prompt
 # (_refuse_padded_prompt).
 _KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea", "denoise_mask",
-                 "num_tokens", "txt_byt5", "camera_conditions", "reference_latent"}
+                 "num_tokens", "txt_byt5", "camera_conditions", "reference_latent", "encoder_hidden_states_llama3",
+                 "image_cond"}
 # Inputs ComfyUI 2026's model classes pass that no family here reads yet, by what adds them (the refusal names it).
 _INPUT_SOURCES = {
     "image_slots": "images placed in the prompt by TextEncodeQwenImage21",

@@ -226,11 +226,14 @@ class Conditioning:
     # its bytes), like an attention mask: it is 8 x 8 x 24 / 16 = 96 times the size of the call's latent.
     camera: torch.Tensor | None = field(default=None, repr=False)
     camera_key: str | None = None
+    # ComfyUI's conditioning_llama3 (the model call's encoder_hidden_states_llama3) [1 or B, 32, N, 4096]: every hidden
+    # layer of Llama 3.1 8B over the prompt, as CLIPTextEncodeHiDream makes them; HiDream's blocks each read one.
+    llama: torch.Tensor | None = None
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         refs = {f"{prefix}.reference.{i}": r for i, r in enumerate(self.references)}
         extras = {f"{prefix}.{name}": t for name, t in (("concat", self.concat), ("clip_vision", self.clip_vision),
-                                                        ("glyph", self.glyph),
+                                                        ("glyph", self.glyph), ("llama", self.llama),
                                                         ("camera", None if self.camera_key else self.camera))
                   if t is not None}
         return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled, **refs, **extras}
@@ -266,7 +269,8 @@ class Conditioning:
                    refs, meta.get(f"{prefix}_reference_method"), tuple(size) if size else None,
                    tensors.get(f"{prefix}.concat"), control, attention_mask_key=meta.get(f"{prefix}_attention_mask"),
                    clip_vision=tensors.get(f"{prefix}.clip_vision"), glyph=tensors.get(f"{prefix}.glyph"),
-                   camera=tensors.get(f"{prefix}.camera"), camera_key=meta.get(f"{prefix}_camera"))
+                   camera=tensors.get(f"{prefix}.camera"), camera_key=meta.get(f"{prefix}_camera"),
+                   llama=tensors.get(f"{prefix}.llama"))
 
     def signature(self, prompt_tokens: int = 0) -> tuple:
         """What must be equal for two branches to share one forward pass (ComfyUI batches them then, and only
@@ -278,9 +282,10 @@ class Conditioning:
         clip = None if self.clip_vision is None else tuple(self.clip_vision.shape[1:])
         glyph = None if self.glyph is None else tuple(self.glyph.shape[1:])
         camera = None if self.camera is None else tuple(self.camera.shape[1:])
+        llama = None if self.llama is None else tuple(self.llama.shape[1:])
         return (max(self.cond.shape[1], prompt_tokens), tuple(tuple(r.shape[-2:]) for r in self.references),
                 self.reference_method,
-                concat, tuple(c.signature() for c in self.control), masked, clip, glyph, camera)
+                concat, tuple(c.signature() for c in self.control), masked, clip, glyph, camera, llama)
 
 
 @dataclass

@@ -16,6 +16,7 @@ def families() -> list[ModelFamily]:
     from .families.chroma import CHROMA
     from .families.flux2 import FLUX2
     from .families.flux_adapter import FLUX
+    from .families.hidream import HIDREAM
     from .families.hunyuan_video15 import HUNYUAN_VIDEO15
     from .families.ltx2 import LTX2
     from .families.lumina2 import LUMINA2
@@ -28,7 +29,7 @@ def families() -> list[ModelFamily]:
     from .families.z_image import Z_IMAGE
 
     return [FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, LTX2, PIXART, WAN, Z_IMAGE, LUMINA2, HUNYUAN_VIDEO15,
-            MINIMAX_H3]
+            MINIMAX_H3, HIDREAM]
 
 
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:
