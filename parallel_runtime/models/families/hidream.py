@@ -276,7 +276,8 @@ class HiDreamAdapter:
 
     def __init__(self, config: HiDreamConfig, model, chunks: list[range], context):
         self.config, self.model, self.chunks, self.context = config, model, chunks, context
-        self._blocks = [b.block for attr in BLOCK_LISTS for b in getattr(model, attr)]
+        # Blocks another PipeFusion stage runs are Identity here.
+        self._blocks = [getattr(b, "block", b) for attr in BLOCK_LISTS for b in getattr(model, attr)]
         self.dtype, self.device = compute_placement(model.t_embedder)
 
     @functools.cached_property
