@@ -322,3 +322,10 @@ def test_hidream_conditioning_through_both_doors():
     assert torch.equal(c.llama, llama[:1])
     message = Conditioning.from_message("positive", c.meta("positive"), c.tensors("positive"))
     assert torch.equal(message.llama, llama[:1])
+
+
+def test_hidream_o1_is_refused_in_one_sentence():
+    """HiDream O1's files (ComfyUI 2026 tells them by these keys) are named, with what to load instead."""
+    keys = [PREFIX + k for k in ("t_embedder1.mlp.0.weight", "x_embedder.proj1.weight", "model.embed_tokens.weight")]
+    with pytest.raises(ModelFileError, match=r"is HiDream O1 \(a Qwen3-VL image model.*load it with UNETLoader"):
+        detect_family(keys, "hidream_o1_image_dev_bf16.safetensors")
