@@ -268,11 +268,13 @@ def test_hidream_e1_image_equals_comfyui_width_concat(path, client1, client2):
 
 @pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2),
                                       S(ring_degree=2, device_weights=(3, 1)),
-                                      S(pipefusion_degree=2, num_pipeline_patch=2), S(tensor_degree=2)],
-                         ids=["cfg2", "ulysses2", "ring2", "ring2_uneven", "pp2_warmup", "tp2"])
+                                      S(pipefusion_degree=2, num_pipeline_patch=2), S(tensor_degree=2),
+                                      S(ulysses_degree=2, shard_weights=True)],
+                         ids=["cfg2", "ulysses2", "ring2", "ring2_uneven", "pp2_warmup", "tp2", "ulysses2_sharded"])
 def test_hidream_exact_strategies_equal_comfyui_model_call(reference, client2, strategy):
     """The 17-row prompts split over the shards (the current block's Llama rows on one rank); tensor parallel
-    splits every expert and reduces each MoE once; PipeFusion's stages each project their own blocks' Llama rows."""
+    splits every expert and reduces each MoE once; PipeFusion's stages each project their own blocks' Llama rows;
+    sharded weights gather each block (its router and experts too) before it runs."""
     job, ref = reference
     err = rel_err(client2.run(dataclasses.replace(job, strategy=strategy)).latent, ref)
     print(f"\nHiDream {strategy.label()} rel. error {err:.2e}")
