@@ -368,9 +368,8 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
     method = kwargs.get("ref_latents_method")
     if kwargs.get("image_cond") is not None:  # HiDream E1's InstructPixToPixConditioning image (model_base.HiDream)
         refs, method = _chunk_references([kwargs["image_cond"]], k, batch, latent_format), "hidream_e1"
-    llama = kwargs.get("encoder_hidden_states_llama3")  # HiDream's Llama 3.1 layers [rows, 32, N, 4096]
     return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size, references=refs,
-                        reference_method=method, llama=None if llama is None else llama[sl].detach().float().cpu(),
+                        reference_method=method, **_chunk_llama(kwargs.get("encoder_hidden_states_llama3"), sl),
                         concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls,
                         attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip, glyph=glyph,
                         **_chunk_camera(kwargs.get("camera_conditions"), sl))
@@ -378,18 +377,28 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
 
 def _chunk_camera(camera, sl: slice) -> dict:
     """Chunk rows `sl` of a Wan Fun camera call's camera_conditions (WanCameraEmbedding's Plücker embedding, at pixel
-    size), one row where all are equal (the node makes one per prompt; ComfyUI repeats it over the batch), and the
-    key the workers keep it under (a hash of its bytes: extra_conds rebuilds the tensor every call, its values stay
-    the run's). In the call's dtype: it is the call's largest input (24 channels at 8x the latent's size)."""
-    if camera is None:
-        return {}
-    camera = camera[sl].detach().cpu()
-    if camera.shape[0] > 1 and bool((camera == camera[:1]).all()):
-        camera = camera[:1]
-    camera = camera.contiguous()
-    digest = hashlib.blake2b(camera.view(torch.uint8).numpy(), digest_size=16)
-    digest.update(repr((tuple(camera.shape), str(camera.dtype))).encode())
-    return {"camera": camera, "camera_key": "camera-" + digest.hexdigest()}
+    size), kept on the workers (_kept_rows). In the call's dtype: it is the call's largest input (24 channels at 8x
+    the latent's size)."""
+    return {} if camera is None else dict(zip(("camera", "camera_key"), _kept_rows(camera, sl, "camera")))
+
+
+def _chunk_llama(llama, sl: slice) -> dict:
+    """Chunk rows `sl` of a HiDream call's Llama 3.1 layers [rows, 32, N, 4096] (CLIPTextEncodeHiDream's
+    conditioning_llama3: 64 MB per prompt in float32), kept on the workers (_kept_rows), in the call's dtype."""
+    return {} if llama is None else dict(zip(("llama", "llama_key"), _kept_rows(llama, sl, "llama")))
+
+
+def _kept_rows(tensor: torch.Tensor, sl: slice, kind: str) -> tuple[torch.Tensor, str]:
+    """Rows `sl` of a large per-run input, one row where all are equal (the node makes one per prompt; ComfyUI
+    repeats it over the batch), and the key the workers keep it under: a hash of its bytes (extra_conds rebuilds the
+    tensor every call, its values stay the run's)."""
+    rows = tensor[sl].detach().cpu()
+    if rows.shape[0] > 1 and bool((rows == rows[:1]).all()):
+        rows = rows[:1]
+    rows = rows.contiguous()
+    digest = hashlib.blake2b(rows.view(torch.uint8).numpy(), digest_size=16)
+    digest.update(repr((tuple(rows.shape), str(rows.dtype))).encode())
+    return rows, f"{kind}-{digest.hexdigest()}"
 
 
 def _chunk_attention_mask(mask, sl: slice) -> tuple[torch.Tensor | None, str | None]:

@@ -318,6 +318,12 @@ def test_hidream_conditioning_through_both_doors():
     remote_model._refuse_what_the_workers_cannot_do(None, {}, kwargs)
     chunk = remote_model._chunk_conditioning(1, 2, context, torch.randn(4, 16), None, kwargs, latent_format=FLUX_LATENT)
     assert torch.equal(chunk.llama, llama[2:4]) and chunk.reference_method == "hidream_e1"
+    # Kept on the workers under the hash of its bytes (64 MB a prompt at full size): sent once per sampling run.
+    assert chunk.llama_key.startswith("llama-") and "positive.llama" not in chunk.tensors("positive")
+    assert chunk.kept_inputs()[chunk.llama_key] is chunk.llama
+    repeated = {"encoder_hidden_states_llama3": llama[:1].repeat(4, 1, 1, 1).bfloat16()}
+    one = remote_model._chunk_conditioning(0, 2, context, torch.randn(4, 16), None, repeated)
+    assert one.llama.shape == (1, 32, 5, 24) and one.llama.dtype == torch.bfloat16  # one row, the call's dtype
     assert rel_err(chunk.references[0], image) < 1e-6  # one fp32 round trip
     assert chunk.signature() != dataclasses.replace(chunk, llama=llama[2:4, :, :4]).signature()
     c = convert.conditioning([[context[:1], {"pooled_output": torch.randn(1, 16), "conditioning_llama3": llama[:1]}]])
