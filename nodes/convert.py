@@ -342,9 +342,11 @@ def conditioning(value: Any, which: str = "positive") -> Conditioning:
         if not math.isfinite(guidance):
             raise ConfigError(f"The {which} conditioning has guidance {guidance}; set a finite FluxGuidance value.")
     camera = extra.get("camera_conditions")  # WanCameraEmbedding's, as WanCameraImageToVideo sets it
+    llama = extra.get("conditioning_llama3")  # CLIPTextEncodeHiDream's Llama 3.1 layers
     return Conditioning(cond=cond.detach().cpu(), pooled=pooled.detach().cpu(), guidance=guidance,
                         image_size=image_size(extra, which), **reference_latents(extra, which),
-                        camera=camera.detach().cpu() if isinstance(camera, torch.Tensor) else None)
+                        camera=camera.detach().cpu() if isinstance(camera, torch.Tensor) else None,
+                        llama=llama.detach().float().cpu() if isinstance(llama, torch.Tensor) else None)
 
 
 def image_size(extra: dict, which: str) -> tuple[float, float, float] | None:

@@ -384,8 +384,11 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
     if kwargs.get("reference_latent") is not None:  # Wan Fun control's ref_image (WAN21.extra_conds: the last one)
         # one frame of the video latent ([:, :, 0] of it): its latent format's statistics are [1, C, 1, 1, 1]
         refs = _chunk_references([kwargs["reference_latent"].unsqueeze(2)], k, batch, latent_format)
+    method = kwargs.get("ref_latents_method")
+    if kwargs.get("image_cond") is not None:  # HiDream E1's InstructPixToPixConditioning image (model_base.HiDream)
+        refs, method = _chunk_references([kwargs["image_cond"]], k, batch, latent_format), "hidream_e1"
     return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size, references=refs,
-                        reference_method=kwargs.get("ref_latents_method"),
+                        reference_method=method, **_chunk_llama(kwargs.get("encoder_hidden_states_llama3"), sl),
                         concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls,
                         attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip, glyph=glyph,
                         **_chunk_camera(kwargs.get("camera_conditions"), sl),
@@ -406,18 +409,28 @@ def _chunk_vace(context, strength, sl: slice) -> dict:
 
 def _chunk_camera(camera, sl: slice) -> dict:
     """Chunk rows `sl` of a Wan Fun camera call's camera_conditions (WanCameraEmbedding's Plücker embedding, at pixel
-    size), one row where all are equal (the node makes one per prompt; ComfyUI repeats it over the batch), and the
-    key the workers keep it under (a hash of its bytes: extra_conds rebuilds the tensor every call, its values stay
-    the run's). In the call's dtype: it is the call's largest input (24 channels at 8x the latent's size)."""
-    if camera is None:
-        return {}
-    camera = camera[sl].detach().cpu()
-    if camera.shape[0] > 1 and bool((camera == camera[:1]).all()):
-        camera = camera[:1]
-    camera = camera.contiguous()
-    digest = hashlib.blake2b(camera.view(torch.uint8).numpy(), digest_size=16)
-    digest.update(repr((tuple(camera.shape), str(camera.dtype))).encode())
-    return {"camera": camera, "camera_key": "camera-" + digest.hexdigest()}
+    size), kept on the workers (_kept_rows). In the call's dtype: it is the call's largest input (24 channels at 8x
+    the latent's size)."""
+    return {} if camera is None else dict(zip(("camera", "camera_key"), _kept_rows(camera, sl, "camera")))
+
+
+def _chunk_llama(llama, sl: slice) -> dict:
+    """Chunk rows `sl` of a HiDream call's Llama 3.1 layers [rows, 32, N, 4096] (CLIPTextEncodeHiDream's
+    conditioning_llama3: 64 MB per prompt in float32), kept on the workers (_kept_rows), in the call's dtype."""
+    return {} if llama is None else dict(zip(("llama", "llama_key"), _kept_rows(llama, sl, "llama")))
+
+
+def _kept_rows(tensor: torch.Tensor, sl: slice, kind: str) -> tuple[torch.Tensor, str]:
+    """Rows `sl` of a large per-run input, one row where all are equal (the node makes one per prompt; ComfyUI
+    repeats it over the batch), and the key the workers keep it under: a hash of its bytes (extra_conds rebuilds the
+    tensor every call, its values stay the run's)."""
+    rows = tensor[sl].detach().cpu()
+    if rows.shape[0] > 1 and bool((rows == rows[:1]).all()):
+        rows = rows[:1]
+    rows = rows.contiguous()
+    digest = hashlib.blake2b(rows.view(torch.uint8).numpy(), digest_size=16)
+    digest.update(repr((tuple(rows.shape), str(rows.dtype))).encode())
+    return rows, f"{kind}-{digest.hexdigest()}"
 
 
 def _chunk_attention_mask(mask, sl: slice) -> tuple[torch.Tensor | None, str | None]:
@@ -456,7 +469,8 @@ def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
 # num_tokens: Lumina 2's and Z-Image's count of unpadded prompt tokens, which must be the whole prompt
 # (_refuse_padded_prompt).
 _KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea", "denoise_mask",
-                 "num_tokens", "txt_byt5", "camera_conditions", "reference_latent", "vace_context", "vace_strength"}
+                 "num_tokens", "txt_byt5", "camera_conditions", "reference_latent", "vace_context", "vace_strength",
+                 "encoder_hidden_states_llama3", "image_cond"}
 # Inputs ComfyUI 2026's model classes pass that no family here reads yet, by what adds them (the refusal names it).
 _INPUT_SOURCES = {
     "image_slots": "images placed in the prompt by TextEncodeQwenImage21",

@@ -21,7 +21,7 @@ from .controlnet import WRAPPER_KEY as CONTROLNET_WRAPPER
 # routes the graph to ComfyUI's sampler, which hands the key to the model call as it does under KSampler.
 _READ_KEYS = {"pooled_output", "guidance", "width", "height", "aspect_ratio", "reference_latents",
               "reference_latents_method", "concat_latent_image", "concat_mask", "concat_mask_index",
-              "camera_conditions", "vace_frames", "vace_mask", "vace_strength",
+              "camera_conditions", "vace_frames", "vace_mask", "vace_strength", "conditioning_llama3",
               "frame_rate", "unprocessed_ltxav_embeds"}  # LTX-2's (sampler._validated_job, _with_prompt_states)
 _NEUTRAL = {"start_percent": 0.0, "end_percent": 1.0, "strength": 1.0}
 MINIMAX_TEXT_TAG = 1  # ComfyUI's modality tag of a MiniMax-H3 prompt row that is text (video 0, audio 2)

@@ -156,8 +156,14 @@ def _with_concat(base, job, positive, negative):
                                 concat_mask_index=extra.get("concat_mask_index", 0))  # Wan22FunControlToVideo's
         return None if made is None else made.detach().float().cpu()
 
-    pos = dataclasses.replace(job.positive, concat=concat(positive))
-    neg = dataclasses.replace(job.negative, concat=concat(negative)) if job.negative is not None else None
+    def with_concat(value, c):
+        image = (value[0][1] or {}).get("concat_latent_image")
+        if type(base).__name__ == "HiDream" and image is not None:  # E1: its image_cond, concatenated along the width
+            return dataclasses.replace(c, references=(image.detach().float().cpu(),), reference_method="hidream_e1")
+        return dataclasses.replace(c, concat=concat(value))
+
+    pos = with_concat(positive, job.positive)
+    neg = with_concat(negative, job.negative) if job.negative is not None else None
     return dataclasses.replace(job, positive=pos, negative=neg)
 
 

@@ -231,11 +231,18 @@ class Conditioning:
     # them, and vace_strength, one per input. A VACE model's context blocks read them split with the video's tokens.
     vace: torch.Tensor | None = field(default=None, repr=False)
     vace_strength: tuple[float, ...] = ()
+    # ComfyUI's conditioning_llama3 (the model call's encoder_hidden_states_llama3) [1 or B, 32, N, 4096]: every hidden
+    # layer of Llama 3.1 8B over the prompt, as CLIPTextEncodeHiDream makes them; HiDream's blocks each read one. A
+    # model call's crosses the channel once per sampling run, kept on the workers under `llama_key` (a hash of its
+    # bytes), like the camera embedding: 32 layers x 128 tokens x 4096 is 64 MB per prompt in float32.
+    llama: torch.Tensor | None = field(default=None, repr=False)
+    llama_key: str | None = None
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         refs = {f"{prefix}.reference.{i}": r for i, r in enumerate(self.references)}
         extras = {f"{prefix}.{name}": t for name, t in (("concat", self.concat), ("clip_vision", self.clip_vision),
                                                         ("glyph", self.glyph),
+                                                        ("llama", None if self.llama_key else self.llama),
                                                         ("camera", None if self.camera_key else self.camera),
                                                         ("vace", self.vace))
                   if t is not None}
@@ -244,7 +251,7 @@ class Conditioning:
     def kept_keys(self) -> list[str]:
         """The keys of the large inputs the workers keep between calls: ControlNet hints, the attention mask."""
         return ([c.hint_key for c in self.control] + ([self.attention_mask_key] if self.attention_mask_key else [])
-                + ([self.camera_key] if self.camera_key else []))
+                + ([self.camera_key] if self.camera_key else []) + ([self.llama_key] if self.llama_key else []))
 
     def kept_inputs(self) -> dict[str, torch.Tensor]:
         """The kept inputs this branch carries, by key (the client sends each to the workers once)."""
@@ -253,6 +260,8 @@ class Conditioning:
             out[self.attention_mask_key] = self.attention_mask
         if self.camera_key and self.camera is not None:
             out[self.camera_key] = self.camera
+        if self.llama_key and self.llama is not None:
+            out[self.llama_key] = self.llama
         return out
 
     def meta(self, prefix: str) -> dict:
@@ -260,7 +269,7 @@ class Conditioning:
                 f"{prefix}_image_size": list(self.image_size) if self.image_size else None,
                 f"{prefix}_control": [[c.path, c.hint_key, c.strength, list(c.types)] for c in self.control],
                 f"{prefix}_attention_mask": self.attention_mask_key, f"{prefix}_camera": self.camera_key,
-                f"{prefix}_vace_strength": list(self.vace_strength)}
+                f"{prefix}_vace_strength": list(self.vace_strength), f"{prefix}_llama": self.llama_key}
 
     @classmethod
     def from_message(cls, prefix: str, meta: dict, tensors: dict[str, torch.Tensor]) -> "Conditioning":
@@ -275,7 +284,8 @@ class Conditioning:
                    clip_vision=tensors.get(f"{prefix}.clip_vision"), glyph=tensors.get(f"{prefix}.glyph"),
                    camera=tensors.get(f"{prefix}.camera"), camera_key=meta.get(f"{prefix}_camera"),
                    vace=tensors.get(f"{prefix}.vace"),
-                   vace_strength=tuple(float(v) for v in meta.get(f"{prefix}_vace_strength") or ()))
+                   vace_strength=tuple(float(v) for v in meta.get(f"{prefix}_vace_strength") or ()),
+                   llama=tensors.get(f"{prefix}.llama"), llama_key=meta.get(f"{prefix}_llama"))
 
     def signature(self, prompt_tokens: int = 0) -> tuple:
         """What must be equal for two branches to share one forward pass (ComfyUI batches them then, and only
@@ -288,9 +298,10 @@ class Conditioning:
         glyph = None if self.glyph is None else tuple(self.glyph.shape[1:])
         camera = None if self.camera is None else tuple(self.camera.shape[1:])
         vace = None if self.vace is None else (tuple(self.vace.shape[1:]), self.vace_strength)
+        llama = None if self.llama is None else tuple(self.llama.shape[1:])
         return (max(self.cond.shape[1], prompt_tokens), tuple(tuple(r.shape[-2:]) for r in self.references),
                 self.reference_method,
-                concat, tuple(c.signature() for c in self.control), masked, clip, glyph, camera, vace)
+                concat, tuple(c.signature() for c in self.control), masked, clip, glyph, camera, vace, llama)
 
 
 @dataclass

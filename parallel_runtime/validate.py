@@ -269,6 +269,25 @@ def validate_glyph(name: str, c, config, batch: int) -> None:
     _finite_tensor(f"{name} conditioning's glyph tokens", c.glyph, "re-encode the prompt")
 
 
+def validate_llama(name: str, c, config, batch: int) -> None:
+    """Llama 3.1's hidden layers over the prompt (conditioning_llama3) of a model that reads them (HiDream): enough
+    layers for every block, its width, one set per prompt or latent row. A model that reads none ignores them, as
+    ComfyUI's does."""
+    width = getattr(config, "llama_dim", None)
+    if width is None:
+        return
+    if c.llama is None:
+        raise ConfigError(f"the {name} conditioning carries no Llama 3.1 layers, which every {config.title} block "
+                          f"reads; encode the prompt with {config.text_encoders}.")
+    layers = max(config.llama_layers) + 1
+    if (c.llama.ndim != 4 or c.llama.shape[1] < layers or c.llama.shape[-1] != width
+            or c.llama.shape[0] not in (1, batch)):
+        raise ConfigError(f"the {name} conditioning's Llama layers have shape {tuple(c.llama.shape)} but this "
+                          f"{config.title} model reads [batch, {layers} layers, tokens, {width}]; encode the prompt "
+                          f"with {config.text_encoders}.")
+    _finite_tensor(f"{name} conditioning's Llama layers", c.llama, "re-encode the prompt")
+
+
 @lru_cache(maxsize=16)
 def _controlnet_config(family, path: str, mtime_ns: int, size: int):
     """A ControlNet's config from its header, once per file version (a model call names it every step)."""
@@ -465,6 +484,7 @@ def validate_latent_and_branches(job: Job, config) -> None:
         validate_concat(name, c, config, lat, job.batch)
         validate_clip_vision(name, c, config, job.batch)
         validate_glyph(name, c, config, job.batch)
+        validate_llama(name, c, config, job.batch)
         validate_camera(name, c, config, lat, job.batch)
         validate_vace(name, c, config, lat, job.batch)
         validate_control(name, c, config, job)

@@ -53,7 +53,7 @@ FILES = (
     (r"^flux3-image-klein-base-", DIT, "FLUX.3 image klein (base)", "flux3"),
     (r"^flux3-", DIT, "FLUX.3 step-distilled (flow-map)", None),
     (r"^hidream_o1_", DIT, "HiDream O1", None),
-    (r"^hidream_[ie]1", DIT, "HiDream I1 / E1", None),
+    (r"^hidream_[ie]1", DIT, "HiDream I1 / E1", "hidream"),
     (r"^hunyuanvideo1\.5_1080p_sr", DIT, "HunyuanVideo 1.5 super-resolution", None),
     (r"^hunyuanvideo1\.5_", DIT, "HunyuanVideo 1.5", "hunyuan_video15"),
     (r"^hunyuan_video_", DIT, "HunyuanVideo 1", None),

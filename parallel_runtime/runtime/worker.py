@@ -247,11 +247,13 @@ class WorkerState:
         keep_hints(self.hints, named, new)
 
         def resolved(branch):
-            if branch is None or not (branch.control or branch.attention_mask_key or branch.camera_key):
+            if branch is None or not (branch.control or branch.attention_mask_key or branch.camera_key
+                                      or branch.llama_key):
                 return branch
             mask = self.hints[branch.attention_mask_key] if branch.attention_mask_key else None
             camera = self.hints[branch.camera_key] if branch.camera_key else branch.camera
-            return dataclasses.replace(branch, attention_mask=mask, camera=camera,
+            llama = self.hints[branch.llama_key] if branch.llama_key else branch.llama
+            return dataclasses.replace(branch, attention_mask=mask, camera=camera, llama=llama,
                                        control=tuple(dataclasses.replace(c, hint=self.hints[c.hint_key])
                                                      for c in branch.control))
 

@@ -99,6 +99,8 @@ class Branches:
                             if first.clip_vision is not None else None)
         # Glyph tokens of quoted text (ByT5: HunyuanVideo 1.5), per row; their count is in the signature.
         self.glyph = torch.cat([rep(c.glyph.float()) for c in conds]).to(device) if first.glyph is not None else None
+        # Llama 3.1's hidden layers over the prompt (HiDream's blocks each project one), per row; shape in the signature.
+        self.llama = torch.cat([rep(c.llama.float()) for c in conds]).to(device) if first.llama is not None else None
         # WanCameraEmbedding's Plücker embedding per row, left where the message put it: each forward moves only the
         # frames its tokens lie in to the device (adapter.embed_camera), once per job for each set of rows.
         self.camera = torch.cat([rep(c.camera) for c in conds]) if first.camera is not None else None
@@ -357,6 +359,8 @@ class Denoiser:
         if getattr(self.adapter, "prompt_reads_timestep", False):
             return self.adapter.embed_text(b.cond, t, b.clip_vision, b.glyph)[:, rows.start:rows.stop]
         cond = b.cond
+        if getattr(self.adapter, "reads_llama", False):  # HiDream: the prompt rows are T5's and Llama layers'
+            return self.adapter.embed_text(cond, b.llama)[:, rows.start:rows.stop]
         if getattr(self.adapter, "embeds_whole_prompt", False):
             return self.adapter.embed_text(cond)[:, rows.start:rows.stop]
         return self.adapter.embed_text(cond[:, rows.start:rows.stop])
@@ -414,6 +418,8 @@ class Denoiser:
             extra["clip_vision"] = branches.clip_vision
         if branches.vace is not None:  # how many context row sets ride behind the image rows, and their strengths
             extra["vace_strength"] = branches.vace_strength
+        if getattr(self.adapter, "reads_llama", False):  # HiDream's blocks each project a Llama layer of the prompt
+            extra["llama"] = branches.llama
         return self.adapter.timestep_embedding(t, branches.pooled, branches.guidance, self.hw, **extra)
 
     def _repeat(self, x: torch.Tensor, branches: Branches | None = None) -> torch.Tensor:
