@@ -102,7 +102,7 @@ def diffusers_call(path: str, config: Kandinsky5Config, job: Job, monkeypatch) -
 
 
 @torch.no_grad()
-def comfyui_call(path: str, config: Kandinsky5Config, job: Job) -> torch.Tensor:
+def comfyui_call(path: str, config: Kandinsky5Config, job: Job, concat: torch.Tensor | None = None) -> torch.Tensor:
     """Kandinsky5._forward then forward_orig (ComfyUI 2026) on the file's tensors, in fp32, one chunk at a time
     (ComfyUI batches chunks only where their prompts are one length)."""
     sd = {k[len(PREFIX):]: v.float() for k, v in load_file(path).items()}
@@ -113,8 +113,8 @@ def comfyui_call(path: str, config: Kandinsky5Config, job: Job) -> torch.Tensor:
                             sd[name + ".norm.weight"], sd[name + ".norm.bias"])
 
     x = job.latent if config.visual_cond else job.latent.unsqueeze(2)
-    if config.visual_cond:  # model_base's concat: zero condition and mask in text-to-video
-        x = torch.cat([x, torch.zeros_like(x), torch.zeros_like(x[:, :1])], dim=1)
+    if config.visual_cond:  # x as the model receives it: the latent, then c_concat (zeros in text-to-video)
+        x = torch.cat([x, x.new_zeros(x.shape[0], config.latent_dim + 1, *x.shape[2:]) if concat is None else concat], dim=1)
     b, ch, t, h, w = x.shape
     scale = (1.0, 2.0, 2.0) if config.visual_cond else (1.0, 1.0, 1.0)  # rope_scale_factor
     steps = (t, h // 2, w // 2)  # rope_encode_3d: linspace(0, (n - 1) / scale, n) per axis
@@ -195,6 +195,22 @@ def test_one_worker_matches_diffusers_and_comfyuis_model_call(k5_path, k5_image_
         error = rel_err(got, want)
         print(f"\n{config.variant} 1 worker vs {name}: {error:.1e}")
         assert error < RTOL, (name, error)
+
+
+def test_the_calls_concat_channels_are_embedded_as_comfyui_embeds_them(k5_path, client1, client2):
+    """A call whose x carries c_concat beside the latent (condition channels and mask, as ComfyUI's model_base
+    concatenates them): the runtime embeds those channels at 1 worker and split by Ulysses-2 as ComfyUI does."""
+    g = torch.Generator().manual_seed(5)
+    concat = torch.randn(2, TINY.latent_dim + 1, T, H, W, generator=g)
+    job = call_job(k5_path, S())
+    job = dataclasses.replace(job, positive=dataclasses.replace(job.positive, concat=concat[:1]),
+                              negative=dataclasses.replace(job.negative, concat=concat[1:]))
+    want = comfyui_call(k5_path, TINY, job, concat)
+    assert rel_err(want, comfyui_call(k5_path, TINY, job)) > 0.01  # the channels matter
+    errors = [rel_err(client.run(dataclasses.replace(job, strategy=s)).latent, want)
+              for client, s in ((client1, S()), (client2, S(ulysses_degree=2)))]
+    print(f"\nconcat channels: 1 worker {errors[0]:.1e}, ulysses2 {errors[1]:.1e}")
+    assert max(errors) < RTOL
 
 
 @pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2), S(tensor_degree=2),

@@ -81,6 +81,11 @@ class Kandinsky5Config(JointAttentionConfig):
     in_channels = property(lambda self: self.latent_dim * math.prod(PATCH))  # a token's output width
     video = property(lambda self: self.visual_cond)  # the image files read [B, C, H, W]
     variant = property(lambda self: "kandinsky5" if self.visual_cond else "kandinsky5-image")
+    # ComfyUI's x of a video file carries the condition and mask channels (c_concat) beside the latent; without
+    # them (Parallel Sampler's text-to-video) they are zeros, as diffusers' pipeline gives them.
+    concat_channels = property(lambda self: self.latent_dim + 1 if self.visual_cond else 0)
+    concat_optional = True
+    concat_nodes = "Kandinsky5ImageToVideo"
     block_kinds = property(lambda self: (WAN_BLOCK,) * self.num_layers)  # self-attention, then the prompt's
 
     @property
@@ -237,11 +242,12 @@ class Kandinsky5Adapter:
     # -- embeddings ------------------------------------------------------------------------------------
 
     def embed_image(self, tokens: torch.Tensor, index: torch.Tensor, thw) -> torch.Tensor:
-        """The visual embedding of the rows: each patch's (row, column, channel) features, the video files' zero
-        condition channels and zero mask beside the noisy ones (text-to-video, as ComfyUI's model_base gives them)."""
-        x = tokens.to(self.device, self.dtype).unflatten(-1, (self.config.latent_dim, -1)).transpose(-1, -2)
-        if self.config.visual_cond:
-            x = torch.cat([x, torch.zeros_like(x), x.new_zeros(*x.shape[:-1], 1)], dim=-1)
+        """The visual embedding of the rows: each patch's (row, column, channel) features of the latent and the
+        call's c_concat channels after it (both packed channel-major), or for a video file without them zero
+        condition channels and a zero mask (text-to-video, as diffusers' pipeline gives them)."""
+        x = tokens.to(self.device, self.dtype).unflatten(-1, (-1, math.prod(PATCH))).transpose(-1, -2)
+        if self.config.visual_cond and x.shape[-1] == self.config.latent_dim:
+            x = torch.cat([x, x.new_zeros(*x.shape[:-1], self.config.concat_channels)], dim=-1)
         return self.model.visual_embeddings.in_layer(x.flatten(-2))
 
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
