@@ -453,6 +453,7 @@ _INPUT_SOURCES = {
     "guiding_frame_index": "HunyuanVideo 1.0 image-to-video's guiding frame",
     "ref_latent": "HunyuanVideo 1.0 image-to-video's reference latent",
     "disable_time_r": "the HunyuanVideo super-resolution model's time input",
+    "time_dim_replace": "Kandinsky5ImageToVideo's start_image",
 }
 
 

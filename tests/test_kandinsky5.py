@@ -102,7 +102,7 @@ def diffusers_call(path: str, config: Kandinsky5Config, job: Job, monkeypatch) -
 
 
 @torch.no_grad()
-def comfyui_call(path: str, config: Kandinsky5Config, job: Job, concat: torch.Tensor | None = None) -> torch.Tensor:
+def comfyui_call(path: str, config: Kandinsky5Config, job: Job, concat: torch.Tensor | None = None):
     """Kandinsky5._forward then forward_orig (ComfyUI 2026) on the file's tensors, in fp32, one chunk at a time
     (ComfyUI batches chunks only where their prompts are one length)."""
     sd = {k[len(PREFIX):]: v.float() for k, v in load_file(path).items()}
@@ -114,7 +114,8 @@ def comfyui_call(path: str, config: Kandinsky5Config, job: Job, concat: torch.Te
 
     x = job.latent if config.visual_cond else job.latent.unsqueeze(2)
     if config.visual_cond:  # x as the model receives it: the latent, then c_concat (zeros in text-to-video)
-        x = torch.cat([x, x.new_zeros(x.shape[0], config.latent_dim + 1, *x.shape[2:]) if concat is None else concat], dim=1)
+        zeros = x.new_zeros(x.shape[0], config.latent_dim + 1, *x.shape[2:])
+        x = torch.cat([x, zeros if concat is None else concat], dim=1)
     b, ch, t, h, w = x.shape
     scale = (1.0, 2.0, 2.0) if config.visual_cond else (1.0, 1.0, 1.0)  # rope_scale_factor
     steps = (t, h // 2, w // 2)  # rope_encode_3d: linspace(0, (n - 1) / scale, n) per axis
@@ -233,3 +234,16 @@ def test_parallel_sampler_run_strategies_and_pipefusion_beside_naive_patch(k5_pa
     job = Job(ModelSpec(k5_path), S(), SamplingSpec(steps=6, cfg=5.0, seed=1),
               torch.zeros(1, TINY.latent_dim, T, H, W), conditioning(1, 5), conditioning(2, 7))
     check_denoise_loop(job, client1, client2, "Kandinsky 5 video", RTOL, warm_patches=3, stale_patches=3)
+
+
+def test_image_to_video_start_image_is_refused_in_one_sentence():
+    """Kandinsky5ImageToVideo's start_image reaches ComfyUI's Kandinsky5 as time_dim_replace (the clean start frames
+    written over the noisy latent before the model): the door refuses it naming the node. Without a start image the
+    node only makes the empty latent (the text-to-video template), which runs."""
+    from nodes import remote_model
+    from parallel_runtime.errors import ConfigError
+
+    sentence = r"\(time_dim_replace: Kandinsky5ImageToVideo's start_image\).*UNETLoader\.$"
+    with pytest.raises(ConfigError, match=sentence) as refused:
+        remote_model._refuse_what_the_workers_cannot_do(None, {}, {"time_dim_replace": torch.zeros(1, 16, 1, 4, 6)})
+    assert str(refused.value).count(". ") == 0  # one sentence
