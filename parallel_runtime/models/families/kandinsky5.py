@@ -1,5 +1,5 @@
-"""Kandinsky 5 (Kandinsky Lab): the video DiT (Lite 1792-wide x 32, Pro 4096-wide x 60) and the image DiT (Image
-Lite 2560-wide x 50): Kandinsky 6's video half, whose blocks ComfyUI 2026's Kandinsky 6 imports.
+"""Kandinsky 5 (Kandinsky Lab): the video DiT (Lite 1792-wide x 32, Pro 4096-wide) and the image DiT (2560-wide):
+Kandinsky 6's video half, whose blocks ComfyUI 2026's Kandinsky 6 imports.
 
 One token stream: 2x2 patches of the 16-channel latent (the video files read 16 condition channels and a mask
 beside them: zeros in text-to-video, as ComfyUI and diffusers give them; the image files read the latent alone),
@@ -198,10 +198,10 @@ class Kandinsky5Adapter:
         self.config, self.model, self.chunks, self.context = config, model, chunks, context
         self.dtype, self.device = compute_placement(model.time_embeddings)
         self.latent_channels = config.latent_dim
-        # ComfyUI's supported_models: Kandinsky5 (video) ModelSamplingDiscreteFlow shift 10 on the HunyuanVideo
-        # latent; Kandinsky5Image shift 3 on the Flux VAE's; both timestep = sigma x 1000.
+        # ModelSamplingDiscreteFlow (timestep = sigma x 1000) at the shift ComfyUI's Kandinsky 5 templates set with
+        # ModelSamplingSD3 (video 5, image 3); the HunyuanVideo latent for video, the Flux VAE's for images.
         video = config.visual_cond
-        self.model_sampling = FluxModelSampling(10.0 if video else 3.0, 1000.0, kind="discrete_flow")
+        self.model_sampling = FluxModelSampling(5.0 if video else 3.0, 1000.0, kind="discrete_flow")
         self.latent_format = VideoLatentFormat("hunyuan_video", 0.476986, 0.0) if video else FLUX_LATENT
         self._refined = None  # (text, temb, refined prompt) of the last pass
         for i in (i for chunk in chunks for i in chunk):  # a stage's own blocks (the others are Identity there)
