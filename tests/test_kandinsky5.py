@@ -235,15 +235,3 @@ def test_parallel_sampler_run_strategies_and_pipefusion_beside_naive_patch(k5_pa
               torch.zeros(1, TINY.latent_dim, T, H, W), conditioning(1, 5), conditioning(2, 7))
     check_denoise_loop(job, client1, client2, "Kandinsky 5 video", RTOL, warm_patches=3, stale_patches=3)
 
-
-def test_image_to_video_start_image_is_refused_in_one_sentence():
-    """Kandinsky5ImageToVideo's start_image reaches ComfyUI's Kandinsky5 as time_dim_replace (the clean start frames
-    written over the noisy latent before the model): the door refuses it naming the node. Without a start image the
-    node only makes the empty latent (the text-to-video template), which runs."""
-    from nodes import remote_model
-    from parallel_runtime.errors import ConfigError
-
-    sentence = r"\(time_dim_replace: Kandinsky5ImageToVideo's start_image\).*UNETLoader\.$"
-    with pytest.raises(ConfigError, match=sentence) as refused:
-        remote_model._refuse_what_the_workers_cannot_do(None, {}, {"time_dim_replace": torch.zeros(1, 16, 1, 4, 6)})
-    assert str(refused.value).count(". ") == 0  # one sentence

@@ -193,6 +193,7 @@ class Kandinsky5Adapter:
     joint_text = False  # the prompt is cross-attended
     default_guidance = 0.0
     skip: frozenset = frozenset()
+    latent_format = VideoLatentFormat("hunyuan_video", 0.476986, 0.0)  # an image file's: the Flux VAE's (below)
 
     def __init__(self, config: Kandinsky5Config, model, chunks: list[range], context):
         self.config, self.model, self.chunks, self.context = config, model, chunks, context
@@ -202,7 +203,7 @@ class Kandinsky5Adapter:
         # ModelSamplingSD3 (video 5, image 3); the HunyuanVideo latent for video, the Flux VAE's for images.
         video = config.visual_cond
         self.model_sampling = FluxModelSampling(5.0 if video else 3.0, 1000.0, kind="discrete_flow")
-        self.latent_format = VideoLatentFormat("hunyuan_video", 0.476986, 0.0) if video else FLUX_LATENT
+        self.latent_format = type(self).latent_format if video else FLUX_LATENT
         self._refined = None  # (text, temb, refined prompt) of the last pass
         for i in (i for chunk in chunks for i in chunk):  # a stage's own blocks (the others are Identity there)
             block = model.visual_transformer_blocks[i]
