@@ -182,6 +182,18 @@ def test_files_are_detected_with_their_config_and_odd_inputs_refused(k5_path, k5
         model_config(odd)
 
 
+def test_the_cost_probe_times_one_visual_block_alone():
+    """The cost model's probe runs one visual block on its own random weights (the text blocks stay on the meta
+    device: its prompt comes refined), on the CPU and as a FLOP count on the meta device."""
+    from parallel_runtime.models.families.kandinsky5 import KANDINSKY5
+    from parallel_runtime.strategies.attention.processor import AttentionContext
+
+    for config in (TINY, TINY_IMAGE):
+        image, _ = KANDINSKY5.probe_block(config, 1, AttentionContext(), 5, 18, torch.float32, "cpu")()
+        assert image.shape == (1, 18, TINY.hidden_size) and torch.isfinite(image).all() and image.abs().mean() > 0.1
+        assert KANDINSKY5.probe_block(config, 1, AttentionContext(), 5, 18, torch.float32, "meta")()[0].is_meta
+
+
 @pytest.mark.parametrize("image", [False, True], ids=["t2v", "t2i"])
 def test_one_worker_matches_diffusers_and_comfyuis_model_call(k5_path, k5_image_path, client1, monkeypatch, image):
     """The runtime's model call at one worker equals diffusers' Kandinsky5Transformer3DModel (its RoPE's bfloat16
