@@ -88,7 +88,6 @@ REFUSED_NODES = (
     ("MiniMaxH3FunControlNetApply", None, "MiniMax-H3 Fun ControlNet union"),
     ("ReferenceMultiLatent", None, "FLUX.3 reference images"),
     ("TextEncodeQwenImage21", "images.", "Qwen-Image 2.1's encoder image slots"),
-    ("Kandinsky5ImageToVideo", "start_image", "Kandinsky 5 start image"),
 )
 ACTIVE = 0  # a node's mode: 0 runs, 2 muted, 4 bypassed
 

@@ -10,6 +10,8 @@ but the file.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -38,7 +40,7 @@ def k5_host(comfy, monkeypatch):
     return comfy
 
 
-def k5_call(patcher, job, concat):
+def k5_call(patcher, job, concat, start=None):
     """BaseModel._apply_model's calls of Kandinsky5, c_concat joined to the latent: cond then uncond, one call each
     (their prompts are 5 and 7 rows long, which ComfyUI does not batch)."""
     base, outs = patcher.model, []
@@ -48,7 +50,8 @@ def k5_call(patcher, job, concat):
         outs.append(base.diffusion_model(torch.cat([job.latent[k:k + 1], c["c_concat"]], dim=1),
                                          base.model_sampling.timestep(sigmas).float(), context=c["c_crossattn"],
                                          y=c["y"], control=None,
-                                         transformer_options={"cond_or_uncond": [k], "sigmas": sigmas}))
+                                         transformer_options={"cond_or_uncond": [k], "sigmas": sigmas},
+                                         **({} if start is None else {"time_dim_replace": start})))
     return torch.cat(outs)
 
 
@@ -72,16 +75,28 @@ def test_model_call_equals_comfyuis_at_one_worker_and_ulysses2(k5_path, k5_host,
     assert max(errors.values()) < RTOL
 
 
-def test_the_start_image_is_refused_at_the_door_in_one_sentence(k5_path, k5_host, client1, monkeypatch):
-    """Kandinsky5ImageToVideo's start_image arrives as the call's time_dim_replace: refused naming the node."""
+
+def test_the_start_image_is_written_over_the_start_frames_as_comfyui_does(k5_path, k5_host, client1, client2,
+                                                                           monkeypatch):
+    """Kandinsky5ImageToVideo's start_image arrives as the call's time_dim_replace, which ComfyUI's Kandinsky5
+    writes over the latent's first frame(s) before the model: the door does the same (1 worker, Ulysses-2); a start
+    latent of another size is refused in one sentence."""
     from parallel_runtime.errors import ConfigError
 
-    monkeypatch.setattr("parallel_runtime.runtime.client.get_client", lambda d, *a, **k: client1)
+    clients = {"cpu:1": client1, "cpu:2": client2}
+    monkeypatch.setattr("parallel_runtime.runtime.client.get_client", lambda d, *a, **k: clients[d])
     job = call_job(k5_path, S())
-    base = host._model(k5_path, "cpu:1").model
-    x = torch.cat([job.latent[:1], torch.zeros(1, TINY.latent_dim + 1, *job.latent.shape[2:])], dim=1)
-    with pytest.raises(ConfigError, match=r"time_dim_replace: Kandinsky5ImageToVideo's start_image") as refused:
-        base.diffusion_model(x, torch.full((1,), SIGMA * 1000), context=job.positive.cond, y=job.positive.pooled,
-                             control=None, transformer_options={"cond_or_uncond": [0]},
-                             time_dim_replace=torch.zeros(1, TINY.latent_dim, 1, *job.latent.shape[3:]))
-    assert str(refused.value).count(". ") == 0  # one sentence
+    g = torch.Generator().manual_seed(10)
+    concat = torch.randn(2, TINY.latent_dim + 1, *job.latent.shape[2:], generator=g)
+    start = torch.randn(1, TINY.latent_dim, 1, *job.latent.shape[3:], generator=g)
+    replaced = job.latent.clone()
+    replaced[:, :, :1] = start
+    want = comfyui_call(k5_path, TINY, dataclasses.replace(job, latent=replaced), concat)
+    assert rel_err(want, comfyui_call(k5_path, TINY, job, concat)) > 0.01  # the start frame matters
+    errors = {}
+    for label, devices, degrees in (("1 worker", "cpu:1", {}), ("ulysses2", "cpu:2", {"ulysses_degree": 2})):
+        errors[label] = rel_err(k5_call(host._model(k5_path, devices, **degrees), job, concat, start), want)
+    print("\nstart image: " + ", ".join(f"{k}: {v:.1e}" for k, v in errors.items()))
+    assert max(errors.values()) < RTOL
+    with pytest.raises(ConfigError, match=r"start image latent has shape \(1, 4, 1, 2, 6\).*width and height\.$"):
+        k5_call(host._model(k5_path, "cpu:1"), job, concat, start[..., :2, :])

@@ -18,7 +18,9 @@ The module tree is diffusers' Kandinsky5Transformer3DModel, whose names are Comf
 one. Its attention processor casts rotated queries and keys to bfloat16 whatever the model's dtype; ParaDiT rotates
 in float32 and casts back to the model's dtype, as ComfyUI does (Kandinsky 6's processor, reused here). ComfyUI's
 call is Kandinsky5's: x [B, 16, T, H, W] (an image's [B, 16, H, W]), timestep = sigma x 1000, context the Qwen2.5-VL
-rows, y the pooled CLIP-L vector. Kandinsky5ImageToVideo's start image (time_dim_replace) is refused in one sentence.
+rows, y the pooled CLIP-L vector, and in image-to-video Kandinsky5ImageToVideo's start frames (time_dim_replace),
+which ComfyUI writes over the latent's first frames before the model: Load Parallel DiT's door does the same
+(nodes/remote_model.py), so the workers run an ordinary call.
 """
 from __future__ import annotations
 
