@@ -137,6 +137,8 @@ class RemoteDiT(torch.nn.Module):
             return self._forward_kandinsky6(x, timesteps, context, y, control, options, **kwargs)
         if av_call.is_av_call(x):
             return self._forward_minimax_h3(x, timesteps, context, control, options, **kwargs)
+        if self.family == "kandinsky5":
+            x = _with_start_frames(x, kwargs.pop("time_dim_replace", None))
         _refuse_what_the_workers_cannot_do(control, options, kwargs)
         controls = control.inputs if isinstance(control, controlnet.RemoteControl) else ()
         skip_blocks = skipped_blocks(options.get("patches_replace"))
@@ -480,7 +482,24 @@ _INPUT_SOURCES = {
     "guiding_frame_index": "HunyuanVideo 1.0 image-to-video's guiding frame",
     "ref_latent": "HunyuanVideo 1.0 image-to-video's reference latent",
     "disable_time_r": "the HunyuanVideo super-resolution model's time input",
+    "time_dim_replace": "Kandinsky5ImageToVideo's start_image",
 }
+
+
+def _with_start_frames(x: torch.Tensor, frames: torch.Tensor | None) -> torch.Tensor:
+    """Kandinsky5ImageToVideo's start image (time_dim_replace): ComfyUI's Kandinsky5 writes the clean start frames'
+    latent over the input's first channels and frames before anything else, so the door does the same and the
+    workers run an ordinary call."""
+    if frames is None:
+        return x
+    if frames.ndim != 5 or frames.shape[1] > x.shape[1] or frames.shape[2] > x.shape[2] or \
+            tuple(frames.shape[3:]) != tuple(x.shape[3:]):
+        raise convert.ConfigError(f"Kandinsky5ImageToVideo's start image latent has shape {tuple(frames.shape)}, "
+                                  f"which does not fit the video latent {tuple(x.shape)}; give the node the video's "
+                                  f"width and height.")
+    x = x.clone()
+    x[:, :frames.shape[1], :frames.shape[2]] = frames.to(x)
+    return x
 
 
 def _refuse_what_the_workers_cannot_do(control, options: dict, kwargs: dict) -> None:

@@ -57,7 +57,7 @@ FILES = (
     (r"^hunyuanvideo1\.5_1080p_sr", DIT, "HunyuanVideo 1.5 super-resolution", None),
     (r"^hunyuanvideo1\.5_", DIT, "HunyuanVideo 1.5", "hunyuan_video15"),
     (r"^hunyuan_video_", DIT, "HunyuanVideo 1", None),
-    (r"^kandinsky5", DIT, "Kandinsky 5", None),
+    (r"^kandinsky5", DIT, "Kandinsky 5", "kandinsky5"),
     (r"^ltx-video-", DIT, "LTX-Video 0.9", None),
     (r"^ltx-2", DIT, "LTX-2 / 2.3 / 2.5", "ltx2"),
     (r"^(minimax_h3_|fasth3_|fastvideo_fasth3_)", DIT, "MiniMax-H3 (FastH3 unverified on real files)", "minimax_h3"),

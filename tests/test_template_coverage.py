@@ -33,10 +33,11 @@ def test_every_template_file_is_classified_and_the_counts_hold(report):
     # The pinned package (comfyui-workflow-templates-json 0.1.123): 248 templates load a local model, 211 of them an
     # image or video DiT. Covered: 120 whose DiT files the families before FLUX.3 run, less 12 that use a feature they
     # refuse (REFUSED_NODES: 7 with LTX-2 guides, 1 reference audio, 1 H3 Fun ControlNet, 3 Qwen-Image 2.1 encoder
-    # images), plus FLUX.3's base t2i template (its edit template uses references), Wan VACE's 6 and HiDream I1 /
-    # E1's 5. A new family raises it; a lost one lowers it: update with docs/families.md.
+    # images), plus FLUX.3's base t2i template (its edit template uses references), Wan VACE's 6, HiDream I1 / E1's 5
+    # and Kandinsky 5's 3 (text-to-image, text-to-video, image-to-video). A new family raises it; a lost one lowers
+    # it: update with docs/families.md.
     assert (t["templates_loading_a_local_model"], t["templates_loading_a_dit"]) == (248, 211)
-    assert (t["covered"], t["files_run_but_a_feature_refused"]) == (120, 13)
+    assert (t["covered"], t["files_run_but_a_feature_refused"]) == (123, 13)
 
 
 def test_a_template_with_a_refused_variant_beside_a_run_one_is_not_covered(report):
@@ -50,6 +51,9 @@ def test_a_template_with_a_refused_variant_beside_a_run_one_is_not_covered(repor
     # (ReferenceMultiLatent) are not covered; the LTX-2.3 text-to-video template is.
     assert templates["video_ltx2_3_flf2v"]["refused"] == ["LTX-2 guide frames"]
     assert templates["image_flux3_klein_image_edit"]["refused"] == ["FLUX.3 reference images"]
+    # Kandinsky 5: all three templates (image-to-video's start image is written over the start frames at the door).
+    assert all(templates[n]["covered"] for n in ("image_kandinsky5_t2i", "video_kandinsky5_t2v",
+                                                  "video_kandinsky5_i2v"))
     assert not templates["video_ltx2_3_flf2v"]["covered"] and templates["video_ltx2_3_t2v"]["covered"]
     # A template of UNets only does not load a DiT at all.
     sdxl = [n for n, t in templates.items() if t["files"] == ["sd_xl_base_1.0.safetensors"]]
@@ -66,5 +70,5 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path):
     run = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "template_coverage.py"), "--json", str(out)],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert run.returncode == 0, run.stderr
-    assert "ParaDiT's families run 120 of them, every DiT file and feature" in run.stdout
-    assert json.loads(out.read_text())["totals"]["covered"] == 120
+    assert "ParaDiT's families run 123 of them, every DiT file and feature" in run.stdout
+    assert json.loads(out.read_text())["totals"]["covered"] == 123

@@ -19,6 +19,7 @@ def families() -> list[ModelFamily]:
     from .families.flux_adapter import FLUX
     from .families.hidream import HIDREAM
     from .families.hunyuan_video15 import HUNYUAN_VIDEO15
+    from .families.kandinsky5 import KANDINSKY5
     from .families.kandinsky6 import KANDINSKY6
     from .families.ltx2 import LTX2
     from .families.lumina2 import LUMINA2
@@ -31,7 +32,7 @@ def families() -> list[ModelFamily]:
     from .families.z_image import Z_IMAGE
 
     return [FLUX3, FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, LTX2, PIXART, WAN, Z_IMAGE, LUMINA2,
-            HUNYUAN_VIDEO15, MINIMAX_H3, KANDINSKY6, HIDREAM]
+            HUNYUAN_VIDEO15, MINIMAX_H3, KANDINSKY6, HIDREAM, KANDINSKY5]
 
 
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:
