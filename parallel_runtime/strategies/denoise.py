@@ -129,6 +129,10 @@ class Branches:
         """The embedded image rows `index` of these branches: the latent's and c_concat's tokens through the patch
         embedding, plus a camera model's adapter rows (the same every step: computed once per job and rows)."""
         image = adapter.embed_image(self.with_concat(x_rows, index), index, hw)
+        if self.camera is None and self.vace is None:
+            return image
+        # Which rows these are, read on the host: only for the variants that keep per-rows tensors (a plain model's
+        # step loop reads nothing back from the device, test_gpu_readiness).
         key = (int(index[0]), int(index[-1]), index.numel())
         if self.camera is not None:
             if key not in self._camera_rows:
