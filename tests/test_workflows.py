@@ -48,7 +48,7 @@ WORKFLOWS = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pip
              "flux_fill_inpaint", "wan21_t2v_ulysses", "wan21_i2v_cfg_parallel", "wan22_14b_t2v_two_experts",
              "wan22_5b_ti2v", "lumina2_cfg_parallel", "z_image_turbo_ulysses", "flux2_dev_ulysses", "flux2_klein_4b_ring",
              "qwen_image21_ulysses", "hunyuan_video15_t2v_cfg_parallel", "ltx23_t2v_ulysses", "ltx23_i2v_ulysses",
-             "minimax_h3_t2v_ulysses", "wan22_fun_inpaint_5b_ulysses")
+             "minimax_h3_t2v_ulysses", "wan22_fun_inpaint_5b_ulysses", "hidream_i1_full_cfg_parallel")
 FLUX_HEADS, FLUX_BLOCKS = 24, 19 + 38  # FLUX.1 dev/schnell: 19 double + 38 single blocks
 FLUX_UNETS = ("flux1-dev.safetensors", "flux1-schnell.safetensors")
 STRATEGY_WORDS = ("auto", "ulysses", "ring", "pipefusion", "cfg_parallel", "hybrid")  # the end of a workflow's name
@@ -174,6 +174,16 @@ FAMILIES = {
         vae="hunyuanvideo15_vae_fp16.safetensors", latent=("EmptyHunyuanVideo15Latent", 1280, 720, 121),
         sampling=dict(steps=20, cfg=6.0, sampler_name="euler", scheduler="simple"), shift=("ModelSamplingSD3", 7.0),
         fps=24.0, codec="h264", left_out=set()),  # its bypassed EasyCache and 1080p stage are left out as bypassed
+    "hidream_i1_full_": dict(  # hidream_i1_full: 17B, 20 heads of 128, 16 double + 32 single blocks (MoE MLPs)
+        template="hidream_i1_full", instances=(), loader=94,
+        unet="hidream_i1_full_fp8.safetensors", heads=20, blocks=16 + 32,
+        clip=("QuadrupleCLIPLoader", {"clip_name1": "clip_l_hidream.safetensors",
+                                      "clip_name2": "clip_g_hidream.safetensors",
+                                      "clip_name3": "t5xxl_fp8_e4m3fn_scaled.safetensors",
+                                      "clip_name4": "llama_3.1_8b_instruct_fp8_scaled.safetensors"}),
+        vae="ae.safetensors", latent=("EmptySD3LatentImage", 1024, 1024),
+        sampling=dict(steps=50, cfg=5.0, sampler_name="uni_pc", scheduler="simple"), shift=("ModelSamplingSD3", 3.0),
+        left_out=set()),
 }
 # Audio-video families, each workflow one ComfyUI template (read as FAMILIES' are) with the diffusion model on Load
 # Parallel DiT. `left_out`: value nodes whose values the widgets hold (primitives, math expressions, switches, a
@@ -208,6 +218,7 @@ CORE = {
     "DualCLIPLoader": (["clip_name1", "clip_name2", "type", "device"], {}, ["CLIP"]),
     "CLIPLoader": (["clip_name", "type", "device"], {}, ["CLIP"]),
     "TripleCLIPLoader": (["clip_name1", "clip_name2", "clip_name3"], {}, ["CLIP"]),  # comfy_extras/nodes_sd3.py
+    "QuadrupleCLIPLoader": (["clip_name1", "clip_name2", "clip_name3", "clip_name4"], {}, ["CLIP"]),  # nodes_hidream.py
     "CLIPTextEncode": (["text"], {"clip": "CLIP"}, ["CONDITIONING"]),
     "FluxGuidance": (["guidance"], {"conditioning": "CONDITIONING"}, ["CONDITIONING"]),
     "ConditioningZeroOut": ([], {"conditioning": "CONDITIONING"}, ["CONDITIONING"]),

@@ -5,8 +5,10 @@ from __future__ import annotations
 from ..models.families.chroma import ChromaConfig
 from ..models.families.flux import FluxConfig
 from ..models.families.flux2 import Flux2Config
+from ..models.families.hidream import HiDreamConfig
 from ..models.families.flux3 import Flux3Config
 from ..models.families.hunyuan_video15 import HunyuanVideo15Config
+from ..models.families.kandinsky5 import Kandinsky5Config
 from ..models.families.ltx2 import LTX2Config
 from ..models.families.minimax_h3 import MiniMaxH3Config
 from ..models.families.pixart import PixArtConfig
@@ -75,6 +77,16 @@ BENCH_FAMILIES = {
                        audio_cross_attention_dim=128, num_heads=2, audio_heads=2, gated_attn=True, cross_attn_mod=True,
                        prompt_adaln=True, rope_type="split", cross_timestep=True, reading="comfyui",
                        av_timestep_multiplier=1.0),
+    # HiDream I1: joint double-stream blocks then single-stream ones (16 + 32 in the release) whose MLPs are a
+    # mixture of 4 routed experts (top 2) and a shared one; every block also reads a Llama layer of the prompt. Its
+    # 128-wide heads, 2 of them, 1 + 2 blocks (the release's 1:2 mix).
+    "hidream": HiDreamConfig(hidden_size=256, num_layers=1, num_single_layers=2, t5_dim=64, llama_dim=64,
+                             pooled_dim=32),
+    # Kandinsky 5 Lite video: one visual stream of 2x2 patches (beside 17 zero condition channels in text-to-video),
+    # self-attention then cross-attention to the Qwen2.5-VL prompt its 2 text blocks refine every pass; its 64-wide
+    # heads (Lite: 1792 / 64 = 28), 4 of them, and Lite's MLP ratio (7168 / 1792 = 4).
+    "kandinsky5": Kandinsky5Config(hidden_size=256, num_layers=2, head_dim=64, ff_dim=1024, time_dim=128,
+                                   context_dim=64, pooled_dim=32),
     # MiniMax-H3: one packed [prompt | audio | video] sequence through identical single-stream blocks; its 128-wide
     # heads, 2 of them, and the release's SwiGLU ratio (14336 / 5376 x 256, rounded to an even count).
     "minimax_h3": MiniMaxH3Config(hidden_size=256, num_layers=2, num_heads=2, head_dim=128, ffn_dim=682, text_dim=64,
@@ -120,6 +132,10 @@ RELEASE_SHAPES = {
     "minimax_h3": (MiniMaxH3Config(hidden_size=5376, num_layers=50, num_heads=56, head_dim=128, ffn_dim=14336,
                                    text_dim=5120),
                    "MiniMax-H3 shapes (width 5376, 56 heads x 128, 50 blocks, SwiGLU 14336)"),
+    "hidream": (HiDreamConfig(hidden_size=2560, num_layers=16, num_single_layers=32),
+                "HiDream I1 17B shapes (width 2560, 20 heads, 16 + 32 blocks, 4 experts top 2 + shared)"),
+    "kandinsky5": (Kandinsky5Config(hidden_size=1792, num_layers=32, head_dim=64, ff_dim=7168),
+                   "Kandinsky 5 Lite video shapes (width 1792, 28 heads x 64, 32 blocks, MLP 7168)"),
     "z_image": (ZImageConfig(hidden_size=3840, num_heads=30, num_kv_heads=30, num_layers=30, num_refiner_layers=2,
                              ffn_dim=10240, cap_feat_dim=2560),
                 "Z-Image Turbo / base 6B shapes (width 3840, 30 heads, 2 refiner + 30 blocks, ffn 10240)"),

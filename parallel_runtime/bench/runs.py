@@ -22,13 +22,20 @@ def make_job(path: str, config, strategy: StrategySpec, latent_shape, text_token
              steps: int, conditioning: tuple[Conditioning, Conditioning] | None = None) -> Job:
     """`conditioning`: (positive, negative) of a real prompt; random tokens of `text_tokens` otherwise."""
     g = torch.Generator().manual_seed(1234)
-    pos, neg = conditioning or (
-        Conditioning(torch.randn(1, text_tokens, config.context_dim, generator=g),
-                     torch.randn(1, config.pooled_dim, generator=g), 3.5),
-        Conditioning(torch.randn(1, text_tokens, config.context_dim, generator=g),
-                     torch.randn(1, config.pooled_dim, generator=g), 3.5))  # pooled_dim 0: T5-only families
+    pos, neg = conditioning or (random_prompt(config, text_tokens, g), random_prompt(config, text_tokens, g))
     return Job(ModelSpec(path), strategy, SamplingSpec(seed=7, steps=steps, cfg=cfg), torch.zeros(latent_shape),
                pos, neg if abs(cfg - 1.0) > 1e-9 else None)
+
+
+def random_prompt(config, text_tokens: int, g: torch.Generator) -> Conditioning:
+    """Random prompt rows of the model's width and its pooled vector (pooled_dim 0: T5-only families); a model whose
+    blocks read Llama layers of the prompt (HiDream) gets those too, over as many tokens."""
+    c = Conditioning(torch.randn(1, text_tokens, config.context_dim, generator=g),
+                     torch.randn(1, config.pooled_dim, generator=g), 3.5)
+    if getattr(config, "llama_dim", None):
+        layers = max(config.llama_layers) + 1
+        c = dataclasses.replace(c, llama=torch.randn(1, layers, text_tokens, config.llama_dim, generator=g))
+    return c
 
 
 class WarmClients:
