@@ -48,7 +48,8 @@ WORKFLOWS = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pip
              "flux_fill_inpaint", "wan21_t2v_ulysses", "wan21_i2v_cfg_parallel", "wan22_14b_t2v_two_experts",
              "wan22_5b_ti2v", "lumina2_cfg_parallel", "z_image_turbo_ulysses", "flux2_dev_ulysses", "flux2_klein_4b_ring",
              "qwen_image21_ulysses", "hunyuan_video15_t2v_cfg_parallel", "ltx23_t2v_ulysses", "ltx23_i2v_ulysses",
-             "minimax_h3_t2v_ulysses", "wan22_fun_inpaint_5b_ulysses", "hidream_i1_full_cfg_parallel")
+             "minimax_h3_t2v_ulysses", "wan22_fun_inpaint_5b_ulysses", "hidream_i1_full_cfg_parallel",
+             "flux3_klein_base_cfg_parallel", "kandinsky5_lite_t2i_hybrid")
 FLUX_HEADS, FLUX_BLOCKS = 24, 19 + 38  # FLUX.1 dev/schnell: 19 double + 38 single blocks
 FLUX_UNETS = ("flux1-dev.safetensors", "flux1-schnell.safetensors")
 STRATEGY_WORDS = ("auto", "ulysses", "ring", "pipefusion", "cfg_parallel", "hybrid")  # the end of a workflow's name
@@ -183,6 +184,23 @@ FAMILIES = {
                                       "clip_name4": "llama_3.1_8b_instruct_fp8_scaled.safetensors"}),
         vae="ae.safetensors", latent=("EmptySD3LatentImage", 1024, 1024),
         sampling=dict(steps=50, cfg=5.0, sampler_name="uni_pc", scheduler="simple"), shift=("ModelSamplingSD3", 3.0),
+        left_out=set()),
+    "flux3_klein_base_": dict(  # image_flux3_klein_t2i: FLUX.3 image klein base, 24 heads of 128, 5 mode + 28 single
+        template="image_flux3_klein_t2i", instances=(18,), loader=1,
+        unet="flux3-image-klein-base-int8-convrot.safetensors", heads=24, blocks=5 + 28,
+        clip=("CLIPLoader", {"clip_name": "qwen3vl_4b_int8_convrot.safetensors", "type": "flux3", "device": "default"}),
+        vae="flux2-vae.safetensors", latent=("EmptyFlux2LatentImage", 1024, 1024),
+        sampling=dict(steps=50, cfg=3.5, sampler_name="euler", scheduler="simple"), shift=None,
+        # the prompt upsampler switched off (its switch, TextGenerate on a Qwen3.5 9B, the system prompt, the prompt
+        # primitive and the preview), the resolution selector, and the bounding-box layout prompt nodes
+        switches={16: False}, left_out={11, 12, 13, 14, 16, 17, 19, 25, 26, 27}),
+    "kandinsky5_lite_t2i_": dict(  # image_kandinsky5_t2i: Kandinsky 5 Image Lite, 50 blocks 2560 wide, 20 heads of 128
+        template="image_kandinsky5_t2i", instances=(12,), loader=4,
+        unet="kandinsky5lite_t2i.safetensors", heads=20, blocks=50,
+        clip=("DualCLIPLoader", {"clip_name1": "qwen_2.5_vl_7b_fp8_scaled.safetensors", "clip_name2": "clip_l.safetensors",
+                                 "type": "kandinsky5_image", "device": "default"}),
+        vae="ae.safetensors", latent=("EmptyLatentImage", 1024, 1024),
+        sampling=dict(steps=50, cfg=3.5, sampler_name="euler", scheduler="simple"), shift=("ModelSamplingSD3", 3.0),
         left_out=set()),
 }
 # Audio-video families, each workflow one ComfyUI template (read as FAMILIES' are) with the diffusion model on Load
@@ -884,8 +902,10 @@ def _templates_dir():
 class _Scope:
     """One graph of a template: the top level, or a subgraph definition inlined through its `instance` node."""
 
-    def __init__(self, graph, definitions, instance=None, parent=None):
+    def __init__(self, graph, definitions, instance=None, parent=None, switches=None):
         self.definitions, self.instance, self.parent = definitions, instance, parent
+        # switches our workflow sets otherwise than the template (by node id): the branch it runs instead
+        self.switches = parent.switches if parent is not None else (switches or {})
         self.inputs = graph.get("inputs", [])  # a subgraph's own inputs (-10 slots)
         self.links = {}
         for l in graph["links"]:
@@ -907,9 +927,10 @@ _PASS_ON = {"QwenImage21Cache": "model", "PreviewAny": "source", "Reroute": ""}
 _PRIMITIVES = {"PrimitiveInt", "PrimitiveFloat", "PrimitiveBoolean", "PrimitiveString", "PrimitiveStringMultiline"}
 
 
-def _template_view(template, instances):
+def _template_view(template, instances, switches=None):
     """{node id: (scope, node)} of a template with the named subgraph instances (and those nested in them) inlined;
-    an instance not named stays a node. An inlined node keeps its id; a top-level node it shadows is under -id."""
+    an instance not named stays a node. An inlined node keeps its id; a top-level node it shadows is under -id.
+    `switches`: {switch node id: value} our workflow runs instead of the template's setting."""
     with open(os.path.join(_templates_dir(), template + ".json"), encoding="utf-8") as f:
         workflow = json.load(f)
     definitions = {d["id"]: d for d in workflow.get("definitions", {}).get("subgraphs", [])}
@@ -922,7 +943,7 @@ def _template_view(template, instances):
             else:
                 found.append((scope, n))
 
-    top = _Scope(workflow, definitions)
+    top = _Scope(workflow, definitions, switches=switches)
     walk(top, True)
     view = {}
     for scope, n in sorted(found, key=lambda f: f[0] is top):  # inlined nodes first
@@ -947,7 +968,8 @@ def _origin(scope, link):
         inner = _Scope(scope.definitions[node["type"]], scope.definitions, node, scope)
         return _origin(inner, next(l for l in inner.links.values() if l[3] == -20 and l[4] == slot))
     if node["type"] == "ComfySwitchNode":
-        return _origin(scope, scope.link_into(node, "on_true" if _value_of(scope, node, "switch") else "on_false"))
+        on = scope.switches.get(node["id"], _value_of(scope, node, "switch"))
+        return _origin(scope, scope.link_into(node, "on_true" if on else "on_false"))
     if node["type"] in _PASS_ON:
         return _origin(scope, scope.link_into(node, _PASS_ON[node["type"]]))
     if node.get("mode") == BYPASSED:  # the editor passes the input of the output's type on
@@ -1072,7 +1094,7 @@ def test_family_workflow_is_its_template_on_load_parallel_dit(name):
     ones and notes."""
     m = _model_of(name)
     stem = name[:-len(".json")]
-    view = _template_view(m["template"], m["instances"])
+    view = _template_view(m["template"], m["instances"], m.get("switches"))
     ui = _load(os.path.join(WF_DIR, name))
     graph = _load(os.path.join(API_DIR, name))
     c = _by_class(graph)
