@@ -22,7 +22,7 @@ bench: $(VENV)/.ready
 	$(VPY) -m parallel_runtime bench
 
 test: $(VENV)/.ready
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q --durations=25 tests
 
 test-gpu: $(VENV)/.ready
 	@$(VPY) -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| GPUs', torch.cuda.device_count())"

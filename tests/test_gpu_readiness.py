@@ -216,3 +216,55 @@ def test_cpu_lse_kernels_and_ring_merge_match_float64(kernel, dtype, masked):
     e = errors(q, k, v, kernel, bias=bias)  # tolerances and their reasons: tests/gpu/numerics.py
     assert e["out"] <= OUT_RTOL[dtype] and e["merged_out"] <= OUT_RTOL[dtype], e
     assert e["lse"] <= LSE_ATOL and e["merged_lse"] <= LSE_ATOL, e
+
+
+class HostReads(TorchDispatchMode):
+    """Counts reads of a tensor's value back to the host (`int(t)`, `.item()`, an `if` on a tensor): each is a
+    device sync on CUDA."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_camera_and_vace_rows_are_embedded_once_per_index_and_never_read_back():
+    """Wan Fun camera and VACE keep per-rows tensors (the camera adapter's output, the VACE context's embedding):
+    made once for each index tensor the step loop holds, and no later forward reads the index's values back to key
+    on them (one sync per forward on a GPU before). A new index tensor of other rows gets its own rows."""
+    from parallel_runtime.strategies.denoise import Branches
+
+    rows, width, made = 12, 4, []
+
+    class Adapter:  # embeds a row as its index, so the rows each forward got are visible
+        def embed_image(self, x, index, hw):
+            return x[..., :1].expand(-1, -1, width) * 0 + index[None, :, None].float()
+
+        def embed_camera(self, camera, index, hw):
+            made.append("camera")
+            return camera[:, index]
+
+        def embed_vace(self, context):
+            made.append("vace")
+            return context.flatten(1, 2)
+
+    branches = Branches.__new__(Branches)
+    branches.concat = None
+    branches.camera = torch.arange(rows, dtype=torch.float32)[None, :, None].expand(1, rows, width) * 100
+    branches.vace = torch.arange(rows, dtype=torch.float32)[None, None, :, None].expand(1, 1, rows, width) * -1
+    branches._camera_rows, branches._vace_rows = {}, {}
+    adapter, first, second = Adapter(), torch.arange(0, 6), torch.arange(6, 12)
+    x = torch.zeros(1, 6, width)
+    out = branches.embed(adapter, x, first, None)
+    with HostReads() as watch:
+        for _ in range(3):
+            again = branches.embed(adapter, x, first, None)
+    assert watch.reads == 0 and made == ["camera", "vace"], (watch.reads, made)
+    assert torch.equal(again, out)
+    assert torch.equal(out[0, :6, 0], torch.arange(6) * 101.0) and torch.equal(out[0, 6:, 0], -torch.arange(6.0))
+    other = branches.embed(adapter, x, second, None)
+    assert made == ["camera", "vace"] * 2
+    assert torch.equal(other[0, :6, 0], torch.arange(6, 12) * 101.0) and torch.equal(other[0, 6:, 0], -torch.arange(6.0, 12))

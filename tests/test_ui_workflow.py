@@ -193,7 +193,8 @@ def test_our_ui_workflows_convert_to_their_api_twins(object_info, name):
 # video_wan2_2_14B_t2v (wan22_14b_t2v_two_experts) needs Switch nodes the 0.3.64 host lacks: test_workflows.py checks
 # that one against the template's values.
 WAN_TEMPLATES = {"wan21_t2v_ulysses": "text_to_video_wan", "wan21_i2v_cfg_parallel": "image_to_video_wan",
-                 "wan22_5b_ti2v": "video_wan2_2_5B_ti2v", "wan22_fun_inpaint_5b_ulysses": "video_wan2_2_5B_fun_inpaint"}
+                 "wan22_5b_ti2v": "video_wan2_2_5B_ti2v", "wan22_fun_inpaint_5b_ulysses": "video_wan2_2_5B_fun_inpaint",
+                 "wan21_vace_14b_t2v_ulysses": "video_wan_vace_14B_t2v"}
 
 
 @pytest.mark.parametrize("name, template_name", sorted(WAN_TEMPLATES.items()))

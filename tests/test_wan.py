@@ -99,12 +99,9 @@ def camera_adapter(sd: dict, camera: torch.Tensor) -> torch.Tensor:
     return x.view(b, f, *x.shape[1:]).permute(0, 2, 1, 3, 4)
 
 
-@torch.no_grad()
-def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor:
-    """ComfyUI's WanModel on the job's rows; an image-to-video file reads its branch's concat channels beside the
-    latent and (2.1) its CLIP-vision tokens through img_emb and the cross-attention's k_img / v_img."""
-    sd = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(path).items()}
-    heads, dim = c.num_heads, c.hidden_size
+def comfy_wan_ops(sd: dict, heads: int, dim: int):
+    """(linear by name, RMSNorm by name, attention over heads) as comfy/ldm/wan/model.py applies them to a state dict:
+    the pieces every Wan reference call here (plain, Fun, VACE) is written from."""
 
     def lin(x, name):
         return F.linear(x, sd[f"{name}.weight"], sd[f"{name}.bias"])
@@ -115,6 +112,17 @@ def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor
     def attention(q, k, v):
         q, k, v = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+    return lin, rms, attention
+
+
+@torch.no_grad()
+def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor:
+    """ComfyUI's WanModel on the job's rows; an image-to-video file reads its branch's concat channels beside the
+    latent and (2.1) its CLIP-vision tokens through img_emb and the cross-attention's k_img / v_img."""
+    sd = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(path).items()}
+    heads, dim = c.num_heads, c.hidden_size
+    lin, rms, attention = comfy_wan_ops(sd, heads, dim)
 
     out = []
     for row, branch in enumerate(b for b in (job.positive, job.negative) if b is not None):

@@ -24,7 +24,7 @@ from parallel_runtime.sampling import WAN21_LATENT
 from parallel_runtime.spec import Job, ModelSpec, SamplingSpec
 from parallel_runtime.spec import StrategySpec as S
 from parallel_runtime.validate import model_config
-from test_wan import EXACT_RTOL, SERIAL_RTOL, TINY_WAN, H, T, W, call_job, conditioning
+from test_wan import EXACT_RTOL, SERIAL_RTOL, TINY_WAN, H, T, W, call_job, comfy_wan_ops, conditioning
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -71,16 +71,7 @@ def reference_call(path: str, job: Job, c=VACE) -> torch.Tensor:
     input's strength added to the video's tokens (the first VACE block adds before_proj(c) to the embedded video)."""
     sd = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(path).items()}
     heads, dim = c.num_heads, c.hidden_size
-
-    def lin(x, name):
-        return F.linear(x, sd[f"{name}.weight"], sd[f"{name}.bias"])
-
-    def rms(x, name):
-        return F.rms_norm(x, (dim,), sd[f"{name}.weight"], 1e-6)
-
-    def attention(q, k, v):
-        q, k, v = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
-        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+    lin, rms, attention = comfy_wan_ops(sd, heads, dim)
 
     def block(b, x, e0, freqs, context):  # WanAttentionBlock.forward (t2v cross-attention)
         m = (sd[f"{b}.modulation"].unsqueeze(0) + e0).unbind(2)

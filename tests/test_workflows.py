@@ -49,7 +49,7 @@ WORKFLOWS = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pip
              "wan22_5b_ti2v", "lumina2_cfg_parallel", "z_image_turbo_ulysses", "flux2_dev_ulysses", "flux2_klein_4b_ring",
              "qwen_image21_ulysses", "hunyuan_video15_t2v_cfg_parallel", "ltx23_t2v_ulysses", "ltx23_i2v_ulysses",
              "minimax_h3_t2v_ulysses", "wan22_fun_inpaint_5b_ulysses", "hidream_i1_full_cfg_parallel",
-             "flux3_klein_base_cfg_parallel", "kandinsky5_lite_t2i_hybrid")
+             "flux3_klein_base_cfg_parallel", "kandinsky5_lite_t2i_hybrid", "wan21_vace_14b_t2v_ulysses")
 FLUX_HEADS, FLUX_BLOCKS = 24, 19 + 38  # FLUX.1 dev/schnell: 19 double + 38 single blocks
 FLUX_UNETS = ("flux1-dev.safetensors", "flux1-schnell.safetensors")
 STRATEGY_WORDS = ("auto", "ulysses", "ring", "pipefusion", "cfg_parallel", "hybrid")  # the end of a workflow's name
@@ -109,13 +109,23 @@ WAN = {
         unets=("wan2.2_fun_inpaint_5B_bf16.safetensors",), heads=3072 // WAN_HEAD_DIM, blocks=30,
         vae="wan2.2_vae.safetensors", latent=("WanFunInpaintToVideo", 640, 640, 81),
         sampling=dict(steps=20, cfg=6.0, sampler_name="uni_pc", scheduler="simple"), shift=8.0, fps=24.0),
+    # video_wan_vace_14B_t2v: Wan 2.1 VACE 14B (40 VACE-hinted blocks 5120 wide) at 720p through WanVaceToVideo (no
+    # control video, mask or reference connected) and TrimVideoLatent, with the template's CausVid LoRA at 0.7 on the
+    # model and the encoder, whence 4 steps at cfg 1 (the template's setting for it); umT5 fp16
+    "wan21_vace_14b_t2v_": dict(
+        unets=("wan2.1_vace_14B_fp16.safetensors",), heads=5120 // WAN_HEAD_DIM, blocks=40,
+        vae="wan_2.1_vae.safetensors", latent=("WanVaceToVideo", 1280, 720, 81),
+        clip={"clip_name": "umt5_xxl_fp16.safetensors", "type": "wan", "device": "default"},
+        lora=("Wan21_CausVid_14B_T2V_lora_rank32.safetensors", 0.7),  # on the model; 1.0 on the encoder
+        sampling=dict(steps=4, cfg=1, sampler_name="uni_pc", scheduler="simple"), shift=8.0, fps=16.0),
 }
 WAN_CLIP = {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan", "device": "default"}
 # (latent channels, pixels per latent pixel): what each Wan VAE encodes to and each latent node makes
 # (comfy_extras/nodes_hunyuan.py, nodes_wan.py); frames are 4 to a latent frame, plus the first.
 WAN_VAES = {"wan_2.1_vae.safetensors": (16, 8), "wan2.2_vae.safetensors": (48, 16)}
 WAN_LATENTS = {"EmptyHunyuanLatentVideo": (16, 8), "WanImageToVideo": (16, 8), "Wan22ImageToVideoLatent": (48, 16),
-               "WanFunInpaintToVideo": (48, 16)}  # the VAE it is given: the 5B's in our one Fun workflow
+               "WanFunInpaintToVideo": (48, 16),  # the VAE it is given: the 5B's in our one Fun workflow
+               "WanVaceToVideo": (16, 8)}
 # Newer families, each workflow shaped like one ComfyUI template (comfyui-workflow-templates-json 0.1.123, read by
 # test_family_workflow_is_its_template_on_load_parallel_dit): `instances`, the subgraph instances flattened into the
 # workflow (their inner node ids kept); `loader`, the template's diffusion-model loader our Load Parallel DiT stands
@@ -269,6 +279,11 @@ CORE = {
                              ["CONDITIONING", "CONDITIONING", "LATENT"]),
     "Wan22ImageToVideoLatent": (["width", "height", "length", "batch_size"], {"vae": "VAE", "start_image": "IMAGE"},
                                 ["LATENT"]),
+    "WanVaceToVideo": (["width", "height", "length", "batch_size", "strength"],
+                       {"positive": "CONDITIONING", "negative": "CONDITIONING", "vae": "VAE", "control_video": "IMAGE",
+                        "control_masks": "MASK", "reference_image": "IMAGE"},
+                       ["CONDITIONING", "CONDITIONING", "LATENT", "INT"]),
+    "TrimVideoLatent": (["trim_amount"], {"samples": "LATENT"}, ["LATENT"]),
     "CLIPVisionLoader": (["clip_name"], {}, ["CLIP_VISION"]),
     "CLIPVisionEncode": (["crop"], {"clip_vision": "CLIP_VISION", "image": "IMAGE"}, ["CLIP_VISION_OUTPUT"]),
     "ModelSamplingSD3": (["shift"], {"model": "MODEL"}, ["MODEL"]),
@@ -361,7 +376,8 @@ OPTIONAL_CORE = {("DualCLIPLoader", "device"), ("CLIPLoader", "device"), ("Refer
                  *OPTIONAL_WIDGET_DEFAULTS, ("TextGenerateLTX2Prompt", "image"), ("TextGenerateLTX2Prompt", "video"),
                  ("TextGenerateLTX2Prompt", "audio"), ("TextGenerateLTX2Prompt", "thinking"),
                  ("TextGenerateLTX2Prompt", "use_default_template"), ("MiniMaxH3ImageToVideo", "first_frame"),
-                 ("MiniMaxH3ImageToVideo", "last_frame")}
+                 ("MiniMaxH3ImageToVideo", "last_frame"), ("WanVaceToVideo", "control_video"),
+                 ("WanVaceToVideo", "control_masks"), ("WanVaceToVideo", "reference_image")}
 # Widget values the frontend stores after a widget but the API format leaves out: LoadImage's upload button, and
 # the samplers' (and RandomNoise's) control_after_generate after their seed.
 UI_EXTRA_WIDGETS = {("LoadImage", "image"): 1, ("KSampler", "seed"): 1, ("KSamplerAdvanced", "noise_seed"): 1,
@@ -808,9 +824,13 @@ def test_wan_workflow_is_its_template_on_load_parallel_dit_and_its_strategy_fits
     assert not {"UNETLoader", "ParaDiTSampler", "DualCLIPLoader", "TripleCLIPLoader"} & set(c)
     (clip,), (vae,), (decode,), (create,), (save,) = (c[k] for k in ("CLIPLoader", "VAELoader", "VAEDecode",
                                                                       "CreateVideo", "SaveVideo"))
-    assert clip["inputs"] == WAN_CLIP and vae["inputs"]["vae_name"] == m["vae"]
-    # The samplers in denoising order: back from VAE Decode, each takes its predecessor's latent.
+    assert clip["inputs"] == m.get("clip", WAN_CLIP) and vae["inputs"]["vae_name"] == m["vae"]
+    # The samplers in denoising order: back from VAE Decode (VACE: through TrimVideoLatent, which cuts the reference
+    # frames WanVaceToVideo put in front), each takes its predecessor's latent.
     chain, node = [], graph[decode["inputs"]["samples"][0]]
+    trim = node if node["class_type"] == "TrimVideoLatent" else None
+    if trim is not None:
+        node = graph[trim["inputs"]["samples"][0]]
     while node["class_type"] in ("KSampler", "KSamplerAdvanced"):
         chain.insert(0, node)
         node = graph[node["inputs"]["latent_image"][0]]
@@ -824,6 +844,10 @@ def test_wan_workflow_is_its_template_on_load_parallel_dit_and_its_strategy_fits
     assert (li["width"], li["height"], li["length"], li["batch_size"]) == (width, height, length, 1)
     if "vae" in li:
         assert graph[li["vae"][0]] is vae
+    assert (trim is not None) == (latent_cls == "WanVaceToVideo")
+    if trim is not None:  # its amount: the reference frames WanVaceToVideo added (its 4th output)
+        latent_id = chain[0]["inputs"]["latent_image"][0]
+        assert trim["inputs"]["trim_amount"] == [latent_id, 3] and graph[latent_id] is latent
     stride = WAN_VAES[m["vae"]][1]
     frames, rows, cols = (length - 1) // 4 + 1, height // stride, width // stride
     assert rows * stride == height and cols * stride == width and rows % 2 == cols % 2 == 0, "Wan's 1x2x2 patches"
@@ -841,6 +865,12 @@ def test_wan_workflow_is_its_template_on_load_parallel_dit_and_its_strategy_fits
         assert encode["inputs"]["image"] == li["start_image"], "the first frame is the picture CLIP vision sees"
         picture = graph[li["start_image"][0]]
         assert picture["class_type"] == "LoadImage" and picture["inputs"]["image"] == "example.png"
+    elif latent_cls == "WanVaceToVideo":  # the prompts through it; text to video: no control video, mask or reference
+        lid = first["latent_image"][0]
+        assert first["latent_image"] == [lid, 2] and first["positive"] == [lid, 0] and first["negative"] == [lid, 1]
+        positive, negative = graph[li["positive"][0]], graph[li["negative"][0]]
+        assert not {"control_video", "control_masks", "reference_image"} & set(li) and "LoadImage" not in c
+        assert li["strength"] == 1.0
     elif latent_cls == "WanFunInpaintToVideo":  # the prompts through it, with the first and last frames (no CLIP vision)
         lid = first["latent_image"][0]
         assert first["latent_image"] == [lid, 2] and first["positive"] == [lid, 0] and first["negative"] == [lid, 1]
@@ -856,16 +886,27 @@ def test_wan_workflow_is_its_template_on_load_parallel_dit_and_its_strategy_fits
         assert all(s["inputs"]["positive"] == first["positive"] and s["inputs"]["negative"] == first["negative"]
                    for s in chain)
     assert positive["class_type"] == negative["class_type"] == "CLIPTextEncode" and positive is not negative
-    assert graph[positive["inputs"]["clip"][0]] is clip and graph[negative["inputs"]["clip"][0]] is clip
+    # The encoder, or the LoRA's CLIP over it (the template patches both with one LoraLoader).
+    lora = graph[positive["inputs"]["clip"][0]] if m.get("lora") else None
+    encoder = graph[lora["inputs"]["clip"][0]] if lora else graph[positive["inputs"]["clip"][0]]
+    assert encoder is clip and negative["inputs"]["clip"] == positive["inputs"]["clip"]
+    if lora:
+        assert lora["class_type"] == "LoraLoader" and positive["inputs"]["clip"][1] == 1
+        assert lora["inputs"]["lora_name"] == m["lora"][0]
+        assert (lora["inputs"]["strength_model"], lora["inputs"]["strength_clip"]) == pytest.approx((m["lora"][1], 1.0))
     assert positive["inputs"]["text"].strip() and negative["inputs"]["text"].strip()
     # Each sampler: the template's settings, on ModelSamplingSD3 over a Load Parallel DiT of its expert's file.
     loaders = []
     for sampler, unet in zip(chain, m["unets"]):
         s = sampler["inputs"]
-        assert {k: s[k] for k in m["sampling"]} == m["sampling"] and s["cfg"] > 1, "true CFG, the template's sampling"
+        assert {k: s[k] for k in m["sampling"]} == m["sampling"], "the template's sampling"
+        assert s["cfg"] > 1 or m.get("lora"), "true CFG, but under a step-distillation LoRA (CausVid: cfg 1)"
         shift = graph[s["model"][0]]
         assert shift["class_type"] == "ModelSamplingSD3" and shift["inputs"]["shift"] == pytest.approx(m["shift"])
         loader = graph[shift["inputs"]["model"][0]]
+        if m.get("lora"):  # the LoRA patches Load Parallel DiT's MODEL, as it patched UNETLoader's
+            assert loader is lora and shift["inputs"]["model"][1] == 0
+            loader = graph[lora["inputs"]["model"][0]]
         assert loader["class_type"] == "ParaDiTLoader" and loader["inputs"]["unet_name"] == unet
         strategy = graph[loader["inputs"]["strategy"][0]]
         assert strategy["class_type"] == "ParaDiTStrategy"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import torch
 
@@ -167,6 +167,24 @@ class JointAttentionConfig:
         cross-attention moves nothing, so it is not listed."""
         return tuple(tuple(layer == "joint" for layer in kind.attention if layer != "prompt")
                      for kind in self.block_kinds)
+
+
+class TwoBlockListConfig(JointAttentionConfig):
+    """Configs of families with two block lists run one after the other, which strategies, PipeFusion and the cost
+    model see as one: `num_layers` blocks of `first_kind` (double-stream in Flux, Chroma, FLUX.2 and HiDream; FLUX.3's
+    image mode blocks), then `num_single_layers` of `second_kind` (single-stream; each family's own kind, since
+    Flux's fuses its attention and MLP projections and the others do not)."""
+
+    first_kind: ClassVar[BlockKind]
+    second_kind: ClassVar[BlockKind]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_layers + self.num_single_layers
+
+    @property
+    def block_kinds(self) -> tuple[BlockKind, ...]:
+        return (self.first_kind,) * self.num_layers + (self.second_kind,) * self.num_single_layers
 
 
 class FixedHeadSizeConfig:

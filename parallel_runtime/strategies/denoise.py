@@ -104,14 +104,14 @@ class Branches:
         # WanCameraEmbedding's Plücker embedding per row, left where the message put it: each forward moves only the
         # frames its tokens lie in to the device (adapter.embed_camera), once per job for each set of rows.
         self.camera = torch.cat([rep(c.camera) for c in conds]) if first.camera is not None else None
-        self._camera_rows: dict[tuple, torch.Tensor] = {}
+        self._camera_rows: dict[int, tuple] = {}
         # A VACE model's context per row, packed like the latent [rows, n inputs, tokens, C*4], left where the message
         # put it: each forward moves only its own tokens' rows to the device (embed), once per job for each set of
         # rows; one strength per input (the same for every branch batched here: signature).
         self.vace = (torch.cat([rep(adapter.pack(c.vace.flatten(0, 1).float()).unflatten(0, (c.vace.shape[0], -1)))
                                 for c in conds]) if first.vace is not None else None)
         self.vace_strength = first.vace_strength
-        self._vace_rows: dict[tuple, torch.Tensor] = {}
+        self._vace_rows: dict[int, tuple] = {}
         # Rows the family joins to the embedded prompt from other inputs (HunyuanVideo 1.5: the start image's
         # vision tokens and the glyph tokens, which its embed_text puts in front of the prompt).
         self.joined_rows = getattr(adapter, "joined_rows", lambda branches: 0)(self)
@@ -129,19 +129,13 @@ class Branches:
         """The embedded image rows `index` of these branches: the latent's and c_concat's tokens through the patch
         embedding, plus a camera model's adapter rows (the same every step: computed once per job and rows)."""
         image = adapter.embed_image(self.with_concat(x_rows, index), index, hw)
-        if self.camera is None and self.vace is None:
-            return image
-        # Which rows these are, read on the host: only for the variants that keep per-rows tensors (a plain model's
-        # step loop reads nothing back from the device, test_gpu_readiness).
-        key = (int(index[0]), int(index[-1]), index.numel())
         if self.camera is not None:
-            if key not in self._camera_rows:
-                self._camera_rows[key] = adapter.embed_camera(self.camera, index, hw).to(image.dtype)
-            image = image + self._camera_rows[key]
+            image = image + _rows_cached(self._camera_rows, index,
+                                         lambda: adapter.embed_camera(self.camera, index, hw).to(image.dtype))
         if self.vace is not None:  # the context rows ride behind the video's (adapter.run_blocks takes them off)
-            if key not in self._vace_rows:
-                self._vace_rows[key] = adapter.embed_vace(self.vace[:, :, index.cpu()]).to(image.dtype)
-            image = torch.cat([image, self._vace_rows[key]], dim=1)
+            vace = _rows_cached(self._vace_rows, index,
+                                lambda: adapter.embed_vace(self.vace[:, :, index.cpu()]).to(image.dtype))
+            image = torch.cat([image, vace], dim=1)
         return image
 
     @property
@@ -157,6 +151,17 @@ class Branches:
     def extra_len(self, image_len: int) -> int:
         """Image-stream rows after the image's own: reference tokens, then the family's learned pad rows."""
         return self.ref_len + self._stream_pad(image_len + self.ref_len)
+
+
+def _rows_cached(cache: dict, index: torch.Tensor, make) -> torch.Tensor:
+    """make()'s tensor for the token rows `index`, made once per index tensor. The step loops build each rank's
+    index once per job (per patch set under PipeFusion), so the tensor itself is the key: reading its values to
+    key on them would be a device sync every forward on a GPU (test_gpu_readiness). The entry holds the index, so
+    its id cannot be reused by another tensor while cached."""
+    hit = cache.get(id(index))
+    if hit is None or hit[0] is not index:
+        hit = cache[id(index)] = (index, make())
+    return hit[1]
 
 
 def _attention_masks(conds: list[Conditioning], batch: int, device) -> torch.Tensor | None:

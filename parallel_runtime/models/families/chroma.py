@@ -31,7 +31,7 @@ from ...errors import ModelFileError
 from ...sampling import model_sampling_for
 from ...weights.keymap import Source, block_count, linear, same_names, tensor_shapes
 from ..detection import DIFFUSERS_PREFIXES, Signature, signature_match
-from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
+from ..family import BlockKind, DiTFamily, Match, TwoBlockListConfig
 from ..shapes import CheckpointShapes
 from .flux import DOUBLE_BLOCK, SINGLE_BLOCK, default_axes_dims_rope, map_double_block, map_single_block
 from .flux_adapter import FluxAdapter, block_inputs as flux_block_inputs
@@ -46,7 +46,8 @@ BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
 
 
 @dataclass(frozen=True)
-class ChromaConfig(JointAttentionConfig):
+class ChromaConfig(TwoBlockListConfig):
+    first_kind, second_kind = DOUBLE_BLOCK, SINGLE_BLOCK  # the pipeline's one list: these, then single blocks
     hidden_size: int
     num_heads: int
     head_dim: int
@@ -75,13 +76,7 @@ class ChromaConfig(JointAttentionConfig):
         if self.out_channels is None:
             object.__setattr__(self, "out_channels", self.in_channels)
 
-    @property
-    def num_blocks(self) -> int:
-        return self.num_layers + self.num_single_layers
 
-    @property
-    def block_kinds(self) -> tuple[BlockKind, ...]:
-        return (DOUBLE_BLOCK,) * self.num_layers + (SINGLE_BLOCK,) * self.num_single_layers
 
     @property
     def mlp_hidden(self) -> int:

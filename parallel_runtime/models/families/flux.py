@@ -25,7 +25,7 @@ from typing import Iterable
 from ...errors import ModelFileError
 from ...weights.keymap import Source, block_count, linear, same_names, tensor_shapes
 from ..detection import BFL_PREFIXES, DIFFUSERS_PREFIXES
-from ..family import BlockKind, JointAttentionConfig, diffusers_meta_model
+from ..family import BlockKind, TwoBlockListConfig, diffusers_meta_model
 from ..shapes import CheckpointShapes
 
 LAYOUTS = ("bfl", "diffusers")
@@ -55,7 +55,8 @@ def default_axes_dims_rope(head_dim: int) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True)
-class FluxConfig(JointAttentionConfig):
+class FluxConfig(TwoBlockListConfig):
+    first_kind, second_kind = DOUBLE_BLOCK, SINGLE_BLOCK  # the pipeline's one list: these, then single blocks
     hidden_size: int
     num_heads: int
     head_dim: int
@@ -113,14 +114,7 @@ class FluxConfig(JointAttentionConfig):
         Depth 16 (the control image's latent); 0 for text-to-image files."""
         return self.in_channels // 4 - self.latent_channels
 
-    @property
-    def num_blocks(self) -> int:
-        """Length of the ordered block list strategies and planning see (double-stream, then single-stream)."""
-        return self.num_layers + self.num_single_layers
 
-    @property
-    def block_kinds(self) -> tuple[BlockKind, ...]:
-        return (DOUBLE_BLOCK,) * self.num_layers + (SINGLE_BLOCK,) * self.num_single_layers
 
     @property
     def mlp_hidden(self) -> int:

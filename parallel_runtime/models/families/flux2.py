@@ -33,7 +33,7 @@ from ...strategies.attention.processor import ParallelFluxAttnProcessor
 from ...weights.keymap import Source, block_count, has_block, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..blocks import BlockLoop
-from ..family import DiTFamily, JointAttentionConfig, Match, diffusers_meta_model
+from ..family import DiTFamily, Match, TwoBlockListConfig, diffusers_meta_model
 from ..patchify import PatchTokens
 from ..rope import grid_ids
 from ..shapes import CheckpointShapes
@@ -55,7 +55,8 @@ _KLEIN_SIZES = {3072: "4B", 4096: "9B"}
 
 
 @dataclass(frozen=True)
-class Flux2Config(JointAttentionConfig):
+class Flux2Config(TwoBlockListConfig):
+    first_kind, second_kind = DOUBLE_BLOCK, SINGLE_BLOCK  # the pipeline's one list: these, then single blocks
     hidden_size: int
     num_heads: int
     head_dim: int
@@ -103,13 +104,7 @@ class Flux2Config(JointAttentionConfig):
     def latent_channels(self) -> int:
         return self.in_channels
 
-    @property
-    def num_blocks(self) -> int:
-        return self.num_layers + self.num_single_layers
 
-    @property
-    def block_kinds(self):
-        return (DOUBLE_BLOCK,) * self.num_layers + (SINGLE_BLOCK,) * self.num_single_layers
 
     def diffusers_kwargs(self) -> dict:
         return dict(patch_size=1, in_channels=self.in_channels, num_layers=self.num_layers,

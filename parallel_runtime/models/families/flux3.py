@@ -34,7 +34,7 @@ from ...sampling.flow import FluxModelSampling
 from ...strategies.attention import LocalAttention
 from ...weights.keymap import Source, block_count, tensor_shapes
 from ...weights.storage import compute_placement
-from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
+from ..family import BlockKind, DiTFamily, Match, TwoBlockListConfig
 from .flux import BFL_PREFIXES, TIME_FEATURES
 from .flux2 import Flux2Adapter, _weight, sequence_ids
 
@@ -52,7 +52,8 @@ _BASE_FILE = "flux3-image-klein-base-int8-convrot.safetensors (or flux3-image-kl
 
 
 @dataclass(frozen=True)
-class Flux3Config(JointAttentionConfig):
+class Flux3Config(TwoBlockListConfig):
+    first_kind, second_kind = MODE_BLOCK, SINGLE_BLOCK  # the pipeline's one list: these, then single blocks
     hidden_size: int
     num_heads: int
     head_dim: int
@@ -86,13 +87,7 @@ class Flux3Config(JointAttentionConfig):
     def latent_channels(self) -> int:
         return self.in_channels
 
-    @property
-    def num_blocks(self) -> int:
-        return self.num_layers + self.num_single_layers  # the prompt's mode blocks run once per job (embed_text)
 
-    @property
-    def block_kinds(self):
-        return (MODE_BLOCK,) * self.num_layers + (SINGLE_BLOCK,) * self.num_single_layers
 
     def diffusers_kwargs(self) -> dict:
         return dict(in_channels=self.in_channels, cond_in_channels=self.in_channels, num_layers=self.num_layers,
@@ -366,9 +361,7 @@ class Flux3Adapter:
                                               temb_mod_context=text_mod, image_rotary_emb=rope)
         return image, text
 
-    def head(self, image: torch.Tensor, temb: tuple, rope=None) -> torch.Tensor:
-        """Velocity in float32, one latent pixel's channels per token."""
-        return self.model.proj_out(self.model.norm_out(image, temb[0])).float()
+    head = Flux2Adapter.head  # norm_out on the image's temb, proj_out: FLUX.2's
 
 
 FLUX3 = DiTFamily(

@@ -49,7 +49,7 @@ from ...errors import ModelFileError
 from ...sampling import FLUX_LATENT, FluxModelSampling
 from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
-from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
+from ..family import BlockKind, DiTFamily, Match, TwoBlockListConfig
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.", "")
 HEAD_DIM = 128  # ComfyUI builds every HiDream with 128-wide heads (nothing in the file says so)
@@ -71,7 +71,8 @@ def swiglu_width(hidden: int) -> int:
 
 
 @dataclass(frozen=True)
-class HiDreamConfig(JointAttentionConfig):
+class HiDreamConfig(TwoBlockListConfig):
+    first_kind, second_kind = DOUBLE_BLOCK, SINGLE_BLOCK  # the pipeline's one list: these, then single blocks
     hidden_size: int
     num_layers: int  # double-stream blocks
     num_single_layers: int
@@ -97,13 +98,7 @@ class HiDreamConfig(JointAttentionConfig):
     def num_heads(self) -> int:
         return self.hidden_size // self.head_dim
 
-    @property
-    def num_blocks(self) -> int:
-        return self.num_layers + self.num_single_layers
 
-    @property
-    def block_kinds(self) -> tuple[BlockKind, ...]:
-        return (DOUBLE_BLOCK,) * self.num_layers + (SINGLE_BLOCK,) * self.num_single_layers
 
     @property
     def context_dim(self) -> int:
