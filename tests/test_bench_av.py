@@ -16,12 +16,14 @@ pytestmark = pytest.mark.timeout(120)
 LTX23_PARAMETERS, LTX23_BLOCK = 18_988_838_144, 386_695_360
 
 
-@pytest.mark.parametrize("family, video, audio", [("ltx2", 13 * 20 * 32, 97), ("minimax_h3", 37 * 14 * 16, 2 * 207)])
+@pytest.mark.parametrize("family, video, audio", [("ltx2", 13 * 20 * 32, 97), ("minimax_h3", 37 * 14 * 16, 2 * 207),
+                                                 ("kandinsky6", 21 * 20 * 20, 145)])
 def test_bench_runs_the_audio_video_families_at_a_video_shape_with_audio(tmp_path, family, video, audio):
-    """`bench --family ltx2 / minimax_h3`: a random model with the family's blocks that reads back as the same
-    config, at >= 8,000 video + audio tokens. LTX-2: 97 frames of 1024x640 (13 latent frames of 20 x 32, 25 audio
-    latents a second at 25 fps); MiniMax-H3: 124 frames of 512x448 (37 latent frames of 14 x 16 patches, 40 audio
-    latents a second at 24 fps, two stereo rows each)."""
+    """`bench --family ltx2 / minimax_h3 / kandinsky6`: a random model with the family's blocks that reads back as
+    the same config, at >= 8,000 video + audio tokens. LTX-2: 97 frames of 1024x640 (13 latent frames of 20 x 32, 25
+    audio latents a second at 25 fps); MiniMax-H3: 124 frames of 512x448 (37 latent frames of 14 x 16 patches, 40
+    audio latents a second at 24 fps, two stereo rows each); Kandinsky 6: 81 frames of 320x320 (21 latent frames of
+    20 x 20 patches, 217 audio latents per 121 frames: 145)."""
     from parallel_runtime.models.tiny import write_checkpoint
     from parallel_runtime.validate import model_config
 
@@ -93,9 +95,9 @@ def workers(bench_workers):
     return bench_workers
 
 
-@pytest.mark.parametrize("family", ["ltx2", "minimax_h3"])
+@pytest.mark.parametrize("family", ["ltx2", "minimax_h3", "kandinsky6"])
 def test_quick_av_bench_times_every_exact_strategy_and_each_equals_serial(family, workers, tmp_path, monkeypatch):
-    """`bench --family ltx2 / minimax_h3 --quick` on the shared workers: the model call of serial, Ulysses-2, Ring-2,
+    """`bench --family ltx2 / minimax_h3 / kandinsky6 --quick` on the shared workers: the model call of serial, Ulysses-2, Ring-2,
     TP-2 and CFG-2, each timed and its video and audio outputs equal to serial's (the command exits 1 otherwise)."""
     import json
 
@@ -108,7 +110,8 @@ def test_quick_av_bench_times_every_exact_strategy_and_each_equals_serial(family
     record = json.loads(out.read_text())
     rows = {row["label"]: row for row in record["av_calls"]["rows"]}
     assert set(rows) == {"serial", "ulysses2", "ring2", "tp2", "serial@cfg3.5", "cfg2@cfg3.5"}
-    assert record["audio_tokens"] == {"ltx2": 5, "minimax_h3": 16}[family]  # 5 frames: 5 LTX latents, 8 H3 x 2
+    # 5 frames: 5 LTX latents, 8 H3 x 2, 9 Kandinsky 6 (5 / 24 s at 43.04 a second)
+    assert record["audio_tokens"] == {"ltx2": 5, "minimax_h3": 16, "kandinsky6": 9}[family]
     for label, row in rows.items():
         assert row["call_s"] > 0 and row["cpu_s"] > 0, label
         if row["ranks"] > 1:

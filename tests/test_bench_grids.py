@@ -49,6 +49,9 @@ def test_quick_grid_runs_every_row_or_says_why_not(family, workers, tmp_path, mo
     for label, row in ran.items():
         if row["ranks"] > 1 and StrategySpec(**row["strategy"]).exact:
             assert row["rel_err"] < EXACT_RTOL, f"{family} {label}: {row['rel_err']:.1e}"
+        # every rank timed its steps' CPU seconds (the work column): serial's against itself is 1
+        assert row["cpu_step_s"] > 0 and row["work_speedup"] > 0, (family, label, row["cpu_step_s"])
+    assert ran["serial"]["work_speedup"] == 1.0
 
 
 def test_wan_grid_names_why_tensor_parallel_does_not_fit(workers, tmp_path, monkeypatch):

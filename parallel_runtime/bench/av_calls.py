@@ -1,4 +1,4 @@
-"""`bench --family ltx2` / `--family minimax_h3`: the audio-video families' model call, serial against the exact
+"""`bench --family ltx2` / `minimax_h3` / `kandinsky6`: the audio-video families' model call, serial against the exact
 strategies, at a video shape with its audio.
 
 Parallel Sampler does not step these families' audio stream yet (LTX2Config.not_sampled_yet,
@@ -24,17 +24,20 @@ from .measure import cpu_capacity, rel_err
 from .report import fmt_table
 from .runs import WarmClients
 
-AV_FAMILIES = ("ltx2", "minimax_h3")
+AV_FAMILIES = ("ltx2", "minimax_h3", "kandinsky6")
 # The bench's sizes: >= 8,000 video + audio tokens, each family's frame grid and frame rate, its prompt length.
 # LTX-2: 97 frames (ComfyUI's default length) of 1024x640 at 25 fps -> 13 x 20 x 32 = 8,320 video tokens + 97 audio
 # tokens (25 audio latents a second); Gemma's prompt padded to 1,024 rows as ComfyUI's LTXAV tokenizer pads it.
 # MiniMax-H3: 124 frames (its ~5 s default, 17k + 5) of 512x448 at 24 fps -> 37 latent frames x 14 x 16 patches =
 # 8,288 video rows + 414 audio rows (207 latent frames at 40 a second, 2 stereo rows each); a 512-row prompt in
-# front (the packed sequence is 9,214 rows).
+# front (the packed sequence is 9,214 rows). Kandinsky 6: Wan's bench video, 81 frames of 320x320 at 24 fps -> 21 x 20
+# x 20 = 8,400 video tokens (2x2 patches of the HunyuanVideo latent) + 145 audio tokens; a 256-row Qwen2.5-VL prompt.
 AV_SIZES = {"ltx2": dict(resolution="1024x640", frames=97, text_tokens=1024, fps=25),
-            "minimax_h3": dict(resolution="512x448", frames=124, text_tokens=512, fps=24)}
+            "minimax_h3": dict(resolution="512x448", frames=124, text_tokens=512, fps=24),
+            "kandinsky6": dict(resolution="320x320", frames=81, text_tokens=256, fps=24)}
 LTX_AUDIO_RATE = 25  # LTX-2 audio latents a second (16 kHz, hop 160, 4x downsampled)
 H3_AUDIO_RATE = 40  # MiniMax-H3 audio latents a second (ComfyUI's AUDIO_LATENT_FPS)
+K6_AUDIO_RATE = 217 * 24 / 121  # Kandinsky 6 audio latents a second: its 121 frames at 24 fps carry 217
 SIGMA = 0.7  # one mid-schedule step; the work per call does not depend on it
 # The rows: serial and each exact strategy on two workers at cfg 1 (a distilled file: no uncond), and CFG-2 against
 # serial at cfg CFG_PARALLEL_SCALE (cond and uncond in one call).
@@ -68,6 +71,12 @@ def av_shape(config, width: int, height: int, frames: int, fps: int) -> AVShape:
     """The video and audio latents of `frames` frames of width x height, as ComfyUI's empty-latent nodes make them
     (EmptyLTXVLatentVideo + LTXVEmptyLatentAudio; EmptyMiniMaxH3LatentAV), and their token counts."""
     rows, cols = height // config.latent_downscale, width // config.latent_downscale
+    if config.family == "kandinsky6":  # Kandinsky6EmptyLatent: 4 frames to a latent frame, 2x2 patches
+        if rows % 2 or cols % 2:
+            raise SystemExit(f"--resolution {width}x{height}: Kandinsky 6 needs multiples of 16 pixels")
+        t, audio_frames = (frames - 1) // 4 + 1, round(frames / fps * K6_AUDIO_RATE)
+        return AVShape((1, config.latent_dim, t, rows, cols), (1, audio_frames, config.audio_dim),
+                       t * (rows // 2) * (cols // 2), audio_frames, fps)
     if config.family == "ltx2":
         t, audio_frames = (frames - 1) // 8 + 1, round(frames / fps * LTX_AUDIO_RATE)
         return AVShape((1, config.in_channels, t, rows, cols), (1, config.audio_in_channels // 16, audio_frames, 16),
@@ -86,14 +95,15 @@ def call_job(path: str, config, strategy: StrategySpec, shape: AVShape, text_tok
     """One stock-sampler call: both streams' x and timesteps for cond (and uncond at cfg > 1), random prompts."""
     g = torch.Generator().manual_seed(1234)
     chunks = 2 if abs(cfg - 1.0) > 1e-9 else 1
-    pos, neg = (Conditioning(torch.randn(1, text_tokens, config.context_dim, generator=g), torch.zeros(1, 0))
-                for _ in "pn")
+    pos, neg = (Conditioning(torch.randn(1, text_tokens, config.context_dim, generator=g),
+                             torch.randn(1, config.pooled_dim, generator=g) if config.pooled_dim else torch.zeros(1, 0))
+                for _ in "pn")  # Kandinsky 6 reads a pooled CLIP-L vector too
     video = torch.randn((chunks, *shape.video[1:]), generator=g)
     audio = torch.randn((chunks, *shape.audio[1:]), generator=g)
     if config.family == "ltx2":  # ComfyUI hands LTXAVModel sigmas; the audio its own (here the same step)
         timing = dict(timestep=torch.full((chunks,), SIGMA), audio_timestep=torch.full((chunks,), SIGMA),
                       extra={"frame_rate": float(shape.fps)})
-    else:  # MiniMax-H3's model_base passes sigma x 1000
+    else:  # MiniMax-H3's and Kandinsky 6's model_base pass sigma x 1000
         timing = dict(timestep=torch.full((chunks,), SIGMA * 1000))
     return Job(ModelSpec(path), strategy, SamplingSpec(steps=1, cfg=cfg), video, pos, neg if chunks == 2 else None,
                audio=audio, **timing)

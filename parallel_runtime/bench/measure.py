@@ -25,13 +25,15 @@ def skip_steps(strategy: StrategySpec) -> int:
     return max(1, strategy.warmup_steps) if strategy.patch_degree > 1 else 1
 
 
-def step_seconds(stats: list[dict], skip: int) -> float:
-    """The slowest rank's median step time over the steps after `skip` (all steps if too few)."""
+def step_seconds(stats: list[dict], skip: int, key: str = "step_times") -> float:
+    """The slowest rank's median step time over the steps after `skip` (all steps if too few); key "step_cpu": the
+    busiest rank's median CPU seconds per step."""
     meds = []
     for st in stats:
-        times = st["step_times"]
-        meds.append(statistics.median(times[skip:] if len(times) > skip else times))
-    return max(meds)
+        times = st.get(key) or []  # a job whose runner reports no steps (a model call) has no CPU marks
+        if times:
+            meds.append(statistics.median(times[skip:] if len(times) > skip else times))
+    return max(meds, default=0.0)
 
 
 class RssSampler:

@@ -9,6 +9,7 @@ from ..models.families.hidream import HiDreamConfig
 from ..models.families.flux3 import Flux3Config
 from ..models.families.hunyuan_video15 import HunyuanVideo15Config
 from ..models.families.kandinsky5 import Kandinsky5Config
+from ..models.families.kandinsky6 import Kandinsky6Config
 from ..models.families.ltx2 import LTX2Config
 from ..models.families.minimax_h3 import MiniMaxH3Config
 from ..models.families.pixart import PixArtConfig
@@ -87,6 +88,13 @@ BENCH_FAMILIES = {
     # heads (Lite: 1792 / 64 = 28), 4 of them, and Lite's MLP ratio (7168 / 1792 = 4).
     "kandinsky5": Kandinsky5Config(hidden_size=256, num_layers=2, head_dim=64, ff_dim=1024, time_dim=128,
                                    context_dim=64, pooled_dim=32),
+    # Kandinsky 6: video and audio streams side by side in every fused block (self-attention, cross-attention to each
+    # stream's refinement of the prompt, video <-> audio attention, an MLP each); its 128-wide heads, 2 per stream
+    # (Ulysses-2 splits both), the audio as wide as the video (the release's half would leave it one head), 2 text
+    # blocks per stream recomputed every call (they read the timestep).
+    "kandinsky6": Kandinsky6Config(hidden_size=256, audio_hidden_size=256, num_layers=2, head_dim=128, ff_dim=1024,
+                                   audio_ff_dim=1024, time_dim=128, audio_time_dim=128, text_blocks=2,
+                                   context_dim=64, pooled_dim=32),
     # MiniMax-H3: one packed [prompt | audio | video] sequence through identical single-stream blocks; its 128-wide
     # heads, 2 of them, and the release's SwiGLU ratio (14336 / 5376 x 256, rounded to an even count).
     "minimax_h3": MiniMaxH3Config(hidden_size=256, num_layers=2, num_heads=2, head_dim=128, ffn_dim=682, text_dim=64,
@@ -136,6 +144,8 @@ RELEASE_SHAPES = {
                 "HiDream I1 17B shapes (width 2560, 20 heads, 16 + 32 blocks, 4 experts top 2 + shared)"),
     "kandinsky5": (Kandinsky5Config(hidden_size=1792, num_layers=32, head_dim=64, ff_dim=7168),
                    "Kandinsky 5 Lite video shapes (width 1792, 28 heads x 64, 32 blocks, MLP 7168)"),
+    "kandinsky6": (Kandinsky6Config(hidden_size=4096, audio_hidden_size=2048, num_layers=60),
+                   "Kandinsky 6 Pro shapes (video 4096 wide, 32 heads; audio 2048, 16 heads; 60 fused blocks)"),
     "z_image": (ZImageConfig(hidden_size=3840, num_heads=30, num_kv_heads=30, num_layers=30, num_refiner_layers=2,
                              ffn_dim=10240, cap_feat_dim=2560),
                 "Z-Image Turbo / base 6B shapes (width 3840, 30 heads, 2 refiner + 30 blocks, ffn 10240)"),
@@ -158,9 +168,12 @@ RELEASE_VIDEO_SIZES = {"wan": (("480p (832x480) x 81 frames", 21, 60, 104),
 RELEASE_AV_SIZES = {"ltx2": (("stage 1: 640x352 x 121 frames", 16, 11, 20, 121),
                              ("stage 2: 1280x704 x 121 frames", 16, 22, 40, 121)),
                     "minimax_h3": (("1344x768 x 73 frames", 22, 24, 42, 244),
-                                   ("1344x768 x 124 frames", 37, 24, 42, 414))}
-# Prompt rows at release: LTX-2's Gemma prompt padded to 1,024 (ComfyUI's LTXAV tokenizer); a long MiniMax-H3 prompt.
-RELEASE_AV_TEXT = {"ltx2": 1024, "minimax_h3": 512}
+                                   ("1344x768 x 124 frames", 37, 24, 42, 414)),
+                    # Kandinsky 6: 121 frames at 24 fps (31 latent frames) of 864x480 (30 x 54 patches), 217 audio
+                    "kandinsky6": (("864x480 x 121 frames", 31, 30, 54, 217),)}
+# Prompt rows at release: LTX-2's Gemma prompt padded to 1,024 (ComfyUI's LTXAV tokenizer); a long MiniMax-H3 prompt; a
+# Kandinsky 6 prompt of 256 Qwen2.5-VL rows.
+RELEASE_AV_TEXT = {"ltx2": 1024, "minimax_h3": 512, "kandinsky6": 256}
 NAMED_MODELS = {"bench": BENCH_FLUX, "tiny": TINY, **{k: v for k, v in BENCH_FAMILIES.items() if k != "flux"}}
 TOY = "toy"  # the trained demo model (parallel_runtime/toy): its shipped file, the demo's prompt, 512x512
 

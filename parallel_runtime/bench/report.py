@@ -20,7 +20,7 @@ def result_rows(results: list[dict], serial: dict, steps: int, kind: str) -> tup
     """The table's header and rows and the JSON rows, one per measured configuration; each result gains its
     speed-up and error against the serial run at its cfg."""
     json_rows: list = []
-    headers = ["config", "ranks", "ms/step", "job s", "speed-up", "cores", "proj ms", "MB/rank/step sent|recv",
+    headers = ["config", "ranks", "ms/step", "job s", "speed-up", "work", "cores", "proj ms", "MB/rank/step sent|recv",
                "analytic", "diff", "params MB/rank", "KV MB", "act MB (est)", "peak RSS MB", "rel err"]
     if kind == "cuda":
         headers.insert(-1, "peak GPU MB")
@@ -29,6 +29,9 @@ def result_rows(results: list[dict], serial: dict, steps: int, kind: str) -> tup
         s, cfg = res["strategy"], res["cfg"]
         ref = serial.get(round(cfg, 6))
         speed = ref["step_s"] / res["step_s"] if ref else float("nan")
+        # serial's CPU seconds per step over the busiest rank's: the speed-up an idle machine would give, less waits
+        work = (ref["cpu_step_s"] / res["cpu_step_s"] if ref and min(ref["cpu_step_s"], res["cpu_step_s"]) > 0
+                else float("nan"))
         err = rel_err(res["latent"], ref["latent"]) if ref and s.world_size > 1 else 0.0
         sent = max(st["traffic"]["sent"] for st in res["stats"]) / steps
         recv = max(st["traffic"]["recv"] for st in res["stats"]) / steps
@@ -37,10 +40,10 @@ def result_rows(results: list[dict], serial: dict, steps: int, kind: str) -> tup
         params = max(st["param_bytes"] for st in res["stats"])
         kv = max(st["kv_cache_bytes"] for st in res["stats"])
         rss = max(res["peak_rss_psutil"])
-        res.update(speedup=speed, rel_err=err)
+        res.update(speedup=speed, work_speedup=work, rel_err=err)
         cap = res.get("capacity")
         table.append([res["label"], str(s.world_size), f"{res['step_s'] * 1e3:.0f}", f"{res['job_s']:.2f}",
-                      f"{speed:.2f}x", f"{cap:.2f}" if cap else "-",
+                      f"{speed:.2f}x", f"{work:.2f}x", f"{cap:.2f}" if cap else "-",
                       f"{res['projected_step_s'] * 1e3:.0f}" if "projected_step_s" in res else "-",
                       f"{mb(sent)}|{mb(recv)}", f"{mb(a_sent)}|{mb(a_recv)}",
                       "-" if s.world_size == 1 else ("ok" if res["traffic_ok"] else f"{res['traffic_diff']:.0%}!"),
@@ -52,6 +55,7 @@ def result_rows(results: list[dict], serial: dict, steps: int, kind: str) -> tup
             "label": res["label"], "strategy": s.to_json(), "cfg": cfg, "ranks": s.world_size,
             "step_s": res["step_s"], "runs": res["runs"], "capacity": res.get("capacity"), "job_s": res["job_s"],
             "client_s": res["client_s"], "load_s": res["load_s"], "speedup": speed,
+            "cpu_step_s": res["cpu_step_s"], "work_speedup": work,
             "projected_step_s": res.get("projected_step_s"),
             "traffic_per_rank_per_step": [{"sent": st["traffic"]["sent"] / steps, "recv": st["traffic"]["recv"] / steps,
                                            "by_op": st["traffic"]["by_op"]} for st in res["stats"]],

@@ -81,7 +81,9 @@ def run_config(devices: str, job: Job, threads: int, client=None) -> dict:
         if own:
             client.shutdown()
     stats = result.stats
-    return {"latent": result.latent, "stats": stats, "step_s": step_seconds(stats, skip_steps(job.strategy)),
+    skip = skip_steps(job.strategy)
+    return {"latent": result.latent, "stats": stats, "step_s": step_seconds(stats, skip),
+            "cpu_step_s": step_seconds(stats, skip, "step_cpu"),
             "job_s": max(st["job_seconds"] for st in stats), "client_s": result.seconds,
             "load_s": max(st["load_seconds"] for st in stats), "idle_rss": idle, "peak_rss_psutil": peak}
 

@@ -286,12 +286,7 @@ class DiTFamily:
         return _parameter_counts(self, config)
 
     def tensor_plan_for(self, config) -> dict:
-        model = self.meta_model(config)
-        if self.tensor_plan is not None:
-            plan = self.tensor_plan(config)
-        else:
-            plan = getattr(type(model), "_tp_plan", None) or derived_tensor_plan(model, self.block_lists)
-        return {**modulation_plan(model, self.block_lists), **plan} if plan else {}
+        return dict(_tensor_plan(self, config))  # a copy: the cached plan is shared
 
     def pipeline_stages(self, config, stages: int, speeds: tuple[float, ...] = ()) -> list[list[range]]:
         from ..distributed.stages import balanced_stages
@@ -446,6 +441,18 @@ def _parameter_counts(family: DiTFamily, config) -> tuple[tuple[int, ...], int, 
     model = family.meta_model(config)
     blocks = [block for attr in family.block_lists for block in getattr(model, attr)]
     return parameter_counts(model, blocks, family.always_owned, family.first_stage, family.last_stage)
+
+
+@functools.lru_cache(maxsize=32)
+def _tensor_plan(family: DiTFamily, config) -> dict:
+    """The family's tensor plan for `config` (module patterns -> how each splits), read off its meta model once:
+    auto asks it of every candidate plan."""
+    model = family.meta_model(config)
+    if family.tensor_plan is not None:
+        plan = family.tensor_plan(config)
+    else:
+        plan = getattr(type(model), "_tp_plan", None) or derived_tensor_plan(model, family.block_lists)
+    return {**modulation_plan(model, family.block_lists), **plan} if plan else {}
 
 
 @functools.lru_cache(maxsize=8)

@@ -130,6 +130,14 @@ class RankTraffic:
         entry[1] += int(recv)
         entry[2] += messages
 
+    def add_times(self, times: int, step) -> None:
+        """`times` repeats of what `step(traffic)` adds: steps alike are counted once and multiplied (a release-size
+        plan's job walks every layer of every step: auto ranks dozens of plans at 20-50 steps)."""
+        one = RankTraffic(self.rank)
+        step(one)
+        for op, (sent, recv, messages) in one.ops.items():
+            self.add(op, times * sent, times * recv, times * messages)
+
     @property
     def sent(self) -> int:
         return sum(v[0] for v in self.ops.values())
@@ -196,31 +204,37 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
             continue
         if topo.naive_patch > 1:
             k = topo.naive_patch
-            for _ in range(steps):  # every rank keeps the whole prompt beside its patch
-                own = text_share(n, k, c["naive_patch"])
-                _tensor_forward(rt, topo.tensor, shapes, b, t, own)
+            own = text_share(n, k, c["naive_patch"])
+
+            def naive_step(st: RankTraffic) -> None:  # every rank keeps the whole prompt beside its patch
+                _tensor_forward(st, topo.tensor, shapes, b, t, own)
                 if topo.cfg > 1:
-                    rt.add("cfg", x_row * own, x_row * own)
+                    st.add("cfg", x_row * own, x_row * own)
+
+            rt.add_times(steps, naive_step)
             rt.add("result", (k - 1) * x_row * n, (k - 1) * x_row * n)
             continue
         u, r = topo.ulysses, topo.ring
         sp = u * r
         me_r, me_u = c["ring"], c["ulysses"]
         width = h // topo.tensor  # a tensor rank's heads
-        for _ in range(steps):
+
+        def sequence_step(st: RankTraffic) -> None:
             for joint in shapes.layers(range(shapes.num_blocks)):
                 # rows of sp rank j = ring*U + ulysses; image-only layers leave the prompt rows out
                 rows = [(text_share(t, sp, j) if joint else 0) + text_share(n, sp, j) for j in range(sp)]
                 if u > 1:
                     sent, recv = _ulysses_layer(b, e, width, u, rows[me_r * u:(me_r + 1) * u], me_u)
-                    rt.add("ulysses", sent, recv, 2)
+                    st.add("ulysses", sent, recv, 2)
                 if r > 1:  # the K/V rows each member starts with: its Ulysses group's
-                    _ring_layer(rt, 2 * b * e * (width // u), [sum(rows[q * u:(q + 1) * u]) for q in range(r)], me_r)
-            _tensor_forward(rt, topo.tensor, shapes, b, text_share(t, sp, me_r * u + me_u),
+                    _ring_layer(st, 2 * b * e * (width // u), [sum(rows[q * u:(q + 1) * u]) for q in range(r)], me_r)
+            _tensor_forward(st, topo.tensor, shapes, b, text_share(t, sp, me_r * u + me_u),
                             text_share(n, sp, me_r * u + me_u))
             if topo.cfg > 1:
                 own = text_share(n, sp, me_r * u + me_u)
-                rt.add("cfg", x_row * own, x_row * own)
+                st.add("cfg", x_row * own, x_row * own)
+
+        rt.add_times(steps, sequence_step)
         if sp > 1:
             rt.add("result", (sp - 1) * x_row * n, (sp - 1) * x_row * n)
     return out
@@ -270,14 +284,17 @@ def _displaced_patch(rt: RankTraffic, topo: Topology, c: dict, shapes: Shapes, b
     n, e, k = shapes.image_tokens, shapes.act_bytes, topo.patch
     h = shapes.hidden // topo.tensor  # a tensor rank's heads
     t = shapes.text_tokens if shapes.text_in_stream else 0
-    for _ in range(steps):
+
+    def patch_step(st: RankTraffic) -> None:
         for joint in shapes.layers(range(shapes.num_blocks)):
             longest = max((text_share(t, k, j) if joint else 0) + text_share(n, k, j) for j in range(k))
-            rt.add("patch", (k - 1) * 2 * b * e * h * longest, (k - 1) * 2 * b * e * h * longest)
-        _tensor_forward(rt, topo.tensor, shapes, b, text_share(t, k, c["patch"]), text_share(n, k, c["patch"]))
+            st.add("patch", (k - 1) * 2 * b * e * h * longest, (k - 1) * 2 * b * e * h * longest)
+        _tensor_forward(st, topo.tensor, shapes, b, text_share(t, k, c["patch"]), text_share(n, k, c["patch"]))
         if topo.cfg > 1:
             own = text_share(n, k, c["patch"])
-            rt.add("cfg", x_row * own, x_row * own)
+            st.add("cfg", x_row * own, x_row * own)
+
+    rt.add_times(steps, patch_step)
     rt.add("result", (k - 1) * x_row * n, (k - 1) * x_row * n)
 
 
@@ -298,33 +315,40 @@ def _pipefusion(rt: RankTraffic, s: StrategySpec, topo: Topology, c: dict, shape
     if not shapes.text_in_stream:  # a cross-attended prompt goes from stage 0 to every other stage once
         prompt = b * shapes.text_tokens * h * e
         rt.add("pipefusion", prompt * (p - 1) if stage == 0 else 0, 0 if stage == 0 else prompt, 1)
-    for i in range(steps):
-        forwards = [m] if i < s.warmup_steps else [1] * m  # patches per forward
+
+    def step(st: RankTraffic, warm: bool, more: bool) -> None:
+        """One step: warm (synchronous, all patches in one forward) or not; `more`: another step follows."""
+        forwards = [m] if warm else [1] * m  # patches per forward
         for n_p in forwards:
             for k, blocks in enumerate(chunks):  # a patch passes each of this rank's chunks
                 for joint in (shapes.layers(blocks) if sp > 1 else ()):
                     if u > 1:
                         rows = [(texts[j] if joint else 0) + n_p * per_patch[j] for j in group]
                         sent, recv = _ulysses_layer(b, e, h // tp, u, rows, c["ulysses"])
-                        rt.add("ulysses", sent, recv, 2)
+                        st.add("ulysses", sent, recv, 2)
                     if r > 1:  # Ring passes each member's whole stale buffer: its shards' rows of every patch
                         buffers = [sum((texts[j] if joint else 0) + m * per_patch[j] for j in range(q * u, (q + 1) * u))
                                    for q in range(r)]
-                        _ring_layer(rt, 2 * b * e * (h // tp // u), buffers, me_r)
-                _tensor_forward(rt, tp, shapes, b, texts[me], n_p * per_patch[me], blocks)
+                        _ring_layer(st, 2 * b * e * (h // tp // u), buffers, me_r)
+                _tensor_forward(st, tp, shapes, b, texts[me], n_p * per_patch[me], blocks)
                 hidden = b * (texts[me] + n_p * per_patch[me]) * h * e
                 if not (last and k == len(chunks) - 1):
-                    rt.add("pipefusion", hidden, 0)
+                    st.add("pipefusion", hidden, 0)
                 if not (stage == 0 and k == 0):
-                    rt.add("pipefusion", 0, hidden)
+                    st.add("pipefusion", 0, hidden)
             x_bytes = x_row * n_p * per_patch[me]
             if last and topo.cfg > 1:
-                rt.add("cfg", x_bytes, x_bytes)
-            if i + 1 < steps:
+                st.add("cfg", x_bytes, x_bytes)
+            if more:
                 if last:
-                    rt.add("pipefusion_x", x_bytes, 0)
+                    st.add("pipefusion_x", x_bytes, 0)
                 if stage == 0:
-                    rt.add("pipefusion_x", 0, x_bytes)
+                    st.add("pipefusion_x", 0, x_bytes)
+
+    # steps of one kind alike: warm-up steps, then the stale ones; the last step sends x nowhere
+    kinds = [(i < s.warmup_steps, i + 1 < steps) for i in range(steps)]
+    for kind in dict.fromkeys(kinds):
+        rt.add_times(kinds.count(kind), lambda st, kind=kind: step(st, *kind))
     if last and sp > 1:
         rt.add("result", (sp - 1) * x_row * n, (sp - 1) * x_row * n)
 
