@@ -450,8 +450,8 @@ def _denoise(state: WorkerState, chan: Channel, job, topology, pulse, controlnet
         gatherer.finish()
     stats = {
         "rank": state.rank, "job_seconds": time.perf_counter() - t0, "step_times": denoiser.step_times,
-        # CPU seconds of each step (compute and the transfers' copies; waits on a peer are not in it): on a shared
-        # machine, what the split saved in work, which contention inflates far less than the wall clock
+        # CPU seconds of each step (compute and the transfers' copies; waits on a peer and time the machine gave
+        # other processes are not in it): the bench's measure of what a split saved in work
         "step_cpu": [b - a for a, b in zip(cpu_marks, cpu_marks[1:])],
         "traffic": comm.traffic.snapshot(), "param_bytes": state.current_bytes(), "resident_bytes": state.held_bytes(),
         "kv_cache_bytes": denoiser.cache.nbytes() if hasattr(denoiser, "cache") else 0,
