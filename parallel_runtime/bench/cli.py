@@ -341,11 +341,12 @@ class BenchRun:
         say(f"Results — {self.model_name}, {self.image_tokens} {self.tokens_name} + {self.text} text tokens{self._padded_note()}, "
             f"{args.devices} x {args.threads} thread(s)")
         say(fmt_table(headers, table))
-        say("  work: serial's CPU seconds per step over the busiest rank's (the least of the runs): what the split saved "
-            "in work, without waits on a peer or time the VM gave other processes (two busy cores still slow each "
-            "other's work: compare cfg2's rank, which does serial's one-branch work, with serial at cfg 1); cores: how many cores the workers' count of concurrent FP-bound probes got "
-            "just before that run (shared VMs vary); proj: cost model; MB/rank/step: busiest rank, runtime counters, result gather "
-            "amortised; analytic: traffic.py; act: cost-model estimate of live activations")
+        say("  work: serial's CPU seconds per step over the busiest rank's (the least of the runs): what the split "
+            "saved in work, without waits on a peer or time the VM gave other processes (two busy cores still slow "
+            "each other's work: compare cfg2's rank, which does serial's one-branch work, with serial at cfg 1); "
+            "cores: how many cores the workers' count of concurrent FP-bound probes got just before that run (shared "
+            "VMs vary); proj: cost model; MB/rank/step: busiest rank, runtime counters, result gather amortised; "
+            "analytic: traffic.py; act: cost-model estimate of live activations")
         if self.video:
             record["vae_decode"] = self._vae_decode(results, serial)
 

@@ -31,7 +31,7 @@ from ...errors import ModelFileError
 from ...sampling import model_sampling_for
 from ...weights.keymap import Source, block_count, linear, same_names, tensor_shapes
 from ..detection import DIFFUSERS_PREFIXES, Signature, signature_match
-from ..family import BlockKind, DiTFamily, Match, TwoBlockListConfig
+from ..family import DiTFamily, Match, TwoBlockListConfig
 from ..shapes import CheckpointShapes
 from .flux import DOUBLE_BLOCK, SINGLE_BLOCK, default_axes_dims_rope, map_double_block, map_single_block
 from .flux_adapter import FluxAdapter, block_inputs as flux_block_inputs

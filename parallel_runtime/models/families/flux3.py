@@ -53,7 +53,9 @@ _BASE_FILE = "flux3-image-klein-base-int8-convrot.safetensors (or flux3-image-kl
 
 @dataclass(frozen=True)
 class Flux3Config(TwoBlockListConfig):
-    first_kind, second_kind = MODE_BLOCK, SINGLE_BLOCK  # the pipeline's one list: these, then single blocks
+    # the pipeline's one list: the image's mode blocks, then single blocks (the prompt's mode blocks run once per
+    # job, in embed_text, outside it)
+    first_kind, second_kind = MODE_BLOCK, SINGLE_BLOCK
     hidden_size: int
     num_heads: int
     head_dim: int
