@@ -97,8 +97,9 @@ def workers(bench_workers):
 
 @pytest.mark.parametrize("family", ["ltx2", "minimax_h3", "kandinsky6"])
 def test_quick_av_bench_times_every_exact_strategy_and_each_equals_serial(family, workers, tmp_path, monkeypatch):
-    """`bench --family ltx2 / minimax_h3 / kandinsky6 --quick` on the shared workers: the model call of serial, Ulysses-2, Ring-2,
-    TP-2 and CFG-2, each timed and its video and audio outputs equal to serial's (the command exits 1 otherwise)."""
+    """`bench --family ltx2 / minimax_h3 / kandinsky6 --quick` on the shared workers: the model call of serial,
+    Ulysses-2, Ring-2, TP-2 and CFG-2, each timed and its video and audio outputs equal to serial's (the command exits
+    1 otherwise)."""
     import json
 
     from parallel_runtime.bench.cli import main

@@ -267,4 +267,5 @@ def test_camera_and_vace_rows_are_embedded_once_per_index_and_never_read_back():
     assert torch.equal(out[0, :6, 0], torch.arange(6) * 101.0) and torch.equal(out[0, 6:, 0], -torch.arange(6.0))
     other = branches.embed(adapter, x, second, None)
     assert made == ["camera", "vace"] * 2
-    assert torch.equal(other[0, :6, 0], torch.arange(6, 12) * 101.0) and torch.equal(other[0, 6:, 0], -torch.arange(6.0, 12))
+    assert torch.equal(other[0, :6, 0], torch.arange(6, 12) * 101.0)
+    assert torch.equal(other[0, 6:, 0], -torch.arange(6.0, 12))
