@@ -38,7 +38,7 @@ FILES = (
     (r"wan2\.1_14B_SCAIL", DIT, "Wan 2.1 SCAIL", None),
     (r"Wan2_1-I2V-ATI-", DIT, "Wan 2.1 ATI (trajectories)", None),
     (r"Wan21-WanMove", DIT, "Wan 2.1 WanMove", None),
-    (r"wan2\.1_flf2v_", DIT, "Wan 2.1 first-last-frame (FLF2V)", None),
+    (r"wan2\.1_flf2v_", DIT, "Wan 2.1 first-last-frame (FLF2V)", "wan"),
     (r"wan2\.2_(bernini|dancer)_", DIT, "Wan 2.2 fine-tunes (Bernini, Dancer), unverified", None),
     (r"humo_", DIT, "HuMo (Wan-based, audio-driven)", None),
     (r"chrono_edit_", DIT, "ChronoEdit (Wan 2.1 I2V fine-tune), unverified", None),

@@ -37,6 +37,8 @@ EXACT_RTOL = 1e-4
 # Image-to-video: 2.1 (36 input channels, CLIP vision through img_emb and k_img / v_img) and 2.2 (36, no CLIP).
 WAN21_I2V, WAN22_I2V = (dataclasses.replace(WAN, in_channels=36, image_to_video=clip) for clip in (True, False))
 DIT21_I2V, DIT22_I2V = "wan2.1_i2v_mini.safetensors", "wan2.2_i2v_mini.safetensors"
+# Wan 2.1 FLF2V 14B's shape: 2.1 I2V's plus img_emb.emb_pos (a position per CLIP token of the start and end images).
+WAN21_FLF2V, DIT21_FLF2V = dataclasses.replace(WAN21_I2V, clip_positions=514), "wan2.1_flf2v_mini.safetensors"
 # Wan 2.2 14B T2V's two experts: one shape, two files (high noise first, then low noise).
 EXPERTS = ("wan2.2_t2v_high_noise_mini.safetensors", "wan2.2_t2v_low_noise_mini.safetensors")
 # Wan 2.2 TI2V 5B's shape: 48 latent channels in and out (ComfyUI detects out_dim 48 as WAN22_T2V).
@@ -70,7 +72,8 @@ def write_expert_loras(folder: str) -> None:
 def write_models(root: str) -> None:
     write_expert_loras(os.path.join(root, "models", "loras"))
     for name, config, seed in ((DIT, WAN, 1), (DIT21_I2V, WAN21_I2V, 2), (DIT22_I2V, WAN22_I2V, 3),
-                               (DIT22_TI2V, WAN22_TI2V, 4), (EXPERTS[0], WAN, 5), (EXPERTS[1], WAN, 6)):
+                               (DIT22_TI2V, WAN22_TI2V, 4), (EXPERTS[0], WAN, 5), (EXPERTS[1], WAN, 6),
+                               (DIT21_FLF2V, WAN21_FLF2V, 7)):
         write_checkpoint(os.path.join(root, "models", "diffusion_models", name), config, seed=seed,
                          prefix="model.diffusion_model.", dtype=torch.float32)
 
@@ -90,6 +93,23 @@ def i2v_graph(dit: str, devices: str = "cpu:1", strat: dict | None = None, clip:
               "inputs": {"positive": ["1", 0], "negative": ["2", 0], "vae": ["30", 0], "width": 64, "height": 48,
                          "length": 17, "batch_size": 1, "start_image": ["31", 0],
                          **({"clip_vision_output": ["30", 1]} if clip else {})}}
+    for sampler in ("12", "21"):
+        g[sampler]["inputs"].update(positive=["5", 0], negative=["5", 1], latent_image=["5", 2])
+    return g
+
+
+def flf2v_graph(devices: str = "cpu:1", strat: dict | None = None) -> dict:
+    """graph() on the FLF2V file with ComfyUI's own WanFirstLastFrameToVideo (5): a grey start and a dark end image,
+    seeded stand-ins for the VAE encode and for each image's CLIPVisionEncode (the node concatenates the two)."""
+    g = graph(devices, strat, dit=DIT21_FLF2V)
+    g["30"] = {"class_type": "ParaDiTTestImageToVideoInputs", "inputs": {"seed": 11}}
+    g["32"] = {"class_type": "ParaDiTTestImageToVideoInputs", "inputs": {"seed": 13}}
+    g["31"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 48, "batch_size": 1, "color": 8421504}}
+    g["33"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 48, "batch_size": 1, "color": 2105376}}
+    g["5"] = {"class_type": "WanFirstLastFrameToVideo",
+              "inputs": {"positive": ["1", 0], "negative": ["2", 0], "vae": ["30", 0], "width": 64, "height": 48,
+                         "length": 17, "batch_size": 1, "start_image": ["31", 0], "end_image": ["33", 0],
+                         "clip_vision_start_image": ["30", 1], "clip_vision_end_image": ["32", 1]}}
     for sampler in ("12", "21"):
         g[sampler]["inputs"].update(positive=["5", 0], negative=["5", 1], latent_image=["5", 2])
     return g
@@ -164,6 +184,15 @@ def test_wan_image_to_video_one_worker_equals_unetloader(server, dit, clip):
                          ids=["cfg2", "ulysses2", "ring2", "pp2_warm"])
 def test_wan_image_to_video_exact_strategies_on_two_workers(server, strat):
     assert parity(server, i2v_graph(DIT21_I2V, "cpu:2", strat), f"Wan 2.1 I2V, {strat['inputs']}") <= EXACT_RTOL
+
+
+@pytest.mark.parametrize("devices, strat", [("cpu:1", None), ("cpu:2", comfy_host.strategy(ulysses=2, warmup=3))],
+                         ids=["one_worker", "ulysses2"])
+def test_wan_first_last_frame_equals_unetloader(server, devices, strat):
+    """Wan 2.1 FLF2V: WanFirstLastFrameToVideo's concat (mask over the first and last frames) and both images' CLIP
+    tokens (514), each plus the file's learned position, as ComfyUI's WanModel adds them."""
+    tolerance = ONE_WORKER_RTOL if strat is None else EXACT_RTOL
+    assert parity(server, flf2v_graph(devices, strat), f"Wan 2.1 FLF2V on {devices}") <= tolerance
 
 
 @pytest.mark.parametrize("start_image", [True, False], ids=["ti2v", "t2v"])

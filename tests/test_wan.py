@@ -38,6 +38,8 @@ SERIAL_RTOL, EXACT_RTOL = 1e-5, 1e-4
 # Image-to-video: 16 latent + 4 mask + 16 start-frame channels in; 2.1 also cross-attends 257 CLIP-vision tokens.
 TINY_WAN_I2V = dataclasses.replace(TINY_WAN, in_channels=36, image_to_video=True)
 TINY_WAN22_I2V = dataclasses.replace(TINY_WAN, in_channels=36)
+# 2.1 FLF2V: the I2V shape plus img_emb.emb_pos, a position for each of the start and end images' 257 tokens.
+TINY_WAN_FLF2V = dataclasses.replace(TINY_WAN_I2V, clip_positions=514)
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +53,17 @@ def wan22_i2v_path(tmp_path_factory):
                             seed=5)
 
 
-def i2v_job(path: str, strategy: S, clip: bool = True) -> Job:
+def i2v_job(path: str, strategy: S, clip: bool = True, images: int = 1) -> Job:
     """A call of both branches with WanImageToVideo's inputs: each branch the same concat (mask over the first
-    frame, start-frame latent) and CLIP-vision tokens, as that node sets them on positive and negative."""
+    frame, start-frame latent) and CLIP-vision tokens, as that node sets them on positive and negative. `images`=2:
+    WanFirstLastFrameToVideo's, the mask over the first and last frames and both images' CLIP tokens one after the
+    other."""
     job = call_job(path, strategy)
     g = torch.Generator().manual_seed(7)
-    concat = torch.cat([torch.zeros(1, 4, T, H, W).index_fill_(2, torch.tensor([0]), 1.0),
+    frames = torch.tensor([0, T - 1][:images])
+    concat = torch.cat([torch.zeros(1, 4, T, H, W).index_fill_(2, frames, 1.0),
                         torch.randn(1, 16, T, H, W, generator=g)], dim=1)
-    tokens = torch.randn(1, 257, 1280, generator=g) if clip else None
+    tokens = torch.randn(1, 257 * images, 1280, generator=g) if clip else None
     pos, neg = (dataclasses.replace(b, concat=concat, clip_vision=tokens) for b in (job.positive, job.negative))
     return dataclasses.replace(job, positive=pos, negative=neg)
 
@@ -120,7 +125,12 @@ def comfy_wan_ops(sd: dict, heads: int, dim: int):
 def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor:
     """ComfyUI's WanModel on the job's rows; an image-to-video file reads its branch's concat channels beside the
     latent and (2.1) its CLIP-vision tokens through img_emb and the cross-attention's k_img / v_img."""
-    sd = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(path).items()}
+    return reference_call_on(load_file(path), job, c)
+
+
+def reference_call_on(tensors: dict, job: Job, c: WanConfig) -> torch.Tensor:
+    """reference_call on a file's tensors."""
+    sd = {k.removeprefix("model.diffusion_model."): v for k, v in tensors.items()}
     heads, dim = c.num_heads, c.hidden_size
     lin, rms, attention = comfy_wan_ops(sd, heads, dim)
 
@@ -153,7 +163,11 @@ def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor
         context = lin(F.gelu(lin(branch.cond, "text_embedding.0"), approximate="tanh"), "text_embedding.2")
         image_context = context  # WanI2VCrossAttention without clip_fea: context[:, :None] is the whole prompt
         if c.image_to_video and branch.clip_vision is not None:  # MLPProj: LN, Linear, exact GELU, Linear, LN
-            h = F.layer_norm(branch.clip_vision, (1280,), sd["img_emb.proj.0.weight"], sd["img_emb.proj.0.bias"])
+            h = branch.clip_vision
+            if "img_emb.emb_pos" in sd:  # FLF2V's MLPProj: the first emb_pos rows, each plus its position
+                pos = sd["img_emb.emb_pos"]
+                h = h[:, :pos.shape[1]] + pos[:, :h.shape[1]]
+            h = F.layer_norm(h, (1280,), sd["img_emb.proj.0.weight"], sd["img_emb.proj.0.bias"])
             h = lin(F.gelu(lin(h, "img_emb.proj.1")), "img_emb.proj.3")
             image_context = F.layer_norm(h, (dim,), sd["img_emb.proj.4.weight"], sd["img_emb.proj.4.bias"])
         for i in range(c.num_layers):
@@ -196,12 +210,10 @@ def test_wan_files_are_detected_and_variants_refused(wan_path, tmp_path):
     assert (config.num_heads, config.num_layers, config.ffn_dim, config.latent_channels) == (2, 2, 512, 16)
     assert config.rope_axes == (44, 42, 42)  # ComfyUI's split of the 128-wide head
     assert config.title == "Wan 2.1 / 2.2 T2V 256-wide"  # 2.2 14B experts share 2.1 14B T2V's shape
-    flf = write_checkpoint(str(tmp_path / "wan_flf2v.safetensors"), TINY_WAN_I2V)
     from safetensors.torch import save_file
 
-    save_file({**load_file(flf), "img_emb.emb_pos": torch.zeros(1, 514, 1280)}, flf)
-    with pytest.raises(ModelFileError, match="Wan first-last-frame .* which ParaDiT does not run yet"):
-        model_config(flf)
+    flf = model_config(write_checkpoint(str(tmp_path / "wan_flf2v.safetensors"), TINY_WAN_FLF2V))
+    assert (flf.clip_positions, flf.clip_vision_width, flf.title) == (514, 1280, "Wan 2.1 FLF2V 256-wide")
     # The Wan variants comfy/model_detection.py tells by a key of their own, refused rather than run as plain Wan
     # without the inputs that drive them (pose, masks, a global dancer stream).
     plain = load_file(write_checkpoint(str(tmp_path / "wan_plain.safetensors"), TINY_WAN_I2V))
@@ -288,6 +300,30 @@ def test_wan_image_to_video_exact_strategies(wan21_i2v_path, client2, strategy):
     second stage embeds them itself: img_emb is held on every stage)."""
     job = i2v_job(wan21_i2v_path, strategy)
     assert rel_err(client2.run(job).latent, reference_call(wan21_i2v_path, job, TINY_WAN_I2V)) < EXACT_RTOL
+
+
+@pytest.fixture(scope="module")
+def wan21_flf2v_path(tmp_path_factory):
+    return write_checkpoint(str(tmp_path_factory.mktemp("wan") / "wan2.1_flf2v_tiny.safetensors"), TINY_WAN_FLF2V,
+                            seed=6)
+
+
+def test_wan_first_last_frame_equals_the_reference_on_one_worker_and_split(wan21_flf2v_path, client1, client2):
+    """FLF2V: both images' 514 CLIP tokens each plus its learned position, and one image's 257 (emb_pos' first rows,
+    as ComfyUI's MLPProj adds them), on one worker; then split by Ulysses and over PipeFusion's stages (the second
+    stage embeds the CLIP tokens itself: emb_pos is img_emb's, which every stage holds)."""
+    for images in (2, 1):
+        job = i2v_job(wan21_flf2v_path, S(), images=images)
+        ref = reference_call(wan21_flf2v_path, job, TINY_WAN_FLF2V)
+        assert rel_err(client1.run(job).latent, ref) < SERIAL_RTOL, images
+    # The positions matter: the same job without them is 3e-3 away here (small random positions, then LayerNorm),
+    # 300x the tolerance above: a model that dropped them would fail.
+    sd = {k: v for k, v in load_file(wan21_flf2v_path).items() if k != "img_emb.emb_pos"}
+    assert rel_err(ref, reference_call_on(sd, job, TINY_WAN_I2V)) > 100 * SERIAL_RTOL
+    for strategy in (S(ulysses_degree=2), S(pipefusion_degree=2, num_pipeline_patch=3)):
+        job = i2v_job(wan21_flf2v_path, strategy, images=2)
+        ref = reference_call(wan21_flf2v_path, job, TINY_WAN_FLF2V)
+        assert rel_err(client2.run(job).latent, ref) < EXACT_RTOL, strategy
 
 
 def test_wan_image_to_video_refusals(wan21_i2v_path, wan_path, client1):

@@ -7,6 +7,8 @@ attention sequence, so Ulysses and Ring split the video tokens alone and PipeFus
 them (whole rows, frame after frame). Image-to-video files read WanImageToVideo's start-frame latent and mask as
 c_concat channels beside the latent (split with its tokens); 2.1's also cross-attend the start image's CLIP-vision
 tokens with their own keys and values, which ride with the timestep embedding because every stage needs them.
+Wan 2.1 FLF2V 14B is that shape plus `img_emb.emb_pos`: WanFirstLastFrameToVideo hands it both images' CLIP-vision
+tokens (2 x 257), each plus its learned position before img_emb's projection (ComfyUI's MLPProj).
 
 The module tree keeps ComfyUI's parameter names (comfy/ldm/wan/model.py), so ComfyUI-layout files map one to one
 and a LoRA's ComfyUI keys land without translation; the forward pieces mirror ComfyUI's op for op, in its
@@ -89,6 +91,7 @@ class WanConfig(JointAttentionConfig):
     reference_channels: int = 0  # 2.2 Fun control: ref_conv's input (a reference image's latent); else 0
     vace_layers: int = 0  # VACE: its context blocks (vace_blocks), each after every (layers / vace_layers)-th block
     vace_channels: int = 0  # VACE: vace_patch_embedding's input (WanVaceToVideo's latents and mask: 96); else 0
+    clip_positions: int = 0  # 2.1 FLF2V: img_emb.emb_pos's rows (514: the start and end images' 257 tokens); else 0
 
     family = "wan"
     pooled_dim = 0
@@ -192,6 +195,8 @@ class WanConfig(JointAttentionConfig):
         if self.fun_kind:  # 2.1's Fun files cross-attend CLIP vision (img_emb); 2.2's read the concat alone
             version = "2.1" if self.image_to_video else "2.2"
             return f"Wan {version} Fun {self.fun_kind.capitalize()} {size}"
+        if self.clip_positions:  # 2.1 FLF2V 14B: I2V's shape plus positions for two images' CLIP-vision tokens
+            return f"Wan 2.1 FLF2V {size}"
         if self.out_channels == 48 and not self.concat_channels:  # 2.2's own VAE: the start frame is in the latent
             return f"Wan 2.2 TI2V {size}"
         if self.out_channels == 48:
@@ -231,7 +236,7 @@ def match_layout(keys: list[str]) -> Match | None:
     return None
 
 
-# The keys comfy/model_detection.py tells these Wan variants by (and the reference-conv and FLF2V extras).
+# The keys comfy/model_detection.py tells these Wan variants by.
 # Each with what it adds that the workers do not run yet, and the ComfyUI node that feeds it (None: a node of
 # ComfyUI 2026's that has no fixed name here).
 _UNSUPPORTED = {"casual_audio_encoder.encoder.final_linear.weight":
@@ -241,9 +246,7 @@ _UNSUPPORTED = {"casual_audio_encoder.encoder.final_linear.weight":
                 ("Wan 2.2 Animate", "its pose and face encoders", "WanAnimateToVideo"),
                 "patch_embedding_mask.weight": ("Wan SCAIL 2", "its pose and mask streams", None),
                 "patch_embedding_pose.weight": ("Wan SCAIL", "its pose stream", None),
-                "patch_embedding_global.weight": ("Wan Dancer", "its global motion stream", None),
-                "img_emb.emb_pos": ("Wan first-last-frame (FLF2V)", "its two-image CLIP-vision positions",
-                                    "WanFirstLastFrameToVideo")}
+                "patch_embedding_global.weight": ("Wan Dancer", "its global motion stream", None)}
 # What ComfyUI reads from a file's own metadata (config -> transformer -> model_type) over the keys: Wan Animate 2
 # files are Wan 2.1 I2V-shaped and only their metadata says that a pose branch runs beside the video.
 _UNSUPPORTED_MODEL_TYPES = {"animate2": ("Wan Animate 2", "its pose branch beside the video", "WanAnimate2ToVideo")}
@@ -295,6 +298,7 @@ def infer_config(reader, match: Match, name: str) -> WanConfig:
                      ffn_dim=shape("blocks.0.ffn.0.weight")[0], in_channels=in_channels, out_channels=out_channels,
                      text_dim=shape("text_embedding.0.weight")[1], freq_dim=shape("time_embedding.0.weight")[1],
                      image_to_video=p + "img_emb.proj.0.weight" in reader, camera_channels=camera,
+                     clip_positions=shape("img_emb.emb_pos")[1] if p + "img_emb.emb_pos" in reader else 0,
                      reference_channels=shape("ref_conv.weight")[1] if p + "ref_conv.weight" in reader else 0,
                      vace_layers=vace_layers, vace_channels=vace_channels)
 
@@ -377,6 +381,8 @@ class WanTransformer(nn.Module):
             width = CLIP_VISION_WIDTH
             self.img_emb.proj = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU(),
                                               nn.Linear(width, dim), nn.LayerNorm(dim))
+            if config.clip_positions:  # FLF2V: a learned position per CLIP-vision token of the two images
+                self.img_emb.emb_pos = nn.Parameter(torch.empty(1, config.clip_positions, width))
         if config.reference_channels:  # a reference latent's patch conv (2.2 Fun control's ref_image)
             self.ref_conv = nn.Conv2d(config.reference_channels, dim, config.patch_size[1:], config.patch_size[1:])
         if config.camera_channels:
@@ -569,7 +575,11 @@ class WanAdapter:
         e = self.model.time_embedding(sinusoid).reshape(t.shape[0], -1, self.config.hidden_size)
         image = None
         if clip_vision is not None and self.config.image_to_video:  # a text-to-video model ignores it, as ComfyUI's
-            image = self.model.img_emb.proj(clip_vision.to(self.device, self.dtype))
+            clip_vision = clip_vision.to(self.device, self.dtype)
+            if self.config.clip_positions:  # FLF2V's MLPProj: at most emb_pos's rows, each plus its position
+                positions = self.model.img_emb.emb_pos.to(self.dtype)
+                clip_vision = clip_vision[:, :positions.shape[1]] + positions[:, :clip_vision.shape[1]]
+            image = self.model.img_emb.proj(clip_vision)
         return e, self.model.time_projection(e).unflatten(2, (6, self.config.hidden_size)), image, tuple(vace_strength)
 
     # -- blocks and head -------------------------------------------------------------------------------
