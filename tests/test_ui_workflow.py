@@ -65,7 +65,8 @@ FAMILY_TEMPLATES = ("wan2.1_fun_control", "wan2.1_fun_inp", "video_wan2.1_fun_ca
                     "video_wan2_2_14B_fun_inpaint", "video_wan2_2_5B_fun_control", "video_wan2_2_5B_fun_inpaint",
                     "video_wan_vace_14B_t2v", "video_wan_vace_14B_ref2v", "video_wan_vace_14B_v2v",
                     "video_wan_vace_outpainting", "hidream_i1_full", "hidream_i1_dev",
-                    "hidream_i1_fast", "hidream_e1_full", "hidream_e1_1", "image_kandinsky5_t2i")
+                    "hidream_i1_fast", "hidream_e1_full", "hidream_e1_1", "image_kandinsky5_t2i",
+                    "wan2.1_flf2v_720_f16")
 # A choice the 0.3.64 host's class lacks: DualCLIPLoader's type "kandinsky5" (ComfyUI 2026's Kandinsky 5 encoders).
 NEWER_CHOICES = {"image_kandinsky5_t2i": {"type"}}
 FAMILY_TEMPLATES_NEWER = ("video_wan_vace_flf2v", "video_wan_vace_inpainting", "video_wan_animate2",
