@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from conftest import rel_err
@@ -129,19 +130,21 @@ def test_the_cost_probe_runs_a_newcomer_block():
 
 
 @pytest.mark.parametrize("shape", [(2, 16, 3, 8, 12), (2, 16, 8, 12)])
-def test_patchify_is_wans_token_layout(shape):
-    """The kit's patches are the ones Wan packs by hand (1x2x2, (c, ph, pw) inside each; a 4-D reference image as
-    one frame), so Wan can adopt them without a number changing."""
-    from parallel_runtime.models.families.wan import WanAdapter, video_grid_ids as wan_ids
-
-    latent = torch.randn(shape)
+def test_patchify_is_the_patch_convolution_s_token_layout(shape):
+    """The kit's 1x2x2 patches carry (c, ph, pw) in a patch conv's weight order, frame after frame and row-major (as
+    Wan's patch_embedding reads them; Wan packs with the kit): a linear layer on the tokens with the conv's
+    flattened weights is the conv. A 4-D reference image packs as one frame."""
+    latent = torch.randn(shape, dtype=torch.float64)
+    video = latent if latent.ndim == 5 else latent.unsqueeze(2)
+    weight = torch.randn(5, shape[1], 1, 2, 2, dtype=torch.float64)
+    conv = F.conv3d(video, weight, stride=(1, 2, 2)).flatten(2).transpose(1, 2)
     tokens = patchify(latent, 2)
-    assert torch.equal(tokens, WanAdapter.pack(latent))
+    assert torch.allclose(tokens @ weight.flatten(1).T, conv, rtol=0, atol=1e-12)  # float64: round-off only
     size = (shape[2], *shape[3:]) if len(shape) == 5 else (1, *shape[2:])
-    assert torch.equal(unpatchify(tokens, size, 2), WanAdapter.unpack(tokens, *size))
     assert torch.equal(unpatchify(tokens, size, 2).reshape(latent.shape), latent)
-    assert torch.equal(video_grid_ids(3, 4, 6), wan_ids(3, 4, 6))
     assert torch.equal(patchify(unpatchify(tokens, size, 2), 2), tokens)
+    ids = video_grid_ids(3, 4, 6)  # token j of that grid: frame j // 24, row (j // 6) % 4, column j % 6
+    assert ids[29].tolist() == [1.0, 0.0, 5.0] and ids.shape == (72, 3)
 
 
 def test_one_token_per_pixel_round_trips_in_both_directions():

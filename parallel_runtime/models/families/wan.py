@@ -59,6 +59,9 @@ from ...sampling.flow import FluxModelSampling
 from ...weights.keymap import Source, block_count, has_block, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
+from ..patchify import PatchTokens
+from ..rope import rope_table, video_grid_ids
+from ..shapes import shapes_of_model
 from .flux import BFL_PREFIXES
 from .flux_adapter import channels_first
 
@@ -417,20 +420,19 @@ def tensor_plan(config: WanConfig) -> dict[str, str]:
     return plan
 
 
+def _parameter_kind(name: str) -> str:
+    """How a random test checkpoint draws a parameter: modulation tables O(1), norms (img_emb's LayerNorms are its
+    proj.0 / proj.4) around 1, biases small, the rest by fan-in."""
+    if name.endswith("modulation"):
+        return "table"
+    if "norm" in name.split(".")[-2] or ".proj.0." in name or ".proj.4." in name:
+        return "norm" if name.endswith("weight") else "bias"
+    return "bias" if name.endswith("bias") else "weight"
+
+
 def checkpoint_shapes(config: WanConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """{ComfyUI key: (shape, kind)} of a Wan file, for writing random test checkpoints."""
-    kinds = {}
-    for name, p in _meta_model(config).state_dict().items():
-        if name.endswith("modulation"):
-            kind = "table"
-        elif "norm" in name.split(".")[-2] or ".proj.0." in name or ".proj.4." in name:
-            kind = "norm" if name.endswith("weight") else "bias"
-        elif name.endswith("bias"):
-            kind = "bias"
-        else:
-            kind = "weight"
-        kinds[name] = (tuple(p.shape), kind)
-    return kinds
+    return shapes_of_model(_meta_model(config).state_dict(), _parameter_kind)
 
 
 # -- the strategies' view -----------------------------------------------------------------------------
@@ -443,23 +445,12 @@ def sinusoidal_embedding(dim: int, t: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.cos(sinusoid), torch.sin(sinusoid)], dim=1)
 
 
-def video_grid_ids(frames: int, rows: int, cols: int) -> torch.Tensor:
-    """RoPE ids [frame, row, column] of a frames x rows x cols token grid, in token order."""
-    ids = torch.zeros(frames, rows, cols, 3)
-    ids[..., 0] = torch.arange(frames)[:, None, None]
-    ids[..., 1] = torch.arange(rows)[None, :, None]
-    ids[..., 2] = torch.arange(cols)[None, None, :]
-    return ids.reshape(-1, 3)
-
-
 def block_inputs(config: WanConfig, text: int, image: int, generator: torch.Generator) -> tuple:
     """Random (video tokens, embedded prompt, (e, six modulation rows, CLIP-vision tokens of an I2V model), RoPE of
     a one-frame grid) of a block call."""
-    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-
     h, cols = config.hidden_size, max(1, math.isqrt(image))
-    rope = (*FluxPosEmbed(theta=10000, axes_dim=list(config.rope_axes))(
-        video_grid_ids(1, -(-image // cols), cols)[:image]), torch.zeros(image, dtype=torch.long))
+    rope = (*rope_table(video_grid_ids(1, -(-image // cols), cols)[:image], config.rope_axes),
+            torch.zeros(image, dtype=torch.long))
     clip = torch.randn(1, CLIP_TOKENS, h, generator=generator) if config.image_to_video else None
     temb = (torch.randn(1, 1, h, generator=generator), torch.randn(1, 1, 6, h, generator=generator), clip, ())
     return torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator), temb, rope
@@ -471,7 +462,10 @@ def per_token(rows: torch.Tensor, rope) -> torch.Tensor:
     return rows if rows.shape[1] == 1 else rows[:, rope[2]]
 
 
-class WanAdapter:
+class WanAdapter(PatchTokens):
+    """Tokens: the kit's 1x2x2 patches, frame-major, (c, ph, pw) inside each (the patch conv's weight order); a
+    reference image's [B, C, H, W] packs as one frame (ref_conv's order)."""
+
     patch = 2
     default_guidance = 0.0  # no guidance input
     joint_text = False  # the prompt is cross-attended, not part of the attention sequence
@@ -494,29 +488,10 @@ class WanAdapter:
 
     # -- token layout ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def pack(latent: torch.Tensor) -> torch.Tensor:
-        """[B, C, T, H, W] -> [B, T (H/2)(W/2), 4C]: frame-major tokens, (c, ph, pw) inside each 1x2x2 patch (the
-        order of the patch conv's weights); a reference image's [B, C, H, W] as one frame (ref_conv's order)."""
-        if latent.ndim == 4:
-            latent = latent.unsqueeze(2)
-        b, c, t, h, w = latent.shape
-        x = latent.reshape(b, c, t, h // 2, 2, w // 2, 2).permute(0, 2, 3, 5, 1, 4, 6)
-        return x.reshape(b, t * (h // 2) * (w // 2), c * 4)
-
-    @staticmethod
-    def unpack(tokens: torch.Tensor, t: int, h: int, w: int) -> torch.Tensor:
-        b, _, d = tokens.shape
-        c = d // 4
-        x = tokens.reshape(b, t, h // 2, w // 2, c, 2, 2).permute(0, 4, 1, 2, 5, 3, 6)
-        return x.reshape(b, c, t, h, w)
-
     def rope(self, text_len: int, t: int, h: int, w: int, references=(), method=None):
         """Per video token (the prompt is not in the sequence): RoPE's cos and sin of ComfyUI's rope_encode ids,
         and the token's frame, which picks its modulation rows when the timestep is per frame (Wan 2.2 5B's
         image-to-video); strategies take each table's rows at their tokens' positions."""
-        from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-
         rows, cols = (h + 1) // 2, (w + 1) // 2
         ids = video_grid_ids(t, rows, cols).to(self.device)
         frames = ids[:, 0].long()
@@ -525,7 +500,7 @@ class WanAdapter:
             reference = video_grid_ids(1, rows, cols).to(self.device)
             ids = torch.cat([ids + torch.tensor([1.0, 0.0, 0.0], device=ids.device), reference])
             frames = torch.cat([frames, frames.new_zeros(rows * cols)])  # its modulation: the scalar timestep's
-        cos, sin = FluxPosEmbed(theta=10000, axes_dim=list(self.config.rope_axes))(ids)
+        cos, sin = rope_table(ids, self.config.rope_axes)
         return cos, sin, frames
 
     # -- embeddings ------------------------------------------------------------------------------------
