@@ -68,6 +68,7 @@ from ...strategies.attention import LocalAttention
 from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
+from ..patchify import PatchTokens
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 
 BLOCK_LISTS = ("transformer_blocks",)
@@ -498,8 +499,8 @@ def _prompt_attention(block, stream: str, x: torch.Tensor, context: torch.Tensor
     return out * ada[8] if modulated else out
 
 
-class LTX2Adapter:
-    patch = 1
+class LTX2Adapter(PatchTokens):
+    patch = 1  # video: the kit's one token per latent pixel, frame after frame
     joint_text = False
     two_streams = True  # video and audio tokens, each split over the sequence-parallel ranks
     default_guidance = 0.0
@@ -522,15 +523,6 @@ class LTX2Adapter:
     variant = property(lambda self: self.config.variant)
 
     # -- token layout ----------------------------------------------------------------------------------
-
-    @staticmethod
-    def pack(latent: torch.Tensor) -> torch.Tensor:
-        """Video [B, C, T, H, W] -> [B, T H W, C]: one token per latent pixel, frame after frame."""
-        return latent.flatten(2).transpose(1, 2)
-
-    @staticmethod
-    def unpack(tokens: torch.Tensor, t: int, h: int, w: int) -> torch.Tensor:
-        return tokens.transpose(1, 2).reshape(tokens.shape[0], -1, t, h, w)
 
     @staticmethod
     def pack_audio(latent: torch.Tensor) -> torch.Tensor:
