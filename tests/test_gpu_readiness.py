@@ -269,3 +269,54 @@ def test_camera_and_vace_rows_are_embedded_once_per_index_and_never_read_back():
     assert made == ["camera", "vace"] * 2
     assert torch.equal(other[0, :6, 0], torch.arange(6, 12) * 101.0)
     assert torch.equal(other[0, 6:, 0], -torch.arange(6.0, 12))
+
+
+class DeviceReads(HostReads):
+    """HostReads plus the reads a CPU run hides: a boolean-mask index or assignment (its row count is read back on
+    CUDA) and `.tolist()` (counted by the test's patch)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        indices = args[1] if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default) else ()
+        self.reads += any(i is not None and i.dtype == torch.bool for i in indices)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def test_hidream_moe_reads_its_routing_back_once_and_equals_comfyui_bit_for_bit(monkeypatch):
+    """HiDream's mixture of experts runs each picked expert on the rows ComfyUI's per-expert boolean masks give it,
+    in their order, so the result is ComfyUI's bit for bit (an expert nobody picked included); it reads the rows per
+    expert back once per call, where the masks read back twice per expert (8 device syncs per block of the 48)."""
+    from test_hidream import _moe as comfyui_moe
+
+    from parallel_runtime.models.families.hidream import HiDreamAdapter
+
+    dim, hidden, experts = 64, 96, 4
+    g = torch.Generator().manual_seed(3)
+    sd = {"ff.gate.weight": torch.randn(experts, dim, generator=g) / 8}
+    sd["ff.gate.weight"][3] = -100.0  # with positive rows, expert 3 is never picked
+    for name in [f"experts.{e}" for e in range(experts)] + ["shared_experts"]:
+        for w, shape in (("w1", (hidden, dim)), ("w3", (hidden, dim)), ("w2", (dim, hidden))):
+            sd[f"ff.{name}.{w}.weight"] = torch.randn(*shape, generator=g) / 8
+
+    def swiglu(name):  # w1, w3, w2 as bias-free linear layers holding the state dict's tensors
+        linear = lambda w: torch.nn.utils.skip_init(torch.nn.Linear, *w.shape[::-1], bias=False).requires_grad_(False)
+        layers = {w: linear(sd[f"ff.{name}.{w}.weight"]) for w in ("w1", "w3", "w2")}
+        for w, layer in layers.items():
+            layer.weight.copy_(sd[f"ff.{name}.{w}.weight"])
+        return types.SimpleNamespace(**layers)
+
+    moe = types.SimpleNamespace(gate=types.SimpleNamespace(weight=sd["ff.gate.weight"]),
+                                experts=[swiglu(f"experts.{e}") for e in range(experts)],
+                                shared_experts=swiglu("shared_experts"))
+    adapter = HiDreamAdapter.__new__(HiDreamAdapter)
+    adapter.model = types.SimpleNamespace()  # no tensor_split: the whole MoE on this rank
+    x = torch.randn(1, 37, dim, generator=g).abs()
+
+    tolist, lists = torch.Tensor.tolist, []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: lists.append(t.shape) or tolist(t))
+    with torch.no_grad(), DeviceReads() as watch:
+        out = adapter._moe(moe, x)
+    assert watch.reads + len(lists) == 1, (watch.reads, lists)
+    with torch.no_grad(), DeviceReads() as watch:
+        reference = comfyui_moe(sd, "ff", x)
+    assert watch.reads >= 2 * (experts - 1)  # what the masks cost: the counter sees them
+    assert torch.equal(out, reference)
