@@ -49,7 +49,8 @@ WORKFLOWS = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pip
              "wan22_5b_ti2v", "lumina2_cfg_parallel", "z_image_turbo_ulysses", "flux2_dev_ulysses", "flux2_klein_4b_ring",
              "qwen_image21_ulysses", "hunyuan_video15_t2v_cfg_parallel", "ltx23_t2v_ulysses", "ltx23_i2v_ulysses",
              "minimax_h3_t2v_ulysses", "wan22_fun_inpaint_5b_ulysses", "hidream_i1_full_cfg_parallel",
-             "flux3_klein_base_cfg_parallel", "kandinsky5_lite_t2i_hybrid", "wan21_vace_14b_t2v_ulysses")
+             "flux3_klein_base_cfg_parallel", "kandinsky5_lite_t2i_hybrid", "wan21_vace_14b_t2v_ulysses",
+             "hidream_o1_cfg_parallel")
 FLUX_HEADS, FLUX_BLOCKS = 24, 19 + 38  # FLUX.1 dev/schnell: 19 double + 38 single blocks
 FLUX_UNETS = ("flux1-dev.safetensors", "flux1-schnell.safetensors")
 STRATEGY_WORDS = ("auto", "ulysses", "ring", "pipefusion", "cfg_parallel", "hybrid")  # the end of a workflow's name
@@ -212,6 +213,21 @@ FAMILIES = {
         vae="ae.safetensors", latent=("EmptyLatentImage", 1024, 1024),
         sampling=dict(steps=50, cfg=3.5, sampler_name="euler", scheduler="simple"), shift=("ModelSamplingSD3", 3.0),
         left_out=set()),
+    "hidream_o1_": dict(  # image_hidream_o1: HiDream O1 (Qwen3-VL 8B's 36 decoder layers, 32 query / 8 key-value heads)
+        # in pixel space: 32 px patches of RGB, no VAE (the checkpoint's pass-through one decodes)
+        template="image_hidream_o1", instances=(), loader=6, unet="hidream_o1_image_bf16.safetensors", heads=8,
+        blocks=36, token_px=32, clip=("CheckpointLoaderSimple", {"ckpt_name": "hidream_o1_image_bf16.safetensors"}),
+        vae=None, latent=("EmptyHiDreamO1LatentImage", 2048, 2048),
+        sampling=dict(steps=40, cfg=5.0, sampler_name="dpmpp_2m_sde_gpu", scheduler="normal"), shift=None,
+        # the MODEL's patches on Load Parallel DiT, last first: seam smoothing (a DIFFUSION_MODEL wrapper: each of its
+        # passes is a parallel model call) over the noise scale
+        patches=(("HiDreamO1PatchSeamSmoothing", {"start_percent": 0.8, "end_percent": 1.0, "pattern": "single_shift",
+                                                  "passes": "ramp_2_4", "blend": "median", "strength": 1.0}),
+                 ("ModelNoiseScale", {"noise_scale": 8.0})),
+        # the reference-image branch its switches leave off (refused on ParaDiT: docs/families.md), the prompt
+        # enhancer (a subgraph on Gemma 4) its switch leaves off, the switches, their primitives, the prompt primitive
+        # and its preview
+        left_out={104, 213, 157, 218, 219, 172, 175, 152, 153, 154, 155, 171, 176, 177, 221}),
 }
 # Audio-video families, each workflow one ComfyUI template (read as FAMILIES' are) with the diffusion model on Load
 # Parallel DiT. `left_out`: value nodes whose values the widgets hold (primitives, math expressions, switches, a
@@ -355,6 +371,15 @@ CORE = {
                               {"clip": "CLIP", "vae": "VAE", "first_frame": "IMAGE", "last_frame": "IMAGE"},
                               ["CONDITIONING", "LATENT"]),
     "VAEDecodeAudio": ([], {"samples": "LATENT", "vae": "VAE"}, ["AUDIO"]),
+    # HiDream O1's template (ComfyUI 2026): its pixel-space latent and seam smoothing (comfy_extras/nodes_hidream_o1.py),
+    # the noise scale on its MODEL (nodes_model_advanced.py) and SamplerCustom (nodes_custom_sampler.py).
+    "EmptyHiDreamO1LatentImage": (["width", "height", "batch_size"], {}, ["LATENT"]),
+    "ModelNoiseScale": (["noise_scale"], {"model": "MODEL"}, ["MODEL"]),
+    "HiDreamO1PatchSeamSmoothing": (["start_percent", "end_percent", "pattern", "passes", "blend", "strength"],
+                                    {"model": "MODEL"}, ["MODEL"]),
+    "SamplerCustom": (["add_noise", "noise_seed", "cfg"],
+                      {"model": "MODEL", "positive": "CONDITIONING", "negative": "CONDITIONING", "sampler": "SAMPLER",
+                       "sigmas": "SIGMAS", "latent_image": "LATENT"}, ["LATENT", "LATENT"]),
 }
 # Dynamic combos (V3): each choice brings widgets of its own, saved after the combo's value and sent as "combo.widget".
 DYNAMIC_CORE = {
@@ -380,7 +405,8 @@ OPTIONAL_CORE = {("DualCLIPLoader", "device"), ("CLIPLoader", "device"), ("Refer
                  ("WanVaceToVideo", "control_masks"), ("WanVaceToVideo", "reference_image")}
 # Widget values the frontend stores after a widget but the API format leaves out: LoadImage's upload button, and
 # the samplers' (and RandomNoise's) control_after_generate after their seed.
-UI_EXTRA_WIDGETS = {("LoadImage", "image"): 1, ("KSampler", "seed"): 1, ("KSamplerAdvanced", "noise_seed"): 1,
+UI_EXTRA_WIDGETS = {("LoadImage", "image"): 1, ("KSampler", "seed"): 1, ("SamplerCustom", "noise_seed"): 1,
+                    ("KSamplerAdvanced", "noise_seed"): 1,
                     ("RandomNoise", "noise_seed"): 1}
 
 
@@ -1213,6 +1239,12 @@ def test_family_workflow_loads_its_model_and_its_strategy_fits(name):
         settings = {k: s[k] for k in ("steps", "cfg", "sampler_name", "scheduler")}
         model, positive, negative, latent = s["model"], s["positive"], s["negative"], s["latent_image"]
         assert s["denoise"] == 1.0
+    elif sampler["class_type"] == "SamplerCustom":  # its own cfg and prompts, a sampler and sigmas
+        sigmas = graph[s["sigmas"][0]]
+        settings = {"steps": sigmas["inputs"]["steps"], "cfg": s["cfg"], "scheduler": sigmas["inputs"]["scheduler"],
+                    "sampler_name": graph[s["sampler"][0]]["inputs"]["sampler_name"]}
+        assert sigmas["class_type"] == "BasicScheduler" and sigmas["inputs"]["denoise"] == 1.0 and s["add_noise"]
+        model, positive, negative, latent = s["model"], s["positive"], s["negative"], s["latent_image"]
     else:  # SamplerCustomAdvanced: noise, guider, sampler, sigmas
         assert sampler["class_type"] == "SamplerCustomAdvanced"
         guider, sigmas = graph[s["guider"][0]], graph[s["sigmas"][0]]
@@ -1236,8 +1268,11 @@ def test_family_workflow_loads_its_model_and_its_strategy_fits(name):
     li = latent_node["inputs"]
     assert latent_node["class_type"] == latent_cls and (li["width"], li["height"], li["batch_size"]) == (width, height, 1)
     assert li.get("length") == (frames[0] if frames else None)
-    # The MODEL: the shift node over Load Parallel DiT, or Load Parallel DiT itself.
+    # The MODEL: the model patches over Load Parallel DiT (a shift node, or the table's), or Load Parallel DiT itself.
     shift = graph[model[0]]
+    for patch, inputs in m.get("patches", ()):
+        assert shift["class_type"] == patch and {k: v for k, v in shift["inputs"].items() if k != "model"} == inputs
+        shift = graph[shift["inputs"]["model"][0]]
     if m["shift"]:
         assert shift["class_type"] == m["shift"][0] and shift["inputs"]["shift"] == pytest.approx(m["shift"][1])
         shift = graph[shift["inputs"]["model"][0]]
@@ -1257,8 +1292,10 @@ def test_family_workflow_loads_its_model_and_its_strategy_fits(name):
             assert negative_node["class_type"] in ("ConditioningZeroOut", "TextEncodeQwenImage21")
         else:
             assert negative_node["class_type"] == "CLIPTextEncode" and negative_node is not positive
-    # The strategy: 16 px tokens, so the latent in 8 px units as validate_strategy's 2x2 patches count them.
-    latent_8px = ((frames[0] - 1) // 4 + 1, height // 8, width // 8) if frames else (height // 8, width // 8)
+    # The strategy: the latent in 8 px units as validate_strategy's 2x2 patches count them (16 px tokens; HiDream O1's
+    # 32 px ones count as a 2x2 patch of 16 px).
+    px = m.get("token_px", 16) // 2
+    latent_8px = ((frames[0] - 1) // 4 + 1, height // px, width // px) if frames else (height // px, width // px)
     st = strategy["inputs"]
     assert st["mode"] == "manual" and (cfg > 1 or st["cfg_degree"] == 1), "cfg 1 has no second branch to split"
     fit = {"cfg": cfg, "steps": settings["steps"], "negative": negative}
