@@ -464,6 +464,9 @@ def validate_latent_and_branches(job: Job, config) -> None:
     if video and (lat.shape[-1] % 2 or lat.shape[-2] % 2):
         raise ConfigError(f"the video latent is {lat.shape[-1] * 8}x{lat.shape[-2] * 8} px, not a multiple of the "
                           f"model's 2x2 patch; use a width and height that are multiples of 16 pixels.")
+    problem = getattr(config, "latent_problem", None)  # a family's own rule on the latent's size (HiDream O1's 32 px)
+    if problem is not None and (sentence := problem(tuple(lat.shape))):
+        raise ConfigError(f"{sentence}.")
     validate_timestep(job, config)
     for name, c in (("positive", job.positive), ("negative", job.negative)):
         if c is None:
