@@ -543,6 +543,10 @@ def validate_job(job: Job, world_size: int) -> None:
                       num_blocks=config.num_blocks, latent_hw=latent_plane(lat.shape[2:]),
                       cfg_scale=sp.cfg if job.timestep is None else None, steps=sp.steps,
                       patch=token_patch(config), mlp_hidden=getattr(config, "mlp_hidden", None), batch=job.batch)
+    tensor_problem = getattr(config, "tensor_problem", None)  # a family's own limit (HiDream O1's kv heads)
+    if job.strategy.tensor_degree > 1 and tensor_problem is not None and (sentence := tensor_problem(
+            job.strategy.tensor_degree)):
+        raise ConfigError(f"{sentence}.")
     if job.strategy.tensor_degree > 1 and not family_of(config).tensor_plan_for(config):
         raise ConfigError(f"{getattr(config, 'title', family_of(config).title)} does not split its layers for tensor "
                           f"parallelism yet; set tensor_degree=1 and split it with ulysses_degree or ring_degree.")

@@ -70,12 +70,13 @@ def conditioning(seed: int, tokens: int) -> Conditioning:
 
 
 def call_job(path: str, strategy: S, same_length: bool = False) -> Job:
-    """One model call at sigma 0.71: a 9-token prompt and an 11-token negative (separate forward passes, as
-    ComfyUI runs them), or two 9-token prompts batched into one."""
+    """One model call at sigma 0.71: a 9-token prompt and a 21-token negative (separate forward passes, as
+    ComfyUI runs them; the negative's causal prefix of 20 rows crosses the middle of its 33-row sequence, so under
+    Ulysses-2 and Ring-2 it spans both shards), or two 9-token prompts batched into one."""
     g = torch.Generator().manual_seed(3)
     latent = torch.randn(2, 3, H, W, generator=g)
     return Job(ModelSpec(path), strategy, SamplingSpec(steps=1), latent, conditioning(1, 9),
-               conditioning(2, 9 if same_length else 11), timestep=torch.full((2,), 710.0))
+               conditioning(2, 9 if same_length else 21), timestep=torch.full((2,), 710.0))
 
 
 # -- the reference: ComfyUI 2026's model call ------------------------------------------------------------
@@ -289,10 +290,51 @@ def test_o1_denoise_loop_strategies_equal_serial_and_pipefusion_beats_naive_patc
     check_denoise_loop(job, client1, client2, "HiDream O1", EXACT_RTOL)
 
 
-def test_o1_refuses_reference_images_and_odd_sizes(path):
+def test_o1_refuses_reference_images_odd_sizes_and_split_kv_heads(path):
     job = call_job(path, S())
     refs = (torch.rand(1, 3, 64, 64),)
     with pytest.raises(ConfigError, match="HiDreamO1ReferenceImages.*CheckpointLoaderSimple's MODEL"):
         validate_job(dataclasses.replace(job, positive=dataclasses.replace(job.positive, references=refs)), 1)
     with pytest.raises(ConfigError, match="is 80x128 px, not a multiple of its 32 px patches; use EmptyHiDreamO1"):
         validate_job(dataclasses.replace(job, latent=torch.zeros(2, 3, 128, 80), timestep=None), 1)
+    # 4 q heads split 4 ways would cut GQA's 2 kv heads in halves: refused, naming the degrees that work.
+    with pytest.raises(ConfigError, match="tensor_degree=4 does not divide HiDream O1's 2 key/value heads"):
+        validate_job(dataclasses.replace(job, strategy=S(tensor_degree=4)), 4)
+
+
+@pytest.mark.parametrize("strategy", [S(ulysses_degree=2, ring_degree=2), S(cfg_degree=2, ring_degree=2)],
+                         ids=["ulysses2xring2", "cfg2xring2"])
+def test_o1_hybrids_on_four_equal_comfyui(path, client4, strategy):
+    job = call_job(path, strategy, same_length=strategy.cfg_degree == 2)
+    err = rel_err(client4.run(job).latent, comfy_call(path, job))
+    print(f"\nHiDream O1 {strategy.label()} rel. error vs ComfyUI's model call {err:.2e}")
+    assert err < EXACT_RTOL
+
+
+def test_o1_conditioning_reaches_the_worker_loop():
+    """Parallel Sampler's path: CLIPTextEncode's CONDITIONING on the O1 CLIP (cross_attn = ids as float32, beside
+    text_input_ids) runs in the worker loop (text_input_ids adds nothing the cross_attn lacks), and becomes a
+    Conditioning whose cond holds the exact ids; other ids beside it route the graph to ComfyUI's sampler."""
+    from nodes import convert, route
+
+    ids = prompt_ids(1, 9)
+    value = [[ids.unsqueeze(-1).float(), {"text_input_ids": ids}]]
+    assert route._conditioning_gap(value, "positive") is None
+    c = convert.conditioning(value)
+    assert torch.equal(c.cond[..., 0].long(), ids) and c.pooled.shape == (1, 0)
+    other = [[ids.unsqueeze(-1).float(), {"text_input_ids": prompt_ids(2, 9)}]]
+    assert route._conditioning_gap(other, "positive") == "'text_input_ids' in the positive conditioning"
+
+
+def test_o1_scaled_fp8_file_equals_its_fp32_twin(client1, tmp_path):
+    """The dev template's kind of file (hidream_o1_image_dev_fp8_scaled): every matrix (the embedding table too) in
+    fp8 over a per-layer scale; at 1 worker the model equals its fp32 twin holding the values the file means."""
+    from test_fp8 import fp8_twins
+
+    quant, meant = fp8_twins(tmp_path, "hidream_o1", torch.float8_e4m3fn, True, config=TINY)
+    assert model_config(quant) == TINY
+    got, ref = client1.run(call_job(quant, S())), client1.run(call_job(meant, S()))
+    err = rel_err(got.latent, ref.latent)
+    print(f"\nHiDream O1 fp8 scaled: rel. error vs its fp32 twin {err:.2e}, param bytes "
+          f"{got.stats[0]['param_bytes']} vs {ref.stats[0]['param_bytes']}")
+    assert err <= SERIAL_RTOL  # equal operands: only BLAS blocking differs

@@ -121,6 +121,13 @@ class HiDreamO1Config(JointAttentionConfig):
                     f"EmptyHiDreamO1LatentImage's sizes (multiples of 32)")
         return None
 
+    def tensor_problem(self, degree: int) -> str | None:
+        """Tensor parallelism splits the kv heads with their q heads: the degree must divide the kv heads too."""
+        if self.num_kv_heads % degree:
+            return (f"tensor_degree={degree} does not divide HiDream O1's {self.num_kv_heads} key/value heads; use a "
+                    f"tensor degree that divides {self.num_kv_heads}, or split with ulysses_degree or ring_degree")
+        return None
+
     @property
     def num_blocks(self) -> int:
         return self.num_layers
@@ -304,7 +311,8 @@ def mrope_table(ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.T
 
 def apply_mrope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, S, heads, D] rotated by rows of cos/sin [S, D] (x1 cos - x2 sin, x2 cos + x1 sin over the halves), in
-    float32, back in x's dtype."""
+    float32, back in x's dtype (comfy_kitchen's kernel may round a bf16 product otherwise: within an ulp)."""
+    cos, sin = cos.to(x.dtype).float(), sin.to(x.dtype).float()  # ComfyUI rounds the tables to x's dtype first
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
