@@ -516,6 +516,9 @@ def validate_job(job: Job, world_size: int) -> None:
     if not 0.0 <= sp.denoise <= 1.0:
         raise ConfigError(f"denoise={sp.denoise} is outside 0..1; set it between 0 and 1.")
     config = model_config(job.model.path)
+    dtype_refusal = getattr(config, "refused_weight_dtypes", {}).get(job.model.weight_dtype)  # HiDream O1's fp16
+    if dtype_refusal:
+        raise ConfigError(f"{dtype_refusal}.")
     refusal = getattr(config, "not_sampled_yet", None)  # LTX-2: a job without its audio latent
     if refusal and job.audio is None:
         raise ConfigError(refusal)

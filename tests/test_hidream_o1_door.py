@@ -103,3 +103,25 @@ def test_what_the_door_cannot_carry_is_refused_in_one_sentence(path, o1_host, cl
     with pytest.raises(ConfigError, match="positions or ar_len are not a text-to-image call's for 9 prompt tokens"):
         base.diffusion_model(x[:1], t, context=kwargs.pop("c_crossattn"), control=None,
                              transformer_options={"cond_or_uncond": [0], "sigmas": torch.full((1,), SIGMA)}, **kwargs)
+
+
+def test_the_seam_smoothing_wrapper_runs_its_shifted_calls_on_the_workers(path, o1_host, client2, monkeypatch):
+    """HiDreamO1PatchSeamSmoothing (the full template's) is a DIFFUSION_MODEL wrapper: it calls the model again on x
+    rolled by (16, 16) px and averages the rolled-back predictions. It runs on the host around the parallel MODEL, so
+    each shifted call is an ordinary model call (same shapes) on the workers: here under Ulysses-2 against ComfyUI's
+    model call on x and on the rolled x, averaged alike."""
+    def smoothing(executor, *args, **kwargs):  # the node's "single_shift", 2 passes, "average", strength 1 core
+        x = args[0]
+        pred = executor(*args, **kwargs)
+        rolled = executor(torch.roll(x, shifts=(16, 16), dims=(-2, -1)), *args[1:], **kwargs)
+        return (pred + torch.roll(rolled, shifts=(-16, -16), dims=(-2, -1))) / 2
+
+    x = torch.randn(2, 3, H, W, generator=torch.Generator().manual_seed(5))
+    parts = chunks()
+    want = (_reference(path, x, parts) + torch.roll(_reference(path, torch.roll(x, (16, 16), (-2, -1)), parts),
+                                                    (-16, -16), (-2, -1))) / 2
+    patcher = _door(path, "cpu:2", {"cpu:2": client2}, monkeypatch, ulysses_degree=2)
+    out = host.model_call(patcher, x, SIGMA, parts, wrappers={"diffusion_model": {"seam": [smoothing]}})
+    err = rel_err(out, want)
+    print(f"\nHiDream O1 seam-smoothing wrapper under Ulysses-2 vs ComfyUI's calls: {err:.1e}")
+    assert err < RTOL

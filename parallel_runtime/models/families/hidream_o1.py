@@ -106,6 +106,9 @@ class HiDreamO1Config(JointAttentionConfig):
     context_dim = 1  # the prompt arrives as token ids, one number per row
     pooled_dim = 0
     reference_refusal = REFUSED_REFERENCES
+    # supported_models.HiDreamO1 runs bf16 and fp32 only: the MLPs' down_proj activations overflow fp16 (NaNs).
+    refused_weight_dtypes = {"fp16": "HiDream O1 overflows in fp16 (its MLP activations exceed fp16's range, as "
+                                     "ComfyUI notes); choose weight_dtype bf16 or fp32"}
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads or self.head_dim % 2:
