@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from . import av_call, controlnet, convert, kandinsky6_call, ltx2_call
+from . import av_call, controlnet, convert, hidream_o1_call, kandinsky6_call, ltx2_call
 from .host import HOST
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,8 @@ class RemoteDiT(torch.nn.Module):
             return self._forward_minimax_h3(x, timesteps, context, control, options, **kwargs)
         if self.family == "kandinsky5":
             x = _with_start_frames(x, kwargs.pop("time_dim_replace", None))
+        if self.family == "hidream_o1":  # its positions, mask and prompt ids, checked; the workers rebuild them
+            kwargs = hidream_o1_call.take_conds(x, context, kwargs)
         _refuse_what_the_workers_cannot_do(control, options, kwargs)
         controls = control.inputs if isinstance(control, controlnet.RemoteControl) else ()
         skip_blocks = skipped_blocks(options.get("patches_replace"))

@@ -150,6 +150,8 @@ def _conditioning_gap(value, which: str) -> str | None:
             continue
         if key == "minimax_token_tags" and _all_text(v):
             continue
+        if key == "text_input_ids" and _same_ids(v, entry[0]):
+            continue
         return f"{_KEY_NAMES.get(key, repr(key))} in the {which} conditioning"
     return None
 
@@ -158,6 +160,14 @@ def _hides_nothing(mask) -> bool:
     """A prompt mask [B, L] of all ones (Lumina 2's and Z-Image's encoders always attach one): ComfyUI's
     extra_conds drops it, and the worker loop runs the unpadded prompt it describes."""
     return isinstance(mask, torch.Tensor) and mask.ndim == 2 and bool((mask == 1).all())
+
+
+def _same_ids(ids, cond) -> bool:
+    """HiDream O1's text_input_ids beside its cross_attn, which holds the same ids as float32 [B, L, 1]
+    (HiDreamO1TE): the worker loop embeds them from the cross_attn, so the key adds nothing."""
+    return (isinstance(ids, torch.Tensor) and isinstance(cond, torch.Tensor) and cond.ndim == 3
+            and cond.shape[-1] == 1 and tuple(ids.shape) == tuple(cond.shape[:2])
+            and torch.equal(ids.long().cpu(), cond[..., 0].round().long().cpu()))
 
 
 def _all_text(tags) -> bool:

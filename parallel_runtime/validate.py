@@ -464,6 +464,9 @@ def validate_latent_and_branches(job: Job, config) -> None:
     if video and (lat.shape[-1] % 2 or lat.shape[-2] % 2):
         raise ConfigError(f"the video latent is {lat.shape[-1] * 8}x{lat.shape[-2] * 8} px, not a multiple of the "
                           f"model's 2x2 patch; use a width and height that are multiples of 16 pixels.")
+    problem = getattr(config, "latent_problem", None)  # a family's own rule on the latent's size (HiDream O1's 32 px)
+    if problem is not None and (sentence := problem(tuple(lat.shape))):
+        raise ConfigError(f"{sentence}.")
     validate_timestep(job, config)
     for name, c in (("positive", job.positive), ("negative", job.negative)):
         if c is None:
@@ -513,6 +516,9 @@ def validate_job(job: Job, world_size: int) -> None:
     if not 0.0 <= sp.denoise <= 1.0:
         raise ConfigError(f"denoise={sp.denoise} is outside 0..1; set it between 0 and 1.")
     config = model_config(job.model.path)
+    dtype_refusal = getattr(config, "refused_weight_dtypes", {}).get(job.model.weight_dtype)  # HiDream O1's fp16
+    if dtype_refusal:
+        raise ConfigError(f"{dtype_refusal}.")
     refusal = getattr(config, "not_sampled_yet", None)  # LTX-2: a job without its audio latent
     if refusal and job.audio is None:
         raise ConfigError(refusal)
@@ -540,6 +546,10 @@ def validate_job(job: Job, world_size: int) -> None:
                       num_blocks=config.num_blocks, latent_hw=latent_plane(lat.shape[2:]),
                       cfg_scale=sp.cfg if job.timestep is None else None, steps=sp.steps,
                       patch=token_patch(config), mlp_hidden=getattr(config, "mlp_hidden", None), batch=job.batch)
+    tensor_problem = getattr(config, "tensor_problem", None)  # a family's own limit (HiDream O1's kv heads)
+    if job.strategy.tensor_degree > 1 and tensor_problem is not None and (sentence := tensor_problem(
+            job.strategy.tensor_degree)):
+        raise ConfigError(f"{sentence}.")
     if job.strategy.tensor_degree > 1 and not family_of(config).tensor_plan_for(config):
         raise ConfigError(f"{getattr(config, 'title', family_of(config).title)} does not split its layers for tensor "
                           f"parallelism yet; set tensor_degree=1 and split it with ulysses_degree or ring_degree.")

@@ -332,8 +332,12 @@ def test_hidream_conditioning_through_both_doors():
     assert torch.equal(message.llama, llama[:1])
 
 
-def test_hidream_o1_is_refused_in_one_sentence():
-    """HiDream O1's files (ComfyUI 2026 tells them by these keys) are named, with what to load instead."""
-    keys = [PREFIX + k for k in ("t_embedder1.mlp.0.weight", "x_embedder.proj1.weight", "model.embed_tokens.weight")]
-    with pytest.raises(ModelFileError, match=r"is HiDream O1 \(a Qwen3-VL image model.*load it with UNETLoader"):
-        detect_family(keys, "hidream_o1_image_dev_bf16.safetensors")
+def test_hidream_o1_files_are_their_own_family():
+    """HiDream O1's files (ComfyUI 2026 tells them by t_embedder1 and x_embedder.proj1) are the hidream_o1 family's,
+    never read as HiDream I1/E1 (tests/test_hidream_o1.py runs them)."""
+    from parallel_runtime.models.families.hidream_o1 import HiDreamO1Config, checkpoint_shapes
+
+    o1 = HiDreamO1Config(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32, intermediate_size=64,
+                         vocab_size=151936)
+    keys = [PREFIX + k for k in checkpoint_shapes(o1)]
+    assert detect_family(keys, "hidream_o1_image_dev_bf16.safetensors")[0].name == "hidream_o1"

@@ -496,10 +496,6 @@ KNOWN_UNSUPPORTED = (
     KnownUnsupported("an LTX-Video (LTXV 0.9.x) model (Lightricks, diffusers layout)",
                      ("time_embed.emb.timestep_embedder.linear_1.bias", "scale_shift_table", "proj_in.weight",
                       "caption_projection.linear_1.weight"), _LTX_FIX.format(""), absent=_LTX2_AUDIO),
-    # HiDream O1: a Qwen3-VL unified transformer, no blocks of HiDream I1/E1's (ComfyUI 2026 detects it by these).
-    KnownUnsupported("HiDream O1 (a Qwen3-VL image model, not HiDream I1/E1's blocks)",
-                     ("t_embedder1.mlp.0.weight", "x_embedder.proj1.weight"),
-                     "load it with UNETLoader, or choose HiDream I1 (full, dev, fast) or E1 for Load Parallel DiT"),
 )
 
 

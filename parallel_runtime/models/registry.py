@@ -18,6 +18,7 @@ def families() -> list[ModelFamily]:
     from .families.flux3 import FLUX3
     from .families.flux_adapter import FLUX
     from .families.hidream import HIDREAM
+    from .families.hidream_o1 import HIDREAM_O1
     from .families.hunyuan_video15 import HUNYUAN_VIDEO15
     from .families.kandinsky5 import KANDINSKY5
     from .families.kandinsky6 import KANDINSKY6
@@ -32,7 +33,7 @@ def families() -> list[ModelFamily]:
     from .families.z_image import Z_IMAGE
 
     return [FLUX3, FLUX2, FLUX, CHROMA, SD3, QWEN_IMAGE21, QWEN_IMAGE, LTX2, PIXART, WAN, Z_IMAGE, LUMINA2,
-            HUNYUAN_VIDEO15, MINIMAX_H3, KANDINSKY6, HIDREAM, KANDINSKY5]
+            HUNYUAN_VIDEO15, MINIMAX_H3, KANDINSKY6, HIDREAM, HIDREAM_O1, KANDINSKY5]
 
 
 def detect_family(keys: Iterable[str], name: str = "checkpoint") -> tuple[ModelFamily, Match]:

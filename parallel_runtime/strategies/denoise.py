@@ -45,6 +45,15 @@ def pad_prompt(cond: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.nn.functional.pad(cond, (0, 0, short, 0)) if short > 0 else cond
 
 
+def model_output(adapter: DiTAdapter, image: torch.Tensor, temb, rope, x_rows: torch.Tensor) -> torch.Tensor:
+    """The family's model output for these rows: its head on the blocks' image rows, also handed the input rows where
+    the family predicts x0 and returns ComfyUI's velocity from it (`head_reads_input`: HiDream O1's (x - x_pred) /
+    sigma)."""
+    if getattr(adapter, "head_reads_input", False):
+        return adapter.head(image, temb, rope, x_rows)
+    return adapter.head(image, temb, rope)
+
+
 def reference_tokens(adapter: DiTAdapter, references: tuple[torch.Tensor, ...], batch: int) -> torch.Tensor:
     """ReferenceLatent latents as packed image-stream tokens [B, R, C*p*p], as ComfyUI's model sees them:
     the latent format's process_in, the batch tiled, odd sizes padded circularly to the patch size."""
@@ -439,9 +448,9 @@ class Denoiser:
                          rope, branches: Branches | None = None) -> tuple[torch.Tensor, ...]:
         """Last-stage head of one forward pass: velocity -> denoised, one tensor per branch it carried."""
         branches = branches or self.branches
-        v = self.adapter.head(image_hidden, temb, rope)
-        ms = self.adapter.model_sampling
-        return ms.calculate_denoised(self.sigmas[i], v, self._repeat(x_rows, branches)).chunk(branches.count)
+        x = self._repeat(x_rows, branches)
+        v = model_output(self.adapter, image_hidden, temb, rope, x)
+        return self.adapter.model_sampling.calculate_denoised(self.sigmas[i], v, x).chunk(branches.count)
 
     def _denoised(self, i: int, x_rows: torch.Tensor, image_hidden: torch.Tensor, temb: torch.Tensor,
                   rope) -> torch.Tensor:
@@ -890,7 +899,7 @@ class _PipeFusionStage:
                        "pipefusion")
             return
         if self.model_output is not None:  # a stock sampler's call (one lane): the host samples
-            self.model_output[:, idx] = self.adapter.head(image[:, :len(idx)], lane.temb, rope)
+            self.model_output[:, idx] = model_output(self.adapter, image[:, :len(idx)], lane.temb, rope, self.x[:, idx])
             return
         self.den += self.denoiser._branch_denoised(i, self.x[:, idx], image[:, :len(idx)], lane.temb, rope,
                                                    lane.branches)

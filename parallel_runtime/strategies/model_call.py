@@ -22,7 +22,7 @@ from ..distributed.topology import latent_plane, validate_strategy
 from ..spec import Job
 from .attention import LocalAttention
 from .control import ControlPass
-from .denoise import Branches, Denoiser, control_caches, stale_caches
+from .denoise import Branches, Denoiser, control_caches, model_output, stale_caches
 from .displaced import DisplacedPatchAttention
 from .two_stream_call import run_two_stream_call
 
@@ -104,7 +104,7 @@ class ModelCallForward(Denoiser):
         with self._displaced(attention, image_attention, sync=sync):
             image, _ = self.adapter.run_blocks(image, text, temb, rope, **extra)
         out = torch.zeros_like(x)
-        out[:, rows] = self.adapter.head(image[:, :len(index)], temb, rope)
+        out[:, rows] = model_output(self.adapter, image[:, :len(index)], temb, rope, x[:, rows])
         return out
 
     def _pipeline(self, x: torch.Tensor, t: torch.Tensor, branches: Branches, job: Job, key: tuple) -> torch.Tensor:

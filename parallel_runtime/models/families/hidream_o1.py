@@ -1,0 +1,456 @@
+"""HiDream O1 (`hidream_o1_image_*.safetensors`, the `image_hidream_o1*` templates): a pixel-space DiT that is the
+Qwen3-VL-8B decoder itself, over one sequence [prompt tokens, the image's 32x32 RGB patches].
+
+Read from ComfyUI 2026's comfy/ldm/hidream_o1/{model,attention,conditioning,utils}.py, comfy/text_encoders/
+{llama,hidream_o1}.py, model_base.HiDreamO1 and supported_models.HiDreamO1 (the module tree here is our own, with
+ComfyUI's parameter names; the code is not theirs):
+
+- Prompt. The "text encoder" only tokenizes: the CONDITIONING's cross_attn is the token ids as float32 [1, L, 1]
+  (exact: ids < 2^24) beside `text_input_ids`; here `Conditioning.cond` is that tensor (context_dim 1). The ids run
+  through the decoder's own `embed_tokens` on the workers, and every row whose id is <|tms_token|> (151673, the last
+  one of the chat template) is replaced by the timestep embedding t_embedder1((1 - t / 1000) x 1000) (t = sigma x
+  1000, as model_base passes it): the prompt's rows depend on t, so the prompt is embedded again every step
+  (`prompt_reads_timestep`).
+- Image. The [B, 3, H, W] pixels (latent_formats.HiDreamO1Pixel: no VAE, identity in/out) as 32x32 patches,
+  channel-major (c, p1, p2) as ComfyUI's einops pattern, through the bottleneck x_embedder (3072 -> hidden/4 ->
+  hidden); H and W must be multiples of 32.
+- Blocks: 36 Llama layers (pre-RMSNorm, eps 1e-6; GQA 32 q / 8 kv heads of 128, per-head q/k RMS norms ("gemma3"
+  style: over the head's 128 channels, scale w, no +1); SwiGLU 12288 wide; no biases). Here k and v are repeated to
+  the q heads (GQA's own pairing: kv head j serves q heads [j g, (j + 1) g)) before the attention strategy, so
+  Ulysses and Ring see ordinary heads; tensor parallelism splits q heads with their kv heads.
+- Positions: interleaved MRoPE (theta 5e6, sections [24, 20, 20] of the 64 frequencies: frequency i reads the H id
+  where i % 3 == 1 and i < 60, the W id where i % 3 == 2 and i < 60, else the T id), rotate-half layout, angles in
+  float32 (llama.py's precompute_freqs_cis). The position ids are model_base's get_rope_index_fix_point for a
+  text-to-image call: prompt token i at (i, i, i), image patch (r, c) at (4096, 4096 + r, 4096 + c); rebuilt here
+  from the prompt length and the grid (the conditioning's position_ids equal these, checked where they arrive).
+- Attention is two-pass (attention.py's make_two_pass_attention(ar_len)): rows [0, ar_len) attend causally among
+  themselves only, rows [ar_len, L) attend to every row. conditioning.build_extra_conds sets ar_len = prompt length - 1
+  (token_types 0 on the prompt before <|tms_token|>, 1 from it on). Confirmed against vLLM-Omni's
+  vllm_omni/diffusion/models/hidream_o1_image/utils_hidream_o1.py build_packed_attention_metadata: token_types == 0
+  rows get a causal lower-triangular mask, token_types > 0 rows attend everything. Here it is `sequence_bias`: an
+  additive -inf above the diagonal of the prefix rows, which every strategy cuts per query/key block at global
+  positions (Ring per key chunk, exactly). ComfyUI also caches the prefix's K/V across steps: a pure speed-up (the
+  prefix never reads a row that changes with t), recomputed here.
+- Head: the decoder's final RMSNorm, final_layer2 (hidden -> 3072) gives x_pred per patch; the model output is the
+  velocity (x - x_pred) / max(sigma, 1e-3) in float32, x read in the compute dtype (`head` takes the input rows:
+  `head_reads_input`).
+- Sampling (supported_models.HiDreamO1): ModelSamplingDiscreteFlow (CONST) at shift 3, multiplier 1000, and
+  noise_scale 8: the starting x is sigma (8 noise) + (1 - sigma) latent.
+
+Detection: `t_embedder1.mlp.0.weight` and `x_embedder.proj1.weight` (model_detection's keys) with the decoder's
+per-head q norm, under ComfyUI's prefixes; the vision tower (`visual.*`, its deepstack mergers) is never loaded.
+Refused in one sentence: HiDreamO1ReferenceImages' reference images (they pass through the Qwen3-VL vision tower:
+run those edits with CheckpointLoaderSimple's MODEL).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ...errors import ModelFileError
+from ...sampling.flow import FluxModelSampling, LatentFormat
+from ...weights.keymap import Source, block_count, tensor_shapes
+from ...weights.storage import compute_placement
+from ..blocks import BlockLoop
+from ..conditioning import timestep_sinusoid
+from ..detection import Signature, signature_match
+from ..family import BlockKind, DiTFamily, JointAttentionConfig
+from ..patchify import PatchTokens
+
+PATCH = 32  # pixels per token side (ComfyUI's PATCH_SIZE)
+TMS_TOKEN_ID = 151673  # <|tms_token|>: its prompt row becomes the timestep embedding
+IMAGE_ROPE_OFFSET = 4096  # get_rope_index_fix_point's fix_point: the image grid's ids start here
+NOISE_SCALE = 8.0  # supported_models.HiDreamO1's sampling_settings
+SHIFT = 3.0
+LM = "language_model."  # ComfyUI's prefix of the decoder's tensors
+BLOCK_LISTS = ("layers",)
+ALWAYS_OWNED = ("t_embedder1.",)  # every stage embeds t (the prompt's tms row on the first, sigma for the head)
+FIRST_STAGE = ("embed_tokens.", "x_embedder.")
+LAST_STAGE = ("norm.", "final_layer2.")
+DECODER_BLOCK = BlockKind("decoder", ("joint",))
+HIDREAM_O1_PIXELS = LatentFormat("hidream_o1_pixel", 1.0, 0.0)  # latent_formats.HiDreamO1Pixel: identity
+REFUSED_REFERENCES = ("ParaDiT does not run HiDream O1's reference images (HiDreamO1ReferenceImages: they go through "
+                      "the Qwen3-VL vision tower, which the workers do not load); run reference edits with "
+                      "CheckpointLoaderSimple's MODEL and a stock KSampler instead")
+
+
+def mrope_sections(head_dim: int) -> tuple[int, int, int]:
+    """(T, H, W) frequencies of the head's head_dim / 2: Qwen3-VL's [24, 20, 20] at 128, the same 5/32 of the head
+    for H and W at any other width (a small test model's)."""
+    hw = head_dim * 5 // 32
+    return head_dim // 2 - 2 * hw, hw, hw
+
+
+@dataclass(frozen=True)
+class HiDreamO1Config(JointAttentionConfig):
+    hidden_size: int
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float = 5_000_000.0
+    norm_eps: float = 1e-6
+
+    family = "hidream_o1"
+    title = "HiDream O1"
+    text_encoders = "CheckpointLoaderSimple's CLIP of the HiDream O1 file (its tokenizer) and CLIPTextEncode"
+    latent_downscale = 1  # pixel space
+    patch_size = PATCH
+    context_dim = 1  # the prompt arrives as token ids, one number per row
+    pooled_dim = 0
+    reference_refusal = REFUSED_REFERENCES
+    # supported_models.HiDreamO1 runs bf16 and fp32 only: the MLPs' down_proj activations overflow fp16 (NaNs).
+    refused_weight_dtypes = {"fp16": "HiDream O1 overflows in fp16 (its MLP activations exceed fp16's range, as "
+                                     "ComfyUI notes); choose weight_dtype bf16 or fp32"}
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
+            raise ModelFileError(f"a HiDream O1 with {self.num_heads} query heads over {self.num_kv_heads} key/value "
+                                 f"heads of {self.head_dim} is no Qwen3-VL shape; the file is damaged, so "
+                                 f"re-download it.")
+
+    @staticmethod
+    def latent_problem(shape: tuple[int, ...]) -> str | None:
+        h, w = shape[-2:]
+        if h % PATCH or w % PATCH:
+            return (f"the HiDream O1 image is {w}x{h} px, not a multiple of its 32 px patches; use "
+                    f"EmptyHiDreamO1LatentImage's sizes (multiples of 32)")
+        return None
+
+    def tensor_problem(self, degree: int) -> str | None:
+        """Tensor parallelism splits the kv heads with their q heads: the degree must divide the kv heads too."""
+        if self.num_kv_heads % degree:
+            return (f"tensor_degree={degree} does not divide HiDream O1's {self.num_kv_heads} key/value heads; use a "
+                    f"tensor degree that divides {self.num_kv_heads}, or split with ulysses_degree or ring_degree")
+        return None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_layers
+
+    @property
+    def block_kinds(self) -> tuple[BlockKind, ...]:
+        return (DECODER_BLOCK,) * self.num_layers
+
+    @property
+    def mlp_hidden(self) -> int:
+        return self.intermediate_size
+
+    @property
+    def latent_channels(self) -> int:
+        return 3  # RGB
+
+    @property
+    def sections(self) -> tuple[int, int, int]:
+        return mrope_sections(self.head_dim)
+
+
+# -- checkpoint layout --------------------------------------------------------------------------------
+
+SIGNATURE = ("t_embedder1.mlp.0.weight", "x_embedder.proj1.weight", "final_layer2.linear.weight",
+             LM + "embed_tokens.weight", LM + "layers.0.self_attn.q_norm.weight")
+match_layout = signature_match(Signature("comfy", SIGNATURE))
+
+
+def infer_config(reader, match, name: str) -> HiDreamO1Config:
+    p = match.prefix
+    name = name or os.path.basename(getattr(reader, "path", "checkpoint"))
+    shape = tensor_shapes(reader, p, name, "a complete HiDream O1 DiT")
+    layer = LM + "layers.0."
+    vocab, hidden = shape(LM + "embed_tokens.weight")
+    head_dim = shape(layer + "self_attn.q_norm.weight")[0]
+    q, kv = shape(layer + "self_attn.q_proj.weight")[0], shape(layer + "self_attn.k_proj.weight")[0]
+    patch_in = shape("x_embedder.proj1.weight")[1]
+    if q % head_dim or kv % head_dim or patch_in != 3 * PATCH * PATCH or vocab <= TMS_TOKEN_ID:
+        raise ModelFileError(f"{name}: {q} query and {kv} key/value channels of {head_dim}-wide heads, {patch_in} "
+                             f"pixels per patch and a {vocab}-token vocabulary are no HiDream O1 shape; the file is "
+                             f"damaged, so re-download it.")
+    return HiDreamO1Config(hidden_size=hidden, num_layers=block_count(reader.keys(), p, LM + "layers", name),
+                           num_heads=q // head_dim, num_kv_heads=kv // head_dim, head_dim=head_dim,
+                           intermediate_size=shape(layer + "mlp.gate_proj.weight")[0], vocab_size=vocab)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, c: HiDreamO1Config):
+        super().__init__()
+        inner, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_proj = torch.nn.Linear(c.hidden_size, inner, bias=False)
+        self.k_proj = torch.nn.Linear(c.hidden_size, kv, bias=False)
+        self.v_proj = torch.nn.Linear(c.hidden_size, kv, bias=False)
+        self.o_proj = torch.nn.Linear(inner, c.hidden_size, bias=False)
+        self.q_norm = torch.nn.RMSNorm(c.head_dim, eps=c.norm_eps)
+        self.k_norm = torch.nn.RMSNorm(c.head_dim, eps=c.norm_eps)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, c: HiDreamO1Config):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = torch.nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = torch.nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, c: HiDreamO1Config):
+        super().__init__()
+        self.self_attn, self.mlp = _Attention(c), _MLP(c)
+        self.input_layernorm = torch.nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
+        self.post_attention_layernorm = torch.nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
+
+
+class _PatchEmbed(torch.nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.proj1 = torch.nn.Linear(3 * PATCH * PATCH, hidden // 4, bias=False)
+        self.proj2 = torch.nn.Linear(hidden // 4, hidden)
+
+
+class _Linear(torch.nn.Module):
+    """A holder of one Linear named `linear` (ComfyUI's FinalLayer)."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(n_in, n_out)
+
+
+class _TimestepEmbedder(torch.nn.Module):
+    """mmdit's TimestepEmbedder: a 256-wide sinusoid through Linear, SiLU, Linear (`mlp.0`, `mlp.2`)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(256, hidden), torch.nn.SiLU(), torch.nn.Linear(hidden, hidden))
+
+
+class HiDreamO1Model(torch.nn.Module):
+    """The DiT's parameters under ComfyUI's names, the decoder's without `language_model.` (see source_map)."""
+
+    def __init__(self, c: HiDreamO1Config):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = torch.nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
+        self.norm = torch.nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
+        self.t_embedder1 = _TimestepEmbedder(c.hidden_size)
+        self.x_embedder = _PatchEmbed(c.hidden_size)
+        self.final_layer2 = _Linear(c.hidden_size, 3 * PATCH * PATCH)
+
+
+@functools.lru_cache(maxsize=8)
+def _meta(config: HiDreamO1Config) -> HiDreamO1Model:
+    with torch.device("meta"):
+        return HiDreamO1Model(config)
+
+
+def meta_model(config: HiDreamO1Config) -> HiDreamO1Model:
+    import copy
+
+    return copy.deepcopy(_meta(config))
+
+
+def _file_name(name: str) -> str:
+    """The file's key of one of our parameters: the decoder's sit under `language_model.`."""
+    return LM + name if name.startswith(("layers.", "embed_tokens.", "norm.")) else name
+
+
+def source_map(config: HiDreamO1Config, layout: str, prefix: str = "") -> dict[str, Source]:
+    return {n: Source(prefix + _file_name(n)) for n, _ in _meta(config).named_parameters()}
+
+
+def checkpoint_shapes(config: HiDreamO1Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{ComfyUI key: (shape, kind)} of the DiT's tensors (no vision tower), in the module's order."""
+    def kind(name: str, p) -> str:
+        if name.endswith("bias"):
+            return "bias"
+        if p.dim() == 1:
+            return "norm"
+        return "table" if name.startswith("embed_tokens") else "weight"
+
+    return {_file_name(n): (tuple(p.shape), kind(n, p)) for n, p in _meta(config).named_parameters()}
+
+
+def tensor_plan(config: HiDreamO1Config) -> dict:
+    """Each layer's q/k/v projections column-wise (contiguous q heads with their kv heads: every degree that
+    divides the kv heads keeps GQA's groups whole), o_proj row-wise; the SwiGLU's gate/up column-wise, down row-wise.
+    The per-head q/k norms need nothing."""
+    plan = {}
+    for i in range(config.num_layers):
+        a, m = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        plan.update({f"{a}.q_proj": "colwise", f"{a}.k_proj": "colwise", f"{a}.v_proj": "colwise",
+                     f"{a}.o_proj": "rowwise", f"{m}.gate_proj": "colwise", f"{m}.up_proj": "colwise",
+                     f"{m}.down_proj": "rowwise"})
+    return plan
+
+
+# -- positions and the two-pass mask ------------------------------------------------------------------
+
+def position_ids(text_len: int, rows: int, cols: int) -> torch.Tensor:
+    """[L, 3] (T, H, W) ids of get_rope_index_fix_point for a text-to-image call: prompt token i at (i, i, i), patch
+    (r, c) at (4096, 4096 + r, 4096 + c)."""
+    prompt = torch.arange(text_len)[:, None].expand(text_len, 3)
+    r = torch.arange(rows)[:, None].expand(rows, cols).reshape(-1)
+    c = torch.arange(cols)[None, :].expand(rows, cols).reshape(-1)
+    image = torch.stack([torch.zeros_like(r), r, c], dim=-1) + IMAGE_ROPE_OFFSET
+    return torch.cat([prompt, image]).long()
+
+
+def mrope_table(ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [L, head_dim] (rotate-half layout) of ids [L, 3]: precompute_freqs_cis with interleaved MRoPE, in
+    float32 (a product of one id and one frequency: the same number as its matmul over one term)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=ids.device).float() / head_dim))
+    freqs = ids.float().T[:, :, None] * inv_freq[None, None, :]  # [3, L, head_dim / 2]
+    _, h, w = mrope_sections(head_dim)
+    out = freqs[0].clone()
+    out[..., 1:3 * h:3] = freqs[1, :, 1:3 * h:3]
+    out[..., 2:3 * w:3] = freqs[2, :, 2:3 * w:3]
+    emb = torch.cat([out, out], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_mrope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, S, heads, D] rotated by rows of cos/sin [S, D] (x1 cos - x2 sin, x2 cos + x1 sin over the halves), in
+    float32, back in x's dtype (comfy_kitchen's kernel may round a bf16 product otherwise: within an ulp)."""
+    cos, sin = cos.to(x.dtype).float(), sin.to(x.dtype).float()  # ComfyUI rounds the tables to x's dtype first
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos[None, :, None] + rotated * sin[None, :, None]).to(x.dtype)
+
+
+def two_pass_allowed(text_len: int, length: int) -> torch.Tensor:
+    """[L, L] True where a query (row) may read a key (column): the ar_len = text_len - 1 prefix rows causally among
+    themselves, every later row everything (make_two_pass_attention)."""
+    ar_len = max(text_len - 1, 0)
+    q = torch.arange(length)[:, None]
+    k = torch.arange(length)[None, :]
+    return (q >= ar_len) | (k <= q)
+
+
+class _PixelFlowSampling(FluxModelSampling):
+    """ModelSamplingDiscreteFlow + CONST with supported_models.HiDreamO1's noise_scale: the first x is
+    sigma (8 noise) + (1 - sigma) latent, ComfyUI's operand order."""
+
+    def noise_scaling(self, sigma, noise: torch.Tensor, latent: torch.Tensor, max_denoise: bool = False):
+        sigma = torch.as_tensor(sigma, dtype=noise.dtype, device=noise.device)
+        sigma = sigma.view(()) if sigma.numel() == 1 else sigma.view(-1, *([1] * (noise.ndim - 1)))
+        return sigma * (NOISE_SCALE * noise) + (1.0 - sigma) * latent
+
+
+# -- the strategies' view -----------------------------------------------------------------------------
+
+class HiDreamO1Adapter(PatchTokens, BlockLoop):
+    patch = PATCH
+    latent_format = HIDREAM_O1_PIXELS
+    default_guidance = 0.0  # no guidance input
+    prompt_reads_timestep = True  # the <|tms_token|> row is the timestep's embedding: embedded again every step
+    head_reads_input = True  # velocity = (x - x_pred) / sigma needs the input rows
+
+    def __init__(self, config: HiDreamO1Config, model, chunks: list[range], context):
+        self.config, self.model, self.chunks, self.context = config, model, chunks, context
+        self.latent_channels = 3
+        self.dtype, self.device = compute_placement(model.layers[chunks[0][0]].input_layernorm)
+
+    @functools.cached_property
+    def model_sampling(self):
+        return _PixelFlowSampling(SHIFT, 1000.0, kind="discrete_flow")
+
+    def rope(self, text_len: int, h: int, w: int, references=(), method=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of the canonical [prompt, image] sequence (`references` are refused before any work)."""
+        ids = position_ids(text_len, h // PATCH, w // PATCH).to(self.device)
+        return mrope_table(ids, self.config.head_dim, self.config.rope_theta)
+
+    def sequence_bias(self, text_len: int, hw: tuple[int, int], references=()) -> torch.Tensor:
+        """The two-pass mask as an additive bias [1, L, L] (0 or -inf, compute dtype): the strategies cut each
+        call's block of it. Kept for the last layout only (a stock sampler repeats one)."""
+        length = text_len + (hw[0] // PATCH) * (hw[1] // PATCH)
+        key = (text_len, length)
+        cached = getattr(self, "_last_bias", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        allowed = two_pass_allowed(text_len, length).to(self.device)
+        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
+        self._last_bias = (key, bias[None])
+        return bias[None]
+
+    # -- embeddings ------------------------------------------------------------------------------------
+
+    def embed_image(self, tokens: torch.Tensor, index: torch.Tensor, hw) -> torch.Tensor:
+        e = self.model.x_embedder
+        return e.proj2(e.proj1(tokens.to(self.device, self.dtype)))
+
+    def _time_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """[N, hidden]: t_embedder1 at t_pixeldit x 1000, t_pixeldit = 1 - t / 1000, as ComfyUI's _forward rounds."""
+        sigma = t.to(self.device).float() / 1000.0
+        sinusoid = timestep_sinusoid((1.0 - sigma) * 1000).to(self.dtype)
+        return self.model.t_embedder1.mlp(sinusoid)
+
+    def embed_text(self, cond: torch.Tensor, t: torch.Tensor | None = None, clip_vision=None, glyph=None):
+        """The whole prompt's rows: embed_tokens of the ids (cond [N, L, 1]), the <|tms_token|> rows replaced by
+        the timestep embedding at `t` (one per row of cond)."""
+        if t is None:
+            raise ValueError("HiDream O1's prompt embedding needs the step's timestep (prompt_reads_timestep)")
+        ids = cond[..., 0].to(self.device).round().long()
+        rows = self.model.embed_tokens(ids).to(self.dtype)
+        tms = (ids == TMS_TOKEN_ID)[..., None]
+        return torch.where(tms, self._time_rows(t)[:, None].to(rows.dtype), rows)
+
+    def timestep_embedding(self, t: torch.Tensor, pooled, guidance, hw=None) -> torch.Tensor:
+        """The blocks read no conditioning vector; the head reads the timesteps (sigma x 1000) per row."""
+        return t.to(self.device, torch.float32).flatten()
+
+    # -- blocks and head -------------------------------------------------------------------------------
+
+    def run_blocks(self, image: torch.Tensor, text: torch.Tensor, temb, rope, chunk: int = 0) -> tuple:
+        """This rank's [prompt, image] rows through its decoder layers (one stream, one set of weights)."""
+        n_text = text.shape[1]
+        x = torch.cat([text, image.to(text.dtype)], dim=1)
+        for i in self.active_blocks(chunk):
+            x = self._layer(i, x, rope)
+        return x[:, n_text:], x[:, :n_text]
+
+    def _layer(self, i: int, x: torch.Tensor, rope) -> torch.Tensor:
+        layer = self.model.layers[i]
+        x = x + self._attention(i, layer.self_attn, layer.input_layernorm(x), rope)
+        mlp = layer.mlp
+        h = layer.post_attention_layernorm(x)
+        return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+
+    def _attention(self, i: int, attn, x: torch.Tensor, rope) -> torch.Tensor:
+        d = self.config.head_dim
+        q = attn.q_norm(attn.q_proj(x).unflatten(-1, (-1, d)))  # a tensor-parallel rank's share of the heads
+        k = attn.k_norm(attn.k_proj(x).unflatten(-1, (-1, d)))
+        v = attn.v_proj(x).unflatten(-1, (-1, d))
+        q, k = apply_mrope(q, *rope), apply_mrope(k, *rope)
+        group = q.shape[2] // k.shape[2]  # GQA: kv head j serves q heads [j group, (j + 1) group)
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        out = self.context.attention(q, k, v, i).flatten(2, 3).to(x.dtype)
+        return attn.o_proj(out)
+
+    def head(self, image: torch.Tensor, temb: torch.Tensor, rope=None, x: torch.Tensor | None = None):
+        """Velocity in float32 per patch, in pack's order: (x - x_pred) / max(sigma, 1e-3), x as the model read it
+        (the compute dtype), x_pred = final_layer2(norm(rows)); temb: the timesteps, sigma = t / 1000."""
+        if x is None:
+            raise ValueError("HiDream O1's head needs the input rows (head_reads_input)")
+        x_pred = self.model.final_layer2.linear(self.model.norm(image))
+        sigma = (temb.float() / 1000.0).clamp_min(1e-3)
+        return (x.to(self.device, self.dtype).float() - x_pred.float()) / sigma.view(-1, 1, 1)
+
+
+def block_inputs(config: HiDreamO1Config, text: int, image: int, generator: torch.Generator) -> tuple:
+    """Random (image rows, prompt rows, timesteps, RoPE) of one layer call over a near-square grid."""
+    h, cols = config.hidden_size, max(1, math.isqrt(image))
+    ids = position_ids(text, -(-image // cols), cols)[:text + image]
+    return (torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator),
+            torch.full((1,), 500.0), mrope_table(ids, config.head_dim, config.rope_theta))
+
+
+HIDREAM_O1 = DiTFamily(
+    name="hidream_o1", title="HiDream O1", match=match_layout, infer_config=infer_config, meta_model=meta_model,
+    source_map=source_map, checkpoint_shapes=checkpoint_shapes, adapter_class=HiDreamO1Adapter,
+    block_lists=BLOCK_LISTS, always_owned=ALWAYS_OWNED, first_stage=FIRST_STAGE, last_stage=LAST_STAGE,
+    comfy_layout="comfy", replace_keys=("double_block",), block_inputs=block_inputs, tensor_plan=tensor_plan)
