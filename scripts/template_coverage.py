@@ -52,7 +52,7 @@ FILES = (
     (r"^flux-2-|^flux2_", DIT, "FLUX.2 (dev, klein)", "flux2"),
     (r"^flux3-image-klein-base-", DIT, "FLUX.3 image klein (base)", "flux3"),
     (r"^flux3-", DIT, "FLUX.3 step-distilled (flow-map)", None),
-    (r"^hidream_o1_", DIT, "HiDream O1", None),
+    (r"^hidream_o1_", DIT, "HiDream O1", "hidream_o1"),
     (r"^hidream_[ie]1", DIT, "HiDream I1 / E1", "hidream"),
     (r"^hunyuanvideo1\.5_1080p_sr", DIT, "HunyuanVideo 1.5 super-resolution", None),
     (r"^hunyuanvideo1\.5_", DIT, "HunyuanVideo 1.5", "hunyuan_video15"),
@@ -87,6 +87,8 @@ REFUSED_NODES = (
     ("LTXVReferenceAudio", None, "LTX-2 reference audio"),
     ("MiniMaxH3FunControlNetApply", None, "MiniMax-H3 Fun ControlNet union"),
     ("ReferenceMultiLatent", None, "FLUX.3 reference images"),
+    # HiDream O1's reference branch: one switch away in the text-to-image template, on in the dev one.
+    ("HiDreamO1ReferenceImages", None, "HiDream O1 reference images"),
     ("TextEncodeQwenImage21", "images.", "Qwen-Image 2.1's encoder image slots"),
 )
 ACTIVE = 0  # a node's mode: 0 runs, 2 muted, 4 bypassed
