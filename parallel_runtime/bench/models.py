@@ -6,6 +6,7 @@ from ..models.families.chroma import ChromaConfig
 from ..models.families.flux import FluxConfig
 from ..models.families.flux2 import Flux2Config
 from ..models.families.hidream import HiDreamConfig
+from ..models.families.hidream_o1 import HiDreamO1Config
 from ..models.families.flux3 import Flux3Config
 from ..models.families.hunyuan_video15 import HunyuanVideo15Config
 from ..models.families.kandinsky5 import Kandinsky5Config
@@ -83,6 +84,11 @@ BENCH_FAMILIES = {
     # 128-wide heads, 2 of them, 1 + 2 blocks (the release's 1:2 mix).
     "hidream": HiDreamConfig(hidden_size=256, num_layers=1, num_single_layers=2, t5_dim=64, llama_dim=64,
                              pooled_dim=32),
+    # HiDream O1: Qwen3-VL 8B's decoder over [prompt ids, 32 px RGB patches]; 4 query heads of 64 over 2 key/value
+    # heads (grouped as the release's 32 over 8; tensor-2 splits the kv heads), its SwiGLU ratio (12288 / 4096 x
+    # 256), 3 layers. The vocabulary must hold <|tms_token|> (151673): a 151,936-row table, read once per job.
+    "hidream_o1": HiDreamO1Config(hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64,
+                                  intermediate_size=768, vocab_size=151936),
     # Kandinsky 5 Lite video: one visual stream of 2x2 patches (beside 17 zero condition channels in text-to-video),
     # self-attention then cross-attention to the Qwen2.5-VL prompt its 2 text blocks refine every pass; its 64-wide
     # heads (Lite: 1792 / 64 = 28), 4 of them, and Lite's MLP ratio (7168 / 1792 = 4).
@@ -142,6 +148,9 @@ RELEASE_SHAPES = {
                    "MiniMax-H3 shapes (width 5376, 56 heads x 128, 50 blocks, SwiGLU 14336)"),
     "hidream": (HiDreamConfig(hidden_size=2560, num_layers=16, num_single_layers=32),
                 "HiDream I1 17B shapes (width 2560, 20 heads, 16 + 32 blocks, 4 experts top 2 + shared)"),
+    "hidream_o1": (HiDreamO1Config(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                                   intermediate_size=12288, vocab_size=151936),
+                   "HiDream O1 shapes (Qwen3-VL 8B's decoder: width 4096, 32 q / 8 kv heads, 36 layers)"),
     "kandinsky5": (Kandinsky5Config(hidden_size=1792, num_layers=32, head_dim=64, ff_dim=7168),
                    "Kandinsky 5 Lite video shapes (width 1792, 28 heads x 64, 32 blocks, MLP 7168)"),
     "kandinsky6": (Kandinsky6Config(hidden_size=4096, audio_hidden_size=2048, num_layers=60),

@@ -29,9 +29,11 @@ def make_job(path: str, config, strategy: StrategySpec, latent_shape, text_token
 
 def random_prompt(config, text_tokens: int, g: torch.Generator) -> Conditioning:
     """Random prompt rows of the model's width and its pooled vector (pooled_dim 0: T5-only families); a model whose
-    blocks read Llama layers of the prompt (HiDream) gets those too, over as many tokens."""
-    c = Conditioning(torch.randn(1, text_tokens, config.context_dim, generator=g),
-                     torch.randn(1, config.pooled_dim, generator=g), 3.5)
+    blocks read Llama layers of the prompt (HiDream) gets those too, over as many tokens; a model whose prompt is
+    token ids (HiDream O1) makes its own (`random_prompt`)."""
+    own = getattr(config, "random_prompt", None)
+    rows = own(text_tokens, g) if own else torch.randn(1, text_tokens, config.context_dim, generator=g)
+    c = Conditioning(rows, torch.randn(1, config.pooled_dim, generator=g), 3.5)
     if getattr(config, "llama_dim", None):
         layers = max(config.llama_layers) + 1
         c = dataclasses.replace(c, llama=torch.randn(1, layers, text_tokens, config.llama_dim, generator=g))

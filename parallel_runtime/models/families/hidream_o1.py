@@ -151,6 +151,13 @@ class HiDreamO1Config(JointAttentionConfig):
     def sections(self) -> tuple[int, int, int]:
         return mrope_sections(self.head_dim)
 
+    def random_prompt(self, tokens: int, generator: torch.Generator) -> torch.Tensor:
+        """A bench's prompt as HiDreamO1TE's cross_attn holds one: random ids of this vocabulary as float32 [1, L, 1],
+        ending in <|tms_token|> as every tokenized prompt does (its row carries the timestep)."""
+        ids = torch.randint(0, TMS_TOKEN_ID, (1, tokens), generator=generator)
+        ids[0, -1] = TMS_TOKEN_ID
+        return ids.unsqueeze(-1).float()
+
 
 # -- checkpoint layout --------------------------------------------------------------------------------
 
