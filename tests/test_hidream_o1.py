@@ -369,3 +369,25 @@ def test_o1_runs_in_bf16_within_bf16_round_off(path, client1, client2):
     # an error of order 1 or NaN.
     assert torch.isfinite(serial).all() and err < 3e-2
     assert split < 3e-2  # the same bf16 roundings in another order
+
+
+# A model whose heads span its width (4 x 8 = 32, as the release's 32 x 128 = 4096), which traffic.py's counts assume.
+TINY_WIDE_HEADS = dataclasses.replace(TINY, num_layers=2, head_dim=8)
+
+
+@pytest.mark.parametrize("strategy", [S(ulysses_degree=2), S(ring_degree=2),
+                                      S(pipefusion_degree=2, num_pipeline_patch=2, warmup_steps=1)],
+                         ids=lambda s: s.label())
+def test_o1_measured_bytes_match_analytic(client2, tmp_path, strategy):
+    """The runtime's byte counters against traffic.py, per op and exactly: K and V travel repeated to the q heads
+    (what the counts assume of every family), the prompt's rows with the image's."""
+    from parallel_runtime.planning.traffic import job_traffic, shapes_of
+
+    p = write_checkpoint(str(tmp_path / "o1_wide_heads.safetensors"), TINY_WIDE_HEADS, seed=2, prefix=PREFIX)
+    job = Job(ModelSpec(p), strategy, SamplingSpec(steps=3, cfg=2.0, seed=1), torch.zeros(2, 3, H, W),
+              conditioning(1, 7), conditioning(2, 7))
+    measured = [st["traffic"] for st in client2.run(job).stats]
+    shapes = shapes_of(TINY_WIDE_HEADS, image_tokens=(H // 32) * (W // 32), text_tokens=7,
+                       pipefusion=strategy.pipefusion_degree, batch=2)
+    for got, want in zip(measured, job_traffic(strategy, shapes, steps=3, cfg=2.0)):
+        assert {op: tuple(v) for op, v in got["by_op"].items()} == {op: tuple(v) for op, v in want.by_op().items()}
