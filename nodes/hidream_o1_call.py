@@ -21,8 +21,10 @@ REFERENCE_INPUTS = ("ref_pixel_values", "ref_image_grid_thw", "ref_patches")
 _FIX = "run it with CheckpointLoaderSimple's MODEL and a stock KSampler instead"
 
 
-def take_conds(x: torch.Tensor, context: torch.Tensor, kwargs: dict) -> dict:
-    """kwargs without O1's own inputs, after checking they describe this call's text-to-image sequence."""
+def take_conds(x: torch.Tensor, context: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, dict]:
+    """(the prompt as exact ids [B, L, 1] in float32, kwargs without O1's own inputs), after checking they describe
+    this call's text-to-image sequence. BaseModel._apply_model casts `context` to the model's dtype, and bf16 rounds
+    ids above 256, so the ids come from input_ids (int64, never cast); context must be them in its own dtype."""
     from parallel_runtime.models.families.hidream_o1 import position_ids
 
     if any(kwargs.get(k) is not None for k in REFERENCE_INPUTS):
@@ -34,7 +36,8 @@ def take_conds(x: torch.Tensor, context: torch.Tensor, kwargs: dict) -> dict:
         raise convert.ConfigError(f"the HiDream O1 image is {w}x{h} px, not a multiple of its 32 px patches; use "
                                   f"EmptyHiDreamO1LatentImage's sizes (multiples of 32).")
     ids = kwargs.get("input_ids")
-    if ids is None or not torch.equal(ids.long().cpu(), context[..., 0].round().long().cpu()):
+    if ids is None or tuple(ids.shape) != tuple(context.shape[:2]) or \
+            not torch.equal(ids.cpu().to(context.dtype), context[..., 0].cpu()):
         raise convert.ConfigError(f"the HiDream O1 call's input_ids do not match its prompt; encode the prompt with "
                                   f"the HiDream O1 checkpoint's CLIP (CLIPTextEncode) or {_FIX}.")
     want = position_ids(text_len, h // PATCH, w // PATCH).T
@@ -48,4 +51,5 @@ def take_conds(x: torch.Tensor, context: torch.Tensor, kwargs: dict) -> dict:
     if image is not None and not (bool(image[:, text_len:].all()) and not bool(image[:, :text_len].any())):
         raise convert.ConfigError(f"the HiDream O1 call's vinput_mask does not mark the image after the prompt; "
                                   f"{_FIX}.")
-    return {k: v for k, v in kwargs.items() if k not in READ_INPUTS + REFERENCE_INPUTS}
+    rest = {k: v for k, v in kwargs.items() if k not in READ_INPUTS + REFERENCE_INPUTS}
+    return ids.long().unsqueeze(-1).float().to(context.device), rest

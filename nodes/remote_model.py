@@ -140,7 +140,7 @@ class RemoteDiT(torch.nn.Module):
         if self.family == "kandinsky5":
             x = _with_start_frames(x, kwargs.pop("time_dim_replace", None))
         if self.family == "hidream_o1":  # its positions, mask and prompt ids, checked; the workers rebuild them
-            kwargs = hidream_o1_call.take_conds(x, context, kwargs)
+            context, kwargs = hidream_o1_call.take_conds(x, context, kwargs)
         _refuse_what_the_workers_cannot_do(control, options, kwargs)
         controls = control.inputs if isinstance(control, controlnet.RemoteControl) else ()
         skip_blocks = skipped_blocks(options.get("patches_replace"))

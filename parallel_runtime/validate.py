@@ -474,6 +474,9 @@ def validate_latent_and_branches(job: Job, config) -> None:
         if c.cond.ndim != 3 or c.cond.shape[-1] != config.context_dim:
             raise ConfigError(f"the {name} conditioning has width {c.cond.shape[-1]} but this model expects "
                               f"{config.context_dim}; encode the prompt with {config.text_encoders}.")
+        prompt_problem = getattr(config, "prompt_problem", None)  # a family's own prompt rule (HiDream O1's ids)
+        if prompt_problem is not None and (sentence := prompt_problem(name, c.cond)):
+            raise ConfigError(f"{sentence}.")
         if config.pooled_dim and (c.pooled is None or c.pooled.shape[-1] != config.pooled_dim):
             raise ConfigError(f"the {name} conditioning lacks a {config.pooled_dim}-wide pooled CLIP vector; "
                               f"encode the prompt with {config.text_encoders}.")

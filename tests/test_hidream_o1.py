@@ -303,6 +303,10 @@ def test_o1_refuses_reference_images_odd_sizes_and_split_kv_heads(path):
         validate_job(dataclasses.replace(job, positive=dataclasses.replace(job.positive, references=refs)), 1)
     with pytest.raises(ConfigError, match="is 80x128 px, not a multiple of its 32 px patches; use EmptyHiDreamO1"):
         validate_job(dataclasses.replace(job, latent=torch.zeros(2, 3, 128, 80), timestep=None), 1)
+    # Another encoder's rows (any width-1 prompt that is not this vocabulary's ids) would index the table wrongly.
+    other = dataclasses.replace(job.positive, cond=torch.randn(1, 9, 1))
+    with pytest.raises(ConfigError, match="is not HiDream O1 token ids \\(whole numbers below 151936\\); encode"):
+        validate_job(dataclasses.replace(job, positive=other), 1)
     with pytest.raises(ConfigError, match="HiDream O1 overflows in fp16.*choose weight_dtype bf16 or fp32"):
         validate_job(dataclasses.replace(job, model=ModelSpec(path, weight_dtype="fp16")), 1)
     # 4 q heads split 4 ways would cut GQA's 2 kv heads in halves: refused, naming the degrees that work.
@@ -334,16 +338,21 @@ def test_o1_conditioning_reaches_the_worker_loop():
     assert route._conditioning_gap(other, "positive") == "'text_input_ids' in the positive conditioning"
 
 
-def test_o1_scaled_fp8_file_equals_its_fp32_twin(client1, tmp_path):
-    """The dev template's kind of file (hidream_o1_image_dev_fp8_scaled): every matrix (the embedding table too) in
-    fp8 over a per-layer scale; at 1 worker the model equals its fp32 twin holding the values the file means."""
+@pytest.mark.parametrize("kind", ["fp8_scaled", "comfy_quant_float8"])
+def test_o1_fp8_files_equal_their_fp32_twins(client1, tmp_path, kind):
+    """The dev template's kind of file (hidream_o1_image_dev_fp8_scaled), in the scaled-fp8 layout (every matrix, the
+    embedding table too, in fp8 over a per-layer scale) and in ComfyUI's mixed `comfy_quant` layout (two of every
+    three matrices in fp8, the rest bf16): at 1 worker the model equals its fp32 twin holding the values the file
+    means."""
+    from test_comfy_quant import comfy_quant_twins
     from test_fp8 import fp8_twins
 
-    quant, meant = fp8_twins(tmp_path, "hidream_o1", torch.float8_e4m3fn, True, config=TINY)
+    quant, meant = (fp8_twins(tmp_path, "hidream_o1", torch.float8_e4m3fn, True, config=TINY) if kind == "fp8_scaled"
+                    else comfy_quant_twins(tmp_path, "hidream_o1", "float8_e4m3fn", config=TINY))
     assert model_config(quant) == TINY
     got, ref = client1.run(call_job(quant, S())), client1.run(call_job(meant, S()))
     err = rel_err(got.latent, ref.latent)
-    print(f"\nHiDream O1 fp8 scaled: rel. error vs its fp32 twin {err:.2e}, param bytes "
+    print(f"\nHiDream O1 {kind}: rel. error vs its fp32 twin {err:.2e}, param bytes "
           f"{got.stats[0]['param_bytes']} vs {ref.stats[0]['param_bytes']}")
     assert err <= SERIAL_RTOL  # equal operands: only BLAS blocking differs
 
@@ -360,3 +369,25 @@ def test_o1_runs_in_bf16_within_bf16_round_off(path, client1, client2):
     # an error of order 1 or NaN.
     assert torch.isfinite(serial).all() and err < 3e-2
     assert split < 3e-2  # the same bf16 roundings in another order
+
+
+# A model whose heads span its width (4 x 8 = 32, as the release's 32 x 128 = 4096), which traffic.py's counts assume.
+TINY_WIDE_HEADS = dataclasses.replace(TINY, num_layers=2, head_dim=8)
+
+
+@pytest.mark.parametrize("strategy", [S(ulysses_degree=2), S(ring_degree=2),
+                                      S(pipefusion_degree=2, num_pipeline_patch=2, warmup_steps=1)],
+                         ids=lambda s: s.label())
+def test_o1_measured_bytes_match_analytic(client2, tmp_path, strategy):
+    """The runtime's byte counters against traffic.py, per op and exactly: K and V travel repeated to the q heads
+    (what the counts assume of every family), the prompt's rows with the image's."""
+    from parallel_runtime.planning.traffic import job_traffic, shapes_of
+
+    p = write_checkpoint(str(tmp_path / "o1_wide_heads.safetensors"), TINY_WIDE_HEADS, seed=2, prefix=PREFIX)
+    job = Job(ModelSpec(p), strategy, SamplingSpec(steps=3, cfg=2.0, seed=1), torch.zeros(2, 3, H, W),
+              conditioning(1, 7), conditioning(2, 7))
+    measured = [st["traffic"] for st in client2.run(job).stats]
+    shapes = shapes_of(TINY_WIDE_HEADS, image_tokens=(H // 32) * (W // 32), text_tokens=7,
+                       pipefusion=strategy.pipefusion_degree, batch=2)
+    for got, want in zip(measured, job_traffic(strategy, shapes, steps=3, cfg=2.0)):
+        assert {op: tuple(v) for op, v in got["by_op"].items()} == {op: tuple(v) for op, v in want.by_op().items()}

@@ -90,6 +90,22 @@ def test_model_call_equals_comfyui_at_1_worker_cfg2_and_ulysses2(path, o1_host, 
     assert max(errors.values()) < RTOL
 
 
+def test_the_prompt_ids_come_from_input_ids_when_the_host_casts_context_to_bf16(path, o1_host, client1, monkeypatch):
+    """BaseModel._apply_model casts `context` (the ids as float) to the model's dtype: in a bf16 host every id above 256
+    is rounded there. The door takes the exact ids from input_ids (int64), so the call still equals ComfyUI's (which
+    reads input_ids too)."""
+    patcher = _door(path, "cpu:1", {"cpu:1": client1}, monkeypatch)
+    base, conds = patcher.model, patcher.model.extra_conds
+    monkeypatch.setattr(base, "extra_conds", lambda **kw: {**conds(**kw),
+                                                           "c_crossattn": conds(**kw)["c_crossattn"].bfloat16()})
+    x = torch.randn(2, 3, H, W, generator=torch.Generator().manual_seed(6))
+    parts = chunks()
+    assert not torch.equal(parts[0]["cross_attn"].bfloat16().float(), parts[0]["cross_attn"])  # bf16 rounds them
+    err = rel_err(host.model_call(patcher, x, SIGMA, parts), _reference(path, x, parts))
+    print(f"\nHiDream O1 door with a bf16 context vs ComfyUI's model call: {err:.1e}")
+    assert err < RTOL
+
+
 def test_what_the_door_cannot_carry_is_refused_in_one_sentence(path, o1_host, client1, monkeypatch):
     patcher = _door(path, "cpu:1", {"cpu:1": client1}, monkeypatch)
     x = torch.randn(2, 3, H, W)

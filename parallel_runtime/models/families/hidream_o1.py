@@ -124,6 +124,14 @@ class HiDreamO1Config(JointAttentionConfig):
                     f"EmptyHiDreamO1LatentImage's sizes (multiples of 32)")
         return None
 
+    def prompt_problem(self, name: str, cond: torch.Tensor) -> str | None:
+        """The prompt must be token ids of this vocabulary (whole numbers, as HiDreamO1TE's cross_attn holds them)."""
+        ids = cond[..., 0]
+        if cond.numel() and (not torch.equal(ids, ids.round()) or ids.min() < 0 or ids.max() >= self.vocab_size):
+            return (f"the {name} conditioning is not HiDream O1 token ids (whole numbers below {self.vocab_size}); "
+                    f"encode the prompt with {self.text_encoders}")
+        return None
+
     def tensor_problem(self, degree: int) -> str | None:
         """Tensor parallelism splits the kv heads with their q heads: the degree must divide the kv heads too."""
         if self.num_kv_heads % degree:
