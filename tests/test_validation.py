@@ -241,30 +241,30 @@ def test_nan_and_inf_inputs_are_refused_before_any_worker_starts(tiny_path):
         client.shutdown()
 
 
-def test_a_job_that_does_not_fit_a_worker_is_refused_before_allocation_with_the_figures(tiny_path, monkeypatch):
+def test_a_job_that_does_not_fit_a_worker_is_refused_before_allocation_with_the_figures(tiny_path, monkeypatch,
+                                                                                        client2):
     from parallel_runtime.planning import memory
 
-    client = RuntimeClient("cpu:2", threads_per_worker=1)
-    try:
-        reports = client.ping()  # the workers' own figures, before any job
-        assert all(r["held_bytes"] == 0 and r["host_available"] > 0 for r in reports)
-        job = make_job(tiny_path, S(ulysses_degree=2), size=64)
-        need = memory.job_rank_memory(job, "cpu")["total"]
-        # A machine where each CPU worker may use half of what this job needs.
-        monkeypatch.setattr(memory, "CPU_USABLE", 0.5 * (need + memory.CPU_WORKER_OVERHEAD) * 2 / reports[0]["host_available"])
-        with pytest.raises(ConfigError, match=r"^this job needs about .* per worker \(weights .*, activations .*\) "
-                                              r"but worker \d \(cpu\) has .* available; per worker, (PipeFusion over 2 "
-                                              r"devices about \d+\.\d GB, )?an fp8 file about \d+\.\d GB, a GGUF Q4_K file "
-                                              r"about \d+\.\d GB would need; or lower the resolution") as info:
-            client.run(job)
-        assert one_sentence(str(info.value)), str(info.value)
-        # The figures are the estimates of those plans: fp8 holds a quarter of the fp32 weights.
-        fp32, fp8 = (memory.job_rank_memory(job, "cpu", bytes_per_parameter=b)["params"] for b in (4.0, 1.0))
-        assert fp8 == fp32 // 4
-        monkeypatch.undo()
-        assert client.run(job).latent.isfinite().all()  # with the real budget it fits and runs
-    finally:
-        client.shutdown()
+    client = client2  # the session's 2 workers, holding no model (released), as a fresh client's would
+    client.release()
+    reports = client.ping()  # the workers' own figures, before any job
+    assert all(r["held_bytes"] == 0 and r["host_available"] > 0 for r in reports)
+    job = make_job(tiny_path, S(ulysses_degree=2), size=64)
+    need = memory.job_rank_memory(job, "cpu")["total"]
+    # A machine where each CPU worker may use half of what this job needs.
+    monkeypatch.setattr(memory, "CPU_USABLE",
+                        0.5 * (need + memory.CPU_WORKER_OVERHEAD) * 2 / reports[0]["host_available"])
+    with pytest.raises(ConfigError, match=r"^this job needs about .* per worker \(weights .*, activations .*\) "
+                                          r"but worker \d \(cpu\) has .* available; per worker, (PipeFusion over 2 "
+                                          r"devices about \d+\.\d GB, )?an fp8 file about \d+\.\d GB, a GGUF Q4_K file "
+                                          r"about \d+\.\d GB would need; or lower the resolution") as info:
+        client.run(job)
+    assert one_sentence(str(info.value)), str(info.value)
+    # The figures are the estimates of those plans: fp8 holds a quarter of the fp32 weights.
+    fp32, fp8 = (memory.job_rank_memory(job, "cpu", bytes_per_parameter=b)["params"] for b in (4.0, 1.0))
+    assert fp8 == fp32 // 4
+    monkeypatch.undo()
+    assert client.run(job).latent.isfinite().all()  # with the real budget it fits and runs
 
 
 def test_memory_budget_counts_what_a_worker_already_holds():

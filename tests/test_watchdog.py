@@ -32,6 +32,17 @@ def _client(watchdog=FAST) -> RuntimeClient:
     return RuntimeClient("cpu:2", threads_per_worker=1, watchdog=watchdog)
 
 
+@pytest.fixture(scope="module")
+def fast(tiny_path):
+    """One FAST client for the tests that inject no fault through the environment (PARADIT_FAULT is read when a
+    worker starts, so those tests start their own): each test finds it with live workers, or none if the previous
+    test's ended theirs, and a test that kills or freezes them makes the client start new ones, as before. Starting
+    2 workers costs ~8 s on 2 shared cores; most of these tests started them anew only to run a first job."""
+    client = _client()
+    yield client
+    client.shutdown()
+
+
 def _pids(client):
     return [p.pid for p in client.procs]
 
@@ -50,27 +61,24 @@ def _gone(pids) -> bool:
     return not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
 
-def test_a_frozen_worker_fails_the_job_within_the_heartbeat_bound_and_the_next_job_runs(tiny_path):
-    client = _client()
-    try:
-        client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))  # load, so the stop lands mid-sampling
-        old = _pids(client)
-        stopped = []
+def test_a_frozen_worker_fails_the_job_within_the_heartbeat_bound_and_the_next_job_runs(tiny_path, fast):
+    client = fast
+    client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))  # load, so the stop lands mid-sampling
+    old = _pids(client)
+    stopped = []
 
-        def progress(step, total, info):
-            if not stopped:
-                _freeze(old[1])
-                stopped.append(time.monotonic())
+    def progress(step, total, info):
+        if not stopped:
+            _freeze(old[1])
+            stopped.append(time.monotonic())
 
-        with pytest.raises(WorkerError, match=r"worker 1 \(cpu\) stopped responding: no heartbeat .*restarted"):
-            client.run(make_job(tiny_path, S(ulysses_degree=2), steps=30), progress=progress)
-        waited = time.monotonic() - stopped[0]
-        assert waited <= FAST.heartbeat_timeout_s + SLACK_S, waited
-        assert _gone(old)  # SIGKILL ends a stopped process too: nothing is left behind
-        out = client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))
-        assert out.latent.shape == (1, 16, 16, 16) and set(_pids(client)).isdisjoint(old)
-    finally:
-        client.shutdown()
+    with pytest.raises(WorkerError, match=r"worker 1 \(cpu\) stopped responding: no heartbeat .*restarted"):
+        client.run(make_job(tiny_path, S(ulysses_degree=2), steps=30), progress=progress)
+    waited = time.monotonic() - stopped[0]
+    assert waited <= FAST.heartbeat_timeout_s + SLACK_S, waited
+    assert _gone(old)  # SIGKILL ends a stopped process too: nothing is left behind
+    out = client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))
+    assert out.latent.shape == (1, 16, 16, 16) and set(_pids(client)).isdisjoint(old)
 
 
 def test_a_stuck_collective_fails_within_the_step_bound_naming_the_rank_that_never_arrived(tiny_path, monkeypatch):
@@ -113,34 +121,28 @@ def test_cancel_during_a_stuck_collective_returns_within_the_cancel_bound(tiny_p
         client.shutdown()
 
 
-def test_a_frozen_idle_worker_is_replaced_before_the_next_job(tiny_path):
-    client = _client()
-    try:
-        client.run(make_job(tiny_path, S(cfg_degree=2), steps=1, size=8))
-        old = _pids(client)
-        _freeze(old[0])
-        out = client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))  # ping finds it, restarts, runs
-        assert out.latent.isfinite().all() and set(_pids(client)).isdisjoint(old) and _gone(old)
-    finally:
-        client.shutdown()
+def test_a_frozen_idle_worker_is_replaced_before_the_next_job(tiny_path, fast):
+    client = fast
+    client.run(make_job(tiny_path, S(cfg_degree=2), steps=1, size=8))
+    old = _pids(client)
+    _freeze(old[0])
+    out = client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))  # ping finds it, restarts, runs
+    assert out.latent.isfinite().all() and set(_pids(client)).isdisjoint(old) and _gone(old)
 
 
-def test_a_send_to_a_worker_that_stopped_reading_fails_within_the_heartbeat_bound(tiny_path):
-    client = _client()
-    try:
-        client.start()
-        old = _pids(client)
-        _freeze(old[1])
-        t0 = time.monotonic()
-        with pytest.raises(WorkerError, match=r"^worker 1 \(cpu\) stopped responding: it did not take a message within "
-                                              r"3 s .*restarted"):
-            for _ in range(100_000):  # small messages: each one fits, until the frozen reader's buffer is full
-                client._send_all(encode("cancel"), ranks=[1])
-        waited = time.monotonic() - t0
-        assert waited <= FAST.heartbeat_timeout_s + SLACK_S, waited
-        assert _gone(old)
-    finally:
-        client.shutdown()
+def test_a_send_to_a_worker_that_stopped_reading_fails_within_the_heartbeat_bound(tiny_path, fast):
+    client = fast
+    client.start()
+    old = _pids(client)
+    _freeze(old[1])
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"^worker 1 \(cpu\) stopped responding: it did not take a message within "
+                                          r"3 s .*restarted"):
+        for _ in range(100_000):  # small messages: each one fits, until the frozen reader's buffer is full
+            client._send_all(encode("cancel"), ranks=[1])
+    waited = time.monotonic() - t0
+    assert waited <= FAST.heartbeat_timeout_s + SLACK_S, waited
+    assert _gone(old)
 
 
 def test_control_sockets_time_out_on_a_message_cut_short_and_stay_blocking():
@@ -163,47 +165,19 @@ def test_control_sockets_time_out_on_a_message_cut_short_and_stay_blocking():
         worker.close()
 
 
-def test_a_worker_killed_mid_sampling_is_named_rather_than_the_peer_whose_collective_broke(tiny_path):
-    client = _client()
-    try:
-        client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))
-        old = _pids(client)
-        killed = []
+def test_a_client_stalled_past_the_heartbeat_bound_keeps_its_healthy_workers(tiny_path, fast):
+    client = fast
+    client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))
+    pids = _pids(client)
+    stalled = []
 
-        def progress(step, total, info):
-            if not killed:
-                # Hold rank 0 while rank 1 beats on unread, so rank 1's end of stream queues behind those beats
-                # and rank 0's "connection closed" error is read first; then kill rank 1 as the OOM killer would.
-                _freeze(old[0])
-                time.sleep(1.0)
-                os.kill(old[1], signal.SIGKILL)
-                os.kill(old[0], signal.SIGCONT)
-                killed.append(step)
-                time.sleep(1.0)
+    def progress(step, total, info):
+        if not stalled:  # e.g. the host paused by a long GC: the workers' beats wait unread in the sockets
+            stalled.append(step)
+            time.sleep(FAST.heartbeat_timeout_s + 1.5)
 
-        with pytest.raises(WorkerError, match=r"^worker 1 \(cpu\) was killed \(SIGKILL"):
-            client.run(make_job(tiny_path, S(ulysses_degree=2), steps=30), progress=progress)
-        assert _gone(old)
-    finally:
-        client.shutdown()
-
-
-def test_a_client_stalled_past_the_heartbeat_bound_keeps_its_healthy_workers(tiny_path):
-    client = _client()
-    try:
-        client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))
-        pids = _pids(client)
-        stalled = []
-
-        def progress(step, total, info):
-            if not stalled:  # e.g. the host paused by a long GC: the workers' beats wait unread in the sockets
-                stalled.append(step)
-                time.sleep(FAST.heartbeat_timeout_s + 1.5)
-
-        out = client.run(make_job(tiny_path, S(ulysses_degree=2), steps=30), progress=progress)
-        assert stalled and out.latent.isfinite().all() and _pids(client) == pids
-    finally:
-        client.shutdown()
+    out = client.run(make_job(tiny_path, S(ulysses_degree=2), steps=30), progress=progress)
+    assert stalled and out.latent.isfinite().all() and _pids(client) == pids
 
 
 def test_a_worker_that_dies_while_starting_is_named_with_its_exit(tiny_path, monkeypatch):
@@ -308,29 +282,26 @@ def test_a_cancel_not_honoured_while_loading_says_loading_not_a_stuck_collective
             in str(problem)) and "collective" not in str(problem)
 
 
-def test_an_error_inside_the_clients_loop_mid_job_replaces_the_workers(tiny_path, monkeypatch):
+def test_an_error_inside_the_clients_loop_mid_job_replaces_the_workers(tiny_path, monkeypatch, fast):
     from parallel_runtime.runtime.watchdog import JobWatch
 
-    client = _client()
-    try:
-        client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))
-        old = _pids(client)
-        heard = JobWatch.heard
+    client = fast
+    client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))
+    old = _pids(client)
+    heard = JobWatch.heard
 
-        def broken(self, rank, kind, meta):
-            if kind == "progress":
-                raise RuntimeError("a bug in the client's loop")
-            return heard(self, rank, kind, meta)
+    def broken(self, rank, kind, meta):
+        if kind == "progress":
+            raise RuntimeError("a bug in the client's loop")
+        return heard(self, rank, kind, meta)
 
-        monkeypatch.setattr(JobWatch, "heard", broken)
-        with pytest.raises(RuntimeError, match="a bug"):
-            client.run(make_job(tiny_path, S(ulysses_degree=2), steps=6))
-        # The workers were still in that job: their late messages must not be read as the next job's.
-        assert not client.procs and _gone(old)
-        monkeypatch.setattr(JobWatch, "heard", heard)
-        assert client.run(make_job(tiny_path, S(ring_degree=2), steps=2)).latent.isfinite().all()
-    finally:
-        client.shutdown()
+    monkeypatch.setattr(JobWatch, "heard", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        client.run(make_job(tiny_path, S(ulysses_degree=2), steps=6))
+    # The workers were still in that job: their late messages must not be read as the next job's.
+    assert not client.procs and _gone(old)
+    monkeypatch.setattr(JobWatch, "heard", heard)
+    assert client.run(make_job(tiny_path, S(ring_degree=2), steps=2)).latent.isfinite().all()
 
 
 def test_when_every_rank_waits_the_one_that_launched_fewer_transfers_is_named():
@@ -352,7 +323,7 @@ def test_when_every_rank_waits_the_one_that_launched_fewer_transfers_is_named():
     assert "every rank waits in a collective" in stuck([None, 40])  # a worker from before the counts
 
 
-def test_heartbeats_carry_the_ranks_launch_count(tiny_path, monkeypatch):
+def test_heartbeats_carry_the_ranks_launch_count(tiny_path, monkeypatch, fast):
     from parallel_runtime.runtime.watchdog import JobWatch
 
     counts: dict[int, list[int]] = {0: [], 1: []}
@@ -364,25 +335,40 @@ def test_heartbeats_carry_the_ranks_launch_count(tiny_path, monkeypatch):
         return heard(self, rank, kind, meta)
 
     monkeypatch.setattr(JobWatch, "heard", record)
-    client = _client()
-    try:
-        client.run(make_job(tiny_path, S(ulysses_degree=2), steps=20, size=32))
-    finally:
-        client.shutdown()
+    fast.run(make_job(tiny_path, S(ulysses_degree=2), steps=20, size=32))
     # Ulysses launches all_to_alls every block of every step: each rank's count only goes up, beat by beat.
     assert all(c and c == sorted(c) and c[-1] > 0 for c in counts.values()), counts
 
 
-def test_releasing_a_frozen_worker_stops_the_workers_instead_of_hanging(tiny_path):
-    client = _client()
-    try:
-        client.run(make_job(tiny_path, S(cfg_degree=2), steps=1, size=8))
-        old = _pids(client)
-        _freeze(old[1])
-        t0 = time.monotonic()
-        client.release()  # what ComfyUI's "free model memory" asks for
-        assert time.monotonic() - t0 <= FAST.heartbeat_timeout_s + SLACK_S
-        assert not client.procs and _gone(old)  # the memory is free either way
-        assert client.run(make_job(tiny_path, S(cfg_degree=2), steps=1, size=8)).latent.isfinite().all()
-    finally:
-        client.shutdown()
+def test_releasing_a_frozen_worker_stops_the_workers_instead_of_hanging(tiny_path, fast):
+    client = fast
+    client.run(make_job(tiny_path, S(cfg_degree=2), steps=1, size=8))
+    old = _pids(client)
+    _freeze(old[1])
+    t0 = time.monotonic()
+    client.release()  # what ComfyUI's "free model memory" asks for
+    assert time.monotonic() - t0 <= FAST.heartbeat_timeout_s + SLACK_S
+    assert not client.procs and _gone(old)  # the memory is free either way
+    assert client.run(make_job(tiny_path, S(cfg_degree=2), steps=1, size=8)).latent.isfinite().all()
+
+
+def test_a_worker_killed_mid_sampling_is_named_rather_than_the_peer_whose_collective_broke(tiny_path, fast):
+    client = fast
+    client.run(make_job(tiny_path, S(ulysses_degree=2), steps=2))
+    old = _pids(client)
+    killed = []
+
+    def progress(step, total, info):
+        if not killed:
+            # Hold rank 0 while rank 1 beats on unread, so rank 1's end of stream queues behind those beats
+            # and rank 0's "connection closed" error is read first; then kill rank 1 as the OOM killer would.
+            _freeze(old[0])
+            time.sleep(1.0)
+            os.kill(old[1], signal.SIGKILL)
+            os.kill(old[0], signal.SIGCONT)
+            killed.append(step)
+            time.sleep(1.0)
+
+    with pytest.raises(WorkerError, match=r"^worker 1 \(cpu\) was killed \(SIGKILL"):
+        client.run(make_job(tiny_path, S(ulysses_degree=2), steps=30), progress=progress)
+    assert _gone(old)

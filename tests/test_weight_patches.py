@@ -187,34 +187,31 @@ def test_lora_stack_under_exact_strategies_equals_the_merged_file(patched, clien
         assert counts == [len(patches.weights)] * 2
 
 
-def test_swapping_and_removing_loras_repatches_without_reloading(tmp_path):
+def test_swapping_and_removing_loras_repatches_without_reloading(tmp_path, client2):
     name = "kontext"
     base = write_checkpoint(str(tmp_path / "base.safetensors"), FAMILIES[name], seed=11, prefix=PREFIX)
     a, b = lora_stack(name, 1, 0.8, "a"), lora_stack(name, 2, -0.5, "b")
     expected = {}
-    client = RuntimeClient("cpu:2", threads_per_worker=1)
-    try:
-        for tag, deltas in (("a", [a[1]]), ("b", [b[1]]), ("none", [])):
-            expected[tag] = client.run(job((name, merged_file(base, str(tmp_path / f"{tag}.safetensors"), deltas)),
-                                           S(ulysses_degree=2))).latent
-        loads = client.model_loads
-        runs = [("a", a[0]), ("b", b[0]), ("none", None), ("a", a[0])]
-        for tag, patches in runs:
-            result = client.run(with_patches(job((name, base), S(ulysses_degree=2)), patches))
-            assert rel_err(result.latent, expected[tag]) <= EXACT_RTOL, tag
-        assert client.model_loads == loads + 1  # the base file once; every swap after it only re-patched
-        # The workers keep the patches they were sent: a job naming the same id does not send the tensors again
-        # (here: zeros under a's id, which would undo the LoRA if they were used).
-        zeros = WeightPatches(a[0].id, {k: [dataclasses.replace(p, tensors={s: torch.zeros_like(t) for s, t in
-                                                                             p.tensors.items()}) for p in ps]
-                                        for k, ps in a[0].weights.items()})
-        result = client.run(with_patches(job((name, base), S(ulysses_degree=2)), zeros))
-        assert rel_err(result.latent, expected["a"]) <= EXACT_RTOL
-        client.kill()  # fresh workers hold nothing: the client sends the tensors again
-        result = client.run(with_patches(job((name, base), S(ulysses_degree=2)), a[0]))
-        assert rel_err(result.latent, expected["a"]) <= EXACT_RTOL
-    finally:
-        client.shutdown()
+    client = client2  # the module's workers: the count of model loads below is taken relative to theirs
+    for tag, deltas in (("a", [a[1]]), ("b", [b[1]]), ("none", [])):
+        expected[tag] = client.run(job((name, merged_file(base, str(tmp_path / f"{tag}.safetensors"), deltas)),
+                                       S(ulysses_degree=2))).latent
+    loads = client.model_loads
+    runs = [("a", a[0]), ("b", b[0]), ("none", None), ("a", a[0])]
+    for tag, patches in runs:
+        result = client.run(with_patches(job((name, base), S(ulysses_degree=2)), patches))
+        assert rel_err(result.latent, expected[tag]) <= EXACT_RTOL, tag
+    assert client.model_loads == loads + 1  # the base file once; every swap after it only re-patched
+    # The workers keep the patches they were sent: a job naming the same id does not send the tensors again
+    # (here: zeros under a's id, which would undo the LoRA if they were used).
+    zeros = WeightPatches(a[0].id, {k: [dataclasses.replace(p, tensors={s: torch.zeros_like(t) for s, t in
+                                                                         p.tensors.items()}) for p in ps]
+                                    for k, ps in a[0].weights.items()})
+    result = client.run(with_patches(job((name, base), S(ulysses_degree=2)), zeros))
+    assert rel_err(result.latent, expected["a"]) <= EXACT_RTOL
+    client.kill()  # fresh workers hold nothing: the client sends the tensors again
+    result = client.run(with_patches(job((name, base), S(ulysses_degree=2)), a[0]))
+    assert rel_err(result.latent, expected["a"]) <= EXACT_RTOL
 
 
 def test_a_strategy_change_reloads_and_repatches_the_new_stage(tmp_path, client2):

@@ -63,13 +63,10 @@ JOB = dict(steps=4)  # the tiny model, 2 ranks: a few steps are enough to cross 
 
 
 @pytest.fixture(scope="module")
-def normal_path(tiny_path):
-    """The 2-worker job's latent on the normal path (AF_UNIX, resource)."""
-    client = RuntimeClient("cpu:2", threads_per_worker=1)
-    try:
-        yield client.run(make_job(tiny_path, S(ulysses_degree=2), **JOB)).latent
-    finally:
-        client.shutdown()
+def normal_path(tiny_path, client2):
+    """The 2-worker job's latent on the normal path (AF_UNIX, resource), on the session's 2 workers (started as this
+    module's own would be: cpu:2, 1 thread each)."""
+    return client2.run(make_job(tiny_path, S(ulysses_degree=2), **JOB)).latent
 
 
 @pytest.fixture
