@@ -123,3 +123,14 @@ def test_every_familys_blocks_run_through_its_adapter(family):
     assert list(timing.kinds) == list(costmodel.distinct_kinds(config))
     for name, (kind, _) in costmodel.distinct_kinds(config).items():
         assert len(timing.kinds[name].attention_s) == len(kind.attention) and timing.kinds[name].block_s > 0
+
+
+@pytest.mark.parametrize("family", sorted(BENCH_FAMILIES))
+def test_every_familys_blocks_count_their_flops_on_the_meta_device(family):
+    """The GPU projection counts each family's block FLOPs on the meta device, where nothing can be read back: a
+    family whose blocks route on values (HiDream's Llama rows and mixture of experts) counts without them. HiDream's
+    MoE block does more than a plain one of its width: 2 routed experts and the shared one per row."""
+    linear, attention = costmodel.block_flops(BENCH_FAMILIES[family], 8, 64)
+    assert linear > 0 and attention > 0
+    if family == "hidream":
+        assert linear > 2 * costmodel.block_flops(BENCH_FAMILIES["flux"], 8, 64)[0]

@@ -339,10 +339,13 @@ class HiDreamAdapter:
         n = text.shape[1]
         ll = temb.llama.shape[2]
         # This rank's rows of the current block's Llama layer: the prompt's last Ll rows.
-        mine = torch.nonzero((from_end[:n] >= 1) & (from_end[:n] <= ll)).flatten()
-        slots = ll - from_end[:n][mine]
+        rows = (from_end[:n] >= 1) & (from_end[:n] <= ll)
+        mine = rows if rows.is_meta else torch.nonzero(rows).flatten()
+        slots = None if rows.is_meta else ll - from_end[:n][mine]
         for i in self.chunks[chunk]:
-            if len(mine):
+            if mine.is_meta:  # the cost model's FLOP count (no values): this block's Llama projection, as serial's
+                self._llama_rows(i, temb.llama)
+            elif len(mine):
                 text = text.clone()
                 text[:, mine] = self._llama_rows(i, temb.llama, slots.to(temb.llama.device)).to(text.dtype)
             run = self._double if i < self.config.num_layers else self._single
@@ -394,7 +397,10 @@ class HiDreamAdapter:
         weights, picked = torch.topk(scores, k=TOP_K, dim=-1, sorted=False)
         picked = picked.reshape(-1)
         order = torch.sort(picked, stable=True).indices  # (row, pick) slots, expert after expert
-        counts = torch.bincount(picked, minlength=len(moe.experts)).tolist()  # the one read back
+        if picked.is_meta:  # the cost model's FLOP count: any routing runs TOP_K experts per row, so split evenly
+            counts = [len(t) for t in torch.arange(picked.shape[0]).tensor_split(len(moe.experts))]
+        else:
+            counts = torch.bincount(picked, minlength=len(moe.experts)).tolist()  # the one read back
         routed = flat[order // TOP_K].split(counts)
         out = torch.cat([_swiglu_partial(expert, rows) for expert, rows in zip(moe.experts, routed) if len(rows)])
         y = torch.empty(picked.shape[0], out.shape[-1], dtype=x.dtype, device=x.device)
