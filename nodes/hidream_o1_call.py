@@ -15,7 +15,6 @@ import torch
 
 from . import convert
 
-PATCH = 32
 READ_INPUTS = ("input_ids", "position_ids", "token_types", "vinput_mask", "ar_len")
 REFERENCE_INPUTS = ("ref_pixel_values", "ref_image_grid_thw", "ref_patches")
 _FIX = "run it with CheckpointLoaderSimple's MODEL and a stock KSampler instead"
@@ -25,16 +24,16 @@ def take_conds(x: torch.Tensor, context: torch.Tensor, kwargs: dict) -> tuple[to
     """(the prompt as exact ids [B, L, 1] in float32, kwargs without O1's own inputs), after checking they describe
     this call's text-to-image sequence. BaseModel._apply_model casts `context` to the model's dtype, and bf16 rounds
     ids above 256, so the ids come from input_ids (int64, never cast); context must be them in its own dtype."""
-    from parallel_runtime.models.families.hidream_o1 import position_ids
+    from parallel_runtime.models.families.hidream_o1 import PATCH, HiDreamO1Config, position_ids
 
     if any(kwargs.get(k) is not None for k in REFERENCE_INPUTS):
         raise convert.ConfigError(f"the HiDream O1 call carries reference images (HiDreamO1ReferenceImages), which "
                                   f"ParaDiT does not run (they pass through the Qwen3-VL vision tower); {_FIX}.")
     text_len = context.shape[1]
     h, w = x.shape[-2:]
-    if h % PATCH or w % PATCH:
-        raise convert.ConfigError(f"the HiDream O1 image is {w}x{h} px, not a multiple of its 32 px patches; use "
-                                  f"EmptyHiDreamO1LatentImage's sizes (multiples of 32).")
+    size_problem = HiDreamO1Config.latent_problem(tuple(x.shape))  # the runtime's own rule, before the grid is cut
+    if size_problem:
+        raise convert.ConfigError(f"{size_problem}.")
     ids = kwargs.get("input_ids")
     if ids is None or tuple(ids.shape) != tuple(context.shape[:2]) or \
             not torch.equal(ids.cpu().to(context.dtype), context[..., 0].cpu()):
