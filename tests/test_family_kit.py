@@ -171,3 +171,34 @@ def test_a_signature_reads_keys_blocks_absent_keys_and_prefixes(keys, found):
     signature = Signature("comfy", ("a.weight",), ("blocks",), absent=("b.weight",))
     match = match_signatures(keys, signature)
     assert (None if match is None else (match.layout, match.prefix)) == found
+
+
+def test_checkpoint_shapes_read_the_rank_where_asked_and_the_files_names():
+    """shapes_of_model: a kind of (name, tensor) sees the tensor (a 1-d weight is a norm), `key` gives the file's
+    names, and a kind of the name alone still works (Wan's, Lumina 2's)."""
+    from parallel_runtime.models.shapes import plain_kind, shapes_of_model
+
+    with torch.device("meta"):
+        tree = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    shapes = shapes_of_model(tree.state_dict(), plain_kind, key=lambda n: "diffusion." + n)
+    assert shapes == {"diffusion.0.weight": ((3, 4), "weight"), "diffusion.0.bias": ((3,), "bias"),
+                      "diffusion.1.weight": ((3,), "norm"), "diffusion.1.bias": ((3,), "bias")}
+    assert shapes_of_model(tree.state_dict(), lambda name: "table")["1.weight"] == ((3,), "table")
+
+
+# sha256 of each family's list(checkpoint_shapes(bench model).items()), read before these families moved onto
+# shapes_of_model: the key order, shapes and kinds set every random fixture's numbers, so they must not move.
+SHAPES_DIGESTS = {"hidream": "c4545b009bd6c575", "kandinsky5": "79530cf49fcc84d1", "kandinsky6": "9e82c1dbfaab8afb",
+                  "ltx2": "a91358135e719d6a", "wan": "24df7166f91f691d"}
+
+
+@pytest.mark.parametrize("family", sorted(SHAPES_DIGESTS))
+def test_families_on_the_shapes_helper_write_the_fixtures_they_wrote_by_hand(family):
+    import hashlib
+    import importlib
+
+    from parallel_runtime.bench.models import BENCH_FAMILIES
+
+    module = importlib.import_module(f"parallel_runtime.models.families.{family}")
+    items = list(module.checkpoint_shapes(BENCH_FAMILIES[family]).items())
+    assert hashlib.sha256(repr(items).encode()).hexdigest()[:16] == SHAPES_DIGESTS[family]

@@ -36,8 +36,18 @@ class CheckpointShapes(dict):
         self[f"{self.prefix}{name}"] = (shape, "table")
 
 
+def plain_kind(name: str, tensor: torch.Tensor) -> str:
+    """The kind most parameters have: biases, then 1-d scales (norms), then weights by fan-in."""
+    return "bias" if name.endswith("bias") else "norm" if tensor.dim() == 1 else "weight"
+
+
 def shapes_of_model(parameters: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                    kind: Callable[[str], str]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{name: (shape, kind(name))} of a module tree whose names are the file's (a meta model's state_dict)."""
+                    kind: Callable[..., str], key: Callable[[str], str] | None = None
+                    ) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{key(name): (shape, kind)} of a module tree (a meta model's state_dict). `kind` takes the name, or the name
+    and the tensor where its rank decides (`plain_kind`); `key` maps a module name to the file's (default: the
+    same), for families whose modules are named after diffusers' but whose files use the release's names."""
     items = parameters.items() if isinstance(parameters, dict) else parameters
-    return {name: (tuple(p.shape), kind(name)) for name, p in items}
+    takes_tensor = kind.__code__.co_argcount >= 2
+    key = key or (lambda name: name)
+    return {key(name): (tuple(p.shape), kind(name, p) if takes_tensor else kind(name)) for name, p in items}

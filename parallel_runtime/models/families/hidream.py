@@ -50,6 +50,7 @@ from ...sampling import FLUX_LATENT, FluxModelSampling
 from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import BlockKind, DiTFamily, Match, TwoBlockListConfig
+from ..shapes import shapes_of_model
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.", "")
 HEAD_DIM = 128  # ComfyUI builds every HiDream with 128-wide heads (nothing in the file says so)
@@ -204,7 +205,7 @@ def parameter_kind(name: str) -> str:
 
 
 def checkpoint_shapes(config: HiDreamConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {n: (tuple(p.shape), parameter_kind(n)) for n, p in _meta_model(config).state_dict().items()}
+    return shapes_of_model(_meta_model(config).state_dict(), parameter_kind)
 
 
 def tensor_plan(config: HiDreamConfig) -> dict:

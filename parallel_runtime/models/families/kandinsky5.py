@@ -37,8 +37,9 @@ from ...sampling.flow import FLUX_LATENT, FluxModelSampling, VideoLatentFormat
 from ...weights.keymap import block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import DiTFamily, JointAttentionConfig, Match
+from ..shapes import shapes_of_model
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
-from .kandinsky6 import PATCH, StreamAttnProcessor, _freqs, _rope
+from .kandinsky6 import PATCH, StreamAttnProcessor, _freqs, _rope, parameter_kind
 from .wan import WAN_BLOCK, WanAdapter
 
 BLOCK_LISTS = ("visual_transformer_blocks",)
@@ -156,12 +157,7 @@ def source_map(config: Kandinsky5Config, layout: str, prefix: str = "") -> dict:
 
 def checkpoint_shapes(config: Kandinsky5Config) -> dict[str, tuple[tuple[int, ...], str]]:
     """{ComfyUI key: (shape, kind)} of a complete Kandinsky 5 DiT, for random test files."""
-    out = {}
-    for name, t in _meta_model(config).state_dict().items():
-        kind = ("mod" if "modulation.out_layer.weight" in name else "bias" if name.endswith("bias")
-                else "norm" if t.dim() == 1 else "weight")
-        out[name] = (tuple(t.shape), kind)
-    return out
+    return shapes_of_model(_meta_model(config).state_dict(), parameter_kind)
 
 
 def tensor_plan(config: Kandinsky5Config) -> dict:

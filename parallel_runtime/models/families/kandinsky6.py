@@ -39,6 +39,7 @@ from ...strategies.attention import LocalAttention
 from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import DiTFamily, JointAttentionConfig, Match
+from ..shapes import plain_kind, shapes_of_model
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 from .ltx2 import AV_BLOCK, LTX2Config
 
@@ -226,13 +227,16 @@ def source_map(config: Kandinsky6Config, layout: str, prefix: str = "") -> dict:
 
 
 def checkpoint_shapes(config: Kandinsky6Config) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{ComfyUI key: (shape, kind)} of a complete Kandinsky 6 DiT, for random test files."""
-    out = {}
-    for name, t in _meta_model(config).state_dict().items():
-        kind = ("table" if "token_type" in name else "mod" if "modulation.out_layer.weight" in name
-                else "bias" if name.endswith("bias") else "norm" if t.dim() == 1 else "weight")
-        out[original_name(name)] = (tuple(t.shape), kind)
-    return out
+    """{ComfyUI key: (shape, kind)} of a complete Kandinsky 6 DiT, for random test files: Kandinsky 5's kinds, and
+    the token-type embedding a table."""
+    return shapes_of_model(_meta_model(config).state_dict(),
+                           lambda name, t: "table" if "token_type" in name else parameter_kind(name, t),
+                           key=original_name)
+
+
+def parameter_kind(name: str, tensor: torch.Tensor) -> str:
+    """Kandinsky's modulation projections at half a weight's scale (tiny's "mod"), the rest as most parameters."""
+    return "mod" if "modulation.out_layer.weight" in name else plain_kind(name, tensor)
 
 
 # -- the strategies' view -----------------------------------------------------------------------------

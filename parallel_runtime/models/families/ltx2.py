@@ -69,6 +69,7 @@ from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
 from ..patchify import PatchTokens
+from ..shapes import plain_kind, shapes_of_model
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
 
 BLOCK_LISTS = ("transformer_blocks",)
@@ -344,21 +345,17 @@ def source_map(config: LTX2Config, layout: str, prefix: str = "") -> dict:
 
 def checkpoint_shapes(config: LTX2Config) -> dict[str, tuple[tuple[int, ...], str]]:
     """{released key: (shape, kind)} of a complete LTX-2 DiT (without the text connectors), for random test files."""
-    out = {}
-    for name, t in _meta_model(config).state_dict().items():
-        key = original_name(name)
-        if "scale_shift_table" in key or key == "keyframes_abs_pos_embedding":
-            kind = "table"
-        elif "adaln_single.linear." in key:
-            kind = "mod" if key.endswith("weight") else "bias"
-        elif key.endswith("bias"):
-            kind = "bias"
-        elif t.dim() == 1:
-            kind = "norm"
-        else:
-            kind = "weight"
-        out[key] = (tuple(t.shape), kind)
-    return out
+    return shapes_of_model(_meta_model(config).state_dict(), lambda name, t: _parameter_kind(original_name(name), t),
+                           key=original_name)
+
+
+def _parameter_kind(key: str, tensor: torch.Tensor) -> str:
+    """Modulation tables O(1) and the timestep's adaLN projection at half a weight's scale (by the file's key)."""
+    if "scale_shift_table" in key or key == "keyframes_abs_pos_embedding":
+        return "table"
+    if "adaln_single.linear." in key:
+        return "mod" if key.endswith("weight") else "bias"
+    return plain_kind(key, tensor)
 
 
 # -- the strategies' view -----------------------------------------------------------------------------
