@@ -131,6 +131,11 @@ class RemoteDiT(torch.nn.Module):
         from parallel_runtime.spec import Job, SamplingSpec
 
         options = transformer_options or {}
+        rope_options = scale_rope_options(options)
+        if rope_options is not None and (self.family in ("ltx2", "kandinsky6") or av_call.is_av_call(x)):
+            # These calls carry no RoPE grid to the workers: one sentence instead of ignoring the node.
+            raise convert.ConfigError("ScaleROPE's RoPE scale and shift are not run by ParaDiT for this model; "
+                                      "remove the ScaleROPE node or load the model with UNETLoader.")
         if self.family == "ltx2":
             return self._forward_ltx2(x, timesteps, context, control, options, **kwargs)
         if self.family == "kandinsky6":
@@ -181,7 +186,8 @@ class RemoteDiT(torch.nn.Module):
             job = Job(self.handle.model, strategy, SamplingSpec(steps=1), x[sl].detach().float().cpu(), chunks[0],
                       chunks[1] if len(chunks) > 1 else None, timestep=timesteps[sl].detach().float().cpu(),
                       weight_patches=patches, call_step=step, call_slot=2 * slot + int(labels[ks[0]] != 0),
-                      call_last=last, skip_blocks=skip_blocks)
+                      call_last=last, skip_blocks=skip_blocks,
+                      extra={} if rope_options is None else {"rope_options": rope_options})
             outputs.append(_run(client, job))
         if self.on_call is not None:
             self.on_call(step, strategy, client)
@@ -519,6 +525,18 @@ def _refuse_what_the_workers_cannot_do(control, options: dict, kwargs: dict) -> 
         named = ", ".join(f"{k}: {_INPUT_SOURCES[k]}" if k in _INPUT_SOURCES else k for k in unknown)
         raise convert.ConfigError(f"the model call carries inputs ParaDiT does not run ({named}); "
                                   f"remove the node that adds them or load the model with UNETLoader.")
+
+
+def scale_rope_options(options: dict) -> list[float] | None:
+    """ScaleROPE's grid (transformer_options["rope_options"], as ComfyUI's set_model_rope_options stores it) in the
+    runtime's order (validate.ROPE_OPTION_NAMES), missing entries at ComfyUI's defaults; None where no node set it.
+    Validation (finite numbers, a family that reads them) is the client's, before any work."""
+    from parallel_runtime.validate import ROPE_OPTION_NAMES
+
+    given = options.get("rope_options")
+    if given is None:
+        return None
+    return [given.get(name, 1.0 if name.startswith("scale") else 0.0) for name in ROPE_OPTION_NAMES]
 
 
 def _refuse_padded_prompt(kwargs: dict) -> None:

@@ -82,6 +82,27 @@ def validate_branches(job: Job) -> None:
                           f"image(s); re-create the batch with ComfyUI's latent batch nodes.")
 
 
+ROPE_OPTION_NAMES = ("scale_t", "scale_y", "scale_x", "shift_t", "shift_y", "shift_x")
+
+
+def validate_rope_options(job: Job, config) -> None:
+    """ScaleROPE's grid (Job.extra["rope_options"], ROPE_OPTION_NAMES' order): six finite numbers, for a family
+    whose RoPE the node scales (its adapter's reads_rope_options)."""
+    options = job.extra.get("rope_options")
+    if options is None:
+        return
+    from .models.registry import family_of
+
+    if not getattr(family_of(config).adapter_class, "reads_rope_options", False):
+        raise ConfigError(f"ScaleROPE's RoPE scale and shift are not run by ParaDiT for {config.title}; remove the "
+                          f"ScaleROPE node or load the model with UNETLoader.")
+    if len(options) != len(ROPE_OPTION_NAMES):
+        raise ConfigError(f"ScaleROPE's options hold {len(options)} numbers, not the 6 of {', '.join(ROPE_OPTION_NAMES)}; "
+                          f"this is a ParaDiT bug, please report it.")
+    for name, value in zip(ROPE_OPTION_NAMES, options):
+        _finite_number(f"ScaleROPE's {name}", value, "set it to a number in the ScaleROPE node")
+
+
 def _finite_number(name: str, value, fix: str) -> None:
     try:
         ok = math.isfinite(float(value))
@@ -539,6 +560,7 @@ def validate_job(job: Job, world_size: int) -> None:
     from .models.registry import family_of
 
     validate_branches(job)
+    validate_rope_options(job, config)
     if job.weight_patches is not None:
         from .weights.patches import validate_weight_patches
 

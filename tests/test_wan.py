@@ -150,7 +150,11 @@ def reference_call_on(tensors: dict, job: Job, c: WanConfig) -> torch.Tensor:
             ref = F.conv2d(r, sd["ref_conv.weight"], sd["ref_conv.bias"], stride=2).flatten(2).transpose(1, 2)
             x = torch.cat([ref, x], dim=1)
         rope_grid = (grid[0] + (ref is not None), *grid[1:])  # _forward: t_len + 1 with a reference latent
-        ids = torch.stack(torch.meshgrid(*(torch.arange(n) for n in rope_grid), indexing="ij"), -1).reshape(-1, 3)
+        # rope_encode: each axis linspace(shift, shift + (n - 1) * scale, n); ScaleROPE sets scale and shift
+        scale_shift = job.extra.get("rope_options") or [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+        axes = (torch.linspace(shift, shift + (n - 1) * scale, n)
+                for n, scale, shift in zip(rope_grid, scale_shift[:3], scale_shift[3:]))
+        ids = torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 3)
         freqs = comfy_rope(ids, (128 - 4 * 21, 2 * 21, 2 * 21))  # WanModel: d - 4 (d // 6), 2 (d // 6), 2 (d // 6)
         t = job.timestep[row:row + 1]  # [1] or, per frame (Wan 2.2's noise-masked image-to-video), [1, T]
         half = c.freq_dim // 2
@@ -324,6 +328,63 @@ def test_wan_first_last_frame_equals_the_reference_on_one_worker_and_split(wan21
         job = i2v_job(wan21_flf2v_path, strategy, images=2)
         ref = reference_call(wan21_flf2v_path, job, TINY_WAN_FLF2V)
         assert rel_err(client2.run(job).latent, ref) < EXACT_RTOL, strategy
+
+
+# ScaleROPE's (scale t, y, x, shift t, y, x): ChronoEdit's template (scale_t 7), and every axis moved.
+CHRONO_EDIT_ROPE, MOVED_ROPE = [7.0, 1.0, 1.0, 0.0, 0.0, 0.0], [7.0, 1.5, 0.5, 1.0, -2.0, 3.0]
+
+
+def test_wan_scale_rope_equals_the_reference_on_one_worker_and_split(wan21_i2v_path, client1, client2):
+    """ScaleROPE's grid (rope_encode's rope_options) on the image-to-video model ChronoEdit is: one worker against
+    the reference for ChronoEdit's options and for every axis scaled and shifted, then each exact strategy and
+    PipeFusion's warm-up (every rank and stage builds the same scaled table)."""
+    for options in (CHRONO_EDIT_ROPE, MOVED_ROPE):
+        job = dataclasses.replace(i2v_job(wan21_i2v_path, S()), extra={"rope_options": options})
+        ref = reference_call(wan21_i2v_path, job, TINY_WAN_I2V)
+        assert rel_err(client1.run(job).latent, ref) < SERIAL_RTOL, options
+    # The options matter: the plain grid is 2.8e-2 from the scaled one here (2800x the tolerance): ignoring them fails.
+    assert rel_err(ref, reference_call(wan21_i2v_path, dataclasses.replace(job, extra={}), TINY_WAN_I2V)) > 1e-2
+    for strategy in (S(ulysses_degree=2), S(ring_degree=2), S(cfg_degree=2),
+                     S(pipefusion_degree=2, num_pipeline_patch=3)):
+        job = dataclasses.replace(i2v_job(wan21_i2v_path, strategy), extra={"rope_options": MOVED_ROPE})
+        assert rel_err(client2.run(job).latent, reference_call(wan21_i2v_path, job, TINY_WAN_I2V)) < EXACT_RTOL
+
+
+def test_wan_scale_rope_is_chronoedits_rope_in_diffusers():
+    """ChronoEdit in diffusers (ChronoEditRotaryPosEmbed) places a 2-frame edit at times 0 and temporal_skip_len - 1
+    = 7: the table ScaleROPE's scale_t 7 gives the Wan family, to fp32 round-off of the angles (positions < 8)."""
+    import types
+
+    from diffusers.models.transformers.transformer_chronoedit import ChronoEditRotaryPosEmbed
+
+    from parallel_runtime.models.families.wan import WanAdapter
+
+    rows, cols = 3, 4
+    theirs = ChronoEditRotaryPosEmbed(128, (1, 2, 2), 1024, temporal_skip_len=8)(torch.zeros(1, 16, 2, 2 * rows,
+                                                                                            2 * cols))
+    fake = types.SimpleNamespace(device=torch.device("cpu"), config=TINY_WAN)
+    cos, sin, _ = WanAdapter.rope(fake, 0, 2, 2 * rows, 2 * cols, rope_options=CHRONO_EDIT_ROPE)
+    assert rel_err(cos, theirs[0].reshape(cos.shape)) < 1e-6 and rel_err(sin, theirs[1].reshape(sin.shape)) < 1e-6
+    plain_cos, _, _ = WanAdapter.rope(fake, 0, 2, 2 * rows, 2 * cols)
+    assert rel_err(plain_cos, theirs[0].reshape(cos.shape)) > 1e-2  # without the options: frame 1 at time 1
+
+
+def test_wan_scale_rope_refusals(wan21_i2v_path, wan_path, client1):
+    """A NaN in ScaleROPE, and ScaleROPE on a family whose RoPE the workers do not scale: one sentence each,
+    before any work."""
+    from parallel_runtime.errors import ConfigError
+    from parallel_runtime.models.tiny import TINY
+
+    job = dataclasses.replace(i2v_job(wan21_i2v_path, S()), extra={"rope_options": [float("nan"), 1, 1, 0, 0, 0]})
+    with pytest.raises(ConfigError, match="ScaleROPE's scale_t=nan is not a finite number; set it to a number"):
+        client1.run(job)
+    flux = write_checkpoint(os.path.join(os.path.dirname(wan_path), "flux_tiny.safetensors"), TINY, seed=2)
+    job = Job(ModelSpec(flux), S(), SamplingSpec(steps=2), torch.zeros(1, 16, 8, 8),
+              Conditioning(torch.randn(1, 4, TINY.context_dim), torch.randn(1, TINY.pooled_dim)),
+              extra={"rope_options": CHRONO_EDIT_ROPE})
+    with pytest.raises(ConfigError, match="ScaleROPE's RoPE scale and shift are not run by ParaDiT for .*; remove "
+                                          "the ScaleROPE node or load the model with UNETLoader"):
+        client1.run(job)
 
 
 def test_wan_image_to_video_refusals(wan21_i2v_path, wan_path, client1):

@@ -373,6 +373,8 @@ class RuntimeClient:
             tensors = {"latent": job.latent, **job.positive.tensors("positive")}
             if "batch_index" in job.extra:
                 meta["extra"] = {"batch_index": [int(i) for i in job.extra["batch_index"]]}
+            if job.extra.get("rope_options") is not None:  # ScaleROPE's (scale t/y/x, shift t/y/x), validated
+                meta.setdefault("extra", {})["rope_options"] = [float(v) for v in job.extra["rope_options"]]
             if "frame_rate" in job.extra:  # LTX-2's model call: RoPE's time axis in seconds (LTXVConditioning)
                 meta.setdefault("extra", {})["frame_rate"] = float(job.extra["frame_rate"])
             if job.negative is not None:

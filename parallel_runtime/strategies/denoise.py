@@ -214,6 +214,7 @@ class Denoiser:
         self._vote = None
         self.step_times: list[float] = []
         self.step_cache: FirstBlockCache | None = None  # the runtime's step cache of the current job (spec.cache)
+        self.rope_options: list[float] | None = None  # the current job's ScaleROPE grid (Job.extra["rope_options"])
 
     # -- entry -----------------------------------------------------------------------------------------
 
@@ -258,6 +259,7 @@ class Denoiser:
         validate_branches(job)
         self.step_times = []
         self.device_weights, self.warmup_steps, self.patch_caches = s.device_weights, s.warmup_steps, {}
+        self.rope_options = job.extra.get("rope_options")
 
         sigmas = ksampler_sigmas(self.adapter.model_sampling, sp.scheduler, sp.steps, sp.denoise)
         if len(sigmas) <= 1:  # denoise 0: KSampler returns the input untouched
@@ -330,8 +332,9 @@ class Denoiser:
     def _rope_full(self, branches: Branches, extra_text: int = 0):
         """The adapter's RoPE table for the canonical sequence of one forward pass over `branches` (whose prompt is
         `extra_text` tokens longer, in front: a union ControlNet's type tokens)."""
+        scaled = {"rope_options": self.rope_options} if self.rope_options is not None else {}
         return self.adapter.rope(self._prompt_len(branches) + extra_text, *self.hw, branches.reference_shapes,
-                                 branches.reference_method)
+                                 branches.reference_method, **scaled)
 
     def _references(self, branches: Branches, layout: TokenLayout, patches: list[int]) -> torch.Tensor | None:
         """This rank's embedded reference tokens and learned pad rows (adapter.pad_rows) for these patches, in

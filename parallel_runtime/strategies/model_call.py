@@ -52,6 +52,7 @@ class ModelCallForward(Denoiser):
         # An audio-video call's sizes end with the audio's frames (the family's tables read them).
         self.step_times, self.hw = [], tuple(spatial) + (() if job.audio is None else (job.audio.shape[-1],))
         self.device_weights, self.warmup_steps, self.patch_caches = s.device_weights, s.warmup_steps, {}
+        self.rope_options = job.extra.get("rope_options")
         # The call's chunks in ComfyUI's order (positive = first chunk, negative = second), `batch` rows each.
         chunks = [job.positive] + ([job.negative] if job.negative is not None else [])
         batch = rows // len(chunks)

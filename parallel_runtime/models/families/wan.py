@@ -470,6 +470,7 @@ class WanAdapter(PatchTokens):
     default_guidance = 0.0  # no guidance input
     joint_text = False  # the prompt is cross-attended, not part of the attention sequence
     reads_clip_vision = True  # the Denoiser hands timestep_embedding the branches' CLIP-vision tokens
+    reads_rope_options = True  # ScaleROPE's scale and shift of the RoPE grid (rope_encode's rope_options)
     skip: frozenset = frozenset()  # blocks whose output is their input this job (SkipLayerGuidance), set per job
 
     def __init__(self, config: WanConfig, model: WanTransformer, chunks: list[range], context):
@@ -488,10 +489,12 @@ class WanAdapter(PatchTokens):
 
     # -- token layout ----------------------------------------------------------------------------------
 
-    def rope(self, text_len: int, t: int, h: int, w: int, references=(), method=None):
+    def rope(self, text_len: int, t: int, h: int, w: int, references=(), method=None, rope_options=None):
         """Per video token (the prompt is not in the sequence): RoPE's cos and sin of ComfyUI's rope_encode ids,
         and the token's frame, which picks its modulation rows when the timestep is per frame (Wan 2.2 5B's
-        image-to-video); strategies take each table's rows at their tokens' positions."""
+        image-to-video); strategies take each table's rows at their tokens' positions. `rope_options` (ScaleROPE:
+        scale_t, scale_y, scale_x, shift_t, shift_y, shift_x) moves grid index i of an axis to shift + i * scale,
+        as rope_encode's linspace does (ChronoEdit's scale_t 7 puts its edited frame at time 7)."""
         rows, cols = (h + 1) // 2, (w + 1) // 2
         ids = video_grid_ids(t, rows, cols).to(self.device)
         frames = ids[:, 0].long()
@@ -500,6 +503,9 @@ class WanAdapter(PatchTokens):
             reference = video_grid_ids(1, rows, cols).to(self.device)
             ids = torch.cat([ids + torch.tensor([1.0, 0.0, 0.0], device=ids.device), reference])
             frames = torch.cat([frames, frames.new_zeros(rows * cols)])  # its modulation: the scalar timestep's
+        if rope_options is not None:
+            scale, shift = torch.tensor(rope_options[:3], device=ids.device), torch.tensor(rope_options[3:], device=ids.device)
+            ids = ids * scale + shift
         cos, sin = rope_table(ids, self.config.rope_axes)
         return cos, sin, frames
 
