@@ -579,6 +579,12 @@ def test_o1_conditioning_reaches_the_worker_loop():
     assert torch.equal(c.cond[..., 0].long(), ids) and c.pooled.shape == (1, 0)
     other = [[ids.unsqueeze(-1).float(), {"text_input_ids": prompt_ids(2, 9)}]]
     assert route._conditioning_gap(other, "positive") == "'text_input_ids' in the positive conditioning"
+    # HiDreamO1ReferenceImages' images (reference_latents beside the O1 ids, or its older key) are prepared by the
+    # host's extra_conds: the graph runs one job per model call, where the door carries them (test_hidream_o1_door).
+    for key in ("reference_latents", "hidream_o1_ref_images"):
+        edit = [[ids.unsqueeze(-1).float(), {"text_input_ids": ids, key: [torch.rand(1, 64, 64, 3)]}]]
+        assert route._conditioning_gap(edit, "positive") == ("HiDream O1 reference images "
+                                                             "(HiDreamO1ReferenceImages) in the positive conditioning")
 
 
 @pytest.mark.parametrize("kind", ["fp8_scaled", "comfy_quant_float8"])
@@ -704,9 +710,12 @@ def test_o1_references_strategies_equal_serial(ref_path, client1, client2, strat
     assert err < SERIAL_RTOL
 
 
-@pytest.mark.parametrize("strategy", [S(ulysses_degree=2, ring_degree=2)], ids=["ulysses2xring2"])
-def test_o1_references_hybrid_on_four_equal_serial(ref_path, client1, client4, strategy):
-    job = ref_job(ref_path, strategy)
+@pytest.mark.parametrize("strategy", [S(ulysses_degree=2, ring_degree=2), S(cfg_degree=2, ring_degree=2),
+                                      S(tensor_degree=2, ulysses_degree=2),
+                                      S(pipefusion_degree=2, ulysses_degree=2, num_pipeline_patch=2)],
+                         ids=["ulysses2xring2", "cfg2xring2", "tensor2xulysses2", "pp2xulysses2"])
+def test_o1_references_hybrids_on_four_equal_serial(ref_path, client1, client4, strategy):
+    job = ref_job(ref_path, strategy, same_length=strategy.cfg_degree == 2)
     err = rel_err(client4.run(job).latent, serial_refs(ref_path, client1, strategy))
     print(f"\nHiDream O1 with references, {strategy.label()} vs serial {err:.2e}")
     assert err < SERIAL_RTOL  # as above: reordered sums only
