@@ -747,3 +747,15 @@ def test_o1_vision_tokens_are_computed_once_per_job():
     rows = [branches.vision_rows(Counting()) for _ in range(4)]
     assert Counting.calls == 1 and all(r is rows[0] for r in rows)
     assert branches.vision_grid == VIT_GRIDS
+
+
+def test_o1_references_from_an_fp8_scaled_file_equal_its_fp32_twin(client1, tmp_path):
+    """The dev template's kind of file (scaled fp8: every matrix, the tower's too, in fp8 over a per-layer scale): the
+    tower reads it dequantized, and the call with references equals the fp32 twin holding the values the file means."""
+    from test_fp8 import fp8_twins
+
+    quant, meant = fp8_twins(tmp_path, "hidream_o1", torch.float8_e4m3fn, True, config=TINY_REF)
+    assert model_config(quant) == TINY_REF
+    err = rel_err(client1.run(ref_job(quant, S())).latent, client1.run(ref_job(meant, S())).latent)
+    print(f"\nHiDream O1 with references, scaled fp8 vs its fp32 twin: {err:.2e}")
+    assert err <= SERIAL_RTOL  # equal operands: only BLAS blocking differs

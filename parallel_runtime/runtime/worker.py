@@ -173,7 +173,8 @@ class WorkerState:
             smap = split.sources
         context = AttentionContext(input_amax=storage.input_amax)
         adapter = family.adapter(config, model, chunks, context)
-        adapter.source_file = path  # where a family reads more of its file on demand (HiDream O1's vision tower)
+        # where and how a family reads more of its file on demand (HiDream O1's vision tower)
+        adapter.source_file, adapter.source_storage = path, storage
         patcher = RankWeightPatcher(model, family.weight_patch_targets(config), FileParameters(path, smap, storage,
                                                                                               self.device))
         with self.models_lock:

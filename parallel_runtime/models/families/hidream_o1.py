@@ -557,24 +557,31 @@ def run_vision_tower(tower: VisionTower, config: HiDreamO1Config, pixels: torch.
         x = x + block.attn.proj(torch.cat(out).flatten(1))
         x = x + block.mlp.linear_fc2(F.gelu(block.mlp.linear_fc1(block.norm2(x)), approximate="tanh"))
     m = tower.merger
-    merged = m.norm(x).view(-1, m.linear_fc1.in_features)
+    merged = m.norm(x).view(-1, c.vision_hidden * merge * merge)
     return m.linear_fc2(F.gelu(m.linear_fc1(merged)))
 
 
-def load_vision_tower(path: str, config: HiDreamO1Config, dtype: torch.dtype, device) -> VisionTower:
-    """The tower's tensors from the file (any storage kind, dequantized to `dtype`: it is small and runs once per
-    run), on `device`."""
+def load_vision_tower(path: str, config: HiDreamO1Config, storage, device) -> VisionTower:
+    """The tower's tensors from the file, on `device`, stored as the DiT's are (`storage`: a `weights.storage.Storage`
+    or a compute dtype): ComfyUI builds the tower with the model's operations, so a scaled-fp8 file's tower layers
+    hold fp8 weights and fp8-rounded biases there too. Its fp8 layers dequantize per call here, never through the
+    strategies' input-scale hook (the tower runs on one rank, where a collective would wait for the others)."""
+    import dataclasses
+
     from ...weights.checkpoint import open_checkpoint
+    from ...weights.input_amax import InputAmax
     from ...weights.mapping import build_from_map
     from ...weights.storage import Storage
     from ..registry import detect_family
 
+    storage = storage if isinstance(storage, Storage) else Storage(storage)
+    storage = dataclasses.replace(storage, kernel_formats=frozenset(), input_amax=InputAmax())
     with torch.device("meta"):
         tower = VisionTower(config)
     with open_checkpoint(path) as reader:
         _, match = detect_family(reader.keys())
         return build_from_map(tower, vision_source_map(config, match.prefix), reader, ("blocks",),
-                              "HiDream O1 vision tower", dtype=Storage(dtype, keep_quantized=False), device=device)
+                              "HiDream O1 vision tower", dtype=storage, device=device)
 
 
 def two_pass_allowed(text_len: int, length: int) -> torch.Tensor:
@@ -664,7 +671,8 @@ class HiDreamO1Adapter(PatchTokens, BlockLoop):
             path = getattr(self, "source_file", None)
             if path is None:
                 raise ValueError("this HiDream O1 adapter has no file to load its vision tower from (a ParaDiT bug)")
-            self.vision_tower = load_vision_tower(path, self.config, self.dtype, self.device)
+            storage = getattr(self, "source_storage", None) or self.dtype  # the DiT's, where the worker built it
+            self.vision_tower = load_vision_tower(path, self.config, storage, self.device)
         rows = run_vision_tower(self.vision_tower, self.config, pixels, list(grid)).to(self.dtype)
         self._last_vision = (pixels, grid, rows)
         return rows
