@@ -759,3 +759,19 @@ def test_o1_references_from_an_fp8_scaled_file_equal_its_fp32_twin(client1, tmp_
     err = rel_err(client1.run(ref_job(quant, S())).latent, client1.run(ref_job(meant, S())).latent)
     print(f"\nHiDream O1 with references, scaled fp8 vs its fp32 twin: {err:.2e}")
     assert err <= SERIAL_RTOL  # equal operands: only BLAS blocking differs
+
+
+def test_o1_vision_tower_is_held_only_once_references_come(ref_path, client1, tmp_path):
+    """A text-to-image job on a file with a tower holds the DiT alone; the first job with references loads the tower
+    (fp32 here: its parameters' bytes) beside it, and it stays for the next calls of the run."""
+    from parallel_runtime.models.families.hidream_o1 import checkpoint_shapes
+
+    copy = str(tmp_path / "hidream_o1_image_dev_refs_copy.safetensors")
+    save_file(load_file(ref_path), copy)  # its own file: a fresh load on the worker
+    plain = client1.run(call_job(copy, S())).stats[0]["param_bytes"]
+    with_refs = client1.run(ref_job(copy, S())).stats[0]["param_bytes"]
+    again = client1.run(ref_job(copy, S())).stats[0]["param_bytes"]
+    tower = sum(4 * math.prod(shape) for key, (shape, _) in checkpoint_shapes(TINY_REF).items()
+                if key.startswith("visual."))
+    print(f"\nHiDream O1 parameter bytes: text-to-image {plain}, with references {with_refs} (tower {tower})")
+    assert with_refs - plain == tower and again == with_refs

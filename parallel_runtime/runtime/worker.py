@@ -348,8 +348,11 @@ CONTROLNETS_KEPT = 2  # ControlNets a worker keeps loaded beside its model (a ch
 def _model_bytes(adapter, controlnets: dict) -> int:
     from ..weights.checkpoint import parameter_bytes
 
-    # list(): one step under the GIL, so a ping's count never iterates the dict while a job adds a ControlNet.
-    return parameter_bytes(adapter.model) + sum(parameter_bytes(n.net) for n in list(controlnets.values()))
+    # list(): one step under the GIL, so a ping's count never iterates the dict while a job adds a ControlNet. A
+    # module a family loaded on demand beside its model (HiDream O1's vision tower) counts once it is there.
+    tower = getattr(adapter, "vision_tower", None)
+    return (parameter_bytes(adapter.model) + sum(parameter_bytes(n.net) for n in list(controlnets.values()))
+            + (parameter_bytes(tower) if tower is not None else 0))
 
 
 class Aborted(Exception):
