@@ -1,8 +1,9 @@
 """HiDream O1 (`hidream_o1_image_*.safetensors`, the `image_hidream_o1*` templates): a pixel-space DiT that is the
-Qwen3-VL-8B decoder itself, over one sequence [prompt tokens, the image's 32x32 RGB patches].
+Qwen3-VL-8B decoder itself, over one sequence [prompt tokens, the image's 32x32 RGB patches, reference patches].
 
 Read from ComfyUI 2026's comfy/ldm/hidream_o1/{model,attention,conditioning,utils}.py, comfy/text_encoders/
-{llama,hidream_o1}.py, model_base.HiDreamO1 and supported_models.HiDreamO1 (the module tree here is our own, with
+{llama,hidream_o1,qwen35}.py (qwen35: the vision tower), model_base.HiDreamO1, supported_models.HiDreamO1 and
+comfy_extras' HiDreamO1ReferenceImages (the module tree here is our own, with
 ComfyUI's parameter names; the code is not theirs):
 
 - Prompt. The "text encoder" only tokenizes: the CONDITIONING's cross_attn is the token ids as float32 [1, L, 1]
