@@ -77,6 +77,7 @@ from ..conditioning import timestep_sinusoid
 from ..detection import Signature, signature_match
 from ..family import BlockKind, DiTFamily, JointAttentionConfig
 from ..patchify import PatchTokens
+from ..shapes import plain_kind, shapes_of_model
 
 PATCH = 32  # pixels per token side (ComfyUI's PATCH_SIZE)
 TMS_TOKEN_ID = 151673  # <|tms_token|>: its prompt row becomes the timestep embedding
@@ -408,17 +409,13 @@ def checkpoint_shapes(config: HiDreamO1Config) -> dict[str, tuple[tuple[int, ...
     """{ComfyUI key: (shape, kind)} of the DiT's tensors, then the vision tower's where the config has one, in the
     modules' order."""
     def kind(name: str, p) -> str:
-        if name.endswith("bias"):
-            return "bias"
-        if p.dim() == 1:
-            return "norm"
-        return "table" if name.startswith(("embed_tokens", "pos_embed")) else "weight"
+        return "table" if name.startswith(("embed_tokens", "pos_embed")) else plain_kind(name, p)
 
-    shapes = {_file_name(n): (tuple(p.shape), kind(n, p)) for n, p in _meta(config).named_parameters()}
+    shapes = shapes_of_model(_meta(config).named_parameters(), kind, _file_name)
     if config.vision_hidden:
         with torch.device("meta"):
             tower = VisionTower(config)
-        shapes.update({VISION_PREFIX + n: (tuple(p.shape), kind(n, p)) for n, p in tower.named_parameters()})
+        shapes.update(shapes_of_model(tower.named_parameters(), kind, lambda name: VISION_PREFIX + name))
     return shapes
 
 
