@@ -541,6 +541,9 @@ def test_o1_refuses_reference_images_odd_sizes_and_split_kv_heads(path, ref_path
     short = dataclasses.replace(one, cond=torch.cat([one.cond[:, :4], one.cond[:, 5:]], dim=1))
     with pytest.raises(ConfigError, match="prompt has 6 <\\|image_pad\\|> tokens for 7 vision tokens"):
         validate_job(Job(ModelSpec(ref_path), S(), SamplingSpec(steps=1), torch.zeros(1, 3, H, W), short), 1)
+    nan = dataclasses.replace(one, vision=one.vision.clone().index_fill_(0, torch.tensor([3]), float("nan")))
+    with pytest.raises(ConfigError, match="reference images hold NaN or infinite values"):
+        validate_job(Job(ModelSpec(ref_path), S(), SamplingSpec(steps=1), torch.zeros(1, 3, H, W), nan), 1)
     odd = dataclasses.replace(one, references=(torch.zeros(1, 3, 40, 64), one.references[1]))
     with pytest.raises(ConfigError, match="reference image 1 of the positive conditioning has shape \\(1, 3, 40, 64\\)"):
         validate_job(Job(ModelSpec(ref_path), S(), SamplingSpec(steps=1), torch.zeros(1, 3, H, W), odd), 1)

@@ -195,6 +195,9 @@ class HiDreamO1Config(JointAttentionConfig):
                 int(grid.prod(-1).sum()) != c.vision.shape[0] or bool((grid[:, 1:] % self.vision_merge).any()):
             return (f"the {name} conditioning's vision-tower inputs do not describe its {len(c.references)} "
                     f"reference images; attach the images with HiDreamO1ReferenceImages")
+        if not bool(torch.isfinite(c.vision).all()):
+            return (f"the {name} conditioning's reference images hold NaN or infinite values; check the images "
+                    f"given to HiDreamO1ReferenceImages")
         pads = int((c.cond[0, :, 0].round() == IMAGE_PAD_ID).sum())
         if pads != int(grid.prod(-1).sum()) // merge:
             return (f"the {name} prompt has {pads} <|image_pad|> tokens for {int(grid.prod(-1).sum()) // merge} "
@@ -686,8 +689,12 @@ class HiDreamO1Adapter(PatchTokens, BlockLoop):
         ids = cond[..., 0].to(self.device).round().long()
         rows = self.model.embed_tokens(ids).to(self.dtype)
         if vision is not None:
-            pads = (ids[0] == IMAGE_PAD_ID).nonzero()[:, 0]
-            rows[:, pads] = vision.to(rows.dtype)[None].expand(rows.shape[0], -1, -1)
+            # the pads' rows, found once per prompt tensor (a job's steps hand the same one; on a GPU each search
+            # would be a sync)
+            last = getattr(self, "_last_pads", None)
+            if last is None or last[0] is not cond:
+                last = self._last_pads = (cond, (ids[0] == IMAGE_PAD_ID).nonzero()[:, 0])
+            rows[:, last[1]] = vision.to(rows.dtype)[None].expand(rows.shape[0], -1, -1)
         tms = (ids == TMS_TOKEN_ID)[..., None]
         return torch.where(tms, self._time_rows(t)[:, None].to(rows.dtype), rows)
 
