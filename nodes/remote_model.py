@@ -402,7 +402,17 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
                         concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls,
                         attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip, glyph=glyph,
                         **_chunk_camera(kwargs.get("camera_conditions"), sl),
-                        **_chunk_vace(kwargs.get("vace_context"), kwargs.get("vace_strength"), sl))
+                        **_chunk_vace(kwargs.get("vace_context"), kwargs.get("vace_strength"), sl),
+                        **_chunk_vision(kwargs.get(hidream_o1_call.VISION_INPUT)))
+
+
+def _chunk_vision(vision) -> dict:
+    """HiDream O1's reference images on their vision-tower path (hidream_o1_call.take_conds): the tower's inputs,
+    the same for every chunk (ComfyUI's model reads the first row's), as float32 pixels and int64 grids."""
+    if vision is None:
+        return {}
+    pixels, grid = vision
+    return {"vision": pixels.detach().float().cpu().contiguous(), "vision_grid": grid.detach().long().cpu()}
 
 
 def _chunk_vace(context, strength, sl: slice) -> dict:
@@ -480,7 +490,7 @@ def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
 # (_refuse_padded_prompt).
 _KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea", "denoise_mask",
                  "num_tokens", "txt_byt5", "camera_conditions", "reference_latent", "vace_context", "vace_strength",
-                 "encoder_hidden_states_llama3", "image_cond"}
+                 "encoder_hidden_states_llama3", "image_cond", hidream_o1_call.VISION_INPUT}
 # Inputs ComfyUI 2026's model classes pass that no family here reads yet, by what adds them (the refusal names it).
 _INPUT_SOURCES = {
     "image_slots": "images placed in the prompt by TextEncodeQwenImage21",

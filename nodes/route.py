@@ -39,6 +39,7 @@ _KEY_NAMES = {
     "end_percent": "a timestep range (ConditioningSetTimestepRange)",
     "strength": "a conditioning strength other than 1",
     "minimax_token_tags": "image tokens in the MiniMax-H3 prompt (MiniMaxH3ImageToVideo's frames)",
+    "hidream_o1_ref_images": "HiDream O1 reference images (HiDreamO1ReferenceImages)",
 }
 
 # What ComfyUI's model_options entries that change how a sampler calls or combines the model are, for the status
@@ -142,7 +143,7 @@ def _conditioning_gap(value, which: str) -> str | None:
     if not isinstance(entry, (list, tuple)) or len(entry) != 2:
         return None
     for key, v in (entry[1] or {}).items():
-        if v is None or key in _READ_KEYS:
+        if v is None or (key in _READ_KEYS and key != "reference_latents"):
             continue
         if key in _NEUTRAL and _is_neutral(v, _NEUTRAL[key]):
             continue
@@ -151,6 +152,12 @@ def _conditioning_gap(value, which: str) -> str | None:
         if key == "minimax_token_tags" and _all_text(v):
             continue
         if key == "text_input_ids" and _same_ids(v, entry[0]):
+            continue
+        if key == "reference_latents" and "text_input_ids" in (entry[1] or {}):
+            # HiDream O1's reference images (HiDreamO1ReferenceImages): images, not latents, whose vision-tower
+            # inputs and patches the host's extra_conds prepares for the model call
+            return f"HiDream O1 reference images (HiDreamO1ReferenceImages) in the {which} conditioning"
+        if key in _READ_KEYS:
             continue
         return f"{_KEY_NAMES.get(key, repr(key))} in the {which} conditioning"
     return None

@@ -237,6 +237,11 @@ class Conditioning:
     # bytes), like the camera embedding: 32 layers x 128 tokens x 4096 is 64 MB per prompt in float32.
     llama: torch.Tensor | None = field(default=None, repr=False)
     llama_key: str | None = None
+    # HiDream O1's reference images on their vision-tower path (HiDreamO1ReferenceImages; `references` holds their
+    # 32-px stream): ComfyUI's ref_pixel_values [N, 3 x 2 x 16 x 16] and ref_image_grid_thw [K, 3] (int64), one
+    # (t, h, w) patch grid per reference. The same for every row: the tower runs once per job.
+    vision: torch.Tensor | None = field(default=None, repr=False)
+    vision_grid: torch.Tensor | None = None
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         refs = {f"{prefix}.reference.{i}": r for i, r in enumerate(self.references)}
@@ -244,7 +249,8 @@ class Conditioning:
                                                         ("glyph", self.glyph),
                                                         ("llama", None if self.llama_key else self.llama),
                                                         ("camera", None if self.camera_key else self.camera),
-                                                        ("vace", self.vace))
+                                                        ("vace", self.vace), ("vision", self.vision),
+                                                        ("vision_grid", self.vision_grid))
                   if t is not None}
         return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled, **refs, **extras}
 
@@ -285,7 +291,8 @@ class Conditioning:
                    camera=tensors.get(f"{prefix}.camera"), camera_key=meta.get(f"{prefix}_camera"),
                    vace=tensors.get(f"{prefix}.vace"),
                    vace_strength=tuple(float(v) for v in meta.get(f"{prefix}_vace_strength") or ()),
-                   llama=tensors.get(f"{prefix}.llama"), llama_key=meta.get(f"{prefix}_llama"))
+                   llama=tensors.get(f"{prefix}.llama"), llama_key=meta.get(f"{prefix}_llama"),
+                   vision=tensors.get(f"{prefix}.vision"), vision_grid=tensors.get(f"{prefix}.vision_grid"))
 
     def signature(self, prompt_tokens: int = 0) -> tuple:
         """What must be equal for two branches to share one forward pass (ComfyUI batches them then, and only
@@ -299,9 +306,10 @@ class Conditioning:
         camera = None if self.camera is None else tuple(self.camera.shape[1:])
         vace = None if self.vace is None else (tuple(self.vace.shape[1:]), self.vace_strength)
         llama = None if self.llama is None else tuple(self.llama.shape[1:])
+        vision = None if self.vision is None else (tuple(self.vision.shape), tuple(self.vision_grid.flatten().tolist()))
         return (max(self.cond.shape[1], prompt_tokens), tuple(tuple(r.shape[-2:]) for r in self.references),
                 self.reference_method,
-                concat, tuple(c.signature() for c in self.control), masked, clip, glyph, camera, vace, llama)
+                concat, tuple(c.signature() for c in self.control), masked, clip, glyph, camera, vace, llama, vision)
 
 
 @dataclass

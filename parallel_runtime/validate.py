@@ -505,6 +505,12 @@ def validate_latent_and_branches(job: Job, config) -> None:
             raise ConfigError(f"the {name} conditioning has batch {c.cond.shape[0]} but the latent has batch "
                               f"{job.batch}; use one prompt or match the batch sizes.")
         validate_references(name, c, config)
+        vision_problem = getattr(config, "vision_problem", None)  # HiDream O1's reference images' vision-tower path
+        if c.vision is not None and vision_problem is None:
+            raise ConfigError(f"the {name} conditioning carries reference images for a vision tower, which this "
+                              f"{config.family} model does not have; remove HiDreamO1ReferenceImages.")
+        if vision_problem is not None and (sentence := vision_problem(name, c)):
+            raise ConfigError(f"{sentence}.")
         problem = c.references and getattr(config, "reference_latent_problem", None)
         if problem and (sentence := problem(c.references, tuple(lat.shape), job.timestep)):
             raise ConfigError(f"{sentence}.")

@@ -87,8 +87,6 @@ REFUSED_NODES = (
     ("LTXVReferenceAudio", None, "LTX-2 reference audio"),
     ("MiniMaxH3FunControlNetApply", None, "MiniMax-H3 Fun ControlNet union"),
     ("ReferenceMultiLatent", None, "FLUX.3 reference images"),
-    # HiDream O1's reference branch: one switch away in the text-to-image template, on in the dev one.
-    ("HiDreamO1ReferenceImages", None, "HiDream O1 reference images"),
     ("TextEncodeQwenImage21", "images.", "Qwen-Image 2.1's encoder image slots"),
 )
 ACTIVE = 0  # a node's mode: 0 runs, 2 muted, 4 bypassed

@@ -224,7 +224,8 @@ FAMILIES = {
         patches=(("HiDreamO1PatchSeamSmoothing", {"start_percent": 0.8, "end_percent": 1.0, "pattern": "single_shift",
                                                   "passes": "ramp_2_4", "blend": "median", "strength": 1.0}),
                  ("ModelNoiseScale", {"noise_scale": 8.0})),
-        # the reference-image branch its switches leave off (refused on ParaDiT: docs/families.md), the prompt
+        # the reference-image branch its switches leave off (HiDreamO1ReferenceImages runs on ParaDiT too, through
+        # the per-call path: docs/families.md), the prompt
         # enhancer (a subgraph on Gemma 4) its switch leaves off, the switches, their primitives, the prompt primitive
         # and its preview
         left_out={104, 213, 157, 218, 219, 172, 175, 152, 153, 154, 155, 171, 176, 177, 221}),

@@ -173,6 +173,8 @@ class WorkerState:
             smap = split.sources
         context = AttentionContext(input_amax=storage.input_amax)
         adapter = family.adapter(config, model, chunks, context)
+        # where and how a family reads more of its file on demand (HiDream O1's vision tower)
+        adapter.source_file, adapter.source_storage = path, storage
         patcher = RankWeightPatcher(model, family.weight_patch_targets(config), FileParameters(path, smap, storage,
                                                                                               self.device))
         with self.models_lock:
@@ -346,8 +348,11 @@ CONTROLNETS_KEPT = 2  # ControlNets a worker keeps loaded beside its model (a ch
 def _model_bytes(adapter, controlnets: dict) -> int:
     from ..weights.checkpoint import parameter_bytes
 
-    # list(): one step under the GIL, so a ping's count never iterates the dict while a job adds a ControlNet.
-    return parameter_bytes(adapter.model) + sum(parameter_bytes(n.net) for n in list(controlnets.values()))
+    # list(): one step under the GIL, so a ping's count never iterates the dict while a job adds a ControlNet. A
+    # module a family loaded on demand beside its model (HiDream O1's vision tower) counts once it is there.
+    tower = getattr(adapter, "vision_tower", None)
+    return (parameter_bytes(adapter.model) + sum(parameter_bytes(n.net) for n in list(controlnets.values()))
+            + (parameter_bytes(tower) if tower is not None else 0))
 
 
 class Aborted(Exception):

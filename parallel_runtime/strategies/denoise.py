@@ -110,6 +110,12 @@ class Branches:
         self.glyph = torch.cat([rep(c.glyph.float()) for c in conds]).to(device) if first.glyph is not None else None
         # Llama 3.1's hidden layers over the prompt (HiDream's blocks each project one), per row; shape in the signature.
         self.llama = torch.cat([rep(c.llama.float()) for c in conds]).to(device) if first.llama is not None else None
+        # HiDream O1's reference images on the vision-tower path: one set per forward pass (ComfyUI's model reads the
+        # first chunk's), left on the host side until a rank that embeds the prompt runs the tower, once per job.
+        self.vision = first.vision
+        self.vision_grid = (tuple(tuple(int(v) for v in row) for row in first.vision_grid.tolist())
+                            if first.vision is not None else ())
+        self._vision_rows = None
         # WanCameraEmbedding's Plücker embedding per row, left where the message put it: each forward moves only the
         # frames its tokens lie in to the device (adapter.embed_camera), once per job for each set of rows.
         self.camera = torch.cat([rep(c.camera) for c in conds]) if first.camera is not None else None
@@ -146,6 +152,13 @@ class Branches:
                                 lambda: adapter.embed_vace(self.vace[:, :, index.cpu()]).to(image.dtype))
             image = torch.cat([image, vace], dim=1)
         return image
+
+    def vision_rows(self, adapter: DiTAdapter) -> torch.Tensor | None:
+        """The vision tower's tokens of these branches' reference images (None: none), computed on first use: the
+        references do not change within a job, so the tower runs once per job, not per step."""
+        if self.vision is not None and self._vision_rows is None:
+            self._vision_rows = adapter.embed_vision(self.vision, self.vision_grid)
+        return self._vision_rows
 
     @property
     def carried(self) -> int:
@@ -332,9 +345,12 @@ class Denoiser:
     def _rope_full(self, branches: Branches, extra_text: int = 0):
         """The adapter's RoPE table for the canonical sequence of one forward pass over `branches` (whose prompt is
         `extra_text` tokens longer, in front: a union ControlNet's type tokens)."""
-        scaled = {"rope_options": self.rope_options} if self.rope_options is not None else {}
+        # Family-specific grid inputs: ScaleROPE's scale and shift (Wan), HiDream O1's prompt image blocks.
+        grid = {"rope_options": self.rope_options} if self.rope_options is not None else {}
+        if branches.vision_grid:
+            grid["vision"] = branches.vision_grid
         return self.adapter.rope(self._prompt_len(branches) + extra_text, *self.hw, branches.reference_shapes,
-                                 branches.reference_method, **scaled)
+                                 branches.reference_method, **grid)
 
     def _references(self, branches: Branches, layout: TokenLayout, patches: list[int]) -> torch.Tensor | None:
         """This rank's embedded reference tokens and learned pad rows (adapter.pad_rows) for these patches, in
@@ -378,7 +394,8 @@ class Denoiser:
         inputs it joins to it (CLIP-vision and glyph tokens)."""
         b = branches or self.branches
         if getattr(self.adapter, "prompt_reads_timestep", False):
-            return self.adapter.embed_text(b.cond, t, b.clip_vision, b.glyph)[:, rows.start:rows.stop]
+            vision = {"vision": b.vision_rows(self.adapter)} if b.vision is not None else {}  # HiDream O1's references
+            return self.adapter.embed_text(b.cond, t, b.clip_vision, b.glyph, **vision)[:, rows.start:rows.stop]
         cond = b.cond
         if getattr(self.adapter, "reads_llama", False):  # HiDream: the prompt rows are T5's and Llama layers'
             return self.adapter.embed_text(cond, b.llama)[:, rows.start:rows.stop]

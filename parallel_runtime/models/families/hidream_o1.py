@@ -1,8 +1,9 @@
 """HiDream O1 (`hidream_o1_image_*.safetensors`, the `image_hidream_o1*` templates): a pixel-space DiT that is the
-Qwen3-VL-8B decoder itself, over one sequence [prompt tokens, the image's 32x32 RGB patches].
+Qwen3-VL-8B decoder itself, over one sequence [prompt tokens, the image's 32x32 RGB patches, reference patches].
 
 Read from ComfyUI 2026's comfy/ldm/hidream_o1/{model,attention,conditioning,utils}.py, comfy/text_encoders/
-{llama,hidream_o1}.py, model_base.HiDreamO1 and supported_models.HiDreamO1 (the module tree here is our own, with
+{llama,hidream_o1,qwen35}.py (qwen35: the vision tower), model_base.HiDreamO1, supported_models.HiDreamO1 and
+comfy_extras' HiDreamO1ReferenceImages (the module tree here is our own, with
 ComfyUI's parameter names; the code is not theirs):
 
 - Prompt. The "text encoder" only tokenizes: the CONDITIONING's cross_attn is the token ids as float32 [1, L, 1]
@@ -37,10 +38,25 @@ ComfyUI's parameter names; the code is not theirs):
 - Sampling (supported_models.HiDreamO1): ModelSamplingDiscreteFlow (CONST) at shift 3, multiplier 1000, and
   noise_scale 8: the starting x is sigma (8 noise) + (1 - sigma) latent.
 
+- Reference images (HiDreamO1ReferenceImages; conditioning.build_extra_conds' edit branch, model._forward). Each
+  reference takes two paths. (1) The Qwen3-VL vision tower (`visual.*`, Qwen35VisionModel: a Conv3d patch embedding
+  of 2x16x16 patches, a bilinearly interpolated 48x48 position table, LayerNorm blocks with 2-D rotary attention per
+  image, a 2x2 patch merger into the decoder's width) turns its 384 px copy into tokens that replace the prompt's
+  <|image_pad|> rows (build_ref_input_ids splices [vision_start, pad x N, vision_end] per reference after the
+  prompt's first 3 tokens, so they lie in the causal prefix). ComfyUI's tower never runs the Qwen3-VL deepstack
+  mergers (Qwen35VisionModel sets deepstack_merger_list = None and model.py drops their weights), so nothing is added
+  to early decoder layers and their keys are not loaded here either. The tower's output does not change during a
+  run: a job runs it once (Branches.vision_rows), and the adapter keeps the last result for the next call of a
+  stock sampler's run. (2) Its 32x32 patches (the image in [-1, 1]) ride behind the target's patches through
+  x_embedder as image-stream rows (Conditioning.references: every rank splits them with the image, as any
+  reference latent; their output rows are dropped). Positions: the prompt's text runs and each vision block follow
+  get_rope_index_fix_point (a block at (s + n, s + n + r, s + n + c) after its n text tokens), the target stays at
+  4096, each reference's patches start one past the previous block's largest id; ar_len is still the prompt length
+  - 1. The tower loads on first use, from the same file, only on the ranks that embed the prompt (not PipeFusion's
+  later stages), unsplit under tensor parallelism (~0.4B parameters at release: replicated, like the prompt).
+
 Detection: `t_embedder1.mlp.0.weight` and `x_embedder.proj1.weight` (model_detection's keys) with the decoder's
-per-head q norm, under ComfyUI's prefixes; the vision tower (`visual.*`, its deepstack mergers) is never loaded.
-Refused in one sentence: HiDreamO1ReferenceImages' reference images (they pass through the Qwen3-VL vision tower:
-run those edits with CheckpointLoaderSimple's MODEL).
+per-head q norm, under ComfyUI's prefixes; the vision tower's shapes are read where the file has one.
 """
 from __future__ import annotations
 
@@ -61,6 +77,7 @@ from ..conditioning import timestep_sinusoid
 from ..detection import Signature, signature_match
 from ..family import BlockKind, DiTFamily, JointAttentionConfig
 from ..patchify import PatchTokens
+from ..shapes import plain_kind, shapes_of_model
 
 PATCH = 32  # pixels per token side (ComfyUI's PATCH_SIZE)
 TMS_TOKEN_ID = 151673  # <|tms_token|>: its prompt row becomes the timestep embedding
@@ -74,9 +91,10 @@ FIRST_STAGE = ("embed_tokens.", "x_embedder.")
 LAST_STAGE = ("norm.", "final_layer2.")
 DECODER_BLOCK = BlockKind("decoder", ("joint",))
 HIDREAM_O1_PIXELS = LatentFormat("hidream_o1_pixel", 1.0, 0.0)  # latent_formats.HiDreamO1Pixel: identity
-REFUSED_REFERENCES = ("ParaDiT does not run HiDream O1's reference images (HiDreamO1ReferenceImages: they go through "
-                      "the Qwen3-VL vision tower, which the workers do not load); run reference edits with "
-                      "CheckpointLoaderSimple's MODEL and a stock KSampler instead")
+IMAGE_PAD_ID = 151655  # Qwen3-VL <|image_pad|>: a prompt row the vision tower's token replaces
+VISION_SPLICE_AT = 3  # build_ref_input_ids puts the vision blocks after [<|im_start|>, user, \n]
+VISION_HEADS = 16  # Qwen35VisionModel's heads (QWEN3VL_VISION_DEFAULTS; a file's shapes do not say it)
+VISION_PREFIX = "visual."
 
 
 def mrope_sections(head_dim: int) -> tuple[int, int, int]:
@@ -97,6 +115,15 @@ class HiDreamO1Config(JointAttentionConfig):
     vocab_size: int
     rope_theta: float = 5_000_000.0
     norm_eps: float = 1e-6
+    # The Qwen3-VL vision tower in the same file (0: none), read from its shapes: width, blocks, MLP width, position
+    # table rows (48 x 48 at release), the Conv3d's patch (16) and frames (2), the merger's 2x2 spatial merge.
+    vision_hidden: int = 0
+    vision_depth: int = 0
+    vision_intermediate: int = 0
+    vision_positions: int = 0
+    vision_patch: int = 16
+    vision_temporal: int = 2
+    vision_merge: int = 2
 
     family = "hidream_o1"
     title = "HiDream O1"
@@ -105,7 +132,7 @@ class HiDreamO1Config(JointAttentionConfig):
     patch_size = PATCH
     context_dim = 1  # the prompt arrives as token ids, one number per row
     pooled_dim = 0
-    reference_refusal = REFUSED_REFERENCES
+    reads_references = True  # HiDreamO1ReferenceImages' 32-px patches (reference_problem) and vision tokens
     # supported_models.HiDreamO1 runs bf16 and fp32 only: the MLPs' down_proj activations overflow fp16 (NaNs).
     refused_weight_dtypes = {"fp16": "HiDream O1 overflows in fp16 (its MLP activations exceed fp16's range, as "
                                      "ComfyUI notes); choose weight_dtype bf16 or fp32"}
@@ -130,6 +157,51 @@ class HiDreamO1Config(JointAttentionConfig):
         if cond.numel() and (not torch.equal(ids, ids.round()) or ids.min() < 0 or ids.max() >= self.vocab_size):
             return (f"the {name} conditioning is not HiDream O1 token ids (whole numbers below {self.vocab_size}); "
                     f"encode the prompt with {self.text_encoders}")
+        return None
+
+    @property
+    def vision_pixels(self) -> int:
+        """Values per vision-tower patch (ref_pixel_values' width: 3 x 2 x 16 x 16 = 1536 at release)."""
+        return 3 * self.vision_temporal * self.vision_patch ** 2
+
+    def reference_problem(self, name: str, refs, method) -> str | None:
+        """HiDreamO1ReferenceImages' 32-px stream: RGB images [1 or B, 3, h, w] in [-1, 1] on the 32 px grid
+        (conditioning.prepare_ref_images' ref_patches, unpatchified by the door)."""
+        for k, ref in enumerate(refs):
+            if ref.ndim != 4 or ref.shape[1] != 3 or ref.shape[-2] % PATCH or ref.shape[-1] % PATCH or \
+                    min(ref.shape[-2:]) < PATCH:
+                return (f"reference image {k + 1} of the {name} conditioning has shape {tuple(ref.shape)}, not a "
+                        f"[batch, 3, h, w] image on HiDream O1's 32 px grid; attach the images with "
+                        f"HiDreamO1ReferenceImages")
+        if method is not None:
+            return (f"HiDream O1 places its reference images itself, not by the {method!r} method; remove "
+                    f"FluxKontextMultiReferenceLatentMethod")
+        return None
+
+    def vision_problem(self, name: str, c) -> str | None:
+        """The vision tower's inputs of a conditioning with reference images: ref_pixel_values [N, 1536] and one
+        (t, h, w) grid per reference, as many merged tokens as the prompt has <|image_pad|> rows."""
+        if c.vision is None:
+            return (None if not c.references else
+                    f"the {name} conditioning carries HiDream O1 reference patches without their vision-tower "
+                    f"inputs; attach the images with HiDreamO1ReferenceImages")
+        if not self.vision_hidden:
+            return (f"the {name} conditioning carries HiDream O1 reference images but this file has no vision tower "
+                    f"(visual.*); load the complete hidream_o1_image checkpoint")
+        grid = c.vision_grid
+        merge = self.vision_merge ** 2
+        if grid is None or grid.ndim != 2 or grid.shape[1] != 3 or len(c.references) != grid.shape[0] or \
+                c.vision.ndim != 2 or c.vision.shape[-1] != self.vision_pixels or \
+                int(grid.prod(-1).sum()) != c.vision.shape[0] or bool((grid[:, 1:] % self.vision_merge).any()):
+            return (f"the {name} conditioning's vision-tower inputs do not describe its {len(c.references)} "
+                    f"reference images; attach the images with HiDreamO1ReferenceImages")
+        if not bool(torch.isfinite(c.vision).all()):
+            return (f"the {name} conditioning's reference images hold NaN or infinite values; check the images "
+                    f"given to HiDreamO1ReferenceImages")
+        pads = int((c.cond[0, :, 0].round() == IMAGE_PAD_ID).sum())
+        if pads != int(grid.prod(-1).sum()) // merge:
+            return (f"the {name} prompt has {pads} <|image_pad|> tokens for {int(grid.prod(-1).sum()) // merge} "
+                    f"vision tokens; attach the images with HiDreamO1ReferenceImages after CLIPTextEncode")
         return None
 
     def tensor_problem(self, degree: int) -> str | None:
@@ -189,7 +261,29 @@ def infer_config(reader, match, name: str) -> HiDreamO1Config:
                              f"damaged, so re-download it.")
     return HiDreamO1Config(hidden_size=hidden, num_layers=block_count(reader.keys(), p, LM + "layers", name),
                            num_heads=q // head_dim, num_kv_heads=kv // head_dim, head_dim=head_dim,
-                           intermediate_size=shape(layer + "mlp.gate_proj.weight")[0], vocab_size=vocab)
+                           intermediate_size=shape(layer + "mlp.gate_proj.weight")[0], vocab_size=vocab,
+                           **_vision_config(reader, p, name, hidden, shape))
+
+
+def _vision_config(reader, p: str, name: str, hidden: int, shape) -> dict:
+    """The vision tower's dims from its shapes ({} where the file has none: reference images are then refused).
+    Its 16 heads are ComfyUI's constant: the width must split into 16 heads of a multiple of 4 channels (the
+    rotary table's two axes of half the head each)."""
+    v = VISION_PREFIX
+    if p + v + "patch_embed.proj.weight" not in reader:
+        return {}
+    width, channels, frames, patch, _ = shape(v + "patch_embed.proj.weight")
+    merged = shape(v + "merger.linear_fc1.weight")[1]
+    merge = math.isqrt(merged // width) if width else 0
+    out = shape(v + "merger.linear_fc2.weight")[0]
+    if channels != 3 or width % (4 * VISION_HEADS) or merge * merge * width != merged or out != hidden:
+        raise ModelFileError(f"{name}: a vision tower {width} wide over {channels} channels, merging {merged} into "
+                             f"{out} for a {hidden}-wide decoder, is no HiDream O1 shape; the file is damaged, so "
+                             f"re-download it.")
+    return dict(vision_hidden=width, vision_depth=block_count(reader.keys(), p, v + "blocks", name),
+                vision_intermediate=shape(v + "blocks.0.mlp.linear_fc1.weight")[0],
+                vision_positions=shape(v + "pos_embed.weight")[0], vision_patch=patch, vision_temporal=frames,
+                vision_merge=merge)
 
 
 class _Attention(torch.nn.Module):
@@ -256,6 +350,37 @@ class HiDreamO1Model(torch.nn.Module):
         self.final_layer2 = _Linear(c.hidden_size, 3 * PATCH * PATCH)
 
 
+class _VisionBlock(torch.nn.Module):
+    def __init__(self, width: int, inner: int):
+        super().__init__()
+        self.norm1 = torch.nn.LayerNorm(width, eps=1e-6)
+        self.norm2 = torch.nn.LayerNorm(width, eps=1e-6)
+        self.attn = torch.nn.Module()
+        self.attn.qkv = torch.nn.Linear(width, 3 * width)
+        self.attn.proj = torch.nn.Linear(width, width)
+        self.mlp = torch.nn.Module()
+        self.mlp.linear_fc1 = torch.nn.Linear(width, inner)
+        self.mlp.linear_fc2 = torch.nn.Linear(inner, width)
+
+
+class VisionTower(torch.nn.Module):
+    """Qwen35VisionModel's parameters under ComfyUI's names (the file's `visual.*`), without the deepstack mergers
+    ComfyUI never runs."""
+
+    def __init__(self, c: HiDreamO1Config):
+        super().__init__()
+        w, merged = c.vision_hidden, c.vision_hidden * c.vision_merge ** 2
+        self.patch_embed = torch.nn.Module()
+        kernel = (c.vision_temporal, c.vision_patch, c.vision_patch)
+        self.patch_embed.proj = torch.nn.Conv3d(3, w, kernel_size=kernel, stride=kernel)
+        self.pos_embed = torch.nn.Embedding(c.vision_positions, w)
+        self.blocks = torch.nn.ModuleList(_VisionBlock(w, c.vision_intermediate) for _ in range(c.vision_depth))
+        self.merger = torch.nn.Module()
+        self.merger.norm = torch.nn.LayerNorm(w, eps=1e-6)
+        self.merger.linear_fc1 = torch.nn.Linear(merged, merged)
+        self.merger.linear_fc2 = torch.nn.Linear(merged, c.hidden_size)
+
+
 @functools.lru_cache(maxsize=8)
 def _meta(config: HiDreamO1Config) -> HiDreamO1Model:
     with torch.device("meta"):
@@ -277,16 +402,24 @@ def source_map(config: HiDreamO1Config, layout: str, prefix: str = "") -> dict[s
     return {n: Source(prefix + _file_name(n)) for n, _ in _meta(config).named_parameters()}
 
 
-def checkpoint_shapes(config: HiDreamO1Config) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{ComfyUI key: (shape, kind)} of the DiT's tensors (no vision tower), in the module's order."""
-    def kind(name: str, p) -> str:
-        if name.endswith("bias"):
-            return "bias"
-        if p.dim() == 1:
-            return "norm"
-        return "table" if name.startswith("embed_tokens") else "weight"
+def vision_source_map(config: HiDreamO1Config, prefix: str = "") -> dict[str, Source]:
+    with torch.device("meta"):
+        tower = VisionTower(config)
+    return {n: Source(prefix + VISION_PREFIX + n) for n, _ in tower.named_parameters()}
 
-    return {_file_name(n): (tuple(p.shape), kind(n, p)) for n, p in _meta(config).named_parameters()}
+
+def checkpoint_shapes(config: HiDreamO1Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{ComfyUI key: (shape, kind)} of the DiT's tensors, then the vision tower's where the config has one, in the
+    modules' order."""
+    def kind(name: str, p) -> str:
+        return "table" if name.startswith(("embed_tokens", "pos_embed")) else plain_kind(name, p)
+
+    shapes = shapes_of_model(_meta(config).named_parameters(), kind, _file_name)
+    if config.vision_hidden:
+        with torch.device("meta"):
+            tower = VisionTower(config)
+        shapes.update(shapes_of_model(tower.named_parameters(), kind, lambda name: VISION_PREFIX + name))
+    return shapes
 
 
 def tensor_plan(config: HiDreamO1Config) -> dict:
@@ -304,14 +437,34 @@ def tensor_plan(config: HiDreamO1Config) -> dict:
 
 # -- positions and the two-pass mask ------------------------------------------------------------------
 
-def position_ids(text_len: int, rows: int, cols: int) -> torch.Tensor:
-    """[L, 3] (T, H, W) ids of get_rope_index_fix_point for a text-to-image call: prompt token i at (i, i, i), patch
-    (r, c) at (4096, 4096 + r, 4096 + c)."""
-    prompt = torch.arange(text_len)[:, None].expand(text_len, 3)
-    r = torch.arange(rows)[:, None].expand(rows, cols).reshape(-1)
-    c = torch.arange(cols)[None, :].expand(rows, cols).reshape(-1)
-    image = torch.stack([torch.zeros_like(r), r, c], dim=-1) + IMAGE_ROPE_OFFSET
-    return torch.cat([prompt, image]).long()
+def _grid_ids(rows: int, cols: int, frames: int = 1) -> torch.Tensor:
+    """[frames x rows x cols, 3] (t, r, c) of a grid, row-major."""
+    t, r, c = torch.meshgrid(torch.arange(frames), torch.arange(rows), torch.arange(cols), indexing="ij")
+    return torch.stack([t.reshape(-1), r.reshape(-1), c.reshape(-1)], dim=-1)
+
+
+def _text_ids(n: int, start: int) -> torch.Tensor:
+    return (torch.arange(n) + start)[:, None].expand(n, 3)
+
+
+def position_ids(text_len: int, rows: int, cols: int, vision: tuple = (), references: tuple = ()) -> torch.Tensor:
+    """[L, 3] (T, H, W) ids of get_rope_index_fix_point over [prompt, target, reference patches].
+
+    Text-to-image: prompt token i at (i, i, i), patch (r, c) at (4096, 4096 + r, 4096 + c). With references
+    (`vision`: each one's merged (t, h, w) vision grid, spliced into the prompt after its first 3 tokens;
+    `references`: each one's 32-px grid (rows, cols)): every run of n text tokens takes ids s.. s + n - 1 and the
+    vision block after it (t, r, c) + s + n, s being one past the largest id so far; the target stays at 4096; each
+    reference's patches take (0, r, c) + one past the largest id before them."""
+    parts, start, placed = [], 0, 0
+    for k, (t, h, w) in enumerate(vision):
+        n = VISION_SPLICE_AT + 1 if k == 0 else 2  # [3 tokens, vision_start] or [vision_end, vision_start]
+        parts += [_text_ids(n, start), _grid_ids(h, w, t) + start + n]
+        start, placed = int(parts[-1].max()) + 1, placed + n + t * h * w
+    parts.append(_text_ids(text_len - placed, start))
+    parts.append(_grid_ids(rows, cols) + IMAGE_ROPE_OFFSET)
+    for ref_rows, ref_cols in references:
+        parts.append(_grid_ids(ref_rows, ref_cols) + int(parts[-1].max()) + 1)
+    return torch.cat(parts).long()
 
 
 def mrope_table(ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,6 +488,101 @@ def apply_mrope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (xf * cos[None, :, None] + rotated * sin[None, :, None]).to(x.dtype)
+
+
+# -- the vision tower ---------------------------------------------------------------------------------
+
+def _vision_position_table(table: torch.Tensor, grid: list, merge: int) -> torch.Tensor:
+    """fast_pos_embed_interpolate: each image's (h, w) grid reads the square position table bilinearly at
+    linspace(0, side - 1, h) x linspace(0, side - 1, w) (weights in float32, then the table's dtype, summed corner by
+    corner in ComfyUI's order), repeated over its frames and put in the merger's 2x2-block order."""
+    side = math.isqrt(table.shape[0])
+    out = []
+    for t, h, w in grid:
+        hi = torch.linspace(0, side - 1, h, device=table.device)
+        wi = torch.linspace(0, side - 1, w, device=table.device)
+        hf, wf = hi.int(), wi.int()
+        hc, wc = (hf + 1).clip(max=side - 1), (wf + 1).clip(max=side - 1)
+        dh, dw = (hi - hf)[:, None], (wi - wf)[None, :]
+        corners = ((hf, wf, (1 - dh) * (1 - dw)), (hf, wc, (1 - dh) * dw), (hc, wf, dh * (1 - dw)), (hc, wc, dh * dw))
+        rows = None
+        for r, c, weight in corners:
+            term = table[(r[:, None] * side + c[None, :]).reshape(-1)] * weight.reshape(-1, 1).to(table.dtype)
+            rows = term if rows is None else rows + term
+        rows = rows.repeat(t, 1).view(t, h // merge, merge, w // merge, merge, -1)
+        out.append(rows.permute(0, 1, 3, 2, 4, 5).flatten(0, 4))
+    return torch.cat(out)
+
+
+def _vision_rotary(grid: list, head_dim: int, merge: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, 1, head_dim] of the tower's 2-D rotary embedding (theta 1e4 over head_dim / 2 channels per
+    axis): each patch's (row, col) in the merger's 2x2-block order, in float32 (rot_pos_emb)."""
+    dim = head_dim // 2
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+    table = torch.outer(torch.arange(max(max(h, w) for _, h, w in grid), device=device, dtype=torch.float), inv_freq)
+    coords = []
+    for t, h, w in grid:
+        br, bc, ir, ic = torch.meshgrid(torch.arange(h // merge), torch.arange(w // merge), torch.arange(merge),
+                                        torch.arange(merge), indexing="ij")
+        rc = torch.stack([(br * merge + ir).reshape(-1), (bc * merge + ic).reshape(-1)], dim=-1)
+        coords.append(rc.repeat(t, 1))
+    angles = table[torch.cat(coords).to(device)].flatten(1)
+    emb = torch.cat([angles, angles], dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """llama.apply_rope on the tower's [N, heads, D]: x cos + rotate_half(x) sin with float32 tables (the product
+    promotes to float32 in ComfyUI too), back in x's dtype."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+@torch.no_grad()
+def run_vision_tower(tower: VisionTower, config: HiDreamO1Config, pixels: torch.Tensor, grid: list) -> torch.Tensor:
+    """Qwen35VisionModel.forward: ref_pixel_values [N, 3 x 2 x 16 x 16] of images with (t, h, w) patch grids ->
+    [N / 4, decoder width] tokens, in the tower's dtype. Attention runs per image (cu_seqlens), unmasked."""
+    dtype, device = tower.pos_embed.weight.dtype, tower.pos_embed.weight.device
+    c, merge = config, config.vision_merge
+    x = tower.patch_embed.proj(pixels.to(device, dtype).view(-1, 3, c.vision_temporal, c.vision_patch,
+                                                             c.vision_patch)).view(-1, c.vision_hidden)
+    x = x + _vision_position_table(tower.pos_embed.weight, grid, merge).to(x.device)
+    cos, sin = _vision_rotary(grid, c.vision_hidden // VISION_HEADS, merge, device)
+    lengths = [t * h * w for t, h, w in grid]
+    for block in tower.blocks:
+        q, k, v = block.attn.qkv(block.norm1(x)).view(x.shape[0], 3, VISION_HEADS, -1).unbind(1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = [F.scaled_dot_product_attention(*(z.transpose(0, 1)[None] for z in parts))[0].transpose(0, 1)
+               for parts in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
+        x = x + block.attn.proj(torch.cat(out).flatten(1))
+        x = x + block.mlp.linear_fc2(F.gelu(block.mlp.linear_fc1(block.norm2(x)), approximate="tanh"))
+    m = tower.merger
+    merged = m.norm(x).view(-1, c.vision_hidden * merge * merge)
+    return m.linear_fc2(F.gelu(m.linear_fc1(merged)))
+
+
+def load_vision_tower(path: str, config: HiDreamO1Config, storage, device) -> VisionTower:
+    """The tower's tensors from the file, on `device`, stored as the DiT's are (`storage`: a `weights.storage.Storage`
+    or a compute dtype): ComfyUI builds the tower with the model's operations, so a scaled-fp8 file's tower layers
+    hold fp8 weights and fp8-rounded biases there too. Its fp8 layers dequantize per call here, never through the
+    strategies' input-scale hook (the tower runs on one rank, where a collective would wait for the others)."""
+    import dataclasses
+
+    from ...weights.checkpoint import open_checkpoint
+    from ...weights.input_amax import InputAmax
+    from ...weights.mapping import build_from_map
+    from ...weights.storage import Storage
+    from ..registry import detect_family
+
+    storage = storage if isinstance(storage, Storage) else Storage(storage)
+    storage = dataclasses.replace(storage, kernel_formats=frozenset(), input_amax=InputAmax())
+    with torch.device("meta"):
+        tower = VisionTower(config)
+    with open_checkpoint(path) as reader:
+        _, match = detect_family(reader.keys())
+        return build_from_map(tower, vision_source_map(config, match.prefix), reader, ("blocks",),
+                              "HiDream O1 vision tower", dtype=storage, device=device)
 
 
 def two_pass_allowed(text_len: int, length: int) -> torch.Tensor:
@@ -374,15 +622,24 @@ class HiDreamO1Adapter(PatchTokens, BlockLoop):
     def model_sampling(self):
         return _PixelFlowSampling(SHIFT, 1000.0, kind="discrete_flow")
 
-    def rope(self, text_len: int, h: int, w: int, references=(), method=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of the canonical [prompt, image] sequence (`references` are refused before any work)."""
-        ids = position_ids(text_len, h // PATCH, w // PATCH).to(self.device)
+    def _merged(self, vision: tuple) -> tuple:
+        """(t, h, w) patch grids of the tower -> the merged grids of its tokens in the prompt."""
+        m = self.config.vision_merge
+        return tuple((t, h // m, w // m) for t, h, w in vision)
+
+    def rope(self, text_len: int, h: int, w: int, references=(), method=None,
+             vision=()) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of the canonical [prompt, image, reference patches] sequence; `references`: the reference
+        images' (height, width), `vision`: their tower grids (the prompt's vision blocks)."""
+        refs = tuple((rh // PATCH, rw // PATCH) for rh, rw in references)
+        ids = position_ids(text_len, h // PATCH, w // PATCH, self._merged(vision), refs).to(self.device)
         return mrope_table(ids, self.config.head_dim, self.config.rope_theta)
 
     def sequence_bias(self, text_len: int, hw: tuple[int, int], references=()) -> torch.Tensor:
-        """The two-pass mask as an additive bias [1, L, L] (0 or -inf, compute dtype): the strategies cut each
-        call's block of it. Kept for the last layout only (a stock sampler repeats one)."""
-        length = text_len + (hw[0] // PATCH) * (hw[1] // PATCH)
+        """The two-pass mask as an additive bias [1, L, L] (0 or -inf, compute dtype) over [prompt (its vision
+        tokens inside the causal prefix), image, reference patches]: the strategies cut each call's block of it.
+        Kept for the last layout only (a stock sampler repeats one)."""
+        length = text_len + sum((a // PATCH) * (b // PATCH) for a, b in (tuple(hw), *references))
         key = (text_len, length)
         cached = getattr(self, "_last_bias", None)
         if cached is not None and cached[0] == key:
@@ -404,13 +661,40 @@ class HiDreamO1Adapter(PatchTokens, BlockLoop):
         sinusoid = timestep_sinusoid((1.0 - sigma) * 1000).to(self.dtype)
         return self.model.t_embedder1.mlp(sinusoid)
 
-    def embed_text(self, cond: torch.Tensor, t: torch.Tensor | None = None, clip_vision=None, glyph=None):
-        """The whole prompt's rows: embed_tokens of the ids (cond [N, L, 1]), the <|tms_token|> rows replaced by
-        the timestep embedding at `t` (one per row of cond)."""
+    def embed_vision(self, pixels: torch.Tensor, grid: tuple) -> torch.Tensor:
+        """The reference images' vision tokens [N, hidden] in the compute dtype: the tower (loaded from the model's
+        file on first use) over ref_pixel_values. A stock sampler's run repeats the same inputs every call, so the
+        last result is kept beside them (ComfyUI keeps it likewise, by the tensor's identity)."""
+        last = getattr(self, "_last_vision", None)
+        if last is not None and last[1] == grid and last[0].shape == pixels.shape and torch.equal(last[0], pixels):
+            return last[2]
+        if getattr(self, "vision_tower", None) is None:
+            path = getattr(self, "source_file", None)
+            if path is None:
+                raise ValueError("this HiDream O1 adapter has no file to load its vision tower from (a ParaDiT bug)")
+            storage = getattr(self, "source_storage", None) or self.dtype  # the DiT's, where the worker built it
+            self.vision_tower = load_vision_tower(path, self.config, storage, self.device)
+        rows = run_vision_tower(self.vision_tower, self.config, pixels, list(grid)).to(self.dtype)
+        self._last_vision = (pixels, grid, rows)
+        return rows
+
+    def embed_text(self, cond: torch.Tensor, t: torch.Tensor | None = None, clip_vision=None, glyph=None,
+                   vision: torch.Tensor | None = None):
+        """The whole prompt's rows: embed_tokens of the ids (cond [N, L, 1]); with reference images, the first
+        row's <|image_pad|> rows replaced by the vision tokens `vision` in every row (as ComfyUI: the pads lie where
+        build_ref_input_ids put them, the same in each chunk); then the <|tms_token|> rows replaced by the timestep
+        embedding at `t` (one per row of cond)."""
         if t is None:
             raise ValueError("HiDream O1's prompt embedding needs the step's timestep (prompt_reads_timestep)")
         ids = cond[..., 0].to(self.device).round().long()
         rows = self.model.embed_tokens(ids).to(self.dtype)
+        if vision is not None:
+            # the pads' rows, found once per prompt tensor (a job's steps hand the same one; on a GPU each search
+            # would be a sync)
+            last = getattr(self, "_last_pads", None)
+            if last is None or last[0] is not cond:
+                last = self._last_pads = (cond, (ids[0] == IMAGE_PAD_ID).nonzero()[:, 0])
+            rows[:, last[1]] = vision.to(rows.dtype)[None].expand(rows.shape[0], -1, -1)
         tms = (ids == TMS_TOKEN_ID)[..., None]
         return torch.where(tms, self._time_rows(t)[:, None].to(rows.dtype), rows)
 
