@@ -36,12 +36,14 @@ FILES = (
     (r"wan2\.2_s2v_", DIT, "Wan 2.2 S2V", None),
     (r"wan_animate_2_", DIT, "Wan Animate 2", None),
     (r"wan2\.1_14B_SCAIL", DIT, "Wan 2.1 SCAIL", None),
-    (r"Wan2_1-I2V-ATI-", DIT, "Wan 2.1 ATI (trajectories)", None),
+    # ATI: a Wan 2.1 I2V 14B file; WanTrackToVideo moves the start latent along the tracks (concat channels).
+    (r"Wan2_1-I2V-ATI-", DIT, "Wan 2.1 ATI (trajectories)", "wan"),
     (r"Wan21-WanMove", DIT, "Wan 2.1 WanMove", None),
     (r"wan2\.1_flf2v_", DIT, "Wan 2.1 first-last-frame (FLF2V)", "wan"),
     (r"wan2\.2_(bernini|dancer)_", DIT, "Wan 2.2 fine-tunes (Bernini, Dancer), unverified", None),
     (r"humo_", DIT, "HuMo (Wan-based, audio-driven)", None),
-    (r"chrono_edit_", DIT, "ChronoEdit (Wan 2.1 I2V fine-tune), unverified", None),
+    # ChronoEdit: a Wan 2.1 I2V 14B file whose template puts the edited frame at time 7 with ScaleROPE (scale_t).
+    (r"chrono_edit_", DIT, "ChronoEdit (Wan 2.1 I2V + ScaleROPE)", "wan"),
     (r"wan2\.[12]_fun_", DIT, "Wan Fun control / inpaint / camera", "wan"),
     (r"(?i)wan2[._]?[12][-_](t2v|i2v|ti2v)", DIT, "Wan 2.1 / 2.2", "wan"),
     # Flux.1 and its relatives.

@@ -8,6 +8,7 @@ ComfyUI's own EmptyHunyuanLatentVideo, 64x48 px x 17 frames = 5 latent frames, n
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -115,6 +116,22 @@ def flf2v_graph(devices: str = "cpu:1", strat: dict | None = None) -> dict:
     return g
 
 
+# Two point tracks over the 17 frames of a 64x48 video, as ATI's template draws them (x, y in pixels per frame).
+ATI_TRACKS = json.dumps([[{"x": 8 + 2 * i, "y": 10 + i} for i in range(17)],
+                         [{"x": 56 - 2 * i, "y": 40 - i // 2} for i in range(17)]])
+
+
+def ati_graph(devices: str = "cpu:1", strat: dict | None = None) -> dict:
+    """i2v_graph() with ComfyUI's own WanTrackToVideo (Wan 2.1 ATI's template) in place of WanImageToVideo: the start
+    frame's latent moved along the tracks (patch_motion), under a soft mask, as the model's concat channels."""
+    g = i2v_graph(DIT21_I2V, devices, strat)
+    g["5"] = {"class_type": "WanTrackToVideo",
+              "inputs": {"positive": ["1", 0], "negative": ["2", 0], "vae": ["30", 0], "tracks": ATI_TRACKS,
+                         "width": 64, "height": 48, "length": 17, "batch_size": 1, "temperature": 220.0, "topk": 2,
+                         "start_image": ["31", 0], "clip_vision_output": ["30", 1]}}
+    return g
+
+
 def graph(devices: str = "cpu:1", strat: dict | None = None, cfg: float = 5.0, dit: str = DIT) -> dict:
     """Seeded prompts (1, 2; 12 and 9 tokens, no pooled vector), EmptyHunyuanLatentVideo (4), the same KSampler
     on Load Parallel DiT (11 -> 12 -> 13) and on UNETLoader (20 -> 21 -> 22)."""
@@ -193,6 +210,16 @@ def test_wan_first_last_frame_equals_unetloader(server, devices, strat):
     tokens (514), each plus the file's learned position, as ComfyUI's WanModel adds them."""
     tolerance = ONE_WORKER_RTOL if strat is None else EXACT_RTOL
     assert parity(server, flf2v_graph(devices, strat), f"Wan 2.1 FLF2V on {devices}") <= tolerance
+
+
+@pytest.mark.parametrize("devices, strat", [("cpu:1", None), ("cpu:2", comfy_host.strategy(ulysses=2, warmup=3)),
+                                            ("cpu:2", comfy_host.strategy(ring=2, warmup=3))],
+                         ids=["one_worker", "ulysses2", "ring2"])
+def test_wan_ati_tracks_equal_unetloader(server, devices, strat):
+    """Wan 2.1 ATI (an image-to-video file): WanTrackToVideo's motion-patched start latent and soft mask reach the
+    workers as the concat channels, split with the video tokens."""
+    tolerance = ONE_WORKER_RTOL if strat is None else EXACT_RTOL
+    assert parity(server, ati_graph(devices, strat), f"Wan 2.1 ATI on {devices}") <= tolerance
 
 
 @pytest.mark.parametrize("start_image", [True, False], ids=["ti2v", "t2v"])

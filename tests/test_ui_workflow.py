@@ -66,14 +66,14 @@ FAMILY_TEMPLATES = ("wan2.1_fun_control", "wan2.1_fun_inp", "video_wan2.1_fun_ca
                     "video_wan_vace_14B_t2v", "video_wan_vace_14B_ref2v", "video_wan_vace_14B_v2v",
                     "video_wan_vace_outpainting", "hidream_i1_full", "hidream_i1_dev",
                     "hidream_i1_fast", "hidream_e1_full", "hidream_e1_1", "image_kandinsky5_t2i",
-                    "wan2.1_flf2v_720_f16")
+                    "wan2.1_flf2v_720_f16", "video_wan_ati")
 # A choice the 0.3.64 host's class lacks: DualCLIPLoader's type "kandinsky5" (ComfyUI 2026's Kandinsky 5 encoders).
 NEWER_CHOICES = {"image_kandinsky5_t2i": {"type"}}
 FAMILY_TEMPLATES_NEWER = ("video_wan_vace_flf2v", "video_wan_vace_inpainting", "video_wan_animate2",
                           "video_wan_animate2_distilled", "video_wan2_2_14B_s2v", "image_hidream_o1",
                           "image_hidream_o1_dev", "image_flux3_klein_t2i", "image_flux3_klein_image_edit",
                           "image_flux3_klein_distilled_t2i", "image_flux3_klein_distilled_image_edit",
-                          "video_kandinsky5_t2v", "video_kandinsky5_i2v")
+                          "video_kandinsky5_t2v", "video_kandinsky5_i2v", "image_chrono_edit_14B")
 
 
 def templates_dir() -> str:
