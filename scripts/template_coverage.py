@@ -38,7 +38,8 @@ FILES = (
     (r"wan2\.1_14B_SCAIL", DIT, "Wan 2.1 SCAIL", None),
     # ATI: a Wan 2.1 I2V 14B file; WanTrackToVideo moves the start latent along the tracks (concat channels).
     (r"Wan2_1-I2V-ATI-", DIT, "Wan 2.1 ATI (trajectories)", "wan"),
-    (r"Wan21-WanMove", DIT, "Wan 2.1 WanMove", None),
+    # WanMove: a Wan 2.1 I2V 14B file; WanMoveTrackToVideo writes track features into the positive's concat only.
+    (r"Wan21-WanMove", DIT, "Wan 2.1 WanMove", "wan"),
     (r"wan2\.1_flf2v_", DIT, "Wan 2.1 first-last-frame (FLF2V)", "wan"),
     (r"wan2\.2_(bernini|dancer)_", DIT, "Wan 2.2 fine-tunes (Bernini, Dancer), unverified", None),
     (r"humo_", DIT, "HuMo (Wan-based, audio-driven)", None),

@@ -73,7 +73,8 @@ FAMILY_TEMPLATES_NEWER = ("video_wan_vace_flf2v", "video_wan_vace_inpainting", "
                           "video_wan_animate2_distilled", "video_wan2_2_14B_s2v", "image_hidream_o1",
                           "image_hidream_o1_dev", "image_flux3_klein_t2i", "image_flux3_klein_image_edit",
                           "image_flux3_klein_distilled_t2i", "image_flux3_klein_distilled_image_edit",
-                          "video_kandinsky5_t2v", "video_kandinsky5_i2v", "image_chrono_edit_14B")
+                          "video_kandinsky5_t2v", "video_kandinsky5_i2v", "image_chrono_edit_14B",
+                          "video_wanmove_480p")
 
 
 def templates_dir() -> str:

@@ -330,6 +330,24 @@ def test_wan_first_last_frame_equals_the_reference_on_one_worker_and_split(wan21
         assert rel_err(client2.run(job).latent, ref) < EXACT_RTOL, strategy
 
 
+def test_wan_move_branches_with_their_own_concat_equal_the_reference(wan21_i2v_path, client1, client2):
+    """WanMove's WanMoveTrackToVideo (ComfyUI 2026) gives the positive the start latent with track features written
+    in and the negative the plain one (same mask): each branch's concat rides with its own chunk, on one worker and
+    when CFG-2 / Ulysses-2 / Ring-2 split the call."""
+    job = i2v_job(wan21_i2v_path, S())
+    g = torch.Generator().manual_seed(12)
+    tracked = job.positive.concat.clone()
+    tracked[:, 4:, 1:] += torch.randn(1, 16, T - 1, H, W, generator=g)  # track features past the start frame
+    job = dataclasses.replace(job, positive=dataclasses.replace(job.positive, concat=tracked))
+    ref = reference_call(wan21_i2v_path, job, TINY_WAN_I2V)
+    # The branches' concats matter: with the negative's concat on both, the positive's output moves (measured 0.43).
+    same = dataclasses.replace(job, positive=dataclasses.replace(job.positive, concat=job.negative.concat))
+    assert rel_err(ref[:1], reference_call(wan21_i2v_path, same, TINY_WAN_I2V)[:1]) > 1e-2
+    assert rel_err(client1.run(job).latent, ref) < SERIAL_RTOL
+    for strategy in (S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2)):
+        assert rel_err(client2.run(dataclasses.replace(job, strategy=strategy)).latent, ref) < EXACT_RTOL, strategy
+
+
 # ScaleROPE's (scale t, y, x, shift t, y, x): ChronoEdit's template (scale_t 7), and every axis moved.
 CHRONO_EDIT_ROPE, MOVED_ROPE = [7.0, 1.0, 1.0, 0.0, 0.0, 0.0], [7.0, 1.5, 0.5, 1.0, -2.0, 3.0]
 
