@@ -40,6 +40,14 @@ blocks add: the VACE chain only reads the video's embedded tokens at block 0 (on
 crosses a stage and the VACE blocks' work is spread like the main blocks' (each message is 1 + inputs times the
 video rows). A reference image (WanVaceToVideo's reference_image) is a latent frame in front of the video and of
 its context, sampled like the others (TrimVideoLatent cuts it after).
+
+Wan 2.2 Bernini (the A14B text-to-video experts fine-tuned for in-context editing) reads BerniniConditioning's
+context_latents: the source video's, the reference video's and each reference image's latent, each of its own size.
+ComfyUI 2026's WanModel embeds each with the video's patch_embedding, appends its tokens after the video's for one
+joint self-attention, and cuts the head's output back to the video's; each stream has its own rope_encode grid from
+0, which `source_id` (1, 2, ... in order) turns by one more rotation over the whole head dim. Here they are reference
+rows of the in-context kind (spec.IN_CONTEXT_METHOD), so every strategy splits them like the video's; `rope` builds
+their grids and in_context_rotation turns them.
 """
 from __future__ import annotations
 
