@@ -366,7 +366,7 @@ def _run(client, job, whole: bool = False):
 def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent_format=None, concat=None,
                         controls=()):
     """Chunk k's rows of the call's conditioning inputs as a runtime Conditioning."""
-    from parallel_runtime.spec import Conditioning
+    from parallel_runtime.spec import IN_CONTEXT_METHOD, Conditioning
 
     sl = slice(k * batch, (k + 1) * batch)
     cond = context[sl].detach().float().cpu()
@@ -395,6 +395,13 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
         # one frame of the video latent ([:, :, 0] of it): its latent format's statistics are [1, C, 1, 1, 1]
         refs = _chunk_references([kwargs["reference_latent"].unsqueeze(2)], k, batch, latent_format)
     method = kwargs.get("ref_latents_method")
+    if kwargs.get("context_latents") is not None:  # Bernini's in-context streams: the reference kind the Wan family
+        # reads through its patch embedding (the strategies already split reference rows like the video's)
+        if refs:
+            raise convert.ConfigError("the model call carries both Wan22FunControlToVideo's ref_image and Bernini's "
+                                      "in-context latents (BerniniConditioning), which no Wan model reads together; "
+                                      "remove one of them.")
+        refs, method = _chunk_context_latents(kwargs["context_latents"], k, batch, latent_format), IN_CONTEXT_METHOD
     if kwargs.get("image_cond") is not None:  # HiDream E1's InstructPixToPixConditioning image (model_base.HiDream)
         refs, method = _chunk_references([kwargs["image_cond"]], k, batch, latent_format), "hidream_e1"
     return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size, references=refs,
@@ -483,6 +490,26 @@ def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
     return tuple(out)
 
 
+def _chunk_context_latents(latents, k: int, batch: int, latent_format) -> tuple:
+    """BerniniConditioning's in-context streams of chunk k (source video, reference video, reference images, in that
+    order), raw [1, C, T, H, W] each at its own size, as the runtime takes them. ComfyUI hands the model the list
+    after process_latent_in, each repeated over the call's rows (WAN21.extra_conds' CONDList); the workers redo
+    process_in (a round trip of one float32 rounding, ~1e-7 relative)."""
+    if not isinstance(latents, (list, tuple)) or not all(isinstance(z, torch.Tensor) and z.ndim == 5 for z in latents):
+        raise convert.ConfigError("the model call's context_latents are not a list of video latents [rows, channels, "
+                                  "frames, height, width], as BerniniConditioning makes them; remove the node that "
+                                  "sets them or load the model with UNETLoader.")
+    out = []
+    for n, lat in enumerate(latents):
+        rows = lat[k * batch:(k + 1) * batch].detach().float().cpu()
+        if rows.shape[0] != batch or not bool((rows == rows[:1]).all()):
+            raise convert.ConfigError(f"in-context latent {n + 1} of the model call differs between the images of one "
+                                      f"prompt, but the Wan model runs one set of streams per prompt; give "
+                                      f"BerniniConditioning one source (batch 1).")
+        out.append(latent_format.process_out(rows[:1]) if latent_format is not None else rows[:1])
+    return tuple(out)
+
+
 # Extra model inputs (ComfyUI's extra_conds) the workers compute themselves or that a call may carry empty.
 # denoise_mask: Wan 2.2's (WAN22) noise mask, which its model reads only through the per-frame timesteps
 # process_timestep already made of it (the call's timesteps arrive [rows, frames]).
@@ -490,7 +517,7 @@ def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:
 # (_refuse_padded_prompt).
 _KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea", "denoise_mask",
                  "num_tokens", "txt_byt5", "camera_conditions", "reference_latent", "vace_context", "vace_strength",
-                 "encoder_hidden_states_llama3", "image_cond", hidream_o1_call.VISION_INPUT}
+                 "encoder_hidden_states_llama3", "image_cond", "context_latents", hidream_o1_call.VISION_INPUT}
 # Inputs ComfyUI 2026's model classes pass that no family here reads yet, by what adds them (the refusal names it).
 _INPUT_SOURCES = {
     "image_slots": "images placed in the prompt by TextEncodeQwenImage21",

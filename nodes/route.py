@@ -35,6 +35,7 @@ _KEY_NAMES = {
     "hooks": "conditioning hooks (LoRA hooks)",
     "attention_mask": "an attention mask (StyleModelApply's, or a padded prompt's)",
     "clip_vision_output": "CLIP-vision tokens of a start image",
+    "context_latents": "Bernini's in-context latents (BerniniConditioning)",
     "start_percent": "a timestep range (ConditioningSetTimestepRange)",
     "end_percent": "a timestep range (ConditioningSetTimestepRange)",
     "strength": "a conditioning strength other than 1",

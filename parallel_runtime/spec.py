@@ -187,6 +187,10 @@ class ControlInput:
 
 
 REFERENCE_METHODS = ("offset", "index", "uxo")  # ComfyUI's FluxKontextMultiReferenceLatentMethod choices
+# Wan Bernini's in-context streams (BerniniConditioning's context_latents): clean latents [1, C, T, H, W] of their own
+# sizes, embedded like the video and run through every block behind it, each on its own 3-D RoPE grid; a family
+# that reads them says so in its reference_problem.
+IN_CONTEXT_METHOD = "in_context"
 
 
 @dataclass
@@ -196,7 +200,8 @@ class Conditioning:
     cond: torch.Tensor  # [B, T, context_dim]
     pooled: torch.Tensor  # [B, pooled_dim] ([B, 0] for T5-only encoders)
     guidance: float | None = None
-    # ReferenceLatent (Flux Kontext, Qwen-Image Edit): raw VAE latents [1 or B, C, h, w], in chain order.
+    # ReferenceLatent (Flux Kontext, Qwen-Image Edit): raw VAE latents [1 or B, C, h, w], in chain order; video
+    # latents [1, C, T, h, w] where the method says so (MiniMax-H3's layouts, IN_CONTEXT_METHOD).
     references: tuple[torch.Tensor, ...] = ()
     reference_method: str | None = None  # None: the family's default placement
     # (height, width, aspect ratio) in pixels that a text encode node attached (PixArt-α's size conditioning);
@@ -307,7 +312,7 @@ class Conditioning:
         vace = None if self.vace is None else (tuple(self.vace.shape[1:]), self.vace_strength)
         llama = None if self.llama is None else tuple(self.llama.shape[1:])
         vision = None if self.vision is None else (tuple(self.vision.shape), tuple(self.vision_grid.flatten().tolist()))
-        return (max(self.cond.shape[1], prompt_tokens), tuple(tuple(r.shape[-2:]) for r in self.references),
+        return (max(self.cond.shape[1], prompt_tokens), tuple(tuple(r.shape[2:]) for r in self.references),
                 self.reference_method,
                 concat, tuple(c.signature() for c in self.control), masked, clip, glyph, camera, vace, llama, vision)
 

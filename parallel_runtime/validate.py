@@ -512,7 +512,7 @@ def validate_latent_and_branches(job: Job, config) -> None:
         if vision_problem is not None and (sentence := vision_problem(name, c)):
             raise ConfigError(f"{sentence}.")
         problem = c.references and getattr(config, "reference_latent_problem", None)
-        if problem and (sentence := problem(c.references, tuple(lat.shape), job.timestep)):
+        if problem and (sentence := problem(c.references, tuple(lat.shape), job.timestep, c.reference_method)):
             raise ConfigError(f"{sentence}.")
         validate_concat(name, c, config, lat, job.batch)
         validate_clip_vision(name, c, config, job.batch)

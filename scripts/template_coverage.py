@@ -41,7 +41,10 @@ FILES = (
     # WanMove: a Wan 2.1 I2V 14B file; WanMoveTrackToVideo writes track features into the positive's concat only.
     (r"Wan21-WanMove", DIT, "Wan 2.1 WanMove", "wan"),
     (r"wan2\.1_flf2v_", DIT, "Wan 2.1 first-last-frame (FLF2V)", "wan"),
-    (r"wan2\.2_(bernini|dancer)_", DIT, "Wan 2.2 fine-tunes (Bernini, Dancer), unverified", None),
+    # Bernini: the Wan 2.2 A14B text-to-video experts fine-tuned to read BerniniConditioning's context_latents (the
+    # Wan family's in-context streams). Dancer needs its audio and global motion streams, which Wan refuses.
+    (r"wan2\.2_bernini_", DIT, "Wan 2.2 Bernini (in-context latents)", "wan"),
+    (r"wan2\.2_dancer_", DIT, "Wan 2.2 Dancer (audio-driven), unverified", None),
     (r"humo_", DIT, "HuMo (Wan-based, audio-driven)", None),
     # ChronoEdit: a Wan 2.1 I2V 14B file whose template puts the edited frame at time 7 with ScaleROPE (scale_t).
     (r"chrono_edit_", DIT, "ChronoEdit (Wan 2.1 I2V + ScaleROPE)", "wan"),

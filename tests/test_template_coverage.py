@@ -34,11 +34,12 @@ def test_every_template_file_is_classified_and_the_counts_hold(report):
     # image or video DiT. Covered: 120 whose DiT files the families before FLUX.3 run, less 12 that use a feature they
     # refuse (REFUSED_NODES: 7 with LTX-2 guides, 1 reference audio, 1 H3 Fun ControlNet, 3 Qwen-Image 2.1 encoder
     # images), plus FLUX.3's base t2i template (its edit template uses references), Wan VACE's 6, HiDream I1 / E1's 5
-    # and Kandinsky 5's 3 (text-to-image, text-to-video, image-to-video), Wan 2.1 FLF2V's 1, and HiDream O1's 2 (both
-    # carry HiDreamO1ReferenceImages, which runs). A new family raises it; a lost one lowers it: update with
+    # and Kandinsky 5's 3 (text-to-image, text-to-video, image-to-video), Wan 2.1 FLF2V's 1, HiDream O1's 2 (both
+    # carry HiDreamO1ReferenceImages, which runs), Wan ATI's, WanMove's and ChronoEdit's 3, and Wan 2.2 Bernini's 2
+    # (BerniniConditioning's in-context latents). A new family raises it; a lost one lowers it: update with
     # docs/families.md.
     assert (t["templates_loading_a_local_model"], t["templates_loading_a_dit"]) == (248, 211)
-    assert (t["covered"], t["files_run_but_a_feature_refused"]) == (129, 13)
+    assert (t["covered"], t["files_run_but_a_feature_refused"]) == (131, 13)
 
 
 def test_a_template_with_a_refused_variant_beside_a_run_one_is_not_covered(report):
@@ -58,6 +59,10 @@ def test_a_template_with_a_refused_variant_beside_a_run_one_is_not_covered(repor
     # Wan 2.1 ATI (WanTrackToVideo's concat), WanMove (each branch's own concat) and ChronoEdit (ScaleROPE on a Wan
     # 2.1 I2V file) run.
     assert all(templates[n]["covered"] for n in ("video_wan_ati", "video_wanmove_480p", "image_chrono_edit_14B"))
+    # Wan 2.2 Bernini's two editing templates (the experts read BerniniConditioning's in-context latents) run; Wan
+    # Dancer's does not (its audio and global motion streams are refused).
+    assert all(templates[n]["covered"] for n in ("video_bernini_r_image_editing", "video_bernini_r_video_editing"))
+    assert not templates["video_wan_dancer"]["covered"]
     # Kandinsky 5: all three templates (image-to-video's start image is written over the start frames at the door).
     assert all(templates[n]["covered"] for n in ("image_kandinsky5_t2i", "video_kandinsky5_t2v",
                                                   "video_kandinsky5_i2v"))
@@ -77,5 +82,5 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path):
     run = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "template_coverage.py"), "--json", str(out)],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert run.returncode == 0, run.stderr
-    assert "ParaDiT's families run 129 of them, every DiT file and feature" in run.stdout
-    assert json.loads(out.read_text())["totals"]["covered"] == 129
+    assert "ParaDiT's families run 131 of them, every DiT file and feature" in run.stdout
+    assert json.loads(out.read_text())["totals"]["covered"] == 131

@@ -74,7 +74,7 @@ FAMILY_TEMPLATES_NEWER = ("video_wan_vace_flf2v", "video_wan_vace_inpainting", "
                           "image_hidream_o1_dev", "image_flux3_klein_t2i", "image_flux3_klein_image_edit",
                           "image_flux3_klein_distilled_t2i", "image_flux3_klein_distilled_image_edit",
                           "video_kandinsky5_t2v", "video_kandinsky5_i2v", "image_chrono_edit_14B",
-                          "video_wanmove_480p")
+                          "video_wanmove_480p", "video_bernini_r_image_editing", "video_bernini_r_video_editing")
 
 
 def templates_dir() -> str:

@@ -128,8 +128,11 @@ def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor
     return reference_call_on(load_file(path), job, c)
 
 
-def reference_call_on(tensors: dict, job: Job, c: WanConfig) -> torch.Tensor:
-    """reference_call on a file's tensors."""
+def reference_call_on(tensors: dict, job: Job, c: WanConfig, source_rotation: bool = True) -> torch.Tensor:
+    """reference_call on a file's tensors. A branch's in-context streams (reference_method "in_context": Bernini's
+    context_latents) are read as ComfyUI 2026's WanModel reads them: each padded to the patch, through
+    patch_embedding, after the video's tokens, on its own rope_encode grid from 0 composed with the rotation of its
+    source_id (`source_rotation` False leaves that out: the defect the tests must catch), cut before unpatchify."""
     sd = {k.removeprefix("model.diffusion_model."): v for k, v in tensors.items()}
     heads, dim = c.num_heads, c.hidden_size
     lin, rms, attention = comfy_wan_ops(sd, heads, dim)
@@ -144,18 +147,32 @@ def reference_call_on(tensors: dict, job: Job, c: WanConfig) -> torch.Tensor:
             x = x + camera_adapter(sd, branch.camera)  # CameraWanModel: the adapter's rows on the patch embedding
         grid = x.shape[2:]
         x = x.flatten(2).transpose(1, 2)
+        streams = branch.references if branch.reference_method == "in_context" else ()
         ref = None
-        if "ref_conv.weight" in sd and branch.references:  # WanModel: ref_conv's tokens before the video's
+        if "ref_conv.weight" in sd and branch.references and not streams:  # WanModel: ref_conv's tokens first
             r = (WAN22_LATENT if c.out_channels == 48 else WAN21_LATENT).process_in(branch.references[-1])
             ref = F.conv2d(r, sd["ref_conv.weight"], sd["ref_conv.bias"], stride=2).flatten(2).transpose(1, 2)
             x = torch.cat([ref, x], dim=1)
-        rope_grid = (grid[0] + (ref is not None), *grid[1:])  # _forward: t_len + 1 with a reference latent
+        main_len = x.shape[1]
         # rope_encode: each axis linspace(shift, shift + (n - 1) * scale, n); ScaleROPE sets scale and shift
         scale_shift = job.extra.get("rope_options") or [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
-        axes = (torch.linspace(shift, shift + (n - 1) * scale, n)
-                for n, scale, shift in zip(rope_grid, scale_shift[:3], scale_shift[3:]))
-        ids = torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 3)
-        freqs = comfy_rope(ids, (128 - 4 * 21, 2 * 21, 2 * 21))  # WanModel: d - 4 (d // 6), 2 (d // 6), 2 (d // 6)
+
+        def rope_encode(rope_grid):
+            axes = (torch.linspace(shift, shift + (n - 1) * scale, n)
+                    for n, scale, shift in zip(rope_grid, scale_shift[:3], scale_shift[3:]))
+            ids = torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 3)
+            return comfy_rope(ids, (128 - 4 * 21, 2 * 21, 2 * 21))  # WanModel: d - 4 (d // 6), 2 (d // 6), 2 (d // 6)
+
+        freqs = rope_encode((grid[0] + (ref is not None), *grid[1:]))  # _forward: t_len + 1 with a reference latent
+        for source_id, lat in enumerate(streams, start=1):
+            lat = (WAN22_LATENT if c.out_channels == 48 else WAN21_LATENT).process_in(lat)  # WAN21.extra_conds
+            lat = F.pad(lat, (0, lat.shape[-1] % 2, 0, lat.shape[-2] % 2, 0, 0), mode="circular")  # pad_to_patch_size
+            tokens = F.conv3d(lat, sd["patch_embedding.weight"], sd["patch_embedding.bias"], stride=(1, 2, 2))
+            x = torch.cat([x, tokens.flatten(2).transpose(1, 2)], dim=1)
+            stream_freqs = rope_encode(tokens.shape[2:])
+            if source_rotation:  # rope(pos=source_id, d=128, theta): one 2x2 rotation per pair of the whole head
+                stream_freqs = stream_freqs @ comfy_rope(torch.tensor([[float(source_id)]]), (128,))
+            freqs = torch.cat([freqs, stream_freqs])
         t = job.timestep[row:row + 1]  # [1] or, per frame (Wan 2.2's noise-masked image-to-video), [1, T]
         half = c.freq_dim // 2
         sinusoid = torch.outer(t.flatten(), torch.pow(10000, -torch.arange(half).float().div(half)))
@@ -194,6 +211,7 @@ def reference_call_on(tensors: dict, job: Job, c: WanConfig) -> torch.Tensor:
             x = x + lin(F.gelu(lin(h, f"{b}.ffn.0"), approximate="tanh"), f"{b}.ffn.2") * m[5]
         shift, scale = (sd["head.modulation"].unsqueeze(0) + e.unsqueeze(2)).unbind(2)
         x = lin(F.layer_norm(x, (dim,), eps=1e-6) * (1 + scale) + shift, "head.head")
+        x = x[:, :main_len]  # forward_orig: the head's output cut back to the video's (and a reference's) tokens
         if ref is not None:
             x = x[:, ref.shape[1]:]
         u = x.view(1, *grid, 1, 2, 2, c.out_channels)
@@ -635,3 +653,104 @@ def test_wan22_experts_with_their_own_loras_take_turns_without_resending_them(ex
     plain = client2.run(call_job(high, S(ring_degree=2))).latent
     assert rel_err(plain, first) > 1e-3  # the LoRA mattered
     client2.release()
+
+
+# -- Wan 2.2 Bernini: BerniniConditioning's in-context latents ------------------------------------------------
+# Two streams of their own sizes, as the node makes them: a 2-frame source video (the video's height, another width)
+# and a 1-frame reference image of another aspect, 7 latent rows high (odd: padded to the patch as ComfyUI pads it).
+BERNINI_STREAMS = ((1, 16, 2, H, W - 2), (1, 16, 1, 7, 4))
+
+
+def bernini_job(path: str, strategy: S, rope_options: list[float] | None = None) -> Job:
+    """call_job with BerniniConditioning's context_latents on both branches (the node sets the same list on each)."""
+    g = torch.Generator().manual_seed(14)
+    streams = tuple(torch.randn(*shape, generator=g) for shape in BERNINI_STREAMS)
+    job = call_job(path, strategy)
+    pos, neg = (dataclasses.replace(b, references=streams, reference_method="in_context")
+                for b in (job.positive, job.negative))
+    return dataclasses.replace(job, positive=pos, negative=neg,
+                               extra={} if rope_options is None else {"rope_options": rope_options})
+
+
+def test_wan_bernini_in_context_latents_one_worker_equals_the_reference(wan_path, client1):
+    """1 worker against ComfyUI 2026's WanModel with two in-context streams (and under ScaleROPE, whose grid moves
+    the streams' as the video's); the source rotation and the streams themselves each matter far beyond the
+    tolerance, so a model that dropped either would fail."""
+    sd = load_file(wan_path)
+    errors = {}
+    for options in (None, MOVED_ROPE):
+        job = bernini_job(wan_path, S(), options)
+        ref = reference_call_on(sd, job, TINY_WAN)
+        errors[f"rope {options}"] = rel_err(client1.run(job).latent, ref)
+    job = bernini_job(wan_path, S())
+    ref = reference_call_on(sd, job, TINY_WAN)
+    unturned = rel_err(ref, reference_call_on(sd, job, TINY_WAN, source_rotation=False))
+    plain = call_job(wan_path, S())
+    without = rel_err(ref, reference_call_on(sd, plain, TINY_WAN))
+    print(f"\nBernini 1 worker: {errors}; without the source rotation {unturned:.1e}, without the streams {without:.1e}")
+    assert max(errors.values()) < SERIAL_RTOL
+    assert unturned > 1e-3 and without > 1e-3
+
+
+def test_wan_bernini_rope_is_the_source_rotation_composed_with_each_streams_grid():
+    """The family's table for the streams: each stream's grid from 0, turned by rope(source_id) over the whole head
+    (ComfyUI's product of 2x2 rotations), against comfy_rope's matrices; the video's rows are the plain grid's."""
+    import types
+
+    from parallel_runtime.models.families.wan import WanAdapter
+
+    fake = types.SimpleNamespace(device=torch.device("cpu"), config=TINY_WAN)
+    shapes = tuple(shape[2:] for shape in BERNINI_STREAMS)
+    cos, sin, frames = WanAdapter.rope(fake, 0, T, H, W, shapes, "in_context")
+    video = T * (H // 2) * (W // 2)
+    start = video
+    for source_id, (f, h, w) in enumerate(shapes, start=1):
+        ids = torch.stack(torch.meshgrid(torch.arange(f), torch.arange((h + 1) // 2), torch.arange((w + 1) // 2),
+                                         indexing="ij"), -1).reshape(-1, 3).float()
+        want = comfy_rope(ids, (44, 42, 42)) @ comfy_rope(torch.tensor([[float(source_id)]]), (128,))
+        rows = slice(start, start + len(ids))
+        assert rel_err(cos[rows, 0::2], want[..., 0, 0]) < 1e-6 and rel_err(sin[rows, 0::2], want[..., 1, 0]) < 1e-6
+        start += len(ids)
+    assert start == len(cos) and int(frames[video:].abs().sum()) == 0  # stream rows: the scalar timestep's rows
+    plain_cos, _, _ = WanAdapter.rope(fake, 0, T, H, W)
+    assert torch.equal(cos[:video], plain_cos)
+
+
+@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2), S(tensor_degree=2),
+                                      S(pipefusion_degree=2, num_pipeline_patch=5)],
+                         ids=["cfg2", "ulysses2", "ring2", "tp2", "pp2_warmup"])
+def test_wan_bernini_in_context_latents_under_every_strategy(wan_path, client2, strategy):
+    """The 32 stream tokens split like the video's 60 (Ulysses' and Ring's shards, PipeFusion's patches: each rank and
+    patch its run of them, with its rows of the rotated table), the branches to CFG's ranks, the heads to TP's."""
+    job = bernini_job(wan_path, strategy)
+    err = rel_err(client2.run(job).latent, reference_call(wan_path, job))
+    print(f"\nBernini {strategy}: {err:.1e}")
+    assert err < EXACT_RTOL
+
+
+def test_wan_bernini_refusals(wan_path, wan21_i2v_path, wan22_ti2v_path, client1):
+    """One sentence each, before any work: streams on a file whose patch embedding reads more than the latent, a
+    stream that is not a [1, C, T, H, W] latent, and in-context latents with per-frame timesteps (Wan 2.2 5B's noise
+    mask), whose result ComfyUI's WanModel does not define."""
+    from parallel_runtime.errors import ConfigError
+
+    job = bernini_job(wan21_i2v_path, S())
+    i2v = dataclasses.replace(i2v_job(wan21_i2v_path, S()), positive=dataclasses.replace(
+        i2v_job(wan21_i2v_path, S()).positive, references=job.positive.references, reference_method="in_context"))
+    with pytest.raises(ConfigError, match=r"carries Bernini's in-context latents \(BerniniConditioning\), which "
+                                          r"ComfyUI's WanModel reads on a Wan text-to-video file .* not on this Wan 2.1 "
+                                          r"I2V 256-wide model; load the Bernini file or remove BerniniConditioning"):
+        client1.run(i2v)
+    job = bernini_job(wan_path, S())
+    flat = dataclasses.replace(job.positive, references=(torch.randn(1, 16, H, W),), reference_method="in_context")
+    with pytest.raises(ConfigError, match=r"in-context latent 1 of the positive conditioning has shape \(1, 16, 6, 8\), "
+                                          r"not \[1, 16, frames, height/8, width/8\]"):
+        client1.run(dataclasses.replace(job, positive=flat))
+    ti2v = ti2v_job(wan22_ti2v_path, S())
+    streams = tuple(torch.randn(1, 48, *shape[2:]) for shape in BERNINI_STREAMS)
+    ti2v = dataclasses.replace(ti2v, **{b: dataclasses.replace(getattr(ti2v, b), references=streams,
+                                                               reference_method="in_context")
+                                        for b in ("positive", "negative")})
+    with pytest.raises(ConfigError, match=r"in-context latents \(BerniniConditioning\) with per-frame timesteps .* "
+                                          r"remove the noise mask or BerniniConditioning"):
+        client1.run(ti2v)

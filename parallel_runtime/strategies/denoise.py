@@ -34,7 +34,7 @@ from .pipefusion import StaleKVAttention, StaleKVCache
 from .step_cache import FirstBlockCache, run_block_range, split_first
 from ..sampling import (cfg_combine, cfg_uses_uncond, final_latent, ksampler_sigmas, make_sampler,
                        start_latent)
-from ..spec import Conditioning, Job
+from ..spec import IN_CONTEXT_METHOD, Conditioning, Job
 from ..validate import validate_branches
 
 
@@ -56,14 +56,15 @@ def model_output(adapter: DiTAdapter, image: torch.Tensor, temb, rope, x_rows: t
 
 def reference_tokens(adapter: DiTAdapter, references: tuple[torch.Tensor, ...], batch: int) -> torch.Tensor:
     """ReferenceLatent latents as packed image-stream tokens [B, R, C*p*p], as ComfyUI's model sees them:
-    the latent format's process_in, the batch tiled, odd sizes padded circularly to the patch size."""
+    the latent format's process_in, the batch tiled, odd sizes padded circularly to the patch size (a video latent's
+    frames as they are: a family with reference videos patches one frame per token)."""
     p = adapter.patch
     parts = []
     for ref in references:
         ref = repeat_to_batch(adapter.latent_format.process_in(ref.float()), batch)
         pad_h, pad_w = (-ref.shape[-2]) % p, (-ref.shape[-1]) % p
-        if pad_h or pad_w:
-            ref = torch.nn.functional.pad(ref, (0, pad_w, 0, pad_h), mode="circular")
+        if pad_h or pad_w:  # circular padding names every axis after the channels: none on a video's frames
+            ref = torch.nn.functional.pad(ref, (0, pad_w, 0, pad_h) + (0, 0) * (ref.ndim - 4), mode="circular")
         parts.append(adapter.pack(ref))
     return torch.cat(parts, dim=1)
 
@@ -91,7 +92,9 @@ class Branches:
         guidance = [adapter.default_guidance if c.guidance is None else float(c.guidance) for c in conds]
         self.guidance = torch.cat([torch.full((batch,), g) for g in guidance]).to(device)
         first = conds[0]
-        self.reference_shapes = tuple(tuple(r.shape[-2:]) for r in first.references)
+        # (h, w) of each reference, or (frames, h, w) of an in-context stream, whose RoPE grid spans its frames
+        self.reference_shapes = tuple(tuple(r.shape[-3 if first.reference_method == IN_CONTEXT_METHOD else -2:])
+                                      for r in first.references)
         self.reference_method = first.reference_method
         self.references = (torch.cat([reference_tokens(adapter, c.references, batch) for c in conds]).to(device)
                            if first.references else None)

@@ -124,7 +124,7 @@ class HiDreamConfig(TwoBlockListConfig):
         return tuple(min(k, LLAMA_LAYERS - 1) for k in range(self.num_blocks))
 
     @staticmethod
-    def reference_latent_problem(references, latent_shape: tuple, timestep) -> str | None:
+    def reference_latent_problem(references, latent_shape: tuple, timestep, method=None) -> str | None:
         if any(tuple(r.shape[-2:]) != tuple(latent_shape[-2:]) for r in references):
             return ("HiDream E1's image (InstructPixToPixConditioning) must have the latent's size; scale the image "
                     "to the output size before VAE Encode")

@@ -40,6 +40,14 @@ blocks add: the VACE chain only reads the video's embedded tokens at block 0 (on
 crosses a stage and the VACE blocks' work is spread like the main blocks' (each message is 1 + inputs times the
 video rows). A reference image (WanVaceToVideo's reference_image) is a latent frame in front of the video and of
 its context, sampled like the others (TrimVideoLatent cuts it after).
+
+Wan 2.2 Bernini (the A14B text-to-video experts fine-tuned for in-context editing) reads BerniniConditioning's
+context_latents: the source video's, the reference video's and each reference image's latent, each of its own size.
+ComfyUI 2026's WanModel embeds each with the video's patch_embedding, appends its tokens after the video's for one
+joint self-attention, and cuts the head's output back to the video's; each stream has its own rope_encode grid from
+0, which `source_id` (1, 2, ... in order) turns by one more rotation over the whole head dim. Here they are reference
+rows of the in-context kind (spec.IN_CONTEXT_METHOD), so every strategy splits them like the video's; `rope` builds
+their grids and in_context_rotation turns them.
 """
 from __future__ import annotations
 
@@ -56,6 +64,7 @@ from torch import nn
 from ...errors import ModelFileError
 from ...sampling import WAN21_LATENT, WAN22_LATENT
 from ...sampling.flow import FluxModelSampling
+from ...spec import IN_CONTEXT_METHOD, REFERENCE_METHODS
 from ...weights.keymap import Source, block_count, has_block, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
@@ -163,32 +172,66 @@ class WanConfig(JointAttentionConfig):
             return "Wan22FunControlToVideo" if self.concat_channels % self.out_channels else "WanFunControlToVideo"
         return "WanImageToVideo (or WanFunInpaintToVideo)"
 
-    def reference_latent_problem(self, references, latent_shape: tuple, timestep) -> str | None:
+    def reference_latent_problem(self, references, latent_shape: tuple, timestep, method=None) -> str | None:
         """What ComfyUI's WanModel could not run about these reference latents, as a sentence: it reads one reference
-        image (the chain's last), of the video's size, beside one timestep per row."""
+        image (the chain's last), of the video's size, beside one timestep per row; in-context streams (Bernini) of
+        any size, beside one timestep per row."""
+        per_frame = timestep is not None and timestep.ndim > 1 and timestep.shape[1] > 1
+        if method == IN_CONTEXT_METHOD:
+            # WanModel repeats per-frame modulation rows over x's tokens (repeat_e), which then hold the streams'
+            # tokens too: frames and rows no longer line up, so there is no ComfyUI result to reproduce.
+            return ("Bernini's in-context latents (BerniniConditioning) with per-frame timesteps (a noise mask on a "
+                    "Wan 2.2 5B latent) have no defined result in ComfyUI's WanModel either; remove the noise mask "
+                    "or BerniniConditioning" if per_frame else None)
         if len(references) != 1:
             return (f"this {self.title} model reads one reference image (Wan22FunControlToVideo's ref_image), not "
                     f"{len(references)}; remove the extra ReferenceLatent nodes")
         if tuple(references[0].shape[-2:]) != tuple(latent_shape[-2:]):
             return (f"the reference latent is {tuple(references[0].shape[-2:])} but the video's latent "
                     f"{tuple(latent_shape[-2:])}; give Wan22FunControlToVideo's ref_image the video's width and height")
-        if timestep is not None and timestep.ndim > 1 and timestep.shape[1] > 1:
+        if per_frame:
             return ("a reference image with per-frame timesteps (a noise mask) is not run by ComfyUI's WanModel "
                     "either; remove the noise mask or disconnect ref_image")
         return None
 
-    @property
-    def reads_references(self) -> bool:
-        """A 2.2 Fun control file reads Wan22FunControlToVideo's ref_image through its ref_conv."""
-        return bool(self.reference_channels)
+    # Every Wan conditioning may carry reference latents of one of two kinds (reference_problem says which runs):
+    # 2.2 Fun control's ref_image for ref_conv, or Bernini's in-context streams for the patch embedding.
+    reads_references = True
 
-    @property
-    def reference_refusal(self) -> str | None:
-        """The sentence refusing reference latents to a file without ref_conv (which ComfyUI's WanModel ignores)."""
-        if self.reference_channels:
-            return None
-        return (f"this {self.title} model has no ref_conv to read it (Wan22FunControlToVideo's ref_image); "
-                f"disconnect ref_image or load a Wan 2.2 Fun control model")
+    def reference_problem(self, name: str, references, method) -> str | None:
+        """The one-sentence refusal of the `name` conditioning's reference latents, or None where this file reads
+        them: in-context streams (IN_CONTEXT_METHOD) on a plain WanModel, else one ref_image through ref_conv (the
+        method of FluxKontextMultiReferenceLatentMethod is ignored there, as WAN21.extra_conds ignores it)."""
+        if method == IN_CONTEXT_METHOD:
+            return self._in_context_problem(name, references)
+        if method not in (None, *REFERENCE_METHODS):
+            return (f"reference latent method {method!r} is unknown; choose one of {', '.join(REFERENCE_METHODS)} in "
+                    f"FluxKontextMultiReferenceLatentMethod.")
+        if not self.reference_channels:
+            return (f"the {name} conditioning carries a reference latent, but this {self.title} model has no ref_conv "
+                    f"to read it (Wan22FunControlToVideo's ref_image); disconnect ref_image or load a Wan 2.2 Fun "
+                    f"control model.")
+        for k, ref in enumerate(references):
+            if ref.ndim != 4 or ref.shape[1] != self.out_channels or min(ref.shape[2:]) < 1:
+                return (f"reference latent {k + 1} of the {name} conditioning has shape {tuple(ref.shape)}, not "
+                        f"[batch, {self.out_channels}, height/8, width/8]; encode the reference image with this "
+                        f"model's VAE (VAE Encode) before ReferenceLatent.")
+        return None
+
+    def _in_context_problem(self, name: str, streams) -> str | None:
+        """ComfyUI's WanModel embeds each in-context stream with the video's patch_embedding and appends it to the
+        video's tokens: a file whose patch embedding reads more than the latent (image-to-video, Fun), or whose
+        model class ignores the streams (VaceWanModel's and CameraWanModel's forward_orig), cannot run them."""
+        if self.concat_channels or self.reference_channels or self.vace_layers or self.camera_channels:
+            return (f"the {name} conditioning carries Bernini's in-context latents (BerniniConditioning), which "
+                    f"ComfyUI's WanModel reads on a Wan text-to-video file (the Bernini experts, wan2.2_bernini_*), "
+                    f"not on this {self.title} model; load the Bernini file or remove BerniniConditioning.")
+        for k, lat in enumerate(streams):
+            if lat.ndim != 5 or lat.shape[0] != 1 or lat.shape[1] != self.out_channels or min(lat.shape[2:]) < 1:
+                return (f"in-context latent {k + 1} of the {name} conditioning has shape {tuple(lat.shape)}, not "
+                        f"[1, {self.out_channels}, frames, height/8, width/8]; encode its video or image with this "
+                        f"model's VAE in BerniniConditioning.")
+        return None
 
     @property
     def title(self) -> str:
@@ -456,6 +499,18 @@ def block_inputs(config: WanConfig, text: int, image: int, generator: torch.Gene
     return torch.randn(1, image, h, generator=generator), torch.randn(1, text, h, generator=generator), temb, rope
 
 
+def in_context_rotation(cos: torch.Tensor, sin: torch.Tensor, source_id: int, theta: float = 10000.0) -> tuple:
+    """An in-context stream's RoPE (Bernini): rope_encode's `source_id` composes one more rotation into the spatial
+    one, by angle source_id x theta^(-2k / d) for pair k of the WHOLE head dim d (not per axis as the grid's), so
+    each stream differs from the video (id 0) and from the others at every position. The angles as ComfyUI's flux
+    rope makes them (float64, then float32); its product of the two rotation matrices is the angle sum, written
+    here as cos(a + b) and sin(a + b) of the two float32 tables (the same products, in float32)."""
+    d = cos.shape[-1]
+    angle = source_id * theta ** -torch.linspace(0, (d - 2) / d, d // 2, dtype=torch.float64)
+    cos_b, sin_b = (f(angle).float().repeat_interleave(2).to(cos.device) for f in (torch.cos, torch.sin))
+    return cos * cos_b - sin * sin_b, sin * cos_b + cos * sin_b
+
+
 def per_token(rows: torch.Tensor, rope) -> torch.Tensor:
     """Modulation rows [N, frames, dim] for the tokens `rope` covers: one row for all (a scalar timestep), or each
     token its frame's (per-frame timesteps; ComfyUI's repeat_e gives token j frame j // tokens-per-frame)."""
@@ -494,11 +549,18 @@ class WanAdapter(PatchTokens):
         and the token's frame, which picks its modulation rows when the timestep is per frame (Wan 2.2 5B's
         image-to-video); strategies take each table's rows at their tokens' positions. `rope_options` (ScaleROPE:
         scale_t, scale_y, scale_x, shift_t, shift_y, shift_x) moves grid index i of an axis to shift + i * scale,
-        as rope_encode's linspace does (ChronoEdit's scale_t 7 puts its edited frame at time 7)."""
+        as rope_encode's linspace does (ChronoEdit's scale_t 7 puts its edited frame at time 7). In-context streams
+        (`method` IN_CONTEXT_METHOD, `references` their (frames, h, w)) follow the video's rows, each on its own
+        grid from 0 (scaled and shifted alike), turned by its source rotation (in_context_rotation)."""
         rows, cols = (h + 1) // 2, (w + 1) // 2
         ids = video_grid_ids(t, rows, cols).to(self.device)
         frames = ids[:, 0].long()
-        if references:  # ref_conv's tokens (after the video's here): rope_encode over t + 1 frames, the reference
+        streams = ()
+        if method == IN_CONTEXT_METHOD:  # _forward's rope_encode of each padded stream: (frames, h / 2, w / 2)
+            streams = tuple(video_grid_ids(f, (sh + 1) // 2, (sw + 1) // 2).to(self.device) for f, sh, sw in references)
+            ids = torch.cat([ids, *streams])
+            frames = torch.cat([frames, frames.new_zeros(len(ids) - len(frames))])  # the scalar timestep's rows
+        elif references:  # ref_conv's tokens (after the video's here): rope_encode over t + 1 frames, the reference
             # first (ComfyUI prepends it), so the reference reads frame 0 and the video frames 1..t
             reference = video_grid_ids(1, rows, cols).to(self.device)
             ids = torch.cat([ids + torch.tensor([1.0, 0.0, 0.0], device=ids.device), reference])
@@ -507,6 +569,11 @@ class WanAdapter(PatchTokens):
             scale, shift = torch.tensor(rope_options[:3], device=ids.device), torch.tensor(rope_options[3:], device=ids.device)
             ids = ids * scale + shift
         cos, sin = rope_table(ids, self.config.rope_axes)
+        start = t * rows * cols
+        for source_id, stream in enumerate(streams, start=1):
+            rows_of = slice(start, start + len(stream))
+            cos[rows_of], sin[rows_of] = in_context_rotation(cos[rows_of], sin[rows_of], source_id)
+            start += len(stream)
         return cos, sin, frames
 
     # -- embeddings ------------------------------------------------------------------------------------
