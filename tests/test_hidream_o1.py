@@ -219,6 +219,19 @@ def comfy_layer(sd: dict, i: int, x: torch.Tensor, freqs, ar_len: int) -> torch.
     return x + F.linear(mlp, sd[p + "mlp.down_proj.weight"])
 
 
+def comfy_sequence(sd: dict, embeds: torch.Tensor, input_ids: torch.Tensor, patches: torch.Tensor,
+                   timesteps: torch.Tensor) -> torch.Tensor:
+    """HiDreamO1Transformer._forward's input rows: the prompt's embeddings with the timestep embedding (at
+    (1 - sigma) x 1000) written over the <|tms_token|> row, then the patches through x_embedder."""
+    sigma = timesteps.float() / 1000.0
+    t_emb = comfy_t_embedder(sd, (1.0 - sigma) * 1000)
+    tms = (input_ids == TMS_TOKEN_ID).unsqueeze(-1).expand_as(embeds)
+    embeds = torch.where(tms, t_emb.unsqueeze(1).expand_as(embeds), embeds)
+    vin = F.linear(F.linear(patches, sd["x_embedder.proj1.weight"]), sd["x_embedder.proj2.weight"],
+                   sd["x_embedder.proj2.bias"])
+    return torch.cat([embeds, vin], dim=1)
+
+
 def comfy_t_embedder(sd: dict, t: torch.Tensor) -> torch.Tensor:
     """mmdit's TimestepEmbedder over diffusionmodules.util.timestep_embedding (cos first, max_period 1e4)."""
     half = 128
@@ -237,13 +250,7 @@ def comfy_forward(sd: dict, x: torch.Tensor, timesteps: torch.Tensor, input_ids:
     h_p, w_p, p = hh // 32, ww // 32, 32
     z = x.reshape(b, 3, h_p, p, w_p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, h_p * w_p, 3 * p * p)
     embeds = F.embedding(input_ids, sd["language_model.embed_tokens.weight"]).to(x.dtype)
-    sigma = timesteps.float() / 1000.0
-    t_emb = comfy_t_embedder(sd, (1.0 - sigma) * 1000)
-    tms = (input_ids == TMS_TOKEN_ID).unsqueeze(-1).expand_as(embeds)
-    embeds = torch.where(tms, t_emb.unsqueeze(1).expand_as(embeds), embeds)
-    vin = F.linear(F.linear(z, sd["x_embedder.proj1.weight"]), sd["x_embedder.proj2.weight"],
-                   sd["x_embedder.proj2.bias"])
-    hidden = torch.cat([embeds, vin], dim=1)
+    hidden = comfy_sequence(sd, embeds, input_ids, z, timesteps)
     txt_len = input_ids.shape[1]
     freqs = comfy_freqs(comfy_position_ids(input_ids[:1], h_p, w_p), TINY.head_dim)
     for i in range(TINY.num_layers):
@@ -254,7 +261,7 @@ def comfy_forward(sd: dict, x: torch.Tensor, timesteps: torch.Tensor, input_ids:
     target = hidden[vmask].view(b, -1, hidden.shape[-1])[:, :h_p * w_p]
     x_pred = F.linear(target, sd["final_layer2.linear.weight"], sd["final_layer2.linear.bias"])
     x_pred = x_pred.reshape(b, h_p, w_p, 3, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, 3, hh, ww)
-    return (x.float() - x_pred.float()) / sigma.view(b, 1, 1, 1).clamp_min(1e-3)
+    return (x.float() - x_pred.float()) / (timesteps.float() / 1000.0).view(b, 1, 1, 1).clamp_min(1e-3)
 
 
 # -- the reference with reference images: conditioning.build_extra_conds' edit branch, Qwen35VisionModel --------
@@ -395,13 +402,7 @@ def comfy_forward_refs(sd: dict, x: torch.Tensor, timesteps: torch.Tensor, c: Co
         image_idx = (input_ids[0] == IMAGE_PAD).nonzero(as_tuple=True)[0]
         assert image_idx.shape[0] == image_embeds.shape[0]
         embeds[:, image_idx] = image_embeds.unsqueeze(0).expand(b, -1, -1)
-    sigma = timesteps.float() / 1000.0
-    t_emb = comfy_t_embedder(sd, (1.0 - sigma) * 1000)
-    tms = (input_ids == TMS_TOKEN_ID).unsqueeze(-1).expand_as(embeds)
-    embeds = torch.where(tms, t_emb.unsqueeze(1).expand_as(embeds), embeds)
-    vin = F.linear(F.linear(vinputs, sd["x_embedder.proj1.weight"]), sd["x_embedder.proj2.weight"],
-                   sd["x_embedder.proj2.bias"])
-    hidden = torch.cat([embeds, vin], dim=1)
+    hidden = comfy_sequence(sd, embeds, input_ids, vinputs, timesteps)
     txt_len = input_ids.shape[1]
     pos = comfy_edit_positions(input_ids[:1], h_p, w_p, c.vision_grid, ref_grids)
     if not ref_positions:
@@ -413,7 +414,7 @@ def comfy_forward_refs(sd: dict, x: torch.Tensor, timesteps: torch.Tensor, c: Co
     target = hidden[:, txt_len:txt_len + h_p * w_p]
     x_pred = F.linear(target, sd["final_layer2.linear.weight"], sd["final_layer2.linear.bias"])
     x_pred = x_pred.reshape(b, h_p, w_p, 3, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, 3, hh, ww)
-    return (x.float() - x_pred.float()) / sigma.view(b, 1, 1, 1).clamp_min(1e-3)
+    return (x.float() - x_pred.float()) / (timesteps.float() / 1000.0).view(b, 1, 1, 1).clamp_min(1e-3)
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ with a ScaleROPE node on it (ChronoEdit's template: scale_t 7).
 ComfyUI 2026's ScaleROPE (comfy_extras/nodes_rope.py) stores {scale_x, shift_x, scale_y, shift_y, scale_t, shift_t}
 as model_options["transformer_options"]["rope_options"], which reaches the diffusion model in every call's
 transformer_options and moves WanModel.rope_encode's grid. The fake host is tests/test_model_path_2026.py's with
-Wan's detection branch and a supported_models class added (late-2025 ComfyUI, the real host here, has neither the
+Wan's detection branch and a supported_models class added (test_wan_bernini_door's `wan_host`) (late-2025 ComfyUI, the real host here, has neither the
 node nor the option). The reference is test_wan's model call written from ComfyUI's WanModel, with the same options.
 """
 from __future__ import annotations
@@ -16,32 +16,14 @@ import torch
 
 import test_model_path_2026 as host
 from conftest import rel_err
-from parallel_runtime.models.families.wan import WanAdapter
-from parallel_runtime.sampling import WAN21_LATENT
 from parallel_runtime.spec import StrategySpec as S
 from test_model_path_2026 import comfy  # noqa: F401 - fixture: the fake ComfyUI 2026 host
+from test_wan_bernini_door import wan_host  # noqa: F401 - fixture: that host with Wan's branch and WAN21's conds
 from test_wan import MOVED_ROPE, TINY_WAN, call_job, reference_call, wan_path  # noqa: F401
 
 pytestmark = pytest.mark.timeout(600)
 
 RTOL = 1e-5  # fp32, another op order than the reference (float64 RoPE angles): ~2.4e-7 measured
-
-
-def wan_conds(base, cross_attn, **_):
-    return {"c_crossattn": cross_attn}
-
-
-@pytest.fixture
-def wan_host(comfy, monkeypatch):
-    branch = host.Branch("wan2.1", ("head.modulation", "blocks.0.self_attn.norm_q.weight"),
-                         shapes={"dim": ("head.modulation", 2)})
-    monkeypatch.setattr(host, "BRANCHES", (branch,) + host.BRANCHES)
-    # The fake BaseModel reads the latent format off the adapter class; Wan's depends on the file (2.1 / 2.2) and is
-    # set per instance, so the class gets 2.1's here (the workers, other processes, are untouched).
-    monkeypatch.setattr(WanAdapter, "latent_format", WAN21_LATENT, raising=False)
-    monkeypatch.setattr(host, "SUPPORTED", host.SUPPORTED + (host.Supported(
-        "WAN21_T2V", {"image_model": "wan2.1"}, "discrete_flow", 8.0, 1000.0, 16, wan_conds),))
-    return comfy
 
 
 def wan_call(patcher, job, rope_options: dict | None) -> torch.Tensor:
