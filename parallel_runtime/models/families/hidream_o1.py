@@ -573,14 +573,13 @@ def load_vision_tower(path: str, config: HiDreamO1Config, storage, device) -> Vi
     from ...weights.input_amax import InputAmax
     from ...weights.mapping import build_from_map
     from ...weights.storage import Storage
-    from ..registry import detect_family
 
     storage = storage if isinstance(storage, Storage) else Storage(storage)
     storage = dataclasses.replace(storage, kernel_formats=frozenset(), input_amax=InputAmax())
     with torch.device("meta"):
         tower = VisionTower(config)
     with open_checkpoint(path) as reader:
-        _, match = detect_family(reader.keys())
+        match = HIDREAM_O1.match(list(reader.keys()))  # this file's key prefix (the family's own detection)
         return build_from_map(tower, vision_source_map(config, match.prefix), reader, ("blocks",),
                               "HiDream O1 vision tower", dtype=storage, device=device)
 
