@@ -98,16 +98,19 @@ class Shapes:
         return any(self.layers(range(self.num_blocks)))
 
     def attention_widths(self, tensor: int = 1, ulysses: int = 1) -> tuple[int, int]:
-        """(q width, width of k and of v) per row of one Ulysses member's attention, on a tensor rank's share of the
-        heads: H/(P U), and the kv heads that member receives (gqa.ulysses_kv_split) x the head size."""
-        kv_heads = self.kv_heads or self.heads
-        if self.heads % (tensor * ulysses) or kv_heads % tensor:
-            # A split validation refuses (auto may still rank it): counted as K/V repeated to the q heads.
-            return (self.hidden // (tensor * ulysses),) * 2
-        head_dim = self.hidden // self.heads
-        q_heads = self.heads // tensor
-        _, per_member = ulysses_kv_split(q_heads, kv_heads // tensor, ulysses)
-        return q_heads // ulysses * head_dim, per_member * head_dim
+        """(q width, width of k and of v) per row of one Ulysses member's attention: see `attention_widths`."""
+        return attention_widths(self.hidden, self.heads, self.kv_heads or self.heads, tensor, ulysses)
+
+
+def attention_widths(hidden: int, heads: int, kv_heads: int, tensor: int = 1, ulysses: int = 1) -> tuple[int, int]:
+    """(q width, width of k and of v) per row of one Ulysses member's attention on a tensor rank's share of the
+    heads: H/(P U), and the kv heads that member receives (gqa.ulysses_kv_split) x the head size (hidden / heads)."""
+    if kv_heads == heads or heads % (tensor * ulysses) or kv_heads % tensor:
+        # No GQA, or a split validation refuses (auto may still rank it; counted as K/V repeated to the q heads).
+        return (hidden // (tensor * ulysses),) * 2
+    head_dim = hidden // heads
+    _, per_member = ulysses_kv_split(heads // tensor, kv_heads // tensor, ulysses)
+    return heads // tensor // ulysses * head_dim, per_member * head_dim
 
 
 def shapes_of(config, *, image_tokens: int, text_tokens: int, pipefusion: int = 1, batch: int = 1,
