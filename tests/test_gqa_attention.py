@@ -206,3 +206,20 @@ def test_cross_stream_ulysses_sends_each_member_its_kv_heads():
     assert rel_err(got, attention(q, expand_kv(k, HEADS), expand_kv(v, HEADS))) < EXACT_RTOL
     # rank 0: q (4 heads) of 6 rows and its output back over 5 rows, K/V (1 head each) of 4 rows, fp32
     assert results[0][1] == 4 * HEAD_DIM * (4 * 6 + 4 * 5 + 2 * 1 * 4)
+
+
+def test_memory_plan_keeps_stale_kv_on_the_kv_heads():
+    """The cost model's stale K/V of PipeFusion (over Ulysses) and displaced patch at HiDream O1's release shapes:
+    8 of 32 heads' width, a quarter of what buffers of repeated K/V would hold."""
+    import dataclasses
+
+    from parallel_runtime.bench.models import RELEASE_SHAPES
+    from parallel_runtime.planning.costmodel import rank_memory
+    from parallel_runtime.spec import StrategySpec as S
+
+    o1 = RELEASE_SHAPES["hidream_o1"][0]
+    repeated = dataclasses.replace(o1, num_kv_heads=o1.num_heads)
+    kw = dict(text_tokens=128, image_tokens=4096, batch=1, cfg=1.0, weight_bytes=2, act_bytes=2)
+    for strategy in (S(pipefusion_degree=2, num_pipeline_patch=4, ulysses_degree=2), S(patch_degree=2)):
+        gqa, rep = rank_memory(strategy, o1, **kw)["kv"], rank_memory(strategy, repeated, **kw)["kv"]
+        assert gqa > 0 and 4 * gqa == rep, strategy.label()
