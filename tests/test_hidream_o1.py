@@ -512,12 +512,14 @@ def serial_calls(path, client1) -> dict:
 
 
 @pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2), S(tensor_degree=2),
-                                      S(pipefusion_degree=2, num_pipeline_patch=2)],
-                         ids=["cfg2", "ulysses2", "ring2", "tensor2", "pp2_warmup"])
+                                      S(pipefusion_degree=2, num_pipeline_patch=2),
+                                      S(ulysses_degree=2, device_weights=(1.0, 3.0))],
+                         ids=["cfg2", "ulysses2", "ring2", "tensor2", "pp2_warmup", "ulysses2_uneven_heads"])
 def test_o1_exact_strategies_equal_comfyui(path, client2, serial_calls, strategy):
     """The two-pass mask cut per shard, per ring key block (global offsets) and per stale buffer; GQA's 2 kv heads
     unrepeated through Ulysses' all-to-all (one per member), Ring's blocks and the stale buffers, and split with their
-    q heads under tensor parallelism: ComfyUI's numbers, and serial's to fp32 round-off."""
+    q heads under tensor parallelism: ComfyUI's numbers, and serial's to fp32 round-off. Device weights' unequal q
+    head slices (1 + 3 of 4) take K/V repeated to the q heads (UlyssesAttention's fallback)."""
     same = strategy.cfg_degree == 2
     job = call_job(path, strategy, same_length=same)
     out = client2.run(job).latent
