@@ -42,6 +42,10 @@ SERIAL_RTOL = 1e-5
 # Exact strategies reorder sums (split K/V merged by log-sum-exp, matmuls over fewer rows): ~1e-7 per op; any
 # layout, mask or position bug shows at 1e-2 or more.
 EXACT_RTOL = 1e-4
+# The same strategies against serial ParaDiT (the same kernels, K/V unrepeated on both sides): only the ring's
+# log-sum-exp merge and matmuls over fewer rows reorder fp32 sums, ~1e-7 per op over 3 layers; a kv head paired with
+# the wrong q heads shows at 1e-1.
+SERIAL_EXACT_RTOL = 1e-5
 VISION_START, IMAGE_PAD, VISION_END = 151652, 151655, 151653
 # The same decoder with a Qwen3-VL vision tower in the file: 16 heads of 4 (ComfyUI's head count; 2 rotary
 # frequencies per axis), 2 blocks, an 8 x 8 position table (48 x 48 at release), Conv3d patches of 2 x 16 x 16.
@@ -501,16 +505,28 @@ def test_o1_sampling_is_comfyuis_with_noise_scale_8():
     assert torch.equal(ms.noise_scaling(sigma, noise, latent), sigma * (8.0 * noise) + (1.0 - sigma) * latent)
 
 
+@pytest.fixture(scope="module")
+def serial_calls(path, client1) -> dict:
+    """Serial ParaDiT's output of call_job, by same_length."""
+    return {same: client1.run(call_job(path, S(), same_length=same)).latent for same in (False, True)}
+
+
 @pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2), S(tensor_degree=2),
-                                      S(pipefusion_degree=2, num_pipeline_patch=2)],
-                         ids=["cfg2", "ulysses2", "ring2", "tensor2", "pp2_warmup"])
-def test_o1_exact_strategies_equal_comfyui(path, client2, strategy):
-    """The two-pass mask cut per shard, per ring key block (global offsets) and per stale buffer; GQA's kv heads
-    split with their q heads under tensor parallelism."""
-    job = call_job(path, strategy, same_length=strategy.cfg_degree == 2)
-    err = rel_err(client2.run(job).latent, comfy_call(path, job))
-    print(f"\nHiDream O1 {strategy.label()} rel. error vs ComfyUI's model call {err:.2e}")
+                                      S(pipefusion_degree=2, num_pipeline_patch=2),
+                                      S(ulysses_degree=2, device_weights=(1.0, 3.0))],
+                         ids=["cfg2", "ulysses2", "ring2", "tensor2", "pp2_warmup", "ulysses2_uneven_heads"])
+def test_o1_exact_strategies_equal_comfyui(path, client2, serial_calls, strategy):
+    """The two-pass mask cut per shard, per ring key block (global offsets) and per stale buffer; GQA's 2 kv heads
+    unrepeated through Ulysses' all-to-all (one per member), Ring's blocks and the stale buffers, and split with their
+    q heads under tensor parallelism: ComfyUI's numbers, and serial's to fp32 round-off. Device weights' unequal q
+    head slices (1 + 3 of 4) take K/V repeated to the q heads (UlyssesAttention's fallback)."""
+    same = strategy.cfg_degree == 2
+    job = call_job(path, strategy, same_length=same)
+    out = client2.run(job).latent
+    err, serial_err = rel_err(out, comfy_call(path, job)), rel_err(out, serial_calls[same])
+    print(f"\nHiDream O1 {strategy.label()} rel. error vs ComfyUI's model call {err:.2e}, vs serial {serial_err:.2e}")
     assert err < EXACT_RTOL
+    assert serial_err < SERIAL_EXACT_RTOL
 
 
 def test_o1_denoise_loop_strategies_equal_serial_and_pipefusion_beats_naive_patch(path, client1, client2):
@@ -563,11 +579,14 @@ def test_o1_refuses_reference_images_odd_sizes_and_split_kv_heads(path, ref_path
 
 @pytest.mark.parametrize("strategy", [S(ulysses_degree=2, ring_degree=2), S(cfg_degree=2, ring_degree=2)],
                          ids=["ulysses2xring2", "cfg2xring2"])
-def test_o1_hybrids_on_four_equal_comfyui(path, client4, strategy):
-    job = call_job(path, strategy, same_length=strategy.cfg_degree == 2)
-    err = rel_err(client4.run(job).latent, comfy_call(path, job))
-    print(f"\nHiDream O1 {strategy.label()} rel. error vs ComfyUI's model call {err:.2e}")
+def test_o1_hybrids_on_four_equal_comfyui(path, client4, serial_calls, strategy):
+    same = strategy.cfg_degree == 2
+    job = call_job(path, strategy, same_length=same)
+    out = client4.run(job).latent
+    err, serial_err = rel_err(out, comfy_call(path, job)), rel_err(out, serial_calls[same])
+    print(f"\nHiDream O1 {strategy.label()} rel. error vs ComfyUI's model call {err:.2e}, vs serial {serial_err:.2e}")
     assert err < EXACT_RTOL
+    assert serial_err < SERIAL_EXACT_RTOL
 
 
 def test_o1_conditioning_reaches_the_worker_loop():
@@ -632,8 +651,11 @@ TINY_WIDE_HEADS = dataclasses.replace(TINY, num_layers=2, head_dim=8)
                                       S(pipefusion_degree=2, num_pipeline_patch=2, warmup_steps=1)],
                          ids=lambda s: s.label())
 def test_o1_measured_bytes_match_analytic(client2, tmp_path, strategy):
-    """The runtime's byte counters against traffic.py, per op and exactly: K and V travel repeated to the q heads
-    (what the counts assume of every family), the prompt's rows with the image's."""
+    """The runtime's byte counters against traffic.py, per op and exactly: K and V travel with their own 2 heads, not
+    repeated to the 4 q heads (Ulysses-2: one kv head per member beside its 2 q heads; Ring and PipeFusion's ring-less
+    stages: 2-head blocks), the prompt's rows with the image's; Ulysses and Ring send fewer bytes than the repeated
+    figure (Ulysses-2: 2 + 2 x 1 heads out and 2 back per row instead of 3 x 2 and 2, 3/4 at an even split; Ring-2:
+    1/2)."""
     from parallel_runtime.planning.traffic import job_traffic, shapes_of
 
     p = write_checkpoint(str(tmp_path / "o1_wide_heads.safetensors"), TINY_WIDE_HEADS, seed=2, prefix=PREFIX)
@@ -642,8 +664,19 @@ def test_o1_measured_bytes_match_analytic(client2, tmp_path, strategy):
     measured = [st["traffic"] for st in client2.run(job).stats]
     shapes = shapes_of(TINY_WIDE_HEADS, image_tokens=(H // 32) * (W // 32), text_tokens=7,
                        pipefusion=strategy.pipefusion_degree, batch=2)
+    assert shapes.kv_heads == 2
     for got, want in zip(measured, job_traffic(strategy, shapes, steps=3, cfg=2.0)):
         assert {op: tuple(v) for op, v in got["by_op"].items()} == {op: tuple(v) for op, v in want.by_op().items()}
+    repeated = job_traffic(strategy, dataclasses.replace(shapes, kv_heads=0), steps=3, cfg=2.0)
+    # Ulysses' head rows sent per layer, (GQA, repeated): rank 0 holds 10 of the 19 rows (4 prompt + 6 image), so it
+    # sends 4 x 10 + 2 x 9 instead of 6 x 10 + 2 x 9; rank 1 (9 rows) 4 x 9 + 2 x 10 instead of 6 x 9 + 2 x 10.
+    uly_rows = [(58, 78), (56, 74)]
+    for rank, (got, rep) in enumerate(zip(measured, repeated)):
+        if "ring" in rep.ops:
+            assert 2 * got["by_op"]["ring"][0] == rep.ops["ring"][0]
+        if "ulysses" in rep.ops:
+            gqa_rows, repeated_rows = uly_rows[rank]
+            assert got["by_op"]["ulysses"][0] * repeated_rows == rep.ops["ulysses"][0] * gqa_rows
 
 
 # -- reference images (HiDreamO1ReferenceImages) ------------------------------------------------------------

@@ -40,7 +40,7 @@ from ..distributed.portability import collective_backend, loopback_interface, mo
 from ..distributed.topology import Topology
 from ..spec import StrategySpec
 from ..strategies.batch import largest_share
-from .traffic import Shapes, branches_per_forward, job_traffic, shapes_of
+from .traffic import Shapes, attention_widths, branches_per_forward, job_traffic, shapes_of
 
 CACHE_VERSION = 4  # 4: block timings per family block kind
 
@@ -746,6 +746,12 @@ def param_layout(config) -> ParamLayout:
     return ParamLayout(list(blocks), always, first, last)
 
 
+def _kv_width(config, tensor: int = 1, ulysses: int = 1) -> int:
+    """Width of the K (or V) rows one rank keeps per layer: its kv heads (GQA: fewer than the q heads) x head size."""
+    heads = config.num_heads
+    return attention_widths(config.hidden_size, heads, getattr(config, "num_kv_heads", heads), tensor, ulysses)[1]
+
+
 def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_tokens: int, batch: int, cfg: float,
                 weight_bytes: float, act_bytes: int, layout: ParamLayout | None = None) -> dict:
     """Estimated peak bytes on the fullest rank: parameters, KV buffers and transient activations."""
@@ -764,9 +770,10 @@ def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_token
             n += layout.last if k == len(stages) - 1 else 0
             per_stage.append((n, sum(len(r) for r in chunks)))
         params, layers = max(per_stage)
-        # Stale K/V of every layer: the whole sequence on 1/U of the heads, or under Ring its ring member's 1/R.
-        kv = 2 * b * -(-s_len // topo.ring) * (h // (topo.ulysses * topo.tensor)) * act_bytes * max(
-            layers for _, layers in per_stage)
+        # Stale K/V of every layer: the whole sequence on the kv heads of 1/U of the q heads (fewer under GQA), or
+        # under Ring its ring member's 1/R.
+        kv_width = _kv_width(config, topo.tensor, topo.ulysses)
+        kv = 2 * b * -(-s_len // topo.ring) * kv_width * act_bytes * max(layers for _, layers in per_stage)
         rows = (text_tokens + image_tokens / strategy.patches) / (topo.ulysses * topo.ring)
     else:
         # Tensor parallelism splits the blocks' layers (modulation included); embedders and the head are whole.
@@ -784,8 +791,8 @@ def rank_memory(strategy: StrategySpec, config, *, text_tokens: int, image_token
             kinds = len({joint for layers in config.attention_layers for joint in layers})
             longest = -(-s_len // topo.patch)
             in_flight = (topo.patch + 1) * longest
-            kv = 2 * b * h * act_bytes * (s_len * sum(len(layers) for layers in config.attention_layers)
-                                          + in_flight * kinds)
+            kv = 2 * b * _kv_width(config) * act_bytes * (s_len * sum(len(layers) for layers in config.attention_layers)
+                                                          + in_flight * kinds)
     # One block's live tensors: hidden, q/k/v, MLP hidden (4H) and norms on this rank's rows (q/k/v, attention
     # output and MLP hidden: a tensor rank's 1/P); the gathered sequence for Ulysses/Ring attention; about 3x for
     # temporaries.

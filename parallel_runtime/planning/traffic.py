@@ -5,7 +5,8 @@ Written from what the strategies move, not from the counters, so the benchmark c
 
 Symbols: B latent batch, b = B x branches evaluated in one forward (2 when cfg > 1 runs both branches on
 one rank), T text tokens, N image tokens, H = heads x head_dim, e bytes per activation element (the
-weight dtype), C = 64 packed latent channels (16 x 2 x 2) of the float32 sampler state x, L attention
+weight dtype), G/heads the share of H that K and V have (grouped-query attention: G key/value heads under more
+query heads; 1 where G = heads), C = 64 packed latent channels (16 x 2 x 2) of the float32 sampler state x, L attention
 layers (blocks) per step, S steps. Where the prompt is cross-attended (PixArt) it never travels: T counts
 as 0. Image-only self-attention layers (SD3.5 Medium's second attention) move N rows only.
 
@@ -13,11 +14,14 @@ Per attention layer, per rank:
 
 * Ulysses (degree U, member j holds s_j = its text rows + N/(U*R) image rows, the group's rows sum to
   S_g): all_to_all #1 sends q,k,v of its rows for the other members' heads and receives their rows of
-  its own heads; all_to_all #2 returns attention outputs:
-      sent = b e H/U [3 (U-1) s_j + (S_g - s_j)]      recv = b e H/U [3 (S_g - s_j) + (U-1) s_j]
-  (even split: sent = recv = 4 b e H S_g (U-1)/U^2).
-* Ring (degree R): R-1 hops, each sending the K/V block it holds ([2, b, rows, H/U, d]) to the next
-  member and receiving the previous member's: sent = recv = 2 b e (H/U) sum of R-1 blocks' rows.
+  its own heads; all_to_all #2 returns attention outputs. Each member gets H/U of the q width and K_u of k's and
+  of v's: the kv heads its q heads read (gqa.ulysses_kv_split: G/U of the kv heads where U divides G, the one
+  kv head of its q slice where G divides U; H/U, as q's, without GQA):
+      sent = b e [(H/U + 2 K_u) (U-1) s_j + H/U (S_g - s_j)]   recv = b e [(H/U + 2 K_u) (S_g - s_j) + H/U (U-1) s_j]
+  (no GQA, even split: sent = recv = 4 b e H S_g (U-1)/U^2).
+* Ring (degree R): R-1 hops, each sending the K/V block it holds ([2, b, rows, K_u heads' width]: its own kv
+  heads, never repeated to the q heads) to the next member and receiving the previous member's:
+  sent = recv = 2 b e K_u sum of R-1 blocks' rows (K_u = H G/heads without Ulysses).
 * PipeFusion (P ranks, M patches, w warm-up steps): every chunk of blocks but the pipeline's last
   sends, per forward, its [text ; image] hidden rows, b (t_j + n N/(M U R)) H e for a forward over n
   patches (n = M in warm-up steps, else M forwards of n = 1), and the next chunk's rank receives them; a
@@ -26,8 +30,9 @@ Per attention layer, per rank:
   last stage returns the updated x rows to stage 0: B (N/(U R)) C 4 bytes per step. Under Ring (degree R) each
   ring member's stale K/V buffer holds its Ulysses group's rows of every patch, and each attention layer of
   every forward passes these whole buffers around the ring (the Ring hops above, with whole-buffer blocks).
-* Displaced patch (degree K): every attention layer all-gathers each rank's fresh K/V rows, padded to the
-  longest shard r_max: sent = recv = (K-1) 2 b e H r_max (its own rows counted once per other member).
+* Displaced patch (degree K): every attention layer all-gathers each rank's fresh K/V rows (their own kv heads),
+  padded to the longest shard r_max: sent = recv = (K-1) 2 b e H (G/heads) r_max (its own rows counted once per
+  other member).
 * Tensor parallel (degree P): each block's row-wise layers (attention's out-projection, the MLP's down
   projection; one fused projection in Flux's single blocks) all-reduce their [b, rows, H] partial sums, rows
   being the rank's sequence shard (prompt rows where the layer reads them): sent = recv = 2 (P-1)/P b e H rows
@@ -46,6 +51,7 @@ from dataclasses import dataclass, field
 
 from ..distributed.topology import Topology
 from ..spec import StrategySpec
+from ..strategies.attention.gqa import ulysses_kv_split
 
 X_BYTES = 4  # the sampler state x is float32 on every device
 
@@ -59,6 +65,7 @@ class Shapes:
     hidden: int  # H
     heads: int
     num_blocks: int  # blocks per full forward (Flux: double + single)
+    kv_heads: int = 0  # key/value heads (grouped-query attention: fewer than `heads`); 0: as many as `heads`
     # Per PipeFusion rank, the block ranges of each chunk it runs (see the family's pipeline_stages);
     # () = one even contiguous chunk per rank.
     stage_blocks: tuple[tuple[range, ...], ...] = ()
@@ -90,6 +97,21 @@ class Shapes:
         """Whether prompt rows travel with the image rows (joint attention) or stay put on every rank."""
         return any(self.layers(range(self.num_blocks)))
 
+    def attention_widths(self, tensor: int = 1, ulysses: int = 1) -> tuple[int, int]:
+        """(q width, width of k and of v) per row of one Ulysses member's attention: see `attention_widths`."""
+        return attention_widths(self.hidden, self.heads, self.kv_heads or self.heads, tensor, ulysses)
+
+
+def attention_widths(hidden: int, heads: int, kv_heads: int, tensor: int = 1, ulysses: int = 1) -> tuple[int, int]:
+    """(q width, width of k and of v) per row of one Ulysses member's attention on a tensor rank's share of the
+    heads: H/(P U), and the kv heads that member receives (gqa.ulysses_kv_split) x the head size (hidden / heads)."""
+    if kv_heads == heads or heads % (tensor * ulysses) or kv_heads % tensor:
+        # No GQA, or a split validation refuses (auto may still rank it; counted as K/V repeated to the q heads).
+        return (hidden // (tensor * ulysses),) * 2
+    head_dim = hidden // heads
+    _, per_member = ulysses_kv_split(heads // tensor, kv_heads // tensor, ulysses)
+    return heads // tensor // ulysses * head_dim, per_member * head_dim
+
 
 def shapes_of(config, *, image_tokens: int, text_tokens: int, pipefusion: int = 1, batch: int = 1,
               act_bytes: int = 4, weight_bytes: float = 0.0) -> Shapes:
@@ -103,7 +125,7 @@ def shapes_of(config, *, image_tokens: int, text_tokens: int, pipefusion: int = 
     if not isinstance(patch, tuple):  # an image family: the adapter's patch (Qwen-Image 2.1, FLUX.2: 1)
         patch = token_patch(config)
     return Shapes(image_tokens=image_tokens, text_tokens=text_tokens, hidden=config.hidden_size,
-                  heads=config.num_heads, num_blocks=config.num_blocks, stage_blocks=stages, batch=batch,
+                  heads=config.num_heads, kv_heads=getattr(config, "num_kv_heads", 0), num_blocks=config.num_blocks, stage_blocks=stages, batch=batch,
                   act_bytes=act_bytes, attention_layers=config.attention_layers,
                   tensor_layers=tuple(tuple(r == "joint" for r in kind.tensor_reductions)
                                       for kind in config.block_kinds),
@@ -171,12 +193,14 @@ def even_stage_blocks(num_blocks: int, stages: int) -> tuple[tuple[range, ...], 
     return tuple((range(bounds[i], bounds[i + 1]),) for i in range(stages))
 
 
-def _ulysses_layer(b: int, e: int, hidden: int, u: int, rows: list[int], me: int) -> tuple[int, int]:
-    """Bytes of the two all_to_alls of one Ulysses attention layer for member `me`."""
+def _ulysses_layer(b: int, e: int, widths: tuple[int, int], u: int, rows: list[int], me: int) -> tuple[int, int]:
+    """Bytes of the two all_to_alls of one Ulysses attention layer for member `me`; `widths`: (q, kv) per row of one
+    member's heads (Shapes.attention_widths). The first carries q, k and v, the second the output (q's width)."""
     s, total = rows[me], sum(rows)
-    unit = b * e * (hidden // u)
-    sent = unit * (3 * (u - 1) * s + (total - s))
-    recv = unit * (3 * (total - s) + (u - 1) * s)
+    q, kv = widths
+    forward, back = b * e * (q + 2 * kv), b * e * q
+    sent = forward * (u - 1) * s + back * (total - s)
+    recv = forward * (total - s) + back * (u - 1) * s
     return sent, recv
 
 
@@ -217,17 +241,17 @@ def job_traffic(strategy: StrategySpec, shapes: Shapes, *, steps: int, cfg: floa
         u, r = topo.ulysses, topo.ring
         sp = u * r
         me_r, me_u = c["ring"], c["ulysses"]
-        width = h // topo.tensor  # a tensor rank's heads
+        widths = shapes.attention_widths(topo.tensor, u)  # one member's q and kv width
 
         def sequence_step(st: RankTraffic) -> None:
             for joint in shapes.layers(range(shapes.num_blocks)):
                 # rows of sp rank j = ring*U + ulysses; image-only layers leave the prompt rows out
                 rows = [(text_share(t, sp, j) if joint else 0) + text_share(n, sp, j) for j in range(sp)]
                 if u > 1:
-                    sent, recv = _ulysses_layer(b, e, width, u, rows[me_r * u:(me_r + 1) * u], me_u)
+                    sent, recv = _ulysses_layer(b, e, widths, u, rows[me_r * u:(me_r + 1) * u], me_u)
                     st.add("ulysses", sent, recv, 2)
                 if r > 1:  # the K/V rows each member starts with: its Ulysses group's
-                    _ring_layer(st, 2 * b * e * (width // u), [sum(rows[q * u:(q + 1) * u]) for q in range(r)], me_r)
+                    _ring_layer(st, 2 * b * e * widths[1], [sum(rows[q * u:(q + 1) * u]) for q in range(r)], me_r)
             _tensor_forward(st, topo.tensor, shapes, b, text_share(t, sp, me_r * u + me_u),
                             text_share(n, sp, me_r * u + me_u))
             if topo.cfg > 1:
@@ -282,13 +306,13 @@ def _tensor_forward(rt: RankTraffic, tp: int, shapes: Shapes, b: int, text_rows:
 def _displaced_patch(rt: RankTraffic, topo: Topology, c: dict, shapes: Shapes, b: int, x_row: int,
                      steps: int) -> None:
     n, e, k = shapes.image_tokens, shapes.act_bytes, topo.patch
-    h = shapes.hidden // topo.tensor  # a tensor rank's heads
+    kv = shapes.attention_widths(topo.tensor)[1]  # a tensor rank's kv heads' width
     t = shapes.text_tokens if shapes.text_in_stream else 0
 
     def patch_step(st: RankTraffic) -> None:
         for joint in shapes.layers(range(shapes.num_blocks)):
             longest = max((text_share(t, k, j) if joint else 0) + text_share(n, k, j) for j in range(k))
-            st.add("patch", (k - 1) * 2 * b * e * h * longest, (k - 1) * 2 * b * e * h * longest)
+            st.add("patch", (k - 1) * 2 * b * e * kv * longest, (k - 1) * 2 * b * e * kv * longest)
         _tensor_forward(st, topo.tensor, shapes, b, text_share(t, k, c["patch"]), text_share(n, k, c["patch"]))
         if topo.cfg > 1:
             own = text_share(n, k, c["patch"])
@@ -312,6 +336,7 @@ def _pipefusion(rt: RankTraffic, s: StrategySpec, topo: Topology, c: dict, shape
     last = stage == p - 1
     texts = [text_share(t, sp, j) for j in range(sp)]
     per_patch = [text_share(n // m, sp, j) for j in range(sp)]  # image rows of one patch held by shard j
+    widths = shapes.attention_widths(tp, u)  # one Ulysses member's q and kv width
     if not shapes.text_in_stream:  # a cross-attended prompt goes from stage 0 to every other stage once
         prompt = b * shapes.text_tokens * h * e
         rt.add("pipefusion", prompt * (p - 1) if stage == 0 else 0, 0 if stage == 0 else prompt, 1)
@@ -324,12 +349,12 @@ def _pipefusion(rt: RankTraffic, s: StrategySpec, topo: Topology, c: dict, shape
                 for joint in (shapes.layers(blocks) if sp > 1 else ()):
                     if u > 1:
                         rows = [(texts[j] if joint else 0) + n_p * per_patch[j] for j in group]
-                        sent, recv = _ulysses_layer(b, e, h // tp, u, rows, c["ulysses"])
+                        sent, recv = _ulysses_layer(b, e, widths, u, rows, c["ulysses"])
                         st.add("ulysses", sent, recv, 2)
                     if r > 1:  # Ring passes each member's whole stale buffer: its shards' rows of every patch
                         buffers = [sum((texts[j] if joint else 0) + m * per_patch[j] for j in range(q * u, (q + 1) * u))
                                    for q in range(r)]
-                        _ring_layer(st, 2 * b * e * (h // tp // u), buffers, me_r)
+                        _ring_layer(st, 2 * b * e * widths[1], buffers, me_r)
                 _tensor_forward(st, tp, shapes, b, texts[me], n_p * per_patch[me], blocks)
                 hidden = b * (texts[me] + n_p * per_patch[me]) * h * e
                 if not (last and k == len(chunks) - 1):

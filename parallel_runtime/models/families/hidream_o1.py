@@ -16,9 +16,10 @@ ComfyUI's parameter names; the code is not theirs):
   channel-major (c, p1, p2) as ComfyUI's einops pattern, through the bottleneck x_embedder (3072 -> hidden/4 ->
   hidden); H and W must be multiples of 32.
 - Blocks: 36 Llama layers (pre-RMSNorm, eps 1e-6; GQA 32 q / 8 kv heads of 128, per-head q/k RMS norms ("gemma3"
-  style: over the head's 128 channels, scale w, no +1); SwiGLU 12288 wide; no biases). Here k and v are repeated to
-  the q heads (GQA's own pairing: kv head j serves q heads [j g, (j + 1) g)) before the attention strategy, so
-  Ulysses and Ring see ordinary heads; tensor parallelism splits q heads with their kv heads.
+  style: over the head's 128 channels, scale w, no +1); SwiGLU 12288 wide; no biases). k and v reach the attention
+  strategy with their 8 heads (GQA's pairing: kv head j serves q heads [j g, (j + 1) g)): Ulysses sends each member
+  the kv heads its q heads read, Ring passes the 8-head blocks, the kernel alone expands them
+  (strategies/attention/gqa.py); tensor parallelism splits q heads with their kv heads.
 - Positions: interleaved MRoPE (theta 5e6, sections [24, 20, 20] of the 64 frequencies: frequency i reads the H id
   where i % 3 == 1 and i < 60, the W id where i % 3 == 2 and i < 60, else the T id), rotate-half layout, angles in
   float32 (llama.py's precompute_freqs_cis). The position ids are model_base's get_rope_index_fix_point for a
@@ -724,8 +725,8 @@ class HiDreamO1Adapter(PatchTokens, BlockLoop):
         k = attn.k_norm(attn.k_proj(x).unflatten(-1, (-1, d)))
         v = attn.v_proj(x).unflatten(-1, (-1, d))
         q, k = apply_mrope(q, *rope), apply_mrope(k, *rope)
-        group = q.shape[2] // k.shape[2]  # GQA: kv head j serves q heads [j group, (j + 1) group)
-        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        # GQA: k and v keep their own heads (kv head j serves q heads [j g, (j + 1) g)); the strategy moves them so
+        # and only the kernel expands them (strategies/attention/gqa.py).
         out = self.context.attention(q, k, v, i).flatten(2, 3).to(x.dtype)
         return attn.o_proj(out)
 

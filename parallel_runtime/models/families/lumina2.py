@@ -353,16 +353,13 @@ class Lumina2Adapter(PatchTokens, BlockLoop):
         return x + gated(block.ffn_norm2(ff.w2(F.silu(ff.w1(h)) * ff.w3(h))), gate_mlp)
 
     def _attention(self, attn: _Attention, x: torch.Tensor, rope, attend) -> torch.Tensor:
-        """JointAttention: per-head q/k RMS norms (`_qkv`), RoPE, key/value heads repeated to every query head
-        (GQA)."""
+        """JointAttention: per-head q/k RMS norms (`_qkv`), RoPE; the fewer key/value heads of GQA go to the attention
+        strategy as they are (it moves them unrepeated, and the kernel expands them: strategies/attention/gqa.py)."""
         from diffusers.models.embeddings import apply_rotary_emb
 
         q, k, v = self._qkv(attn, x)
         q = apply_rotary_emb(q, rope, sequence_dim=1)
         k = apply_rotary_emb(k, rope, sequence_dim=1)
-        rep = self.config.num_heads // self.config.num_kv_heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         return self._out(attn, attend(q, k, v).flatten(2, 3).to(x.dtype))
 
     def _qkv(self, attn: _Attention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -6,6 +6,9 @@ and falls back to plain math where none fits.
 
 Every kernel takes an optional additive `bias` [B, 1, Sq, Sk] (ComfyUI's attention_mask, cut to the rows and
 columns of the call; see bias.py), added to the scores before the softmax as ComfyUI's attention adds it.
+
+K and V may have fewer heads than q (grouped-query attention, see gqa.py): they are expanded to the q heads only
+here, at the kernel, and not at all where the kernel reads the groups itself (`reads_kv_groups`).
 """
 from __future__ import annotations
 
@@ -15,13 +18,37 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .gqa import expand_kv
+
 # Compute capabilities torch's CUDA flash-attention kernels are built for (torch 2.13: sm80 to sm121).
 FLASH_CUDA_CAPABILITIES = ((8, 0), (12, 1))
+# The kernels that read fewer kv heads than q heads themselves (SDPA's enable_gqa, torch 2.5 on): CPU's flash kernel
+# and CUDA's flash kernel. CUDA's memory-efficient kernel does not (SDPA with enable_gqa silently falls back to the
+# math kernel there, materialising every score), nor does our float32 math, so K/V are expanded before those.
+GQA_KERNELS = ("flash_cpu", "flash")
+TORCH_READS_KV_GROUPS = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def reads_kv_groups(kernel: str) -> bool:
+    """Whether `kernel` (lse_kernel's name) takes k/v with fewer heads than q as they are."""
+    return TORCH_READS_KV_GROUPS and kernel in GQA_KERNELS
+
+
+def _kernel_of(q: torch.Tensor, biased: bool) -> str:
+    return lse_kernel(q.device.type, q.dtype, _capability(q.device), biased=biased)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA over [B, S, H, D] q and [B, S, G, D] k/v (G divides H)."""
     mask = None if bias is None else bias.to(q.dtype)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    gqa = {}
+    if k.shape[2] != q.shape[2]:
+        if reads_kv_groups(_kernel_of(q, bias is not None)):
+            gqa = {"enable_gqa": True}
+        else:
+            k, v = expand_kv(k, q.shape[2]), expand_kv(v, q.shape[2])
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         **gqa)
     return out.transpose(1, 2)
 
 
@@ -54,12 +81,15 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str | None = None,
                        bias: torch.Tensor | None = None,
                        dead: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out [B, S, H, D] and lse [B, H, S] (float32). `kernel` overrides `lse_kernel`'s choice.
+    """Returns out [B, S, H, D] and lse [B, H, S] (float32) of q [B, S, H, D] over k, v [B, Sk, G, D] (G divides H).
+    `kernel` overrides `lse_kernel`'s choice.
 
     A query whose every key `bias` masks out (-inf) gets output 0 and lse -inf, so merging it with other key
     blocks gives their result, and a query masked everywhere ends at 0, as torch's SDPA (ComfyUI's) returns.
     `dead`: `dead_queries(bias)`, where the caller reuses one bias for many calls (Ring: every layer)."""
-    kernel = kernel or lse_kernel(q.device.type, q.dtype, _capability(q.device), biased=bias is not None)
+    kernel = kernel or _kernel_of(q, bias is not None)
+    if k.shape[2] != q.shape[2] and not reads_kv_groups(kernel):
+        k, v = expand_kv(k, q.shape[2]), expand_kv(v, q.shape[2])
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     mask = None if bias is None else bias.to(q.dtype)
     if kernel == "flash_cpu":

@@ -2,7 +2,8 @@
 
 After `ring` steps every query has seen every key; the partial attentions are merged exactly with the
 log-sum-exp rule, so the result equals full attention up to float round-off. The next block's transfer
-is posted before the current block's attention runs, so communication overlaps compute.
+is posted before the current block's attention runs, so communication overlaps compute. The blocks keep K/V's own
+heads (fewer than q's under grouped-query attention, gqa.py): the kernel expands them, never the ring.
 """
 from __future__ import annotations
 

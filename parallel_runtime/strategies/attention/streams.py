@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...distributed.comm import Comm, Group
+from .gqa import ulysses_kv_split
 from .local import LocalAttention
 from .ring import RingAttention
 from .ulysses import UlyssesAttention
@@ -43,7 +44,9 @@ class UlyssesCrossAttention:
         u = self.group.size
         b, s, h, d = q.shape
         queries = self._scatter_heads(q, self.q_lengths)
-        kv = self._scatter_heads(torch.stack([k, v], dim=2), self.kv_lengths)
+        repeat, _ = ulysses_kv_split(h, k.shape[2], u)  # grouped-query K/V: only the kv heads each member reads
+        kv = torch.stack([k, v], dim=2)
+        kv = self._scatter_heads(kv.repeat_interleave(repeat, dim=3) if repeat > 1 else kv, self.kv_lengths)
         out = self.inner(queries, kv[:, :, 0], kv[:, :, 1], layer, masked=masked)
         back = out.permute(1, 0, 2, 3).contiguous()  # [total queries, B, H/U, D], member j's rows contiguous
         mine = back.new_empty((u * s, b, h // u, d))
