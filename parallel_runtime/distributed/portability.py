@@ -30,6 +30,15 @@ def socket_timeout(seconds: float):
     return struct.pack("@ll", int(seconds), int(seconds % 1 * 1e6))
 
 
+def send_small_messages_now(sock: socket.socket) -> None:
+    """TCP_NODELAY on a TCP control socket (a no-op on AF_UNIX): Nagle's algorithm holds each small message (a
+    step's progress, a cancel) until the previous one is acknowledged, and the peer's delayed ACK makes that ~40 ms,
+    so over loopback TCP (Windows, or any machine without AF_UNIX) progress arrived in bursts and Cancel landed
+    several steps late."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def collective_backend(device_type: str) -> str:
     """The process-group backend for workers on `device_type`: NCCL for CUDA where torch has it, else gloo."""
     import torch.distributed as dist

@@ -39,7 +39,7 @@ import torch
 from .. import errors
 from ..distributed.devices import pinned_cores, runtime_devices, worker_threads
 from ..distributed.portability import (TIMED_OUT, interface_of, loopback_interface, loopback_store, module_command,
-                                       socket_timeout, worker_environment)
+                                       send_small_messages_now, socket_timeout, worker_environment)
 from ..planning.memory import check_job_memory, keeps_other_models, settle_weight_sharding
 from ..spec import Job
 from .cluster import LOCAL, RankPlace, RemoteProcess, front_door, names_remote, place_ranks
@@ -565,6 +565,8 @@ class RuntimeClient:
                 self._handle_reply(replies, rank, kind, meta, tensors, progress)
             if replies.held or replies.failures or not replies.pending:
                 break
+            if not replies.cancel_sent and replies.cancel_requested():
+                break  # Cancel goes out now, not after the backlog: fast steps queue several progress reports
             # Read all that is waiting before the deadlines are judged: a client that was stalled itself
             # (a slow progress callback, a long GC) must not blame workers for messages it has not read.
             ready = wait(list(by_fd), timeout=0)
@@ -928,6 +930,7 @@ def _bound_io(conn, seconds: float) -> None:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, socket_timeout(seconds))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, socket_timeout(seconds))
+        send_small_messages_now(sock)
         # A host's socket.setdefaulttimeout() makes the new socket object switch the descriptor to non-blocking;
         # multiprocessing's Connection needs it blocking.
         sock.setblocking(True)

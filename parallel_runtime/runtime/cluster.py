@@ -601,13 +601,14 @@ def close_front_door() -> None:
 def bound_io(conn, seconds: float | None) -> None:
     """Bound each send and each read on a connection's socket to `seconds` without progress (None: unbounded):
     SO_SNDTIMEO / SO_RCVTIMEO, as client._bound_io does for the workers' channels."""
-    from ..distributed.portability import socket_timeout
+    from ..distributed.portability import send_small_messages_now, socket_timeout
 
     value = socket_timeout(seconds) if seconds else (0 if os.name == "nt" else socket_timeout(0))
     sock = socket.socket(fileno=conn.fileno())
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        send_small_messages_now(sock)
         sock.setblocking(True)  # a host's socket.setdefaulttimeout() would make the new object non-blocking
     finally:
         sock.detach()

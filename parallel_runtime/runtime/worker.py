@@ -12,6 +12,7 @@ import argparse
 import collections
 import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -22,7 +23,8 @@ from datetime import timedelta
 import torch
 
 from ..distributed.devices import resolve_dtype
-from ..distributed.portability import collective_backend, loopback_store, peak_rss, pin_to_core
+from ..distributed.portability import (collective_backend, loopback_store, peak_rss, pin_to_core,
+                                       send_small_messages_now)
 from ..errors import Cancelled, ConfigError, ParaDiTError
 from .links import check_links
 from .protocol import Channel
@@ -645,7 +647,13 @@ def _control_channel(args: argparse.Namespace, authkey: bytes) -> Channel:
         chan = Channel(connect_to(args.join, authkey))
         chan.send("worker", {"session": args.session, "rank": args.rank})
         return chan
-    return Channel(Client(("127.0.0.1", args.port), family="AF_INET", authkey=authkey))
+    conn = Client(("127.0.0.1", args.port), family="AF_INET", authkey=authkey)
+    sock = socket.socket(fileno=conn.fileno())  # detached below: conn keeps the descriptor
+    try:
+        send_small_messages_now(sock)  # the worker sends most of the small messages (progress, votes' answers)
+    finally:
+        sock.detach()
+    return Channel(conn)
 
 
 def main(argv: list[str] | None = None) -> None:
