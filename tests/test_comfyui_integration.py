@@ -318,7 +318,8 @@ def stock_graph(devices="cpu:1", strat=None, size=128, sampler="KSampler", batch
 EXPECTED_INPUTS = {
     "ParaDiTStrategy": {"required": ["mode", "cfg_degree", "pipefusion_degree", "ulysses_degree", "ring_degree",
                                      "num_pipeline_patch", "warmup_steps"],
-                        "optional": ["tensor_degree", "patch_degree", "device_weights", "shard_weights", "p2p"]},
+                        "optional": ["tensor_degree", "patch_degree", "device_weights", "shard_weights", "p2p",
+                                     "batch_degree", "cache", "cache_threshold", "cache_start", "cache_end"]},
     "ParaDiTLoader": {"required": ["unet_name", "weight_dtype", "devices"],
                       "optional": ["strategy", "quantized_matmul"]},
     "ParaDiTSampler": {"required": ["model", "seed", "steps", "cfg", "sampler_name", "scheduler", "positive",
