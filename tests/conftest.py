@@ -111,6 +111,16 @@ def apply_comfy_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return (f[..., 0] * x_[..., 0] + f[..., 1] * x_[..., 1]).reshape(*x.shape).type_as(x)
 
 
+@pytest.fixture
+def one_thread_per_rank():
+    """One torch thread for the test's duration, for tests whose ranks are threads of this process (in-process
+    fabrics: they share the 2 cores already)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def _runtimes():
     """One RuntimeClient per worker count for the whole session, started on first use and shared by the modules'

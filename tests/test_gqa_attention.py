@@ -31,11 +31,8 @@ EXACT_RTOL = 1e-5
 
 
 @pytest.fixture(autouse=True)
-def one_thread_per_rank():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the ranks are threads already; 2 cores
+def _one_thread(one_thread_per_rank):  # conftest's: the ranks are threads already; 2 cores
     yield
-    torch.set_num_threads(threads)
 
 
 def test_each_ulysses_member_gets_exactly_the_kv_heads_its_q_heads_read():

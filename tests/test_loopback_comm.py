@@ -29,11 +29,8 @@ UNEVEN = torch.zeros(2, 16, 18, 14)
 
 
 @pytest.fixture(autouse=True)
-def one_thread_per_rank():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the ranks are threads already; 2 cores
+def _one_thread(one_thread_per_rank):  # conftest's: the ranks are threads already; 2 cores
     yield
-    torch.set_num_threads(threads)
 
 
 def _run(job, world: int, delay_s: float = 0.0) -> tuple[torch.Tensor, Fabric]:

@@ -292,14 +292,6 @@ def test_first_frame_keyframe_and_mixed_text_tags_equal_diffusers(h3_path):
 LONG_AUDIO_T = 20
 
 
-@pytest.fixture
-def one_thread_per_rank():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def split_call(path: str, topology, seq, cond, video, audio) -> dict:
     """Every rank of `topology` (Ulysses x Ring, on loopback ranks over the real Comm) runs the model on its contiguous
     shard of the packed sequence, as the Denoiser orders shards (ring-major, then Ulysses); the target rows gathered."""
