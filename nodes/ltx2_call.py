@@ -7,15 +7,15 @@ LTXAV.process_timestep's (video, audio) pair: the sigma per row, or where the sa
 audio frame [B, frames, 1]; context = the prompt connectors' rows, which extra_conds made through the diffusion
 model's preprocess_text_embeds (RemoteDiT runs the file's connectors on the host:
 parallel_runtime/models/families/ltx2_connectors.py); frame_rate (LTXVConditioning); denoise_mask /
-audio_denoise_mask, which the model reads only to tell whether a mask varies within a frame; and what guide,
-reference-audio and guidance nodes add.
+audio_denoise_mask (the noise masks, which the model reads to drop a guide's padding tokens); keyframe_idxs and
+guide_attention_entries (LTXVAddGuide, LTXVAddLatentGuide); and what reference-audio and guidance nodes add.
 
-Read: both streams, the timesteps (per video token as per latent frame: every token of a frame shares its mask
-value unless the mask varies within the frame, ComfyUI's own per-frame path), frame_rate, the prompt, and the
-wrappers, LoRA and block-skip patches RemoteDiT reads for every family. Refused in one sentence naming the node that
-adds it, before the workers see the call: everything else that changes the output (guide frames and their attention
-entries, reference audio, generated keyframes, spatial noise masks, STG's perturbed blocks, modality guidance's
-severed cross-attention, ControlNet residuals).
+Read: both streams, the timesteps (per video row, latent frame or token: per token only where the mask varies
+within a frame, a dilated IC-LoRA guide's or an inpainting mask's), frame_rate, the prompt, the guide frames (which
+tokens run, the guides' positions and attention weights: spec.VideoGuides), and the wrappers, LoRA and block-skip
+patches RemoteDiT reads for every family. Refused in one sentence naming the node that adds it, before the workers
+see the call: everything else that changes the output (reference audio, generated keyframes, STG's perturbed
+blocks, modality guidance's severed cross-attention, ControlNet residuals).
 """
 from __future__ import annotations
 
@@ -26,8 +26,6 @@ from . import convert
 DEFAULT_FRAME_RATE = 25.0  # LTXAV.extra_conds' frame_rate without LTXVConditioning
 # Model inputs ComfyUI 2026 passes that the workers do not run, by the node that adds them.
 _INPUT_SOURCES = {
-    "keyframe_idxs": "LTXVAddGuide's or LTXVAddLatentGuide's guide frames",
-    "guide_attention_entries": "LTXVAddGuide's guide attention",
     "ref_audio": "LTXVReferenceAudio's reference audio",
     "generated_keyframes": "LTX-2.5's generated keyframes",
 }
@@ -40,8 +38,8 @@ _OPTION_SOURCES = {
     "run_ax": ("a node that skips the audio stream", lambda v: v is True),
 }
 # Inputs read here (frame_rate, the masks through the timesteps) or handed on to the generic checks.
-READ_INPUTS = ("frame_rate", "denoise_mask", "audio_denoise_mask", "latent_shapes", "attention_mask") + tuple(
-    _INPUT_SOURCES)
+READ_INPUTS = ("frame_rate", "denoise_mask", "audio_denoise_mask", "latent_shapes", "attention_mask", "keyframe_idxs",
+               "guide_attention_entries") + tuple(_INPUT_SOURCES)
 
 
 def patchifiers():
@@ -86,21 +84,31 @@ def _carries(value) -> bool:
     return bool(value)
 
 
+def guides(kwargs: dict, thw: tuple):
+    """The call's guide frames (LTXVAddGuide, LTXVAddLatentGuide) as the workers take them (spec.VideoGuides), or
+    None: which tokens run, the guides' positions and attention weights (parallel_runtime's ltx2_guides.py reads
+    keyframe_idxs, the video noise mask and guide_attention_entries as LTXVModel._process_input does)."""
+    from parallel_runtime.models.families.ltx2_guides import guides_of_call
+
+    keyframe_idxs = kwargs.get("keyframe_idxs")
+    if keyframe_idxs is None:
+        return None
+    mask = kwargs.get("denoise_mask")
+    return guides_of_call(keyframe_idxs.detach().float().cpu(), None if mask is None else mask.detach().float().cpu(),
+                          kwargs.get("guide_attention_entries"), thw)
+
+
 def call_timesteps(timestep, thw: tuple, audio_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(video [rows] or [rows, T], audio [rows] or [rows, frames]) sigmas from process_timestep's pair: the
-    runtime's per-row or per-frame video timesteps and per-row or per-frame audio ones."""
+    """(video [rows], [rows, T] or [rows, tokens], audio [rows] or [rows, frames]) sigmas from process_timestep's
+    pair: the runtime's per-row, per-frame or (where a mask varies within a frame: a dilated guide's, an inpainting
+    mask's) per-token video timesteps and per-row or per-frame audio ones."""
     video, audio = timestep if isinstance(timestep, (tuple, list)) else (timestep, timestep)
     rows, (t, h, w) = video.shape[0], thw
     if video.ndim > 1:
         per_token = video.reshape(rows, -1)
         if per_token.shape[1] == t * h * w:
             per_frame = per_token.view(rows, t, h * w)
-            if bool((per_frame != per_frame[..., :1]).any()):
-                raise convert.ConfigError("the LTX-2 call's noise mask varies within a frame (SetLatentNoiseMask "
-                                          "with a spatial mask, or an inpainting latent), which ParaDiT does not run "
-                                          "for this model yet; mask whole frames (LTXVImgToVideo) or load the model "
-                                          "with UNETLoader.")
-            video = per_frame[..., 0]
+            video = per_token if bool((per_frame != per_frame[..., :1]).any()) else per_frame[..., 0]
         elif per_token.shape[1] == t:
             video = per_token
         else:

@@ -259,7 +259,8 @@ class RemoteDiT(torch.nn.Module):
         video, audio = ltx2_call.streams(x)
         video_t, audio_t = ltx2_call.call_timesteps(timesteps, tuple(video.shape[2:]), audio.shape[2])
         return self._run_two_streams(video, audio, video_t, context, None, options, audio_t,
-                                     {"frame_rate": ltx2_call.frame_rate(kwargs)})
+                                     {"frame_rate": ltx2_call.frame_rate(kwargs)},
+                                     ltx2_call.guides(kwargs, tuple(video.shape[2:])))
 
     def _forward_kandinsky6(self, x, timesteps, context, y, control, options: dict, **kwargs):
         """Kandinsky 6's call (nodes/kandinsky6_call.py says what is read and what refused): x = [video, audio], one
@@ -273,9 +274,10 @@ class RemoteDiT(torch.nn.Module):
         video, audio = kandinsky6_call.streams(x)
         return self._run_two_streams(video, audio, timesteps, context, y, options)
 
-    def _run_two_streams(self, video, audio, video_t, context, y, options: dict, audio_t=None, extra=None) -> list:
-        """A two-stream family's call (LTX-2, Kandinsky 6) as one runtime job per two chunks with Job.audio, the
-        result back as ComfyUI's [video, audio]."""
+    def _run_two_streams(self, video, audio, video_t, context, y, options: dict, audio_t=None, extra=None,
+                         video_guides=None) -> list:
+        """A two-stream family's call (LTX-2, Kandinsky 6) as one runtime job per two chunks with Job.audio (and
+        LTX-2's guide frames, the same for every chunk), the result back as ComfyUI's [video, audio]."""
         from parallel_runtime.runtime.client import get_client
         from parallel_runtime.spec import Job, SamplingSpec
 
@@ -303,7 +305,7 @@ class RemoteDiT(torch.nn.Module):
                       weight_patches=patches, call_step=step, call_slot=2 * slot + int(labels[ks[0]] != 0),
                       call_last=last, skip_blocks=skip_blocks, audio=audio[sl].detach().float().cpu(),
                       audio_timestep=None if audio_t is None else audio_t[sl].detach().float().cpu(),
-                      extra=extra or {})
+                      extra=extra or {}, video_guides=video_guides)
             result = _run(client, job, whole=True)
             videos.append(result.latent)
             audios.append(result.audio)

@@ -318,6 +318,31 @@ class Conditioning:
 
 
 @dataclass
+class VideoGuides:
+    """LTX-2's guide frames in a model call (models/families/ltx2_guides.py reads and makes them): the grid indices
+    of the video tokens the model runs (`kept`, ascending; the rest return zeros), the pixel-space positions of the
+    guide tokens, which are the last kept ones (`coords` [3, guide tokens, 2]: start and end on the time, height and
+    width axes, time in pixel frames), and each guide token's attention weight to the video (`weights` [guide
+    tokens], None: all 1)."""
+
+    kept: torch.Tensor
+    coords: torch.Tensor
+    weights: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"guides.kept": self.kept, "guides.coords": self.coords}
+        if self.weights is not None:
+            out["guides.weights"] = self.weights
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "VideoGuides | None":
+        if "guides.kept" not in tensors:
+            return None
+        return cls(tensors["guides.kept"], tensors["guides.coords"], tensors.get("guides.weights"))
+
+
+@dataclass
 class Job:
     """Everything a worker needs for one denoise."""
 
@@ -350,6 +375,9 @@ class Job:
     # A model call's audio timesteps where they differ from the video's `timestep` (LTX-2: [rows] or [rows, audio
     # frames], ComfyUI's a_timestep from an audio noise mask); None: the audio runs at the video's per-row timestep.
     audio_timestep: torch.Tensor | None = None
+    # A model call's guide frames (LTX-2's LTXVAddGuide): the video tokens that run, the guides' positions and
+    # attention weights; None: every token runs at its grid position.
+    video_guides: VideoGuides | None = None
 
     @property
     def batch(self) -> int:

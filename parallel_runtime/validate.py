@@ -207,6 +207,8 @@ def validate_timestep(job: Job, config) -> None:
     if t is None:
         return
     shapes = [(lat.shape[0],)] + ([(lat.shape[0], lat.shape[2])] if config.video else [])
+    if getattr(config, "token_timesteps", False):  # LTX-2: a noise mask that varies within a frame, per token
+        shapes.append((lat.shape[0], math.prod(lat.shape[2:])))
     if tuple(t.shape) not in shapes:
         raise ConfigError(f"the model call's timestep has shape {tuple(t.shape)}, not "
                           f"{' or '.join(map(str, shapes))} for a latent of shape {tuple(lat.shape)}; a node patches "
@@ -489,6 +491,13 @@ def validate_latent_and_branches(job: Job, config) -> None:
     if problem is not None and (sentence := problem(tuple(lat.shape))):
         raise ConfigError(f"{sentence}.")
     validate_timestep(job, config)
+    if job.video_guides is not None and not hasattr(config, "guides_problem"):
+        raise ConfigError(f"the job carries guide frames (LTXVAddGuide's), which {config.title} does not read; remove "
+                          f"the guide node.")
+    if job.video_guides is not None and job.timestep is None:
+        raise ConfigError("guide frames ride in a model call only, not in the workers' own step loop; sample with "
+                          "KSampler (or Parallel Sampler, which hands such a graph to it) on Load Parallel DiT's "
+                          "MODEL.")
     for name, c in (("positive", job.positive), ("negative", job.negative)):
         if c is None:
             continue

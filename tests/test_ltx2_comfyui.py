@@ -77,11 +77,12 @@ def text_cross_attention(block, x, context, attn, table, prompt_table, timestep,
     return attn(rms_norm(x), encoder_hidden_states=context)
 
 
-def av_block(block, vx, ax, v_context, a_context, ts: dict, pe: dict):
-    """BasicAVTransformerBlock.forward (inference: rms_adaln = rms_norm * (1 + scale) + shift)."""
+def av_block(block, vx, ax, v_context, a_context, ts: dict, pe: dict, self_mask=None):
+    """BasicAVTransformerBlock.forward (inference: rms_adaln = rms_norm * (1 + scale) + shift); `self_mask`: the
+    video self-attention's additive mask [B, tokens, tokens] (LTXVModel's guide attention), or None."""
     b = vx.shape[0]
     vshift, vscale = get_ada_values(block.scale_shift_table, b, ts["v_timestep"], slice(0, 2))
-    attn1_out = block.attn1(rms_norm(vx) * (1 + vscale) + vshift, query_rotary_emb=pe["v"])
+    attn1_out = block.attn1(rms_norm(vx) * (1 + vscale) + vshift, attention_mask=self_mask, query_rotary_emb=pe["v"])
     vx = vx + attn1_out * get_ada_values(block.scale_shift_table, b, ts["v_timestep"], slice(2, 3))[0]
     vx = vx + text_cross_attention(block, vx, v_context, block.attn2, block.scale_shift_table,
                                    getattr(block, "prompt_scale_shift_table", None), ts["v_timestep"], ts["v_prompt"])
@@ -118,19 +119,24 @@ def av_block(block, vx, ax, v_context, a_context, ts: dict, pe: dict):
 
 
 @torch.no_grad()
-def comfyui_call(path: str, name: str, x: dict, fps: float = 24.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """LTXAVModel's forward on the file: ComfyUI hands it sigmas (the timesteps here / 1000)."""
+def comfyui_call(path: str, name: str, x: dict, fps: float = 24.0, config=None, coords=None, self_mask=None,
+                 guide_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """LTXAVModel's forward on the file: ComfyUI hands it sigmas (the timesteps here / 1000). `coords`: the video
+    tokens' pixel coordinates [B, 3, tokens, 2] (time in seconds) where they are not the T x H x W grid's (guide
+    frames; `guide_tokens` of them at the end), `self_mask` the video self-attention's additive mask; `config` where
+    the file is not one of CONFIGS. A file with LTX-2.5's keyframe row gets it on the tokens whose time starts at 0,
+    never a guide's (LTXVModel.apply_keyframes_abs_pos_embedding, on every call)."""
     from diffusers import LTX2VideoTransformer3DModel
     from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
 
-    config = CONFIGS[name]
+    config = config or CONFIGS[name]
     sd = convert_ltx2_transformer_to_diffusers(load_file(path))
     sd = {k.replace("prompt_adaln_single.", "prompt_adaln."): v for k, v in sd.items()}
     m = LTX2VideoTransformer3DModel(**config.diffusers_kwargs()).eval()
     m.load_state_dict(sd, strict=True)
     b = x["video"].shape[0]
     ts = prepare_timestep(m, x["video_t"] / TIMESTEP_SCALE, x["audio_t"] / TIMESTEP_SCALE, b)
-    video = m.rope.prepare_video_coords(b, T, H, W, "cpu", fps=fps)
+    video = m.rope.prepare_video_coords(b, T, H, W, "cpu", fps=fps) if coords is None else coords
     audio = m.audio_rope.prepare_audio_coords(b, AUDIO_FRAMES, "cpu")
     pe = dict(v=m.rope(video, device="cpu"), a=m.audio_rope(audio, device="cpu"),
               v_cross=m.cross_attn_rope(video[:, 0:1], device="cpu"),
@@ -139,8 +145,12 @@ def comfyui_call(path: str, name: str, x: dict, fps: float = 24.0) -> tuple[torc
     if config.caption_channels:  # _prepare_context: LTX-2.0 projects the connectors' rows
         v_context, a_context = m.caption_projection(v_context), m.audio_caption_projection(a_context)
     vx, ax = m.proj_in(x["video"]), m.audio_proj_in(x["audio"])
+    if getattr(m, "keyframes_abs_pos_embedding", None) is not None:
+        marker = video[:, 0, :, 0] == 0
+        marker[:, marker.shape[1] - guide_tokens:] = False
+        vx = vx + marker[..., None].float() * m.keyframes_abs_pos_embedding
     for block in m.transformer_blocks:
-        vx, ax = av_block(block, vx, ax, v_context, a_context, ts, pe)
+        vx, ax = av_block(block, vx, ax, v_context, a_context, ts, pe, self_mask)
 
     def out(h, table, embedded, norm, proj):
         shift, scale = (table[None, None] + embedded[:, :, None]).unbind(2)

@@ -388,10 +388,10 @@ _NO_WORK = {"cpu:1": None}  # a refusal comes before the runtime client is even 
 
 
 @pytest.mark.parametrize("extra, options, pattern", [
-    ({"keyframe_idxs": torch.zeros(1, 3, H * W, 2), "guide_attention_entries": [{"pre_filter_count": H * W}]}, None,
-     r"the LTX-2 call carries inputs ParaDiT does not run yet \(keyframe_idxs: LTXVAddGuide's or LTXVAddLatentGuide's "
-     r"guide frames, guide_attention_entries: LTXVAddGuide's guide attention\); remove that node or load the model "
-     r"with UNETLoader\."),
+    ({"keyframe_idxs": torch.zeros(1, 3, H * W - 1, 2)}, None,
+     r"the LTX-2 call's guides hold 23 tokens, which is not a whole number of 24-token latent frames of this latent: "
+     r"they were recorded at another resolution; crop the guides \(LTXVCropGuides\) before upscaling the latent and "
+     r"add them again after\."),
     ({"ref_audio": {"tokens": torch.zeros(1, 4, 16)}}, None,
      r"the LTX-2 call carries inputs ParaDiT does not run yet \(ref_audio: LTXVReferenceAudio's reference audio\); "
      r".*"),
@@ -403,7 +403,7 @@ _NO_WORK = {"cpu:1": None}  # a refusal comes before the runtime client is even 
     ({"attention_mask": torch.tensor([[1, 1, 1, 0, 0, 0, 0]])}, None,
      r"the LTX-2 prompt carries an attention mask that hides tokens, which ParaDiT does not apply for this model "
      r"yet; encode the prompt with LTXAVTextEncoderLoader's text encoder or load the model with UNETLoader\."),
-], ids=["guides", "ref_audio", "generated_keyframes", "stg", "modality_guidance", "prompt_mask"])
+], ids=["damaged_guides", "ref_audio", "generated_keyframes", "stg", "modality_guidance", "prompt_mask"])
 def test_what_the_door_cannot_carry_is_refused_in_one_sentence(files, ltx_host, monkeypatch, extra, options,
                                                                pattern):
     model = _door(files["ltx2.0"][0], "cpu:1", _NO_WORK, monkeypatch)  # the smaller connectors: the same door
@@ -412,22 +412,67 @@ def test_what_the_door_cannot_carry_is_refused_in_one_sentence(files, ltx_host, 
     assert ". " not in str(refusal.value).rstrip(".")
 
 
-def test_a_spatial_noise_mask_and_a_lone_video_stream_are_refused_in_one_sentence(files, ltx_host, monkeypatch):
-    """A mask that varies within a frame (inpainting) would need per-token timesteps the runtime does not split;
-    a call without the audio stream is not LTXAV's."""
-    model = _door(files["ltx2.0"][0], "cpu:1", _NO_WORK, monkeypatch)
-    call = make_call("ltx2.0", True)
+def test_a_spatial_noise_mask_runs_and_a_lone_video_stream_is_refused(files, ltx_host, client1, monkeypatch):
+    """A mask that varies within a frame (SetLatentNoiseMask, inpainting) gives per-token timesteps, which the
+    workers take as they are (ComfyUI's per-token path): equal to ComfyUI's call; a call without the audio stream is
+    not LTXAV's and is refused in one sentence."""
+    name = "ltx2.0"
+    model = _door(files[name][0], "cpu:1", {"cpu:1": client1}, monkeypatch)
+    call = make_call(name, True)
     call.masks[0][:, :, 1, 0, 0] = 0.5
-    with pytest.raises(ConfigError, match=r"^the LTX-2 call's noise mask varies within a frame \(SetLatentNoiseMask "
-                                          r"with a spatial mask, or an inpainting latent\), which ParaDiT does not "
-                                          r"run for this model yet; mask whole frames \(LTXVImgToVideo\) or load the "
-                                          r"model with UNETLoader\.$"):
-        door_call(model, call)
+    video, audio = reference(name, files, call)
+    out = door_call(model, call)
+    errors = rel_err(out[0], video), rel_err(out[1], audio)
+    print(f"\nspatial noise mask through the door: video {errors[0]:.1e}, audio {errors[1]:.1e}")
+    assert max(errors) < RTOL
+    assert rel_err(reference(name, files, make_call(name, True))[0], video) > 1e-4  # the one masked token counts
     dit = model.model.diffusion_model
     with pytest.raises(ConfigError, match=r"^the model call's latent has 1 stream\(s\) but LTX-2 needs \(video, "
                                           r"audio\); join them with LTXVConcatAVLatent .*\.$"):
         dit(call.video, torch.full((2,), SIGMA), context=torch.zeros(2, 1024, 64), control=None,
             transformer_options={"cond_or_uncond": [0, 1]})
+
+
+@pytest.mark.parametrize("kind", ["flf", "iclora"])
+def test_guide_frames_through_the_door_equal_comfyuis(files, ltx_host, client1, client2, monkeypatch, kind):
+    """LTXVAddGuide's first and last frame at strength 0.7 (the first-last-frame templates) and a dilated IC-LoRA
+    reference with a pixel attention mask, as ComfyUI 2026's sampler calls the model with them (keyframe_idxs and
+    guide_attention_entries in the conditioning, the noise mask over the guided latent): 1 worker, CFG-2,
+    Ulysses-2 and Ring-2 equal ComfyUI's call (test_ltx2_guides.comfyui_guided_call on the connectors' rows)."""
+    from test_ltx2_guides import comfyui_guided_call, make_call as guide_call
+
+    name, clients = "ltx2.3", {"cpu:1": client1, "cpu:2": client2}
+    config, g = CONFIGS[name], torch.Generator().manual_seed(5)
+    guided = guide_call(kind, config)
+    thw = tuple(guided["latent"].shape[2:])
+    video = torch.cat([guided["latent"], torch.randn(guided["latent"].shape, generator=g)])
+    audio = torch.randn(2, config.audio_in_channels // 16, AUDIO_FRAMES, 16, generator=g)
+    prompts = tuple(torch.randn(1, PROMPT, config.cross_attention_dim + config.audio_cross_attention_dim, generator=g)
+                    for _ in "pn")
+    masks = (guided["noise_mask"].expand(2, config.in_channels, *thw), torch.ones_like(audio))  # prepare_mask's shape
+    call = Call(video, audio, prompts, masks)
+    extra = {"keyframe_idxs": guided["keyframe_idxs"], "guide_attention_entries": guided["entries"]}
+
+    from parallel_runtime.models.families.ltx2 import LTX2Adapter
+
+    rows = [comfyui_prompt(files[name][0], name, p) for p in prompts]
+    x = dict(video=LTX2Adapter.pack(video), audio=LTX2Adapter.pack_audio(audio),
+             video_context=torch.cat([r[0] for r in rows]), audio_context=torch.cat([r[1] for r in rows]),
+             video_t=(masks[0][:, 0] * SIGMA * 1000).flatten(1), audio_t=torch.full((2, AUDIO_FRAMES), SIGMA * 1000))
+    want_v, want_a = comfyui_guided_call(files[name][1], config, guided, x, fps=FPS)
+    want_v, want_a = LTX2Adapter.unpack(want_v, *thw), LTX2Adapter.unpack_audio(want_a, audio.shape[1])
+    assert want_v.abs().mean() > 0.1
+    errors = {}
+    for label, devices, degrees in (("1 worker", "cpu:1", {}), ("cfg2", "cpu:2", {"cfg_degree": 2}),
+                                    ("ulysses2", "cpu:2", {"ulysses_degree": 2}),
+                                    ("ring2", "cpu:2", {"ring_degree": 2})):
+        out = door_call(_door(files[name][0], devices, clients, monkeypatch, **degrees), call, extra=extra)
+        errors[label] = rel_err(out[0], want_v), rel_err(out[1], want_a)
+    print(f"\n{kind} guides through the door: " + ", ".join(f"{k}: video {v:.1e} audio {a:.1e}"
+                                                           for k, (v, a) in errors.items()))
+    assert max(max(e) for e in errors.values()) < RTOL
+    plain = door_call(_door(files[name][0], "cpu:1", clients, monkeypatch), call)  # the same call without its guides
+    assert rel_err(plain[0], want_v) > 1e-3
 
 
 def test_parallel_sampler_on_load_parallel_dits_model(files, ltx_host, client1, client2, monkeypatch):

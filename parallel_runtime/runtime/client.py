@@ -384,6 +384,8 @@ class RuntimeClient:
                 tensors["audio"] = job.audio
             if job.audio_timestep is not None:
                 tensors["audio_timestep"] = job.audio_timestep
+            if job.video_guides is not None:
+                tensors.update(job.video_guides.tensors())
             if job.timestep is not None:
                 tensors["timestep"] = job.timestep
                 meta.update(call_step=job.call_step, call_slot=job.call_slot, call_last=job.call_last)

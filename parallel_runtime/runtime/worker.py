@@ -362,7 +362,7 @@ class Aborted(Exception):
 
 
 def _job_from_message(meta: dict, tensors: dict):
-    from ..spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
+    from ..spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec, VideoGuides
 
     def branch(name):
         return Conditioning.from_message(name, meta, tensors)
@@ -372,7 +372,8 @@ def _job_from_message(meta: dict, tensors: dict):
                extra=meta.get("extra", {}), timestep=tensors.get("timestep"), call_step=meta.get("call_step"),
                call_slot=meta.get("call_slot", 0), call_last=meta.get("call_last", False),
                skip_blocks=tuple((str(kind), int(index)) for kind, index in meta.get("skip_blocks", ())),
-               audio=tensors.get("audio"), audio_timestep=tensors.get("audio_timestep"))
+               audio=tensors.get("audio"), audio_timestep=tensors.get("audio_timestep"),
+               video_guides=VideoGuides.from_tensors(tensors))
 
 
 def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse, gate: queue.Queue) -> None:

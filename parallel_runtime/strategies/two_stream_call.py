@@ -12,6 +12,8 @@ attending its own rows alone (a baseline); PipeFusion runs the call's patches th
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..distributed.topology import latent_plane, validate_strategy
@@ -51,6 +53,9 @@ def two_stream_outputs(runner, job: Job) -> tuple[torch.Tensor, torch.Tensor]:
     frames = audio.shape[1]
     # Timesteps of every row of the call: ComfyUI runs cond and uncond in one call, so the maxima are the call's.
     video_t, audio_t = adapter.call_timesteps(job.timestep, job.audio_timestep, tuple(thw), frames)
+    guides = job.video_guides  # LTX-2's guide frames: only the kept tokens run (ltx2_guides.py), maxima over them
+    if guides is not None:
+        video, video_t = video[:, guides.kept.to(device)], video_t[:, guides.kept]
     peaks = video_t.max(), audio_t.max()
     sigma, audio_sigma = video_t.amax(dim=1)[idx], audio_t.amax(dim=1)[idx]
     context = torch.cat([_repeat(chunks[k].cond.float(), batch) for k in mine]).to(device)
@@ -58,27 +63,38 @@ def two_stream_outputs(runner, job: Job) -> tuple[torch.Tensor, torch.Tensor]:
     video_context, audio_context = adapter.split_prompt(context, pooled)  # Kandinsky 6 reads the pooled vector
 
     fps = float(job.extra.get("frame_rate", 24.0))
+    on_guides = {} if guides is None else {"guides": guides}
+    marker_of = getattr(adapter, "keyframe_marker", None)  # LTX-2.5's keyframe row, on the tokens ComfyUI adds it to
+    marker = marker_of(tuple(thw), guides, len(idx)) if marker_of is not None else None
     if topology.pipefusion > 1:
         v_out, a_out = _pipeline(runner, job, video, audio, (video_context, audio_context),
-                                 (video_t[idx], audio_t[idx], sigma, audio_sigma, peaks), tuple(thw), fps, mine)
+                                 (video_t[idx], audio_t[idx], sigma, audio_sigma, peaks), tuple(thw), fps, mine,
+                                 marker)
     else:
         # The group whose members split both streams' rows: naive patch's (each attends its own rows alone), else
         # the sequence-parallel ranks'.
         group = comm.group("naive_patch" if topology.naive_patch > 1 else "sp")
         video_shards, audio_shards = shard_rows(video.shape[1], group.size), shard_rows(frames, group.size)
         v_rows, a_rows = video_shards[group.index], audio_shards[group.index]
-        _point_attention(runner, [len(r) for r in video_shards], [len(r) for r in audio_shards])
-        rope = adapter.rope(tuple(thw), v_rows, frames, a_rows, fps=fps, batch=len(idx))
+        # The video self-attention's bias (LTX-2's guide attention), cut for this split by the shards' rows.
+        bias = adapter.video_bias(guides, video.shape[1]) if guides is not None else None
+        _point_attention(runner, video_shards, [len(r) for r in audio_shards], bias)
+        rope = adapter.rope(tuple(thw), v_rows, frames, a_rows, fps=fps, batch=len(idx), **on_guides)
         runner._check_cancel()
         with torch.no_grad():
             v_out, a_out = adapter.forward_rows(video[:, v_rows], audio[:, a_rows], video_context, audio_context,
                                                 video_t[idx][:, v_rows], audio_t[idx][:, a_rows], sigma, audio_sigma,
-                                                rope, peaks=peaks)
+                                                rope, peaks=peaks,
+                                                **({} if marker is None else {"keyframes": marker[:, v_rows]}))
         v_out, a_out = _gather(comm, group, v_out, video_shards), _gather(comm, group, a_out, audio_shards)
     runner._finish_vote()
     if split:
         v_out = torch.cat(comm.all_gather(v_out.contiguous(), comm.group("cfg"), op="cfg"))
         a_out = torch.cat(comm.all_gather(a_out.contiguous(), comm.group("cfg"), op="cfg"))
+    if guides is not None:  # dropped tokens come back as zeros, as ComfyUI's _process_output writes them
+        whole = v_out.new_zeros(v_out.shape[0], math.prod(thw), v_out.shape[2])
+        whole[:, guides.kept.to(whole.device)] = v_out
+        v_out = whole
     return v_out, a_out
 
 
@@ -87,7 +103,7 @@ def _repeat(t: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def _pipeline(runner, job: Job, video, audio, context: tuple, times: tuple, thw: tuple, fps: float,
-              mine: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+              mine: list[int], marker: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """PipeFusion over the call's patches (two_stream_pipefusion.py), its outputs whole on every stage."""
     from .two_stream_pipefusion import pipeline_outputs
 
@@ -95,32 +111,36 @@ def _pipeline(runner, job: Job, video, audio, context: tuple, times: tuple, thw:
     if job.call_step == 0 and job.call_slot == 0:
         runner.context.stale_kv.clear()  # a new sampling run: nothing of the last one is stale K/V of this one
     frames = audio.shape[1]
+    on_guides = {} if job.video_guides is None else {"guides": job.video_guides}
 
     def rope_of(v_rows, a_rows):
-        return adapter.rope(thw, v_rows, frames, a_rows, fps=fps, batch=video.shape[0])
+        return adapter.rope(thw, v_rows, frames, a_rows, fps=fps, batch=video.shape[0], **on_guides)
 
     runner._check_cancel()
     with torch.no_grad():
         v_out, a_out = pipeline_outputs(runner, job, video, audio, adapter.embed_prompt(*context), times, rope_of,
-                                        (job.call_slot, tuple(mine)))
+                                        (job.call_slot, tuple(mine)), marker)
     group = comm.group("pipefusion")  # only the last stage holds the outputs, the others zeros: a sum is exact
     return comm.all_reduce(v_out, group, op="pipefusion"), comm.all_reduce(a_out, group, op="pipefusion")
 
 
-def _point_attention(runner, video_lengths: list[int], audio_lengths: list[int]) -> None:
+def _point_attention(runner, video_shards: list[torch.Tensor], audio_lengths: list[int], video_bias=None) -> None:
     """The context's four attentions over this split: each stream's self-attention and a2v / v2a across them
-    (naive patch: each rank's rows alone)."""
+    (naive patch: each rank's rows alone). `video_bias`: the video self-attention's bias (LTX-2's guide attention,
+    ltx2_guides.GuideBias), cut for each split by the shards' rows."""
     comm, topology = runner.comm, runner.topology
     if topology.naive_patch > 1:
-        runner.context.attention = LocalAttention()
+        mine = video_shards[comm.group("naive_patch").index]
+        runner.context.attention = LocalAttention(None if video_bias is None else video_bias.block(mine, mine))
         runner.context.streams = {name: LocalAttention() for name in ("audio", "a2v", "v2a")}
         return
     ring = runner.coords["ring"]
+    video_lengths = [len(r) for r in video_shards]
 
-    def attention(q, kv):
-        return stream_attention(comm, topology.ulysses, ring, q, kv)
+    def attention(q, kv, bias=None):
+        return stream_attention(comm, topology.ulysses, ring, q, kv, bias, video_shards if bias is not None else None)
 
-    runner.context.attention = attention(video_lengths, video_lengths)
+    runner.context.attention = attention(video_lengths, video_lengths, video_bias)
     runner.context.streams = {"audio": attention(audio_lengths, audio_lengths),
                               "a2v": attention(video_lengths, audio_lengths),
                               "v2a": attention(audio_lengths, video_lengths)}

@@ -35,11 +35,13 @@ def stale_stream_caches(video_rows: int, audio_rows: int) -> tuple[StaleKVCache,
     return tuple(StaleKVCache(lengths[keys]) for keys in KEY_STREAMS.values())
 
 
-def pipeline_outputs(runner, job: Job, video, audio, prompt: tuple, times: tuple, rope_of, key: tuple):
+def pipeline_outputs(runner, job: Job, video, audio, prompt: tuple, times: tuple, rope_of, key: tuple,
+                     marker: torch.Tensor | None = None):
     """This call's (video, audio) model outputs as packed tokens: filled on the last stage, zeros elsewhere (a sum
     over the pipeline group is exact). `video` / `audio`: the call's input tokens; `prompt`: each stream's prompt
     rows; `times`: (video_t, audio_t, sigma, audio_sigma, peaks) of the call's rows; `rope_of(video_rows,
-    audio_rows)`: the RoPE tables of a token set; `key`: the slot whose stale K/V this call reads (model_call.py)."""
+    audio_rows)`: the RoPE tables of a token set; `key`: the slot whose stale K/V this call reads (model_call.py);
+    `marker`: LTX-2.5's keyframe marker per video token (adapter.keyframe_marker), or None."""
     adapter, comm = runner.adapter, runner.comm
     nv, na = video.shape[1], audio.shape[1]
     shape = ("two-stream", tuple(video.shape), tuple(audio.shape), job.strategy.patches)
@@ -69,7 +71,8 @@ def pipeline_outputs(runner, job: Job, video, audio, prompt: tuple, times: tuple
                     attend.positions = (v_rows if KEY_STREAMS[name] == "video" else a_rows).to(video.device)
                 rope = rope_of(v_rows, a_rows)
                 if stage == 0 and chunk == 0:
-                    v, a = adapter.embed_video(video[:, v_rows]), adapter.embed_audio(audio[:, a_rows])
+                    marked = () if marker is None else (marker[:, v_rows],)  # LTX-2.5's keyframe row
+                    v, a = adapter.embed_video(video[:, v_rows], *marked), adapter.embed_audio(audio[:, a_rows])
                 else:
                     v, a = _receive(runner, before, video.shape[0], len(v_rows), len(a_rows))
                 v, a = adapter.run_blocks(v, a, prompt, mod, rope, chunk=chunk)

@@ -64,6 +64,7 @@ import torch
 
 from ...errors import ModelFileError
 from ...sampling.flow import FluxModelSampling, VideoLatentFormat
+from ...spec import VideoGuides
 from ...strategies.attention import LocalAttention
 from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
@@ -71,6 +72,7 @@ from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
 from ..patchify import PatchTokens
 from ..shapes import plain_kind, shapes_of_model
 from .flux import BFL_PREFIXES, DIFFUSERS_PREFIXES
+from .ltx2_guides import GuideBias, first_frame_marker, token_coords
 
 BLOCK_LISTS = ("transformer_blocks",)
 DEFAULT_HEADS = 32  # ComfyUI's detection: attention_head_dim = attn2.to_k rows // 32 (audio: 32 heads as well)
@@ -119,6 +121,7 @@ class LTX2Config(JointAttentionConfig):
 
     family = "ltx2"
     video = True
+    token_timesteps = True  # a model call may carry one video timestep per token (ComfyUI's per-token noise mask)
     patch_size = 1
     latent_downscale = 32
     pooled_dim = 0
@@ -199,7 +202,30 @@ class LTX2Config(JointAttentionConfig):
         if at is not None and tuple(at.shape) not in ((rows,), (rows, audio.shape[2])):
             return (f"the model call's audio timestep has shape {tuple(at.shape)}, not ({rows},) or ({rows}, "
                     f"{audio.shape[2]}); a node patches the audio timesteps in a way ParaDiT does not split: remove it")
+        guides = job.video_guides
+        if guides is not None:
+            problem = self.guides_problem(guides, math.prod(job.latent.shape[2:]))
+            if problem:
+                return problem
+            if guides.weights is not None and job.strategy.pipefusion_degree > 1:
+                return (f"the parallel model call runs {self.title}'s PipeFusion without guide attention weights; "
+                        f"set LTXVAddGuide's strength to 1 or pipefusion_degree to 1 (Ulysses, Ring and CFG run them)")
         return self.strategy_problem(job.strategy, "the parallel model call")
+
+    @staticmethod
+    def guides_problem(guides: VideoGuides, tokens: int) -> str | None:
+        """What makes a call's guides (spec.VideoGuides) unreadable for a latent of `tokens` video tokens, or None:
+        the door builds them from ComfyUI's keyframe_idxs, so this only catches a damaged message."""
+        kept, coords, weights = guides.kept, guides.coords, guides.weights
+        g = coords.shape[1] if coords.ndim == 3 else -1
+        ok = (kept.ndim == 1 and kept.dtype == torch.int64 and 0 < kept.numel() <= tokens
+              and int(kept.min()) >= 0 and int(kept.max()) < tokens and bool((kept[1:] > kept[:-1]).all())
+              and coords.ndim == 3 and coords.shape[0] == 3 and coords.shape[2] == 2 and 0 <= g <= kept.numel()
+              and bool(torch.isfinite(coords).all()))
+        if ok and weights is not None:
+            ok = tuple(weights.shape) == (g,) and bool(torch.isfinite(weights).all()) and bool((weights >= 0).all())
+        return None if ok else ("the model call's guide frames do not fit its video latent (kept tokens, positions "
+                                "or weights out of range); add the guides again with LTXVAddGuide")
 
     def strategy_problem(self, s, runner: str) -> str | None:
         """What of strategy `s` the two-stream call (strategies/two_stream_call.py) cannot run, one sentence without
@@ -531,11 +557,14 @@ class LTX2Adapter(PatchTokens):
         return tokens.unflatten(2, (channels, -1)).permute(0, 2, 1, 3)
 
     def rope(self, thw: tuple[int, int, int], video_rows: torch.Tensor, audio_frames: int, audio_rows: torch.Tensor,
-             fps: float = 24.0, batch: int = 1) -> Rope:
-        """RoPE of the video rows `video_rows` (token indices into the T x H x W grid) and the audio rows
-        `audio_rows` (latent frame indices): every table is per token, so any shard's rows are computed alone."""
+             fps: float = 24.0, batch: int = 1, guides: VideoGuides | None = None) -> Rope:
+        """RoPE of the video rows `video_rows` (token indices into the T x H x W grid, or with `guides` into its kept
+        tokens, the guides' at their own positions) and the audio rows `audio_rows` (latent frame indices): every
+        table is per token, so any shard's rows are computed alone."""
         m, device = self.model, self.device
         video = m.rope.prepare_video_coords(batch, *thw, device, fps=fps)
+        if guides is not None:
+            video = token_coords(video, guides, fps)
         audio = m.audio_rope.prepare_audio_coords(batch, audio_frames, device)
 
         def tables(layer, coords, rows):
@@ -555,13 +584,16 @@ class LTX2Adapter(PatchTokens):
     def call_timesteps(self, timestep: torch.Tensor, audio_timestep: torch.Tensor | None, thw: tuple,
                        audio_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token timesteps [rows, video tokens] and [rows, audio frames] in the model's units, from a call's
-        sigmas as ComfyUI hands them to LTXAVModel (x timestep_scale_multiplier, 1000): the video's per row or per
-        row and latent frame (a conditioning frame at 0), the audio's per row or per row and frame, or the video's
-        per-row sigma where the call has no audio mask."""
+        sigmas as ComfyUI hands them to LTXAVModel (x timestep_scale_multiplier, 1000): the video's per row, per
+        row and latent frame (a conditioning frame at 0) or per row and token (a mask that varies within a frame:
+        a dilated guide's, an inpainting mask's), the audio's per row or per row and frame, or the video's per-row
+        sigma where the call has no audio mask."""
         t, h, w = thw
         video = timestep.float() * CALL_TIMESTEP_SCALE
-        video = (video[:, None].expand(-1, t * h * w) if video.ndim == 1
-                 else video[:, :, None].expand(-1, t, h * w).flatten(1))
+        if video.ndim == 1:
+            video = video[:, None].expand(-1, t * h * w)
+        elif video.shape[1] == t:
+            video = video[:, :, None].expand(-1, t, h * w).flatten(1)
         audio = (timestep if audio_timestep is None else audio_timestep).float() * CALL_TIMESTEP_SCALE
         if audio.ndim == 1:
             audio = audio[:, None].expand(-1, audio_frames)
@@ -583,6 +615,23 @@ class LTX2Adapter(PatchTokens):
         if self.config.keyframes and keyframes is not None:
             x = x + (keyframes > 0).to(x.dtype) * self.model.keyframes_abs_pos_embedding.to(x.dtype)
         return x
+
+    def video_bias(self, guides: VideoGuides, tokens: int) -> GuideBias | None:
+        """The video self-attention's bias over a call's `tokens` kept tokens: the guides' attention weights
+        (ltx2_guides.GuideBias), or None where they have none."""
+        if guides.weights is None:
+            return None
+        return GuideBias(guides.weights, tokens, self.dtype, self.device)
+
+    def keyframe_marker(self, thw: tuple[int, int, int], guides: VideoGuides | None, batch: int) -> torch.Tensor | None:
+        """[B, tokens, 1] of a call's video tokens (kept ones, with `guides`): 1 where LTX-2.5's keyframe row is added,
+        or None where nothing is. ComfyUI's LTXVModel adds it on every call of a file that has it, to the causal
+        first frame's tokens (and never a guide's); diffusers' forward only where a pipeline passes a mask, which
+        its plain text- and image-to-video pipelines do not (so the diffusers reading adds none)."""
+        if not self.config.keyframes or self.config.reading != "comfyui":
+            return None
+        grid = self.model.rope.prepare_video_coords(batch, *thw, self.device)
+        return first_frame_marker(grid, guides).unsqueeze(-1).float()
 
     def embed_audio(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.audio_proj_in(tokens.to(self.device, self.dtype))

@@ -54,14 +54,23 @@ class UlyssesCrossAttention:
         return mine.reshape(u, s, b, h // u, d).permute(2, 1, 0, 3, 4).reshape(b, s, h, d)
 
 
-def stream_attention(comm: Comm, ulysses: int, ring_index: int, q_shards: list[int], kv_shards: list[int]):
+def stream_attention(comm: Comm, ulysses: int, ring_index: int, q_shards: list[int], kv_shards: list[int],
+                     bias=None, rows: list[torch.Tensor] | None = None):
     """The attention of queries from a stream split as `q_shards` over keys from one split as `kv_shards` (per
     sequence-parallel rank, in the order shard r * ulysses + u): Ring over Ulysses groups, as for one stream.
-    Self-attention of a stream is the case q_shards == kv_shards."""
+    Self-attention of a stream is the case q_shards == kv_shards. `bias` (self-attention only): an object with
+    AttentionBias' `block(rows, cols)`, cut with `rows[j]`, shard j's token indices, as Denoiser._sequence_attention
+    cuts ComfyUI's mask: a Ulysses group attends its members' rows in member order, as queries and as the keys of
+    the ring block it starts with."""
     ring_group, uly_group = comm.group("ring"), comm.group("ulysses")
     rings = len(kv_shards) // ulysses
     kv_lengths = [sum(kv_shards[r * ulysses:(r + 1) * ulysses]) for r in range(rings)]
-    attention = RingAttention(comm, ring_group, kv_lengths) if ring_group.size > 1 else LocalAttention()
+    blocks = None
+    if bias is not None:
+        members = [torch.cat(rows[r * ulysses:(r + 1) * ulysses]) for r in range(rings)]
+        blocks = [bias.block(members[ring_index], keys) for keys in members]
+    attention = (RingAttention(comm, ring_group, kv_lengths, blocks) if ring_group.size > 1
+                 else LocalAttention(blocks[0] if blocks else None))
     if uly_group.size > 1:
         q_mine = q_shards[ring_index * ulysses:(ring_index + 1) * ulysses]
         kv_mine = kv_shards[ring_index * ulysses:(ring_index + 1) * ulysses]
