@@ -407,12 +407,22 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
     if kwargs.get("image_cond") is not None:  # HiDream E1's InstructPixToPixConditioning image (model_base.HiDream)
         refs, method = _chunk_references([kwargs["image_cond"]], k, batch, latent_format), "hidream_e1"
     return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size, references=refs,
-                        reference_method=method, **_chunk_llama(kwargs.get("encoder_hidden_states_llama3"), sl),
+                        reference_method=method, reference_slots=_reference_slots(kwargs.get("image_slots")),
+                        **_chunk_llama(kwargs.get("encoder_hidden_states_llama3"), sl),
                         concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls,
                         attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip, glyph=glyph,
                         **_chunk_camera(kwargs.get("camera_conditions"), sl),
                         **_chunk_vace(kwargs.get("vace_context"), kwargs.get("vace_strength"), sl),
                         **_chunk_vision(kwargs.get(hidream_o1_call.VISION_INPUT)))
+
+
+def _reference_slots(slots) -> tuple[int, ...]:
+    """Qwen-Image 2.1's image_slots (TextEncodeQwenImage21: the prompt row before which each reference sits), the
+    same for every chunk of a call (ComfyUI batches only chunks whose slots agree)."""
+    if slots is None:
+        return ()
+    values = slots.flatten().tolist() if isinstance(slots, torch.Tensor) else list(slots)
+    return tuple(int(v) for v in values)
 
 
 def _chunk_vision(vision) -> dict:
@@ -519,10 +529,10 @@ def _chunk_context_latents(latents, k: int, batch: int, latent_format) -> tuple:
 # (_refuse_padded_prompt).
 _KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea", "denoise_mask",
                  "num_tokens", "txt_byt5", "camera_conditions", "reference_latent", "vace_context", "vace_strength",
-                 "encoder_hidden_states_llama3", "image_cond", "context_latents", hidream_o1_call.VISION_INPUT}
+                 "encoder_hidden_states_llama3", "image_cond", "context_latents", "image_slots",
+                 hidream_o1_call.VISION_INPUT}
 # Inputs ComfyUI 2026's model classes pass that no family here reads yet, by what adds them (the refusal names it).
 _INPUT_SOURCES = {
-    "image_slots": "images placed in the prompt by TextEncodeQwenImage21",
     "siglip_feats": "Z-Image Omni's SigLIP image features",
     "ref_contexts": "Z-Image Omni's reference prompts",
     "clip_text_pooled": "NewBie's pooled CLIP text",

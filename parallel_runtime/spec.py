@@ -247,6 +247,10 @@ class Conditioning:
     # (t, h, w) patch grid per reference. The same for every row: the tower runs once per job.
     vision: torch.Tensor | None = field(default=None, repr=False)
     vision_grid: torch.Tensor | None = None
+    # Where the prompt holds each reference (Qwen-Image 2.1's image_slots, as TextEncodeQwenImage21 marks them): the
+    # prompt row before which reference i sits, ascending; references past the list sit after the prompt. Empty:
+    # every reference after the prompt.
+    reference_slots: tuple[int, ...] = ()
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         refs = {f"{prefix}.reference.{i}": r for i, r in enumerate(self.references)}
@@ -280,7 +284,8 @@ class Conditioning:
                 f"{prefix}_image_size": list(self.image_size) if self.image_size else None,
                 f"{prefix}_control": [[c.path, c.hint_key, c.strength, list(c.types)] for c in self.control],
                 f"{prefix}_attention_mask": self.attention_mask_key, f"{prefix}_camera": self.camera_key,
-                f"{prefix}_vace_strength": list(self.vace_strength), f"{prefix}_llama": self.llama_key}
+                f"{prefix}_vace_strength": list(self.vace_strength), f"{prefix}_llama": self.llama_key,
+                f"{prefix}_reference_slots": list(self.reference_slots)}
 
     @classmethod
     def from_message(cls, prefix: str, meta: dict, tensors: dict[str, torch.Tensor]) -> "Conditioning":
@@ -297,7 +302,8 @@ class Conditioning:
                    vace=tensors.get(f"{prefix}.vace"),
                    vace_strength=tuple(float(v) for v in meta.get(f"{prefix}_vace_strength") or ()),
                    llama=tensors.get(f"{prefix}.llama"), llama_key=meta.get(f"{prefix}_llama"),
-                   vision=tensors.get(f"{prefix}.vision"), vision_grid=tensors.get(f"{prefix}.vision_grid"))
+                   vision=tensors.get(f"{prefix}.vision"), vision_grid=tensors.get(f"{prefix}.vision_grid"),
+                   reference_slots=tuple(int(v) for v in meta.get(f"{prefix}_reference_slots") or ()))
 
     def signature(self, prompt_tokens: int = 0) -> tuple:
         """What must be equal for two branches to share one forward pass (ComfyUI batches them then, and only
@@ -313,7 +319,7 @@ class Conditioning:
         llama = None if self.llama is None else tuple(self.llama.shape[1:])
         vision = None if self.vision is None else (tuple(self.vision.shape), tuple(self.vision_grid.flatten().tolist()))
         return (max(self.cond.shape[1], prompt_tokens), tuple(tuple(r.shape[2:]) for r in self.references),
-                self.reference_method,
+                self.reference_method, self.reference_slots,
                 concat, tuple(c.signature() for c in self.control), masked, clip, glyph, camera, vace, llama, vision)
 
 

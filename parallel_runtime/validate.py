@@ -146,9 +146,26 @@ def validate_numbers(job: Job) -> None:
         _finite_tensor(f"{name} pooled vector", c.pooled, "re-encode the prompt; " + upstream)
 
 
+def validate_reference_slots(name: str, c, config) -> None:
+    """Where the prompt holds the references (Qwen-Image 2.1's image slots): only for a family that reads them, one
+    slot per reference at most, ascending prompt rows (TextEncodeQwenImage21 makes them so)."""
+    slots = c.reference_slots
+    if not slots:
+        return
+    if not getattr(config, "reads_reference_slots", False):
+        raise ConfigError(f"the {name} conditioning places images inside the prompt (image slots), which this "
+                          f"{config.family} model does not read; encode the prompt without images.")
+    rows = c.cond.shape[1]
+    if len(slots) > len(c.references) or list(slots) != sorted(slots) or min(slots) < 0 or max(slots) > rows:
+        raise ConfigError(f"the {name} conditioning's image slots {list(slots)} do not fit its {rows}-row prompt and "
+                          f"{len(c.references)} reference latent(s); encode the prompt and its images with one "
+                          f"TextEncodeQwenImage21 node.")
+
+
 def validate_references(name: str, c, config) -> None:
     """ReferenceLatent inputs: only families that read them, in this model's latent shape, placed by a known
     method."""
+    validate_reference_slots(name, c, config)
     if not c.references:
         return
     if getattr(config, "reference_refusal", None):

@@ -91,7 +91,6 @@ REFUSED_NODES = (
     ("LTXVReferenceAudio", None, "LTX-2 reference audio"),
     ("MiniMaxH3FunControlNetApply", None, "MiniMax-H3 Fun ControlNet union"),
     ("ReferenceMultiLatent", None, "FLUX.3 reference images"),
-    ("TextEncodeQwenImage21", "images.", "Qwen-Image 2.1's encoder image slots"),
 )
 ACTIVE = 0  # a node's mode: 0 runs, 2 muted, 4 bypassed
 

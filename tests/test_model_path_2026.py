@@ -546,11 +546,13 @@ def _z_image_agreement(u, c):
 
 
 def _qwen_image21_chunk(g, k):
-    return {"cross_attn": _randn(g, 1, 6, 32), "reference_latents": [_randn(g, 1, 64, 2, 2)]}
+    """TextEncodeQwenImage21 with one image: the reference placed before prompt row 2 (its image slot)."""
+    return {"cross_attn": _randn(g, 1, 6, 32), "reference_latents": [_randn(g, 1, 64, 2, 2)], "image_slots": [2]}
 
 
 def _qwen_image21_branch(chunk):
-    return Conditioning(chunk["cross_attn"], torch.zeros(1, 0), references=tuple(chunk["reference_latents"]))
+    return Conditioning(chunk["cross_attn"], torch.zeros(1, 0), references=tuple(chunk["reference_latents"]),
+                        reference_slots=tuple(chunk["image_slots"]))
 
 
 def _qwen_image21_agreement(u, c):
@@ -617,10 +619,9 @@ CASES = {
                      r"features\); remove the node that adds them or load the model with UNETLoader\.")),
     "qwen_image21": Case(_qwen_image21_config, (64, 4, 4), "QwenImage21", _qwen_image21_chunk, _qwen_image21_branch,
                          _qwen_image21_agreement,
-                         ({"image_slots": [2]},
-                          r"the model call carries inputs ParaDiT does not run \(image_slots: images placed in the "
-                          r"prompt by TextEncodeQwenImage21\); remove the node that adds them or load the model with "
-                          r"UNETLoader\.")),
+                         ({"image_slots": [9]},  # a slot past the 6-row prompt: damaged, refused before any work
+                          r"the positive conditioning's image slots \[9\] do not fit its 6-row prompt and 1 reference "
+                          r"latent\(s\); encode the prompt and its images with one TextEncodeQwenImage21 node\.")),
     "hunyuan_video15": Case(_hunyuan_video15_config, (32, *_VIDEO), "HunyuanVideo15", _hunyuan_video15_chunk,
                             _hunyuan_video15_branch, _hunyuan_video15_agreement,
                             ({"guiding_frame_index": torch.tensor([0.0])},

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.timeout(600)
 TINY = QwenImage21Config(hidden_size=128, num_heads=4, head_dim=32, num_layers=3, context_dim=32)
 H, W = 8, 6  # latent pixels = tokens: 48 image tokens (4 PipeFusion rows of 2x2 patches each, as validation counts)
 REF = (4, 6)  # a reference latent of the image's parity (diffusers' RoPE has no half-token offsets)
+REF2 = (2, 4)  # a second one, placed by image slots
 # One fp32 forward in another op order than diffusers: ~1e-6; exact strategies reorder sums (~1e-7 per op).
 SERIAL_RTOL, EXACT_RTOL = 1e-5, 1e-4
 # A quantized file and its fp32 twin hold the same numbers: equal up to BLAS blocking of equal operands.
@@ -47,18 +48,25 @@ def paths(tmp_path_factory):
                              layout="diffusers", prefix="transformer."))
 
 
-def conditioning(seed: int, tokens: int = 9, reference: bool = False) -> Conditioning:
+def conditioning(seed: int, tokens: int = 9, reference: bool = False, slots: tuple[int, ...] = ()) -> Conditioning:
+    """A prompt of `tokens` rows; with `reference` a reference image, and with `slots` a second, smaller one too,
+    placed inside the prompt at those rows (TextEncodeQwenImage21's image slots)."""
     g = torch.Generator().manual_seed(seed)
     refs = (torch.randn(1, TINY.out_channels, *REF, generator=g) * 3,) if reference else ()
-    return Conditioning(torch.randn(1, tokens, TINY.context_dim, generator=g), torch.zeros(1, 0), references=refs)
+    if slots:
+        refs += (torch.randn(1, TINY.out_channels, *REF2, generator=g) * 3,)
+    return Conditioning(torch.randn(1, tokens, TINY.context_dim, generator=g), torch.zeros(1, 0), references=refs,
+                        reference_slots=slots)
 
 
-def call_job(path: str, strategy: S, reference: bool = False) -> Job:
-    """One model call at t = 0.87: a 9-token prompt (with a reference image where asked) and an 11-token negative
-    without one, so the branches run as separate forward passes, as ComfyUI runs them."""
+def call_job(path: str, strategy: S, reference: bool = False, slots: tuple[int, ...] = ()) -> Job:
+    """One model call at t = 0.87: a 9-token prompt (with a reference image where asked, and two placed inside the
+    prompt by `slots`) and an 11-token negative without one, so the branches run as separate forward passes, as
+    ComfyUI runs them."""
     g = torch.Generator().manual_seed(3)
     return Job(ModelSpec(path), strategy, SamplingSpec(steps=1), torch.randn(2, TINY.out_channels, H, W, generator=g),
-               conditioning(1, reference=reference), conditioning(2, tokens=11), timestep=torch.full((2,), 0.87))
+               conditioning(1, reference=reference or bool(slots), slots=slots), conditioning(2, tokens=11),
+               timestep=torch.full((2,), 0.87))
 
 
 @torch.no_grad()
@@ -74,10 +82,19 @@ def diffusers_call(diffusers_path: str, job: Job) -> torch.Tensor:
         refs = [QWEN_IMAGE21_LATENT.process_in(r) for r in branch.references]
         images = refs + [job.latent[row:row + 1]]
         tokens = torch.cat([im.flatten(2).transpose(1, 2) for im in images], dim=1)
-        slots = [False] * branch.cond.shape[1] + [True] * sum(im.shape[-2] * im.shape[-1] // 4 for im in images)
-        # The encoder's sequence holds a placeholder row per reference slot (the pipeline's vision tokens).
-        prompt = torch.cat([branch.cond] + [branch.cond.new_zeros(1, r.shape[-2] * r.shape[-1] // 4, TINY.context_dim)
-                                            for r in refs], dim=1)
+        # The encoder's sequence holds a placeholder row per 2x2 latent tokens of each reference (the pipeline's vision
+        # tokens), where the prompt's image slot puts it (after the prompt without one); the image's follow.
+        length = branch.cond.shape[1]
+        at = (list(branch.reference_slots) + [length] * len(refs))[:len(refs)]
+        pieces, slots, start = [], [], 0
+        for slot, r in zip(at, refs):
+            placeholders = r.shape[-2] * r.shape[-1] // 4
+            pieces += [branch.cond[:, start:slot], branch.cond.new_zeros(1, placeholders, TINY.context_dim)]
+            slots += [False] * (slot - start) + [True] * placeholders
+            start = slot
+        pieces.append(branch.cond[:, start:])
+        slots += [False] * (length - start) + [True] * (H * W // 4)
+        prompt = torch.cat(pieces, dim=1)
         result = model(tokens, prompt, job.timestep[row:row + 1], img_shapes=[[(1, *im.shape[-2:])
                                                                                     for im in images]],
                        img_mask=torch.tensor([slots])).sample
@@ -153,6 +170,45 @@ def test_qwen_image21_exact_strategies_equal_diffusers(paths, client2, strategy)
     err = rel_err(client2.run(job).latent, diffusers_call(paths[1], job))
     print(f"\nQwen-Image 2.1 {strategy} rel. error vs diffusers {err:.2e}")
     assert err < EXACT_RTOL
+
+
+def test_image_slots_place_references_inside_the_prompt_as_comfyui_does():
+    """ComfyUI's build_sequence with image slots: [prompt rows 0-1, reference (2 tokens), prompt row 2, reference
+    (1 token), image (2 tokens)]. In the canonical order [prompt 3, image 2, references 2 + 1] the mask lets a prompt
+    row see earlier rows and the references before it, a reference the rows before it and itself, the image all;
+    RoPE frames run on through each reference's longer side."""
+    from parallel_runtime.models.families.qwen_image21 import sequence_ids, sequence_mask
+
+    allowed = sequence_mask(3, 2, (2, 1), slots=(2, 3)).int()
+    assert allowed.tolist() == [[1, 0, 0, 0, 0, 0, 0, 0],
+                                [1, 1, 0, 0, 0, 0, 0, 0],
+                                [1, 1, 1, 0, 0, 1, 1, 0],
+                                [1, 1, 1, 1, 1, 1, 1, 1],
+                                [1, 1, 1, 1, 1, 1, 1, 1],
+                                [1, 1, 0, 0, 0, 1, 1, 0],
+                                [1, 1, 0, 0, 0, 1, 1, 0],
+                                [1, 1, 1, 0, 0, 1, 1, 1]]
+    ids = sequence_ids(3, 1, 2, ((1, 2), (1, 1)), slots=(2, 3))
+    frames = ids[:, 0].tolist()  # prompt 0, 1, then the 1x2 reference at 2 (+2), prompt row 2 at 4, the 1x1 at 5
+    assert frames == [0, 1, 4, 6, 6, 2, 2, 5]  # ... and the 1x2 image at 6
+    assert torch.equal(sequence_mask(3, 2, (2,)), sequence_mask(3, 2, (2,), slots=(3,)))  # a slot at the end
+
+
+@pytest.mark.parametrize("strategy", [S(), S(ulysses_degree=2), S(ring_degree=2), S(tensor_degree=2)],
+                         ids=["serial", "ulysses2", "ring2", "tensor2"])
+def test_qwen_image21_image_slots_equal_diffusers(paths, client1, client2, strategy):
+    """Two references placed inside a 9-row prompt (before rows 3 and 6, as TextEncodeQwenImage21 marks them):
+    diffusers' model with each reference's placeholder rows at its slot (img_mask) is the reference; the same job
+    with the references after the prompt is not (so the slots are read)."""
+    job = call_job(paths[0], strategy, slots=(3, 6))
+    want = diffusers_call(paths[1], job)
+    out = (client1 if strategy.world_size == 1 else client2).run(job).latent
+    err = rel_err(out, want)
+    print(f"\nQwen-Image 2.1 image slots, {strategy.label()}: rel. error vs diffusers {err:.2e}")
+    assert err < (SERIAL_RTOL if strategy.world_size == 1 else EXACT_RTOL)
+    if strategy.world_size == 1:
+        after = call_job(paths[0], strategy, slots=(9, 9))  # both after the prompt
+        assert rel_err(client1.run(after).latent, want) > 1e-3
 
 
 @pytest.mark.parametrize("strategy", [S(ulysses_degree=2, ring_degree=2), S(cfg_degree=2, ulysses_degree=2)],

@@ -37,10 +37,11 @@ def test_every_template_file_is_classified_and_the_counts_hold(report):
     # and Kandinsky 5's 3 (text-to-image, text-to-video, image-to-video), Wan 2.1 FLF2V's 1, HiDream O1's 2 (both
     # carry HiDreamO1ReferenceImages, which runs), Wan ATI's, WanMove's and ChronoEdit's 3, and Wan 2.2 Bernini's 2
     # (BerniniConditioning's in-context latents), and the 7 LTX-2 templates with guide frames (LTXVAddGuide: first-last
-    # frame, IC-LoRA control, style transition). A new family raises it; a lost one lowers it: update with
+    # frame, IC-LoRA control, style transition) and the 3 Qwen-Image 2.1 edit templates whose TextEncodeQwenImage21
+    # places the images inside the prompt (image slots). A new family raises it; a lost one lowers it: update with
     # docs/families.md.
     assert (t["templates_loading_a_local_model"], t["templates_loading_a_dit"]) == (248, 211)
-    assert (t["covered"], t["files_run_but_a_feature_refused"]) == (138, 6)
+    assert (t["covered"], t["files_run_but_a_feature_refused"]) == (141, 3)
 
 
 def test_a_template_with_a_refused_variant_beside_a_run_one_is_not_covered(report):
@@ -69,7 +70,9 @@ def test_a_template_with_a_refused_variant_beside_a_run_one_is_not_covered(repor
     assert all(templates[n]["covered"] for n in ("image_kandinsky5_t2i", "video_kandinsky5_t2v",
                                                   "video_kandinsky5_i2v"))
     assert all(templates[n]["covered"] for n in ("video_ltx2_3_flf2v", "video_ltx2_5_flf2v", "video_ltx2_3_ic_lora",
-                                                  "video_ltx2_canny_to_video", "video_ltx2_3_t2v"))
+                                                  "video_ltx2_canny_to_video", "video_ltx2_3_t2v",
+                                                  "image_qwen_image_2_1_image_edit",
+                                                  "image_qwen_image_2_1_turbo_image_edit"))
     # A template of UNets only does not load a DiT at all.
     sdxl = [n for n, t in templates.items() if t["files"] == ["sd_xl_base_1.0.safetensors"]]
     assert sdxl and not any(templates[n]["loads_dit"] for n in sdxl)
@@ -85,5 +88,5 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path):
     run = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "template_coverage.py"), "--json", str(out)],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert run.returncode == 0, run.stderr
-    assert "ParaDiT's families run 138 of them, every DiT file and feature" in run.stdout
-    assert json.loads(out.read_text())["totals"]["covered"] == 138
+    assert "ParaDiT's families run 141 of them, every DiT file and feature" in run.stdout
+    assert json.loads(out.read_text())["totals"]["covered"] == 141

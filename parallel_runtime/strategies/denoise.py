@@ -96,6 +96,7 @@ class Branches:
         self.reference_shapes = tuple(tuple(r.shape[-3 if first.reference_method == IN_CONTEXT_METHOD else -2:])
                                       for r in first.references)
         self.reference_method = first.reference_method
+        self.reference_slots = first.reference_slots  # where the prompt holds them (the same for every branch here)
         self.references = (torch.cat([reference_tokens(adapter, c.references, batch) for c in conds]).to(device)
                            if first.references else None)
         # Per branch, the image size its text encode node attached (None: the latent's); families that embed it
@@ -352,6 +353,8 @@ class Denoiser:
         grid = {"rope_options": self.rope_options} if self.rope_options is not None else {}
         if branches.vision_grid:
             grid["vision"] = branches.vision_grid
+        if branches.reference_slots:  # Qwen-Image 2.1's references inside the prompt
+            grid["slots"] = branches.reference_slots
         return self.adapter.rope(self._prompt_len(branches) + extra_text, *self.hw, branches.reference_shapes,
                                  branches.reference_method, **grid)
 
@@ -386,7 +389,8 @@ class Denoiser:
         mask = branches.attention_mask
         own = getattr(self.adapter, "sequence_bias", None)
         if own is not None:
-            own = own(self._sequence_text_len(branches), self.hw, branches.reference_shapes)
+            slots = {"slots": branches.reference_slots} if branches.reference_slots else {}
+            own = own(self._sequence_text_len(branches), self.hw, branches.reference_shapes, **slots)
             mask = own if mask is None else mask + own
         return None if mask is None else AttentionBias(mask)
 

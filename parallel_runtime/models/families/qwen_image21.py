@@ -22,8 +22,9 @@ Parity reference is diffusers' QwenImage21Transformer2DModel (same parameter nam
 differ this module follows ComfyUI: RoPE tables in float64 (diffusers: float32 polar), a reference of the other
 parity half a token off (diffusers: integer offsets), and t rounded through the compute dtype as t x 1000
 (diffusers rounds t itself). In fp32 with references of the image's parity the two agree to round-off.
-ReferenceLatent tokens sit after the prompt (ComfyUI's placement when TextEncodeQwenImage21 gives no
-image_slots); prompts with image slots are not carried yet.
+ReferenceLatent tokens sit where the prompt's image slots put them (TextEncodeQwenImage21's images: the prompt row
+before which each sits, `Conditioning.reference_slots`), else after the prompt; the ids and the mask follow that
+order, while the canonical sequence keeps the prompt whole.
 """
 from __future__ import annotations
 
@@ -91,6 +92,7 @@ class QwenImage21Config(QwenImageConfig):
     latent_dimensions = 2
     latent_downscale = 16  # pixels per latent pixel (the 2.1 VAE's), one token each
     latent_format = QWEN_IMAGE21_LATENT
+    reads_reference_slots = True  # TextEncodeQwenImage21's image slots place references inside the prompt
 
     @property
     def mlp_hidden(self) -> int:
@@ -172,38 +174,50 @@ def checkpoint_shapes(config: QwenImage21Config) -> dict[str, tuple[tuple[int, .
 
 # -- the strategies' view -----------------------------------------------------------------------------
 
-def sequence_ids(text_len: int, h: int, w: int, references: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
-    """RoPE ids of build_sequence (references after the prompt) in the canonical order [prompt, image, references]:
-    prompt token i at (i, i, i); each grid at the frame reached so far, rows and columns centred on zero (a
-    reference of the other parity than the image half a token off), the frame then advancing by its longer side."""
+def placed_slots(text_len: int, count: int, slots: tuple[int, ...] = ()) -> list[int]:
+    """The prompt row before which each of `count` references sits (build_sequence's `slots`): the prompt's image
+    slots where given, the end of the prompt for the rest."""
+    return (list(slots) + [text_len] * count)[:count]
+
+
+def sequence_ids(text_len: int, h: int, w: int, references: tuple[tuple[int, int], ...] = (),
+                 slots: tuple[int, ...] = ()) -> torch.Tensor:
+    """RoPE ids of build_sequence in the canonical order [prompt, image, references]. ComfyUI's order is the prompt
+    with each reference spliced in before its slot's row, then the image; a running frame counts every prompt row
+    and every grid's longer side in that order: prompt row i at (f, f, f), each grid at the frame reached so far,
+    rows and columns centred on zero (a reference of the other parity than the image half a token off)."""
     def grid(frame: float, rows: int, cols: int) -> torch.Tensor:
         r = torch.arange(rows, dtype=torch.float64) - (rows - rows // 2) + 0.5 * (rows % 2 - h % 2)
         c = torch.arange(cols, dtype=torch.float64) - (cols - cols // 2) + 0.5 * (cols % 2 - w % 2)
         return torch.stack([torch.full((rows, cols), frame, dtype=torch.float64), r[:, None].expand(rows, cols),
                             c[None, :].expand(rows, cols)], dim=-1).flatten(0, 1)
 
-    prompt = torch.arange(text_len, dtype=torch.float64)[:, None].expand(text_len, 3)
-    frame, refs = text_len, []
-    for rows, cols in references:
-        refs.append(grid(frame, rows, cols))
-        frame += max(rows, cols)
-    return torch.cat([prompt, grid(frame, h, w), *refs])
+    at = placed_slots(text_len, len(references), slots)
+    prompt_frame = torch.arange(text_len, dtype=torch.float64)
+    refs, skipped = [], 0.0  # `skipped`: the frames the references before this one took
+    for slot, (rows, cols) in zip(at, references):
+        refs.append(grid(slot + skipped, rows, cols))
+        prompt_frame[slot:] += max(rows, cols)
+        skipped += max(rows, cols)
+    prompt = prompt_frame[:, None].expand(text_len, 3)
+    return torch.cat([prompt, grid(text_len + skipped, h, w), *refs])
 
 
-def sequence_mask(text_len: int, image_len: int, reference_lens: tuple[int, ...] = ()) -> torch.Tensor:
+def sequence_mask(text_len: int, image_len: int, reference_lens: tuple[int, ...] = (),
+                  slots: tuple[int, ...] = ()) -> torch.Tensor:
     """[L, L] True where a query (row) may attend a key (column), over [prompt, image, references]: ComfyUI's
-    block-causal rule in its order [prompt, references, image] (earlier tokens, and the query's own image)."""
-    order = [torch.arange(text_len)]  # each canonical token's place in ComfyUI's sequence
-    block = [torch.full((text_len,), -1)]  # -1: a prompt token (causal); else its image
-    start = text_len + sum(reference_lens)
-    order.append(torch.arange(start, start + image_len))
-    block.append(torch.full((image_len,), len(reference_lens)))
-    start = text_len
-    for j, n in enumerate(reference_lens):
-        order.append(torch.arange(start, start + n))
-        block.append(torch.full((n,), j))
-        start += n
-    order, block = torch.cat(order), torch.cat(block)
+    block-causal rule in its order (the prompt with each reference before its slot's row, then the image): earlier
+    tokens, and the query's own image."""
+    at = placed_slots(text_len, len(reference_lens), slots)
+    text_order = torch.arange(text_len)
+    ref_order, before = [], 0  # `before`: reference tokens placed ahead of this one
+    for slot, n in zip(at, reference_lens):
+        ref_order.append(torch.arange(slot + before, slot + before + n))
+        text_order[slot:] += n
+        before += n
+    order = torch.cat([text_order, torch.arange(text_len + before, text_len + before + image_len), *ref_order])
+    block = torch.cat([torch.full((text_len,), -1), torch.full((image_len,), len(reference_lens))]
+                      + [torch.full((n,), j) for j, n in enumerate(reference_lens)])  # -1: a prompt row (causal)
     return (order[:, None] >= order[None, :]) | ((block[:, None] == block[None, :]) & (block[:, None] >= 0))
 
 
@@ -238,25 +252,26 @@ class QwenImage21Adapter(PatchTokens, BlockLoop):
         return FluxModelSampling(0.69, 1.0, kind="flux")  # supported_models.QwenImage21: ModelSamplingFlux, 0.69
 
     def rope(self, text_len: int, h: int, w: int, references: tuple[tuple[int, int], ...] = (),
-             method: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             method: str | None = None, slots: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """cos, sin (float64 angles, pairs interleaved as ComfyUI's EmbedND) and each token's stream (True: the
         image, modulated at t; False: prompt and references, at t = 0) over [prompt, image, references].
-        `method` changes nothing: ComfyUI's 2.1 model places references by the prompt's image slots only."""
-        ids = sequence_ids(text_len, h, w, references)
+        `method` changes nothing: ComfyUI's 2.1 model places references by the prompt's image `slots` only."""
+        ids = sequence_ids(text_len, h, w, references, slots)
         cos, sin = rope_table(ids.to(self.device), self.config.axes_dims_rope)
         target = torch.zeros(len(ids), dtype=torch.bool, device=self.device)
         target[text_len:text_len + h * w] = True
         return cos, sin, target
 
-    def sequence_bias(self, text_len: int, hw: tuple[int, int],
-                      references: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+    def sequence_bias(self, text_len: int, hw: tuple[int, int], references: tuple[tuple[int, int], ...] = (),
+                      slots: tuple[int, ...] = ()) -> torch.Tensor:
         """The additive mask [1, L, L] (0 or -inf, compute dtype) that makes attention block-causal over the
         canonical [prompt, image, references]; the strategies cut each call's block of it."""
-        key = (text_len, tuple(hw), tuple(references))
+        key = (text_len, tuple(hw), tuple(references), tuple(slots))
         cached = getattr(self, "_last_bias", None)
         if cached is not None and cached[0] == key:  # a stock sampler's calls repeat one layout: build it once
             return cached[1]
-        allowed = sequence_mask(text_len, hw[0] * hw[1], tuple(r * c for r, c in references)).to(self.device)
+        lens = tuple(r * c for r, c in references)
+        allowed = sequence_mask(text_len, hw[0] * hw[1], lens, slots).to(self.device)
         bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         bias = bias.masked_fill_(~allowed, float("-inf"))[None]
         self._last_bias = (key, bias)  # only the last layout: at 2048 px one mask is ~0.5 GB in bf16
