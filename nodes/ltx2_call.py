@@ -14,8 +14,9 @@ Read: both streams, the timesteps (per video row, latent frame or token: per tok
 within a frame, a dilated IC-LoRA guide's or an inpainting mask's), frame_rate, the prompt, the guide frames (which
 tokens run, the guides' positions and attention weights: spec.VideoGuides), and the wrappers, LoRA and block-skip
 patches RemoteDiT reads for every family. Refused in one sentence naming the node that adds it, before the workers
-see the call: everything else that changes the output (reference audio, generated keyframes, STG's perturbed
-blocks, modality guidance's severed cross-attention, ControlNet residuals).
+see the call: everything else that changes the output (generated keyframes, STG's perturbed blocks, modality
+guidance's severed cross-attention, ControlNet residuals). LTXVReferenceAudio's reference audio (ref_audio) is read:
+its tokens ride as Job.audio_reference.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from . import convert
 DEFAULT_FRAME_RATE = 25.0  # LTXAV.extra_conds' frame_rate without LTXVConditioning
 # Model inputs ComfyUI 2026 passes that the workers do not run, by the node that adds them.
 _INPUT_SOURCES = {
-    "ref_audio": "LTXVReferenceAudio's reference audio",
     "generated_keyframes": "LTX-2.5's generated keyframes",
 }
 # transformer_options keys the model reads, by the node that sets them, and which values leave the output unchanged.
@@ -39,7 +39,7 @@ _OPTION_SOURCES = {
 }
 # Inputs read here (frame_rate, the masks through the timesteps) or handed on to the generic checks.
 READ_INPUTS = ("frame_rate", "denoise_mask", "audio_denoise_mask", "latent_shapes", "attention_mask", "keyframe_idxs",
-               "guide_attention_entries") + tuple(_INPUT_SOURCES)
+               "guide_attention_entries", "ref_audio") + tuple(_INPUT_SOURCES)
 
 
 def patchifiers():
@@ -96,6 +96,20 @@ def guides(kwargs: dict, thw: tuple):
     mask = kwargs.get("denoise_mask")
     return guides_of_call(keyframe_idxs.detach().float().cpu(), None if mask is None else mask.detach().float().cpu(),
                           kwargs.get("guide_attention_entries"), thw)
+
+
+def reference_audio(kwargs: dict) -> torch.Tensor | None:
+    """LTXVReferenceAudio's reference (ID-LoRA): its patchified audio latent tokens [1 or rows, frames, channels x
+    bins] as float32 on the host, or None."""
+    ref = kwargs.get("ref_audio")
+    if ref is None:
+        return None
+    tokens = ref.get("tokens") if isinstance(ref, dict) else None
+    if not isinstance(tokens, torch.Tensor):
+        raise convert.ConfigError("the LTX-2 call's reference audio carries no tokens (LTXVReferenceAudio makes a "
+                                  "dict with its audio latent's tokens); connect LTXVReferenceAudio's conditioning "
+                                  "outputs as they are.")
+    return tokens.detach().float().cpu()
 
 
 def call_timesteps(timestep, thw: tuple, audio_frames: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -260,7 +260,8 @@ class RemoteDiT(torch.nn.Module):
         video_t, audio_t = ltx2_call.call_timesteps(timesteps, tuple(video.shape[2:]), audio.shape[2])
         return self._run_two_streams(video, audio, video_t, context, None, options, audio_t,
                                      {"frame_rate": ltx2_call.frame_rate(kwargs)},
-                                     ltx2_call.guides(kwargs, tuple(video.shape[2:])))
+                                     ltx2_call.guides(kwargs, tuple(video.shape[2:])),
+                                     ltx2_call.reference_audio(kwargs))
 
     def _forward_kandinsky6(self, x, timesteps, context, y, control, options: dict, **kwargs):
         """Kandinsky 6's call (nodes/kandinsky6_call.py says what is read and what refused): x = [video, audio], one
@@ -275,9 +276,10 @@ class RemoteDiT(torch.nn.Module):
         return self._run_two_streams(video, audio, timesteps, context, y, options)
 
     def _run_two_streams(self, video, audio, video_t, context, y, options: dict, audio_t=None, extra=None,
-                         video_guides=None) -> list:
+                         video_guides=None, audio_reference=None) -> list:
         """A two-stream family's call (LTX-2, Kandinsky 6) as one runtime job per two chunks with Job.audio (and
-        LTX-2's guide frames, the same for every chunk), the result back as ComfyUI's [video, audio]."""
+        LTX-2's guide frames and reference audio, the same for every chunk), the result back as ComfyUI's [video,
+        audio]."""
         from parallel_runtime.runtime.client import get_client
         from parallel_runtime.spec import Job, SamplingSpec
 
@@ -305,7 +307,9 @@ class RemoteDiT(torch.nn.Module):
                       weight_patches=patches, call_step=step, call_slot=2 * slot + int(labels[ks[0]] != 0),
                       call_last=last, skip_blocks=skip_blocks, audio=audio[sl].detach().float().cpu(),
                       audio_timestep=None if audio_t is None else audio_t[sl].detach().float().cpu(),
-                      extra=extra or {}, video_guides=video_guides)
+                      extra=extra or {}, video_guides=video_guides,
+                      audio_reference=None if audio_reference is None else audio_reference[:1] if
+                      audio_reference.shape[0] == 1 else audio_reference[sl])
             result = _run(client, job, whole=True)
             videos.append(result.latent)
             audios.append(result.audio)
@@ -407,7 +411,7 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
     if kwargs.get("image_cond") is not None:  # HiDream E1's InstructPixToPixConditioning image (model_base.HiDream)
         refs, method = _chunk_references([kwargs["image_cond"]], k, batch, latent_format), "hidream_e1"
     return Conditioning(cond=cond, pooled=pooled, guidance=g, image_size=size, references=refs,
-                        reference_method=method, reference_slots=_reference_slots(kwargs.get("image_slots")),
+                        reference_method=method, reference_slots=_reference_slots(kwargs.get("image_slots"), len(refs)),
                         **_chunk_llama(kwargs.get("encoder_hidden_states_llama3"), sl),
                         concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls,
                         attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip, glyph=glyph,
@@ -416,13 +420,14 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
                         **_chunk_vision(kwargs.get(hidream_o1_call.VISION_INPUT)))
 
 
-def _reference_slots(slots) -> tuple[int, ...]:
+def _reference_slots(slots, references: int) -> tuple[int, ...]:
     """Qwen-Image 2.1's image_slots (TextEncodeQwenImage21: the prompt row before which each reference sits), the
-    same for every chunk of a call (ComfyUI batches only chunks whose slots agree)."""
+    same for every chunk of a call (ComfyUI batches only chunks whose slots agree); as build_sequence reads them,
+    only the first `references` (a prompt whose images stayed vision tokens has slots but no references)."""
     if slots is None:
         return ()
     values = slots.flatten().tolist() if isinstance(slots, torch.Tensor) else list(slots)
-    return tuple(int(v) for v in values)
+    return tuple(int(v) for v in values)[:references]
 
 
 def _chunk_vision(vision) -> dict:

@@ -384,6 +384,9 @@ class Job:
     # A model call's guide frames (LTX-2's LTXVAddGuide): the video tokens that run, the guides' positions and
     # attention weights; None: every token runs at its grid position.
     video_guides: VideoGuides | None = None
+    # A model call's reference audio tokens (LTX-2's LTXVReferenceAudio, ID-LoRA) [1 or rows, tokens, channels x bins]:
+    # audio rows before the call's own, at timestep 0 and at times before 0, whose outputs are dropped.
+    audio_reference: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:

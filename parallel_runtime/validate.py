@@ -508,6 +508,10 @@ def validate_latent_and_branches(job: Job, config) -> None:
     if problem is not None and (sentence := problem(tuple(lat.shape))):
         raise ConfigError(f"{sentence}.")
     validate_timestep(job, config)
+    if job.audio_reference is not None and (job.timestep is None or not hasattr(config, "guides_problem")):
+        raise ConfigError(f"the job carries reference audio (LTXVReferenceAudio's), which {config.title} does not "
+                          f"read in this way; remove the node, or sample an LTX-2 model with KSampler on Load "
+                          f"Parallel DiT's MODEL.")
     if job.video_guides is not None and not hasattr(config, "guides_problem"):
         raise ConfigError(f"the job carries guide frames (LTXVAddGuide's), which {config.title} does not read; remove "
                           f"the guide node.")

@@ -7,7 +7,7 @@ model kind, then the totals; --json writes the same as JSON.
 
 A template counts as *covered* when it loads at least one image or video diffusion transformer, every such file
 belongs to a family ParaDiT runs, and it uses none of the features those families refuse in one sentence
-(REFUSED_NODES: LTX-2's reference audio, FLUX.3's references...); a template that also loads a file of a family ParaDiT
+(REFUSED_NODES: FLUX.3's references, MiniMax-H3's Fun ControlNet); a template that also loads a file of a family ParaDiT
 refuses (Wan S2V beside Wan 2.2, say) is not covered. The table is by file name because the templates ship names, not tensors; the tests
 check that every file the pinned package names is classified and that each family marked as run is registered in
 `parallel_runtime.models.registry`, so the count cannot claim a family the runtime lacks.
@@ -88,7 +88,6 @@ FILES = (
 # not run yet): (node class, the input that must be linked for the refusal, or None for the node alone, what).
 # A template with one of these, not bypassed or muted, is not covered.
 REFUSED_NODES = (
-    ("LTXVReferenceAudio", None, "LTX-2 reference audio"),
     ("MiniMaxH3FunControlNetApply", None, "MiniMax-H3 Fun ControlNet union"),
     ("ReferenceMultiLatent", None, "FLUX.3 reference images"),
 )

@@ -120,11 +120,12 @@ def av_block(block, vx, ax, v_context, a_context, ts: dict, pe: dict, self_mask=
 
 @torch.no_grad()
 def comfyui_call(path: str, name: str, x: dict, fps: float = 24.0, config=None, coords=None, self_mask=None,
-                 guide_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 guide_tokens: int = 0, audio_coords=None) -> tuple[torch.Tensor, torch.Tensor]:
     """LTXAVModel's forward on the file: ComfyUI hands it sigmas (the timesteps here / 1000). `coords`: the video
     tokens' pixel coordinates [B, 3, tokens, 2] (time in seconds) where they are not the T x H x W grid's (guide
-    frames; `guide_tokens` of them at the end), `self_mask` the video self-attention's additive mask; `config` where
-    the file is not one of CONFIGS. A file with LTX-2.5's keyframe row gets it on the tokens whose time starts at 0,
+    frames; `guide_tokens` of them at the end), `self_mask` the video self-attention's additive mask, `audio_coords`
+    the audio rows' times [B, 1, rows, 2] where they are not the audio grid's (reference audio); `config` where the
+    file is not one of CONFIGS. A file with LTX-2.5's keyframe row gets it on the tokens whose time starts at 0,
     never a guide's (LTXVModel.apply_keyframes_abs_pos_embedding, on every call)."""
     from diffusers import LTX2VideoTransformer3DModel
     from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
@@ -137,7 +138,7 @@ def comfyui_call(path: str, name: str, x: dict, fps: float = 24.0, config=None, 
     b = x["video"].shape[0]
     ts = prepare_timestep(m, x["video_t"] / TIMESTEP_SCALE, x["audio_t"] / TIMESTEP_SCALE, b)
     video = m.rope.prepare_video_coords(b, T, H, W, "cpu", fps=fps) if coords is None else coords
-    audio = m.audio_rope.prepare_audio_coords(b, AUDIO_FRAMES, "cpu")
+    audio = m.audio_rope.prepare_audio_coords(b, AUDIO_FRAMES, "cpu") if audio_coords is None else audio_coords
     pe = dict(v=m.rope(video, device="cpu"), a=m.audio_rope(audio, device="cpu"),
               v_cross=m.cross_attn_rope(video[:, 0:1], device="cpu"),
               a_cross=m.cross_attn_audio_rope(audio[:, 0:1], device="cpu"))

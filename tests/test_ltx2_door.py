@@ -392,9 +392,9 @@ _NO_WORK = {"cpu:1": None}  # a refusal comes before the runtime client is even 
      r"the LTX-2 call's guides hold 23 tokens, which is not a whole number of 24-token latent frames of this latent: "
      r"they were recorded at another resolution; crop the guides \(LTXVCropGuides\) before upscaling the latent and "
      r"add them again after\."),
-    ({"ref_audio": {"tokens": torch.zeros(1, 4, 16)}}, None,
-     r"the LTX-2 call carries inputs ParaDiT does not run yet \(ref_audio: LTXVReferenceAudio's reference audio\); "
-     r".*"),
+    ({"ref_audio": {"latent": torch.zeros(1, 4, 16)}}, None,
+     r"the LTX-2 call's reference audio carries no tokens \(LTXVReferenceAudio makes a dict with its audio latent's "
+     r"tokens\); connect LTXVReferenceAudio's conditioning outputs as they are\."),
     ({"generated_keyframes": [0]}, None, r".*\(generated_keyframes: LTX-2\.5's generated keyframes\); .*"),
     ({}, {"stg_self_attn_blocks": frozenset({1})},
      r".*\(stg_self_attn_blocks: LTXVSpatioTemporalGuidance's perturbed blocks\); .*"),
@@ -403,7 +403,7 @@ _NO_WORK = {"cpu:1": None}  # a refusal comes before the runtime client is even 
     ({"attention_mask": torch.tensor([[1, 1, 1, 0, 0, 0, 0]])}, None,
      r"the LTX-2 prompt carries an attention mask that hides tokens, which ParaDiT does not apply for this model "
      r"yet; encode the prompt with LTXAVTextEncoderLoader's text encoder or load the model with UNETLoader\."),
-], ids=["damaged_guides", "ref_audio", "generated_keyframes", "stg", "modality_guidance", "prompt_mask"])
+], ids=["damaged_guides", "damaged_ref_audio", "generated_keyframes", "stg", "modality_guidance", "prompt_mask"])
 def test_what_the_door_cannot_carry_is_refused_in_one_sentence(files, ltx_host, monkeypatch, extra, options,
                                                                pattern):
     model = _door(files["ltx2.0"][0], "cpu:1", _NO_WORK, monkeypatch)  # the smaller connectors: the same door

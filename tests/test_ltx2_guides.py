@@ -1,4 +1,5 @@
-"""LTX-2's guide frames (LTXVAddGuide, LTXVAddLatentGuide) in a model call, and LTX-2.5's keyframe row.
+"""LTX-2's guide frames (LTXVAddGuide, LTXVAddLatentGuide) in a model call, LTX-2.5's keyframe row, and
+LTXVReferenceAudio's reference audio (ID-LoRA).
 
 Two calls as ComfyUI 2026's guide nodes make them (comfy_extras/nodes_lt.py, written out below in their own terms):
 - "flf": LTXVAddGuide's first and last frame at strength 0.7 (the first-last-frame templates): two one-frame guides
@@ -144,7 +145,8 @@ def comfyui_guided_call(path: str, config, call: dict, x: dict, fps: float = FPS
 # -- the call as the runtime takes it ---------------------------------------------------------------------------
 
 def guided_job(path: str, config, call: dict, strategy, seed: int = 11):
-    """cond and uncond chunks of the call with its guides (process_timestep's per-token video sigmas: mask x sigma)."""
+    """cond and uncond chunks of the call with its guides (process_timestep's per-token video sigmas: mask x sigma);
+    `call` without keyframe_idxs: a call without guides."""
     from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec
 
     g = torch.Generator().manual_seed(seed)
@@ -156,7 +158,7 @@ def guided_job(path: str, config, call: dict, strategy, seed: int = 11):
     mask = call["noise_mask"].expand(2, 1, *thw)
     timestep = (mask * SIGMA).flatten(1)
     audio = torch.randn(2, config.audio_in_channels // 16, AUDIO_FRAMES, 16, generator=g)
-    guides = guides_of_call(call["keyframe_idxs"], mask.expand(2, config.in_channels, *thw), call["entries"], thw)
+    guides = guides_of_call(call.get("keyframe_idxs"), mask.expand(2, config.in_channels, *thw), call["entries"], thw)
     return Job(ModelSpec(path), strategy, SamplingSpec(steps=1), latent, pos, neg, timestep=timestep, audio=audio,
                audio_timestep=torch.full((2,), AUDIO_SIGMA), extra={"frame_rate": FPS}, video_guides=guides)
 
@@ -376,3 +378,67 @@ def test_guides_on_a_job_that_cannot_read_them_are_refused(paths):
     with pytest.raises(ConfigError, match=r"^guide frames ride in a model call only, .* on Load Parallel DiT's "
                                           r"MODEL\.$"):
         validate_job(dataclasses.replace(job, timestep=None, audio_timestep=None), 1)
+
+
+# -- LTXVReferenceAudio's reference audio (ID-LoRA) ----------------------------------------------------------------
+
+REF_AUDIO_FRAMES = 5  # reference audio latent frames: 5 rows before the call's 13
+
+
+def audio_seconds(start: int, end: int) -> torch.Tensor:
+    """AudioPatchifier._get_audio_latent_time_in_sec of LTXAVModel's patchifier (16 kHz, hop 160, 4 mel frames per
+    latent frame, causal)."""
+    mel = (torch.arange(start, end, dtype=torch.float32) * 4 + 1 - 4).clip(min=0)
+    return mel * 160 / 16000
+
+
+def comfyui_reference_audio_call(path: str, config, job) -> tuple[torch.Tensor, torch.Tensor]:
+    """LTXAVModel._process_input's ID-LoRA path: the reference tokens before the audio's, placed at negative times
+    (the reference ends one latent frame before 0), at timestep 0 (_prepare_timestep), trimmed from the output."""
+    from parallel_runtime.models.families.ltx2 import LTX2Adapter
+
+    b, n = job.latent.shape[0], job.audio_reference.shape[1]
+    cut = config.caption_channels or config.cross_attention_dim
+    context = torch.cat([job.positive.cond, job.negative.cond])
+    start, end = audio_seconds(0, n), audio_seconds(1, n + 1)
+    offset = end[-1].item() + 160 * 4 / 16000
+    ref_coords = torch.stack([start - offset, end - offset], dim=-1)[None, None].expand(b, -1, -1, -1)
+    own = torch.stack([audio_seconds(0, AUDIO_FRAMES), audio_seconds(1, AUDIO_FRAMES + 1)], dim=-1)
+    audio_coords = torch.cat([ref_coords, own[None, None].expand(b, -1, -1, -1)], dim=2)
+    audio_t = (job.audio_timestep * 1000)[:, None].expand(-1, AUDIO_FRAMES)
+    x = dict(video=LTX2Adapter.pack(job.latent), video_t=job.timestep * 1000,
+             audio=torch.cat([job.audio_reference.expand(b, -1, -1), LTX2Adapter.pack_audio(job.audio)], dim=1),
+             audio_t=torch.cat([audio_t.new_zeros(b, n), audio_t], dim=1),
+             video_context=context[..., :cut], audio_context=context[..., cut:])
+    thw = tuple(job.latent.shape[2:])
+    coords = pixel_coords(*thw, causal_fix=True).expand(b, -1, -1, -1).clone()
+    coords[:, 0] = coords[:, 0] * (1.0 / FPS)
+    v, a = comfyui_call(path, "", x, fps=FPS, config=config, coords=coords, audio_coords=audio_coords)
+    return LTX2Adapter.unpack(v, *thw), LTX2Adapter.unpack_audio(a[:, n:], job.audio.shape[1])
+
+
+@pytest.mark.parametrize("strategy", [dict(), dict(cfg_degree=2), dict(ulysses_degree=2), dict(ring_degree=2),
+                                      dict(tensor_degree=2), dict(pipefusion_degree=2, warmup_steps=1)],
+                         ids=["serial", "cfg2", "ulysses2", "ring2", "tensor2", "pipefusion2_warmup"])
+def test_reference_audio_equals_comfyuis(paths, client1, client2, strategy):
+    """LTXVReferenceAudio's tokens (5 latent frames) before the call's 13 audio rows: every strategy equals ComfyUI's
+    call (the audio shards now 18 rows); without the reference the output moves (so it is read)."""
+    from parallel_runtime.spec import StrategySpec
+
+    name = "ltx2.3"
+    config = CONFIGS[name]
+    call = dict(latent=torch.randn(1, config.in_channels, 3, H, W, generator=torch.Generator().manual_seed(3)),
+                noise_mask=torch.ones(1, 1, 3, H, W), keyframe_idxs=None, entries=[])
+    spec = StrategySpec(**strategy)
+    job = guided_job(paths[name], config, call, spec)
+    reference = torch.randn(1, REF_AUDIO_FRAMES, config.audio_in_channels, generator=torch.Generator().manual_seed(8))
+    job = dataclasses.replace(job, audio_reference=reference, call_step=0)
+    want_v, want_a = comfyui_reference_audio_call(paths[name], config, job)
+    result = (client1 if spec.world_size == 1 else client2).run(job)
+    assert result.audio.shape == job.audio.shape
+    errors = rel_err(result.latent, want_v), rel_err(result.audio, want_a)
+    print(f"\nreference audio {spec.label()}: video {errors[0]:.1e}, audio {errors[1]:.1e}")
+    assert max(errors) < EXACT_RTOL, errors
+    if spec.world_size == 1:
+        plain = client1.run(dataclasses.replace(job, audio_reference=None))
+        assert rel_err(plain.audio, want_a) > 1e-3 and rel_err(plain.latent, want_v) > 1e-4

@@ -386,6 +386,8 @@ class RuntimeClient:
                 tensors["audio_timestep"] = job.audio_timestep
             if job.video_guides is not None:
                 tensors.update(job.video_guides.tensors())
+            if job.audio_reference is not None:
+                tensors["audio_reference"] = job.audio_reference
             if job.timestep is not None:
                 tensors["timestep"] = job.timestep
                 meta.update(call_step=job.call_step, call_slot=job.call_slot, call_last=job.call_last)

@@ -373,7 +373,7 @@ def _job_from_message(meta: dict, tensors: dict):
                call_slot=meta.get("call_slot", 0), call_last=meta.get("call_last", False),
                skip_blocks=tuple((str(kind), int(index)) for kind, index in meta.get("skip_blocks", ())),
                audio=tensors.get("audio"), audio_timestep=tensors.get("audio_timestep"),
-               video_guides=VideoGuides.from_tensors(tensors))
+               video_guides=VideoGuides.from_tensors(tensors), audio_reference=tensors.get("audio_reference"))
 
 
 def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse, gate: queue.Queue) -> None:

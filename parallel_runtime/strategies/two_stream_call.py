@@ -53,6 +53,12 @@ def two_stream_outputs(runner, job: Job) -> tuple[torch.Tensor, torch.Tensor]:
     frames = audio.shape[1]
     # Timesteps of every row of the call: ComfyUI runs cond and uncond in one call, so the maxima are the call's.
     video_t, audio_t = adapter.call_timesteps(job.timestep, job.audio_timestep, tuple(thw), frames)
+    prefix = 0  # LTX-2's reference audio (ID-LoRA): rows before the audio's own, at timestep 0, outputs dropped
+    if job.audio_reference is not None:
+        ref = job.audio_reference.float().expand(rows, -1, -1)
+        prefix, frames = ref.shape[1], ref.shape[1] + frames
+        audio = torch.cat([ref[idx].to(device), audio], dim=1)
+        audio_t = torch.cat([audio_t.new_zeros(rows, prefix), audio_t], dim=1)
     guides = job.video_guides  # LTX-2's guide frames: only the kept tokens run (ltx2_guides.py), maxima over them
     if guides is not None:
         video, video_t = video[:, guides.kept.to(device)], video_t[:, guides.kept]
@@ -63,13 +69,13 @@ def two_stream_outputs(runner, job: Job) -> tuple[torch.Tensor, torch.Tensor]:
     video_context, audio_context = adapter.split_prompt(context, pooled)  # Kandinsky 6 reads the pooled vector
 
     fps = float(job.extra.get("frame_rate", 24.0))
-    on_guides = {} if guides is None else {"guides": guides}
+    placed = ({} if guides is None else {"guides": guides}) | ({"audio_prefix": prefix} if prefix else {})
     marker_of = getattr(adapter, "keyframe_marker", None)  # LTX-2.5's keyframe row, on the tokens ComfyUI adds it to
     marker = marker_of(tuple(thw), guides, len(idx)) if marker_of is not None else None
     if topology.pipefusion > 1:
         v_out, a_out = _pipeline(runner, job, video, audio, (video_context, audio_context),
                                  (video_t[idx], audio_t[idx], sigma, audio_sigma, peaks), tuple(thw), fps, mine,
-                                 marker)
+                                 marker, placed)
     else:
         # The group whose members split both streams' rows: naive patch's (each attends its own rows alone), else
         # the sequence-parallel ranks'.
@@ -79,7 +85,7 @@ def two_stream_outputs(runner, job: Job) -> tuple[torch.Tensor, torch.Tensor]:
         # The video self-attention's bias (LTX-2's guide attention), cut for this split by the shards' rows.
         bias = adapter.video_bias(guides, video.shape[1]) if guides is not None else None
         _point_attention(runner, video_shards, [len(r) for r in audio_shards], bias)
-        rope = adapter.rope(tuple(thw), v_rows, frames, a_rows, fps=fps, batch=len(idx), **on_guides)
+        rope = adapter.rope(tuple(thw), v_rows, frames, a_rows, fps=fps, batch=len(idx), **placed)
         runner._check_cancel()
         with torch.no_grad():
             v_out, a_out = adapter.forward_rows(video[:, v_rows], audio[:, a_rows], video_context, audio_context,
@@ -91,6 +97,7 @@ def two_stream_outputs(runner, job: Job) -> tuple[torch.Tensor, torch.Tensor]:
     if split:
         v_out = torch.cat(comm.all_gather(v_out.contiguous(), comm.group("cfg"), op="cfg"))
         a_out = torch.cat(comm.all_gather(a_out.contiguous(), comm.group("cfg"), op="cfg"))
+    a_out = a_out[:, prefix:]  # the reference audio's rows are not the call's output
     if guides is not None:  # dropped tokens come back as zeros, as ComfyUI's _process_output writes them
         whole = v_out.new_zeros(v_out.shape[0], math.prod(thw), v_out.shape[2])
         whole[:, guides.kept.to(whole.device)] = v_out
@@ -103,18 +110,18 @@ def _repeat(t: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def _pipeline(runner, job: Job, video, audio, context: tuple, times: tuple, thw: tuple, fps: float,
-              mine: list[int], marker: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """PipeFusion over the call's patches (two_stream_pipefusion.py), its outputs whole on every stage."""
+              mine: list[int], marker: torch.Tensor | None, placed: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """PipeFusion over the call's patches (two_stream_pipefusion.py), its outputs whole on every stage. `placed`:
+    adapter.rope's guide frames and reference audio rows of the call."""
     from .two_stream_pipefusion import pipeline_outputs
 
     adapter, comm = runner.adapter, runner.comm
     if job.call_step == 0 and job.call_slot == 0:
         runner.context.stale_kv.clear()  # a new sampling run: nothing of the last one is stale K/V of this one
     frames = audio.shape[1]
-    on_guides = {} if job.video_guides is None else {"guides": job.video_guides}
 
     def rope_of(v_rows, a_rows):
-        return adapter.rope(thw, v_rows, frames, a_rows, fps=fps, batch=video.shape[0], **on_guides)
+        return adapter.rope(thw, v_rows, frames, a_rows, fps=fps, batch=video.shape[0], **placed)
 
     runner._check_cancel()
     with torch.no_grad():

@@ -202,6 +202,12 @@ class LTX2Config(JointAttentionConfig):
         if at is not None and tuple(at.shape) not in ((rows,), (rows, audio.shape[2])):
             return (f"the model call's audio timestep has shape {tuple(at.shape)}, not ({rows},) or ({rows}, "
                     f"{audio.shape[2]}); a node patches the audio timesteps in a way ParaDiT does not split: remove it")
+        ref = job.audio_reference
+        if ref is not None and (ref.ndim != 3 or ref.shape[0] not in (1, rows) or ref.shape[1] < 1
+                                or ref.shape[2] != self.audio_in_channels or not bool(torch.isfinite(ref).all())):
+            return (f"the model call's reference audio has shape {tuple(ref.shape)}, not [1 or {rows}, frames, "
+                    f"{self.audio_in_channels}] of finite values; encode it with LTXVReferenceAudio and the model's "
+                    f"audio VAE")
         guides = job.video_guides
         if guides is not None:
             problem = self.guides_problem(guides, math.prod(job.latent.shape[2:]))
@@ -557,15 +563,18 @@ class LTX2Adapter(PatchTokens):
         return tokens.unflatten(2, (channels, -1)).permute(0, 2, 1, 3)
 
     def rope(self, thw: tuple[int, int, int], video_rows: torch.Tensor, audio_frames: int, audio_rows: torch.Tensor,
-             fps: float = 24.0, batch: int = 1, guides: VideoGuides | None = None) -> Rope:
+             fps: float = 24.0, batch: int = 1, guides: VideoGuides | None = None, audio_prefix: int = 0) -> Rope:
         """RoPE of the video rows `video_rows` (token indices into the T x H x W grid, or with `guides` into its kept
-        tokens, the guides' at their own positions) and the audio rows `audio_rows` (latent frame indices): every
-        table is per token, so any shard's rows are computed alone."""
+        tokens, the guides' at their own positions) and the audio rows `audio_rows` (latent frame indices; the first
+        `audio_prefix` of the `audio_frames` are reference audio, placed to end just before time 0): every table is
+        per token, so any shard's rows are computed alone."""
         m, device = self.model, self.device
         video = m.rope.prepare_video_coords(batch, *thw, device, fps=fps)
         if guides is not None:
             video = token_coords(video, guides, fps)
-        audio = m.audio_rope.prepare_audio_coords(batch, audio_frames, device)
+        audio = m.audio_rope.prepare_audio_coords(batch, audio_frames - audio_prefix, device)
+        if audio_prefix:
+            audio = torch.cat([self._reference_audio_coords(batch, audio_prefix), audio], dim=2)
 
         def tables(layer, coords, rows):
             # diffusers' split tables cannot be shaped for zero rows (a stream a pass does not carry): one row, cut
@@ -578,6 +587,15 @@ class LTX2Adapter(PatchTokens):
         return Rope(tables(m.rope, video, video_rows), tables(m.audio_rope, audio, audio_rows),
                     tables(m.cross_attn_rope, video[:, 0:1], video_rows),
                     tables(m.cross_attn_audio_rope, audio[:, 0:1], audio_rows))
+
+    def _reference_audio_coords(self, batch: int, frames: int) -> torch.Tensor:
+        """[B, 1, frames, 2] times of ID-LoRA reference audio rows as LTXAVModel._process_input places them: the
+        audio grid's own times moved back by the last row's end plus one latent frame, so the reference ends just
+        before time 0."""
+        rope = self.model.audio_rope
+        coords = rope.prepare_audio_coords(batch, frames, self.device)
+        latent_seconds = rope.hop_length * rope.scale_factors[0] / rope.sampling_rate
+        return coords - (coords[0, 0, -1, 1] + latent_seconds)
 
     # -- a stock sampler's model call (strategies/model_call.py) ----------------------------------------
 
