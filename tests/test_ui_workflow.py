@@ -46,7 +46,10 @@ FIXTURE = os.path.join(REPO, "tests", "fixtures", "object_info_templates.json")
 # from their 2026 sources (comfy_extras/nodes_flux.py, nodes_hunyuan.py, nodes_qwen.py, nodes_custom_sampler.py);
 # and the LTX-2.3 / MiniMax-H3 templates' classes (nodes_lt.py, nodes_lt_audio.py, nodes_lt_upsampler.py,
 # nodes_minimax_h3.py, nodes_textgen.py, nodes_post_processing.py, nodes_video.py, ...) with the inputs those
-# templates (ComfyUI 0.16.3) save, where the newest source has moved on (Create Video's codec, TextGenerate's images).
+# templates (ComfyUI 0.16.3) save, where the newest source has moved on (Create Video's codec, TextGenerate's images);
+# and the LTX-2.3 first-last-frame template's LTXVAddGuide (with its optional attention mask and IC-LoRA parameters),
+# SamplerEulerAncestral and Get Image Size as their 2026 sources (nodes_lt.py, nodes_custom_sampler.py,
+# nodes_images.py) define them.
 # Kept apart from FIXTURE, which the live test compares class by class with the host's /object_info.
 FIXTURE_2026 = os.path.join(REPO, "tests", "fixtures", "object_info_2026.json")
 TEMPLATES_VERSION = "0.1.123"
@@ -171,10 +174,10 @@ def test_template_converts_to_what_the_editor_queues(object_info, name, expected
     assert convert(name, object_info) == expected
 
 
-# Our workflows built on templates a ComfyUI of 2026 saved (0.16.3: LTX-2.3, MiniMax-H3) take FIXTURE_2026's classes
+# Our workflows built on templates a ComfyUI of 2026 saved (0.16.3 on: LTX-2.3, MiniMax-H3) take FIXTURE_2026's classes
 # where they differ from the 0.3.64 host's (Create Video's bit depth and color space); the others are converted with
 # the classes they were made for.
-NEWER_TEMPLATE_WORKFLOWS = ("ltx23_t2v_ulysses", "ltx23_i2v_ulysses", "minimax_h3_t2v_ulysses")
+NEWER_TEMPLATE_WORKFLOWS = ("ltx23_t2v_ulysses", "ltx23_i2v_ulysses", "ltx23_flf2v_ulysses", "minimax_h3_t2v_ulysses")
 
 
 @pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(os.path.join(REPO, "workflows")) if f.endswith(".json")))

@@ -11,8 +11,8 @@
 - the Wan workflows keep the shape of ComfyUI's own Wan templates (latent size and frames, sampling, shift, fps),
   and the Wan 2.2 14B pair of experts splits one schedule between two KSamplerAdvanced;
 - the newer families' workflows (Lumina 2, Z-Image Turbo, FLUX.2 dev and klein, Qwen-Image 2.1, HunyuanVideo 1.5)
-  and the audio-video ones (LTX-2.3 text- and image-to-video, MiniMax-H3 text-to-video) are their ComfyUI templates
-  node by node with the loader swapped, and cfg-1 models never split CFG;
+  and the audio-video ones (LTX-2.3 text- and image-to-video and first-last-frame, MiniMax-H3 text-to-video) are
+  their ComfyUI templates node by node with the loader swapped, and cfg-1 models never split CFG;
 - scripts/queue_workflow.py: overrides, format detection and its websocket client (against a tiny
   in-process server on 127.0.0.1).
 """
@@ -48,9 +48,9 @@ WORKFLOWS = ("flux_dev_auto", "flux_dev_ulysses", "flux_dev_ring", "flux_dev_pip
              "flux_fill_inpaint", "wan21_t2v_ulysses", "wan21_i2v_cfg_parallel", "wan22_14b_t2v_two_experts",
              "wan22_5b_ti2v", "lumina2_cfg_parallel", "z_image_turbo_ulysses", "flux2_dev_ulysses", "flux2_klein_4b_ring",
              "qwen_image21_ulysses", "hunyuan_video15_t2v_cfg_parallel", "ltx23_t2v_ulysses", "ltx23_i2v_ulysses",
-             "minimax_h3_t2v_ulysses", "wan22_fun_inpaint_5b_ulysses", "hidream_i1_full_cfg_parallel",
-             "flux3_klein_base_cfg_parallel", "kandinsky5_lite_t2i_hybrid", "wan21_vace_14b_t2v_ulysses",
-             "hidream_o1_cfg_parallel")
+             "ltx23_flf2v_ulysses", "minimax_h3_t2v_ulysses", "wan22_fun_inpaint_5b_ulysses",
+             "hidream_i1_full_cfg_parallel", "flux3_klein_base_cfg_parallel", "kandinsky5_lite_t2i_hybrid",
+             "wan21_vace_14b_t2v_ulysses", "hidream_o1_cfg_parallel")
 FLUX_HEADS, FLUX_BLOCKS = 24, 19 + 38  # FLUX.1 dev/schnell: 19 double + 38 single blocks
 FLUX_UNETS = ("flux1-dev.safetensors", "flux1-schnell.safetensors")
 STRATEGY_WORDS = ("auto", "ulysses", "ring", "pipefusion", "cfg_parallel", "hybrid")  # the end of a workflow's name
@@ -235,21 +235,28 @@ FAMILIES = {
 # resolution selector, a reroute) and the branches the template's switches leave off. `stages`: each
 # SamplerCustomAdvanced in denoising order as (sigma steps, video latent (frames, rows, columns) in tokens); `length`:
 # frames; `fps`: the video's frame rate. LTX-2.3: one token per latent pixel of its 32x / 8x VAE (frames
-# (length - 1) // 8 + 1), 48 blocks of two streams, 32 heads (ltx2.py); its template samples at cfg 1 with the distilled
-# LoRA at 0.5, at half size and then, after the x2 latent upsampler, at full size. MiniMax-H3: 1x2x2 patches of its
+# (length - 1) // 8 + 1), 48 blocks of two streams, 32 heads (ltx2.py); its text- and image-to-video templates sample
+# at cfg 1 with the distilled LoRA at 0.5, at half size and then, after the x2 latent upsampler, at full size; its
+# first-last-frame template samples the distilled file once at full size, each picture guide (LTXVAddGuide:
+# `guides` as (frame_idx, strength)) one more latent frame after the video's. MiniMax-H3: 1x2x2 patches of its
 # 16x latent, 17k+5 frames (five latent frames per 17 from the fifth: nodes_minimax_h3.py), 56 heads, 50 blocks,
 # BasicGuider (one call a step).
-LTX23 = dict(unet="ltx-2.3-22b-dev-fp8.safetensors", heads=32, blocks=48,
-             lora=("ltx_2.3_22b_distilled_1.1_lora_dynamic_fro09_avg_rank_111_bf16.safetensors", 0.5),
-             text_encoder="gemma_3_12B_it_fp4_mixed.safetensors", latent=("EmptyLTXVLatentVideo", 640, 360),
-             length=126, stages=((8, (16, 11, 20)), (3, (16, 22, 40))), fps=25.0)
+LTX23 = dict(heads=32, blocks=48, text_encoder="gemma_3_12B_it_fp4_mixed.safetensors", length=126, fps=25.0)
+LTX23_DEV = dict(LTX23, unet="ltx-2.3-22b-dev-fp8.safetensors",
+                 lora=("ltx_2.3_22b_distilled_1.1_lora_dynamic_fro09_avg_rank_111_bf16.safetensors", 0.5),
+                 latent=("EmptyLTXVLatentVideo", 640, 360), stages=((8, (16, 11, 20)), (3, (16, 22, 40))))
 AV_FAMILIES = {
     "ltx23_t2v_": dict(  # video_ltx2_3_t2v: prompt enhancer on, the first frame an empty image with its stages bypassed
-        LTX23, template="video_ltx2_3_t2v", instances=(267,), loader=236, first_frame=None,
+        LTX23_DEV, template="video_ltx2_3_t2v", instances=(267,), loader=236, first_frame=None,
         left_out={201, 225, 257, 258, 260, 266, 330, 256, 259, 261, 277, 329, 255}),
     "ltx23_i2v_": dict(  # video_ltx2_3_i2v: its prompt enhancer switched off, the picture as the first frame
-        LTX23, template="video_ltx2_3_i2v", instances=(320,), loader=316, first_frame="example.png",
+        LTX23_DEV, template="video_ltx2_3_i2v", instances=(320,), loader=316, first_frame="example.png",
         left_out={299, 300, 301, 302, 312, 319, 328, 292, 294, 298, 323, 327, 293, 324, 325, 326}),
+    "ltx23_flf2v_": dict(  # video_ltx2_3_flf2v: the distilled file, no LoRA, one stage; the two pictures as guides
+        LTX23, template="video_ltx2_3_flf2v", instances=(129,), loader=127,
+        unet="ltx-2.3-22b-distilled-fp8.safetensors", latent=("EmptyLTXVLatentVideo", 1280, 720),
+        stages=((8, (16 + 2, 22, 40)),), first_frame="example.png", last_frame="example.png",
+        guides=((0, 0.7), (-1, 0.7)), left_out={98, 102, 113, 114, 123, 130}),
     "minimax_h3_t2v_": dict(  # video_minimax_h3_t2v: the Lightning LoRA switched off, no first or last frame
         template="video_minimax_h3_t2v", instances=(140,), loader=127,
         unet="minimax_h3_fl2va_pruned_int8_convrot.safetensors", heads=56, blocks=50,
@@ -345,6 +352,15 @@ CORE = {
                               ["LATENT"]),
     "LTXVCropGuides": ([], {"positive": "CONDITIONING", "negative": "CONDITIONING", "latent": "LATENT"},
                        ["CONDITIONING", "CONDITIONING", "LATENT"]),
+    # LTX-2's picture guides (nodes_lt.py, ComfyUI 2026: its optional attention mask and IC-LoRA parameters), the
+    # size of the resized first frame (nodes_images.py) and the first-last-frame template's sampler
+    # (nodes_custom_sampler.py)
+    "LTXVAddGuide": (["frame_idx", "strength"],
+                     {"positive": "CONDITIONING", "negative": "CONDITIONING", "vae": "VAE", "latent": "LATENT",
+                      "image": "IMAGE", "attention_mask": "MASK", "iclora_parameters": "IC_LORA_PARAMETERS"},
+                     ["CONDITIONING", "CONDITIONING", "LATENT"]),
+    "GetImageSize": ([], {"image": "IMAGE"}, ["INT", "INT", "INT"]),
+    "SamplerEulerAncestral": (["eta", "s_noise"], {}, ["SAMPLER"]),
     "LTXVConditioning": (["frame_rate"], {"positive": "CONDITIONING", "negative": "CONDITIONING"},
                          ["CONDITIONING", "CONDITIONING"]),
     "LTXVPreprocess": (["img_compression"], {"image": "IMAGE"}, ["IMAGE"]),
@@ -403,7 +419,8 @@ OPTIONAL_CORE = {("DualCLIPLoader", "device"), ("CLIPLoader", "device"), ("Refer
                  ("TextGenerateLTX2Prompt", "audio"), ("TextGenerateLTX2Prompt", "thinking"),
                  ("TextGenerateLTX2Prompt", "use_default_template"), ("MiniMaxH3ImageToVideo", "first_frame"),
                  ("MiniMaxH3ImageToVideo", "last_frame"), ("WanVaceToVideo", "control_video"),
-                 ("WanVaceToVideo", "control_masks"), ("WanVaceToVideo", "reference_image")}
+                 ("WanVaceToVideo", "control_masks"), ("WanVaceToVideo", "reference_image"),
+                 ("LTXVAddGuide", "attention_mask"), ("LTXVAddGuide", "iclora_parameters")}
 # Widget values the frontend stores after a widget but the API format leaves out: LoadImage's upload button, and
 # the samplers' (and RandomNoise's) control_after_generate after their seed.
 UI_EXTRA_WIDGETS = {("LoadImage", "image"): 1, ("KSampler", "seed"): 1, ("SamplerCustom", "noise_seed"): 1,
@@ -1314,12 +1331,27 @@ def test_family_workflow_loads_its_model_and_its_strategy_fits(name):
     assert save["inputs"]["filename_prefix"] == f"ParaDiT/{name[:-len('.json')]}"
 
 
+def _side_of(graph, value):
+    """An LTX latent's width or height: the widget's value, or the side Get Image Size reads off a picture that
+    Resize Image/Mask scaled to its "scale dimensions" (both sides set: exactly that size)."""
+    if not isinstance(value, list):
+        return value
+    size = graph[value[0]]
+    assert size["class_type"] == "GetImageSize" and value[1] in (0, 1)
+    resize = graph[size["inputs"]["image"][0]]
+    r = resize["inputs"]
+    assert resize["class_type"] == "ResizeImageMaskNode" and r["resize_type"] == "scale dimensions"
+    assert r["resize_type.width"] > 0 and r["resize_type.height"] > 0
+    return r[("resize_type.width", "resize_type.height")[value[1]]]
+
+
 @pytest.mark.parametrize("name", AV_API)
 def test_av_workflow_loads_its_model_and_its_strategy_fits(name):
-    """The audio-video workflows: every sampler's guider on Load Parallel DiT's MODEL (LTX-2.3: through the distilled
-    LoRA), the table's steps and video tokens per stage, one call per step (cfg 1 or BasicGuider: no CFG split), the
-    audio latent made for the video's frames and rate, and the decoded video with its sound saved under our prefix.
-    The strategy fits its devices, the model's heads and blocks and every stage's tokens."""
+    """The audio-video workflows: every sampler's guider on Load Parallel DiT's MODEL (LTX-2.3 dev: through the
+    distilled LoRA), the table's steps and video tokens per stage (picture guides included), one call per step (cfg 1
+    or BasicGuider: no CFG split), the audio latent made for the video's frames and rate, the pictures as first frame
+    or as guides taken off before decoding, and the decoded video with its sound saved under our prefix. The strategy
+    fits its devices, the model's heads and blocks and every stage's tokens."""
     m = _model_of(name)
     graph = _load(os.path.join(API_DIR, name))
     c = _by_class(graph)
@@ -1333,7 +1365,8 @@ def test_av_workflow_loads_its_model_and_its_strategy_fits(name):
     decode = graph[create["inputs"]["images"][0]]
     audio_decode = graph[create["inputs"]["audio"][0]]
     upstream = {"SamplerCustomAdvanced": "latent_image", "LTXVSeparateAVLatent": "av_latent",  # video first
-                "LTXVConcatAVLatent": "video_latent", "LTXVImgToVideoInplace": "latent", "LTXVLatentUpsampler": "samples"}
+                "LTXVConcatAVLatent": "video_latent", "LTXVImgToVideoInplace": "latent", "LTXVLatentUpsampler": "samples",
+                "LTXVCropGuides": "latent", "LTXVAddGuide": "latent"}
     chain, node = [], graph[decode["inputs"]["samples"][0]]
     while node["class_type"] in upstream:
         if node["class_type"] == "SamplerCustomAdvanced":
@@ -1357,7 +1390,7 @@ def test_av_workflow_loads_its_model_and_its_strategy_fits(name):
     (video,) = c[latent_cls]
     assert node is video, "the first stage denoises the template's latent"
     v = video["inputs"]
-    assert (v["width"], v["height"], v["length"]) == (width, height, m["length"])
+    assert (_side_of(graph, v["width"]), _side_of(graph, v["height"]), v["length"]) == (width, height, m["length"])
     if latent_cls == "EmptyLTXVLatentVideo":  # 32x / 8x: the first stage's tokens; the upsampler doubles the sides
         # one file: Load Parallel DiT's DiT, the checkpoint's video VAE, the audio VAE, the text projection
         (checkpoint,), (text,), (audio_vae,) = (c[k] for k in ("CheckpointLoaderSimple", "LTXAVTextEncoderLoader",
@@ -1366,18 +1399,37 @@ def test_av_workflow_loads_its_model_and_its_strategy_fits(name):
         assert text["inputs"] == {"text_encoder": m["text_encoder"], "ckpt_name": m["unet"], "device": "default"}
         assert decode["inputs"]["vae"] == [next(k for k, n in graph.items() if n is checkpoint), 2]
         frames = (m["length"] - 1) // 8 + 1
-        assert m["stages"][0][1] == (frames, height // 32, width // 32)
-        assert m["stages"][1][1] == (frames, 2 * (height // 32), 2 * (width // 32)) and len(chain) == 2
+        guides = c.get("LTXVAddGuide", [])  # each picture guide: one latent frame after the video's, sampled with it
+        assert m["stages"][0][1] == (frames + len(guides), height // 32, width // 32) and len(chain) == len(m["stages"])
+        if len(chain) == 2:  # the x2 latent upsampler doubles the sides
+            assert m["stages"][1][1] == (frames, 2 * (height // 32), 2 * (width // 32))
         (audio,), (conditioning,) = c["LTXVEmptyLatentAudio"], c["LTXVConditioning"]
         a = audio["inputs"]
         assert (a["frames_number"], a["frame_rate"], a["batch_size"]) == (m["length"], m["fps"], 1)
         assert conditioning["inputs"]["frame_rate"] == m["fps"]
         assert audio_decode["class_type"] == "LTXVAudioVAEDecode"
         assert graph[audio_decode["inputs"]["audio_vae"][0]] is graph[a["audio_vae"][0]]
-        frame = [n for n in c["LTXVImgToVideoInplace"]]
-        assert len(frame) == 2 and all(f["inputs"]["bypass"] == (m["first_frame"] is None) for f in frame)
         pictures = c.get("LoadImage", [])
-        assert [p["inputs"]["image"] for p in pictures] == ([m["first_frame"]] if m["first_frame"] else [])
+        assert [p["inputs"]["image"] for p in pictures] == [f for f in (m["first_frame"], m.get("last_frame")) if f]
+        if "guides" in m:  # first-last-frame: each picture a guide the sampler's conditioning carries, then cropped off
+            assert "LTXVImgToVideoInplace" not in c
+            assert sorted((g["inputs"]["frame_idx"], g["inputs"]["strength"]) for g in guides) == sorted(m["guides"])
+            loaded = set()
+            for g in guides:  # LTXV Preprocess <- Resize Image/Mask <- its own Load Image
+                resize = graph[graph[g["inputs"]["image"][0]]["inputs"]["image"][0]]
+                assert graph[resize["inputs"]["input"][0]]["class_type"] == "LoadImage"
+                loaded.add(resize["inputs"]["input"][0])
+            assert len(loaded) == len(pictures) == len(guides)
+            positive = graph[chain[0]["inputs"]["guider"][0]]["inputs"]["positive"]
+            cond, chained = graph[positive[0]], 0
+            while cond["class_type"] == "LTXVAddGuide":
+                cond, chained = graph[cond["inputs"]["positive"][0]], chained + 1
+            assert chained == len(guides) and cond["class_type"] == "LTXVConditioning"
+            crop = graph[decode["inputs"]["samples"][0]]
+            assert crop["class_type"] == "LTXVCropGuides" and crop["inputs"]["positive"] == positive
+        else:  # the picture (or, bypassed, none) as the first frame at both stages
+            frame = [n for n in c["LTXVImgToVideoInplace"]]
+            assert len(frame) == 2 and all(f["inputs"]["bypass"] == (m["first_frame"] is None) for f in frame)
     else:  # MiniMax-H3: 16x latent in 1x2x2 patches; 17k+5 frames, five latent frames per 17 after the second
         assert m["length"] % 17 == 5 and "first_frame" not in v and "last_frame" not in v
         frames = (m["length"] - 5) // 17 * 5 + 2
