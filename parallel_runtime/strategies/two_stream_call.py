@@ -123,10 +123,12 @@ def _pipeline(runner, job: Job, video, audio, context: tuple, times: tuple, thw:
     def rope_of(v_rows, a_rows):
         return adapter.rope(thw, v_rows, frames, a_rows, fps=fps, batch=video.shape[0], **placed)
 
+    guides = job.video_guides
+    bias = adapter.video_bias(guides, video.shape[1]) if guides is not None else None
     runner._check_cancel()
     with torch.no_grad():
         v_out, a_out = pipeline_outputs(runner, job, video, audio, adapter.embed_prompt(*context), times, rope_of,
-                                        (job.call_slot, tuple(mine)), marker)
+                                        (job.call_slot, tuple(mine)), marker, bias)
     group = comm.group("pipefusion")  # only the last stage holds the outputs, the others zeros: a sum is exact
     return comm.all_reduce(v_out, group, op="pipefusion"), comm.all_reduce(a_out, group, op="pipefusion")
 

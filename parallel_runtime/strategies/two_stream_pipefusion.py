@@ -36,12 +36,13 @@ def stale_stream_caches(video_rows: int, audio_rows: int) -> tuple[StaleKVCache,
 
 
 def pipeline_outputs(runner, job: Job, video, audio, prompt: tuple, times: tuple, rope_of, key: tuple,
-                     marker: torch.Tensor | None = None):
+                     marker: torch.Tensor | None = None, video_bias=None):
     """This call's (video, audio) model outputs as packed tokens: filled on the last stage, zeros elsewhere (a sum
     over the pipeline group is exact). `video` / `audio`: the call's input tokens; `prompt`: each stream's prompt
     rows; `times`: (video_t, audio_t, sigma, audio_sigma, peaks) of the call's rows; `rope_of(video_rows,
     audio_rows)`: the RoPE tables of a token set; `key`: the slot whose stale K/V this call reads (model_call.py);
-    `marker`: LTX-2.5's keyframe marker per video token (adapter.keyframe_marker), or None."""
+    `marker`: LTX-2.5's keyframe marker per video token (adapter.keyframe_marker), or None; `video_bias`: the video
+    self-attention's bias (LTX-2's guide attention), cut for each token set's queries over the whole buffer."""
     adapter, comm = runner.adapter, runner.comm
     nv, na = video.shape[1], audio.shape[1]
     shape = ("two-stream", tuple(video.shape), tuple(audio.shape), job.strategy.patches)
@@ -69,6 +70,8 @@ def pipeline_outputs(runner, job: Job, video, audio, prompt: tuple, times: tuple
                 mod = adapter.modulation(video_t[:, v_rows], audio_t[:, a_rows], sigma, audio_sigma, peaks)
                 for name, attend in attention.items():  # the rows whose fresh K/V this pass writes
                     attend.positions = (v_rows if KEY_STREAMS[name] == "video" else a_rows).to(video.device)
+                if video_bias is not None:  # these queries' rows of the bias over every key of the buffer
+                    attention["video"].inner = LocalAttention(video_bias.block(v_rows))
                 rope = rope_of(v_rows, a_rows)
                 if stage == 0 and chunk == 0:
                     marked = () if marker is None else (marker[:, v_rows],)  # LTX-2.5's keyframe row

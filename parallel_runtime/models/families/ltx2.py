@@ -213,9 +213,6 @@ class LTX2Config(JointAttentionConfig):
             problem = self.guides_problem(guides, math.prod(job.latent.shape[2:]))
             if problem:
                 return problem
-            if guides.weights is not None and job.strategy.pipefusion_degree > 1:
-                return (f"the parallel model call runs {self.title}'s PipeFusion without guide attention weights; "
-                        f"set LTXVAddGuide's strength to 1 or pipefusion_degree to 1 (Ulysses, Ring and CFG run them)")
         return self.strategy_problem(job.strategy, "the parallel model call")
 
     @staticmethod
