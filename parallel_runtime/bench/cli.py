@@ -42,7 +42,8 @@ from .av_calls import AV_FAMILIES, AV_SIZES, av_call_bench, av_shape
 from .controlnet import controlnet_row
 from .grid import CFG_PARALLEL_SCALE, grid, row_label, subset_devices
 from .measure import cpu_capacity
-from .models import BENCH_FAMILIES, FLUX_DEV, NAMED_MODELS, RELEASE_SHAPES, RELEASE_VIDEO_SIZES, TOY, VIDEO_SIZE
+from .models import (BENCH_FAMILIES, FLUX_DEV, NAMED_MODELS, RELEASE_SHAPES, RELEASE_VIDEO_SIZES, TOY, VIDEO_SIZE,
+                     widened)
 from .projection import av_projection, gpu_projection, video_projection, xdit_published
 from .report import fmt_table, result_rows
 from .runs import in_process_reference, make_job, pipefusion_per_call, run_calls, run_config, run_in_process
@@ -86,6 +87,9 @@ def parse_args(argv):
                     help="run the grid on a random model with this family's block shapes (flux = --model bench)")
     ap.add_argument("--blocks", default=None, metavar="D,S",
                     help="double,single block counts for a named model (e.g. 0,6 or 4,8)")
+    ap.add_argument("--width", type=int, default=None,
+                    help="model width of a named model, a multiple of its 256 (its MLPs and head counts grow "
+                         "with it, head sizes stay): nearer a release's mix of matmul and per-token work")
     ap.add_argument("--resolution", default=None, metavar="WxH",
                     help="image size in pixels; latent = size/8, image tokens = (size/16)^2 (default 1024x1024 "
                          "-> 4096 tokens)")
@@ -234,6 +238,8 @@ def _model(args, tmp: str | None, height: int, width: int):
         if args.blocks:
             d, s = (int(x) for x in args.blocks.split(","))
             config = dataclasses.replace(config, num_layers=d, num_single_layers=s)
+        if args.width:
+            config = widened(config, args.width)
         path = write_checkpoint(os.path.join(tmp, f"{args.model}.safetensors"), config, seed=0)
         single = getattr(config, "num_single_layers", 0)  # one-block-list families have none
         return path, config, (f"{args.model} ({family_of(config).title}-shaped, random weights: width "

@@ -2,6 +2,9 @@
 seconds per step, and the released models' shapes the GPU projection uses."""
 from __future__ import annotations
 
+import dataclasses
+
+from ..errors import ModelFileError
 from ..models.families.chroma import ChromaConfig
 from ..models.families.flux import FluxConfig
 from ..models.families.flux2 import Flux2Config
@@ -106,6 +109,31 @@ BENCH_FAMILIES = {
     "minimax_h3": MiniMaxH3Config(hidden_size=256, num_layers=2, num_heads=2, head_dim=128, ffn_dim=682, text_dim=64,
                                   time_embed_hidden=256, time_embed_dim=128),
 }
+# Config fields that grow with the width (the stream widths, their MLPs, the blocks' own attention widths, the
+# head counts of families whose heads keep their size): `widened` scales them together. Prompt and latent widths stay.
+_WIDTH_FIELDS = ("hidden_size", "audio_hidden_size", "ffn_dim", "ff_dim", "audio_ff_dim", "mlp_hidden",
+                 "intermediate_size", "cross_attention_dim", "audio_cross_attention_dim", "num_heads", "num_kv_heads",
+                 "audio_heads", "time_hidden", "time_embed_hidden")
+
+
+def widened(config, width: int):
+    """`config` at model width `width` (a whole multiple of its own): every width-like field scaled by the same
+    factor, head sizes kept, so the block's mix of matmuls, attention and per-token work is the release's at a width
+    nearer to it (tensor parallelism splits the matmuls, not the per-token work)."""
+    factor, rest = divmod(width, config.hidden_size)
+    if rest or factor < 1:
+        raise SystemExit(f"--width {width}: give a whole multiple of the bench model's width {config.hidden_size}")
+    if factor == 1:
+        return config
+    names = {f.name for f in dataclasses.fields(config)}
+    try:
+        return dataclasses.replace(config, **{n: getattr(config, n) * factor for n in _WIDTH_FIELDS
+                                              if n in names and isinstance(getattr(config, n), int)
+                                              and getattr(config, n) > 0})
+    except (ValueError, ModelFileError) as e:  # a family whose widths follow a rule a plain factor breaks
+        raise SystemExit(f"--width {width}: the {config.family} bench model does not scale to that width ({e})")
+
+
 # The bench's video size for video families: Wan's default 81 frames (21 latent frames) of 320x320 px, so
 # 21 x 20 x 20 = 8,400 video tokens (>= 8,000: sequences long enough that compute hides the traffic, as at
 # 480p); 20 token rows per frame split evenly into 2 or 4 PipeFusion patches. Prompts are umT5's 512 tokens.
