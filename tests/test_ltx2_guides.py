@@ -222,8 +222,20 @@ def test_guide_bias_blocks_are_the_dense_mask_cut():
     g = torch.Generator().manual_seed(0)
     for _ in range(5):
         rows, cols = torch.randperm(12, generator=g)[:7], torch.randperm(12, generator=g)[:5]
-        assert torch.equal(bias.block(rows, cols)[0, 0], dense[rows][:, cols])
-    assert torch.equal(bias.block(torch.arange(12))[0, 0], dense)
+        assert torch.equal(bias.dense(rows, cols)[0, 0], dense[rows][:, cols])
+    assert torch.equal(bias.dense(torch.arange(12))[0, 0], dense)
+    # ... handed to the kernels as two row groups: the video's queries share one bias row (nothing queries x keys)
+    groups = bias.block(torch.arange(12)).groups
+    assert [(len(r), tuple(b.shape)) for r, b in groups] == [(6, (1, 1, 1, 12)), (6, (1, 1, 6, 12))]
+    from parallel_runtime.strategies.attention.local import attention, attention_with_lse
+
+    q, k, v = (torch.randn(2, 12, 3, 8, generator=g) for _ in range(3))
+    rows = torch.randperm(12, generator=g)[:9]
+    want = attention(q[:, rows], k, v, dense[rows][None, None])
+    assert (attention(q[:, rows], k, v, bias.block(rows)) - want).abs().max() < 1e-6  # fp32 kernels: round-off
+    out, lse = attention_with_lse(q[:, rows], k, v, bias=bias.block(rows))
+    ref_out, ref_lse = attention_with_lse(q[:, rows], k, v, bias=dense[rows][None, None])
+    assert (out - ref_out).abs().max() < 1e-6 and (lse - ref_lse).abs().max() < 1e-5
 
 
 # -- the call on the workers ------------------------------------------------------------------------------------

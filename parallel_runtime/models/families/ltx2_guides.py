@@ -14,7 +14,8 @@ LTXVModel._process_input and _build_guide_self_attention_mask (comfy/ldm/lightri
 - where some guide's strength is not 1 or it carries a pixel mask, self-attention adds log(weight) between a tracked
   guide token and every video (non-guide) token, both ways: a video query reading that guide key, the guide query
   reading any video key; guide-guide and video-video scores are unchanged (`GuideBias`). A weight of 0 adds the
-  dtype's lowest finite value, as ComfyUI does, so no query is ever left without keys.
+  dtype's lowest finite value, as ComfyUI does, so no query is ever left without keys. Like ComfyUI's, the bias is
+  never built as queries x keys: the video's queries share one row of it, the guides' hold their own rows.
 
 `guides_of_call` turns a call's inputs into `VideoGuides` on the host (the door: nodes/ltx2_call.py); the workers
 read them in strategies/two_stream_call.py. Nothing here imports ComfyUI.
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from ...errors import ConfigError
 from ...spec import VideoGuides
+from ...strategies.attention.bias import RowGroups
 
 
 def guides_of_call(keyframe_idxs: torch.Tensor | None, denoise_mask: torch.Tensor | None, entries,
@@ -163,13 +165,30 @@ class GuideBias:
         self.log_weight[tokens - w.shape[0]:] = log_w
         self.guide_start = tokens - w.shape[0]
 
-    def block(self, rows: torch.Tensor, cols: torch.Tensor | None = None) -> torch.Tensor:
-        """The bias [1, 1, len(rows), len(cols)] of queries `rows` over keys `cols` (canonical token indices)."""
+    def block(self, rows: torch.Tensor, cols: torch.Tensor | None = None) -> RowGroups:
+        """The bias of queries `rows` over keys `cols` (canonical token indices; every key where None) as two row
+        groups, as ComfyUI's _attention_with_guide_mask splits them: the video's queries share one row (the guide
+        keys' log weights, broadcast), the guides' each add their own log weight on the video's keys; a group whose
+        bias is all zero in this block carries none."""
         device = self.log_weight.device
         rows = rows.to(device)
         cols = torch.arange(len(self.log_weight), device=device) if cols is None else cols.to(device)
         row_guide, col_guide = rows >= self.guide_start, cols >= self.guide_start
         zero = self.log_weight.new_zeros(())
-        video_reads_guide = torch.where(~row_guide[:, None] & col_guide[None, :], self.log_weight[cols][None, :], zero)
-        guide_reads_video = torch.where(row_guide[:, None] & ~col_guide[None, :], self.log_weight[rows][:, None], zero)
-        return (video_reads_guide + guide_reads_video)[None, None].contiguous()
+        video_rows, guide_rows = torch.nonzero(~row_guide).flatten(), torch.nonzero(row_guide).flatten()
+        video_bias = guide_bias = None
+        if bool(col_guide.any()):  # the video's queries reading guide keys
+            video_bias = torch.where(col_guide, self.log_weight[cols], zero)[None, None, None]
+        if bool((~col_guide).any()) and len(guide_rows):  # the guides' queries reading video keys
+            guide_bias = torch.where(~col_guide[None, :], self.log_weight[rows[guide_rows]][:, None], zero)[None, None]
+        return RowGroups(((video_rows, video_bias), (guide_rows, guide_bias)))
+
+    def dense(self, rows: torch.Tensor, cols: torch.Tensor | None = None) -> torch.Tensor:
+        """The same block as one [1, 1, len(rows), len(cols)] tensor (what the groups add, row by row)."""
+        groups = self.block(rows, cols)
+        n = len(self.log_weight) if cols is None else len(cols)
+        out = self.log_weight.new_zeros(1, 1, len(rows), n)
+        for index, bias in groups.groups:
+            if bias is not None:
+                out[:, :, index] = bias.expand(1, 1, len(index), n)
+        return out

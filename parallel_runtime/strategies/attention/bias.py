@@ -5,6 +5,11 @@ A Flux-family model call may carry `attention_mask`: an additive bias [B, L, L] 
 conditioning another), which ComfyUI adds to every joint attention's scores. The strategies never see the
 whole sequence at once, so `AttentionBias` cuts the block each attention call needs: its queries' rows and
 its keys' columns, in the canonical order the TokenLayout's positions name.
+
+A bias whose rows fall in a few groups, each of which adds the same thing to every query of the group or only
+differs on a few rows (LTX-2's guide attention: one key vector for every video query), is handed to the kernels as
+`RowGroups`: each group of query rows with its own bias, broadcast over the group where it is one row, so nothing of
+the size queries x keys is built for it.
 """
 from __future__ import annotations
 
@@ -24,3 +29,12 @@ class AttentionBias:
         if cols is not None:
             out = out.index_select(2, cols)
         return out.unsqueeze(1).contiguous()
+
+
+class RowGroups:
+    """One bias block given per group of query rows: `groups` = ((row indices into the block's queries, bias
+    [1, 1, 1 or len(rows), keys] or None), ...), every row in exactly one group. The kernels run each group apart
+    (local.attention, local.attention_with_lse) and put the rows back in place."""
+
+    def __init__(self, groups):
+        self.groups = tuple((rows, bias) for rows, bias in groups if len(rows))

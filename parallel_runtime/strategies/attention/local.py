@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .bias import RowGroups
 from .gqa import expand_kv
 
 # Compute capabilities torch's CUDA flash-attention kernels are built for (torch 2.13: sm80 to sm121).
@@ -38,8 +39,15 @@ def _kernel_of(q: torch.Tensor, biased: bool) -> str:
     return lse_kernel(q.device.type, q.dtype, _capability(q.device), biased=biased)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """SDPA over [B, S, H, D] q and [B, S, G, D] k/v (G divides H)."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias=None) -> torch.Tensor:
+    """SDPA over [B, S, H, D] q and [B, S, G, D] k/v (G divides H); `bias` a tensor, None or bias.RowGroups."""
+    if isinstance(bias, RowGroups):
+        out = None
+        for rows, part in bias.groups:
+            got = attention(q[:, rows], k, v, part)
+            out = got.new_empty(q.shape[:3] + got.shape[3:]) if out is None else out
+            out[:, rows] = got
+        return out
     mask = None if bias is None else bias.to(q.dtype)
     gqa = {}
     if k.shape[2] != q.shape[2]:
@@ -79,14 +87,23 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str | None = None,
-                       bias: torch.Tensor | None = None,
-                       dead: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       bias=None, dead: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns out [B, S, H, D] and lse [B, H, S] (float32) of q [B, S, H, D] over k, v [B, Sk, G, D] (G divides H).
     `kernel` overrides `lse_kernel`'s choice.
 
     A query whose every key `bias` masks out (-inf) gets output 0 and lse -inf, so merging it with other key
     blocks gives their result, and a query masked everywhere ends at 0, as torch's SDPA (ComfyUI's) returns.
-    `dead`: `dead_queries(bias)`, where the caller reuses one bias for many calls (Ring: every layer)."""
+    `dead`: `dead_queries(bias)`, where the caller reuses one bias for many calls (Ring: every layer). A
+    bias.RowGroups bias runs each group of query rows apart, with its own bias (and kernel)."""
+    if isinstance(bias, RowGroups):
+        out = lse = None
+        for rows, part in bias.groups:
+            got, got_lse = attention_with_lse(q[:, rows], k, v, kernel if part is None else None, part)
+            if out is None:
+                out = got.new_empty(q.shape[:3] + got.shape[3:])
+                lse = got_lse.new_empty(got_lse.shape[:2] + (q.shape[1],))
+            out[:, rows], lse[:, :, rows] = got, got_lse
+        return out, lse
     kernel = kernel or _kernel_of(q, bias is not None)
     if k.shape[2] != q.shape[2] and not reads_kv_groups(kernel):
         k, v = expand_kv(k, q.shape[2]), expand_kv(v, q.shape[2])
@@ -115,8 +132,11 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel
     return out, lse
 
 
-def dead_queries(bias: torch.Tensor) -> torch.Tensor:
-    """[B, 1, Sq]: the queries an attention bias block gives no key (every column -inf)."""
+def dead_queries(bias) -> torch.Tensor | None:
+    """[B, 1, Sq]: the queries an attention bias block gives no key (every column -inf); None for bias.RowGroups,
+    whose groups attention_with_lse finds apart."""
+    if isinstance(bias, RowGroups):
+        return None
     return torch.isneginf(bias).all(dim=-1)
 
 
