@@ -72,8 +72,11 @@ def token_patch(config) -> int:
 
 def prompt_rows(config, tokens: int) -> int:
     """Rows a prompt of `tokens` tokens takes in the model's attention sequence: as many, unless the family pads it
-    (FLUX.2 to 512 at the front, `prompt_tokens`; Z-Image to a multiple of 32 with learned rows, `prompt_rows`).
+    (FLUX.2 to 512 at the front, `prompt_tokens`; Z-Image to a multiple of 32 with learned rows, `prompt_rows`) or
+    joins rows to it (HiDream's two Llama layers, `sequence_rows`).
     The cost model, auto and the bench's analytic traffic count these rows, as the workers run them."""
     adapter = family_of(config).adapter_class
     tokens = max(tokens, getattr(adapter, "prompt_tokens", 0))
-    return getattr(adapter, "prompt_rows", lambda n: n)(tokens)
+    rows = getattr(adapter, "prompt_rows", lambda n: n)(tokens)
+    # Rows a family joins to the embedded prompt (HiDream's Llama layers: adapter.joined_rows at the job's shapes).
+    return getattr(adapter, "sequence_rows", lambda n: n)(rows)

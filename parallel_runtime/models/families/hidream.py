@@ -300,6 +300,13 @@ class HiDreamAdapter:
         """Prompt rows besides T5's: the last block's Llama layer and the current block's."""
         return 2 * branches.llama.shape[2] if branches.llama is not None else 0
 
+    @staticmethod
+    def sequence_rows(tokens: int) -> int:
+        """Rows a prompt of `tokens` tokens takes in the attention sequence, as the cost model, auto and the bench
+        count them (registry.prompt_rows): T5's and two Llama layers' (joined_rows), each as long as the prompt
+        (CLIPTextEncodeHiDream pads both encoders to one length)."""
+        return 3 * tokens
+
     def rope(self, text_len: int, h: int, w: int, references=(), method=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(RoPE over [prompt, image, E1 image], each prompt row's distance from the prompt's end (0: image rows))."""
         ids = [torch.zeros(text_len, 3), grid_ids(h // 2, w // 2)]
