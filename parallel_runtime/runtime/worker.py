@@ -376,6 +376,37 @@ def _job_from_message(meta: dict, tensors: dict):
                video_guides=VideoGuides.from_tensors(tensors), audio_reference=tensors.get("audio_reference"))
 
 
+PROFILE_ENV = "PARADIT_PROFILE_DIR"  # a folder: each rank writes its ops' CPU times per job there (a developer's tool)
+
+
+class _profiled:
+    """torch.profiler around one job's denoise where PARADIT_PROFILE_DIR names a folder: rank r's table of ops by
+    self CPU time goes to rank{r}-{n}.txt there (n counts its jobs), so a strategy's time can be broken down on the
+    workers themselves, collectives included; nothing otherwise."""
+
+    counts: dict[int, int] = {}
+
+    def __init__(self, rank: int):
+        self.rank, self.folder, self.prof = rank, os.environ.get(PROFILE_ENV), None
+
+    def __enter__(self):
+        if self.folder:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.prof is None:
+            return False
+        self.prof.__exit__(*exc)
+        n = self.counts[self.rank] = self.counts.get(self.rank, 0) + 1
+        os.makedirs(self.folder, exist_ok=True)
+        table = self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+        with open(os.path.join(self.folder, f"rank{self.rank}-{n}.txt"), "w") as f:
+            f.write(table)
+        return False
+
+
 def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse, gate: queue.Queue) -> None:
     """Load (phase "load"), report, wait for the client's go, then denoise (phase "run").
 
@@ -397,7 +428,8 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
     if gate.get() != "go":
         raise Aborted()
     pulse.phase = "sampling"
-    stats, latent = _denoise(state, chan, job, topology, pulse, controlnets)
+    with _profiled(state.rank):
+        stats, latent = _denoise(state, chan, job, topology, pulse, controlnets)
     # On a failure serve() ends the job, after telling the client (and drops any stale K/V).
     state.end_job(job)
     stats.update(loaded=loaded, load_seconds=state.last_load_seconds, patched_tensors=patched, released=state.released,
