@@ -457,3 +457,25 @@ def test_reference_audio_equals_comfyuis(paths, client1, client2, strategy):
     if spec.world_size == 1:
         plain = client1.run(dataclasses.replace(job, audio_reference=None))
         assert rel_err(plain.audio, want_a) > 1e-3 and rel_err(plain.latent, want_v) > 1e-4
+
+
+def test_pixel_masks_downsample_as_comfyui_does():
+    """LTXVModel._downsample_mask_to_latent: area-averaged per frame; the first pixel frame makes the first latent
+    frame, the rest are averaged in groups of (pixel frames - 1) // (latent frames - 1), or repeated (nearest) where
+    fewer pixel frames than latent frames remain; one pixel frame fills every latent frame."""
+    from parallel_runtime.models.families.ltx2_guides import downsample_mask
+
+    g = torch.Generator().manual_seed(4)
+
+    def area(frame):  # one pixel frame [H, W] -> [2, 3]
+        return F.interpolate(frame[None, None], size=(2, 3), mode="area")[0, 0]
+
+    mask = torch.rand(1, 1, 9, 64, 96, generator=g)  # 1 + 8 pixel frames onto 1 + 2 latent frames: groups of 4
+    want = torch.stack([area(mask[0, 0, 0]), torch.stack([area(f) for f in mask[0, 0, 1:5]]).mean(0),
+                        torch.stack([area(f) for f in mask[0, 0, 5:9]]).mean(0)])
+    assert torch.allclose(downsample_mask(mask, 3, 2, 3), want.reshape(1, -1), atol=1e-6)
+    short = mask[:, :, :2]  # 1 + 1 pixel frames onto 1 + 2 latent frames: the second repeated
+    want = torch.stack([area(short[0, 0, 0]), area(short[0, 0, 1]), area(short[0, 0, 1])])
+    assert torch.allclose(downsample_mask(short, 3, 2, 3), want.reshape(1, -1), atol=1e-6)
+    single = mask[:, :, :1]  # one pixel frame: every latent frame is it
+    assert torch.allclose(downsample_mask(single, 2, 2, 3), area(single[0, 0, 0]).repeat(2, 1, 1).reshape(1, -1))
