@@ -25,3 +25,14 @@ def test_a_width_that_does_not_fit_is_refused_in_one_sentence():
         widened(BENCH_FAMILIES["flux3"], 300)
     with pytest.raises(SystemExit, match=r"^--width 1024: the z_image bench model does not scale to that width \("):
         widened(BENCH_FAMILIES["z_image"], 1024)
+
+
+def test_width_on_a_model_that_is_no_family_bench_model_is_refused_before_any_work():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "parallel_runtime", "bench", "--model", "toy", "--width", "512",
+                          "--quick"], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1] == ("--width widens a family's bench model only, not toy; drop it or "
+                                                   "give --family.")

@@ -88,8 +88,9 @@ def parse_args(argv):
     ap.add_argument("--blocks", default=None, metavar="D,S",
                     help="double,single block counts for a named model (e.g. 0,6 or 4,8)")
     ap.add_argument("--width", type=int, default=None,
-                    help="model width of a named model, a multiple of its 256 (its MLPs and head counts grow "
-                         "with it, head sizes stay): nearer a release's mix of matmul and per-token work")
+                    help="model width of a family's bench model, a multiple of its own (256; PixArt 288): its MLPs "
+                         "and head counts grow with it, head sizes stay, nearer a release's mix of matmul and "
+                         "per-token work")
     ap.add_argument("--resolution", default=None, metavar="WxH",
                     help="image size in pixels; latent = size/8, image tokens = (size/16)^2 (default 1024x1024 "
                          "-> 4096 tokens)")
@@ -245,6 +246,8 @@ def _model(args, tmp: str | None, height: int, width: int):
         return path, config, (f"{args.model} ({family_of(config).title}-shaped, random weights: width "
                               f"{config.hidden_size}, {config.num_heads} heads x {config.head_dim}, "
                               f"{config.num_layers} double/joint + {single} single blocks)"), None
+    if args.width:
+        raise SystemExit(f"--width widens a family's bench model only, not {args.model}; drop it or give --family.")
     path, conditioning, prompt = os.path.abspath(args.model), None, ""
     if args.model == TOY:
         from ..toy import DEFAULT_PROMPT, MODEL_PATH, load_companions
@@ -628,8 +631,9 @@ class BenchRun:
                 conditions.append(f"model {self.model_name.split(' (')[0]}, not the trained demo model (--model toy)")
         else:
             stated = f"the family's bench model, {stated}"
-            if args.model not in ("bench", *BENCH_FAMILIES) or args.blocks:
+            if args.model not in ("bench", *BENCH_FAMILIES) or args.blocks or args.width:
                 blocks = " with --blocks " + args.blocks if args.blocks else ""
+                blocks += f" at width {args.width}" if args.width else ""
                 conditions.append(f"model {self.model_name.split(' (')[0]}{blocks}, not a family's bench model")
         self.say("")
         self.say("Targets" + (f" (conditions differ from the stated ones: {'; '.join(conditions)})" if conditions else

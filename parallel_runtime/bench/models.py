@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..errors import ModelFileError
+from ..errors import ConfigError, ModelFileError
 from ..models.families.chroma import ChromaConfig
 from ..models.families.flux import FluxConfig
 from ..models.families.flux2 import Flux2Config
@@ -130,7 +130,7 @@ def widened(config, width: int):
         return dataclasses.replace(config, **{n: getattr(config, n) * factor for n in _WIDTH_FIELDS
                                               if n in names and isinstance(getattr(config, n), int)
                                               and getattr(config, n) > 0})
-    except (ValueError, ModelFileError) as e:  # a family whose widths follow a rule a plain factor breaks
+    except (ValueError, ModelFileError, ConfigError) as e:  # a family whose widths follow another rule
         raise SystemExit(f"--width {width}: the {config.family} bench model does not scale to that width ({e})")
 
 

@@ -381,8 +381,9 @@ PROFILE_ENV = "PARADIT_PROFILE_DIR"  # a folder: each rank writes its ops' CPU t
 
 class _profiled:
     """torch.profiler around one job's denoise where PARADIT_PROFILE_DIR names a folder: rank r's table of ops by
-    self CPU time goes to rank{r}-{n}.txt there (n counts its jobs), so a strategy's time can be broken down on the
-    workers themselves, collectives included; nothing otherwise."""
+    self CPU time goes to rank{r}-{pid}-{n}.txt there (n counts the process's jobs, so a restarted worker never
+    writes over an earlier table), so a strategy's time can be broken down on the workers themselves; nothing
+    otherwise. A table that cannot be written is logged and never replaces the job's own outcome."""
 
     counts: dict[int, int] = {}
 
@@ -400,10 +401,13 @@ class _profiled:
             return False
         self.prof.__exit__(*exc)
         n = self.counts[self.rank] = self.counts.get(self.rank, 0) + 1
-        os.makedirs(self.folder, exist_ok=True)
-        table = self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-        with open(os.path.join(self.folder, f"rank{self.rank}-{n}.txt"), "w") as f:
-            f.write(table)
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            table = self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+            with open(os.path.join(self.folder, f"rank{self.rank}-{os.getpid()}-{n}.txt"), "w") as f:
+                f.write(table)
+        except Exception as e:  # a developer's tool: its failure must not end the job
+            print(f"ParaDiT: rank {self.rank} could not write its profile to {self.folder}: {e}", file=sys.stderr)
         return False
 
 

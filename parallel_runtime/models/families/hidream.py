@@ -303,8 +303,9 @@ class HiDreamAdapter:
     @staticmethod
     def sequence_rows(tokens: int) -> int:
         """Rows a prompt of `tokens` tokens takes in the attention sequence, as the cost model, auto and the bench
-        count them (registry.prompt_rows): T5's and two Llama layers' (joined_rows), each as long as the prompt
-        (CLIPTextEncodeHiDream pads both encoders to one length)."""
+        count them (registry.prompt_rows): T5's and two Llama layers' (joined_rows), each taken as long as the
+        prompt: exact up to 128 tokens (CLIPTextEncodeHiDream pads T5 to 128 and Llama to at least 128); a longer
+        Llama prompt has more rows, which the workers count themselves (joined_rows)."""
         return 3 * tokens
 
     def rope(self, text_len: int, h: int, w: int, references=(), method=None) -> tuple[torch.Tensor, torch.Tensor]:

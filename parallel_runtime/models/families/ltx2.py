@@ -26,13 +26,16 @@ ComfyUI 2026's model call for LTXAV carries, beyond x / timestep / context: x as
 (latent_shapes; LTXVConcatAVLatent), per-token video and audio timesteps made by process_timestep from
 denoise_mask / audio_denoise_mask (LTXVImgToVideo, LTXVAddGuide), frame_rate (LTXVConditioning), keyframe_idxs
 and guide_attention_entries (LTXVAddGuide), ref_audio (ID-LoRA reference audio), generated_keyframes (LTX-2.5).
-The runtime runs such a call (strategies/two_stream_call.py): the audio x in Job.audio, per-row or per-frame video
-sigmas in Job.timestep, the audio's in Job.audio_timestep, fps in Job.extra["frame_rate"], the prompt as both
-connectors' rows side by side (`split_prompt`; the connectors themselves run on the host: ltx2_connectors.py).
-Load Parallel DiT's MODEL makes such calls of ComfyUI's (nodes/ltx2_call.py); Parallel Sampler's loop steps both
-latents and makes one such call per step (strategies/av_sampling.py); a job without its audio latent is refused
-before any work (`not_sampled_yet`). Keyframe markers, guide attention entries and reference audio are not carried
-yet (refused in one sentence naming the node).
+The runtime runs such a call (strategies/two_stream_call.py): the audio x in Job.audio, per-row, per-frame or
+per-token video sigmas in Job.timestep, the audio's in Job.audio_timestep, fps in Job.extra["frame_rate"], the prompt as
+both connectors' rows side by side (`split_prompt`; the connectors themselves run on the host: ltx2_connectors.py),
+the guide frames in Job.video_guides (which tokens run, the guides' positions and attention weights:
+ltx2_guides.py) and LTXVReferenceAudio's tokens in Job.audio_reference. Load Parallel DiT's MODEL makes such calls of
+ComfyUI's (nodes/ltx2_call.py); Parallel Sampler's loop steps both latents and makes one such call per step
+(strategies/av_sampling.py); a job without its audio latent is refused before any work (`not_sampled_yet`).
+Generated keyframes (LTX-2.5) are not carried yet (refused in one sentence naming the node). A file with LTX-2.5's
+keyframe row gets it on the first latent frame's tokens, as ComfyUI's model adds it on every call
+(`keyframe_marker`).
 
 Tensor parallelism splits the heads and MLP units of all six attentions and both MLPs (`tensor_plan`); a rank takes
 its heads' RoPE columns. PipeFusion's patches are runs of video tokens; the audio rows ride with one patch (audio is

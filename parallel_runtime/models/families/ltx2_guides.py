@@ -90,7 +90,7 @@ def _guide_weights(entries, guide_kept: torch.Tensor, guide_tokens: int) -> torc
         strength = float(entry.get("strength", 1.0))
         pixel_mask, shape = entry.get("pixel_mask"), entry.get("latent_shape")
         if pixel_mask is not None and shape is not None:
-            per_token = downsample_mask(pixel_mask.float(), *shape)[0]
+            per_token = downsample_mask(pixel_mask.detach().float().cpu(), *shape)[0]  # may arrive on a GPU
             tracked.append(per_token[:min(per_token.shape[0], surviving)] * strength)
         else:
             tracked.append(torch.full((surviving,), strength))
