@@ -360,8 +360,9 @@ class Job:
     negative: Conditioning | None = None
     extra: dict = field(default_factory=dict)
     # Set for one model call of a stock ComfyUI sampler (strategies/model_call.py): the model's timestep per
-    # row of `latent` (a video family's per row and frame; LTX-2's also per row and token), which then holds the input-scaled x of the call's chunks (positive = the first chunk,
-    # negative = the second); the result is the model output, not a denoised latent.
+    # row of `latent` (a video family's per row and frame; LTX-2's also per row and token), which then holds the
+    # input-scaled x of the call's chunks (positive = the first chunk, negative = the second); the result is the
+    # model output, not a denoised latent.
     timestep: torch.Tensor | None = None
     # A model call's place in the host sampler's run: its step in the schedule (None: unknown; PipeFusion warms
     # up on the first steps), its slot (which of the call's jobs this is, a call of more than two chunks being

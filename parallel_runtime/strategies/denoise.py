@@ -24,6 +24,7 @@ from ..distributed.topology import Topology, latent_plane, validate_strategy
 from ..errors import Cancelled
 from ..models.family import DiTAdapter
 from .attention import AttentionBias, LocalAttention, RingAttention, UlyssesAttention
+from .attention.bias import ring_blocks
 from .attention.processor import AttentionContext
 from .batch import batch_shares, cut_job, gather_batch, group_speeds, job_noise, repeat_to_batch
 from .control import ControlNets, ControlPass, Residuals
@@ -673,10 +674,7 @@ class Denoiser:
         t = self.topology
         ring, uly = self.comm.group("ring"), self.comm.group("ulysses")
         kv_lengths = [sum(seq[r * t.ulysses:(r + 1) * t.ulysses]) for r in range(t.ring)]
-        blocks = None
-        if bias is not None:
-            members = [torch.cat(rows[r * t.ulysses:(r + 1) * t.ulysses]) for r in range(t.ring)]
-            blocks = [bias.block(members[self.coords["ring"]], keys) for keys in members]
+        blocks = ring_blocks(bias, rows, t.ulysses, self.coords["ring"]) if bias is not None else None
         attention = (RingAttention(self.comm, ring, kv_lengths, blocks) if ring.size > 1
                      else LocalAttention(blocks[0] if blocks else None))
         if uly.size > 1:

@@ -72,18 +72,18 @@ def two_stream_outputs(runner, job: Job) -> tuple[torch.Tensor, torch.Tensor]:
     placed = ({} if guides is None else {"guides": guides}) | ({"audio_prefix": prefix} if prefix else {})
     marker_of = getattr(adapter, "keyframe_marker", None)  # LTX-2.5's keyframe row, on the tokens ComfyUI adds it to
     marker = marker_of(tuple(thw), guides, len(idx)) if marker_of is not None else None
+    # The video self-attention's bias (LTX-2's guide attention), cut for each split by its rows.
+    bias = adapter.video_bias(guides, video.shape[1]) if guides is not None else None
     if topology.pipefusion > 1:
         v_out, a_out = _pipeline(runner, job, video, audio, (video_context, audio_context),
                                  (video_t[idx], audio_t[idx], sigma, audio_sigma, peaks), tuple(thw), fps, mine,
-                                 marker, placed)
+                                 marker, placed, bias)
     else:
         # The group whose members split both streams' rows: naive patch's (each attends its own rows alone), else
         # the sequence-parallel ranks'.
         group = comm.group("naive_patch" if topology.naive_patch > 1 else "sp")
         video_shards, audio_shards = shard_rows(video.shape[1], group.size), shard_rows(frames, group.size)
         v_rows, a_rows = video_shards[group.index], audio_shards[group.index]
-        # The video self-attention's bias (LTX-2's guide attention), cut for this split by the shards' rows.
-        bias = adapter.video_bias(guides, video.shape[1]) if guides is not None else None
         _point_attention(runner, video_shards, [len(r) for r in audio_shards], bias)
         rope = adapter.rope(tuple(thw), v_rows, frames, a_rows, fps=fps, batch=len(idx), **placed)
         runner._check_cancel()
@@ -110,9 +110,9 @@ def _repeat(t: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def _pipeline(runner, job: Job, video, audio, context: tuple, times: tuple, thw: tuple, fps: float,
-              mine: list[int], marker: torch.Tensor | None, placed: dict) -> tuple[torch.Tensor, torch.Tensor]:
+              mine: list[int], marker: torch.Tensor | None, placed: dict, bias) -> tuple[torch.Tensor, torch.Tensor]:
     """PipeFusion over the call's patches (two_stream_pipefusion.py), its outputs whole on every stage. `placed`:
-    adapter.rope's guide frames and reference audio rows of the call."""
+    adapter.rope's guide frames and reference audio rows of the call; `bias`: its video self-attention's bias."""
     from .two_stream_pipefusion import pipeline_outputs
 
     adapter, comm = runner.adapter, runner.comm
@@ -123,8 +123,6 @@ def _pipeline(runner, job: Job, video, audio, context: tuple, times: tuple, thw:
     def rope_of(v_rows, a_rows):
         return adapter.rope(thw, v_rows, frames, a_rows, fps=fps, batch=video.shape[0], **placed)
 
-    guides = job.video_guides
-    bias = adapter.video_bias(guides, video.shape[1]) if guides is not None else None
     runner._check_cancel()
     with torch.no_grad():
         v_out, a_out = pipeline_outputs(runner, job, video, audio, adapter.embed_prompt(*context), times, rope_of,

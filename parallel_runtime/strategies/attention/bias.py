@@ -38,3 +38,13 @@ class RowGroups:
 
     def __init__(self, groups):
         self.groups = tuple((rows, bias) for rows, bias in groups if len(rows))
+
+
+def ring_blocks(bias, rows: list[torch.Tensor], ulysses: int, ring_index: int) -> list:
+    """`bias`'s blocks for one ring member's attention (an AttentionBias, or any object with its `block`): shard j's
+    canonical positions are `rows[j]` (sequence-parallel order r * ulysses + u); a Ulysses group attends its members'
+    rows in member order, as queries and as the keys of the ring block it starts with, so block k is this ring
+    member's group rows over ring member k's."""
+    rings = len(rows) // ulysses
+    members = [torch.cat(rows[r * ulysses:(r + 1) * ulysses]) for r in range(rings)]
+    return [bias.block(members[ring_index], keys) for keys in members]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...distributed.comm import Comm, Group
+from .bias import ring_blocks
 from .gqa import ulysses_kv_split
 from .local import LocalAttention
 from .ring import RingAttention
@@ -59,16 +60,11 @@ def stream_attention(comm: Comm, ulysses: int, ring_index: int, q_shards: list[i
     """The attention of queries from a stream split as `q_shards` over keys from one split as `kv_shards` (per
     sequence-parallel rank, in the order shard r * ulysses + u): Ring over Ulysses groups, as for one stream.
     Self-attention of a stream is the case q_shards == kv_shards. `bias` (self-attention only): an object with
-    AttentionBias' `block(rows, cols)`, cut with `rows[j]`, shard j's token indices, as Denoiser._sequence_attention
-    cuts ComfyUI's mask: a Ulysses group attends its members' rows in member order, as queries and as the keys of
-    the ring block it starts with."""
+    AttentionBias' `block(rows, cols)`, cut by bias.ring_blocks with `rows[j]`, shard j's token indices."""
     ring_group, uly_group = comm.group("ring"), comm.group("ulysses")
     rings = len(kv_shards) // ulysses
     kv_lengths = [sum(kv_shards[r * ulysses:(r + 1) * ulysses]) for r in range(rings)]
-    blocks = None
-    if bias is not None:
-        members = [torch.cat(rows[r * ulysses:(r + 1) * ulysses]) for r in range(rings)]
-        blocks = [bias.block(members[ring_index], keys) for keys in members]
+    blocks = ring_blocks(bias, rows, ulysses, ring_index) if bias is not None else None
     attention = (RingAttention(comm, ring_group, kv_lengths, blocks) if ring_group.size > 1
                  else LocalAttention(blocks[0] if blocks else None))
     if uly_group.size > 1:
