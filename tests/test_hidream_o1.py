@@ -515,18 +515,23 @@ def serial_calls(path, client1) -> dict:
                                       S(pipefusion_degree=2, num_pipeline_patch=2),
                                       S(ulysses_degree=2, device_weights=(1.0, 3.0))],
                          ids=["cfg2", "ulysses2", "ring2", "tensor2", "pp2_warmup", "ulysses2_uneven_heads"])
-def test_o1_exact_strategies_equal_comfyui(path, client2, serial_calls, strategy):
+def test_o1_exact_strategies_equal_comfyui(path, client1, client2, serial_calls, strategy):
     """The two-pass mask cut per shard, per ring key block (global offsets) and per stale buffer; GQA's 2 kv heads
     unrepeated through Ulysses' all-to-all (one per member), Ring's blocks and the stale buffers, and split with their
     q heads under tensor parallelism: ComfyUI's numbers, and serial's to fp32 round-off. Device weights' unequal q
     head slices (1 + 3 of 4) take K/V repeated to the q heads (UlyssesAttention's fallback)."""
     same = strategy.cfg_degree == 2
     job = call_job(path, strategy, same_length=same)
-    out = client2.run(job).latent
+    result = client2.run(job)
+    out = result.latent
     err, serial_err = rel_err(out, comfy_call(path, job)), rel_err(out, serial_calls[same])
     print(f"\nHiDream O1 {strategy.label()} rel. error vs ComfyUI's model call {err:.2e}, vs serial {serial_err:.2e}")
     assert err < EXACT_RTOL
     assert serial_err < SERIAL_EXACT_RTOL
+    if strategy.tensor_degree == 2:
+        # The 151,936-row vocabulary split with the layers (whole on every rank, each held 0.99 of the tiny model).
+        whole = client1.run(dataclasses.replace(job, strategy=S())).stats[0]["param_bytes"]
+        assert max(st["param_bytes"] for st in result.stats) <= 0.6 * whole
 
 
 def test_o1_denoise_loop_strategies_equal_serial_and_pipefusion_beats_naive_patch(path, client1, client2):

@@ -10,7 +10,9 @@ elementwise. A q/k norm over the whole width of all heads (Wan's RMSNorm, style 
 column-wise layer and all-reduces its sum of squares; a per-head q/k norm works unchanged on a rank's heads. A
 block's modulation (adaLN: per sample, not per token, yet ~a third of a Flux block's weights) keeps 1/N of its
 outputs and all-gathers them ("gather": a few KB per block and step), so every rank applies the whole modulation.
-Norms, embedders and the final layer are every rank's.
+A token embedding (a vocabulary of 150k rows: 7% of an 8B decoder) keeps 1/N of its rows and all-reduces its
+lookups ("vocab"). Other norms, embedders and the final layer are every rank's. A block whose reductions need not
+wait for each other makes them one collective (`row_projections`, `rms_norms`, `gathered_outputs`).
 
 The plan is data (`DiTFamily.tensor_plan_for`: module-name patterns -> "colwise", "rowwise", "norm", "gather", or
 diffusers' packed styles for a layer that fuses projections). Loading reads only each rank's part:
@@ -36,7 +38,8 @@ WIDTH_ATTRIBUTES = ("heads", "kv_heads", "inner_dim", "inner_kv_dim", "mlp_hidde
 @dataclasses.dataclass(frozen=True)
 class Style:
     """How one module splits: `kind` "colwise" / "rowwise" (a linear layer's output rows / input columns), "norm" (a
-    norm over a column-wise layer's whole output) or "gather" (output rows, all-gathered after it runs); `blocks`:
+    norm over a column-wise layer's whole output), "gather" (output rows, all-gathered after it runs) or "vocab" (an
+    embedding table's rows, its lookups all-reduced); `blocks`:
     the fused projections' sizes along the split dimension (one block unless the layer packs several)."""
 
     kind: str
@@ -81,7 +84,7 @@ def _style(style, module: torch.nn.Module, name: str) -> Style:
         blocks = style.blocks or getattr(module, f"_tp_packed_{'col' if kind == 'colwise' else 'row'}_blocks", None)
         if not blocks:  # one block would cut the packed projections' columns wrongly: a plan bug
             raise ValueError(f"{name}: a packed tensor-parallel style needs its blocks")
-    if kind not in ("colwise", "rowwise", "norm", "gather"):
+    if kind not in ("colwise", "rowwise", "norm", "gather", "vocab"):
         raise ValueError(f"unknown tensor-parallel style {style!r} for {name}")
     size = module.weight.shape[1 if kind == "rowwise" else 0]
     blocks = tuple(blocks or (1,))
@@ -98,7 +101,7 @@ class TensorSplit:
 
     index: int
     degree: int
-    joined: dict[str, str] = dataclasses.field(default_factory=dict)  # module -> "rowwise" / "norm" / "gather"
+    joined: dict[str, str] = dataclasses.field(default_factory=dict)  # module -> its kind, unless "colwise"
     sources: dict[str, Source] = dataclasses.field(default_factory=dict)
     comm: object = None
     group: object = None
@@ -142,9 +145,9 @@ class TensorSplit:
             setattr(module, param, torch.nn.Parameter(torch.empty(shape, dtype=value.dtype, device="meta"),
                                                       requires_grad=False))
             out[f"{name}.{param}"] = shard
-        for attr in ("out_features", "in_features"):  # nn.Linear's own record of its shape
+        for attr in ("out_features", "in_features", "num_embeddings"):  # nn.Linear's / nn.Embedding's own record
             if hasattr(module, attr):
-                setattr(module, attr, module.weight.shape[0 if attr == "out_features" else 1])
+                setattr(module, attr, module.weight.shape[1 if attr == "in_features" else 0])
         return out
 
     def _divide_widths(self, module: torch.nn.Module, name: str, what: str) -> None:
@@ -167,12 +170,24 @@ class TensorSplit:
         """Every rank's `t`, joined along the last dimension in rank order."""
         return torch.cat(self.comm.all_gather(t.contiguous(), self.group, op="tensor"), dim=-1)
 
+    def all_reduce_together(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each of `parts` summed over the group, by one all-reduce of them laid end to end: a block's reductions
+        that need not wait for each other (two streams' out-projections, a norm's statistics of q and k) pay one
+        collective's latency (~2 ms on gloo whatever the size below a few hundred KB), not one each."""
+        if len(parts) == 1:
+            return [self.all_reduce(parts[0].contiguous())]
+        dtype = parts[0].dtype
+        if any(p.dtype != dtype for p in parts):
+            raise ValueError("tensors reduced together share one dtype (a ParaDiT bug)")
+        flat = self.all_reduce(torch.cat([p.reshape(-1) for p in parts]))
+        return [chunk.view(p.shape) for chunk, p in zip(flat.split([p.numel() for p in parts]), parts)]
+
 
 def parallelize_tensor(model: torch.nn.Module, split: TensorSplit) -> None:
     """Give the loaded model's row-wise layers and whole-width norms their all-reduce and its gathered layers their
     all-gather over `split`'s group (bound per job), and keep the split on the model (`bind_tensor_group` finds it
     there)."""
-    forwards = {"rowwise": _RowwiseForward, "norm": _NormForward, "gather": _GatherForward}
+    forwards = {"rowwise": _RowwiseForward, "norm": _NormForward, "gather": _GatherForward, "vocab": _VocabForward}
     for name, kind in split.joined.items():
         module = _find(model, name)
         if module is None or isinstance(module, torch.nn.Identity):  # in a block another PipeFusion stage runs
@@ -188,6 +203,49 @@ def bind_tensor_group(model: torch.nn.Module, comm) -> None:
         split.comm, split.group = comm, comm.group("tensor")
 
 
+def row_projections(model: torch.nn.Module, calls: list[tuple[torch.nn.Module, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each (layer, x) of `calls` as layer(x); on a tensor-split model, whose row-wise layers' products are partial
+    sums, with one all-reduce for all of them (`all_reduce_together`), each bias added once after it. The results
+    equal the layers' own reduced forwards: the same partial products, summed over the same ranks."""
+    split = getattr(model, "tensor_split", None)
+    if split is None or split.comm is None:
+        return [layer(x) for layer, x in calls]
+    partials, biases = [], []
+    for layer, x in calls:
+        forward = layer.forward
+        if not isinstance(forward, _RowwiseForward):
+            raise ValueError(f"row_projections: {type(layer).__name__} is not a row-wise layer (a ParaDiT bug)")
+        out, bias = forward.partial(x)
+        partials.append(out)
+        biases.append(bias)
+    summed = split.all_reduce_together(partials)
+    return [out + bias.to(out.dtype) if bias is not None else out for out, bias in zip(summed, biases)]
+
+
+def gathered_outputs(model: torch.nn.Module, calls: list[tuple[torch.nn.Module, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each (layer, x) of `calls` as layer(x); where the layers keep 1/N of their outputs ("gather" style), one
+    all-gather for all of them (a model's modulations, all read from the step's time embedding, need one
+    collective per step instead of one per block)."""
+    split = getattr(model, "tensor_split", None)
+    if split is None or split.comm is None or not all(isinstance(l.forward, _GatherForward) for l, _ in calls):
+        return [layer(x) for layer, x in calls]
+    partials = [layer.forward.forward(x) for layer, x in calls]
+    widths = [p.shape[-1] for p in partials]
+    ranks = [r.split(widths, dim=-1) for r in split.comm.all_gather(torch.cat(partials, dim=-1).contiguous(),
+                                                                     split.group, op="tensor")]
+    return [torch.cat([pieces[j] for pieces in ranks], dim=-1) for j in range(len(calls))]
+
+
+def rms_norms(model: torch.nn.Module, calls: list[tuple[torch.nn.Module, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each (norm, x) of `calls` as norm(x); where the norms run over a tensor split's whole width ("norm" style),
+    their sums of squares all-reduced together, then each norm's arithmetic (as `_NormForward`)."""
+    split = getattr(model, "tensor_split", None)
+    if split is None or split.comm is None or not all(isinstance(n.forward, _NormForward) for n, _ in calls):
+        return [norm(x) for norm, x in calls]
+    squares = split.all_reduce_together([x.to(torch.float32).pow(2).sum(-1, keepdim=True) for _, x in calls])
+    return [norm.forward.apply(x, sq) for (norm, x), sq in zip(calls, squares)]
+
+
 class _RowwiseForward:
     """A row-wise layer's forward: its partial product without the bias (whatever kind of linear layer it is:
     the storage kinds all read `bias` when they run), summed over the group, then the bias once."""
@@ -195,7 +253,8 @@ class _RowwiseForward:
     def __init__(self, layer: torch.nn.Module, split: TensorSplit):
         self.forward, self.layer, self.split = type(layer).forward.__get__(layer), layer, split
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def partial(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(this rank's partial product, the bias to add once after the sum)."""
         params = self.layer._parameters
         bias = params.get("bias")
         params["bias"] = None
@@ -203,8 +262,28 @@ class _RowwiseForward:
             out = self.forward(x)
         finally:
             params["bias"] = bias
-        out = self.split.all_reduce(out.contiguous())
+        return out.contiguous(), bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out, bias = self.partial(x)
+        out = self.split.all_reduce(out)
         return out + bias.to(out.dtype) if bias is not None else out
+
+
+class _VocabForward:
+    """An embedding table holding rows [index n, (index + 1) n) of the vocabulary (Megatron's vocab-parallel
+    embedding): an id outside them looks up row 0 and is zeroed, so the group's sum gives every id its one rank's
+    row (a sum with zeros: exact)."""
+
+    def __init__(self, table: torch.nn.Module, split: TensorSplit):
+        self.forward, self.table, self.split = type(table).forward.__get__(table), table, split
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table.num_embeddings
+        local = ids - self.split.index * rows
+        outside = (local < 0) | (local >= rows)
+        out = self.forward(local.masked_fill(outside, 0)).masked_fill(outside[..., None], 0)
+        return self.split.all_reduce(out.contiguous())
 
 
 class _GatherForward:
@@ -227,8 +306,11 @@ class _NormForward:
             raise ValueError(f"a {type(norm).__name__} cannot run over a tensor-parallel split (only RMSNorm)")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply(x, self.split.all_reduce(x.to(torch.float32).pow(2).sum(-1, keepdim=True)))
+
+    def apply(self, x: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+        """The norm of this rank's columns `x`, given the group's sum of squares of each row."""
         norm = self.norm
-        squares = self.split.all_reduce(x.to(torch.float32).pow(2).sum(-1, keepdim=True))
         eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
         out = x * torch.rsqrt(squares / (x.shape[-1] * self.split.degree) + eps)
         weight, bias = norm.weight, getattr(norm, "bias", None)

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from ...errors import ModelFileError
 from ...sampling import FLUX_LATENT, FluxModelSampling
+from ...strategies.tensor import gathered_outputs, rms_norms, row_projections
 from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import BlockKind, DiTFamily, Match, TwoBlockListConfig
@@ -210,7 +211,8 @@ def checkpoint_shapes(config: HiDreamConfig) -> dict[str, tuple[tuple[int, ...],
 
 def tensor_plan(config: HiDreamConfig) -> dict:
     """Heads and every MLP's hidden units split; the experts' down projections are summed by the MoE's one
-    all-reduce (HiDreamAdapter._moe reads them unreduced), the router stays whole."""
+    all-reduce (HiDreamAdapter._moe reads them unreduced), the router stays whole. Each block's modulation keeps 1/N
+    of its outputs (family.modulation_plan; 15% of a release's weights): run_blocks gathers them all at once."""
     plan = {}
     for attr, count in zip(BLOCK_LISTS, (config.num_layers, config.num_single_layers)):
         streams = ("", "_t") if attr == BLOCK_LISTS[0] else ("",)
@@ -351,52 +353,69 @@ class HiDreamAdapter:
         rows = (from_end[:n] >= 1) & (from_end[:n] <= ll)
         mine = rows if rows.is_meta else torch.nonzero(rows).flatten()
         slots = None if rows.is_meta else ll - from_end[:n][mine]
-        for i in self.chunks[chunk]:
+        # Every block's modulation reads only the step's time embedding: computed before the blocks, so that
+        # tensor parallelism's share of them is gathered once per step.
+        blocks = [self._blocks[i] for i in self.chunks[chunk]]
+        modulations = gathered_outputs(self.model, [(b.adaLN_modulation[1], F.silu(temb.adaln)) for b in blocks])
+        for i, modulation in zip(self.chunks[chunk], modulations):
             if mine.is_meta:  # the cost model's FLOP count (no values): this block's Llama projection, as serial's
                 self._llama_rows(i, temb.llama)
             elif len(mine):
                 text = text.clone()
                 text[:, mine] = self._llama_rows(i, temb.llama, slots.to(temb.llama.device)).to(text.dtype)
             run = self._double if i < self.config.num_layers else self._single
-            image, text = run(i, image, text, temb.adaln, freqs)
+            image, text = run(i, image, text, modulation[:, None], freqs)
         return image, text
 
     def _attend(self, i: int, attn, x: torch.Tensor, t: torch.Tensor | None, freqs: torch.Tensor) -> torch.Tensor:
-        """Joint attention over [prompt, image] rows (t: the prompt's own projections, None in a single block)."""
-        def qkv(x, s):
-            return (getattr(attn, f"q_rms_norm{s}")(getattr(attn, f"to_q{s}")(x)),
-                    getattr(attn, f"k_rms_norm{s}")(getattr(attn, f"to_k{s}")(x)), getattr(attn, f"to_v{s}")(x))
-
-        parts = qkv(x, "") if t is None else [torch.cat(p, dim=1) for p in zip(qkv(t, "_t"), qkv(x, ""))]
+        """Joint attention over [prompt, image] rows (t: the prompt's own projections, None in a single block).
+        The q/k norms run over all heads' width: under tensor parallelism their statistics (both streams') are
+        summed over the group in one all-reduce."""
+        streams = [(t, "_t"), (x, "")] if t is not None else [(x, "")]
+        raw = [(getattr(attn, f"{p}{s}")(rows), getattr(attn, f"{n}{s}"))
+               for rows, s in streams for p, n in (("to_q", "q_rms_norm"), ("to_k", "k_rms_norm"))]
+        normed = iter(rms_norms(self.model, [(norm, rows) for rows, norm in raw]))
+        qk = [(next(normed), next(normed), getattr(attn, f"to_v{s}")(rows)) for rows, s in streams]
+        parts = qk[0] if t is None else [torch.cat(p, dim=1) for p in zip(*qk)]
         q, k, v = (p.unflatten(-1, (-1, self.config.head_dim)) for p in parts)
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         return self.context.attention(q, k, v, i).flatten(2, 3).to(x.dtype)
 
-    def _double(self, i: int, image, text, adaln, freqs):
+    def _double(self, i: int, image, text, modulation, freqs):
+        """One dual-stream block; each stream's out-projection and MLP reduced together with the other's under
+        tensor parallelism (one all-reduce for both, where each needs only its own)."""
         blk = self._blocks[i]
         (sh_i, sc_i, g_i, shm_i, scm_i, gm_i,
-         sh_t, sc_t, g_t, shm_t, scm_t, gm_t) = blk.adaLN_modulation(adaln)[:, None].chunk(12, dim=-1)
+         sh_t, sc_t, g_t, shm_t, scm_t, gm_t) = modulation.chunk(12, dim=-1)
         norm_i = blk.norm1_i(image) * (1 + sc_i) + sh_i
         norm_t = blk.norm1_t(text) * (1 + sc_t) + sh_t
         out = self._attend(i, blk.attn1, norm_i, norm_t, freqs)
         n = text.shape[1]
-        image = g_i * blk.attn1.to_out(out[:, n:].contiguous()) + image
-        text = g_t * blk.attn1.to_out_t(out[:, :n].contiguous()) + text
-        image = gm_i * self._moe(blk.ff_i, blk.norm3_i(image) * (1 + scm_i) + shm_i) + image
-        text = gm_t * blk.ff_t(blk.norm3_t(text) * (1 + scm_t) + shm_t) + text
-        return image, text
+        attn_i, attn_t = row_projections(self.model, [(blk.attn1.to_out, out[:, n:].contiguous()),
+                                                      (blk.attn1.to_out_t, out[:, :n].contiguous())])
+        image, text = g_i * attn_i + image, g_t * attn_t + text
+        ff_i, ff_t = self._sum_over_ranks([self._moe(blk.ff_i, blk.norm3_i(image) * (1 + scm_i) + shm_i),
+                                           _swiglu_partial(blk.ff_t, blk.norm3_t(text) * (1 + scm_t) + shm_t)])
+        return gm_i * ff_i + image, gm_t * ff_t + text
 
-    def _single(self, i: int, image, text, adaln, freqs):
+    def _single(self, i: int, image, text, modulation, freqs):
         blk = self._blocks[i]
-        sh, sc, g, shm, scm, gm = blk.adaLN_modulation(adaln)[:, None].chunk(6, dim=-1)
+        sh, sc, g, shm, scm, gm = modulation.chunk(6, dim=-1)
         x = torch.cat([text, image], dim=1)
         x = g * blk.attn1.to_out(self._attend(i, blk.attn1, blk.norm1_i(x) * (1 + sc) + sh, None, freqs)) + x
-        x = gm * self._moe(blk.ff_i, blk.norm3_i(x) * (1 + scm) + shm) + x
+        x = gm * self._sum_over_ranks([self._moe(blk.ff_i, blk.norm3_i(x) * (1 + scm) + shm)])[0] + x
         return x[:, text.shape[1]:], x[:, :text.shape[1]]
+
+    def _sum_over_ranks(self, partials: list[torch.Tensor]) -> list[torch.Tensor]:
+        """MLP outputs whose down projections ran without their all-reduce (`_swiglu_partial`): under tensor
+        parallelism summed over the group in one all-reduce, else already whole."""
+        split = getattr(self.model, "tensor_split", None)
+        return split.all_reduce_together(partials) if split is not None and split.comm is not None else partials
 
     def _moe(self, moe, x: torch.Tensor) -> torch.Tensor:
         """ComfyUI's MOEFeedForwardSwiGLU on these rows: router softmax, unsorted top-k, each picked expert on its
-        rows, weighted sum, plus the shared expert; under tensor parallelism one all-reduce of the partial sum.
+        rows, weighted sum, plus the shared expert; under tensor parallelism this rank's partial sum (the caller
+        reduces it, `_sum_over_ranks`).
 
         Each expert gets the rows ComfyUI's boolean masks give it, in the same order (a stable sort by expert), so
         its products are ComfyUI's bit for bit; but the rows per expert are read back once per call (one device
@@ -415,9 +434,7 @@ class HiDreamAdapter:
         y = torch.empty(picked.shape[0], out.shape[-1], dtype=x.dtype, device=x.device)
         y[order] = out.to(y.dtype)
         y = (y.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1).view(x.shape)
-        y = y + _swiglu_partial(moe.shared_experts, x)
-        split = getattr(self.model, "tensor_split", None)
-        return split.all_reduce(y.contiguous()) if split is not None else y
+        return y + _swiglu_partial(moe.shared_experts, x)
 
     def head(self, image: torch.Tensor, temb: HiDreamTime, rope=None) -> torch.Tensor:
         """ComfyUI's final layer, negated (its model returns -output), in float32."""

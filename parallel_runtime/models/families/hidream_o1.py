@@ -426,8 +426,9 @@ def checkpoint_shapes(config: HiDreamO1Config) -> dict[str, tuple[tuple[int, ...
 def tensor_plan(config: HiDreamO1Config) -> dict:
     """Each layer's q/k/v projections column-wise (contiguous q heads with their kv heads: every degree that
     divides the kv heads keeps GQA's groups whole), o_proj row-wise; the SwiGLU's gate/up column-wise, down row-wise.
-    The per-head q/k norms need nothing."""
-    plan = {}
+    The per-head q/k norms need nothing. The token embedding (7% of a release's weights) keeps 1/N of the vocabulary:
+    each step's prompt lookups are all-reduced (the prompt's rows: a few hundred KB)."""
+    plan = {"embed_tokens": "vocab"}
     for i in range(config.num_layers):
         a, m = f"layers.{i}.self_attn", f"layers.{i}.mlp"
         plan.update({f"{a}.q_proj": "colwise", f"{a}.k_proj": "colwise", f"{a}.v_proj": "colwise",

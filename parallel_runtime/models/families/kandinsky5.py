@@ -161,13 +161,20 @@ def checkpoint_shapes(config: Kandinsky5Config) -> dict[str, tuple[tuple[int, ..
 
 
 def tensor_plan(config: Kandinsky5Config) -> dict:
-    """Both attentions of every visual block split by heads (q/k/v column-wise, out-projection row-wise; the q/k
-    norms are per head) and the MLP by units; the text blocks, modulation and head stay whole on every rank."""
-    plan = {"visual_transformer_blocks.*.feed_forward.in_layer": "colwise",
-            "visual_transformer_blocks.*.feed_forward.out_layer": "rowwise"}
-    for attn in ("self_attention", "cross_attention"):
-        plan.update({f"visual_transformer_blocks.*.{attn}.{p}": "colwise" for p in ("to_query", "to_key", "to_value")})
-        plan[f"visual_transformer_blocks.*.{attn}.out_layer"] = "rowwise"
+    """Every block's attentions split by heads (q/k/v column-wise, out-projection row-wise; the q/k norms are per
+    head) and its MLP by units, the prompt's text blocks as the visual ones (a handful of all-reduces of the prompt's
+    rows per call, for their weights halved); each block's modulation keeps 1/N of its outputs and all-gathers them
+    (a few KB per block and step: the modulations hold a fifth of a block's weights). The embedders and head stay
+    whole on every rank."""
+    plan = {}
+    for blocks, attentions, modulation in (("visual_transformer_blocks", ("self_attention", "cross_attention"),
+                                            "visual_modulation"),
+                                           ("text_transformer_blocks", ("self_attention",), "text_modulation")):
+        plan.update({f"{blocks}.*.feed_forward.in_layer": "colwise", f"{blocks}.*.feed_forward.out_layer": "rowwise",
+                     f"{blocks}.*.{modulation}.out_layer": "gather"})
+        for attn in attentions:
+            plan.update({f"{blocks}.*.{attn}.{p}": "colwise" for p in ("to_query", "to_key", "to_value")})
+            plan[f"{blocks}.*.{attn}.out_layer"] = "rowwise"
     return plan
 
 
