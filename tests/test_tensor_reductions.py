@@ -159,3 +159,30 @@ def test_without_a_tensor_split_the_helpers_call_the_layers():
                        model.norms[0](torch.ones(1, 2, 8)))
     t = torch.randn(1, 6)
     assert torch.equal(gathered_outputs(model, [(model.mods[0], t)])[0], model.mods[0](t))
+
+
+def test_modulations_gathered_ahead_answer_their_blocks_then_restore_the_modules():
+    """Kandinsky 6's path: diffusers' block calls its modulation itself; every block's share is gathered in one
+    collective ahead, each module answers with its own result inside the `with`, and runs as before after it."""
+    from parallel_runtime.strategies.tensor import answered_by, gathered_ahead
+
+    g = torch.Generator().manual_seed(5)
+    whole = whole_weights(g)
+    t = torch.randn(1, 6, generator=g)
+
+    def run(model):
+        wrappers = [torch.nn.Sequential(mod) for mod in model.mods]  # the modules diffusers' block would call
+        ahead = gathered_ahead(model, [(w, w[0], t) for w in wrappers])
+        with answered_by(ahead):
+            inside = [w(torch.zeros(1)) for w in wrappers]  # the input is not read again
+        assert all("forward" not in w.__dict__ for w in wrappers)  # restored: nothing carries to the next step
+        return inside
+
+    (a, b), comms = both_ranks(whole, run)
+    assert [len(c.sent) for c in comms] == [1, 1]
+    for got in (a, b):
+        for out, (w, bias) in zip(got, whole["mods"]):
+            expected = t @ w.T + bias
+            assert (out - expected).norm() / expected.norm() < ROUND_OFF
+    plain = Model(whole, 0)  # no tensor split: nothing computed ahead, the modules run as they are
+    assert gathered_ahead(plain, [(plain.mods[0], plain.mods[0], t)]) == {}

@@ -23,6 +23,7 @@ gathered layers their all-gather, and each job `bind_tensor_group` points them a
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -227,13 +228,44 @@ def gathered_outputs(model: torch.nn.Module, calls: list[tuple[torch.nn.Module, 
     all-gather for all of them (a model's modulations, all read from the step's time embedding, need one
     collective per step instead of one per block)."""
     split = getattr(model, "tensor_split", None)
-    if split is None or split.comm is None or not all(isinstance(l.forward, _GatherForward) for l, _ in calls):
+    if (split is None or split.comm is None or not calls
+            or not all(isinstance(l.forward, _GatherForward) for l, _ in calls)):
         return [layer(x) for layer, x in calls]
     partials = [layer.forward.forward(x) for layer, x in calls]
     widths = [p.shape[-1] for p in partials]
     ranks = [r.split(widths, dim=-1) for r in split.comm.all_gather(torch.cat(partials, dim=-1).contiguous(),
                                                                      split.group, op="tensor")]
     return [torch.cat([pieces[j] for pieces in ranks], dim=-1) for j in range(len(calls))]
+
+
+def gathered_ahead(model: torch.nn.Module,
+                   calls: list[tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]]) -> dict[torch.nn.Module, torch.Tensor]:
+    """For blocks a library runs whole (diffusers' forward calls each modulation inside it): each (module, its
+    gathered layer, that layer's input) of `calls` computed up front by `gathered_outputs` (one all-gather for all),
+    as {module: its output} for `answered_by`; {} without a tensor split (the modules then run as they are)."""
+    split = getattr(model, "tensor_split", None)
+    if split is None or split.comm is None:
+        return {}
+    outputs = gathered_outputs(model, [(layer, x) for _, layer, x in calls])
+    return {module: out for (module, _, _), out in zip(calls, outputs)}
+
+
+@contextlib.contextmanager
+def answered_by(outputs: dict[torch.nn.Module, torch.Tensor]):
+    """While the block runs, each module of `outputs` returns its tensor (computed ahead from the same input),
+    whatever it is called with; afterwards its own forward again. A module the block does not call is left as
+    it was: nothing carries over to another block or step."""
+    before = {module: module.__dict__.get("forward") for module in outputs}
+    for module, out in outputs.items():
+        module.forward = lambda *args, _out=out, **kwargs: _out
+    try:
+        yield
+    finally:
+        for module, forward in before.items():
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
 
 
 def rms_norms(model: torch.nn.Module, calls: list[tuple[torch.nn.Module, torch.Tensor]]) -> list[torch.Tensor]:

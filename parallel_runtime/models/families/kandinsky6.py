@@ -36,6 +36,7 @@ import torch
 from ...errors import ModelFileError
 from ...sampling.flow import FluxModelSampling, VideoLatentFormat
 from ...strategies.attention import LocalAttention
+from ...strategies.tensor import answered_by, gathered_ahead
 from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import DiTFamily, JointAttentionConfig, Match
@@ -419,15 +420,20 @@ class Kandinsky6Adapter:
         """diffusers' forward steps 1-2: per-stream time embedding + pooled projection, and the text blocks."""
         if mod.conditioning is None:
             m, (context, pooled) = self.model, prompt
+            streams = {stream: (getattr(m, f"{stream}_time_embeddings")(t.flatten())
+                                + getattr(m, f"{stream}_pooled_text_embeddings")(pooled))
+                       for stream, t in (("video", mod.video_t), ("audio", mod.audio_t))}
+            blocks = {stream: list(getattr(m, f"{stream}_text_transformer_blocks")) for stream in streams}
+            ahead = gathered_ahead(m, [_modulation_call(b.text_modulation, streams[stream])
+                                       for stream in streams for b in blocks[stream]])
+            pos = torch.arange(context.shape[1], dtype=torch.float32)
+            rope = _rope(torch.outer(pos, _freqs(self.config.head_dim))).to(self.device)
             made = []
-            for stream, t in (("video", mod.video_t), ("audio", mod.audio_t)):
-                temb = (getattr(m, f"{stream}_time_embeddings")(t.flatten())
-                        + getattr(m, f"{stream}_pooled_text_embeddings")(pooled))
+            for stream, temb in streams.items():
                 text = getattr(m, f"{stream}_text_embeddings")(context)
-                pos = torch.arange(context.shape[1], dtype=torch.float32)
-                rope = _rope(torch.outer(pos, _freqs(self.config.head_dim))).to(self.device)
-                for block in getattr(m, f"{stream}_text_transformer_blocks"):
-                    text = block(text, temb, rope)
+                with answered_by(ahead):
+                    for block in blocks[stream]:
+                        text = block(text, temb, rope)
                 made.append((temb, text))
             mod.conditioning = Conditioning(made[0][0], made[1][0], made[0][1], made[1][1])
         return mod.conditioning
@@ -438,11 +444,13 @@ class Kandinsky6Adapter:
                    chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """diffusers' fused blocks over this rank's rows of both streams; attention through the strategies."""
         c = self.conditioning(prompt, mod)
-        for i in self.chunks[chunk]:
-            if i not in self.skip:
-                video, audio = self.model.visual_transformer_blocks[i](
-                    video, audio, c.video_prompt, c.audio_prompt, (c.video_time, c.audio_time), rope.video,
-                    rope.audio)
+        blocks = [self.model.visual_transformer_blocks[i] for i in self.chunks[chunk] if i not in self.skip]
+        # Under tensor parallelism each modulation's share is gathered: all of these blocks' at once, ahead.
+        ahead = gathered_ahead(self.model, [call for b in blocks for call in _block_modulations(b, c)])
+        with answered_by(ahead):
+            for block in blocks:
+                video, audio = block(video, audio, c.video_prompt, c.audio_prompt, (c.video_time, c.audio_time),
+                                     rope.video, rope.audio)
         return video, audio
 
     def head(self, video: torch.Tensor, audio: torch.Tensor, mod: Pass) -> tuple[torch.Tensor, torch.Tensor]:
@@ -463,9 +471,27 @@ class Kandinsky6Adapter:
         return self.head(video, audio, mod)
 
 
+def _modulation_call(modulation: torch.nn.Module, t: torch.Tensor) -> tuple:
+    """(a Kandinsky6Modulation, its gathered out_layer, the layer's input) as the module's forward makes it."""
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
+    return modulation, modulation.out_layer, modulation.activation(t.to(get_parameter_dtype(modulation.out_layer)))
+
+
+def _block_modulations(block: torch.nn.Module, c: Conditioning) -> list[tuple]:
+    """A fused block's four modulations with the times its forward hands them (fix_modulation swaps the cross
+    ones')."""
+    va, av = (c.video_time, c.audio_time) if block.fix_modulation else (c.audio_time, c.video_time)
+    return [_modulation_call(block.video_dec_block.visual_modulation, c.video_time),
+            _modulation_call(block.audio_dec_block.visual_modulation, c.audio_time),
+            _modulation_call(block.va_modulation, va), _modulation_call(block.av_modulation, av)]
+
+
 def tensor_plan(config: Kandinsky6Config) -> dict:
     """Every fused block's six attentions split by heads (q/k/v column-wise, out-projection row-wise; the q/k norms
-    are per head) and both MLPs by units; the text blocks, modulation and heads stay whole on every rank."""
+    are per head) and both MLPs by units; both streams' text blocks alike (a few all-reduces of the prompt's rows
+    per call); every modulation keeps 1/N of its outputs and all-gathers them (a few KB each). The embedders and
+    heads stay whole on every rank."""
     plan = {}
     for i in range(config.num_layers):
         b = f"visual_transformer_blocks.{i}."
@@ -474,7 +500,14 @@ def tensor_plan(config: Kandinsky6Config) -> dict:
             plan[f"{b}{path}.out_layer"] = "rowwise"
         for stream in ("video", "audio"):
             plan.update({f"{b}{stream}_dec_block.feed_forward.net.0.proj": "colwise",
-                         f"{b}{stream}_dec_block.feed_forward.net.2": "rowwise"})
+                         f"{b}{stream}_dec_block.feed_forward.net.2": "rowwise",
+                         f"{b}{stream}_dec_block.visual_modulation.out_layer": "gather"})
+        plan.update({f"{b}va_modulation.out_layer": "gather", f"{b}av_modulation.out_layer": "gather"})
+    for stream in ("video", "audio"):
+        t = f"{stream}_text_transformer_blocks.*."
+        plan.update({f"{t}attn.{p}": "colwise" for p in ("to_query", "to_key", "to_value")})
+        plan.update({f"{t}attn.out_layer": "rowwise", f"{t}feed_forward.net.0.proj": "colwise",
+                     f"{t}feed_forward.net.2": "rowwise", f"{t}text_modulation.out_layer": "gather"})
     return plan
 
 
