@@ -19,7 +19,9 @@ FLOORS = (
     # The attention the families' blocks call: the processor (ParaDiT's one interception point in a model) and
     # the attention it hands q/k/v to (local, Ulysses, Ring). The rest of strategies/ runs a family, so it sits
     # above models/; this sub-package sits below it.
-    ("strategies.attention",),
+    # Beside it, what a tensor-split block runs: the split layers' forwards and the calls joining a block's
+    # collectives (strategies/tensor.py, which plans and loads the split, sits with the rest of strategies/).
+    ("strategies.attention", "strategies.tensor_calls"),
     ("models",),  # the family seam, the registry and the families
     ("validate",),  # a whole job checked against the model file and the devices before any work
     ("strategies",),  # the step loop and the stock sampler's model call, under each split

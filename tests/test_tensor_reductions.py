@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from parallel_runtime.strategies.tensor import (TensorSplit, _GatherForward, _NormForward, _RowwiseForward,
-                                                _VocabForward, gathered_outputs, rms_norms, row_projections)
+from parallel_runtime.strategies.tensor import TensorSplit
+from parallel_runtime.strategies.tensor_calls import (GatherForward, NormForward, RowwiseForward, VocabForward,
+                                                      answered_by, gathered_ahead, gathered_outputs, rms_norms,
+                                                      row_projections)
 
 # Two partial products summed vs one whole matmul: the same terms added in another order, fp32 round-off.
 ROUND_OFF = 1e-6
@@ -75,7 +77,7 @@ def split_model(whole: dict, index: int, comm: RecordingComm) -> Model:
     model = Model(whole, index)
     split = TensorSplit(index, 2, joined={"table": "vocab", "outs.0": "rowwise", "outs.1": "rowwise",
                                           "norms.0": "norm", "norms.1": "norm", "mods.0": "gather", "mods.1": "gather"})
-    forwards = {"vocab": _VocabForward, "rowwise": _RowwiseForward, "norm": _NormForward, "gather": _GatherForward}
+    forwards = {"vocab": VocabForward, "rowwise": RowwiseForward, "norm": NormForward, "gather": GatherForward}
     for name, kind in split.joined.items():
         module = model.get_submodule(name)
         module.forward = forwards[kind](module, split)
@@ -164,8 +166,6 @@ def test_without_a_tensor_split_the_helpers_call_the_layers():
 def test_modulations_gathered_ahead_answer_their_blocks_then_restore_the_modules():
     """Kandinsky 6's path: diffusers' block calls its modulation itself; every block's share is gathered in one
     collective ahead, each module answers with its own result inside the `with`, and runs as before after it."""
-    from parallel_runtime.strategies.tensor import answered_by, gathered_ahead
-
     g = torch.Generator().manual_seed(5)
     whole = whole_weights(g)
     t = torch.randn(1, 6, generator=g)

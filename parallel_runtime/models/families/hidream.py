@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from ...errors import ModelFileError
 from ...sampling import FLUX_LATENT, FluxModelSampling
-from ...strategies.tensor import gathered_outputs, rms_norms, row_projections
+from ...strategies.tensor_calls import gathered_outputs, rms_norms, row_projections
 from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import BlockKind, DiTFamily, Match, TwoBlockListConfig

@@ -36,7 +36,7 @@ import torch
 from ...errors import ModelFileError
 from ...sampling.flow import FluxModelSampling, VideoLatentFormat
 from ...strategies.attention import LocalAttention
-from ...strategies.tensor import answered_by, gathered_ahead
+from ...strategies.tensor_calls import answered_by, gathered_ahead
 from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import DiTFamily, JointAttentionConfig, Match
