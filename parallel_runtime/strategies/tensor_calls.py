@@ -56,8 +56,8 @@ def gathered_outputs(model: torch.nn.Module, calls: list[tuple[torch.nn.Module, 
     return [torch.cat([pieces[j] for pieces in ranks], dim=-1) for j in range(len(calls))]
 
 
-def gathered_ahead(model: torch.nn.Module,
-                   calls: list[tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]]) -> dict[torch.nn.Module, torch.Tensor]:
+def gathered_ahead(model: torch.nn.Module, calls: list[tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]]
+                   ) -> dict[torch.nn.Module, torch.Tensor]:
     """For blocks a library runs whole (diffusers' forward calls each modulation inside it): each (module, its
     gathered layer, that layer's input) of `calls` computed up front by `gathered_outputs` (one all-gather for all),
     as {module: its output} for `answered_by`; {} without a tensor split (the modules then run as they are)."""
