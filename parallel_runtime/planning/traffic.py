@@ -38,7 +38,9 @@ Per attention layer, per rank:
   being the rank's sequence shard (prompt rows where the layer reads them): sent = recv = 2 (P-1)/P b e H rows
   per all-reduce (a ring all-reduce). Ulysses and Ring inside a tensor rank move H/P of the width. The
   modulation all-gathers (b x 6H per block) and Wan's norm statistics (b x rows x 4 bytes) are left out: under
-  1% of a block's all-reduces from a few hundred rows on.
+  1% of a block's all-reduces from a few hundred rows on. So are the prompt-side reductions outside the blocks:
+  Kandinsky 5's / 6's text blocks (two all-reduces of the prompt's rows per text block and pass: 4% of Kandinsky 5's
+  bench traffic) and HiDream O1's vocab-parallel prompt lookup (one per step: 2% of its bench traffic).
 * CFG parallel: each step the rank that ran the head all-gathers its denoised rows with its peer branch:
   sent = recv = B (rows) C 4.
 * Result: one all-gather of the full x (B N C 4 bytes from each other member) over the sequence-parallel
