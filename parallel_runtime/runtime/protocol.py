@@ -20,12 +20,42 @@ from ..strategies.control import HINTS_KEPT
 _HEADER = struct.Struct("<I")
 
 
-def encode(kind: str, meta: dict | None = None, tensors: dict[str, torch.Tensor] | None = None) -> bytes:
+# safetensors' names of the dtypes a message carries (its format's spelling; little-endian, as every host here).
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+                       torch.float8_e5m2: "F8_E5M2"}
+
+
+def encode(kind: str, meta: dict | None = None, tensors: dict[str, torch.Tensor] | None = None) -> bytearray:
+    """One message: its JSON header, then the tensors as a safetensors blob (`decode` reads it with safetensors'
+    own parser). The blob is written here, each tensor copied once into the message: safetensors' `save` copies a
+    tensor three times and the message once more (16 ms of a 12.6 MB pixel latent's 18 ms, on every model call of
+    a stock sampler, both ways)."""
     header = json.dumps({"kind": kind, "meta": meta or {}}).encode()
-    blob = b""
-    if tensors:
-        blob = st_save(_unshared(tensors))
-    return _HEADER.pack(len(header)) + header + blob
+    tensors = {name: t.detach().cpu() for name, t in (tensors or {}).items()}
+    if any(t.dtype not in _SAFETENSORS_DTYPES for t in tensors.values()):
+        blob = st_save(_unshared(tensors))  # a dtype not listed: safetensors' own writer knows every one it has
+        return bytearray(_HEADER.pack(len(header)) + header + blob)
+    entries, offset = {}, 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        entries[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                         "data_offsets": [offset, offset + size]}
+        offset += size
+    index = json.dumps(entries, separators=(",", ":")).encode() if tensors else b""
+    index += b" " * (-len(index) % 8)  # safetensors pads its header so that the data starts 8-byte aligned
+    start = _HEADER.size + len(header) + (8 + len(index) if tensors else 0)
+    message = bytearray(start + offset)
+    message[:start] = (_HEADER.pack(len(header)) + header
+                       + (struct.pack("<Q", len(index)) + index if tensors else b""))
+    if offset:
+        body = torch.frombuffer(message, dtype=torch.uint8, count=offset, offset=start)
+        for name, t in tensors.items():
+            begin, end = entries[name]["data_offsets"]
+            if end > begin:
+                body[begin:end].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+    return message
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
