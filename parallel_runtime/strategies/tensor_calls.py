@@ -6,8 +6,8 @@ forwards; families call the helpers below from their blocks, so this module sits
 rank `index`, `degree`, `all_reduce`, `all_gather`, and the job's `comm` and `group`) without importing it.
 
 A block's reductions that need not wait for each other become one collective (`row_projections`, `rms_norms`,
-`gathered_outputs`; `gathered_ahead` + `answered_by` for a library's block that calls its modulations itself): on
-gloo each collective below a few hundred KB costs ~2 ms whatever its size.
+`summed_partials`, `gathered_outputs`; `gathered_ahead` + `answered_by` for a library's block that calls its
+modulations itself): on gloo each collective below a few hundred KB costs ~2 ms whatever its size.
 """
 from __future__ import annotations
 
@@ -39,6 +39,13 @@ def row_projections(model: torch.nn.Module, calls: list[tuple[torch.nn.Module, t
         biases.append(bias)
     summed = split.all_reduce_together(partials)
     return [out + bias.to(out.dtype) if bias is not None else out for out, bias in zip(summed, biases)]
+
+
+def summed_partials(model: torch.nn.Module, partials: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Outputs a family computed without their row-wise layers' all-reduce (a mixture of experts sums its experts'
+    partial products first): summed over the tensor group in one all-reduce, or as they are on a whole model."""
+    split = _split_of(model)
+    return split.all_reduce_together(partials) if split is not None else partials
 
 
 def gathered_outputs(model: torch.nn.Module, calls: list[tuple[torch.nn.Module, torch.Tensor]]) -> list[torch.Tensor]:

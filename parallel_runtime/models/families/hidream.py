@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from ...errors import ModelFileError
 from ...sampling import FLUX_LATENT, FluxModelSampling
-from ...strategies.tensor_calls import gathered_outputs, rms_norms, row_projections
+from ...strategies.tensor_calls import gathered_outputs, rms_norms, row_projections, summed_partials
 from ...weights.keymap import Source, block_count, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import BlockKind, DiTFamily, Match, TwoBlockListConfig
@@ -394,8 +394,9 @@ class HiDreamAdapter:
         attn_i, attn_t = row_projections(self.model, [(blk.attn1.to_out, out[:, n:].contiguous()),
                                                       (blk.attn1.to_out_t, out[:, :n].contiguous())])
         image, text = g_i * attn_i + image, g_t * attn_t + text
-        ff_i, ff_t = self._sum_over_ranks([self._moe(blk.ff_i, blk.norm3_i(image) * (1 + scm_i) + shm_i),
-                                           _swiglu_partial(blk.ff_t, blk.norm3_t(text) * (1 + scm_t) + shm_t)])
+        ff_i, ff_t = summed_partials(self.model, [
+            self._moe(blk.ff_i, blk.norm3_i(image) * (1 + scm_i) + shm_i),
+            _swiglu_partial(blk.ff_t, blk.norm3_t(text) * (1 + scm_t) + shm_t)])
         return gm_i * ff_i + image, gm_t * ff_t + text
 
     def _single(self, i: int, image, text, modulation, freqs):
@@ -403,19 +404,13 @@ class HiDreamAdapter:
         sh, sc, g, shm, scm, gm = modulation.chunk(6, dim=-1)
         x = torch.cat([text, image], dim=1)
         x = g * blk.attn1.to_out(self._attend(i, blk.attn1, blk.norm1_i(x) * (1 + sc) + sh, None, freqs)) + x
-        x = gm * self._sum_over_ranks([self._moe(blk.ff_i, blk.norm3_i(x) * (1 + scm) + shm)])[0] + x
+        x = gm * summed_partials(self.model, [self._moe(blk.ff_i, blk.norm3_i(x) * (1 + scm) + shm)])[0] + x
         return x[:, text.shape[1]:], x[:, :text.shape[1]]
-
-    def _sum_over_ranks(self, partials: list[torch.Tensor]) -> list[torch.Tensor]:
-        """MLP outputs whose down projections ran without their all-reduce (`_swiglu_partial`): under tensor
-        parallelism summed over the group in one all-reduce, else already whole."""
-        split = getattr(self.model, "tensor_split", None)
-        return split.all_reduce_together(partials) if split is not None and split.comm is not None else partials
 
     def _moe(self, moe, x: torch.Tensor) -> torch.Tensor:
         """ComfyUI's MOEFeedForwardSwiGLU on these rows: router softmax, unsorted top-k, each picked expert on its
         rows, weighted sum, plus the shared expert; under tensor parallelism this rank's partial sum (the caller
-        reduces it, `_sum_over_ranks`).
+        reduces it, `summed_partials`).
 
         Each expert gets the rows ComfyUI's boolean masks give it, in the same order (a stable sort by expert), so
         its products are ComfyUI's bit for bit; but the rows per expert are read back once per call (one device
