@@ -12,7 +12,7 @@ block's modulation (adaLN: per sample, not per token, yet ~a third of a Flux blo
 outputs and all-gathers them ("gather": a few KB per block and step), so every rank applies the whole modulation.
 A token embedding (a vocabulary of 150k rows: 7% of an 8B decoder) keeps 1/N of its rows and all-reduces its
 lookups ("vocab"). Other norms, embedders and the final layer are every rank's. A block whose reductions need not
-wait for each other makes them one collective (`row_projections`, `rms_norms`, `gathered_outputs`).
+wait for each other makes them one collective (tensor_calls.py, which also holds the split layers' forwards).
 
 The plan is data (`DiTFamily.tensor_plan_for`: module-name patterns -> "colwise", "rowwise", "norm", "gather", or
 diffusers' packed styles for a layer that fuses projections). Loading reads only each rank's part:

@@ -429,12 +429,12 @@ class Kandinsky6Adapter:
             pos = torch.arange(context.shape[1], dtype=torch.float32)
             rope = _rope(torch.outer(pos, _freqs(self.config.head_dim))).to(self.device)
             made = []
-            for stream, temb in streams.items():
-                text = getattr(m, f"{stream}_text_embeddings")(context)
-                with answered_by(ahead):
+            with answered_by(ahead):
+                for stream, temb in streams.items():
+                    text = getattr(m, f"{stream}_text_embeddings")(context)
                     for block in blocks[stream]:
                         text = block(text, temb, rope)
-                made.append((temb, text))
+                    made.append((temb, text))
             mod.conditioning = Conditioning(made[0][0], made[1][0], made[0][1], made[1][1])
         return mod.conditioning
 
