@@ -416,6 +416,7 @@ def _chunk_conditioning(k: int, batch: int, context, y, guidance, kwargs, latent
                         concat=concat[sl].detach().float().cpu() if concat is not None else None, control=controls,
                         attention_mask=mask, attention_mask_key=mask_key, clip_vision=clip, glyph=glyph,
                         **_chunk_camera(kwargs.get("camera_conditions"), sl),
+                        **_chunk_animate(kwargs.get("pose_latents"), kwargs.get("face_pixel_values"), sl),
                         **_chunk_vace(kwargs.get("vace_context"), kwargs.get("vace_strength"), sl),
                         **_chunk_vision(kwargs.get(hidream_o1_call.VISION_INPUT)))
 
@@ -456,6 +457,19 @@ def _chunk_camera(camera, sl: slice) -> dict:
     size), kept on the workers (_kept_rows). In the call's dtype: it is the call's largest input (24 channels at 8x
     the latent's size)."""
     return {} if camera is None else dict(zip(("camera", "camera_key"), _kept_rows(camera, sl, "camera")))
+
+
+def _chunk_animate(pose, face, sl: slice) -> dict:
+    """Chunk rows `sl` of a Wan Animate call's pose_latents (the pose video's latent after process_latent_in, in the
+    model's space, as the workers add it) and face_pixel_values (the face crops at 512 x 512, kept on the workers:
+    _kept_rows), one row where all are equal."""
+    out = {}
+    if pose is not None:
+        rows = pose[sl].detach().float().cpu()
+        out["pose"] = (rows[:1] if rows.shape[0] > 1 and bool((rows == rows[:1]).all()) else rows).contiguous()
+    if face is not None:
+        out.update(zip(("face", "face_key"), _kept_rows(face, sl, "face")))
+    return out
 
 
 def _chunk_llama(llama, sl: slice) -> dict:
@@ -534,7 +548,8 @@ def _chunk_context_latents(latents, k: int, batch: int, latent_format) -> tuple:
 # (_refuse_padded_prompt).
 _KNOWN_INPUTS = {"c_size", "c_ar", "attention_mask", "ref_latents", "ref_latents_method", "clip_fea", "denoise_mask",
                  "num_tokens", "txt_byt5", "camera_conditions", "reference_latent", "vace_context", "vace_strength",
-                 "encoder_hidden_states_llama3", "image_cond", "context_latents", "image_slots",
+                 "encoder_hidden_states_llama3", "image_cond", "context_latents", "image_slots", "pose_latents",
+                 "face_pixel_values",
                  hidream_o1_call.VISION_INPUT}
 # Inputs ComfyUI 2026's model classes pass that no family here reads yet, by what adds them (the refusal names it).
 _INPUT_SOURCES = {

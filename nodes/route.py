@@ -41,6 +41,8 @@ _KEY_NAMES = {
     "strength": "a conditioning strength other than 1",
     "minimax_token_tags": "image tokens in the MiniMax-H3 prompt (MiniMaxH3ImageToVideo's frames)",
     "hidream_o1_ref_images": "HiDream O1 reference images (HiDreamO1ReferenceImages)",
+    "pose_video_latent": "Wan Animate's pose video (WanAnimateToVideo)",
+    "face_video_pixels": "Wan Animate's face video (WanAnimateToVideo)",
 }
 
 # What ComfyUI's model_options entries that change how a sampler calls or combines the model are, for the status

@@ -247,6 +247,13 @@ class Conditioning:
     # (t, h, w) patch grid per reference. The same for every row: the tower runs once per job.
     vision: torch.Tensor | None = field(default=None, repr=False)
     vision_grid: torch.Tensor | None = None
+    # Wan 2.2 Animate (WanAnimateToVideo, WAN22_Animate.extra_conds): pose_latents [1 or B, 16, P, H, W], the pose
+    # video's latent after process_latent_in, whose frame j joins the video's frame j + 1 (split with its tokens); and
+    # face_pixel_values [1 or B, 3, F, 512, 512], the face crop of every pixel frame, which crosses the channel once
+    # per sampling run under `face_key` (a hash of its bytes): 81 frames are 255 MB in float32.
+    pose: torch.Tensor | None = field(default=None, repr=False)
+    face: torch.Tensor | None = field(default=None, repr=False)
+    face_key: str | None = None
     # Where the prompt holds each reference (Qwen-Image 2.1's image_slots, as TextEncodeQwenImage21 marks them): the
     # prompt row before which reference i sits, ascending; references past the list sit after the prompt. Empty:
     # every reference after the prompt.
@@ -259,6 +266,8 @@ class Conditioning:
                                                         ("llama", None if self.llama_key else self.llama),
                                                         ("camera", None if self.camera_key else self.camera),
                                                         ("vace", self.vace), ("vision", self.vision),
+                                                        ("pose", self.pose),
+                                                        ("face", None if self.face_key else self.face),
                                                         ("vision_grid", self.vision_grid))
                   if t is not None}
         return {f"{prefix}.cond": self.cond, f"{prefix}.pooled": self.pooled, **refs, **extras}
@@ -266,7 +275,8 @@ class Conditioning:
     def kept_keys(self) -> list[str]:
         """The keys of the large inputs the workers keep between calls: ControlNet hints, the attention mask."""
         return ([c.hint_key for c in self.control] + ([self.attention_mask_key] if self.attention_mask_key else [])
-                + ([self.camera_key] if self.camera_key else []) + ([self.llama_key] if self.llama_key else []))
+                + ([self.camera_key] if self.camera_key else []) + ([self.llama_key] if self.llama_key else [])
+                + ([self.face_key] if self.face_key else []))
 
     def kept_inputs(self) -> dict[str, torch.Tensor]:
         """The kept inputs this branch carries, by key (the client sends each to the workers once)."""
@@ -277,6 +287,8 @@ class Conditioning:
             out[self.camera_key] = self.camera
         if self.llama_key and self.llama is not None:
             out[self.llama_key] = self.llama
+        if self.face_key and self.face is not None:
+            out[self.face_key] = self.face
         return out
 
     def meta(self, prefix: str) -> dict:
@@ -285,7 +297,7 @@ class Conditioning:
                 f"{prefix}_control": [[c.path, c.hint_key, c.strength, list(c.types)] for c in self.control],
                 f"{prefix}_attention_mask": self.attention_mask_key, f"{prefix}_camera": self.camera_key,
                 f"{prefix}_vace_strength": list(self.vace_strength), f"{prefix}_llama": self.llama_key,
-                f"{prefix}_reference_slots": list(self.reference_slots)}
+                f"{prefix}_reference_slots": list(self.reference_slots), f"{prefix}_face": self.face_key}
 
     @classmethod
     def from_message(cls, prefix: str, meta: dict, tensors: dict[str, torch.Tensor]) -> "Conditioning":
@@ -303,6 +315,8 @@ class Conditioning:
                    vace_strength=tuple(float(v) for v in meta.get(f"{prefix}_vace_strength") or ()),
                    llama=tensors.get(f"{prefix}.llama"), llama_key=meta.get(f"{prefix}_llama"),
                    vision=tensors.get(f"{prefix}.vision"), vision_grid=tensors.get(f"{prefix}.vision_grid"),
+                   pose=tensors.get(f"{prefix}.pose"), face=tensors.get(f"{prefix}.face"),
+                   face_key=meta.get(f"{prefix}_face"),
                    reference_slots=tuple(int(v) for v in meta.get(f"{prefix}_reference_slots") or ()))
 
     def signature(self, prompt_tokens: int = 0) -> tuple:
@@ -318,9 +332,12 @@ class Conditioning:
         vace = None if self.vace is None else (tuple(self.vace.shape[1:]), self.vace_strength)
         llama = None if self.llama is None else tuple(self.llama.shape[1:])
         vision = None if self.vision is None else (tuple(self.vision.shape), tuple(self.vision_grid.flatten().tolist()))
+        # Wan Animate: the pose's frames and the face video's (ComfyUI batches branches whose shapes agree)
+        animate = tuple(None if t is None else tuple(t.shape[1:]) for t in (self.pose, self.face))
         return (max(self.cond.shape[1], prompt_tokens), tuple(tuple(r.shape[2:]) for r in self.references),
                 self.reference_method, self.reference_slots,
-                concat, tuple(c.signature() for c in self.control), masked, clip, glyph, camera, vace, llama, vision)
+                concat, tuple(c.signature() for c in self.control), masked, clip, glyph, camera, vace, llama, vision,
+                animate)
 
 
 @dataclass

@@ -273,6 +273,33 @@ def validate_camera(name: str, c, config, latent: torch.Tensor, batch: int) -> N
     _finite_tensor(f"{name} conditioning's camera embedding", camera, "re-run WanCameraEmbedding")
 
 
+def validate_animate(name: str, c, config, latent: torch.Tensor, batch: int) -> None:
+    """Wan Animate's pose latent and face video (WanAnimateToVideo): only an Animate model reads them; the pose is
+    the video's latent size (its frames may be fewer: a frame j joins the video's frame j + 1), the face video
+    512 x 512 pixels of 3 channels; each one per prompt or per latent row. An Animate model without them runs
+    without its pose embedding or face blocks, as ComfyUI's."""
+    if c.pose is None and c.face is None:
+        return
+    if not getattr(config, "animate", False):
+        raise ConfigError(f"the {name} conditioning carries Wan Animate's pose or face video (WanAnimateToVideo), which "
+                          f"this {config.title} model does not read; load a Wan 2.2 Animate model or replace "
+                          f"WanAnimateToVideo with WanImageToVideo.")
+    size = tuple(latent.shape[3:]) if latent.ndim == 5 else ()
+    pose = c.pose
+    if pose is not None and (pose.ndim != 5 or pose.shape[1] != config.out_channels or pose.shape[2] < 1
+                             or tuple(pose.shape[3:]) != size or pose.shape[0] not in (1, batch)):
+        raise ConfigError(f"the {name} conditioning's pose latent has shape {tuple(pose.shape)}, not [batch, "
+                          f"{config.out_channels}, frames, {', '.join(map(str, size))}] like the video's latent; give "
+                          f"WanAnimateToVideo's pose_video the video's width and height and this model's VAE.")
+    face = c.face
+    if face is not None and (face.ndim != 5 or tuple(face.shape[1:2]) + tuple(face.shape[3:]) != (3, 512, 512)
+                             or face.shape[2] < 1 or face.shape[0] not in (1, batch)):
+        raise ConfigError(f"the {name} conditioning's face video has shape {tuple(face.shape)}, not [batch, 3, frames, "
+                          f"512, 512] as WanAnimateToVideo makes it; connect face_video to WanAnimateToVideo.")
+    _finite_tensor(f"{name} conditioning's pose latent", pose, "re-encode the pose video with the Wan VAE")
+    _finite_tensor(f"{name} conditioning's face video", face, "load the face video again")
+
+
 def validate_vace(name: str, c, config, latent: torch.Tensor, batch: int) -> None:
     """A VACE context (vace_context, WanVaceToVideo): a VACE model reads one, [batch, inputs, its channels, the
     latent's frames, height and width], with one strength per input; any other model reads none."""
@@ -549,6 +576,7 @@ def validate_latent_and_branches(job: Job, config) -> None:
         validate_glyph(name, c, config, job.batch)
         validate_llama(name, c, config, job.batch)
         validate_camera(name, c, config, lat, job.batch)
+        validate_animate(name, c, config, lat, job.batch)
         validate_vace(name, c, config, lat, job.batch)
         validate_control(name, c, config, job)
         validate_attention_mask(name, c, config, job)

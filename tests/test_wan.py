@@ -128,11 +128,14 @@ def reference_call(path: str, job: Job, c: WanConfig = TINY_WAN) -> torch.Tensor
     return reference_call_on(load_file(path), job, c)
 
 
-def reference_call_on(tensors: dict, job: Job, c: WanConfig, source_rotation: bool = True) -> torch.Tensor:
+def reference_call_on(tensors: dict, job: Job, c: WanConfig, source_rotation: bool = True, after_embed=None,
+                      after_block=None) -> torch.Tensor:
     """reference_call on a file's tensors. A branch's in-context streams (reference_method "in_context": Bernini's
     context_latents) are read as ComfyUI 2026's WanModel reads them: each padded to the patch, through
     patch_embedding, after the video's tokens, on its own rope_encode grid from 0 composed with the rotation of its
-    source_id (`source_rotation` False leaves that out: the defect the tests must catch), cut before unpatchify."""
+    source_id (`source_rotation` False leaves that out: the defect the tests must catch), cut before unpatchify.
+    A variant's additions come as hooks: `after_embed(sd, x, branch)` on the patch embedding [1, dim, T, H/2, W/2],
+    `after_block(sd, i, x, branch)` on the tokens after block i (Wan Animate's: tests/test_wan_animate.py)."""
     sd = {k.removeprefix("model.diffusion_model."): v for k, v in tensors.items()}
     heads, dim = c.num_heads, c.hidden_size
     lin, rms, attention = comfy_wan_ops(sd, heads, dim)
@@ -145,6 +148,8 @@ def reference_call_on(tensors: dict, job: Job, c: WanConfig, source_rotation: bo
         x = F.conv3d(x, sd["patch_embedding.weight"], sd["patch_embedding.bias"], stride=(1, 2, 2))
         if getattr(branch, "camera", None) is not None and "control_adapter.conv.weight" in sd:
             x = x + camera_adapter(sd, branch.camera)  # CameraWanModel: the adapter's rows on the patch embedding
+        if after_embed is not None:
+            x = after_embed(sd, x, branch)
         grid = x.shape[2:]
         x = x.flatten(2).transpose(1, 2)
         streams = branch.references if branch.reference_method == "in_context" else ()
@@ -209,6 +214,8 @@ def reference_call_on(tensors: dict, job: Job, c: WanConfig, source_rotation: bo
             x = x + lin(y, f"{b}.cross_attn.o")
             h = F.layer_norm(x, (dim,), eps=1e-6) * (1 + m[4]) + m[3]
             x = x + lin(F.gelu(lin(h, f"{b}.ffn.0"), approximate="tanh"), f"{b}.ffn.2") * m[5]
+            if after_block is not None:
+                x = after_block(sd, i, x, branch)
         shift, scale = (sd["head.modulation"].unsqueeze(0) + e.unsqueeze(2)).unbind(2)
         x = lin(F.layer_norm(x, (dim,), eps=1e-6) * (1 + scale) + shift, "head.head")
         x = x[:, :main_len]  # forward_orig: the head's output cut back to the video's (and a reference's) tokens

@@ -235,16 +235,16 @@ def test_wan_vace_one_worker_equals_diffusers(vace_path, client1):
 
 
 def test_wan_variants_not_run_yet_are_refused_naming_their_node(tmp_path):
-    """S2V, HuMo and Animate files (told by the keys comfy/model_detection.py tells them by) are refused when
-    loaded, in one sentence naming what they add and the node UNETLoader's model serves them for."""
+    """S2V and HuMo files (told by the keys comfy/model_detection.py tells them by) are refused when loaded, in one
+    sentence naming what they add and the node UNETLoader's model serves them for (Animate files run:
+    tests/test_wan_animate.py)."""
     from safetensors.torch import save_file
 
     from parallel_runtime.errors import ModelFileError
 
     base = load_file(write_checkpoint(str(tmp_path / "wan.safetensors"), TINY_WAN))
     for key, node in (("casual_audio_encoder.encoder.final_linear.weight", "WanSoundImageToVideo"),
-                      ("audio_proj.audio_proj_glob_1.layer.bias", "WanHuMoImageToVideo"),
-                      ("face_adapter.fuser_blocks.0.k_norm.weight", "WanAnimateToVideo")):
+                      ("audio_proj.audio_proj_glob_1.layer.bias", "WanHuMoImageToVideo")):
         path = str(tmp_path / f"{node}.safetensors")
         save_file({**base, key: torch.zeros(4)}, path)
         with pytest.raises(ModelFileError, match=rf"^{node}.safetensors is a Wan .* model, which ParaDiT does not "

@@ -56,6 +56,11 @@ def _random_tensors(shapes: dict, seed: int, dtype: torch.dtype) -> dict[str, to
             t.mul_(_NORM_STD).add_(1.0)
         elif kind == "table":  # stored position tables: O(1) entries like sin/cos ones
             t.mul_(0.5)
+        elif kind == "equal":  # StyleGAN's equalized layers (Wan Animate's motion encoder): unit variance
+            pass
+        elif kind == "blur":  # a stored antialiasing kernel (Wan Animate's): the real one, [1, 3, 3, 1] squared
+            taps = torch.tensor([1.0, 3.0, 3.0, 1.0])
+            t = (taps[:, None] * taps[None, :]) / 64.0
         elif kind == "rope_frequencies":  # a stored RoPE frequency buffer (MiniMax-H3's): the real ones, theta 1e4
             t = 1.0 / 10000.0 ** (torch.arange(0, 2 * shape[0], 2, dtype=torch.float32) / (2 * shape[0]))
         tensors[key] = t.to(dtype)

@@ -252,12 +252,13 @@ class WorkerState:
 
         def resolved(branch):
             if branch is None or not (branch.control or branch.attention_mask_key or branch.camera_key
-                                      or branch.llama_key):
+                                      or branch.llama_key or branch.face_key):
                 return branch
             mask = self.hints[branch.attention_mask_key] if branch.attention_mask_key else None
             camera = self.hints[branch.camera_key] if branch.camera_key else branch.camera
             llama = self.hints[branch.llama_key] if branch.llama_key else branch.llama
-            return dataclasses.replace(branch, attention_mask=mask, camera=camera, llama=llama,
+            face = self.hints[branch.face_key] if branch.face_key else branch.face
+            return dataclasses.replace(branch, attention_mask=mask, camera=camera, llama=llama, face=face,
                                        control=tuple(dataclasses.replace(c, hint=self.hints[c.hint_key])
                                                      for c in branch.control))
 
@@ -427,6 +428,7 @@ def run_job(state: WorkerState, chan: Channel, meta: dict, tensors: dict, pulse,
                                 stage_speeds=stage_speeds(job.strategy))
     controlnets = state.ensure_controlnets(job, topology)
     patched = state.patcher.apply(state.weight_patches)
+    state.adapter.weights_id = state.patcher.applied  # what the adapter's per-run caches were made with
     chan.send("loaded", {"rank": state.rank, "param_bytes": state.current_bytes(), "patched_tensors": patched,
                          "released": state.released})
     if gate.get() != "go":

@@ -75,7 +75,8 @@ def _cut_conditioning(c: Conditioning | None, rows: range, batch: int) -> Condit
         references=tuple(_cut(r, rows, batch) for r in c.references), concat=_cut(c.concat, rows, batch),
         attention_mask=_cut(c.attention_mask, rows, batch), clip_vision=_cut(c.clip_vision, rows, batch),
         glyph=_cut(c.glyph, rows, batch), camera=_cut(c.camera, rows, batch),
-        vace=_cut(c.vace, rows, batch), llama=_cut(c.llama, rows, batch))
+        vace=_cut(c.vace, rows, batch), llama=_cut(c.llama, rows, batch), pose=_cut(c.pose, rows, batch),
+        face=_cut(c.face, rows, batch))
 
 
 def call_rows(job: Job, rows: range) -> torch.Tensor:

@@ -132,6 +132,14 @@ class Branches:
                                 for c in conds]) if first.vace is not None else None)
         self.vace_strength = first.vace_strength
         self._vace_rows: dict[int, tuple] = {}
+        # Wan Animate's pose latent per row, packed like the latent: each forward embeds only its own tokens' rows
+        # (adapter.embed_pose), once per job for each set of rows. Its face video stays per branch (with its key):
+        # the adapter turns each into motion tokens once per run (face_rows).
+        self.pose = (torch.cat([rep(adapter.pack(c.pose.float())) for c in conds]).to(device)
+                     if first.pose is not None else None)
+        self._pose_rows: dict[int, tuple] = {}
+        self.faces = tuple((c.face, c.face_key) for c in conds) if first.face is not None else ()
+        self._face_rows = None
         # Rows the family joins to the embedded prompt from other inputs (HunyuanVideo 1.5: the start image's
         # vision tokens and the glyph tokens, which its embed_text puts in front of the prompt).
         self.joined_rows = getattr(adapter, "joined_rows", lambda branches: 0)(self)
@@ -152,11 +160,22 @@ class Branches:
         if self.camera is not None:
             image = image + _rows_cached(self._camera_rows, index,
                                          lambda: adapter.embed_camera(self.camera, index, hw).to(image.dtype))
+        if self.pose is not None:
+            image = image + _rows_cached(self._pose_rows, index, lambda: adapter.embed_pose(self.pose, index, hw))
         if self.vace is not None:  # the context rows ride behind the video's (adapter.run_blocks takes them off)
             vace = _rows_cached(self._vace_rows, index,
                                 lambda: adapter.embed_vace(self.vace[:, :, index.cpu()]).to(image.dtype))
             image = torch.cat([image, vace], dim=1)
         return image
+
+    def face_rows(self, adapter: DiTAdapter, hw) -> torch.Tensor | None:
+        """Wan Animate's motion tokens per row [rows, frames, 5, dim] (None: no face video), made on first use from
+        each branch's face video (the adapter keeps them per face input across the run's model calls)."""
+        if self.faces and self._face_rows is None:
+            def rep(t):
+                return t.expand(self.batch, *t.shape[1:]) if t.shape[0] == 1 and self.batch > 1 else t
+            self._face_rows = torch.cat([rep(adapter.face_rows(face, key, hw)) for face, key in self.faces])
+        return self._face_rows
 
     def vision_rows(self, adapter: DiTAdapter) -> torch.Tensor | None:
         """The vision tower's tokens of these branches' reference images (None: none), computed on first use: the
@@ -466,6 +485,8 @@ class Denoiser:
             extra["vace_strength"] = branches.vace_strength
         if getattr(self.adapter, "reads_llama", False):  # HiDream's blocks each project a Llama layer of the prompt
             extra["llama"] = branches.llama
+        if branches.faces:  # Wan Animate's face blocks read each row's motion tokens
+            extra["face"] = branches.face_rows(self.adapter, self.hw)
         return self.adapter.timestep_embedding(t, branches.pooled, branches.guidance, self.hw, **extra)
 
     def _repeat(self, x: torch.Tensor, branches: Branches | None = None) -> torch.Tensor:

@@ -73,17 +73,21 @@ from ..rope import rope_table, video_grid_ids
 from ..shapes import shapes_of_model
 from .flux import BFL_PREFIXES
 from .flux_adapter import channels_first
+from . import wan_animate
 
 # Latent channels -> ComfyUI's format: Wan 2.1's VAE (every 2.1 file, 2.2's 14B experts), 2.2's VAE (TI2V 5B).
 LATENT_FORMATS = {16: WAN21_LATENT, 48: WAN22_LATENT}
 HEAD_DIM = 128  # every Wan: ComfyUI's detection sets num_heads = dim // 128
 EPS = 1e-6
 # img_emb projects the start image's CLIP-vision tokens (2.1 I2V) with the timestep, on every stage (temb).
-ALWAYS_OWNED = ("time_embedding.", "time_projection.", "img_emb.")
+# Wan Animate's motion and face encoders make what its face blocks read, which every stage reads like the timestep.
+ALWAYS_OWNED = ("time_embedding.", "time_projection.", "img_emb.", "motion_encoder.", "face_encoder.")
 CAMERA_UNSHUFFLE = 8  # WanCamAdapter's PixelUnshuffle: the Plücker embedding is at pixel size, 8x the latent's
+FACE_INPUTS_KEPT = 4  # Wan Animate face inputs whose motion tokens a worker keeps (a run's two and the last run's)
 CLIP_TOKENS = 257  # clip_vision_h's penultimate hidden states: 16 x 16 patches and the class token
 CLIP_VISION_WIDTH = 1280  # CLIP ViT-H/14's hidden size: clip_vision_h, the CLIP vision file Wan 2.1 I2V reads
-FIRST_STAGE = ("patch_embedding.", "text_embedding.", "control_adapter.", "ref_conv.", "vace_patch_embedding.")
+FIRST_STAGE = ("patch_embedding.", "text_embedding.", "control_adapter.", "ref_conv.", "vace_patch_embedding.",
+               "pose_patch_embedding.")
 LAST_STAGE = ("head.",)
 BLOCK_LISTS = ("blocks",)
 WAN_BLOCK = BlockKind("self+cross", ("image", "prompt"))
@@ -104,6 +108,7 @@ class WanConfig(JointAttentionConfig):
     vace_layers: int = 0  # VACE: its context blocks (vace_blocks), each after every (layers / vace_layers)-th block
     vace_channels: int = 0  # VACE: vace_patch_embedding's input (WanVaceToVideo's latents and mask: 96); else 0
     clip_positions: int = 0  # 2.1 FLF2V: img_emb.emb_pos's rows (514: the start and end images' 257 tokens); else 0
+    animate: bool = False  # 2.2 Animate: the pose embedding, the face encoders and a face block after every 5th block
 
     family = "wan"
     pooled_dim = 0
@@ -236,6 +241,8 @@ class WanConfig(JointAttentionConfig):
     @property
     def title(self) -> str:
         size = {1536: "1.3B", 3072: "5B", 5120: "14B"}.get(self.hidden_size, f"{self.hidden_size}-wide")
+        if self.animate:
+            return f"Wan 2.2 Animate {size}"
         if self.vace_layers:  # 2.1's VACE 14B and 2.2's VACE-Fun A14B experts share one shape
             return f"Wan {'2.1' if size == '1.3B' else '2.1 / 2.2'} VACE {size}"
         if self.fun_kind:  # 2.1's Fun files cross-attend CLIP vision (img_emb); 2.2's read the concat alone
@@ -258,6 +265,21 @@ class WanConfig(JointAttentionConfig):
         if not self.vace_layers:
             return {}
         return {i: n for n, i in enumerate(range(0, self.num_layers, self.num_layers // self.vace_layers))}
+
+    @property
+    def face_after(self) -> dict[int, int]:
+        """Main block -> the Animate face block that runs after it (AnimateWanModel: after blocks 0, 5, 10, ...)."""
+        return wan_animate.face_block_after(self.num_layers) if self.animate else {}
+
+    @property
+    def riders(self) -> dict[int, tuple[str, ...]]:
+        """Main block -> the modules that run right after it and live with it (a VACE context block, a face block):
+        their weights count with it for stage planning, and the stage that owns it owns them."""
+        out: dict[int, tuple[str, ...]] = {}
+        for after, name in ((self.vace_after, "vace_blocks"), (self.face_after, "face_adapter.fuser_blocks")):
+            for i, n in after.items():
+                out[i] = out.get(i, ()) + (f"{name}.{n}.",)
+        return out
 
     @property
     def block_kinds(self) -> tuple[BlockKind, ...]:
@@ -288,8 +310,6 @@ def match_layout(keys: list[str]) -> Match | None:
 _UNSUPPORTED = {"casual_audio_encoder.encoder.final_linear.weight":
                 ("Wan 2.2 S2V", "its audio encoder and audio tokens", "WanSoundImageToVideo"),
                 "audio_proj.audio_proj_glob_1.layer.bias": ("Wan HuMo", "its audio projection", "WanHuMoImageToVideo"),
-                "face_adapter.fuser_blocks.0.k_norm.weight":
-                ("Wan 2.2 Animate", "its pose and face encoders", "WanAnimateToVideo"),
                 "patch_embedding_mask.weight": ("Wan SCAIL 2", "its pose and mask streams", None),
                 "patch_embedding_pose.weight": ("Wan SCAIL", "its pose stream", None),
                 "patch_embedding_global.weight": ("Wan Dancer", "its global motion stream", None)}
@@ -337,16 +357,21 @@ def infer_config(reader, match: Match, name: str) -> WanConfig:
             raise ModelFileError(f"{name} has {vace_layers} VACE blocks for {layers} blocks, which ComfyUI's "
                                  f"VaceWanModel cannot place (one after every (blocks / VACE blocks)-th block); the "
                                  f"file is damaged or of another VACE layout: load it with UNETLoader.")
+    layers = block_count(reader.keys(), p, "blocks", name)
+    animate = p + "face_adapter.fuser_blocks.0.k_norm.weight" in reader  # comfy/model_detection.py's "animate"
+    if animate and block_count(reader.keys(), p, "face_adapter.fuser_blocks", name) != layers // wan_animate.FACE_EVERY:
+        raise ModelFileError(f"{name} has Wan Animate's face blocks but not one per {wan_animate.FACE_EVERY} of its "
+                             f"{layers} blocks, as AnimateWanModel places them; the file is damaged: re-download it.")
     camera = 0
     if p + "control_adapter.conv.weight" in reader:  # WanCamAdapter: conv over 8x8-unshuffled Plücker channels
         camera = shape("control_adapter.conv.weight")[1] // CAMERA_UNSHUFFLE ** 2
-    return WanConfig(hidden_size=dim, num_layers=block_count(reader.keys(), p, "blocks", name),
+    return WanConfig(hidden_size=dim, num_layers=layers,
                      ffn_dim=shape("blocks.0.ffn.0.weight")[0], in_channels=in_channels, out_channels=out_channels,
                      text_dim=shape("text_embedding.0.weight")[1], freq_dim=shape("time_embedding.0.weight")[1],
                      image_to_video=p + "img_emb.proj.0.weight" in reader, camera_channels=camera,
                      clip_positions=shape("img_emb.emb_pos")[1] if p + "img_emb.emb_pos" in reader else 0,
                      reference_channels=shape("ref_conv.weight")[1] if p + "ref_conv.weight" in reader else 0,
-                     vace_layers=vace_layers, vace_channels=vace_channels)
+                     vace_layers=vace_layers, vace_channels=vace_channels, animate=animate)
 
 
 class _Attention(nn.Module):
@@ -436,6 +461,8 @@ class WanTransformer(nn.Module):
         if config.vace_layers:
             self.vace_blocks = nn.ModuleList(_VaceBlock(config, i == 0) for i in range(config.vace_layers))
             self.vace_patch_embedding = nn.Conv3d(config.vace_channels, dim, config.patch_size, config.patch_size)
+        if config.animate:
+            wan_animate.add_animate_parts(self, dim, config.num_heads, config.num_layers)
 
 
 def _meta_model(config: WanConfig) -> WanTransformer:
@@ -460,14 +487,18 @@ def tensor_plan(config: WanConfig) -> dict[str, str]:
             plan.update({f"{blocks}.*.{attn}.{proj}": "colwise" for proj in ("q", "k", "v", "k_img", "v_img")})
             plan.update({f"{blocks}.*.{attn}.{norm}": "norm" for norm in ("norm_q", "norm_k", "norm_k_img")})
             plan[f"{blocks}.*.{attn}.o"] = "rowwise"
+    if config.animate:
+        plan.update(wan_animate.tensor_plan())
     return plan
 
 
 def _parameter_kind(name: str) -> str:
     """How a random test checkpoint draws a parameter: modulation tables O(1), norms (img_emb's LayerNorms are its
     proj.0 / proj.4) around 1, biases small, the rest by fan-in."""
-    if name.endswith("modulation"):
+    if name.endswith("modulation") or name.endswith("padding_tokens"):
         return "table"
+    if name.startswith("motion_encoder."):  # StyleGAN's equalized layers scale unit-variance weights at run time
+        return "blur" if name.endswith("kernel") else "bias" if name.endswith("bias") else "equal"
     if "norm" in name.split(".")[-2] or ".proj.0." in name or ".proj.4." in name:
         return "norm" if name.endswith("weight") else "bias"
     return "bias" if name.endswith("bias") else "weight"
@@ -533,6 +564,8 @@ class WanAdapter(PatchTokens):
         self.latent_channels = config.out_channels
         self.latent_format = config.latent_format
         self.dtype, self.device = compute_placement(model.time_embedding)
+        # Wan Animate's motion tokens by face input (its kept key, frames): the run's model calls reuse them
+        self._face_tokens: dict[tuple, torch.Tensor] = {}
 
     @property
     def variant(self) -> str:
@@ -609,16 +642,38 @@ class WanAdapter(PatchTokens):
         tokens = tokens.to(self.device, self.dtype).float()
         return F.linear(tokens, conv.weight.float().flatten(1), conv.bias.float()).to(self.dtype).flatten(1, 2)
 
+    def embed_pose(self, pose: torch.Tensor, index: torch.Tensor, thw) -> torch.Tensor:
+        """Wan Animate's pose rows for video tokens `index` (pose packed like the latent, one frame behind it)."""
+        return wan_animate.pose_rows(self.model.pose_patch_embedding, pose, index, thw, self.dtype)
+
+    def face_rows(self, face: torch.Tensor, key: str | None, thw) -> torch.Tensor:
+        """Wan Animate's motion tokens [rows, frames, 5, dim] of one branch's face video, made once per face input
+        (`key`: the hash the host kept it under), video length and weights (a LoRA patches them: weights_id), and
+        kept for the run's next model calls; at most FACE_INPUTS_KEPT inputs (a run's positive and negative, and
+        one run before)."""
+        cache_key = ((key, tuple(face.shape), thw[0], getattr(self, "weights_id", None))
+                     if key is not None and face.shape[0] == 1 else None)
+        tokens = self._face_tokens.get(cache_key) if cache_key else None
+        if tokens is None:
+            with torch.no_grad():
+                tokens = wan_animate.face_motion(self.model, face, thw[0], self.dtype)
+            if cache_key:
+                while len(self._face_tokens) >= FACE_INPUTS_KEPT:
+                    self._face_tokens.pop(next(iter(self._face_tokens)))
+                self._face_tokens[cache_key] = tokens
+        return tokens
+
     def embed_text(self, cond: torch.Tensor) -> torch.Tensor:
         return self.model.text_embedding(cond.to(self.device, self.dtype))
 
     def timestep_embedding(self, t: torch.Tensor, pooled: torch.Tensor, guidance, thw=None, clip_vision=None,
-                           vace_strength: tuple[float, ...] = ()):
+                           vace_strength: tuple[float, ...] = (), face: torch.Tensor | None = None):
         """What every block reads beside its rows and the prompt: (e [N, 1, dim] for the head, e0 [N, 1, 6, dim] for
         the blocks, at t in the model's units (sigma x 1000), and the start image's CLIP-vision tokens through
         img_emb [N, 257, dim] (2.1 I2V; else None). Those ride here, not with the prompt, because every pipeline
-        stage embeds its timestep itself (img_emb is tiny) while only the first embeds the prompt. Last, a VACE
-        branch's strengths, one per context input (whose rows ride behind the video's: run_blocks)."""
+        stage embeds its timestep itself (img_emb is tiny) while only the first embeds the prompt. Then a VACE
+        branch's strengths, one per context input (whose rows ride behind the video's: run_blocks), and last an
+        Animate branch's motion tokens per row (Branches.face_rows), which its face blocks read."""
         sinusoid = sinusoidal_embedding(self.config.freq_dim, t.to(self.device).flatten()).to(self.dtype)
         e = self.model.time_embedding(sinusoid).reshape(t.shape[0], -1, self.config.hidden_size)
         image = None
@@ -628,7 +683,8 @@ class WanAdapter(PatchTokens):
                 positions = self.model.img_emb.emb_pos.to(self.dtype)
                 clip_vision = clip_vision[:, :positions.shape[1]] + positions[:, :clip_vision.shape[1]]
             image = self.model.img_emb.proj(clip_vision)
-        return e, self.model.time_projection(e).unflatten(2, (6, self.config.hidden_size)), image, tuple(vace_strength)
+        e0 = self.model.time_projection(e).unflatten(2, (6, self.config.hidden_size))
+        return e, e0, image, tuple(vace_strength), face
 
     # -- blocks and head -------------------------------------------------------------------------------
 
@@ -638,6 +694,7 @@ class WanAdapter(PatchTokens):
         after main block vace_after⁻¹(n), its hint times the input's strength added to the video rows), and ride on
         with the video's to the next chunk, so a pipeline stage runs the context blocks of its own main blocks."""
         strengths = temb[3] if len(temb) > 3 else ()
+        motion = temb[4] if len(temb) > 4 else None
         x, contexts = image, []
         if strengths:
             x, *contexts = image.tensor_split(len(strengths) + 1, dim=1)
@@ -654,6 +711,10 @@ class WanAdapter(PatchTokens):
                     contexts[k] = self._block(block, self.config.num_layers + n, contexts[k], text, temb[1], rope,
                                               temb[2])
                     x = x + block.after_proj(contexts[k]) * strength
+            n = self.config.face_after.get(i)
+            if motion is not None and n is not None:  # after the block, skipped or not (AnimateWanModel.forward_orig)
+                face = self.model.face_adapter.fuser_blocks[n]
+                x = x + wan_animate.face_attention(face, x, motion.to(x.dtype), rope[2])
         return (torch.cat([x, *contexts], dim=1) if contexts else x), text
 
     def _block(self, block: nn.Module, layer: int, x: torch.Tensor, context: torch.Tensor, e0: torch.Tensor, rope,
@@ -719,17 +780,20 @@ class WanFamily(DiTFamily):
 
     def parameter_counts(self, config) -> tuple[tuple[int, ...], int, int, int]:
         per_block, always, first, last = super().parameter_counts(config)
-        if not config.vace_layers:
+        riders = config.riders
+        if not riders:
             return per_block, always, first, last
-        vace = _meta_model(config).vace_blocks
-        extra = {i: sum(p.numel() for p in vace[n].parameters()) for i, n in config.vace_after.items()}
+        weights = dict(_meta_model(config).named_parameters())
+        extra = {i: sum(p.numel() for name, p in weights.items() if name.startswith(prefixes))
+                 for i, prefixes in riders.items()}
         return tuple(n + extra.get(i, 0) for i, n in enumerate(per_block)), always, first, last
 
     def stage_ownership(self, config, chunks: list[range], first: bool, last: bool):
-        """A stage also owns the VACE context blocks whose hints its main blocks add (they run there: run_blocks)."""
+        """A stage also owns the VACE context blocks whose hints its main blocks add and the Animate face blocks that
+        follow them (they run there: run_blocks)."""
         owns = super().stage_ownership(config, chunks, first, last)
-        vace = tuple(f"vace_blocks.{n}." for i, n in config.vace_after.items() if any(i in c for c in chunks))
-        return lambda name: owns(name) or name.startswith(vace)
+        riders = tuple(p for i, prefixes in config.riders.items() if any(i in c for c in chunks) for p in prefixes)
+        return lambda name: owns(name) or name.startswith(riders)
 
 
 WAN = WanFamily(

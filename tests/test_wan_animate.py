@@ -1,0 +1,295 @@
+"""Wan 2.2 Animate on the workers (WanAnimateToVideo's pose latent and face video), against a model call written here
+from ComfyUI's AnimateWanModel (comfy/ldm/wan/model_animate.py) on the file's raw tensors, and under every strategy.
+
+The reference takes nothing from the family module: the motion encoder as ComfyUI's EncoderApp runs it (equalized
+convs with the weight scaled at run time, upfirdn2d's single-channel blur, fused leaky ReLU, the QR of the
+direction weights), FaceEncoder's causal convolutions and its einops layouts, FaceBlock's per-frame attention over
+(batch x frames) and the pose patch conv added to frames 1.. of the patch embedding, on tests/test_wan.py's
+WanModel reference. A wrong frame for a token, a pose one frame off or a face block after the wrong main block is
+an O(1) error; the real-host comparison is tests/test_comfyui_wan_animate.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from conftest import rel_err
+from parallel_runtime.errors import ConfigError, ModelFileError
+from parallel_runtime.models.tiny import write_checkpoint
+from parallel_runtime.spec import StrategySpec as S
+from parallel_runtime.validate import model_config
+from test_wan import EXACT_RTOL, SERIAL_RTOL, TINY_WAN, H, T, W, call_job, reference_call_on
+
+pytestmark = pytest.mark.timeout(900)
+
+# The Wan 2.1 I2V shape (36 channels in, CLIP vision) with Animate's parts; 10 blocks put face blocks after 0 and 5.
+TINY_ANIMATE = dataclasses.replace(TINY_WAN, num_layers=10, in_channels=36, image_to_video=True, animate=True)
+# Face frames: 5 pixel frames -> 3 -> 2 motion frames (stride 2, twice) + the zero reference frame = 3 of the
+# video's T = 5 latent frames (the last 2 padded with zeros, as after_patch_embedding pads them).
+FACE_FRAMES = 5
+
+
+@pytest.fixture(scope="module")
+def animate_path(tmp_path_factory):
+    return write_checkpoint(str(tmp_path_factory.mktemp("wan-animate") / "wan2.2_animate_tiny.safetensors"),
+                            TINY_ANIMATE, seed=41, prefix="model.diffusion_model.")
+
+
+def animate_job(path: str, strategy: S, face: bool = True, pose: bool = True):
+    """Both branches as WanAnimateToVideo makes them: the reference image's latent and the motion frames as concat
+    (mask 0 over frame 0), CLIP vision, the pose latent (T - 1 frames) on both, the face video on the positive and
+    its -1 twin (face * 0 - 1) on the negative, each kept under its key like a model call's."""
+    job = call_job(path, strategy)
+    g = torch.Generator().manual_seed(43)
+    concat = torch.cat([torch.ones(1, 4, T, H, W).index_fill_(2, torch.tensor([0]), 0.0),
+                        torch.randn(1, 16, T, H, W, generator=g)], dim=1)
+    clip = torch.randn(1, 257, 1280, generator=g)
+    latent = torch.randn(1, 16, T - 1, H, W, generator=g) if pose else None
+    faces = face_video()
+    extra = [dict(face=faces, face_key="face-test-pos"), dict(face=faces * 0.0 - 1.0, face_key="face-test-neg")]
+    pos, neg = (dataclasses.replace(b, concat=concat, clip_vision=clip, pose=latent, **(e if face else {}))
+                for b, e in zip((job.positive, job.negative), extra))
+    return dataclasses.replace(job, positive=pos, negative=neg)
+
+
+def face_video(reverse: bool = False) -> torch.Tensor:
+    """[1, 3, FACE_FRAMES, 512, 512] in [-1, 1], each frame another mix of a horizontal and a vertical ramp: the
+    random motion encoder tells such frames apart (noise frames all encode alike, which would hide a token read
+    against another frame's motion)."""
+    s = torch.linspace(-1.0, 1.0, FACE_FRAMES)
+    if reverse:
+        s = s.flip(0)
+    ramp = torch.linspace(-1.0, 1.0, 512)
+    frames = ramp[None, None, :] * s[:, None, None] + ramp[None, :, None] * (1 - s.abs())[:, None, None]
+    return frames[None, None].expand(1, 3, -1, -1, -1).contiguous()
+
+
+# -- the reference: comfy/ldm/wan/model_animate.py on raw tensors ---------------------------------------------
+
+def _equal_conv(sd, name, x, stride=1, padding=0):
+    w = sd[f"{name}.weight"]
+    bias = sd.get(f"{name}.bias")
+    return F.conv2d(x, w * (1 / math.sqrt(w.shape[1] * w.shape[2] ** 2)), bias, stride=stride, padding=padding)
+
+
+def _blur(sd, name, x, pad):
+    """upfirdn2d_native at up = down = 1: every channel alone through the flipped kernel after padding."""
+    b, c, h, w = x.shape
+    out = F.pad(x.reshape(-1, 1, h, w), [pad[0], pad[1], pad[0], pad[1]])
+    kernel = torch.flip(sd[f"{name}.kernel"], [0, 1]).view(1, 1, 4, 4)
+    out = F.conv2d(out, kernel)
+    return out.reshape(b, c, out.shape[-2], out.shape[-1])
+
+
+def _conv_layer(sd, name, x, kernel, downsample=False, activate=True):
+    i = 0
+    if downsample:
+        p = 4 - 2 + kernel - 1
+        x, i = _blur(sd, f"{name}.0", x, ((p + 1) // 2, p // 2)), 1
+    x = _equal_conv(sd, f"{name}.{i}", x, stride=2 if downsample else 1, padding=0 if downsample else kernel // 2)
+    if activate:
+        x = F.leaky_relu(x + sd[f"{name}.{i + 1}.bias"], 0.2) * 2 ** 0.5
+    return x
+
+
+def reference_motion(sd, faces: torch.Tensor) -> torch.Tensor:
+    """Generator.get_motion on [N, 3, 512, 512] -> [N, 512]."""
+    p = "motion_encoder.enc"
+    h = _conv_layer(sd, f"{p}.net_app.convs.0", faces, 1)
+    for i in range(1, 8):
+        r = f"{p}.net_app.convs.{i}"
+        out = _conv_layer(sd, f"{r}.conv2", _conv_layer(sd, f"{r}.conv1", h, 3), 3, downsample=True)
+        h = (out + _conv_layer(sd, f"{r}.skip", h, 1, downsample=True, activate=False)) / math.sqrt(2)
+    h = _equal_conv(sd, f"{p}.net_app.convs.8", h).squeeze(-1).squeeze(-1)
+    for k in range(5):
+        w = sd[f"{p}.fc.{k}.weight"]
+        h = F.linear(h, w * (1 / math.sqrt(w.shape[1])), sd[f"{p}.fc.{k}.bias"])
+    weight = sd["motion_encoder.dec.direction.weight"]
+    q, _ = torch.linalg.qr(weight + 1e-8 * torch.eye(512, 20))
+    return torch.sum(h.unsqueeze(-1) * q.T, dim=1)
+
+
+def reference_face_encoder(sd, x: torch.Tensor) -> torch.Tensor:
+    """FaceEncoder.forward: [B, F, 512] -> [B, ~F/4, 5, dim] with its einops layouts."""
+    def causal(name, t, stride):
+        return F.conv1d(F.pad(t, (2, 0), mode="replicate"), sd[f"{name}.conv.weight"], sd[f"{name}.conv.bias"],
+                        stride=stride)
+    b = x.shape[0]
+    x = causal("face_encoder.conv1_local", x.transpose(1, 2), 1)  # b (n c) t
+    t = x.shape[-1]
+    x = x.view(b, 4, 1024, t).permute(0, 1, 3, 2).reshape(b * 4, t, 1024)  # (b n) t c
+    x = F.silu(F.layer_norm(x, (1024,), eps=1e-6))
+    for name in ("face_encoder.conv2", "face_encoder.conv3"):
+        x = F.silu(F.layer_norm(causal(name, x.transpose(1, 2), 2).transpose(1, 2), (1024,), eps=1e-6))
+    x = F.linear(x, sd["face_encoder.out_proj.weight"], sd["face_encoder.out_proj.bias"])
+    x = x.view(b, 4, x.shape[1], -1).permute(0, 2, 1, 3)  # b t n c
+    return torch.cat([x, sd["face_encoder.padding_tokens"].repeat(b, x.shape[1], 1, 1)], dim=-2)
+
+
+_MOTION: dict = {}
+
+
+def reference_face_tokens(sd, face: torch.Tensor, frames: int) -> torch.Tensor:
+    """after_patch_embedding's face half (the motion encoder 8 frames at a time), memoized per face video: every
+    call of a test reads the same faces, and the encoder is the slow part of a 1-thread reference."""
+    key = (hashlib.blake2b(face.contiguous().view(torch.uint8).numpy()).hexdigest(), tuple(face.shape), frames)
+    if key not in _MOTION:
+        b, _, f = face.shape[:3]
+        flat = face.permute(0, 2, 1, 3, 4).reshape(b * f, 3, 512, 512)
+        codes = torch.cat([reference_motion(sd, flat[i:i + 8]) for i in range(0, flat.shape[0], 8)])
+        tokens = reference_face_encoder(sd, codes.view(b, f, 512))
+        tokens = torch.cat([torch.zeros(b, 1, *tokens.shape[2:]), tokens], dim=1)
+        if tokens.shape[1] < frames:
+            tokens = torch.cat([tokens, torch.zeros(b, frames - tokens.shape[1], *tokens.shape[2:])], dim=1)
+        _MOTION[key] = tokens[:, :frames]
+    return _MOTION[key]
+
+
+def reference_face_block(sd, n: int, x: torch.Tensor, motion: torch.Tensor, heads: int) -> torch.Tensor:
+    """FaceBlock.forward: (B L) batches of one frame's S tokens against its 5 motion tokens."""
+    p = f"face_adapter.fuser_blocks.{n}"
+    b, frames, tokens, c = motion.shape
+    kv = F.linear(F.layer_norm(motion, (c,), eps=1e-6), sd[f"{p}.linear1_kv.weight"], sd[f"{p}.linear1_kv.bias"])
+    q = F.linear(F.layer_norm(x, (c,), eps=1e-6), sd[f"{p}.linear1_q.weight"], sd[f"{p}.linear1_q.bias"])
+    k, v = kv.view(b, frames, tokens, 2, heads, c // heads).permute(3, 0, 1, 2, 4, 5)
+    q = F.rms_norm(q.view(b, -1, heads, c // heads), (c // heads,), sd[f"{p}.q_norm.weight"], 1e-6)
+    k = F.rms_norm(k, (c // heads,), sd[f"{p}.k_norm.weight"], 1e-6)
+    k, v = k.reshape(b * frames, tokens, heads, -1), v.reshape(b * frames, tokens, heads, -1)
+    q = q.reshape(b * frames, -1, heads, c // heads)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    out = out.transpose(1, 2).reshape(b, -1, c)
+    return F.linear(out, sd[f"{p}.linear2.weight"], sd[f"{p}.linear2.bias"])
+
+
+def reference_animate(path: str, job, c=TINY_ANIMATE) -> torch.Tensor:
+    """AnimateWanModel.forward_orig on the job's rows: the pose patch conv added to frames 1..P, a face block after
+    every 5th block (from block 0) on the branch's motion tokens."""
+    def after_embed(sd, x, branch):
+        if branch.pose is None:
+            return x
+        pose = F.conv3d(branch.pose, sd["pose_patch_embedding.weight"], sd["pose_patch_embedding.bias"],
+                        stride=(1, 2, 2))
+        x = x.clone()
+        x[:, :, 1:pose.shape[2] + 1] += pose[:, :, :x.shape[2] - 1]
+        return x
+
+    def after_block(sd, i, x, branch):
+        if branch.face is None or i % 5:
+            return x
+        motion = reference_face_tokens(sd, branch.face, T)
+        return x + reference_face_block(sd, i // 5, x, motion, c.num_heads)
+
+    return reference_call_on(load_file(path), job, c, after_embed=after_embed, after_block=after_block)
+
+
+# -- tests ---------------------------------------------------------------------------------------------------
+
+def test_wan_animate_files_are_detected(animate_path, tmp_path):
+    config = model_config(animate_path)
+    assert (config.animate, config.title, config.face_after, config.concat_channels) == (
+        True, "Wan 2.2 Animate 256-wide", {0: 0, 5: 1}, 20)
+    assert config.riders == {0: ("face_adapter.fuser_blocks.0.",), 5: ("face_adapter.fuser_blocks.1.",)}
+    from safetensors.torch import save_file
+
+    tensors = load_file(animate_path)
+    damaged = {k: v for k, v in tensors.items() if ".fuser_blocks.1." not in k}
+    save_file(damaged, str(tmp_path / "damaged.safetensors"))
+    with pytest.raises(ModelFileError, match="has Wan Animate's face blocks but not one per 5 of its 10 blocks"):
+        model_config(str(tmp_path / "damaged.safetensors"))
+
+
+def test_wan_animate_one_worker_equals_the_reference(animate_path, client1):
+    job = animate_job(animate_path, S())
+    out = client1.run(job).latent
+    ref = reference_animate(animate_path, job)
+    assert rel_err(out, ref) < SERIAL_RTOL
+    # The pose and the face each move the result (so the parity above tests them): without a face, or without a
+    # pose, the reference is another latent; so is it with the face frames in reverse order (the motion tokens are
+    # read per frame).
+    reverse = dataclasses.replace(job.positive, face=face_video(reverse=True), face_key="face-test-reverse")
+    assert rel_err(reference_animate(animate_path, dataclasses.replace(job, positive=reverse)), ref) > 1e-3
+    for changed in (dict(face=False), dict(pose=False)):
+        other = animate_job(animate_path, S(), **changed)
+        assert rel_err(reference_animate(animate_path, other), ref) > 1e-2, changed
+        assert rel_err(client1.run(other).latent, reference_animate(animate_path, other)) < SERIAL_RTOL, changed
+
+
+@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2), S(tensor_degree=2),
+                                      S(pipefusion_degree=2, num_pipeline_patch=5)],
+                         ids=["cfg2", "ulysses2", "ring2", "tp2", "pp2_warmup"])
+def test_wan_animate_exact_strategies_equal_the_reference(animate_path, client2, strategy):
+    """The pose rows and face blocks split with the video's 60 tokens (each rank's rows span frames 0-2 or 2-4: the
+    face attention runs by runs of one frame); tensor parallelism splits the face blocks by heads; PipeFusion's
+    stages each own the face block of their main blocks (after 0 on the first, after 5 on the second)."""
+    job = animate_job(animate_path, strategy)
+    assert rel_err(client2.run(job).latent, reference_animate(animate_path, job)) < EXACT_RTOL
+
+
+def test_wan_animate_refusals(animate_path, client1, tmp_path):
+    from test_wan import TINY_WAN_I2V
+
+    plain = write_checkpoint(str(tmp_path / "wan_i2v.safetensors"), TINY_WAN_I2V, seed=4)
+    job = animate_job(plain, S())
+    with pytest.raises(ConfigError, match="carries Wan Animate's pose or face video .* which this Wan 2.1 I2V "
+                                          "256-wide model does not read; load a Wan 2.2 Animate model"):
+        client1.run(job)
+    job = animate_job(animate_path, S())
+    bad = dataclasses.replace(job.positive, pose=torch.zeros(1, 16, 2, H, W + 2))
+    with pytest.raises(ConfigError, match=r"pose latent has shape \(1, 16, 2, 6, 10\), not \[batch, 16, frames, 6, 8\]"):
+        client1.run(dataclasses.replace(job, positive=bad))
+    bad = dataclasses.replace(job.positive, face=torch.zeros(1, 3, 5, 256, 256), face_key=None)
+    with pytest.raises(ConfigError, match=r"face video has shape \(1, 3, 5, 256, 256\), not \[batch, 3, frames, 512, "):
+        client1.run(dataclasses.replace(job, positive=bad))
+    bad = dataclasses.replace(job.positive, pose=torch.full((1, 16, T - 1, H, W), float("nan")))
+    with pytest.raises(ConfigError, match=r"pose latent holds 3072 NaN/Inf value\(s\) of 3072; re-encode the pose video"):
+        client1.run(dataclasses.replace(job, positive=bad))
+
+
+def test_wan_animate_face_tokens_are_made_once_per_face_input(animate_path, monkeypatch):
+    """The motion encoder (~45 GFLOP a 512 x 512 frame) runs once per face input and weights, not once per model
+    call as in ComfyUI: a second call of the run with the same key reads the kept tokens; another key, another
+    video length or other weights (a LoRA) make them anew."""
+    from parallel_runtime.models.families import wan, wan_animate
+    from parallel_runtime.strategies.attention.processor import AttentionContext
+
+    config = model_config(animate_path)
+    model = wan.WanTransformer(config)
+    calls = []
+    monkeypatch.setattr(wan_animate, "face_motion",
+                        lambda m, face, frames, dtype: calls.append(frames) or torch.zeros(1, frames, 5, 256))
+    adapter = wan.WanAdapter(config, model, [range(10)], AttentionContext())
+    face = torch.zeros(1, 3, FACE_FRAMES, 512, 512)
+    for key, frames, weights in (("a", 5, None), ("a", 5, None), ("b", 5, None), ("a", 7, None), ("a", 5, "lora")):
+        adapter.weights_id = weights
+        adapter.face_rows(face, key, (frames, H, W))
+    assert calls == [5, 5, 7, 5]
+    adapter.face_rows(face, None, (5, H, W))  # no key (a job that is not a model call's): made each time
+    adapter.face_rows(face, None, (5, H, W))
+    assert len(calls) == 6
+
+
+def test_wan_animate_inputs_through_the_model_call_door():
+    """WAN22_Animate.extra_conds' pose_latents (in the model's space) and face_pixel_values, chunk by chunk: the pose
+    rides with the call, the face video is kept on the workers by the hash of its bytes (one key for the run)."""
+    from nodes import remote_model
+
+    context = torch.randn(4, 9, 64)
+    pose = torch.randn(1, 16, T - 1, H, W).repeat(4, 1, 1, 1, 1)
+    face = (torch.rand(1, 3, FACE_FRAMES, 512, 512) * 2 - 1).to(torch.bfloat16)
+    face = torch.cat([face, face, face * 0 - 1, face * 0 - 1])
+    kwargs = {"pose_latents": pose, "face_pixel_values": face}
+    remote_model._refuse_what_the_workers_cannot_do(None, {}, kwargs)
+    pos, neg = (remote_model._chunk_conditioning(k, 2, context, None, None, kwargs) for k in (0, 1))
+    assert pos.pose.shape == (1, 16, T - 1, H, W) and torch.equal(pos.pose[0], pose[0])
+    assert pos.face.shape == (1, 3, FACE_FRAMES, 512, 512) and pos.face.dtype == torch.bfloat16
+    assert bool((neg.face == -1).all()) and pos.face_key != neg.face_key and pos.face_key.startswith("face-")
+    assert "positive.face" not in pos.tensors("positive") and "positive.pose" in pos.tensors("positive")
+    assert pos.kept_inputs() == {pos.face_key: pos.face}
+    again = remote_model._chunk_conditioning(0, 2, context, None, None, kwargs)
+    assert again.face_key == pos.face_key
