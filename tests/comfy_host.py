@@ -307,7 +307,27 @@ class ParaDiTTestImageToVideoInputs:
         return (_SeededVideoEncoder(seed + 1, channels), output)
 
 
-NODE_CLASS_MAPPINGS = {"ParaDiTTestImageVAE": ParaDiTTestImageVAE, "ParaDiTTestConcat": ParaDiTTestConcat, "ParaDiTTestImageToVideoInputs": ParaDiTTestImageToVideoInputs, "ParaDiTTestStyleModel": ParaDiTTestStyleModel,
+class ParaDiTTestRampVideo:
+    """IMAGE frames [frames, height, width, 3] in [0, 1], each another mix of a horizontal and a vertical ramp (Wan
+    Animate's face video: a motion encoder tells such frames apart, where EmptyImage's frames are all alike)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"frames": ("INT", {"default": 5, "min": 1}), "width": ("INT", {"default": 64, "min": 1}),
+                             "height": ("INT", {"default": 48, "min": 1})}}
+
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, frames, width, height):
+        s = torch.linspace(-1.0, 1.0, frames)
+        x, y = torch.linspace(-1.0, 1.0, width), torch.linspace(-1.0, 1.0, height)
+        mix = x[None, None, :] * s[:, None, None] + y[None, :, None] * (1 - s.abs())[:, None, None]
+        return ((mix.unsqueeze(-1).expand(-1, -1, -1, 3) + 1) / 2,)
+
+
+NODE_CLASS_MAPPINGS = {"ParaDiTTestRampVideo": ParaDiTTestRampVideo, "ParaDiTTestImageVAE": ParaDiTTestImageVAE, "ParaDiTTestConcat": ParaDiTTestConcat, "ParaDiTTestImageToVideoInputs": ParaDiTTestImageToVideoInputs, "ParaDiTTestStyleModel": ParaDiTTestStyleModel,
                        "ParaDiTTestDeepClone": ParaDiTTestDeepClone, "ParaDiTTestNaivePatch": ParaDiTTestNaivePatch,
                        "ParaDiTTestCodePatch": ParaDiTTestCodePatch,
                        "ParaDiTTestConditioning": ParaDiTTestConditioning,
