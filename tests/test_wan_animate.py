@@ -226,7 +226,10 @@ def test_wan_animate_one_worker_equals_the_reference(animate_path, client1):
 def test_wan_animate_exact_strategies_equal_the_reference(animate_path, client2, strategy):
     """The pose rows and face blocks split with the video's 60 tokens (each rank's rows span frames 0-2 or 2-4: the
     face attention runs by runs of one frame); tensor parallelism splits the face blocks by heads; PipeFusion's
-    stages each own the face block of their main blocks (after 0 on the first, after 5 on the second)."""
+    stages each own the face block of their main blocks (after 0 on the first, after 5 on the second). Under Ulysses
+    and Ring the two ranks split the motion encoder's 5 face frames (3 + 2) and gather the codes; run after CFG-2,
+    where each rank kept only its own branch's tokens, they must agree to encode both anew (else one waits in the
+    gather while the other attends: the hang this order caught)."""
     job = animate_job(animate_path, strategy)
     assert rel_err(client2.run(job).latent, reference_animate(animate_path, job)) < EXACT_RTOL
 
@@ -262,7 +265,7 @@ def test_wan_animate_face_tokens_are_made_once_per_face_input(animate_path, monk
     model = wan.WanTransformer(config)
     calls = []
     monkeypatch.setattr(wan_animate, "face_motion",
-                        lambda m, face, frames, dtype: calls.append(frames) or torch.zeros(1, frames, 5, 256))
+                        lambda m, face, frames, dtype, share=None: calls.append(frames) or torch.zeros(1, frames, 5, 256))
     adapter = wan.WanAdapter(config, model, [range(10)], AttentionContext())
     face = torch.zeros(1, 3, FACE_FRAMES, 512, 512)
     for key, frames, weights in (("a", 5, None), ("a", 5, None), ("b", 5, None), ("a", 7, None), ("a", 5, "lora")):

@@ -168,13 +168,14 @@ class Branches:
             image = torch.cat([image, vace], dim=1)
         return image
 
-    def face_rows(self, adapter: DiTAdapter, hw) -> torch.Tensor | None:
+    def face_rows(self, adapter: DiTAdapter, hw, share=None) -> torch.Tensor | None:
         """Wan Animate's motion tokens per row [rows, frames, 5, dim] (None: no face video), made on first use from
-        each branch's face video (the adapter keeps them per face input across the run's model calls)."""
+        each branch's face video (the adapter keeps them per face input across the run's model calls); `share`: the
+        ranks that split its frames (Denoiser._face_share)."""
         if self.faces and self._face_rows is None:
             def rep(t):
                 return t.expand(self.batch, *t.shape[1:]) if t.shape[0] == 1 and self.batch > 1 else t
-            self._face_rows = torch.cat([rep(adapter.face_rows(face, key, hw)) for face, key in self.faces])
+            self._face_rows = torch.cat([rep(adapter.face_rows(face, key, hw, share)) for face, key in self.faces])
         return self._face_rows
 
     def vision_rows(self, adapter: DiTAdapter) -> torch.Tensor | None:
@@ -446,6 +447,15 @@ class Denoiser:
         return dataclasses.replace(self.layout, text_len=self._sequence_text_len(branches),
                                    ref_len=branches.extra_len(self.layout.image_len))
 
+    def _face_share(self):
+        """Who splits Wan Animate's motion encoder (a per-frame network on 512x512 faces): the ranks that split the
+        image tokens hold the same branches, so each encodes a run of the frames and they gather the codes. Tensor
+        ranks and pipeline stages each encode all (one pass per run and face input)."""
+        group = self.comm.group(self._shard_group())
+        if group.size == 1:
+            return None
+        return group.index, group.size, lambda t: self.comm.all_gather(t.contiguous(), group, op="face")
+
     def _shard_group(self) -> str:
         """The group whose members split the image tokens: naive or displaced patch's, else the sequence group."""
         return next((d for d in ("naive_patch", "patch") if getattr(self.topology, d) > 1), "sp")
@@ -486,7 +496,7 @@ class Denoiser:
         if getattr(self.adapter, "reads_llama", False):  # HiDream's blocks each project a Llama layer of the prompt
             extra["llama"] = branches.llama
         if branches.faces:  # Wan Animate's face blocks read each row's motion tokens
-            extra["face"] = branches.face_rows(self.adapter, self.hw)
+            extra["face"] = branches.face_rows(self.adapter, self.hw, self._face_share())
         return self.adapter.timestep_embedding(t, branches.pooled, branches.guidance, self.hw, **extra)
 
     def _repeat(self, x: torch.Tensor, branches: Branches | None = None) -> torch.Tensor:

@@ -646,17 +646,22 @@ class WanAdapter(PatchTokens):
         """Wan Animate's pose rows for video tokens `index` (pose packed like the latent, one frame behind it)."""
         return wan_animate.pose_rows(self.model.pose_patch_embedding, pose, index, thw, self.dtype)
 
-    def face_rows(self, face: torch.Tensor, key: str | None, thw) -> torch.Tensor:
+    def face_rows(self, face: torch.Tensor, key: str | None, thw, share=None) -> torch.Tensor:
         """Wan Animate's motion tokens [rows, frames, 5, dim] of one branch's face video, made once per face input
         (`key`: the hash the host kept it under), video length and weights (a LoRA patches them: weights_id), and
         kept for the run's next model calls; at most FACE_INPUTS_KEPT inputs (a run's positive and negative, and
-        one run before)."""
+        one run before). `share`: the ranks that split the motion encoder's frames (wan_animate.face_motion); a
+        rank's cache may hold what another's lacks (under CFG parallelism each kept its own branch's), so they
+        agree first whether all hold the tokens."""
         cache_key = ((key, tuple(face.shape), thw[0], getattr(self, "weights_id", None))
                      if key is not None and face.shape[0] == 1 else None)
         tokens = self._face_tokens.get(cache_key) if cache_key else None
+        if share is not None:  # the ranks encode together, so all of them make the tokens unless all have them
+            held = torch.tensor([tokens is not None], dtype=torch.float32, device=self.device)
+            tokens = tokens if bool(torch.cat(share[2](held)).all()) else None
         if tokens is None:
             with torch.no_grad():
-                tokens = wan_animate.face_motion(self.model, face, thw[0], self.dtype)
+                tokens = wan_animate.face_motion(self.model, face, thw[0], self.dtype, share)
             if cache_key:
                 while len(self._face_tokens) >= FACE_INPUTS_KEPT:
                     self._face_tokens.pop(next(iter(self._face_tokens)))

@@ -10,8 +10,10 @@ What WanAnimateToVideo hands the model, and how each part splits:
   (`motion_encoder`) reduces each frame to 512 numbers; `face_encoder`'s causal 1-D convolutions (stride 2, twice)
   make them one row of 4 motion tokens (plus a learned padding token) per latent frame. ComfyUI runs both on every
   model call; here they run once per sampling run and face input (`face_motion`, cached by the input's key on the
-  workers), since neither reads the timestep. The result is small (latent frames x 5 x width) and every rank holds
-  it whole; the 512x512 pixels cross the control channel once per run (a kept input, like a camera embedding).
+  workers), since neither reads the timestep, and the ranks that split the video's tokens split the motion
+  encoder's frames (~45 GFLOP each) and gather their codes. The result is small (latent frames x 5 x width) and
+  every rank holds it whole; the 512x512 pixels cross the control channel once per run (a kept input, like a
+  camera embedding).
 - `face_adapter.fuser_blocks[n]` runs after main block 5n: each video token attends to the 5 motion tokens of its
   own latent frame (`face_attention`), so a rank runs it on its own rows with no communication, and a pipeline
   stage owns the face blocks of its main blocks. Tensor parallelism splits its q and kv projections by heads and
@@ -223,16 +225,24 @@ def tensor_plan() -> dict[str, str | tuple]:
 
 # -- the forward pieces -----------------------------------------------------------------------------------
 
-def face_motion(model: nn.Module, pixels: torch.Tensor, frames: int, dtype: torch.dtype) -> torch.Tensor:
+def face_motion(model: nn.Module, pixels: torch.Tensor, frames: int, dtype: torch.dtype, share=None) -> torch.Tensor:
     """AnimateWanModel.after_patch_embedding's face half: [B, 3, F, 512, 512] -> motion tokens [B, frames, 5, dim],
     a zero frame first (the reference image's latent frame has no face), then zero-padded or cut to the video's
-    `frames`. The motion encoder runs on ENCODE_BATCH frames at a time in the pixels' order (batch-major)."""
+    `frames`. The motion encoder runs on ENCODE_BATCH frames at a time, each frame alone (no frame reads another),
+    so `share` = (index, count, all_gather) splits the frames over the ranks that hold these rows: each encodes its
+    run of them and the 512-wide codes are gathered (the face encoder's convolutions over time then run on all)."""
     device = model.face_encoder.out_proj.weight.device
     b, _, f = pixels.shape[:3]
     faces = pixels.transpose(1, 2).flatten(0, 1)  # [(B F), 3, 512, 512]
-    codes = [model.motion_encoder(faces[i:i + ENCODE_BATCH].to(device, dtype))
-             for i in range(0, faces.shape[0], ENCODE_BATCH)]
-    tokens = model.face_encoder(torch.cat(codes).unflatten(0, (b, f)))
+    index, count, gather = share or (0, 1, None)
+    per_rank = -(-faces.shape[0] // count)
+    mine = faces[index * per_rank:(index + 1) * per_rank]
+    codes = [model.motion_encoder(mine[i:i + ENCODE_BATCH].to(device, dtype)) for i in range(0, len(mine), ENCODE_BATCH)]
+    codes = torch.cat(codes) if codes else torch.zeros(0, STYLE_DIM, device=device, dtype=dtype)
+    if gather is not None:  # equal parts for the collective: the last rank's run may be short or empty
+        padded = torch.cat([codes, codes.new_zeros(per_rank - len(codes), STYLE_DIM)])
+        codes = torch.cat(gather(padded))[:faces.shape[0]]
+    tokens = model.face_encoder(codes.unflatten(0, (b, f)))
     tokens = torch.cat([tokens.new_zeros(b, 1, *tokens.shape[2:]), tokens], dim=1)
     if tokens.shape[1] < frames:
         tokens = torch.cat([tokens, tokens.new_zeros(b, frames - tokens.shape[1], *tokens.shape[2:])], dim=1)
