@@ -35,6 +35,8 @@ FILES = (
     (r"wan2\.1_vace_", DIT, "Wan 2.1 VACE", "wan"),
     (r"wan2\.2_s2v_", DIT, "Wan 2.2 S2V", None),
     (r"wan_animate_2_", DIT, "Wan Animate 2", None),
+    # Wan 2.2 Animate (WanAnimateToVideo's pose and face video): no template of the pinned package loads it yet.
+    (r"(?i)wan2[._]2[-_]animate[-_]14B", DIT, "Wan 2.2 Animate (pose and face video)", "wan"),
     (r"wan2\.1_14B_SCAIL", DIT, "Wan 2.1 SCAIL", None),
     # ATI: a Wan 2.1 I2V 14B file; WanTrackToVideo moves the start latent along the tracks (concat channels).
     (r"Wan2_1-I2V-ATI-", DIT, "Wan 2.1 ATI (trajectories)", "wan"),

@@ -296,3 +296,27 @@ def test_wan_animate_inputs_through_the_model_call_door():
     assert pos.kept_inputs() == {pos.face_key: pos.face}
     again = remote_model._chunk_conditioning(0, 2, context, None, None, kwargs)
     assert again.face_key == pos.face_key
+
+
+def test_wan_animate_weights_per_rank_at_the_released_size():
+    """Wan 2.2 Animate 14B (17.27 B parameters: the 2.1 I2V 14B's 16.39 B, 8 face blocks of 105 M, 41 M in the motion
+    and face encoders): tensor-2 and PipeFusion-2 hold about half of it per rank, counted from the module tree. The
+    encoders do not split (every rank or stage makes the motion tokens), which at the bench's width 256 is most of
+    the model (its params/rank rows read 0.94 and 1.89 x total / N there: docs/bench.md)."""
+    from parallel_runtime.models.families.wan import WanConfig, _meta_model
+    from parallel_runtime.planning.costmodel import rank_memory
+
+    config = WanConfig(hidden_size=5120, num_layers=40, ffn_dim=13824, in_channels=36, image_to_video=True,
+                       animate=True)
+    named = dict(_meta_model(config).named_parameters())
+    total = sum(p.numel() for p in named.values())
+    face = sum(p.numel() for n, p in named.items() if n.startswith("face_adapter."))
+    encoders = sum(p.numel() for n, p in named.items() if n.startswith(("motion_encoder.", "face_encoder.")))
+    assert (round(total / 1e9, 2), round(face / 1e6), round(encoders / 1e6)) == (17.27, 839, 41)
+
+    def share(strategy):
+        return rank_memory(strategy, config, text_tokens=512, image_tokens=32760, batch=1, cfg=1.0, weight_bytes=2,
+                           act_bytes=2)["params"] / (2 * total)
+
+    assert share(S(ulysses_degree=2)) == pytest.approx(1.0, abs=1e-6)
+    assert share(S(tensor_degree=2)) < 0.52 and share(S(pipefusion_degree=2)) < 0.52

@@ -66,6 +66,11 @@ BENCH_FAMILIES = {
     # keep a step at a few seconds on a 2-core CPU at the bench's 8,400 video tokens, where attention is 80% of a
     # block's FLOPs (the 1.3B's at 480p x 81 frames: 71%).
     "wan": WanConfig(hidden_size=256, num_layers=2, ffn_dim=round(256 * 8960 / 1536), text_dim=64),
+    # Wan 2.2 Animate 14B's mix: the I2V block (CLIP-vision keys beside the prompt's), the 14B's MLP ratio (13824 /
+    # 5120 x 256, rounded even so tensor-2 splits it) and one face block per 5 blocks (the release: 8 after 40), at
+    # Wan's bench width; the job carries a pose latent and a face video (WanConfig.random_inputs).
+    "wan_animate": WanConfig(hidden_size=256, num_layers=5, ffn_dim=692, text_dim=64,
+                             in_channels=36, image_to_video=True, animate=True),
     # HunyuanVideo 1.5: double-stream blocks only (54 in the release) over the 32-channel latent of its 16x VAE, one
     # token per latent pixel (the bench's 320x320 x 81 frames: 21 x 20 x 20 = 8,400 tokens, as Wan's), the prompt
     # refined again every step; 2 heads of 128 (its head size).

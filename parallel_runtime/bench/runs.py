@@ -23,6 +23,10 @@ def make_job(path: str, config, strategy: StrategySpec, latent_shape, text_token
     """`conditioning`: (positive, negative) of a real prompt; random tokens of `text_tokens` otherwise."""
     g = torch.Generator().manual_seed(1234)
     pos, neg = conditioning or (random_prompt(config, text_tokens, g), random_prompt(config, text_tokens, g))
+    inputs = getattr(config, "random_inputs", None)  # what a variant's node adds beside the prompt (Wan Animate)
+    if inputs is not None:
+        pos, neg = (dataclasses.replace(c, **inputs(latent_shape, g, negative)) for c, negative in ((pos, False),
+                                                                                                   (neg, True)))
     return Job(ModelSpec(path), strategy, SamplingSpec(seed=7, steps=steps, cfg=cfg), torch.zeros(latent_shape),
                pos, neg if abs(cfg - 1.0) > 1e-9 else None)
 

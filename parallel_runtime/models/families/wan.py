@@ -41,6 +41,11 @@ crosses a stage and the VACE blocks' work is spread like the main blocks' (each 
 video rows). A reference image (WanVaceToVideo's reference_image) is a latent frame in front of the video and of
 its context, sampled like the others (TrimVideoLatent cuts it after).
 
+Wan 2.2 Animate (AnimateWanModel: the 2.1 I2V shape plus `pose_patch_embedding`, `motion_encoder`, `face_encoder`
+and `face_adapter`) reads WanAnimateToVideo's pose latent, added to the video's tokens one frame behind, and face
+video, whose motion tokens a face block after every 5th block attends frame by frame; models/families/wan_animate.py
+holds those parts and says how each splits. The face blocks ride with their main blocks (`riders`) like VACE's.
+
 Wan 2.2 Bernini (the A14B text-to-video experts fine-tuned for in-context editing) reads BerniniConditioning's
 context_latents: the source video's, the reference video's and each reference image's latent, each of its own size.
 ComfyUI 2026's WanModel embeds each with the video's patch_embedding, appends its tokens after the video's for one
@@ -83,6 +88,9 @@ EPS = 1e-6
 # Wan Animate's motion and face encoders make what its face blocks read, which every stage reads like the timestep.
 ALWAYS_OWNED = ("time_embedding.", "time_projection.", "img_emb.", "motion_encoder.", "face_encoder.")
 CAMERA_UNSHUFFLE = 8  # WanCamAdapter's PixelUnshuffle: the Plücker embedding is at pixel size, 8x the latent's
+# The bench's face video: its frames cost the motion encoder once per run (~45 GFLOP each: 1.4 s a frame on one CPU
+# thread), not per step; a release's 81 would add minutes per row on a CPU without changing a step's time.
+BENCH_FACE_FRAMES = 9
 FACE_INPUTS_KEPT = 4  # Wan Animate face inputs whose motion tokens a worker keeps (a run's two and the last run's)
 CLIP_TOKENS = 257  # clip_vision_h's penultimate hidden states: 16 x 16 patches and the class token
 CLIP_VISION_WIDTH = 1280  # CLIP ViT-H/14's hidden size: clip_vision_h, the CLIP vision file Wan 2.1 I2V reads
@@ -265,6 +273,20 @@ class WanConfig(JointAttentionConfig):
         if not self.vace_layers:
             return {}
         return {i: n for n, i in enumerate(range(0, self.num_layers, self.num_layers // self.vace_layers))}
+
+    def random_inputs(self, latent_shape: tuple, g: torch.Generator, negative: bool = False) -> dict:
+        """A bench job's inputs beside the prompt, as WanAnimateToVideo sets them on an Animate model: the concat
+        (mask and reference / motion latents), CLIP vision, the pose latent and BENCH_FACE_FRAMES face frames (-1
+        on the negative), the face under a key as a model call's. Other Wan files: none."""
+        if not self.animate:
+            return {}
+        b, c, t, h, w = latent_shape
+        face = (torch.rand(1, 3, BENCH_FACE_FRAMES, 512, 512, generator=g) * 2 - 1) if not negative else \
+            torch.full((1, 3, BENCH_FACE_FRAMES, 512, 512), -1.0)
+        return dict(concat=torch.randn(1, self.concat_channels, t, h, w, generator=g),
+                    clip_vision=torch.randn(1, CLIP_TOKENS, CLIP_VISION_WIDTH, generator=g),
+                    pose=torch.randn(1, c, t - 1, h, w, generator=g), face=face,
+                    face_key=f"face-bench-{'negative' if negative else 'positive'}")
 
     @property
     def face_after(self) -> dict[int, int]:
