@@ -41,28 +41,29 @@ def animate_path(tmp_path_factory):
                             TINY_ANIMATE, seed=41, prefix="model.diffusion_model.")
 
 
-def animate_job(path: str, strategy: S, face: bool = True, pose: bool = True):
+def animate_job(path: str, strategy: S, face: bool = True, pose: bool = True, frames: int = FACE_FRAMES,
+                negative: bool = True):
     """Both branches as WanAnimateToVideo makes them: the reference image's latent and the motion frames as concat
     (mask 0 over frame 0), CLIP vision, the pose latent (T - 1 frames) on both, the face video on the positive and
     its -1 twin (face * 0 - 1) on the negative, each kept under its key like a model call's."""
-    job = call_job(path, strategy)
+    job = call_job(path, strategy, negative=negative)
     g = torch.Generator().manual_seed(43)
     concat = torch.cat([torch.ones(1, 4, T, H, W).index_fill_(2, torch.tensor([0]), 0.0),
                         torch.randn(1, 16, T, H, W, generator=g)], dim=1)
     clip = torch.randn(1, 257, 1280, generator=g)
     latent = torch.randn(1, 16, T - 1, H, W, generator=g) if pose else None
-    faces = face_video()
+    faces = face_video(frames=frames)
     extra = [dict(face=faces, face_key="face-test-pos"), dict(face=faces * 0.0 - 1.0, face_key="face-test-neg")]
-    pos, neg = (dataclasses.replace(b, concat=concat, clip_vision=clip, pose=latent, **(e if face else {}))
+    pos, neg = (b and dataclasses.replace(b, concat=concat, clip_vision=clip, pose=latent, **(e if face else {}))
                 for b, e in zip((job.positive, job.negative), extra))
     return dataclasses.replace(job, positive=pos, negative=neg)
 
 
-def face_video(reverse: bool = False) -> torch.Tensor:
-    """[1, 3, FACE_FRAMES, 512, 512] in [-1, 1], each frame another mix of a horizontal and a vertical ramp: the
+def face_video(reverse: bool = False, frames: int = FACE_FRAMES) -> torch.Tensor:
+    """[1, 3, frames, 512, 512] in [-1, 1], each frame another mix of a horizontal and a vertical ramp: the
     random motion encoder tells such frames apart (noise frames all encode alike, which would hide a token read
     against another frame's motion)."""
-    s = torch.linspace(-1.0, 1.0, FACE_FRAMES)
+    s = torch.linspace(-1.0, 1.0, frames)
     if reverse:
         s = s.flip(0)
     ramp = torch.linspace(-1.0, 1.0, 512)
@@ -320,3 +321,35 @@ def test_wan_animate_weights_per_rank_at_the_released_size():
 
     assert share(S(ulysses_degree=2)) == pytest.approx(1.0, abs=1e-6)
     assert share(S(tensor_degree=2)) < 0.52 and share(S(pipefusion_degree=2)) < 0.52
+
+
+def test_wan_animate_one_worker_equals_diffusers(animate_path, client1):
+    """The same file through diffusers' converter into WanAnimateTransformer3DModel (its own motion encoder, face
+    encoder and face blocks; the pose latent and the face video as its forward takes them): the runtime at 1 worker
+    and the ComfyUI-source call both equal it (fp32; diffusers orders its ops otherwise)."""
+    from diffusers import WanAnimateTransformer3DModel
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    c = TINY_ANIMATE
+    sd = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(animate_path).items()}
+    model = WanAnimateTransformer3DModel(
+        num_attention_heads=c.num_heads, attention_head_dim=128, in_channels=36, latent_channels=16, out_channels=16,
+        text_dim=c.text_dim, freq_dim=c.freq_dim, ffn_dim=c.ffn_dim, num_layers=c.num_layers, image_dim=1280,
+        added_kv_proj_dim=c.hidden_size)
+    # diffusers builds the blur kernels ComfyUI's files store (the file's are the same [1, 3, 3, 1] filter)
+    converted = {k: v for k, v in convert_wan_transformer_to_diffusers(sd).items() if not k.endswith(".kernel")}
+    model.load_state_dict(converted, strict=True)
+    # 13 face frames (4 x 5 - 7, as WanAnimatePipeline cuts them) make 4 motion frames + the zero one = the video's 5:
+    # diffusers' face blocks group the video's tokens by the motion frames, so it runs only lengths that match.
+    job = animate_job(animate_path, S(), frames=13, negative=False)
+    # and its attention takes the CLIP-vision tokens as all but the last 512 of the context: a 512-token prompt
+    prompt = torch.randn(1, 512, c.text_dim, generator=torch.Generator().manual_seed(47))
+    job = dataclasses.replace(job, positive=dataclasses.replace(job.positive, cond=prompt))
+    with torch.no_grad():
+        theirs = torch.cat([model(hidden_states=torch.cat([job.latent[row:row + 1], b.concat], dim=1),
+                                  timestep=job.timestep[row:row + 1], encoder_hidden_states=b.cond,
+                                  encoder_hidden_states_image=b.clip_vision, pose_hidden_states=b.pose,
+                                  face_pixel_values=b.face, return_dict=False)[0]
+                            for row, b in enumerate((job.positive,))])
+    assert rel_err(client1.run(job).latent, theirs) < SERIAL_RTOL
+    assert rel_err(reference_animate(animate_path, job), theirs) < SERIAL_RTOL
