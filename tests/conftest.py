@@ -37,6 +37,16 @@ def make_job(path: str, strategy: StrategySpec | None = None, *, steps: int = 8,
 
 
 
+def checkpoint_without(path: str, folder, dropped: str, name: str = "damaged.safetensors") -> str:
+    """A copy of the checkpoint at `path` in `folder` without the tensors whose names contain `dropped` (a damaged or
+    truncated file, for the refusals at load)."""
+    from safetensors.torch import load_file, save_file
+
+    out = os.path.join(str(folder), name)
+    save_file({k: v for k, v in load_file(path).items() if dropped not in k}, out)
+    return out
+
+
 def diffusers_flux_call(path: str, job: Job, skip: tuple[tuple[str, int], ...] = ()) -> torch.Tensor:
     """One stock-sampler call of a Flux file, computed by diffusers' own FluxTransformer2DModel as ComfyUI feeds
     its model: each chunk's c_concat joined to its input-scaled latent before 2x2 patches, and blocks named in

@@ -33,9 +33,33 @@ DIT = "wan2.2_animate_mini.safetensors"
 FRAMES = 5
 
 
+LORA = "wan2.2_animate_face_lora_mini.safetensors"
+
+
 def write_models(root: str) -> None:
     write_checkpoint(os.path.join(root, "models", "diffusion_models", DIT), ANIMATE, seed=51,
                      prefix="model.diffusion_model.", dtype=torch.float32)
+    write_lora(os.path.join(root, "models", "loras"))
+
+
+def write_lora(folder: str) -> None:
+    """A LoRA in ComfyUI's key names (lora_up / lora_down, alpha) on a main block's self-attention, on face block 0's
+    q and kv projections and face block 1's output, and on the face encoder's output projection (which the
+    workers' per-run motion tokens must then be made with)."""
+    from safetensors.torch import save_file
+
+    h = ANIMATE.hidden_size
+    targets = {"blocks.0.self_attn.q": (h, h), "face_adapter.fuser_blocks.0.linear1_q": (h, h),
+               "face_adapter.fuser_blocks.0.linear1_kv": (2 * h, h), "face_adapter.fuser_blocks.1.linear2": (h, h),
+               "face_encoder.out_proj": (h, 1024)}
+    g = torch.Generator().manual_seed(53)
+    tensors = {}
+    for key, (rows, cols) in targets.items():
+        tensors[f"diffusion_model.{key}.lora_up.weight"] = torch.randn(rows, 8, generator=g) * 0.05
+        tensors[f"diffusion_model.{key}.lora_down.weight"] = torch.randn(8, cols, generator=g) * 0.05
+        tensors[f"diffusion_model.{key}.alpha"] = torch.tensor(8.0)
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, LORA))
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +111,23 @@ def test_wan_animate_parallel_sampler_routes_per_call_and_equals_ksampler(server
     same, unet, summary = comfy_host.entrance_parity(server, g, "Wan 2.2 Animate Parallel Sampler, PipeFusion-2")
     assert same <= ENTRANCE_RTOL and unet <= EXACT_RTOL
     assert "per-call pipeline: the graph has CLIP-vision tokens" in summary
+
+
+@pytest.mark.parametrize("devices, strat", [("cpu:1", None), ("cpu:2", comfy_host.strategy(ulysses=2, warmup=3))],
+                         ids=["serial", "ulysses2"])
+def test_wan_animate_lora_equals_unetloader_and_remakes_the_motion_tokens(server, devices, strat):
+    """LoraLoaderModelOnly on both loaders: the LoRA reaches the face blocks and the face encoder on the workers. The
+    same graph ran without it first on the same workers, so their motion tokens for this face video are kept: the
+    patched face encoder must make them anew (kept by weights), or the latent would be the unpatched encoder's."""
+    from conftest import rel_err
+
+    err, plain, _ = latent_parity(server, animate_graph(devices, strat), "Wan 2.2 Animate without the LoRA")
+    assert err <= EXACT_RTOL
+    g = animate_graph(devices, strat)
+    for loader in ("11", "20"):
+        g[loader + "l"] = {"class_type": "LoraLoaderModelOnly",
+                           "inputs": {"model": [loader, 0], "lora_name": LORA, "strength_model": 1.0}}
+    g["12"]["inputs"]["model"], g["21"]["inputs"]["model"] = ["11l", 0], ["20l", 0]
+    err, patched, _ = latent_parity(server, g, f"Wan 2.2 Animate with a face LoRA on {devices}")
+    assert err <= EXACT_RTOL
+    assert rel_err(patched, plain) > 1e-3

@@ -256,6 +256,7 @@ def test_camera_and_vace_rows_are_embedded_once_per_index_and_never_read_back():
     branches.camera = torch.arange(rows, dtype=torch.float32)[None, :, None].expand(1, rows, width) * 100
     branches.vace = torch.arange(rows, dtype=torch.float32)[None, None, :, None].expand(1, 1, rows, width) * -1
     branches._camera_rows, branches._vace_rows = {}, {}
+    branches.pose, branches._pose_rows = None, {}
     adapter, first, second = Adapter(), torch.arange(0, 6), torch.arange(6, 12)
     x = torch.zeros(1, 6, width)
     out = branches.embed(adapter, x, first, None)

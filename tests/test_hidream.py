@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from conftest import apply_comfy_rope, check_denoise_loop, comfy_rope, rel_err
+from conftest import apply_comfy_rope, check_denoise_loop, checkpoint_without, comfy_rope, rel_err
 from parallel_runtime.errors import ConfigError, ModelFileError
 from parallel_runtime.models.families.hidream import HiDreamConfig
 from parallel_runtime.models.registry import detect_family
@@ -206,8 +206,6 @@ def reference(path):
 
 
 def test_hidream_files_are_detected_and_incomplete_ones_refused(path, tmp_path):
-    from safetensors.torch import save_file
-
     from parallel_runtime.weights.checkpoint import open_checkpoint
 
     with open_checkpoint(path) as reader:
@@ -217,11 +215,8 @@ def test_hidream_files_are_detected_and_incomplete_ones_refused(path, tmp_path):
     assert (TINY.num_heads, TINY.rope_axes, TINY.llama_layers, TINY.mlp_hidden) == (2, (64, 32, 32), (0, 1, 2, 3), 256)
     full = HiDreamConfig(hidden_size=2560, num_layers=16, num_single_layers=32)
     assert full.num_heads == 20 and full.llama_layers == tuple(range(32)) + (31,) * 16  # ComfyUI's list
-    sd = load_file(path)
-    no_router = {k: v for k, v in sd.items() if ".gate." not in k}
-    save_file(no_router, str(tmp_path / "no_router.safetensors"))
     with pytest.raises(ModelFileError, match="without mixture-of-experts blocks"):
-        model_config(str(tmp_path / "no_router.safetensors"))
+        model_config(checkpoint_without(path, tmp_path, ".gate.", "no_router.safetensors"))
 
 
 def test_hidream_conditioning_is_checked_before_work(path, client1):

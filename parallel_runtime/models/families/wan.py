@@ -57,6 +57,7 @@ their grids and in_context_rotation turns them.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -277,16 +278,18 @@ class WanConfig(JointAttentionConfig):
     def random_inputs(self, latent_shape: tuple, g: torch.Generator, negative: bool = False) -> dict:
         """A bench job's inputs beside the prompt, as WanAnimateToVideo sets them on an Animate model: the concat
         (mask and reference / motion latents), CLIP vision, the pose latent and BENCH_FACE_FRAMES face frames (-1
-        on the negative), the face under a key as a model call's. Other Wan files: none."""
+        on the negative), the face kept under the hash of its bytes as a model call's (one key, one tensor: the
+        client sends a kept input only when its key is new to the workers). Other Wan files: none."""
         if not self.animate:
             return {}
         b, c, t, h, w = latent_shape
-        face = (torch.rand(1, 3, BENCH_FACE_FRAMES, 512, 512, generator=g) * 2 - 1) if not negative else \
-            torch.full((1, 3, BENCH_FACE_FRAMES, 512, 512), -1.0)
+        frames = BENCH_FACE_FRAMES if t > 2 else 1  # a smoke run's 2 latent frames (bench --quick): one face frame
+        face = (torch.rand(1, 3, frames, 512, 512, generator=g) * 2 - 1) if not negative else \
+            torch.full((1, 3, frames, 512, 512), -1.0)
         return dict(concat=torch.randn(1, self.concat_channels, t, h, w, generator=g),
                     clip_vision=torch.randn(1, CLIP_TOKENS, CLIP_VISION_WIDTH, generator=g),
                     pose=torch.randn(1, c, t - 1, h, w, generator=g), face=face,
-                    face_key=f"face-bench-{'negative' if negative else 'positive'}")
+                    face_key="face-" + hashlib.blake2b(face.view(torch.uint8).numpy(), digest_size=16).hexdigest())
 
     @property
     def face_after(self) -> dict[int, int]:
@@ -588,6 +591,7 @@ class WanAdapter(PatchTokens):
         self.dtype, self.device = compute_placement(model.time_embedding)
         # Wan Animate's motion tokens by face input (its kept key, frames): the run's model calls reuse them
         self._face_tokens: dict[tuple, torch.Tensor] = {}
+        self._frame_runs: dict[int, tuple] = {}  # the face blocks' runs of rows per frame table (wan_animate.frame_runs)
 
     @property
     def variant(self) -> str:
@@ -741,8 +745,19 @@ class WanAdapter(PatchTokens):
             n = self.config.face_after.get(i)
             if motion is not None and n is not None:  # after the block, skipped or not (AnimateWanModel.forward_orig)
                 face = self.model.face_adapter.fuser_blocks[n]
-                x = x + wan_animate.face_attention(face, x, motion.to(x.dtype), rope[2])
+                x = x + wan_animate.face_attention(face, x, motion.to(x.dtype), self._runs_of(rope[2]))
         return (torch.cat([x, *contexts], dim=1) if contexts else x), text
+
+    def _runs_of(self, frames: torch.Tensor) -> list:
+        """The face blocks' runs of rows per frame for these rows, read back once per frame table: the step loops
+        build each rank's tables once per job (per patch set under PipeFusion), so the tensor is the key; the entry
+        holds it, so its id cannot be reused while kept."""
+        hit = self._frame_runs.get(id(frames))
+        if hit is None or hit[0] is not frames:
+            if len(self._frame_runs) > 64:  # tables of finished jobs
+                self._frame_runs.clear()
+            hit = self._frame_runs[id(frames)] = (frames, wan_animate.frame_runs(frames))
+        return hit[1]
 
     def _block(self, block: nn.Module, layer: int, x: torch.Tensor, context: torch.Tensor, e0: torch.Tensor, rope,
                clip_tokens: torch.Tensor | None) -> torch.Tensor:

@@ -249,10 +249,20 @@ def face_motion(model: nn.Module, pixels: torch.Tensor, frames: int, dtype: torc
     return tokens[:, :frames]
 
 
-def face_attention(block: FaceBlock, x: torch.Tensor, motion: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
-    """FaceBlock.forward for the rows `x` [B, n, dim] whose latent frames are `frames` [n]: each row attends to its
-    frame's motion tokens (motion [B, T, 5, dim]), by runs of rows in one frame (rows are frame-major, so a rank's
-    rows make few runs); returns the residual linear2 adds."""
+def frame_runs(frames: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(frame, first row, rows) of each run of rows in one latent frame, for rows whose frames are `frames` [n] (rows
+    are frame-major, so a rank's rows make few runs). Reads the frames back: callers keep it per rows (one read per
+    job, not per block on a GPU)."""
+    runs, counts = torch.unique_consecutive(frames, return_counts=True)
+    starts = [0]
+    for count in counts.tolist()[:-1]:
+        starts.append(starts[-1] + count)
+    return list(zip(runs.tolist(), starts, counts.tolist()))
+
+
+def face_attention(block: FaceBlock, x: torch.Tensor, motion: torch.Tensor, runs) -> torch.Tensor:
+    """FaceBlock.forward for the rows `x` [B, n, dim] in `runs` (frame_runs): each row attends to its frame's motion
+    tokens (motion [B, T, 5, dim]), run by run; returns the residual linear2 adds."""
     heads = block.heads
     dim = block.linear1_q.weight.shape[0]  # this rank's share of the width under tensor parallelism
     kv = block.linear1_kv(F.layer_norm(motion, motion.shape[-1:], eps=EPS))
@@ -260,14 +270,11 @@ def face_attention(block: FaceBlock, x: torch.Tensor, motion: torch.Tensor, fram
     k = block.k_norm(k).to(v.dtype)
     q = block.q_norm(block.linear1_q(F.layer_norm(x, x.shape[-1:], eps=EPS)).unflatten(-1, (heads, -1))).to(v.dtype)
     out = torch.empty(*q.shape[:2], dim, dtype=v.dtype, device=q.device)
-    runs, counts = torch.unique_consecutive(frames, return_counts=True)
-    start = 0
-    for frame, count in zip(runs.tolist(), counts.tolist()):
+    for frame, start, count in runs:
         rows = slice(start, start + count)
         attended = F.scaled_dot_product_attention(q[:, rows].transpose(1, 2), k[:, frame].transpose(1, 2),
                                                   v[:, frame].transpose(1, 2))
         out[:, rows] = attended.transpose(1, 2).flatten(2)
-        start += count
     return block.linear2(out)
 
 
