@@ -22,7 +22,8 @@ from .controlnet import WRAPPER_KEY as CONTROLNET_WRAPPER
 _READ_KEYS = {"pooled_output", "guidance", "width", "height", "aspect_ratio", "reference_latents",
               "reference_latents_method", "concat_latent_image", "concat_mask", "concat_mask_index",
               "camera_conditions", "vace_frames", "vace_mask", "vace_strength", "conditioning_llama3",
-              "frame_rate", "unprocessed_ltxav_embeds"}  # LTX-2's (sampler._validated_job, _with_prompt_states)
+              "frame_rate", "unprocessed_ltxav_embeds",  # LTX-2's (sampler._validated_job, _with_prompt_states)
+              "clip_vision_output", "pose_video_latent", "face_video_pixels"}  # sampler._with_image_inputs
 _NEUTRAL = {"start_percent": 0.0, "end_percent": 1.0, "strength": 1.0}
 MINIMAX_TEXT_TAG = 1  # ComfyUI's modality tag of a MiniMax-H3 prompt row that is text (video 0, audio 2)
 
@@ -34,15 +35,12 @@ _KEY_NAMES = {
     "gligen": "GLIGEN",
     "hooks": "conditioning hooks (LoRA hooks)",
     "attention_mask": "an attention mask (StyleModelApply's, or a padded prompt's)",
-    "clip_vision_output": "CLIP-vision tokens of a start image",
     "context_latents": "Bernini's in-context latents (BerniniConditioning)",
     "start_percent": "a timestep range (ConditioningSetTimestepRange)",
     "end_percent": "a timestep range (ConditioningSetTimestepRange)",
     "strength": "a conditioning strength other than 1",
     "minimax_token_tags": "image tokens in the MiniMax-H3 prompt (MiniMaxH3ImageToVideo's frames)",
     "hidream_o1_ref_images": "HiDream O1 reference images (HiDreamO1ReferenceImages)",
-    "pose_video_latent": "Wan Animate's pose video (WanAnimateToVideo)",
-    "face_video_pixels": "Wan Animate's face video (WanAnimateToVideo)",
 }
 
 # What ComfyUI's model_options entries that change how a sampler calls or combines the model are, for the status

@@ -79,6 +79,7 @@ def _sample_on_workers(model, seed, steps, cfg, sampler_name, scheduler, positiv
                          denoise, video)
     job = _with_concat(base, job, positive, negative)
     job = _with_vace(base, job, positive, negative)
+    job = _with_image_inputs(base, job, positive, negative)
     job = _with_prompt_states(base, job, positive, negative)
     # ComfyUI's models leave the workers' GPUs on this machine first, so the workers' memory report (auto's budget)
     # sees it free.
@@ -185,6 +186,37 @@ def _with_vace(base, job, positive, negative):
 
     pos = vace(positive, job.positive)
     neg = vace(negative, job.negative) if job.negative is not None else None
+    return dataclasses.replace(job, positive=pos, negative=neg)
+
+
+# Conditioning keys whose model inputs the MODEL's own extra_conds makes (route._READ_KEYS lists them), and the
+# model-call input each becomes: a start image's CLIP-vision tokens (Wan 2.1 I2V / FLF2V and its variants: clip_fea),
+# Wan Animate's pose latent (after process_latent_in) and face video.
+IMAGE_INPUT_KEYS = ("clip_vision_output", "pose_video_latent", "face_video_pixels")
+
+
+def _with_image_inputs(base, job, positive, negative):
+    """Each branch's CLIP-vision tokens and Wan Animate's pose latent and face video as KSampler's model calls get
+    them: the MODEL's own extra_conds on the conditioning's keys (the family's choice of hidden states, its latent
+    format), through the door's own chunking (the face video kept on the workers by the hash of its bytes)."""
+    if base is None or not hasattr(base, "extra_conds"):
+        return job
+    import torch
+
+    def inputs(value, c):
+        extra = value[0][1] or {}
+        given = {k: extra[k] for k in IMAGE_INPUT_KEYS if extra.get(k) is not None}
+        if not given:
+            return c
+        out = base.extra_conds(noise=job.latent, device=torch.device("cpu"), **given)
+        made = {name: out[name].cond for name in ("clip_fea", "pose_latents", "face_pixel_values") if name in out}
+        clip = made.get("clip_fea")
+        return dataclasses.replace(c, clip_vision=None if clip is None else clip.detach().float().cpu(),
+                                   **remote_model._chunk_animate(made.get("pose_latents"),
+                                                                 made.get("face_pixel_values"), slice(None)))
+
+    pos = inputs(positive, job.positive)
+    neg = inputs(negative, job.negative) if job.negative is not None else None
     return dataclasses.replace(job, positive=pos, negative=neg)
 
 

@@ -326,10 +326,14 @@ def test_wan_t2v_parallel_sampler_equals_ksampler(server, devices, strat):
     ("Wan 2.2 TI2V text only", lambda: ti2v_graph("cpu:2", comfy_host.strategy(ulysses=2, warmup=3),
                                                    start_image=False), None),
     ("Wan 2.1 I2V with CLIP vision", lambda: i2v_graph(DIT21_I2V, "cpu:2", comfy_host.strategy(ring=2, warmup=3)),
-     "CLIP-vision tokens"),
+     None),
+    ("Wan 2.1 I2V with CLIP vision, PipeFusion across steps",
+     lambda: i2v_graph(DIT21_I2V, "cpu:2", comfy_host.strategy(pp=2, patches=5, warmup=3)), None),
+    ("Wan 2.1 FLF2V (two images' CLIP vision)", lambda: flf2v_graph("cpu:2", comfy_host.strategy(ulysses=2, warmup=3)),
+     None),
     ("Wan 2.1 I2V without CLIP vision", lambda: i2v_graph(DIT21_I2V, "cpu:2", comfy_host.strategy(cfg=2, warmup=3),
                                                           clip=False), None),
-], ids=["ti2v_mask", "ti2v_text", "i2v_clip", "i2v_concat"])
+], ids=["ti2v_mask", "ti2v_text", "i2v_clip", "i2v_clip_pp2", "flf2v", "i2v_concat"])
 def test_wan_image_to_video_parallel_sampler_equals_ksampler(server, what, g, routed):
     same, unet, summary = comfy_host.entrance_parity(server, comfy_host.with_parallel_sampler(g()), what)
     assert same <= ENTRANCE_RTOL and unet <= EXACT_RTOL

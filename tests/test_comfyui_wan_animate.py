@@ -103,14 +103,16 @@ def test_wan_animate_exact_strategies_equal_unetloader(server, strat):
     assert parity(server, animate_graph("cpu:2", strat), f"Wan 2.2 Animate {strat['inputs']}") <= EXACT_RTOL
 
 
-def test_wan_animate_parallel_sampler_routes_per_call_and_equals_ksampler(server):
-    """Parallel Sampler on WanAnimateToVideo's conditioning (its CLIP vision, pose and face video are read per model
-    call, so ComfyUI's sampler drives the workers) under PipeFusion-2 over whole frames, warm-up only: KSampler's
-    latent on the same MODEL and UNETLoader's."""
-    g = comfy_host.with_parallel_sampler(animate_graph("cpu:2", comfy_host.strategy(pp=2, patches=3, warmup=3)))
-    same, unet, summary = comfy_host.entrance_parity(server, g, "Wan 2.2 Animate Parallel Sampler, PipeFusion-2")
+@pytest.mark.parametrize("strat", [comfy_host.strategy(pp=2, patches=3, warmup=3),
+                                   comfy_host.strategy(cfg=2, warmup=1)], ids=["pp2_warm", "cfg2"])
+def test_wan_animate_parallel_sampler_runs_the_worker_loop(server, strat):
+    """Parallel Sampler on WanAnimateToVideo's conditioning: the MODEL's own extra_conds makes the CLIP-vision tokens,
+    the pose latent and the face video for the workers' own step loop (no per-call routing), which equals KSampler on
+    the same MODEL and UNETLoader under CFG-2 and PipeFusion-2 over whole frames (its warm-up steps: exact)."""
+    g = comfy_host.with_parallel_sampler(animate_graph("cpu:2", strat))
+    same, unet, summary = comfy_host.entrance_parity(server, g, f"Wan 2.2 Animate Parallel Sampler {strat['inputs']}")
+    assert "per model call" not in summary
     assert same <= ENTRANCE_RTOL and unet <= EXACT_RTOL
-    assert "per-call pipeline: the graph has CLIP-vision tokens" in summary
 
 
 @pytest.mark.parametrize("devices, strat", [("cpu:1", None), ("cpu:2", comfy_host.strategy(ulysses=2, warmup=3))],

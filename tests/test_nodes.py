@@ -868,3 +868,41 @@ def test_a_padded_lumina_prompt_is_refused_and_an_unpadded_one_passes():
         remote_model._refuse_what_the_workers_cannot_do(None, {}, {"attention_mask": torch.tensor([[1, 1, 0, 0]]),
                                                                    "num_tokens": 2})
     remote_model._refuse_what_the_workers_cannot_do(None, {}, {"num_tokens": 4})
+
+
+def test_parallel_sampler_takes_clip_vision_and_wan_animate_inputs_from_the_models_extra_conds():
+    """The worker loop's CLIP-vision tokens, Wan Animate pose latent and face video are what the MODEL's own
+    extra_conds makes of the conditioning's keys (the family picks the hidden states, the latent format processes
+    the pose), the face kept by the hash of its bytes; a branch without them keeps none."""
+    from nodes import sampler
+    from parallel_runtime.spec import Conditioning, Job, ModelSpec, SamplingSpec, StrategySpec
+
+    class Cond:
+        def __init__(self, t):
+            self.cond = t
+
+    class Base:  # WAN22_Animate.extra_conds' shape: clip_fea, process_latent_in'd pose, face pixels as given
+        def extra_conds(self, noise, device, clip_vision_output=None, pose_video_latent=None, face_video_pixels=None):
+            out = {}
+            if clip_vision_output is not None:
+                out["clip_fea"] = Cond(clip_vision_output.penultimate_hidden_states)
+            if pose_video_latent is not None:
+                out["pose_latents"] = Cond(pose_video_latent * 2.0)
+            if face_video_pixels is not None:
+                out["face_pixel_values"] = Cond(face_video_pixels)
+            return out
+
+    clip = types.SimpleNamespace(penultimate_hidden_states=torch.randn(1, 257, 1280))
+    pose, face = torch.randn(1, 16, 4, 6, 8), torch.rand(1, 3, 5, 512, 512).to(torch.bfloat16)
+    positive = [[torch.zeros(1, 9, 64), {"clip_vision_output": clip, "pose_video_latent": pose,
+                                         "face_video_pixels": face}]]
+    negative = [[torch.zeros(1, 9, 64), {}]]
+    job = Job(ModelSpec("unused"), StrategySpec(), SamplingSpec(), torch.zeros(1, 16, 5, 6, 8),
+              Conditioning(torch.zeros(1, 9, 64), torch.zeros(1, 0)), Conditioning(torch.zeros(1, 9, 64), torch.zeros(1, 0)))
+    out = sampler._with_image_inputs(Base(), job, positive, negative)
+    pos, neg = out.positive, out.negative
+    assert torch.equal(pos.clip_vision, clip.penultimate_hidden_states) and torch.equal(pos.pose, pose * 2.0)
+    assert pos.face.dtype == torch.bfloat16 and torch.equal(pos.face, face) and pos.face_key.startswith("face-")
+    assert pos.kept_inputs() == {pos.face_key: pos.face}
+    assert (neg.clip_vision, neg.pose, neg.face, neg.face_key) == (None, None, None, None)
+    assert sampler._with_image_inputs(None, job, positive, negative) is job  # a bare handle: no MODEL to ask

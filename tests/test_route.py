@@ -83,6 +83,9 @@ def test_the_worker_loop_runs_plain_graphs_images_and_videos():
     assert gap(positive=cond(guidance=3.5, reference_latents=[torch.randn(1, 16, 8, 8)])) is None
     assert gap(lat={"samples": torch.randn(1, 16, 3, 10, 16)}, video=True) is None  # Wan T2V: cross-step
     assert gap(positive=cond(start_percent=0.0, end_percent=1.0, strength=1.0)) is None  # defaults change nothing
+    # a start image's CLIP-vision tokens and Wan Animate's pose and face video: the MODEL's own extra_conds makes
+    # their inputs for the worker loop (sampler._with_image_inputs)
+    assert gap(positive=cond(clip_vision_output=object(), pose_video_latent=torch.zeros(1), face_video_pixels=1)) is None
 
 
 @pytest.mark.parametrize("change,phrase", [
@@ -96,7 +99,6 @@ def test_the_worker_loop_runs_plain_graphs_images_and_videos():
     (dict(positive=cond(control=object())), "a ControlNet in the positive conditioning"),
     (dict(positive=cond(start_percent=0.5)), "a timestep range (ConditioningSetTimestepRange)"),
     (dict(positive=cond(strength=0.5)), "a conditioning strength other than 1"),
-    (dict(positive=cond(clip_vision_output=object())), "CLIP-vision tokens of a start image"),
     (dict(positive=cond(some_2027_key=1)), "'some_2027_key' in the positive conditioning"),
     (dict(model=parallel_model(sampler_post_cfg_function=[lambda a: a["denoised"]])),
      "a post-CFG function (sampler_post_cfg_function)"),
