@@ -223,16 +223,18 @@ def test_wan_animate_one_worker_equals_the_reference(animate_path, client1):
         assert rel_err(client1.run(other).latent, reference_animate(animate_path, other)) < SERIAL_RTOL, changed
 
 
-@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2), S(tensor_degree=2),
-                                      S(pipefusion_degree=2, num_pipeline_patch=5)],
-                         ids=["cfg2", "ulysses2", "ring2", "tp2", "pp2_warmup"])
+@pytest.mark.parametrize("strategy", [S(cfg_degree=2), S(ulysses_degree=2), S(ring_degree=2, device_weights=(3, 1)),
+                                      S(tensor_degree=2), S(pipefusion_degree=2, num_pipeline_patch=5),
+                                      S(patch_degree=2)],
+                         ids=["cfg2", "ulysses2", "ring2_uneven", "tp2", "pp2_warmup", "displaced2"])
 def test_wan_animate_exact_strategies_equal_the_reference(animate_path, client2, strategy):
-    """The pose rows and face blocks split with the video's 60 tokens (each rank's rows span frames 0-2 or 2-4: the
-    face attention runs by runs of one frame); tensor parallelism splits the face blocks by heads; PipeFusion's
-    stages each own the face block of their main blocks (after 0 on the first, after 5 on the second). Under Ulysses
-    and Ring the two ranks split the motion encoder's 5 face frames (3 + 2) and gather the codes; run after CFG-2,
-    where each rank kept only its own branch's tokens, they must agree to encode both anew (else one waits in the
-    gather while the other attends: the hang this order caught)."""
+    """The pose rows and face blocks split with the video's 60 tokens (Ulysses' ranks hold frames 0-2 and 2-4, Ring's
+    3:1 split cuts another frame: the face attention runs by runs of one frame); tensor parallelism splits
+    the face blocks by heads; PipeFusion's stages each own the face block of their main blocks (after 0 on the
+    first, after 5 on the second); displaced patch's warm-up call gathers K/V like the main blocks'. Under Ulysses,
+    Ring and displaced patch the two ranks split the motion encoder's 5 face frames (3 + 2) and gather the codes; run
+    after CFG-2, where each rank kept only its own branch's tokens, they must agree to encode both anew (else one
+    waits in the gather while the other attends: the hang this order caught)."""
     job = animate_job(animate_path, strategy)
     assert rel_err(client2.run(job).latent, reference_animate(animate_path, job)) < EXACT_RTOL
 
