@@ -232,7 +232,8 @@ class HostReads(TorchDispatchMode):
 
 
 def test_camera_and_vace_rows_are_embedded_once_per_index_and_never_read_back():
-    """Wan Fun camera and VACE keep per-rows tensors (the camera adapter's output, the VACE context's embedding):
+    """Wan Fun camera, Wan Animate's pose and VACE keep per-rows tensors (the camera adapter's output, the pose
+    embedding, the VACE context's embedding):
     made once for each index tensor the step loop holds, and no later forward reads the index's values back to key
     on them (one sync per forward on a GPU before). A new index tensor of other rows gets its own rows."""
     from parallel_runtime.strategies.denoise import Branches
@@ -251,24 +252,29 @@ def test_camera_and_vace_rows_are_embedded_once_per_index_and_never_read_back():
             made.append("vace")
             return context.flatten(1, 2)
 
+        def embed_pose(self, pose, index, hw):
+            made.append("pose")
+            return pose[:, index] * 0.5
+
     branches = Branches.__new__(Branches)
     branches.concat = None
     branches.camera = torch.arange(rows, dtype=torch.float32)[None, :, None].expand(1, rows, width) * 100
     branches.vace = torch.arange(rows, dtype=torch.float32)[None, None, :, None].expand(1, 1, rows, width) * -1
     branches._camera_rows, branches._vace_rows = {}, {}
-    branches.pose, branches._pose_rows = None, {}
+    branches.pose = torch.arange(rows, dtype=torch.float32)[None, :, None].expand(1, rows, width) * 2
+    branches._pose_rows = {}
     adapter, first, second = Adapter(), torch.arange(0, 6), torch.arange(6, 12)
     x = torch.zeros(1, 6, width)
     out = branches.embed(adapter, x, first, None)
     with HostReads() as watch:
         for _ in range(3):
             again = branches.embed(adapter, x, first, None)
-    assert watch.reads == 0 and made == ["camera", "vace"], (watch.reads, made)
+    assert watch.reads == 0 and made == ["camera", "pose", "vace"], (watch.reads, made)
     assert torch.equal(again, out)
-    assert torch.equal(out[0, :6, 0], torch.arange(6) * 101.0) and torch.equal(out[0, 6:, 0], -torch.arange(6.0))
+    assert torch.equal(out[0, :6, 0], torch.arange(6) * 102.0) and torch.equal(out[0, 6:, 0], -torch.arange(6.0))
     other = branches.embed(adapter, x, second, None)
-    assert made == ["camera", "vace"] * 2
-    assert torch.equal(other[0, :6, 0], torch.arange(6, 12) * 101.0)
+    assert made == ["camera", "pose", "vace"] * 2
+    assert torch.equal(other[0, :6, 0], torch.arange(6, 12) * 102.0)
     assert torch.equal(other[0, 6:, 0], -torch.arange(6.0, 12))
 
 
