@@ -233,9 +233,9 @@ class HostReads(TorchDispatchMode):
 
 def test_camera_and_vace_rows_are_embedded_once_per_index_and_never_read_back():
     """Wan Fun camera, Wan Animate's pose and VACE keep per-rows tensors (the camera adapter's output, the pose
-    embedding, the VACE context's embedding):
-    made once for each index tensor the step loop holds, and no later forward reads the index's values back to key
-    on them (one sync per forward on a GPU before). A new index tensor of other rows gets its own rows."""
+    embedding, the VACE context's embedding): made once for each index tensor the step loop holds, and no later
+    forward reads the index's values back to key on them (one sync per forward on a GPU before). A new index tensor
+    of other rows gets its own rows."""
     from parallel_runtime.strategies.denoise import Branches
 
     rows, width, made = 12, 4, []
