@@ -8,7 +8,6 @@ it needs on the same object.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import types
 import weakref
@@ -446,10 +445,8 @@ def _chunk_vace(context, strength, sl: slice) -> dict:
     ComfyUI repeats it over the batch), in the call's dtype, and vace_strength (one per input)."""
     if context is None:
         return {}
-    context = context[sl].detach().cpu()
-    if context.shape[0] > 1 and bool((context == context[:1]).all()):
-        context = context[:1]
-    return {"vace": context.contiguous(), "vace_strength": tuple(float(v) for v in (strength or ()))}
+    return {"vace": _one_row_if_equal(context[sl].detach().cpu()),
+            "vace_strength": tuple(float(v) for v in (strength or ()))}
 
 
 def _chunk_camera(camera, sl: slice) -> dict:
@@ -465,8 +462,7 @@ def _chunk_animate(pose, face, sl: slice) -> dict:
     _kept_rows), one row where all are equal."""
     out = {}
     if pose is not None:
-        rows = pose[sl].detach().float().cpu()
-        out["pose"] = (rows[:1] if rows.shape[0] > 1 and bool((rows == rows[:1]).all()) else rows).contiguous()
+        out["pose"] = _one_row_if_equal(pose[sl].detach().float().cpu())
     if face is not None:
         out.update(zip(("face", "face_key"), _kept_rows(face, sl, "face")))
     return out
@@ -482,13 +478,18 @@ def _kept_rows(tensor: torch.Tensor, sl: slice, kind: str) -> tuple[torch.Tensor
     """Rows `sl` of a large per-run input, one row where all are equal (the node makes one per prompt; ComfyUI
     repeats it over the batch), and the key the workers keep it under: a hash of its bytes (extra_conds rebuilds the
     tensor every call, its values stay the run's)."""
-    rows = tensor[sl].detach().cpu()
+    from parallel_runtime.spec import kept_key
+
+    rows = _one_row_if_equal(tensor[sl].detach().cpu())
+    return rows, kept_key(kind, rows)
+
+
+def _one_row_if_equal(rows: torch.Tensor) -> torch.Tensor:
+    """A chunk's rows of a per-prompt input, one row where all are equal (the node makes one per prompt; ComfyUI
+    repeats it over the batch), contiguous."""
     if rows.shape[0] > 1 and bool((rows == rows[:1]).all()):
         rows = rows[:1]
-    rows = rows.contiguous()
-    digest = hashlib.blake2b(rows.view(torch.uint8).numpy(), digest_size=16)
-    digest.update(repr((tuple(rows.shape), str(rows.dtype))).encode())
-    return rows, f"{kind}-{digest.hexdigest()}"
+    return rows.contiguous()
 
 
 def _chunk_attention_mask(mask, sl: slice) -> tuple[torch.Tensor | None, str | None]:
@@ -496,15 +497,7 @@ def _chunk_attention_mask(mask, sl: slice) -> tuple[torch.Tensor | None, str | N
     the model's dtype and upscaled to the latent's tokens by the host's extra_conds), one row where all are equal
     (ComfyUI repeats a batch-1 mask over the batch), and the key it is kept under on the workers: a hash of its
     bytes, since extra_conds rebuilds the tensor on every call while its values stay those of the run."""
-    if mask is None:
-        return None, None
-    mask = mask[sl].detach().cpu()
-    if mask.shape[0] > 1 and bool((mask == mask[:1]).all()):
-        mask = mask[:1]
-    mask = mask.contiguous()
-    digest = hashlib.blake2b(mask.view(torch.uint8).numpy(), digest_size=16)
-    digest.update(repr((tuple(mask.shape), str(mask.dtype))).encode())
-    return mask, "mask-" + digest.hexdigest()
+    return (None, None) if mask is None else _kept_rows(mask, sl, "mask")
 
 
 def _chunk_references(refs, k: int, batch: int, latent_format) -> tuple:

@@ -4,6 +4,7 @@ Tensors never live here; they travel beside the JSON header (see protocol.py).
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -184,6 +185,16 @@ class ControlInput:
 
     def signature(self) -> tuple:
         return (self.path, self.hint_key, self.strength, self.types)
+
+
+def kept_key(kind: str, tensor: torch.Tensor) -> str:
+    """The key a large per-run input (an attention mask, a camera embedding, Llama layers, a face video) is kept
+    under on the workers: a hash of its bytes, shape and dtype. The client sends a kept input only when its key is
+    new to the workers, so one key must always mean one tensor."""
+    tensor = tensor.detach().cpu().contiguous()
+    digest = hashlib.blake2b(tensor.view(torch.uint8).numpy(), digest_size=16)
+    digest.update(repr((tuple(tensor.shape), str(tensor.dtype))).encode())
+    return f"{kind}-{digest.hexdigest()}"
 
 
 REFERENCE_METHODS = ("offset", "index", "uxo")  # ComfyUI's FluxKontextMultiReferenceLatentMethod choices

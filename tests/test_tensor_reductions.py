@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 
 from parallel_runtime.strategies.tensor import TensorSplit
-from parallel_runtime.strategies.tensor_calls import (GatherForward, NormForward, RowwiseForward, VocabForward,
-                                                      answered_by, gathered_ahead, gathered_outputs, rms_norms,
-                                                      row_projections)
+from parallel_runtime.strategies.tensor_calls import (SPLIT_FORWARDS, answered_by, gathered_ahead, gathered_outputs,
+                                                      rms_norms, row_projections)
 
 # Two partial products summed vs one whole matmul: the same terms added in another order, fp32 round-off.
 ROUND_OFF = 1e-6
@@ -77,10 +76,9 @@ def split_model(whole: dict, index: int, comm: RecordingComm) -> Model:
     model = Model(whole, index)
     split = TensorSplit(index, 2, joined={"table": "vocab", "outs.0": "rowwise", "outs.1": "rowwise",
                                           "norms.0": "norm", "norms.1": "norm", "mods.0": "gather", "mods.1": "gather"})
-    forwards = {"vocab": VocabForward, "rowwise": RowwiseForward, "norm": NormForward, "gather": GatherForward}
     for name, kind in split.joined.items():
         module = model.get_submodule(name)
-        module.forward = forwards[kind](module, split)
+        module.forward = SPLIT_FORWARDS[kind](module, split)
     model.tensor_split, split.comm, split.group = split, comm, "tensor"
     return model
 

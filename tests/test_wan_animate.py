@@ -11,7 +11,6 @@ an O(1) error; the real-host comparison is tests/test_comfyui_wan_animate.py.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 
 import pytest
@@ -23,6 +22,7 @@ from conftest import checkpoint_without, rel_err
 from parallel_runtime.errors import ConfigError, ModelFileError
 from parallel_runtime.models.tiny import write_checkpoint
 from parallel_runtime.spec import StrategySpec as S
+from parallel_runtime.spec import kept_key
 from parallel_runtime.validate import model_config
 from test_wan import EXACT_RTOL, SERIAL_RTOL, TINY_WAN, H, T, W, call_job, reference_call_on
 
@@ -53,16 +53,10 @@ def animate_job(path: str, strategy: S, face: bool = True, pose: bool = True, fr
     clip = torch.randn(1, 257, 1280, generator=g)
     latent = torch.randn(1, 16, T - 1, H, W, generator=g) if pose else None
     faces = face_video(frames=frames)
-    extra = [dict(face=f, face_key=kept_key(f)) for f in (faces, faces * 0.0 - 1.0)]
+    extra = [dict(face=f, face_key=kept_key("face", f)) for f in (faces, faces * 0.0 - 1.0)]
     pos, neg = (b and dataclasses.replace(b, concat=concat, clip_vision=clip, pose=latent, **(e if face else {}))
                 for b, e in zip((job.positive, job.negative), extra))
     return dataclasses.replace(job, positive=pos, negative=neg)
-
-
-def kept_key(face: torch.Tensor) -> str:
-    """The key a face video is kept under on the workers, from its bytes as the door makes it: the client sends a
-    kept input only when its key is new to the workers, so one key must always mean one tensor."""
-    return "face-" + hashlib.blake2b(face.contiguous().view(torch.uint8).numpy(), digest_size=16).hexdigest()
 
 
 def face_video(reverse: bool = False, frames: int = FACE_FRAMES) -> torch.Tensor:
@@ -145,7 +139,7 @@ _MOTION: dict = {}
 def reference_face_tokens(sd, face: torch.Tensor, frames: int) -> torch.Tensor:
     """after_patch_embedding's face half (the motion encoder 8 frames at a time), memoized per face video: every
     call of a test reads the same faces, and the encoder is the slow part of a 1-thread reference."""
-    key = (hashlib.blake2b(face.contiguous().view(torch.uint8).numpy()).hexdigest(), tuple(face.shape), frames)
+    key = (kept_key("face", face), frames)
     if key not in _MOTION:
         b, _, f = face.shape[:3]
         flat = face.permute(0, 2, 1, 3, 4).reshape(b * f, 3, 512, 512)
@@ -215,7 +209,8 @@ def test_wan_animate_one_worker_equals_the_reference(animate_path, client1):
     # The pose and the face each move the result (so the parity above tests them): without a face, or without a
     # pose, the reference is another latent; so is it with the face frames in reverse order (the motion tokens are
     # read per frame).
-    reverse = dataclasses.replace(job.positive, face=face_video(reverse=True), face_key=kept_key(face_video(True)))
+    reversed_face = face_video(reverse=True)
+    reverse = dataclasses.replace(job.positive, face=reversed_face, face_key=kept_key("face", reversed_face))
     assert rel_err(reference_animate(animate_path, dataclasses.replace(job, positive=reverse)), ref) > 1e-3
     for changed in (dict(face=False), dict(pose=False)):
         other = animate_job(animate_path, S(), **changed)

@@ -42,3 +42,14 @@ class PatchTokens:
     @classmethod
     def unpack(cls, tokens: torch.Tensor, *size: int) -> torch.Tensor:
         return unpatchify(tokens, size, cls.patch)
+
+
+def rows_cached(cache: dict, index: torch.Tensor, make):
+    """make()'s result for the token rows `index` (or any per-rows table: a rank's RoPE frames), made once per index
+    tensor. The step loops build each rank's index once per job (per patch set under PipeFusion), so the tensor
+    itself is the key: reading its values to key on them would be a device sync every forward on a GPU
+    (test_gpu_readiness). The entry holds the index, so its id cannot be reused by another tensor while cached."""
+    hit = cache.get(id(index))
+    if hit is None or hit[0] is not index:
+        hit = cache[id(index)] = (index, make())
+    return hit[1]

@@ -23,6 +23,7 @@ from ..distributed.streams import StreamMark
 from ..distributed.topology import Topology, latent_plane, validate_strategy
 from ..errors import Cancelled
 from ..models.family import DiTAdapter
+from ..models.patchify import rows_cached
 from .attention import AttentionBias, LocalAttention, RingAttention, UlyssesAttention
 from .attention.bias import ring_blocks
 from .attention.processor import AttentionContext
@@ -158,12 +159,12 @@ class Branches:
         embedding, plus a camera model's adapter rows (the same every step: computed once per job and rows)."""
         image = adapter.embed_image(self.with_concat(x_rows, index), index, hw)
         if self.camera is not None:
-            image = image + _rows_cached(self._camera_rows, index,
+            image = image + rows_cached(self._camera_rows, index,
                                          lambda: adapter.embed_camera(self.camera, index, hw).to(image.dtype))
         if self.pose is not None:
-            image = image + _rows_cached(self._pose_rows, index, lambda: adapter.embed_pose(self.pose, index, hw))
+            image = image + rows_cached(self._pose_rows, index, lambda: adapter.embed_pose(self.pose, index, hw))
         if self.vace is not None:  # the context rows ride behind the video's (adapter.run_blocks takes them off)
-            vace = _rows_cached(self._vace_rows, index,
+            vace = rows_cached(self._vace_rows, index,
                                 lambda: adapter.embed_vace(self.vace[:, :, index.cpu()]).to(image.dtype))
             image = torch.cat([image, vace], dim=1)
         return image
@@ -198,17 +199,6 @@ class Branches:
     def extra_len(self, image_len: int) -> int:
         """Image-stream rows after the image's own: reference tokens, then the family's learned pad rows."""
         return self.ref_len + self._stream_pad(image_len + self.ref_len)
-
-
-def _rows_cached(cache: dict, index: torch.Tensor, make) -> torch.Tensor:
-    """make()'s tensor for the token rows `index`, made once per index tensor. The step loops build each rank's
-    index once per job (per patch set under PipeFusion), so the tensor itself is the key: reading its values to
-    key on them would be a device sync every forward on a GPU (test_gpu_readiness). The entry holds the index, so
-    its id cannot be reused by another tensor while cached."""
-    hit = cache.get(id(index))
-    if hit is None or hit[0] is not index:
-        hit = cache[id(index)] = (index, make())
-    return hit[1]
 
 
 def _attention_masks(conds: list[Conditioning], batch: int, device) -> torch.Tensor | None:

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ConfigError
 from ..weights.keymap import Shard, Source
-from .tensor_calls import GatherForward, NormForward, RowwiseForward, VocabForward
+from .tensor_calls import SPLIT_FORWARDS
 
 # Attributes of an attention module that count its heads or their width (diffusers' Attention and fused
 # attention-MLP modules): a rank runs 1/N of each.
@@ -188,12 +188,11 @@ def parallelize_tensor(model: torch.nn.Module, split: TensorSplit) -> None:
     """Give the loaded model's row-wise layers and whole-width norms their all-reduce and its gathered layers their
     all-gather over `split`'s group (bound per job), and keep the split on the model (`bind_tensor_group` finds it
     there)."""
-    forwards = {"rowwise": RowwiseForward, "norm": NormForward, "gather": GatherForward, "vocab": VocabForward}
     for name, kind in split.joined.items():
         module = _find(model, name)
         if module is None or isinstance(module, torch.nn.Identity):  # in a block another PipeFusion stage runs
             continue
-        module.forward = forwards[kind](module, split)
+        module.forward = SPLIT_FORWARDS[kind](module, split)
     model.tensor_split = split
 
 

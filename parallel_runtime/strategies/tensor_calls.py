@@ -176,3 +176,7 @@ class NormForward:
             out = out.to(weight.dtype)
         out = out * weight
         return out + bias if bias is not None else out
+
+
+# The forward each split style gives its layers (strategies/tensor.parallelize_tensor installs them).
+SPLIT_FORWARDS = {"rowwise": RowwiseForward, "norm": NormForward, "gather": GatherForward, "vocab": VocabForward}

@@ -57,7 +57,6 @@ their grids and in_context_rotation turns them.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import os
@@ -70,11 +69,11 @@ from torch import nn
 from ...errors import ModelFileError
 from ...sampling import WAN21_LATENT, WAN22_LATENT
 from ...sampling.flow import FluxModelSampling
-from ...spec import IN_CONTEXT_METHOD, REFERENCE_METHODS
+from ...spec import IN_CONTEXT_METHOD, REFERENCE_METHODS, kept_key
 from ...weights.keymap import Source, block_count, has_block, same_names, tensor_shapes
 from ...weights.storage import compute_placement
 from ..family import BlockKind, DiTFamily, JointAttentionConfig, Match
-from ..patchify import PatchTokens
+from ..patchify import PatchTokens, rows_cached
 from ..rope import rope_table, video_grid_ids
 from ..shapes import shapes_of_model
 from .flux import BFL_PREFIXES
@@ -289,7 +288,7 @@ class WanConfig(JointAttentionConfig):
         return dict(concat=torch.randn(1, self.concat_channels, t, h, w, generator=g),
                     clip_vision=torch.randn(1, CLIP_TOKENS, CLIP_VISION_WIDTH, generator=g),
                     pose=torch.randn(1, c, t - 1, h, w, generator=g), face=face,
-                    face_key="face-" + hashlib.blake2b(face.view(torch.uint8).numpy(), digest_size=16).hexdigest())
+                    face_key=kept_key("face", face))
 
     @property
     def face_after(self) -> dict[int, int]:
@@ -749,15 +748,11 @@ class WanAdapter(PatchTokens):
         return (torch.cat([x, *contexts], dim=1) if contexts else x), text
 
     def _runs_of(self, frames: torch.Tensor) -> list:
-        """The face blocks' runs of rows per frame for these rows, read back once per frame table: the step loops
-        build each rank's tables once per job (per patch set under PipeFusion), so the tensor is the key; the entry
-        holds it, so its id cannot be reused while kept."""
-        hit = self._frame_runs.get(id(frames))
-        if hit is None or hit[0] is not frames:
-            if len(self._frame_runs) > 64:  # tables of finished jobs
-                self._frame_runs.clear()
-            hit = self._frame_runs[id(frames)] = (frames, wan_animate.frame_runs(frames))
-        return hit[1]
+        """The face blocks' runs of rows per frame for these rows, read back once per frame table (rows_cached: the
+        step loops build each rank's tables once per job)."""
+        if len(self._frame_runs) > 64 and id(frames) not in self._frame_runs:  # tables of finished jobs
+            self._frame_runs.clear()
+        return rows_cached(self._frame_runs, frames, lambda: wan_animate.frame_runs(frames))
 
     def _block(self, block: nn.Module, layer: int, x: torch.Tensor, context: torch.Tensor, e0: torch.Tensor, rope,
                clip_tokens: torch.Tensor | None) -> torch.Tensor:

@@ -254,10 +254,7 @@ def frame_runs(frames: torch.Tensor) -> list[tuple[int, int, int]]:
     are frame-major, so a rank's rows make few runs). Reads the frames back: callers keep it per rows (one read per
     job, not per block on a GPU)."""
     runs, counts = torch.unique_consecutive(frames, return_counts=True)
-    starts = [0]
-    for count in counts.tolist()[:-1]:
-        starts.append(starts[-1] + count)
-    return list(zip(runs.tolist(), starts, counts.tolist()))
+    return list(zip(runs.tolist(), (counts.cumsum(0) - counts).tolist(), counts.tolist()))
 
 
 def face_attention(block: FaceBlock, x: torch.Tensor, motion: torch.Tensor, runs) -> torch.Tensor:
